@@ -1,0 +1,26 @@
+"""``python -m ps_service [--host H] [--port P]``: run a PS (other settings: PS_* env)."""
+from __future__ import annotations
+
+import argparse
+import logging
+
+import uvicorn
+
+from ps_service.app import create_app
+from ps_service.settings import PSSettings
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m ps_service", description=__doc__)
+    ap.add_argument("--host", help="bind address (default PS_HOST or 0.0.0.0)")
+    ap.add_argument("--port", type=int, help="TCP port (default PS_PORT or 8000)")
+    args = ap.parse_args(argv)
+    overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    settings = PSSettings(**overrides)
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s ps %(levelname)s %(message)s")
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level,
+                access_log=False, timeout_graceful_shutdown=5)
+
+
+if __name__ == "__main__":
+    main()

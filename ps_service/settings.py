@@ -1,0 +1,54 @@
+"""Every PS setting, one documented field each, read from ``PS_*`` environment variables.
+
+This module is the only place the PS reads its environment (pydantic-settings),
+so the README's configuration table is this class. ``PS_AUTH_TOKEN_FILE`` (a
+Docker secret) is read here too.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class PSSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="PS_", extra="ignore")
+
+    host: str = Field("0.0.0.0", description="Address the PS binds to.")
+    port: int = Field(8000, description="TCP port of the PS (workers, monitoring, metrics).")
+    optimizer: Literal["sgd", "momentum", "adam", "adagrad"] | None = Field(
+        None, description="Optimizer; wins over the one the worker's task brings. Unset: the task's.")
+    learning_rate: float | None = Field(None, gt=0, description="Learning rate; wins over the task's.")
+    momentum: float | None = Field(None, ge=0, description="Momentum coefficient (momentum optimizer).")
+    nesterov: bool | None = Field(None, description="Nesterov momentum (momentum optimizer).")
+    beta1: float | None = Field(None, ge=0, lt=1, description="Adam beta1.")
+    beta2: float | None = Field(None, ge=0, lt=1, description="Adam beta2.")
+    epsilon: float | None = Field(None, gt=0, description="Adam epsilon (TF1 'epsilon hat').")
+    initial_accumulator_value: float | None = Field(None, gt=0, description="Adagrad initial accumulator.")
+    max_steps: int | None = Field(None, ge=0, description="Global steps to train; then pulls say done. Unset: forever.")
+    replicas_to_aggregate: int | None = Field(
+        None, ge=1, description="R: gradients per update. Unset: elastic, R = the live workers of the round.")
+    total_num_replicas: int | None = Field(
+        None, ge=1, description="N: workers expected (N > R: backup workers). Start-up waits for N (or R) workers.")
+    min_workers: int = Field(1, ge=1, description="Workers that must be registered before step 0.")
+    startup_grace_seconds: float = Field(
+        2.0, ge=0, description="After min_workers have registered, wait this long for more before step 0.")
+    aggregation: Literal["mean", "sum"] = Field("mean", description="Mean (TF) or sum of the round's gradients.")
+    lease_seconds: float = Field(10.0, gt=0, description="A worker silent this long is expired and leaves its round.")
+    round_timeout_seconds: float | None = Field(
+        None, gt=0, description="A round open this long closes with what it has, if at least min_replicas pushed.")
+    min_replicas: int = Field(1, ge=1, description="Quorum for closing a round at its deadline.")
+    nonfinite_policy: Literal["reject", "skip"] = Field(
+        "reject", description="NaN/Inf gradient: reject with 422, or skip (count, do not apply).")
+    max_body_bytes: int = Field(1 << 30, gt=0, description="Largest request body accepted (413 beyond).")
+    pull_timeout_max_seconds: float = Field(60.0, gt=0, description="Upper bound of a pull's ?timeout=.")
+    tick_seconds: float = Field(0.1, gt=0, description="How often leases and round deadlines are checked.")
+    log_level: str = Field("info", description="Log level of the PS.")
+
+    def optimizer_overrides(self) -> dict:
+        keys = ("learning_rate", "momentum", "nesterov", "beta1", "beta2", "epsilon", "initial_accumulator_value")
+        out = {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
+        if self.optimizer:
+            out["name"] = self.optimizer
+        return out

@@ -1,0 +1,35 @@
+"""``python -m worker_service``: one worker (settings: WORKER_* env). Exits 0 when training is done
+or when stopped with SIGTERM/SIGINT (after leaving the cluster)."""
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import threading
+
+from worker_service.client import PSClient
+from worker_service.loop import train
+from worker_service.settings import WorkerSettings
+from worker_service.tasks import load_task
+
+
+def main() -> int:
+    s = WorkerSettings()
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker {s.name} %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    task = load_task(s.task, s.seed, s.dtype)
+    client = PSClient(s.ps_url, timeout=s.request_timeout_seconds, attempts=s.retry_attempts,
+                      retry_timeout=s.retry_timeout_seconds)
+    client.wait_ready(s.retry_timeout_seconds)
+    summary = train(client, task, s.name, s.batch_size, stop, s.log_every_seconds)
+    client.close()
+    print("SUMMARY " + json.dumps(summary.__dict__), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""Every worker setting, one documented field each, read from ``WORKER_*`` environment variables.
+
+The only place the worker reads its environment (pydantic-settings).
+"""
+from __future__ import annotations
+
+import os
+import socket
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def default_name() -> str:
+    """hostname:pid. In a container the worker is PID 1 and the hostname is the container's,
+    so a restarted container re-registers under the same name (and gets its rank back);
+    processes sharing a host still get distinct names."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+class WorkerSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="WORKER_", extra="ignore")
+
+    ps_url: str = Field("http://localhost:8000", description="Base URL of the PS.")
+    task: str = Field("linear", description="Built-in task (linear, mlp) or 'package.module:factory' of your own.")
+    batch_size: int = Field(32, ge=1, description="Examples per worker per step.")
+    seed: int = Field(0, description="Seed of the task's data and initial weights (same on every worker).")
+    dtype: Literal["float32", "float64"] = Field("float32", description="dtype of weights and gradients.")
+    name: str = Field(default_factory=default_name, description="Name the worker registers under (default hostname:pid).")
+    request_timeout_seconds: float = Field(30.0, gt=0, description="Timeout of each HTTP request (pulls add their wait).")
+    retry_attempts: int = Field(10, ge=1, description="Attempts per request on connection errors, timeouts and 5xx.")
+    retry_timeout_seconds: float = Field(120.0, gt=0, description="Give up on a request after retrying this long.")
+    log_every_seconds: float = Field(5.0, gt=0, description="Seconds between progress lines.")

@@ -1,0 +1,51 @@
+"""Training tasks: a model, its data and its gradients, in numpy.
+
+A task is any object with this small interface (see :class:`Task`); the worker
+loads a built-in one by name or yours by ``package.module:factory`` (a callable
+taking ``(seed, dtype)``), so a user can bring their own model and data.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any, Mapping, Protocol
+
+import numpy as np
+
+
+class Task(Protocol):
+    name: str
+
+    def init_params(self) -> dict[str, np.ndarray]:
+        """Initial weights (the same on every worker: derived from the seed)."""
+
+    def optimizer(self) -> dict[str, Any]:
+        """The optimizer spec the task brings to the PS (PS settings win)."""
+
+    def batch(self, step: int, shard_index: int, shard_count: int, batch_size: int) -> Any:
+        """This worker's examples for ``step``: shard ``shard_index`` of ``shard_count``."""
+
+    def loss_and_grads(self, params: Mapping[str, np.ndarray], batch: Any) -> tuple[float, dict[str, np.ndarray], int]:
+        """(mean loss, gradient per tensor in the params' dtype, number of examples)."""
+
+    def evaluate(self, params: Mapping[str, np.ndarray]) -> dict[str, float]:
+        """Metrics of final weights (for logs and tests)."""
+
+
+def shard_batch_indices(n: int, step: int, shard_index: int, shard_count: int, batch_size: int) -> np.ndarray:
+    """Rows of a dataset of ``n`` for one worker's step: shard = rows i with
+    i % shard_count == shard_index; the batch walks that shard cyclically by step."""
+    shard = np.arange(shard_index, n, shard_count)
+    return shard[(step * batch_size + np.arange(batch_size)) % len(shard)]
+
+
+def load_task(spec: str, seed: int = 0, dtype: str = "float32") -> Task:
+    from worker_service.tasks.linear import LinearTask
+    from worker_service.tasks.mlp import MLPTask
+
+    builtin = {"linear": LinearTask, "mlp": MLPTask}
+    if spec in builtin:
+        return builtin[spec](seed=seed, dtype=dtype)
+    if ":" not in spec:
+        raise ValueError(f"unknown task {spec!r}: use one of {sorted(builtin)} or 'package.module:factory'")
+    module, attr = spec.split(":", 1)
+    return getattr(importlib.import_module(module), attr)(seed=seed, dtype=dtype)
