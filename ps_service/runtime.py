@@ -45,6 +45,10 @@ class Runtime:
         self._body: bytes = b""
         self.bytes_in = 0
         self.bytes_out = 0
+        #: requests refused for a missing or wrong token (issue: access control)
+        self.auth_failures = 0
+        #: the last checkpoint written or restored: {"step", "path", "time", "duration_seconds", "count"}
+        self.checkpoint_info: dict | None = None
 
     def now(self) -> float:
         return self.clock()
