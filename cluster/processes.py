@@ -44,7 +44,7 @@ class LocalCluster:
         self.n_workers = workers
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.ps_env = {"PS_HOST": "127.0.0.1", "PS_PORT": str(self.port), "PS_MIN_WORKERS": str(workers),
+        self.ps_env = {"PS_HOST": "127.0.0.1", "PS_PORT": str(self.port), "PS_MIN_WORKERS": str(workers), "PS_STARTUP_GRACE_SECONDS": "0",
                        **{k: str(v) for k, v in (ps_env or {}).items()}}
         self.worker_env = {"WORKER_PS_URL": self.url, **{k: str(v) for k, v in (worker_env or {}).items()}}
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="syncps-"))

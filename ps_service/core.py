@@ -37,6 +37,7 @@ import numpy as np
 
 from ps_service.membership import ACTIVE, Member, Membership
 from ps_service.optimizers import HYPERPARAMS, Optimizer, normalize_spec
+from ps_service.stragglers import straggler
 from shared.codec import FLOAT_DTYPES, dtype_name
 from shared.errors import ProtocolError, unprocessable
 from shared.protocol import JobState, ModelInit, PushRequest, PushStatus
@@ -71,6 +72,7 @@ class Round:
     arrivals: list[dict] = field(default_factory=list)
     late: list[dict] = field(default_factory=list)
     losses: list[tuple[float, int]] = field(default_factory=list)
+    examples: int = 0  # examples behind the accepted gradients
 
 
 @dataclass(frozen=True)
@@ -286,6 +288,7 @@ class ParameterServerCore:
             if req.loss is not None:
                 r.losses.append((req.loss, req.num_examples or 1))
             self.examples += req.num_examples or 0
+            r.examples += req.num_examples or 0
             before = self.global_step
             self.tick(now)
             closed = self.global_step != before
@@ -319,15 +322,14 @@ class ParameterServerCore:
             loss = sum(l * n for l, n in r.losses) / total if total else None
             if loss is not None and math.isfinite(loss):
                 self.loss_history.append((r.step, loss))
-        first = r.arrivals[0]["at"] if r.arrivals else r.opened_at
-        last = r.arrivals[-1] if r.arrivals else None
         self.rounds.append({
             "step": r.step, "opened_at": r.opened_at, "closed_at": now, "duration": now - r.opened_at,
             "reason": reason, "aggregated": len(r.grads), "eligible": len(r.eligible),
             "contributors": [{**a, "after": a["at"] - r.opened_at} for a in r.arrivals],
             "missing": [self.members.by_id[w].name for w in r.eligible if w not in r.grads],
-            "straggler": None if last is None else {"name": last["name"], "rank": last["rank"], "behind_first": last["at"] - first},
-            "loss": loss,
+            "straggler": straggler(r.opened_at, now, r.arrivals, [(self.members.by_id[w].name, rank) for w, rank in r.eligible.items() if w not in r.grads]),
+            "loss": loss, "examples": r.examples,
+            "late": r.late,  # the live list: late pushes for this round arrive after it closed
         })
         r.grads = {}  # drop references to the request buffers
         self.last_round = r

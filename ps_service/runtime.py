@@ -8,12 +8,15 @@ is served the same bytes.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Awaitable, Callable
 
 from ps_service.core import CoreConfig, ParameterServerCore
 from ps_service.settings import PSSettings
 from shared.codec import encode_tensors, pack
+
+log = logging.getLogger("ps_service")
 
 
 def core_config(s: PSSettings) -> CoreConfig:
@@ -49,6 +52,8 @@ class Runtime:
         self.auth_failures = 0
         #: the last checkpoint written or restored: {"step", "path", "time", "duration_seconds", "count"}
         self.checkpoint_info: dict | None = None
+        #: called with no argument after each change of the core (e.g. metrics observing closed rounds)
+        self.observers: list[Callable[[], None]] = []
 
     def now(self) -> float:
         return self.clock()
@@ -59,6 +64,11 @@ class Runtime:
             self._seen_version = self.core.version
             self._event.set()
             self._event = asyncio.Event()
+            for observe in self.observers:
+                try:
+                    observe()
+                except Exception:  # monitoring must never break training
+                    log.exception("observer failed")
 
     async def wait_until(self, predicate: Callable[[], bool], timeout: float) -> bool:
         """Wait (at most ``timeout`` s) until ``predicate()``; its final value."""

@@ -48,7 +48,9 @@ def dtype_name(dtype: np.dtype) -> str:
 def encode_tensor(array: np.ndarray) -> dict:
     """The wire map of one array (little-endian, C order; no copy when it already is)."""
     name = dtype_name(array.dtype)
-    arr = np.ascontiguousarray(array, dtype=DTYPES[name])
+    arr = np.asarray(array, dtype=DTYPES[name])
+    if not arr.flags.c_contiguous:
+        arr = arr.copy(order="C")
     data = memoryview(arr.reshape(-1)).cast("B") if arr.size else b""
     return {"dtype": name, "shape": list(arr.shape), "data": data}
 

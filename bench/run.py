@@ -1,0 +1,119 @@
+"""``python -m bench.run --workers N --params P --seconds S``: one measured syncps run, one JSON line.
+
+Starts a real PS and N real worker processes on loopback (:class:`cluster.processes.LocalCluster`)
+running :mod:`bench.task` (the anchors' workload), waits until training runs, warms up for
+``--warmup`` seconds, then counts global steps (rounds) over ``--seconds`` from the PS's
+``/v1/status``. Prints the anchors' fields (``../shared/bench/common.py``): ``system``,
+``workers``, ``params``, ``params_requested``, ``steps_per_s``, ``grad_MB_per_s``
+(= workers * params * 4 / 1e6 * steps_per_s, the anchors' formula), ``final_loss``, plus
+``peak_rss_MB`` (the PS's peak resident memory, VmHWM), ``tensor_MB_per_s`` (payload
+through the PS: gradients in + weights out), ``ps_cpu_s`` (PS CPU seconds in the window),
+``steps``, ``window_s``, ``load_avg``. Exit status 1 (and an ``error`` field) when the
+run failed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import httpx
+
+from bench.task import actual_params, model_dims
+from cluster.processes import LocalCluster, wait_for
+
+
+def _proc_status(pid: int, field: str) -> float | None:
+    """A ``kB`` field of /proc/PID/status in MB (None where /proc is missing)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            parts = f.read().rsplit(")", 1)[1].split()
+        return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _global_step(client: httpx.Client) -> tuple[float, int, dict]:
+    st = client.get("/v1/status").json()
+    return time.perf_counter(), st["global_step"], st
+
+
+def measure(workers: int, params: int, seconds: float, warmup: float = 2.0, dtype: str = "float32",
+            ps_env: dict | None = None, worker_env: dict | None = None, start_deadline: float = 120.0) -> dict:
+    """One run; the result line as a dict."""
+    p = actual_params(params)
+    d, k = model_dims(params)
+    out: dict = {"system": "syncps", "workers": workers, "params": p, "params_requested": int(params)}
+    cluster = LocalCluster(
+        workers,
+        ps_env={"PS_TOTAL_NUM_REPLICAS": workers, "PS_LOG_LEVEL": "warning", **(ps_env or {})},
+        worker_env={"WORKER_TASK": f"bench.task:params_{int(params)}", "WORKER_DTYPE": dtype,
+                    "WORKER_LOG_EVERY_SECONDS": 3600, "OPENBLAS_NUM_THREADS": 1, "OMP_NUM_THREADS": 1,
+                    "MKL_NUM_THREADS": 1, **(worker_env or {})})
+    try:
+        cluster.start()
+        with httpx.Client(base_url=cluster.url, timeout=30.0) as client:
+            def training() -> bool:
+                if any(w.poll() is not None for w in cluster.workers):
+                    raise RuntimeError("a worker exited:\n" + cluster.log("worker-0")[-2000:])
+                st = client.get("/v1/status").json()
+                return st["state"] == "training" and st["global_step"] >= 3
+            wait_for(training, start_deadline, "training to start", interval=0.1)
+            time.sleep(warmup)
+            cpu0 = _cpu_seconds(cluster.ps.pid)
+            t0, g0, _ = _global_step(client)
+            time.sleep(seconds)
+            t1, g1, st = _global_step(client)
+            cpu1 = _cpu_seconds(cluster.ps.pid)
+        rate = (g1 - g0) / (t1 - t0)
+        out.update({
+            "steps_per_s": round(rate, 4),
+            "grad_MB_per_s": round(workers * p * 4 / 1e6 * rate, 3),
+            "final_loss": st["loss"]["last"],
+            "peak_rss_MB": round(_proc_status(cluster.ps.pid, "VmHWM") or 0.0, 1),
+            "tensor_MB_per_s": round(2 * workers * p * 4 / 1e6 * rate, 3),
+            "ps_cpu_s": None if cpu0 is None or cpu1 is None else round(cpu1 - cpu0, 3),
+            "steps": g1 - g0, "window_s": round(t1 - t0, 3), "batch": 32, "d": d, "k": k, "dtype": dtype,
+            "load_avg": round(os.getloadavg()[0], 2),
+        })
+    except Exception as exc:  # a failed run is a line too, as the anchors do
+        out.update({"steps_per_s": None, "grad_MB_per_s": None, "error": f"{type(exc).__name__}: {exc}"[:500],
+                    "log_dir": str(cluster.log_dir)})
+    finally:
+        cluster.stop()
+    out["oversubscribed"] = workers + 1 > (os.cpu_count() or 1)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--params", type=int, default=1_000_000)
+    ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--warmup", type=float, default=2.0)
+    ap.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    ap.add_argument("--repeat", type=int, default=1, help="runs (one line each)")
+    args = ap.parse_args(argv)
+    ok = True
+    for _ in range(args.repeat):
+        line = measure(args.workers, args.params, args.seconds, args.warmup, args.dtype)
+        ok = ok and line.get("steps_per_s") is not None
+        print(json.dumps(line), flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,184 @@
+"""Response schemas of the monitoring routes (``/v1/status``, ``/v1/workers``, ``/v1/rounds``, ``/v1/loss``).
+
+Only data shapes and their documentation (they appear in the OpenAPI schema at
+``/docs``); the values are built in :mod:`ps_service.monitoring`. Times named
+``*_at`` / ``time`` are Unix seconds (wall clock); durations are seconds.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+WorkerState = Literal["active", "late", "left", "expired"]
+
+
+class PushCounts(BaseModel):
+    accepted: int = Field(description="Counted in their round and applied.")
+    stale: int = Field(description="Computed on weights older than the last closed round: dropped.")
+    late: int = Field(description="For a round that closed without them (backup loser, deadline): dropped.")
+    duplicate: int = Field(description="A (worker, step) pushed before: not counted twice.")
+    skipped: int = Field(description="Non-finite gradients under PS_NONFINITE_POLICY=skip: counted, not applied.")
+
+
+class CurrentRound(BaseModel):
+    step: int = Field(description="The open round's step (= global step).")
+    opened_at: float = Field(description="When the round opened (Unix s).")
+    open_for_seconds: float
+    eligible: list[str] = Field(description="Names of the members this round counts (fixed when it opened).")
+    pushed_by: list[str] = Field(description="Names of accepted pushes, in arrival order.")
+    awaited: list[str] = Field(description="Live eligible members that have not pushed yet.")
+    late: list[str] = Field(description="Names of late pushes for this round.")
+    still_needed: int = Field(description="Gradients the round still waits for before it closes.")
+
+
+class Loss(BaseModel):
+    last: float | None = Field(description="Loss of the last closed round (example-weighted mean of the pushes).")
+    moving_average: float | None = Field(description="Mean loss of the last `moving_average_rounds` rounds.")
+    moving_average_rounds: int
+
+
+class Throughput(BaseModel):
+    window_seconds: float = Field(description="Sliding window of the two rates below.")
+    rounds_per_second: float = Field(description="Rounds closed in the window / the window.")
+    examples_per_second: float = Field(description="Examples of accepted gradients in the window / the window.")
+    mean_rounds_per_second: float = Field(description="Over the kept rounds (up to 1000): rounds / their span.")
+
+
+class WorkerCounts(BaseModel):
+    active: int
+    expired: int
+    left: int
+    registered: int = Field(description="Every name ever registered.")
+    membership_changes: int = Field(description="Joins, rejoins, leaves and expiries since start.")
+
+
+class CheckpointInfo(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    step: int | None = Field(None, description="Global step of the last checkpoint written or restored.")
+    path: str | None = None
+    time: float | None = Field(None, description="When it was written (Unix s).")
+    duration_seconds: float | None = Field(None, description="How long writing it took.")
+    count: int | None = Field(None, description="Checkpoints written since start.")
+
+
+class Status(BaseModel):
+    state: str = Field(description="waiting_for_model | waiting_for_workers | training | done")
+    global_step: int
+    max_steps: int | None
+    progress: float | None = Field(description="global_step / max_steps, when max_steps is set.")
+    mode: Literal["elastic", "fixed"] = Field(description="elastic: R = the round's live workers; fixed: R set.")
+    replicas_to_aggregate: int | None = Field(description="R as configured (null: elastic).")
+    total_num_replicas: int | None = Field(description="N as configured (N > R: backup workers).")
+    effective_replicas_to_aggregate: int | None = Field(description="R of the open round.")
+    aggregation: str
+    optimizer: dict[str, Any] | None = Field(description="The optimizer the PS runs, with its hyper-parameters.")
+    round: CurrentRound | None = Field(description="The open round (null before start and when done).")
+    workers: WorkerCounts
+    pushes: PushCounts
+    loss: Loss
+    throughput: Throughput
+    examples: int = Field(description="Examples behind all accepted gradients.")
+    bytes_received: int = Field(description="Bytes of model and gradient bodies received.")
+    bytes_sent: int = Field(description="Bytes of weight bodies sent.")
+    auth_failures: int
+    started_at: float = Field(description="PS start (Unix s).")
+    training_started_at: float | None = Field(description="Round 0 opened (Unix s).")
+    uptime_seconds: float
+    checkpoint: CheckpointInfo | None
+
+
+class PhaseSeconds(BaseModel):
+    fetch: float = Field(description="Pulling the weights (including the barrier wait).")
+    compute: float
+    push: float
+
+
+class Worker(BaseModel):
+    worker_id: str
+    name: str
+    rank: int
+    state: WorkerState = Field(description="Membership state; `late` = active but its last push was late or stale.")
+    last_seen: float = Field(description="Unix s of its last request.")
+    last_seen_seconds_ago: float
+    registered_at: float
+    registrations: int
+    last_step: int | None = Field(description="The last step it pushed.")
+    last_push_status: str | None
+    in_current_round: bool
+    awaited: bool = Field(description="The open round is waiting for it.")
+    pushes: PushCounts
+    mean_seconds: PhaseSeconds = Field(description="Mean phase times the worker reported with its pushes.")
+    last_loss: float | None
+    straggler_rounds: int = Field(description="Rounds (of the window) it was the straggler of.")
+    straggler_seconds: float = Field(description="What it cost those rounds: sum of their waited_seconds.")
+
+
+class MembershipEvent(BaseModel):
+    time: float
+    event: str = Field(description="joined | rejoined | left | expired")
+    worker_id: str
+    name: str
+    rank: int
+
+
+class Workers(BaseModel):
+    workers: list[Worker] = Field(description="Every member ever registered, by rank.")
+    straggler: str | None = Field(description="The member that cost the rounds of the window the most time.")
+    window_rounds: int = Field(description="Rounds the straggler counts cover (the last ones).")
+    events: list[MembershipEvent] = Field(description="The last 100 membership changes, oldest first.")
+
+
+class Contributor(BaseModel):
+    order: int = Field(description="1 = first arrival.")
+    name: str
+    rank: int
+    worker_id: str
+    after_seconds: float = Field(description="Arrival after the round opened.")
+
+
+class Straggler(BaseModel):
+    name: str
+    rank: int
+    kind: Literal["last_arrival", "never_arrived"] = Field(
+        description="last_arrival: the last contributor closed the round; never_arrived: the round waited for "
+                    "members that never pushed (lease expiry, leave, deadline) and closed without them.")
+    waited_seconds: float = Field(description="What it cost the round: last arrival minus the previous one "
+                                              "(last_arrival), or close minus the last arrival (never_arrived).")
+    after_seconds: float = Field(description="Its arrival (or the close) after the round opened.")
+    behind_first: float = Field(description="Seconds behind the first arrival.")
+    behind_median: float = Field(description="Seconds behind the median arrival.")
+
+
+class RoundRecord(BaseModel):
+    step: int
+    opened_at: float
+    closed_at: float
+    duration_seconds: float
+    reason: str = Field(description="full | membership | deadline")
+    aggregated: int = Field(description="Gradients applied.")
+    eligible: int = Field(description="Members the round counted.")
+    contributors: list[Contributor] = Field(description="Accepted pushes in arrival order.")
+    late: list[Contributor] = Field(description="Late pushes for this round (after_seconds may exceed duration).")
+    missing: list[str] = Field(description="Eligible members that never pushed (awaited but never came, or dropped backups).")
+    straggler: Straggler | None = Field(description="Who slowed the round and by how much (null: one contributor).")
+    loss: float | None
+    examples: int
+
+
+class StragglerTotal(BaseModel):
+    name: str
+    rounds: int = Field(description="Rounds it was the straggler of.")
+    waited_seconds: float = Field(description="Sum of those rounds' waited_seconds.")
+
+
+class Rounds(BaseModel):
+    rounds: list[RoundRecord] = Field(description="Newest first.")
+    current: CurrentRound | None
+    stragglers: list[StragglerTotal] = Field(description="Over the returned rounds, most costly first.")
+
+
+class LossCurve(BaseModel):
+    steps: list[int]
+    loss: list[float]
+    global_step: int

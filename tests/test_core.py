@@ -1,0 +1,250 @@
+"""The sans-IO core, driven by simulation: barrier, staleness, duplicates, backups, elasticity."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ps_service.core import CoreConfig, ParameterServerCore
+from shared.errors import ProtocolError
+from shared.protocol import ModelInit, PushRequest, PushStatus
+
+W0 = {"w": np.zeros((3, 2), np.float32), "b": np.zeros((2,), np.float32)}
+
+
+def make(n_workers=2, now=0.0, spec=None, **cfg):
+    cfg.setdefault("min_workers", n_workers)
+    cfg.setdefault("startup_grace_seconds", 0.0)
+    core = ParameterServerCore(CoreConfig(**cfg))
+    core.init_model(ModelInit({k: v.copy() for k, v in W0.items()}, spec or {"name": "sgd", "learning_rate": 0.5}), now)
+    ids = [core.register(f"w{i}", now)[0].worker_id for i in range(n_workers)]
+    return core, ids
+
+
+def grad(seed, dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    return {k: rng.standard_normal(v.shape).astype(dtype) for k, v in W0.items()}
+
+
+def push(core, wid, step, g=None, now=0.0, loss=None):
+    return core.push(PushRequest(wid, step, g if g is not None else grad(step), loss=loss), now)
+
+
+def test_round_closes_with_mean_of_all_and_bumps_step():
+    core, ids = make(3)
+    assert core.started and core.global_step == 0
+    gs = [grad(i) for i in range(3)]
+    assert push(core, ids[0], 0, gs[0]).status is PushStatus.ACCEPTED
+    assert push(core, ids[1], 0, gs[1]).status is PushStatus.ACCEPTED
+    assert core.global_step == 0 and core.needed(core.round) == 1
+    res = push(core, ids[2], 0, gs[2])
+    assert res.status is PushStatus.ACCEPTED and res.closed and res.step == 1
+    for k in W0:
+        mean = (gs[0][k] + gs[1][k] + gs[2][k]) / np.float32(3)
+        np.testing.assert_array_equal(core.weights[k], W0[k] - np.float32(0.5) * mean)
+    assert core.rounds[-1]["aggregated"] == 3 and core.rounds[-1]["reason"] == "full"
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 5), steps=st.integers(1, 4), data=st.data())
+def test_any_arrival_order_gives_bit_identical_weights(n, steps, data):
+    """Float addition is order-sensitive: the PS must sum in rank order, not arrival order."""
+    results = []
+    for shuffle in (False, True):
+        core, ids = make(n, spec={"name": "adam", "learning_rate": 0.1})
+        for step in range(steps):
+            order = list(range(n))
+            if shuffle:
+                order = data.draw(st.permutations(order))
+            for i in order:
+                assert push(core, ids[i], step, grad(100 * step + i)).status is PushStatus.ACCEPTED
+        assert core.global_step == steps
+        results.append({k: v.copy() for k, v in core.weights.items()})
+    for k in W0:
+        assert results[0][k].tobytes() == results[1][k].tobytes()
+
+
+def test_stale_is_refused_counted_and_never_applied():
+    core, ids = make(2, replicas_to_aggregate=1)
+    for step in range(3):  # worker 1 alone closes rounds 0, 1, 2 while worker 0 computes on step 0
+        assert push(core, ids[1], step).closed
+    before = {k: v.copy() for k, v in core.weights.items()}
+    res = push(core, ids[0], 0)  # three rounds old
+    assert res.status is PushStatus.STALE and res.step == 3
+    assert push(core, ids[0], 2).status is PushStatus.LATE  # the round that just closed without it
+    assert core.push_counts["stale"] == 1 and core.members.by_id[ids[0]].pushes["stale"] == 1
+    assert all(np.array_equal(before[k], core.weights[k]) for k in W0)
+    assert len(core.round.grads) == 0
+
+
+def test_duplicate_in_open_round_and_after_the_boundary():
+    core, ids = make(2)
+    g = grad(1)
+    assert push(core, ids[0], 0, g).status is PushStatus.ACCEPTED
+    assert push(core, ids[0], 0, g).status is PushStatus.DUPLICATE
+    assert len(core.round.grads) == 1 and core.global_step == 0
+    push(core, ids[1], 0)
+    assert core.global_step == 1
+    before = {k: v.copy() for k, v in core.weights.items()}
+    assert push(core, ids[1], 0).status is PushStatus.DUPLICATE  # a retry that crossed the boundary
+    assert all(np.array_equal(before[k], core.weights[k]) for k in W0)
+    assert core.push_counts["duplicate"] == 2 and core.push_counts["accepted"] == 2
+
+
+def test_backup_workers_first_r_win_others_late():
+    core, ids = make(3, replicas_to_aggregate=2, total_num_replicas=3)
+    g = [grad(i) for i in range(3)]
+    push(core, ids[2], 0, g[2])
+    res = push(core, ids[0], 0, g[0])
+    assert res.closed and core.global_step == 1
+    late = push(core, ids[1], 0, g[1])
+    assert late.status is PushStatus.LATE
+    for k in W0:
+        np.testing.assert_array_equal(core.weights[k], W0[k] - np.float32(0.5) * ((g[0][k] + g[2][k]) / np.float32(2)))
+    assert core.last_round.late and core.last_round.late[0]["rank"] == 1
+
+
+def test_elastic_join_takes_effect_at_the_round_boundary():
+    core, ids = make(2)
+    push(core, ids[0], 0)
+    m, start = core.register("newcomer", 1.0)
+    assert start == 1 and m.worker_id not in core.round.eligible
+    assert push(core, m.worker_id, 0).status is PushStatus.LATE  # not in round 0
+    push(core, ids[1], 0)
+    assert core.global_step == 1 and m.worker_id in core.round.eligible and len(core.round.eligible) == 3
+    push(core, ids[0], 1)
+    push(core, ids[1], 1)
+    assert core.global_step == 1  # still waits for the newcomer
+    push(core, m.worker_id, 1)
+    assert core.global_step == 2
+
+
+def test_a_leaving_worker_no_longer_holds_the_round():
+    core, ids = make(3)
+    push(core, ids[0], 0)
+    push(core, ids[1], 0)
+    core.leave(ids[2], 1.0)
+    assert core.global_step == 1 and core.rounds[-1]["aggregated"] == 2
+    assert ids[2] not in core.round.eligible
+
+
+def test_expired_lease_closes_the_round_on_tick():
+    core, ids = make(2, lease_seconds=5.0)
+    push(core, ids[0], 0, now=4.0)
+    assert not core.tick(4.9) or core.global_step == 0
+    assert core.global_step == 0
+    core.tick(5.5)  # ids[1] last seen at 0: expired
+    assert core.global_step == 1 and core.members.by_id[ids[1]].state == "expired"
+    m, start = core.register("w1", 6.0)  # comes back under its name
+    assert m.worker_id == ids[1] and m.rank == 1 and start == 2
+
+
+def test_round_deadline_needs_the_quorum():
+    core, ids = make(3, replicas_to_aggregate=3, round_timeout_seconds=2.0, min_replicas=2, lease_seconds=100)
+    push(core, ids[0], 0, now=0.5)
+    core.tick(3.0)
+    assert core.global_step == 0  # 1 < quorum 2: keeps waiting
+    push(core, ids[1], 0, now=3.1)
+    core.tick(3.2)
+    assert core.global_step == 1 and core.rounds[-1]["reason"] == "deadline"
+    assert push(core, ids[2], 0, now=3.3).status is PushStatus.LATE
+
+
+def test_start_waits_for_min_workers_then_grace():
+    core = ParameterServerCore(CoreConfig(min_workers=2, startup_grace_seconds=3.0, lease_seconds=100.0))
+    core.init_model(ModelInit(dict(W0), {}), 0.0)
+    core.register("a", 0.0)
+    core.tick(10.0)
+    assert not core.started and core.state().value == "waiting_for_workers"
+    core.register("b", 10.0)
+    core.tick(12.9)
+    assert not core.started
+    core.tick(13.0)
+    assert core.started and len(core.round.eligible) == 2
+
+
+def test_start_is_immediate_when_the_expected_count_is_reached():
+    core = ParameterServerCore(CoreConfig(total_num_replicas=2, startup_grace_seconds=60.0))
+    core.init_model(ModelInit(dict(W0), {}), 0.0)
+    core.register("a", 0.0)
+    assert not core.started
+    core.register("b", 0.1)
+    assert core.started
+
+
+def test_max_steps_marks_done_and_closes_no_more_rounds():
+    core, ids = make(1, max_steps=2)
+    push(core, ids[0], 0)
+    push(core, ids[0], 1)
+    assert core.done and core.round is None and core.state().value == "done"
+    assert push(core, ids[0], 1).status is PushStatus.DUPLICATE
+
+
+def test_sum_aggregation():
+    core, ids = make(2, aggregation="sum")
+    g = [grad(1), grad(2)]
+    push(core, ids[0], 0, g[0])
+    push(core, ids[1], 0, g[1])
+    for k in W0:
+        np.testing.assert_array_equal(core.weights[k], W0[k] - np.float32(0.5) * (g[0][k] + g[1][k]))
+
+
+@pytest.mark.parametrize("case,status,code", [
+    ("future", 422, "future_step"), ("unknown", 404, "unknown_worker"), ("shape", 422, "tensor_mismatch"),
+    ("missing", 422, "tensor_mismatch"), ("nan", 422, "nonfinite_gradient"), ("int", 422, "tensor_mismatch"),
+])
+def test_refused_pushes_change_nothing(case, status, code):
+    core, ids = make(2)
+    push(core, ids[0], 0)
+    before = (core.version, core.global_step, len(core.round.grads), dict(core.push_counts))
+    wid, step, g = ids[1], 0, grad(5)
+    if case == "future":
+        step = 3
+    elif case == "unknown":
+        wid = "nope"
+    elif case == "shape":
+        g["w"] = np.zeros((2, 3), np.float32)
+    elif case == "missing":
+        del g["b"]
+    elif case == "nan":
+        g["b"] = np.array([np.nan, 0], np.float32)
+    elif case == "int":
+        g["b"] = np.zeros(2, np.int32)
+    with pytest.raises(ProtocolError) as err:
+        push(core, wid, step, g)
+    assert (err.value.status, err.value.code) == (status, code)
+    assert (core.version, core.global_step, len(core.round.grads), dict(core.push_counts)) == before
+
+
+def test_nonfinite_skip_policy_counts_and_does_not_apply():
+    core, ids = make(2, nonfinite_policy="skip")
+    bad = grad(1)
+    bad["w"][0, 0] = np.inf
+    res = push(core, ids[0], 0, bad)
+    assert res.status is PushStatus.LATE or core.push_counts["skipped"] == 1
+    assert core.push_counts["skipped"] == 1 and len(core.round.grads) == 0
+
+
+def test_init_first_caller_wins_and_ps_settings_take_precedence():
+    core = ParameterServerCore(CoreConfig(optimizer_overrides={"name": "sgd", "learning_rate": 0.25}))
+    core.init_model(ModelInit(dict(W0), {"name": "adam", "learning_rate": 0.001, "beta1": 0.5}), 0.0)
+    assert core.optimizer.spec == {"name": "sgd", "learning_rate": 0.25}
+    with pytest.raises(ProtocolError) as err:
+        core.init_model(ModelInit(dict(W0), {}), 0.0)
+    assert err.value.status == 409
+    core2 = ParameterServerCore(CoreConfig(optimizer_overrides={"learning_rate": 0.2}))
+    core2.init_model(ModelInit(dict(W0), {"name": "adam", "learning_rate": 0.001, "beta1": 0.5}), 0.0)
+    assert core2.optimizer.spec["name"] == "adam" and core2.optimizer.spec["learning_rate"] == 0.2
+    assert core2.optimizer.spec["beta1"] == 0.5
+
+
+def test_rank_is_stable_per_name_and_freed_on_leave():
+    core, ids = make(3)
+    m, _ = core.register("w1", 1.0)
+    assert m.worker_id == ids[1] and m.rank == 1
+    core.leave(ids[1], 2.0)
+    newcomer, _ = core.register("fresh", 3.0)
+    assert newcomer.rank == 1  # the lowest rank nobody present holds
+    back, _ = core.register("w1", 4.0)
+    assert back.worker_id == ids[1] and back.rank == 3

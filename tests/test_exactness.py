@@ -1,0 +1,32 @@
+"""The proof that the barrier is right: N synchronous workers (real processes, real PS) end with
+exactly the weights of one process doing the same large-batch training on the concatenated batches."""
+import numpy as np
+import pytest
+
+from tests.clusters import run_job
+from tests.reference import train_reference
+
+CASES = [
+    # task, dtype, workers, steps
+    *[("linear", "float64", n, 40) for n in (1, 2, 4)],
+    *[("linear", "float32", n, 40) for n in (1, 2, 4)],
+    *[("mlp", "float64", n, 25) for n in (1, 2, 4)],
+]
+
+
+@pytest.mark.parametrize("task,dtype,workers,steps", CASES, ids=lambda v: str(v))
+def test_sync_workers_equal_single_process(task, dtype, workers, steps):
+    job = run_job(workers, {"PS_MAX_STEPS": steps},
+                  {"WORKER_TASK": task, "WORKER_DTYPE": dtype, "WORKER_SEED": 7, "WORKER_BATCH_SIZE": 16})
+    assert job.exit_codes == [0] * workers
+    assert job.status["global_step"] == steps
+    assert all(w["pushes"]["accepted"] == steps for w in job.workers)
+    _, ref = train_reference(task, workers, steps, batch_size=16, seed=7, dtype=dtype)
+    assert job.tensors.keys() == ref.keys()
+    for k in ref:
+        got = job.tensors[k]
+        assert got.dtype == np.dtype(dtype)
+        if dtype == "float64":
+            assert got.tobytes() == ref[k].tobytes(), f"{k}: not bit-identical (0 ulp)"
+        else:
+            np.testing.assert_allclose(got, ref[k], rtol=1e-6, atol=0)
