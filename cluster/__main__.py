@@ -9,9 +9,10 @@ import argparse
 import sys
 import time
 
+from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
+from rich.table import Column, Table
 
 from cluster.processes import LocalCluster
 from worker_service.client import PSClient
@@ -35,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     cluster = LocalCluster(args.workers, ps_env=ps_env, worker_env={"WORKER_TASK": args.task})
     console.print(f"syncps: PS at {cluster.url}, {args.workers} workers, task {args.task}, {args.steps} steps "
                   f"(logs in {cluster.log_dir})")
+    console.print(f"dashboard {cluster.url}/  metrics {cluster.url}/metrics  API docs {cluster.url}/docs")
     with cluster:
         t0 = time.monotonic()
         with Progress(TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
@@ -42,9 +44,9 @@ def main(argv: list[str] | None = None) -> int:
             job = bar.add_task("steps", total=args.steps, info="")
             while True:
                 st = cluster.status()
-                loss = st["loss"]["last"]
-                bar.update(job, completed=st["global_step"],
-                           info=f"{st['state']}  loss {loss:.3g}" if loss is not None else st["state"])
+                loss, rate = st["loss"]["last"], st["throughput"]["rounds_per_second"]
+                info = st["state"] if loss is None else f"{st['state']}  loss {loss:.3g}  {rate:.1f} rounds/s"
+                bar.update(job, completed=st["global_step"], info=info)
                 if st["state"] == "done" or all(p.poll() is not None for p in cluster.workers):
                     break
                 if time.monotonic() - t0 > args.deadline:
@@ -54,23 +56,27 @@ def main(argv: list[str] | None = None) -> int:
         codes = cluster.wait_workers(60)
         elapsed = time.monotonic() - t0
         st = cluster.status()
-        workers = cluster.get("/v1/workers").json()["workers"]
-        rounds = cluster.get("/v1/rounds", params={"limit": 1000}).json()["rounds"]
+        workers = cluster.get("/v1/workers").json()
         client = PSClient(cluster.url)
         final = client.pull(0, wait=5.0)
         client.close()
-    span = (rounds[0]["closed_at"] - rounds[-1]["opened_at"]) if rounds else 0.0
     console.print(f"global step {st['global_step']}, last loss {st['loss']['last']}, "
-                  f"{len(rounds) / span if span else 0:.1f} rounds/s over the last {len(rounds)} rounds "
-                  f"({elapsed:.1f} s wall)")
+                  f"{st['throughput']['mean_rounds_per_second']:.1f} rounds/s over the last "
+                  f"{min(st['global_step'], 1000)} rounds ({elapsed:.1f} s wall)")
     for name, arr in final.tensors.items():
         console.print(f"  {name} = {arr.reshape(-1).round(6).tolist() if arr.size <= 16 else f'<{arr.shape}>'}")
-    table = Table("rank", "name", "state", "accepted", "stale", "late", "duplicate", "compute ms", "push ms")
-    for w in workers:
+    table = Table("rank", Column("name", no_wrap=True), "state", "acc", "stale", "late", "dup", "fetch\nms", "comp\nms",
+                  "push\nms", "strag\nrounds", "strag\ns", box=box.SIMPLE_HEAD, padding=0, title="workers")
+    for w in workers["workers"]:
         p, t = w["pushes"], w["mean_seconds"]
-        table.add_row(str(w["rank"]), w["name"], w["state"], *(str(p[k]) for k in ("accepted", "stale", "late", "duplicate")),
-                      f"{1e3 * t['compute']:.2f}", f"{1e3 * t['push']:.2f}")
+        name = f"[bold red]{w['name']} *" if w["name"] == workers["straggler"] else w["name"]
+        table.add_row(str(w["rank"]), name, w["state"], *(str(p[k]) for k in ("accepted", "stale", "late", "duplicate")),
+                      *(f"{1e3 * t[k]:.2f}" for k in ("fetch", "compute", "push")), str(w["straggler_rounds"]),
+                      f"{w['straggler_seconds']:.3f}")
     console.print(table)
+    console.print("strag: rounds (of the last 100) the worker slowed, and the seconds it cost them")
+    if workers["straggler"]:
+        console.print(f"* straggler: {workers['straggler']} (cost the rounds the most waiting time)")
     ok = all(c == 0 for c in codes) and st["state"] == "done"
     console.print("[green]done: every worker exited 0" if ok else f"[red]failed: exit codes {codes}")
     return 0 if ok else 1

@@ -18,6 +18,9 @@ import time
 from pathlib import Path
 
 import httpx
+from pydantic import SecretStr
+
+from shared.tokens import bearer_header
 
 
 def free_port() -> int:
@@ -40,13 +43,18 @@ def wait_for(predicate, deadline: float, what: str, interval: float = 0.05):
 
 class LocalCluster:
     def __init__(self, workers: int = 4, ps_env: dict | None = None, worker_env: dict | None = None,
-                 log_dir: str | Path | None = None, port: int | None = None) -> None:
+                 log_dir: str | Path | None = None, port: int | None = None, token: str | None = None) -> None:
+        """``token``: the PS's PS_AUTH_TOKEN, given to the workers too (and used by :meth:`status`, :meth:`get`)."""
         self.n_workers = workers
+        self.token = token
+        self.headers = bearer_header(SecretStr(token) if token else None)
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.ps_env = {"PS_HOST": "127.0.0.1", "PS_PORT": str(self.port), "PS_MIN_WORKERS": str(workers), "PS_STARTUP_GRACE_SECONDS": "0",
                        **{k: str(v) for k, v in (ps_env or {}).items()}}
         self.worker_env = {"WORKER_PS_URL": self.url, **{k: str(v) for k, v in (worker_env or {}).items()}}
+        if token:
+            self.ps_env["PS_AUTH_TOKEN"] = self.worker_env["WORKER_AUTH_TOKEN"] = token
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="syncps-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.ps: subprocess.Popen | None = None
@@ -79,6 +87,15 @@ class LocalCluster:
         self.workers.append(p)
         return p
 
+    def kill(self, proc: subprocess.Popen | None = None) -> float:
+        """``kill -9`` a worker process or (default) the PS, and reap it; the Unix time of the signal.
+        ``start_ps()`` / ``start_worker(i)`` start it again (same port, same name, log appended)."""
+        proc = proc or self.ps
+        at = time.time()
+        proc.kill()
+        proc.wait(10)
+        return at
+
     def start(self) -> "LocalCluster":
         self.start_ps()
         for i in range(self.n_workers):
@@ -86,10 +103,10 @@ class LocalCluster:
         return self
 
     def status(self) -> dict:
-        return httpx.get(f"{self.url}/v1/status", timeout=5.0).json()
+        return httpx.get(f"{self.url}/v1/status", timeout=5.0, headers=self.headers).json()
 
     def get(self, path: str, **kw) -> httpx.Response:
-        return httpx.get(f"{self.url}{path}", timeout=10.0, **kw)
+        return httpx.get(f"{self.url}{path}", timeout=10.0, **{**kw, "headers": {**self.headers, **kw.get("headers", {})}})
 
     def wait_workers(self, deadline: float = 120.0) -> list[int]:
         """Wait until every worker process exits; their exit codes."""

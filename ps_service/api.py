@@ -2,7 +2,9 @@
 
 Thin drivers of :class:`ps_service.core.ParameterServerCore`: read and decode
 the body, call the core with the runtime's clock, wake the waiters, encode the
-answer. Tensor routes skip pydantic and speak msgpack.
+answer. Tensor routes skip pydantic and speak msgpack. Every body is read in the
+endpoint with :func:`ps_service.http.read_body` (after the auth dependency that
+app.py attaches to this router): bounded, typed, never buffered before auth.
 """
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ from pydantic import BaseModel, Field
 from ps_service.runtime import Runtime
 from shared.codec import unpack
 from shared.errors import ProtocolError
-from shared.protocol import API, MSGPACK, STEP_HEADER, parse_model_init, parse_push
-from ps_service.http import read_body
+from shared.protocol import (API, JSON, MODEL_INIT_SCHEMA, MSGPACK, PUSH_SCHEMA, PUSH_STATUS_HEADER, STEP_HEADER,
+                             msgpack_body, parse_model_init, parse_push)
+from ps_service.http import JSON_BODY_LIMIT, parse_json, read_body
 
 router = APIRouter(prefix=API, tags=["training"])
 
@@ -22,8 +25,14 @@ def runtime(request: Request) -> Runtime:
     return request.app.state.runtime
 
 
+async def request_body(request: Request, media_type: str, limit: int | None = None) -> bytes:
+    rt = runtime(request)
+    return await read_body(request, limit or rt.settings.max_body_bytes, media_type, rt.settings.body_idle_timeout_seconds)
+
+
 class Registration(BaseModel):
-    name: str = Field(min_length=1, max_length=128, description="Stable worker name (a container's hostname).")
+    name: str = Field(min_length=1, max_length=128, pattern=r"^[^\x00-\x1f\x7f]+$",
+                      description="Stable worker name (a container's hostname); no control characters.")
 
 
 class Registered(BaseModel):
@@ -38,10 +47,12 @@ class Registered(BaseModel):
     state: str
 
 
-@router.post("/workers", response_model=Registered)
-async def register(body: Registration, request: Request) -> Registered:
+@router.post("/workers", response_model=Registered, openapi_extra={"requestBody": {
+    "required": True, "content": {JSON: {"schema": Registration.model_json_schema()}}}})
+async def register(request: Request) -> Registered:
     rt = runtime(request)
-    m, start = rt.run_guarded(lambda: rt.core.register(body.name, rt.now()))
+    reg = parse_json(await request_body(request, JSON, JSON_BODY_LIMIT), Registration)
+    m, start = rt.run_guarded(lambda: rt.core.register(reg.name, rt.now()))
     return Registered(worker_id=m.worker_id, name=m.name, rank=m.rank, start_step=start,
                       global_step=rt.core.global_step, model_initialized=rt.core.initialized,
                       rejoined=m.registrations > 1, lease_seconds=rt.settings.lease_seconds,
@@ -62,12 +73,13 @@ async def heartbeat(worker_id: str, request: Request) -> dict:
     return {"worker_id": m.worker_id, "state": m.state, "global_step": rt.core.global_step}
 
 
-@router.put("/model", status_code=201, responses={409: {"description": "already initialised: pull instead"}})
+@router.put("/model", status_code=201, responses={409: {"description": "already initialised: pull instead"}},
+            openapi_extra=msgpack_body(MODEL_INIT_SCHEMA))
 async def init_model(request: Request) -> dict:
     rt = runtime(request)
-    body = await read_body(request, rt.settings.max_body_bytes, MSGPACK)
-    init = parse_model_init(unpack(body))
-    rt.bytes_in += len(body)
+    raw = await request_body(request, MSGPACK)
+    init = parse_model_init(unpack(raw))
+    rt.bytes_in += len(raw)
     rt.run_guarded(lambda: rt.core.init_model(init, rt.now()))
     return {"step": rt.core.global_step, "optimizer": rt.core.optimizer.spec}
 
@@ -75,7 +87,7 @@ async def init_model(request: Request) -> dict:
 @router.get("/model", response_class=Response, responses={
     200: {"content": {MSGPACK: {}}, "description": 'msgpack {"step", "done", "ranks", "tensors"}'},
     204: {"description": "timeout: global_step did not reach min_step in time"}})
-async def pull(request: Request, min_step: int = Query(0, ge=0), timeout: float = Query(30.0, ge=0),
+async def pull(request: Request, min_step: int = Query(0, ge=0), timeout: float = Query(30.0, ge=0, allow_inf_nan=False),
                worker_id: str | None = Query(None, max_length=64)) -> Response:
     rt = runtime(request)
     core = rt.core
@@ -85,20 +97,43 @@ async def pull(request: Request, min_step: int = Query(0, ge=0), timeout: float 
         raise ProtocolError(409, "not_initialized", "the model is not initialised yet (PUT /v1/model)")
     ready = lambda: core.done or (core.started and core.global_step >= min_step)  # noqa: E731
     ok = await rt.wait_until(ready, min(timeout, rt.settings.pull_timeout_max_seconds))
-    if worker_id is not None and worker_id in core.members.by_id and core.members.by_id[worker_id].active:
-        core.heartbeat(worker_id, rt.now())  # waiting on the barrier is being alive
+    waited(rt, worker_id)
     if not ok:
         return Response(status_code=204, headers={STEP_HEADER: str(core.global_step)})
+    return weights_response(rt)
+
+
+def waited(rt: Runtime, worker_id: str | None) -> None:
+    """Waiting on the barrier is being alive: renew the lease of an active waiter."""
+    m = rt.core.members.by_id.get(worker_id) if worker_id is not None else None
+    if m is not None and m.active:
+        rt.core.heartbeat(worker_id, rt.now())
+
+
+def weights_response(rt: Runtime, headers: dict | None = None) -> Response:
+    """The current weights (the same encoded bytes for every worker of a step)."""
     body = rt.pull_body()
     rt.bytes_out += len(body)
-    return Response(body, media_type=MSGPACK, headers={STEP_HEADER: str(core.global_step)})
+    return Response(body, media_type=MSGPACK, headers={STEP_HEADER: str(rt.core.global_step), **(headers or {})})
 
 
-@router.post("/gradients", responses={200: {"description": '{"status": accepted|stale|duplicate|late, "step"}'}})
-async def push(request: Request) -> dict:
+@router.post("/gradients", responses={200: {"description": '{"status": accepted|stale|duplicate|late|skipped, "step"}'}},
+             openapi_extra=msgpack_body(PUSH_SCHEMA))
+async def push(request: Request, pull: bool = Query(False, description=(
+                   "Answer with the next weights (msgpack, as GET /model) once global_step passes the pushed step, "
+                   f"the push's status in {PUSH_STATUS_HEADER}; JSON as without it if `timeout` passes first.")),
+               timeout: float = Query(30.0, ge=0, allow_inf_nan=False)) -> dict:
     rt = runtime(request)
-    body = await read_body(request, rt.settings.max_body_bytes, MSGPACK)
-    req = parse_push(unpack(body))
-    rt.bytes_in += len(body)
-    result = rt.run_guarded(lambda: rt.core.push(req, rt.now()))
-    return {"status": result.status.value, "step": result.step, "done": rt.core.done}
+    rt.drop_body()
+    raw = await request_body(request, MSGPACK)
+    req = parse_push(unpack(raw))
+    rt.bytes_in += len(raw)
+    owned = isinstance(raw, memoryview) and not raw.readonly  # a buffer of our own: aggregate in place
+    result = rt.run_guarded(lambda: rt.core.push(req, rt.now(), owned=owned))
+    core, step, worker_id = rt.core, req.step, req.worker_id
+    del raw, req  # the round holds what it needs, and frees it once aggregated
+    if pull and await rt.wait_until(lambda: core.done or core.global_step > step,
+                                    min(timeout, rt.settings.pull_timeout_max_seconds)):
+        waited(rt, worker_id)
+        return weights_response(rt, {PUSH_STATUS_HEADER: result.status.value})
+    return {"status": result.status.value, "step": result.step, "done": core.done}

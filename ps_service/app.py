@@ -1,4 +1,5 @@
-"""The PS's FastAPI application: routers, error handlers and the background ticker."""
+"""The PS's FastAPI application: routers, error handlers, the background ticker and checkpoints
+(restored on start, written periodically off the event loop, and a final one on shutdown/SIGTERM)."""
 from __future__ import annotations
 
 import asyncio
@@ -7,7 +8,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from ps_service import api, monitoring
+from ps_service import api, auth, checkpoint, dashboard, metrics, monitoring
 from ps_service.http import install_error_handlers
 from ps_service.runtime import Runtime
 from ps_service.settings import PSSettings
@@ -20,6 +21,8 @@ def create_app(settings: PSSettings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI):
         rt = Runtime(settings)
         app.state.runtime = rt
+        checkpointer = checkpoint.attach(rt)  # restores the newest valid checkpoint first
+        app.state.metrics = metrics.attach(rt)
         task = asyncio.create_task(rt.ticker())
         try:
             yield
@@ -27,10 +30,19 @@ def create_app(settings: PSSettings | None = None) -> FastAPI:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+            if checkpointer is not None:
+                await asyncio.to_thread(checkpointer.finish, rt.core)
 
-    app = FastAPI(title="syncps parameter server", version="0.1.0", lifespan=lifespan,
+    docs = {} if not settings.production else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="syncps parameter server", version="0.1.0", lifespan=lifespan, **docs,
                   description="Synchronous parameter server (SyncReplicasOptimizer semantics). See docs/protocol.md.")
     install_error_handlers(app)
-    app.include_router(api.router)
-    app.include_router(monitoring.router)
+    # access control (ps_service/auth.py): every router but health and the static dashboard needs a token when one is configured
+    app.include_router(api.router, dependencies=auth.TRAINING)
+    app.include_router(monitoring.router, dependencies=auth.MONITORING)
+    app.include_router(metrics.router, dependencies=auth.MONITORING)
+    # the dashboard's page and assets hold no data (its script fetches the guarded JSON routes with the
+    # token given as /#token=...): a browser cannot send a bearer header when it opens a page
+    app.include_router(dashboard.router)
+    app.include_router(monitoring.health)
     return app

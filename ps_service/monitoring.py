@@ -1,99 +1,232 @@
-"""Monitoring routes (JSON): status, workers, rounds, liveness and readiness.
+"""Monitoring routes (JSON): status, workers, rounds, loss curve, liveness and readiness.
 
-Read-only views of the core; nothing here changes training state.
+Read-only views of the core; nothing here changes training state. The
+response shapes (and their documentation in ``/docs``) are in
+:mod:`ps_service.monitoring_models`; the straggler definition is in
+:mod:`ps_service.stragglers`. Routes are ``async`` so they read the core on the
+event loop, never concurrently with a push.
 """
 from __future__ import annotations
+
+from collections import deque
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 
+from ps_service.membership import ACTIVE, EXPIRED, LEFT
+from ps_service.monitoring_models import LossCurve, Rounds, RoundRecord, Status, Workers
 from ps_service.runtime import Runtime
+from shared.errors import ProtocolError
 from shared.protocol import API
 
-router = APIRouter(tags=["monitoring"])
+router = APIRouter(tags=["monitoring"])  # app.py attaches auth.require_monitor
+health = APIRouter(tags=["health"])  # always open: orchestrators probe it
+
+THROUGHPUT_WINDOW_SECONDS = 10.0
+LOSS_AVERAGE_ROUNDS = 20
+STRAGGLER_WINDOW_ROUNDS = 100
+PUSH_KINDS = ("accepted", "stale", "late", "duplicate", "skipped")
 
 
 def runtime(request: Request) -> Runtime:
     return request.app.state.runtime
 
 
-def round_view(rt: Runtime) -> dict | None:
+def wall(rt: Runtime, t: float) -> float:
+    """A core (monotonic) time as Unix seconds."""
+    return rt.started_wall + (t - rt.started_mono)
+
+
+def current_round(rt: Runtime) -> dict | None:
     core, r = rt.core, rt.core.round
     if r is None:
         return None
     names = {w: core.members.by_id[w].name for w in r.eligible}
+    pushed = {a["worker_id"] for a in r.arrivals}
     return {
-        "step": r.step,
-        "open_for_seconds": rt.now() - r.opened_at,
-        "pushed": len(r.grads) if r.grads else len(r.arrivals),
-        "needed": core.needed(r) + len(r.arrivals),
+        "step": r.step, "opened_at": wall(rt, r.opened_at), "open_for_seconds": rt.now() - r.opened_at,
+        "eligible": [names[w] for w in sorted(r.eligible, key=r.eligible.get) if w not in r.gone],
         "pushed_by": [a["name"] for a in r.arrivals],
-        "awaited": sorted(names[w] for w in core._alive_eligible(r) if w not in {a["worker_id"] for a in r.arrivals}),
+        "awaited": [names[w] for w in sorted(core._alive_eligible(r), key=r.eligible.get) if w not in pushed],
         "late": [a["name"] for a in r.late],
+        "still_needed": core.needed(r),
     }
 
 
-def worker_view(m, now: float) -> dict:
-    n = max(1, m.phase_reports)
+def arrivals_view(entries: list[dict], opened_at: float) -> list[dict]:
+    return [{"order": i, "name": a["name"], "rank": a["rank"], "worker_id": a["worker_id"],
+             "after_seconds": a["at"] - opened_at} for i, a in enumerate(entries, 1)]
+
+
+def round_record(rt: Runtime, rec: dict) -> dict:
     return {
-        "worker_id": m.worker_id, "name": m.name, "rank": m.rank, "state": m.state,
-        "last_seen_seconds_ago": now - m.last_seen, "registrations": m.registrations,
-        "pushes": {k: m.pushes.get(k, 0) for k in ("accepted", "stale", "duplicate", "late", "skipped")},
+        "step": rec["step"], "opened_at": wall(rt, rec["opened_at"]), "closed_at": wall(rt, rec["closed_at"]),
+        "duration_seconds": rec["duration"], "reason": rec["reason"], "aggregated": rec["aggregated"],
+        "eligible": rec["eligible"], "contributors": arrivals_view(rec["contributors"], rec["opened_at"]),
+        "late": arrivals_view(rec.get("late", []), rec["opened_at"]), "missing": rec["missing"],
+        "straggler": rec["straggler"], "loss": rec["loss"], "examples": rec.get("examples", 0),
+    }
+
+
+def last_rounds(rt: Runtime, limit: int) -> list[dict]:
+    """The last ``limit`` core round records, newest first."""
+    rounds = rt.core.rounds
+    return [rounds[-i] for i in range(1, min(limit, len(rounds)) + 1)]
+
+
+def straggler_totals(records: list[dict]) -> list[dict]:
+    """Per straggler name over ``records``: rounds and seconds it cost; most costly first."""
+    totals: dict[str, dict] = {}
+    for rec in records:
+        s = rec["straggler"]
+        if s is not None:
+            t = totals.setdefault(s["name"], {"name": s["name"], "rounds": 0, "waited_seconds": 0.0})
+            t["rounds"] += 1
+            t["waited_seconds"] += s["waited_seconds"]
+    return sorted(totals.values(), key=lambda t: (-t["waited_seconds"], t["name"]))
+
+
+def throughput(rt: Runtime, now: float) -> dict:
+    core = rt.core
+    since = now - THROUGHPUT_WINDOW_SECONDS
+    rounds = examples = 0
+    for rec in reversed(core.rounds):
+        if rec["closed_at"] < since:
+            break
+        rounds += 1
+        examples += rec.get("examples", 0)
+    window = THROUGHPUT_WINDOW_SECONDS
+    if core.started_at is not None:
+        window = max(1e-9, min(window, now - core.started_at))
+    kept = core.rounds
+    span = kept[-1]["closed_at"] - kept[0]["opened_at"] if kept else 0.0
+    return {"window_seconds": window, "rounds_per_second": rounds / window, "examples_per_second": examples / window,
+            "mean_rounds_per_second": len(kept) / span if span > 0 else 0.0}
+
+
+def checkpoint_view(info: dict | None) -> dict | None:
+    if info is None:
+        return None
+    return {**info, "path": None if info.get("path") is None else str(info["path"])}
+
+
+def status_view(rt: Runtime) -> dict:
+    core, s, now = rt.core, rt.settings, rt.now()
+    losses = [l for _, l in list(core.loss_history)[-LOSS_AVERAGE_ROUNDS:]]
+    states = [m.state for m in core.members.by_id.values()]
+    r = core.round
+    effective_r = None
+    if r is not None:
+        effective_r = s.replicas_to_aggregate or len(core._alive_eligible(r))
+    return {
+        "state": core.state().value, "global_step": core.global_step, "max_steps": s.max_steps,
+        "progress": core.global_step / s.max_steps if s.max_steps else None,
+        "mode": "fixed" if s.replicas_to_aggregate else "elastic",
+        "replicas_to_aggregate": s.replicas_to_aggregate, "total_num_replicas": s.total_num_replicas,
+        "effective_replicas_to_aggregate": effective_r, "aggregation": s.aggregation,
+        "optimizer": core.optimizer.spec if core.optimizer else None,
+        "round": current_round(rt), "wait_reason": core.wait_reason(now),
+        "workers": {"active": states.count(ACTIVE), "expired": states.count(EXPIRED), "left": states.count(LEFT),
+                    "registered": len(states), "membership_changes": core.members.changes},
+        "pushes": {k: core.push_counts.get(k, 0) for k in PUSH_KINDS},
+        "loss": {"last": losses[-1] if losses else None,
+                 "moving_average": sum(losses) / len(losses) if losses else None,
+                 "moving_average_rounds": len(losses)},
+        "throughput": throughput(rt, now),
+        "examples": core.examples, "bytes_received": rt.bytes_in, "bytes_sent": rt.bytes_out,
+        "auth_failures": rt.auth_failures, "started_at": rt.started_wall,
+        "training_started_at": None if core.started_at is None else wall(rt, core.started_at),
+        "uptime_seconds": now - rt.started_mono,
+        "checkpoint": checkpoint_view(rt.checkpoint_info),
+    }
+
+
+def worker_view(rt: Runtime, m, now: float, totals: dict[str, dict]) -> dict:
+    r = rt.core.round
+    n = max(1, m.phase_reports)
+    last_step = max(m.recent) if m.recent else None
+    last_status = m.recent[last_step] if m.recent else None
+    in_round = r is not None and m.worker_id in r.eligible and m.worker_id not in r.gone
+    state = "late" if m.state == ACTIVE and last_status in ("late", "stale") else m.state
+    t = totals.get(m.name, {})
+    return {
+        "worker_id": m.worker_id, "name": m.name, "rank": m.rank, "state": state,
+        "last_seen": wall(rt, m.last_seen), "last_seen_seconds_ago": now - m.last_seen,
+        "registered_at": wall(rt, m.registered_at), "registrations": m.registrations,
+        "last_step": last_step, "last_push_status": last_status, "in_current_round": in_round,
+        "awaited": in_round and m.state == ACTIVE and m.worker_id not in {a["worker_id"] for a in r.arrivals},
+        "pushes": {k: m.pushes.get(k, 0) for k in PUSH_KINDS},
         "mean_seconds": {k: v / n for k, v in m.phase_sums.items()},
         "last_loss": m.last_loss,
+        "straggler_rounds": t.get("rounds", 0), "straggler_seconds": t.get("waited_seconds", 0.0),
     }
 
 
-@router.get(f"{API}/status")
+def workers_view(rt: Runtime) -> dict:
+    now = rt.now()
+    window = last_rounds(rt, STRAGGLER_WINDOW_ROUNDS)
+    ranked = straggler_totals(window)
+    events = [{**e, "time": wall(rt, e["time"])} for e in list(rt.core.members.events)[-100:]]
+    return {"workers": [worker_view(rt, m, now, {t["name"]: t for t in ranked}) for m in rt.core.members.all()],
+            "straggler": ranked[0]["name"] if ranked else None, "window_rounds": len(window), "events": events}
+
+
+@router.get(f"{API}/status", response_model=Status)
 async def status(request: Request) -> dict:
-    rt = runtime(request)
-    core = rt.core
-    s = rt.settings
-    now = rt.now()
-    recent = [r for r in core.rounds if r["closed_at"] >= now - 10.0]
-    span = (recent[-1]["closed_at"] - recent[0]["opened_at"]) if recent else 0.0
-    losses = [l for _, l in list(core.loss_history)[-20:]]
-    return {
-        "state": core.state().value,
-        "global_step": core.global_step,
-        "max_steps": s.max_steps,
-        "mode": "fixed" if s.replicas_to_aggregate else "elastic",
-        "replicas_to_aggregate": s.replicas_to_aggregate,
-        "total_num_replicas": s.total_num_replicas,
-        "aggregation": s.aggregation,
-        "optimizer": core.optimizer.spec if core.optimizer else None,
-        "round": round_view(rt),
-        "workers": {"active": len(core.members.active()), "registered": len(core.members.by_id),
-                    "membership_changes": core.members.changes},
-        "pushes": dict(core.push_counts),
-        "loss": {"last": losses[-1] if losses else None, "mean_last_20": sum(losses) / len(losses) if losses else None},
-        "throughput": {"rounds_per_second": len(recent) / span if span > 0 else 0.0},
-        "examples": core.examples,
-        "uptime_seconds": now - rt.started_mono,
-    }
+    """Job state, progress, mode, optimizer, the open round, loss, throughput, uptime, checkpoint."""
+    return status_view(runtime(request))
 
 
-@router.get(f"{API}/workers")
+@router.get(f"{API}/workers", response_model=Workers)
 async def workers(request: Request) -> dict:
+    """Every member: state, last seen, push outcomes, mean phase times, straggler counts; membership events."""
+    return workers_view(runtime(request))
+
+
+@router.get(f"{API}/rounds", response_model=Rounds)
+async def rounds(request: Request, limit: int = Query(20, ge=1, le=1000, description="How many of the last rounds.")) -> dict:
+    """The last ``limit`` closed rounds (newest first): contributors in arrival order, late pushes, missing
+    members, the straggler and what it cost; plus the open round and per-straggler totals."""
     rt = runtime(request)
-    now = rt.now()
-    return {"workers": [worker_view(m, now) for m in rt.core.members.all()],
-            "events": list(rt.core.members.events)[-100:]}
+    records = last_rounds(rt, limit)
+    return {"rounds": [round_record(rt, r) for r in records], "current": current_round(rt),
+            "stragglers": straggler_totals(records)}
 
 
-@router.get(f"{API}/rounds")
-async def rounds(request: Request, limit: int = Query(20, ge=1, le=1000)) -> dict:
+@router.get(f"{API}/rounds/{{step}}", response_model=RoundRecord,
+            responses={404: {"description": "no such round kept (not closed yet, or older than the last 1000)"}})
+async def one_round(step: int, request: Request) -> dict:
+    """One closed round: who slowed round ``step`` and by how much."""
     rt = runtime(request)
-    return {"rounds": list(rt.core.rounds)[-limit:][::-1], "current": round_view(rt)}
+    kept = rt.core.rounds
+    if kept and kept[0]["step"] <= step <= kept[-1]["step"]:
+        for rec in kept:  # steps are increasing; restarts from a checkpoint keep them so
+            if rec["step"] == step:
+                return round_record(rt, rec)
+    raise ProtocolError(404, "unknown_round", f"round {step} is not among the kept closed rounds")
 
 
-@router.get("/healthz")
+@router.get(f"{API}/loss", response_model=LossCurve)
+async def loss(request: Request, since: int = Query(-1, ge=-1, description="Only rounds with step > since.")) -> dict:
+    """The loss curve (one point per closed round, the last 10000): what the dashboard plots."""
+    core = runtime(request).core
+    points: deque = deque()
+    for step, value in reversed(core.loss_history):
+        if step <= since:
+            break
+        points.appendleft((step, value))
+    return {"steps": [p[0] for p in points], "loss": [p[1] for p in points], "global_step": core.global_step}
+
+
+@health.get("/healthz")
 async def healthz() -> dict:
+    """Liveness: the process answers."""
     return {"status": "ok"}
 
 
-@router.get("/readyz")
+@health.get("/readyz", responses={503: {"description": "the model is not initialised yet"}})
 async def readyz(request: Request) -> JSONResponse:
+    """Readiness: the model is initialised and the PS serves it."""
     core = runtime(request).core
     if core.initialized:
         return JSONResponse({"status": "ready", "state": core.state().value})

@@ -74,6 +74,7 @@ class Status(BaseModel):
     aggregation: str
     optimizer: dict[str, Any] | None = Field(description="The optimizer the PS runs, with its hyper-parameters.")
     round: CurrentRound | None = Field(description="The open round (null before start and when done).")
+    wait_reason: str | None = Field(description="What the job is waiting for right now, for humans (null: done).")
     workers: WorkerCounts
     pushes: PushCounts
     loss: Loss
@@ -89,9 +90,10 @@ class Status(BaseModel):
 
 
 class PhaseSeconds(BaseModel):
-    fetch: float = Field(description="Pulling the weights (including the barrier wait).")
-    compute: float
-    push: float
+    fetch: float = Field(description="Getting the weights of the step (a pull, and any wait at the barrier in it).")
+    compute: float = Field(description="Computing the gradients (WORKER_COMPUTE_DELAY_SECONDS included).")
+    push: float = Field(description="Sending the gradients; a push that asks for the next weights waits there "
+                                    "for its round to close (the barrier wait).")
 
 
 class Worker(BaseModel):

@@ -12,9 +12,10 @@ import logging
 import time
 from typing import Awaitable, Callable
 
+from ps_service.buffers import POOL
 from ps_service.core import CoreConfig, ParameterServerCore
 from ps_service.settings import PSSettings
-from shared.codec import encode_tensors, pack
+from shared.codec import ZERO_COPY_MIN_BYTES, encode_tensors, pack_parts
 
 log = logging.getLogger("ps_service")
 
@@ -45,7 +46,7 @@ class Runtime:
         self._event = asyncio.Event()
         self._seen_version = self.core.version
         self._body_key: tuple | None = None
-        self._body: bytes = b""
+        self._body: bytes | memoryview = b""
         self.bytes_in = 0
         self.bytes_out = 0
         #: requests refused for a missing or wrong token (issue: access control)
@@ -83,16 +84,35 @@ class Runtime:
                 return predicate()
         return True
 
-    def pull_body(self) -> bytes:
-        """msgpack of the current weights, encoded once per (step, round membership)."""
+    def pull_body(self) -> bytes | memoryview:
+        """msgpack of the current weights, encoded once per (step, round membership).
+
+        A large body is a snapshot of the weights in a pooled buffer (one copy, no msgpack
+        buffer growth) that is never written again while an answer still sends it, so the
+        weights can change under an answer in flight."""
         core = self.core
         ranks = sorted(core.round.eligible.values()) if core.round else []
         key = (core.global_step, core.done, tuple(ranks), core.optimizer.iterations if core.optimizer else -1)
         if key != self._body_key:
-            self._body = pack({"step": core.global_step, "done": core.done, "ranks": ranks,
-                               "tensors": encode_tensors(core.weights)})
+            parts = pack_parts({"step": core.global_step, "done": core.done, "ranks": ranks,
+                                "tensors": encode_tensors(core.weights)})
+            size = sum(len(p) for p in parts)
+            self._body = b""  # the old body's buffer goes back to the pool once no answer sends it
+            if size < ZERO_COPY_MIN_BYTES:
+                self._body = b"".join(parts)
+            else:
+                view, at = POOL.take(size), 0
+                for p in parts:
+                    view[at:at + len(p)] = p
+                    at += len(p)
+                self._body = view
             self._body_key = key
         return self._body
+
+    def drop_body(self) -> None:
+        """Forget the encoded weights (a push is coming in, its round re-encodes them): their
+        buffer serves the push's body once no answer sends it, which bounds the PS's memory."""
+        self._body, self._body_key = b"", None
 
     async def ticker(self) -> None:
         """Background task: leases, start-up grace, round deadlines."""

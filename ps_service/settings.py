@@ -6,10 +6,13 @@ Docker secret) is read here too.
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from shared.tokens import resolve_token
 
 
 class PSSettings(BaseSettings):
@@ -42,9 +45,34 @@ class PSSettings(BaseSettings):
     nonfinite_policy: Literal["reject", "skip"] = Field(
         "reject", description="NaN/Inf gradient: reject with 422, or skip (count, do not apply).")
     max_body_bytes: int = Field(1 << 30, gt=0, description="Largest request body accepted (413 beyond).")
+    body_idle_timeout_seconds: float = Field(
+        30.0, gt=0, description="A request body that stalls this long between two chunks is refused (408).")
+    auth_token: SecretStr | None = Field(
+        None, description="Bearer token the training and control routes require (register, leave, heartbeat, "
+                          "initialise, pull, push). Unset or empty: those routes are open.")
+    auth_token_file: Path | None = Field(
+        None, description="File holding the training token (a Docker secret, /run/secrets/...); "
+                          "instead of PS_AUTH_TOKEN, not with it.")
+    monitor_token: SecretStr | None = Field(
+        None, description="Read-only bearer token of the monitoring routes (/v1/status, /v1/workers, /v1/rounds, "
+                          "/metrics, the dashboard); they accept the training token too. Unset: monitoring is open.")
+    production: bool = Field(False, description="Production mode: no /docs, /redoc or /openapi.json.")
     pull_timeout_max_seconds: float = Field(60.0, gt=0, description="Upper bound of a pull's ?timeout=.")
     tick_seconds: float = Field(0.1, gt=0, description="How often leases and round deadlines are checked.")
+    checkpoint_dir: str | None = Field(
+        None, description="Directory of checkpoints (restored on start, written periodically and on SIGTERM). Unset: off.")
+    checkpoint_every_steps: int = Field(
+        100, ge=0, description="Checkpoint when the global step moved this many steps since the last one (0: off).")
+    checkpoint_every_seconds: float = Field(
+        60.0, ge=0, description="Checkpoint when this many seconds passed since the last one and the step moved (0: off).")
+    checkpoint_keep: int = Field(3, ge=1, description="Checkpoints kept (the newest); older ones are deleted.")
     log_level: str = Field("info", description="Log level of the PS.")
+
+    @model_validator(mode="after")
+    def _tokens(self) -> "PSSettings":
+        self.auth_token = resolve_token(self.auth_token, self.auth_token_file, "PS_AUTH_TOKEN")
+        self.monitor_token = resolve_token(self.monitor_token, None, "PS_MONITOR_TOKEN")
+        return self
 
     def optimizer_overrides(self) -> dict:
         keys = ("learning_rate", "momentum", "nesterov", "beta1", "beta2", "epsilon", "initial_accumulator_value")

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from shared.codec import decode_tensors
+from shared.codec import DTYPES, MAX_NDIM, decode_tensors
 from shared.errors import bad_request, unprocessable
 
 API = "/v1"
@@ -21,6 +21,8 @@ MSGPACK = "application/msgpack"
 JSON = "application/json"
 #: Response header carrying the PS's global step on every tensor route.
 STEP_HEADER = "X-Syncps-Step"
+#: Response header of a push answered with the next weights (``POST /v1/gradients?pull=1``): its status.
+PUSH_STATUS_HEADER = "X-Syncps-Push-Status"
 
 
 class PushStatus(str, Enum):
@@ -28,6 +30,7 @@ class PushStatus(str, Enum):
     STALE = "stale"  # computed on weights older than the last closed round: never applied
     LATE = "late"  # for the round that just closed without it (backup loser, deadline) or a round it is not in
     DUPLICATE = "duplicate"  # (worker, step) was pushed before: not counted twice
+    SKIPPED = "skipped"  # NaN/Inf gradient under PS_NONFINITE_POLICY=skip: counted, never applied
 
 
 class JobState(str, Enum):
@@ -36,6 +39,10 @@ class JobState(str, Enum):
     TRAINING = "training"
     DONE = "done"
 
+
+#: bounds of a push's bookkeeping fields (sums of them stay finite)
+MAX_PHASE_SECONDS = 1e6
+MAX_NUM_EXAMPLES = 1 << 32
 
 #: Optimizer names the PS implements.
 OPTIMIZERS = ("sgd", "momentum", "adam", "adagrad")
@@ -90,6 +97,33 @@ def _as_map(obj: Any, what: str) -> dict:
     return obj
 
 
+#: JSON Schema of the msgpack request bodies, for the OpenAPI document (``data`` is msgpack bin)
+TENSOR_SCHEMA = {
+    "type": "object", "required": ["dtype", "shape", "data"], "additionalProperties": False,
+    "properties": {"dtype": {"type": "string", "enum": sorted(DTYPES)},
+                   "shape": {"type": "array", "maxItems": MAX_NDIM, "items": {"type": "integer", "minimum": 0}},
+                   "data": {"type": "string", "format": "binary", "description": "little-endian, C order (msgpack bin)"}},
+}
+TENSORS_SCHEMA = {"type": "object", "additionalProperties": TENSOR_SCHEMA, "description": "tensor name -> tensor"}
+PUSH_SCHEMA = {
+    "type": "object", "required": ["worker_id", "step", "tensors"],
+    "properties": {"worker_id": {"type": "string"}, "step": {"type": "integer", "minimum": 0},
+                   "tensors": TENSORS_SCHEMA, "loss": {"type": ["number", "null"]},
+                   "num_examples": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_NUM_EXAMPLES},
+                   "timings": {"type": "object", "properties": {
+                       k: {"type": "number", "minimum": 0, "maximum": MAX_PHASE_SECONDS} for k in ("fetch", "compute", "push")}}},
+}
+MODEL_INIT_SCHEMA = {
+    "type": "object", "required": ["tensors"],
+    "properties": {"tensors": TENSORS_SCHEMA, "optimizer": {"type": "object", "description": "name, learning_rate, ..."}},
+}
+
+
+def msgpack_body(schema: dict) -> dict:
+    """``openapi_extra`` of a route whose body is msgpack of ``schema``."""
+    return {"requestBody": {"required": True, "content": {MSGPACK: {"schema": schema}}}}
+
+
 def parse_push(obj: Any, max_tensor_bytes: int | None = None) -> PushRequest:
     what = "push"
     obj = _as_map(obj, what)
@@ -102,12 +136,14 @@ def parse_push(obj: Any, max_tensor_bytes: int | None = None) -> PushRequest:
     if loss is not None and not math.isfinite(loss):
         loss = None
     n = obj.get("num_examples")
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
-        raise bad_request("bad_field", "push: num_examples must be a non-negative int")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_NUM_EXAMPLES):
+        raise bad_request("bad_field", f"push: num_examples must be an int in [0, {MAX_NUM_EXAMPLES}]")
     raw = obj.get("timings") or {}
     if not isinstance(raw, dict):
         raise bad_request("bad_field", "push: timings must be a map of phase -> seconds")
     times = {k: _optional_number(raw, k, "timings") or 0.0 for k in ("fetch", "compute", "push")}
+    if not all(0 <= t <= MAX_PHASE_SECONDS for t in times.values()):  # NaN fails too
+        raise bad_request("bad_field", f"push: timings must be seconds in [0, {MAX_PHASE_SECONDS:g}]")
     return PushRequest(worker_id, step, tensors, None if loss is None else float(loss), n, PhaseTimes(**times))
 
 

@@ -21,9 +21,12 @@ from dataclasses import dataclass, field
 
 from shared.errors import ProtocolError
 from worker_service.client import PSClient
+from worker_service.progress import ProgressLog
 from worker_service.tasks import Task
 
 log = logging.getLogger("worker")
+#: PS answers that mean "register again and carry on" (it restarted, or our lease expired)
+REJOIN_CODES = frozenset({"unknown_worker", "not_active", "not_initialized", "not_started"})
 
 
 @dataclass
@@ -41,9 +44,9 @@ class Summary:
 class Heartbeat(threading.Thread):
     """Renews the lease every ``period`` s (own client) until stopped."""
 
-    def __init__(self, base_url: str, worker_id: str, period: float, timeout: float) -> None:
+    def __init__(self, base_url: str, worker_id: str, period: float, timeout: float, token=None) -> None:
         super().__init__(daemon=True, name="heartbeat")
-        self.client = PSClient(base_url, timeout=timeout, attempts=1)
+        self.client = PSClient(base_url, timeout=timeout, attempts=1, token=token)
         self.worker_id = worker_id
         self.period = period
         self.halt = threading.Event()
@@ -58,7 +61,7 @@ class Heartbeat(threading.Thread):
 
 
 def train(client: PSClient, task: Task, name: str, batch_size: int, stop: threading.Event | None = None,
-          log_every: float = 5.0) -> Summary:
+          log_every: float = 5.0, compute_delay: float = 0.0) -> Summary:
     stop = stop or threading.Event()
     summary = Summary(name=name)
     reg = client.register(name)
@@ -69,60 +72,49 @@ def train(client: PSClient, task: Task, name: str, batch_size: int, stop: thread
     summary.rank = rank
     lease = float(reg["lease_seconds"])
     wait = max(0.5, min(10.0, lease / 2))
-    hb = Heartbeat(str(client.http.base_url), worker_id, max(0.2, lease / 3), client.timeout)
+    hb = Heartbeat(str(client.http.base_url), worker_id, max(0.2, lease / 3), client.timeout, client.token)
     hb.start()
     log.info("registered as %r: rank %d, worker_id %s, starting at step %d", name, rank, worker_id, step)
     times = {"fetch": 0.0, "compute": 0.0, "push": 0.0}
-    last_log, steps_at_log, t_start = time.monotonic(), 0, time.monotonic()
+    progress = ProgressLog(log, log_every)
     params = None
     try:
         while not stop.is_set():
             t0 = time.monotonic()
             try:
                 pulled = client.pull(step, worker_id, wait)
-            except ProtocolError as exc:
-                if exc.status in (404, 409) and exc.code in ("unknown_worker", "not_active", "not_initialized"):
-                    reg = _rejoin(client, task, name, exc)
-                    worker_id, step = reg["worker_id"], reg["start_step"]
-                    hb.worker_id = worker_id
-                    summary.rank = reg["rank"]
+                if pulled is None:
                     continue
-                raise
-            if pulled is None:
-                continue
-            params = pulled.tensors
-            summary.final_step = pulled.step
-            if pulled.done:
-                summary.done = True
-                break
-            if summary.rank not in pulled.ranks:
-                step = pulled.step + 1  # not in this round (joined mid-round): wait for the next
-                continue
-            t1 = time.monotonic()
-            batch = task.batch(pulled.step, pulled.ranks.index(summary.rank), len(pulled.ranks), batch_size)
-            loss, grads, n = task.loss_and_grads(pulled.tensors, batch)
-            t2 = time.monotonic()
-            try:
+                params = pulled.tensors
+                summary.final_step = pulled.step
+                if pulled.done:
+                    summary.done = True
+                    break
+                if summary.rank not in pulled.ranks:
+                    step = pulled.step + 1  # not in this round (joined mid-round): wait for the next
+                    continue
+                t1 = time.monotonic()
+                batch = task.batch(pulled.step, pulled.ranks.index(summary.rank), len(pulled.ranks), batch_size)
+                loss, grads, n = task.loss_and_grads(pulled.tensors, batch)
+                if compute_delay > 0:
+                    stop.wait(compute_delay)  # WORKER_COMPUTE_DELAY_SECONDS: a deliberately slow worker
+                t2 = time.monotonic()
+                times = {"fetch": t1 - t0, "compute": t2 - t1, "push": times["push"]}  # push: the previous one's
                 res = client.push(worker_id, pulled.step, grads, loss, n, times)
             except ProtocolError as exc:
-                if exc.status in (404, 409) and exc.code in ("unknown_worker", "not_active", "not_started"):
-                    reg = _rejoin(client, task, name, exc)
-                    worker_id, step = reg["worker_id"], reg["start_step"]
-                    hb.worker_id = worker_id
-                    summary.rank = reg["rank"]
-                    continue
-                raise
+                if exc.code not in REJOIN_CODES:
+                    raise
+                reg = _rejoin(client, task, name, exc, step)
+                worker_id, step, summary.rank = reg["worker_id"], reg["start_step"], reg["rank"]
+                hb.worker_id = worker_id
+                continue
             t3 = time.monotonic()
-            times = {"fetch": t1 - t0, "compute": t2 - t1, "push": t3 - t2}
+            times["push"] = t3 - t2
             summary.statuses[res["status"]] = summary.statuses.get(res["status"], 0) + 1
             summary.steps += 1
             summary.last_loss = loss
             step = pulled.step + 1
-            if t3 - last_log >= log_every:
-                rate = (summary.steps - steps_at_log) / (t3 - last_log)
-                log.info("step %d loss %.6g  %.1f steps/s  fetch %.1f ms compute %.1f ms push %.1f ms",
-                         pulled.step, loss, rate, *(1e3 * times[k] for k in ("fetch", "compute", "push")))
-                last_log, steps_at_log = t3, summary.steps
+            progress.pushed(pulled.step, loss, times, res["status"])
     finally:
         hb.halt.set()
         try:
@@ -131,16 +123,16 @@ def train(client: PSClient, task: Task, name: str, batch_size: int, stop: thread
             log.warning("could not leave the cluster: %s", exc)
     if params is not None:
         summary.metrics = task.evaluate(params)
-    elapsed = time.monotonic() - t_start
-    log.info("%s at global step %d: %d pushes %s in %.1f s, last loss %s, %s",
-             "done" if summary.done else "stopped", summary.final_step, summary.steps, summary.statuses, elapsed,
-             summary.last_loss, summary.metrics)
+    progress.final(summary.done, summary.final_step, summary.last_loss, summary.metrics)
     return summary
 
 
-def _rejoin(client: PSClient, task: Task, name: str, exc: ProtocolError) -> dict:
+def _rejoin(client: PSClient, task: Task, name: str, exc: ProtocolError, step: int) -> dict:
     log.warning("PS says %s (%s): registering again", exc.code, exc.detail)
     reg = client.register(name)
     if not reg["model_initialized"]:
         client.init_model(task.init_params(), task.optimizer())
+    # a PS restarted from a checkpoint is behind: step - global_step rounds are redone
+    log.warning("registered again as rank %d: the PS is at step %d, this worker was at step %d, resuming at %d",
+                reg["rank"], reg["global_step"], step, reg["start_step"])
     return reg

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from shared.tokens import resolve_token
 
 
 def default_name() -> str:
@@ -29,6 +32,25 @@ class WorkerSettings(BaseSettings):
     dtype: Literal["float32", "float64"] = Field("float32", description="dtype of weights and gradients.")
     name: str = Field(default_factory=default_name, description="Name the worker registers under (default hostname:pid).")
     request_timeout_seconds: float = Field(30.0, gt=0, description="Timeout of each HTTP request (pulls add their wait).")
-    retry_attempts: int = Field(10, ge=1, description="Attempts per request on connection errors, timeouts and 5xx.")
+    retry_attempts: int = Field(
+        100, ge=1, description="Attempts per request on connection errors, timeouts and 5xx (backoff capped at 1 s: "
+                               "WORKER_RETRY_TIMEOUT_SECONDS usually ends the retrying, e.g. across a PS restart).")
     retry_timeout_seconds: float = Field(120.0, gt=0, description="Give up on a request after retrying this long.")
     log_every_seconds: float = Field(5.0, gt=0, description="Seconds between progress lines.")
+    auth_token: SecretStr | None = Field(
+        None, description="Bearer token sent to the PS (its PS_AUTH_TOKEN). Unset or empty: none sent.")
+    auth_token_file: Path | None = Field(
+        None, description="File holding the token (a Docker secret, /run/secrets/...); instead of WORKER_AUTH_TOKEN.")
+    fault_drop_before: float = Field(
+        0.0, ge=0, le=1, description="Fault drill (worker_service/faults.py): share of requests dropped before the PS.")
+    fault_drop_after: float = Field(
+        0.0, ge=0, le=1, description="Fault drill: share of requests the PS processes whose answer is then lost.")
+    fault_duplicate: float = Field(0.0, ge=0, le=1, description="Fault drill: share of requests the PS receives twice.")
+    fault_seed: int = Field(0, description="Fault drill: seed of the fault pattern (mixed with the worker's name).")
+    compute_delay_seconds: float = Field(
+        0.0, ge=0, description="Extra seconds added to every compute phase: a deliberately slow worker, for straggler drills.")
+
+    @model_validator(mode="after")
+    def _token(self) -> "WorkerSettings":
+        self.auth_token = resolve_token(self.auth_token, self.auth_token_file, "WORKER_AUTH_TOKEN")
+        return self

@@ -1,0 +1,90 @@
+"""Access control of the PS: bearer tokens, as FastAPI dependencies routers attach.
+
+Contract:
+- :func:`require_training` guards every route that registers, leaves,
+  heartbeats, initialises, pulls, pushes or controls: with ``PS_AUTH_TOKEN``
+  set, the request needs ``Authorization: Bearer <that token>``.
+- :func:`require_monitor` guards the read-only monitoring routes (status,
+  workers, rounds, metrics, the dashboard): with ``PS_MONITOR_TOKEN`` set, they
+  need that token or the training token; unset, they are open. The monitor
+  token never opens a training route.
+- ``/healthz`` and ``/readyz`` take neither (orchestrators probe them).
+- Tokens are compared in constant time (:func:`hmac.compare_digest` over
+  SHA-256 digests, so not even the length leaks). A refusal is a 401
+  ``{"error": "unauthorized", "detail": ...}`` with ``WWW-Authenticate: Bearer``,
+  raised before the body is read, and counted in ``Runtime.auth_failures``.
+  Neither the expected nor the presented token is ever logged or echoed.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import SecretStr
+
+from shared.errors import ProtocolError
+
+REALM = 'Bearer realm="syncps"'
+
+# auto_error=False: a missing or malformed header comes back as None and is refused below,
+# with our error body. The schemes also document the security of each route in the OpenAPI schema.
+_training_scheme = HTTPBearer(auto_error=False, scheme_name="trainingToken",
+                              description="PS_AUTH_TOKEN: training and control routes.")
+_monitor_scheme = HTTPBearer(auto_error=False, scheme_name="monitorToken",
+                             description="PS_MONITOR_TOKEN (or PS_AUTH_TOKEN): monitoring routes.")
+
+
+class Unauthorized(ProtocolError):
+    """A 401 that carries the ``WWW-Authenticate`` challenge (RFC 6750)."""
+
+    def __init__(self, detail: str, challenge: str) -> None:
+        super().__init__(401, "unauthorized", detail)
+        self.headers = {"WWW-Authenticate": challenge}
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.sha256(text.encode("utf-8", "surrogateescape")).digest()
+
+
+def token_matches(presented: str, expected: SecretStr) -> bool:
+    """Constant-time comparison (the same work whatever the inputs' contents and lengths)."""
+    return hmac.compare_digest(_digest(presented), _digest(expected.get_secret_value()))
+
+
+def check(request: Request, creds: HTTPAuthorizationCredentials | None, *accepted: SecretStr | None) -> None:
+    """Pass if no token is configured or ``creds`` matches one of ``accepted``; else count and raise 401."""
+    tokens = [t for t in accepted if t is not None]
+    if not tokens:
+        return
+    presented = creds.credentials.strip() if creds is not None else ""
+    ok = False
+    for token in tokens:  # no early exit: the same work whichever token matches
+        ok |= token_matches(presented, token)
+    if ok:
+        return
+    request.app.state.runtime.auth_failures += 1
+    if not presented:
+        raise Unauthorized("this route needs 'Authorization: Bearer <token>'", REALM)
+    raise Unauthorized("the bearer token is not valid for this route", f'{REALM}, error="invalid_token"')
+
+
+async def require_training(request: Request,
+                           creds: HTTPAuthorizationCredentials | None = Depends(_training_scheme)) -> None:
+    """Dependency of the training and control routes (PS_AUTH_TOKEN)."""
+    s = request.app.state.runtime.settings
+    check(request, creds, s.auth_token)
+
+
+async def require_monitor(request: Request,
+                          creds: HTTPAuthorizationCredentials | None = Depends(_monitor_scheme)) -> None:
+    """Dependency of the read-only monitoring routes (PS_MONITOR_TOKEN, or the training token)."""
+    s = request.app.state.runtime.settings
+    if s.monitor_token is not None:
+        check(request, creds, s.monitor_token, s.auth_token)
+
+
+#: pass as ``dependencies=`` of a router or route
+TRAINING = [Depends(require_training)]
+MONITORING = [Depends(require_monitor)]

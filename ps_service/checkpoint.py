@@ -1,0 +1,256 @@
+"""Crash-consistent PS checkpoints: the file format, atomic writes, pruning, restore, and the periodic policy.
+
+Contract (the format is documented in docs/checkpoint.md, with a plain-script reader):
+
+- One checkpoint is one file ``ckpt-<global step, 10 digits>.msgpack`` in the
+  checkpoint directory: a msgpack map ``{"format": "syncps-checkpoint",
+  "version": 1, "sha256": hex, "payload": bin}`` where ``payload`` is the msgpack
+  of :meth:`ps_service.core.ParameterServerCore.export_state` (tensors in the
+  wire form of :mod:`shared.codec`) plus ``written_at``. No pickle anywhere.
+- A write goes to a hidden temp file, is fsynced, renamed over the final name
+  and the directory fsynced: a reader sees the old file or the new one, never
+  half of one. Then only the newest ``keep`` checkpoints are kept and
+  ``manifest.json`` (an index: file, step, sha256, bytes, time) is rewritten the
+  same way.
+- Restore lists the files themselves (the manifest is for people and tools),
+  newest step first, and takes the first whose checksum and structure are
+  valid: a corrupt or truncated file is logged and skipped for the previous one.
+- :class:`Checkpointer` decides when (every N steps and/or T seconds, only when
+  the step moved), takes the snapshot on the caller's thread (the event loop:
+  consistent, a memcpy) and encodes/writes it on its own single thread, one
+  write at a time (one more snapshot may wait for the running write; beyond
+  that a due checkpoint is taken once the disk caught up).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable
+
+from shared.codec import decode_tensors, encode_tensors, pack, unpack
+
+log = logging.getLogger("ps_service.checkpoint")
+
+FORMAT, VERSION = "syncps-checkpoint", 1
+MANIFEST = "manifest.json"
+NAME_RE = re.compile(r"^ckpt-(\d{10,})\.msgpack$")
+
+
+class CheckpointError(Exception):
+    """A checkpoint file that cannot be used (corrupt, truncated, wrong format)."""
+
+
+def checkpoint_name(step: int) -> str:
+    return f"ckpt-{step:010d}.msgpack"
+
+
+def list_checkpoints(directory: str | Path) -> list[Path]:
+    """Checkpoint files in ``directory``, newest step first (temp files are not listed)."""
+    d = Path(directory)
+    found = [(int(m.group(1)), p) for p in d.iterdir() if (m := NAME_RE.match(p.name))] if d.is_dir() else []
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def encode(state: dict[str, Any], written_at: float) -> tuple[bytes, str]:
+    """(file bytes, sha256 hex of the payload) of an exported core state."""
+    opt = state["optimizer"]
+    payload = pack({
+        "global_step": state["global_step"], "written_at": written_at,
+        "weights": encode_tensors(state["weights"]),
+        "optimizer": {"spec": opt["spec"], "iterations": opt["iterations"],
+                      "slots": {s: encode_tensors(t) for s, t in opt["slots"].items()}},
+        "members": state["members"], "config": state["config"],
+    })
+    digest = hashlib.sha256(payload).hexdigest()
+    return pack({"format": FORMAT, "version": VERSION, "sha256": digest, "payload": payload}), digest
+
+
+def decode(data: bytes) -> dict[str, Any]:
+    """The state in a checkpoint file's bytes (arrays are read-only views); CheckpointError if unusable."""
+    try:
+        outer = unpack(data)
+        if not isinstance(outer, dict) or outer.get("format") != FORMAT:
+            raise CheckpointError("not a syncps checkpoint")
+        if outer.get("version") != VERSION:
+            raise CheckpointError(f"unsupported version {outer.get('version')!r}")
+        payload = outer.get("payload")
+        if not isinstance(payload, (bytes, memoryview)) or hashlib.sha256(payload).hexdigest() != outer.get("sha256"):
+            raise CheckpointError("checksum mismatch")
+        inner = unpack(payload)
+        opt = inner["optimizer"]
+        state = {
+            "global_step": int(inner["global_step"]), "written_at": float(inner["written_at"]),
+            "weights": decode_tensors(inner["weights"]),
+            "optimizer": {"spec": dict(opt["spec"]), "iterations": int(opt["iterations"]),
+                          "slots": {s: decode_tensors(t) for s, t in opt["slots"].items()}},
+            "members": [dict(m) for m in inner["members"]], "config": dict(inner["config"]),
+        }
+    except CheckpointError:
+        raise
+    except Exception as exc:  # truncated msgpack, missing keys, bad tensors: all mean "unusable"
+        raise CheckpointError(f"{type(exc).__name__}: {exc}") from None
+    if not state["weights"]:
+        raise CheckpointError("no weights")
+    return state
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that a crash leaves the old file or the new one: temp, fsync, rename."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_manifest(directory: str | Path) -> dict:
+    try:
+        obj = json.loads((Path(directory) / MANIFEST).read_text())
+        return obj if isinstance(obj, dict) and isinstance(obj.get("checkpoints"), list) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def write_checkpoint(directory: str | Path, state: dict[str, Any], keep: int) -> dict[str, Any]:
+    """Write one checkpoint, keep the newest ``keep``, rewrite the manifest; the new manifest entry."""
+    d = Path(directory)
+    now = time.time()
+    data, digest = encode(state, now)
+    path = d / checkpoint_name(state["global_step"])
+    atomic_write(path, data)
+    entry = {"file": path.name, "step": state["global_step"], "sha256": digest, "bytes": len(data), "written_at": now}
+    files = list_checkpoints(d)
+    for old in files[keep:]:
+        old.unlink(missing_ok=True)
+    kept = {p.name for p in files[:keep]}
+    known = {e.get("file"): e for e in read_manifest(d).get("checkpoints", []) if isinstance(e, dict)}
+    known[path.name] = entry
+    entries = sorted((e for name, e in known.items() if name in kept), key=lambda e: e["step"], reverse=True)
+    atomic_write(d / MANIFEST, json.dumps({"format": f"{FORMAT}-manifest", "version": VERSION,
+                                           "latest": entries[0]["file"], "checkpoints": entries}, indent=1).encode())
+    return entry
+
+
+def load_latest(directory: str | Path) -> tuple[dict[str, Any], Path] | None:
+    """The newest valid checkpoint's state and path; corrupt ones are logged and skipped. None if none."""
+    for path in list_checkpoints(directory):
+        try:
+            return decode(path.read_bytes()), path
+        except (OSError, CheckpointError) as exc:
+            log.warning("skipping checkpoint %s: %s", path.name, exc)
+    return None
+
+
+class Checkpointer:
+    """When to checkpoint, and the background writer. ``on_info`` gets
+    ``{"step", "path", "time", "duration_seconds", "count"}`` after each write or restore."""
+
+    def __init__(self, directory: str | Path, every_steps: int | None, every_seconds: float | None, keep: int,
+                 on_info: Callable[[dict], None] = lambda info: None) -> None:
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for stale in self.dir.glob(".ckpt-*.tmp"):  # a write cut short by a crash
+            stale.unlink(missing_ok=True)
+        self.every_steps, self.every_seconds, self.keep = every_steps, every_seconds, keep
+        self.on_info = on_info
+        self.count = 0
+        self.last_step: int | None = None  # step of the last snapshot taken (or restored)
+        self.written_step: int | None = None  # step of the last checkpoint on disk
+        self.last_time = time.monotonic()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
+        self._queue: list[Future] = []  # writes not finished yet: the running one and at most one waiting
+
+    def restore(self, core, now: float) -> int | None:
+        """Load the newest valid checkpoint into ``core``; its step, or None if there is none."""
+        t0 = time.monotonic()
+        found = load_latest(self.dir)
+        if found is None:
+            log.info("no checkpoint in %s: starting fresh", self.dir)
+            return None
+        state, path = found
+        differ = sorted(k for k, v in state["config"].items() if getattr(core.config, k, v) != v)
+        if differ:
+            log.warning("settings differ from the checkpoint's (the current ones apply): %s", ", ".join(differ))
+        core.import_state(state, now)
+        self.last_step = self.written_step = core.global_step
+        self.last_time = time.monotonic()
+        duration = time.monotonic() - t0
+        log.info("restored %s: global step %d, %d members, in %.3f s", path.name, core.global_step,
+                 len(state["members"]), duration)
+        self.on_info({"step": core.global_step, "path": str(path), "time": time.time(),
+                      "duration_seconds": duration, "count": 0, "restored": True})
+        return core.global_step
+
+    def busy(self) -> bool:
+        """Two writes outstanding: a due checkpoint waits (slow disk), one more may queue behind the running one
+        so that snapshots stay on the step grid."""
+        self._queue = [f for f in self._queue if not f.done()]
+        return len(self._queue) >= 2
+
+    def due(self, core, now: float) -> bool:
+        if not core.initialized or core.global_step == self.last_step or self.busy():
+            return False
+        if self.every_steps and (self.last_step is None or core.global_step - self.last_step >= self.every_steps):
+            return True
+        return bool(self.every_seconds) and now - self.last_time >= self.every_seconds
+
+    def maybe_save(self, core, now: float) -> Future | None:
+        """If due: snapshot now (caller's thread) and write in the background; the write's future."""
+        if not self.due(core, now):
+            return None
+        snapshot = core.export_state()
+        self.last_step, self.last_time = core.global_step, now
+        future = self._pool.submit(self._write, snapshot)
+        self._queue.append(future)
+        return future
+
+    def _write(self, snapshot: dict[str, Any]) -> dict | None:
+        t0 = time.monotonic()
+        try:
+            entry = write_checkpoint(self.dir, snapshot, self.keep)
+        except Exception:
+            log.exception("checkpoint of step %d failed", snapshot["global_step"])
+            return None
+        self.count += 1
+        self.written_step = entry["step"]
+        info = {"step": entry["step"], "path": str(self.dir / entry["file"]), "time": entry["written_at"],
+                "duration_seconds": time.monotonic() - t0, "count": self.count}
+        self.on_info(info)
+        return info
+
+    def finish(self, core) -> dict | None:
+        """Shutdown (blocking; nothing else may touch ``core``): wait for a running write, write a final
+        checkpoint if the step moved since the last one, stop the writer thread."""
+        for future in self._queue:
+            future.result()
+        info = None
+        if core.initialized and core.global_step != self.written_step:
+            self.last_step = core.global_step
+            info = self._write(core.export_state())
+        self._pool.shutdown(wait=True)
+        return info
+
+
+def attach(rt) -> Checkpointer | None:
+    """Wire checkpoints into a PS runtime (``PS_CHECKPOINT_*``): restore the newest valid checkpoint now,
+    then check after every change of the core whether one is due. None when PS_CHECKPOINT_DIR is unset."""
+    s = rt.settings
+    if not s.checkpoint_dir:
+        return None
+    ck = Checkpointer(s.checkpoint_dir, s.checkpoint_every_steps, s.checkpoint_every_seconds, s.checkpoint_keep,
+                      on_info=lambda info: setattr(rt, "checkpoint_info", info))
+    ck.restore(rt.core, rt.now())
+    rt.observers.append(lambda: ck.maybe_save(rt.core, rt.now()))
+    return ck

@@ -1,0 +1,49 @@
+"""The live dashboard: ``GET /`` serves one static page that polls the monitoring API.
+
+The page (``static/dashboard.html``, ``.js``, ``.css``) draws with plain SVG:
+no CDN, no third-party script, no build step. It reads ``/v1/status``,
+``/v1/workers``, ``/v1/rounds`` and ``/v1/loss`` once a second and shows the
+job state, the current step, the loss curve, rounds/s, the open round and a
+per-worker table with the straggler highlighted. Files are read once, at import.
+
+With ``PS_MONITOR_TOKEN`` set, the script sends the token given in the page's
+``#token=<token>`` fragment as a bearer header to the monitoring API (the
+fragment never leaves the browser); app.py guards these files with the
+monitoring token too, so a plain browser needs a proxy that adds the header.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from fastapi import APIRouter
+from fastapi.responses import Response
+
+STATIC = Path(__file__).parent / "static"
+FILES = {
+    "dashboard.html": "text/html; charset=utf-8",
+    "dashboard.js": "text/javascript; charset=utf-8",
+    "dashboard.css": "text/css; charset=utf-8",
+}
+_CONTENT = {name: (STATIC / name).read_bytes() for name in FILES}
+
+router = APIRouter(tags=["monitoring"])
+
+
+def _serve(name: str) -> Response:
+    return Response(_CONTENT[name], media_type=FILES[name], headers={"Cache-Control": "no-cache"})
+
+
+@router.get("/", response_class=Response, responses={200: {"content": {"text/html": {}}}})
+async def index() -> Response:
+    """The live dashboard (HTML): job state, step, loss curve, rounds/s, workers with the straggler highlighted."""
+    return _serve("dashboard.html")
+
+
+@router.get("/dashboard.js", include_in_schema=False)
+async def script() -> Response:
+    return _serve("dashboard.js")
+
+
+@router.get("/dashboard.css", include_in_schema=False)
+async def style() -> Response:
+    return _serve("dashboard.css")

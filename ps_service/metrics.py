@@ -1,0 +1,155 @@
+"""Prometheus metrics of the PS: ``GET /metrics`` (prometheus-client, text or OpenMetrics format).
+
+Contract: every name starts with ``ps_``, values are in base units (seconds,
+bytes), counters end in ``_total``, labels take a fixed, small set of values
+(push status, worker state, job state, round close reason): never a worker name.
+
+Two sources, one registry per app (no process-global state):
+
+- :class:`StateCollector` reads the core and the runtime's counters at scrape
+  time (gauges and counters that the core already keeps);
+- :class:`PSMetrics` observes every closed round and checkpoint into
+  histograms; it is a :attr:`Runtime.observers` hook, so it runs after each
+  change of the core, and once more at each scrape.
+"""
+from __future__ import annotations
+
+from fastapi import APIRouter, Request, Response
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import choose_encoder
+
+from ps_service.membership import ACTIVE, EXPIRED, LEFT
+from ps_service.monitoring import PUSH_KINDS
+from ps_service.runtime import Runtime
+from shared.protocol import JobState
+
+router = APIRouter(tags=["monitoring"])
+
+#: seconds: from a sub-millisecond loopback round to a two-minute stall
+TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+CLOSE_REASONS = ("full", "membership", "deadline")
+
+
+def _gauge(name: str, doc: str, value: float | None) -> GaugeMetricFamily:
+    g = GaugeMetricFamily(name, doc)
+    if value is not None:
+        g.add_metric([], value)
+    return g
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    c = CounterMetricFamily(name, doc)
+    c.add_metric([], value)
+    return c
+
+
+class StateCollector:
+    """Gauges and counters read from the core and runtime at scrape time."""
+
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+
+    def collect(self):
+        rt, core = self.rt, self.rt.core
+        now = rt.now()
+        yield _gauge("ps_global_step", "Model version: the global step (rounds applied).", core.global_step)
+        yield _gauge("ps_max_steps", "Global steps to train (absent: forever).", rt.settings.max_steps)
+        state = core.state().value
+        job = GaugeMetricFamily("ps_job_state", "1 for the job's current state.", labels=["state"])
+        for s in JobState:
+            job.add_metric([s.value], 1.0 if s.value == state else 0.0)
+        yield job
+        members = GaugeMetricFamily("ps_workers", "Registered workers by membership state.", labels=["state"])
+        states = [m.state for m in core.members.by_id.values()]
+        for s in (ACTIVE, EXPIRED, LEFT):
+            members.add_metric([s], states.count(s))
+        yield members
+        yield _counter("ps_membership_changes", "Joins, rejoins, leaves and lease expiries.", core.members.changes)
+        pushes = CounterMetricFamily("ps_pushes", "Gradient pushes by outcome.", labels=["status"])
+        for k in PUSH_KINDS:
+            pushes.add_metric([k], core.push_counts.get(k, 0))
+        yield pushes
+        yield _counter("ps_examples", "Examples behind the accepted gradients.", core.examples)
+        yield _counter("ps_received_bytes", "Bytes of model and gradient request bodies received.", rt.bytes_in)
+        yield _counter("ps_sent_bytes", "Bytes of weight response bodies sent.", rt.bytes_out)
+        yield _counter("ps_auth_failures", "Requests refused for a missing or wrong token.", rt.auth_failures)
+        r = core.round
+        yield _gauge("ps_round_open_seconds", "How long the open round has been open (absent: none open).",
+                     None if r is None else now - r.opened_at)
+        yield _gauge("ps_round_awaited_workers", "Gradients the open round still waits for.",
+                     None if r is None else core.needed(r))
+        yield _gauge("ps_loss", "Loss of the last closed round.", core.loss_history[-1][1] if core.loss_history else None)
+        yield _gauge("ps_start_time_seconds", "Start of the PS, Unix time.", rt.started_wall)
+        info = rt.checkpoint_info or {}
+        yield _counter("ps_checkpoints", "Checkpoints written since start.", info.get("count") or 0)
+        yield _gauge("ps_checkpoint_last_step", "Global step of the last checkpoint.", info.get("step"))
+        yield _gauge("ps_checkpoint_last_duration_seconds", "How long writing the last checkpoint took.",
+                     info.get("duration_seconds"))
+
+
+class PSMetrics:
+    """The app's registry: the scrape-time collector plus histograms fed from closed rounds."""
+
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+        self.registry = CollectorRegistry()
+        reg = self.registry
+        self.rounds = Counter("ps_rounds", "Rounds closed, by what closed them (full | membership | deadline).",
+                              ["reason"], registry=reg)
+        for reason in CLOSE_REASONS:
+            self.rounds.labels(reason)
+        self.round_duration = Histogram("ps_round_duration_seconds", "Round duration, open to close.",
+                                        buckets=TIME_BUCKETS, registry=reg)
+        self.barrier_wait = Histogram("ps_barrier_wait_seconds",
+                                      "Per accepted gradient: from its arrival to the round's close.",
+                                      buckets=TIME_BUCKETS, registry=reg)
+        self.straggler_wait = Histogram("ps_straggler_wait_seconds",
+                                        "Per round with a straggler: what the straggler cost it (waited_seconds).",
+                                        buckets=TIME_BUCKETS, registry=reg)
+        self.checkpoint_duration = Histogram("ps_checkpoint_duration_seconds", "Checkpoint write duration.",
+                                             buckets=TIME_BUCKETS, registry=reg)
+        reg.register(StateCollector(rt))
+        self._last_step = rt.core.rounds[-1]["step"] if rt.core.rounds else None
+        self._checkpoints = 0
+        rt.observers.append(self.observe)
+
+    def observe(self) -> None:
+        """Account the rounds closed and the checkpoint written since the last call."""
+        new = []
+        for rec in reversed(self.rt.core.rounds):
+            if self._last_step is not None and rec["step"] <= self._last_step:
+                break
+            new.append(rec)
+        for rec in reversed(new):
+            self.rounds.labels(rec["reason"] if rec["reason"] in CLOSE_REASONS else "full").inc()
+            self.round_duration.observe(rec["duration"])
+            for c in rec["contributors"]:
+                self.barrier_wait.observe(max(0.0, rec["closed_at"] - c["at"]))
+            if rec["straggler"] is not None:
+                self.straggler_wait.observe(rec["straggler"]["waited_seconds"])
+            self._last_step = rec["step"]
+        info = self.rt.checkpoint_info or {}
+        count = info.get("count") or 0
+        if count > self._checkpoints:
+            self._checkpoints = count
+            if isinstance(info.get("duration_seconds"), (int, float)):
+                self.checkpoint_duration.observe(info["duration_seconds"])
+
+    def render(self, accept: str | None) -> tuple[bytes, str]:
+        self.observe()
+        encoder, content_type = choose_encoder(accept or "")
+        return encoder(self.registry), content_type
+
+
+def attach(rt: Runtime) -> PSMetrics:
+    """Create the metrics of ``rt`` and hook them into it."""
+    return PSMetrics(rt)
+
+
+@router.get("/metrics", response_class=Response,
+            responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format (or OpenMetrics)"}})
+async def metrics(request: Request) -> Response:
+    """Prometheus metrics (every name ``ps_*``)."""
+    body, content_type = request.app.state.metrics.render(request.headers.get("accept"))
+    return Response(body, media_type=content_type)

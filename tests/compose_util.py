@@ -1,0 +1,135 @@
+"""Drive the repository's ``docker-compose.yml`` from tests: one isolated compose project per test.
+
+:class:`ComposeProject` runs ``docker compose`` with a unique project name, its own
+host port (``SYNCPS_PORT``) and an environment scrubbed of the caller's PS_*,
+WORKER_*, SYNCPS_* and COMPOSE_* variables (``--env-file /dev/null``: a
+developer's ``.env`` never leaks into a test). Every command has a timeout.
+``down()`` removes containers, network and volumes and reports what is left.
+
+:func:`compose_unavailable` says why compose tests cannot run (``SYNCPS_SKIP_COMPOSE``
+set by ``.ci/run``, no ``docker`` CLI, no engine, no Compose v2), or None.
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import subprocess
+from pathlib import Path
+
+import httpx
+
+from cluster.processes import free_port, wait_for
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE_FILE = ROOT / "docker-compose.yml"
+#: the tests' image tag, so a test run never retags a user's syncps:latest
+IMAGE = "syncps:compose-test"
+SCRUBBED_PREFIXES = ("PS_", "WORKER_", "SYNCPS_", "COMPOSE_")
+
+
+def compose_unavailable() -> str | None:
+    """The reason compose tests must be skipped, or None when a Docker engine with Compose v2 answers."""
+    if os.environ.get("SYNCPS_SKIP_COMPOSE"):
+        return f"SYNCPS_SKIP_COMPOSE={os.environ['SYNCPS_SKIP_COMPOSE']}"
+    if shutil.which("docker") is None:
+        return "no docker CLI on PATH"
+    for cmd, what in ((["docker", "info"], "docker info failed (no engine)"),
+                      (["docker", "compose", "version"], "docker compose (v2) is not installed")):
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return f"{what}: {exc}"
+        if r.returncode != 0:
+            lines = (r.stderr or r.stdout).strip().splitlines()
+            return f"{what}: {lines[-1] if lines else 'exit code %d' % r.returncode}"
+    return None
+
+
+def docker(*args: str, timeout: float = 60.0, check: bool = True) -> subprocess.CompletedProcess:
+    r = subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout)
+    if check and r.returncode != 0:
+        raise RuntimeError(f"docker {' '.join(args)} failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
+    return r
+
+
+class ComposeProject:
+    def __init__(self, label: str, env: dict | None = None) -> None:
+        self.name = f"syncps-test-{label}-{os.getpid()}-{secrets.token_hex(3)}".lower()
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        base = {k: v for k, v in os.environ.items() if not k.startswith(SCRUBBED_PREFIXES)}
+        self.env = {**base, "SYNCPS_IMAGE": IMAGE, "SYNCPS_PORT": str(self.port),
+                    **{k: str(v) for k, v in (env or {}).items()}}
+
+    def compose(self, *args: str, timeout: float = 120.0, check: bool = True) -> subprocess.CompletedProcess:
+        cmd = ["docker", "compose", "-f", str(COMPOSE_FILE), "--project-directory", str(ROOT),
+               "--env-file", os.devnull, "-p", self.name, *args]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=self.env)
+        if check and r.returncode != 0:
+            raise RuntimeError(f"{' '.join(args)} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+        return r
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def build(self, timeout: float = 600.0) -> None:
+        """Build the image (cached layers make a rebuild take seconds); drop the one it replaces."""
+        old = docker("image", "inspect", "-f", "{{.Id}}", IMAGE, check=False).stdout.strip()
+        self.compose("build", "ps", timeout=timeout)
+        if old and old != docker("image", "inspect", "-f", "{{.Id}}", IMAGE).stdout.strip():
+            docker("rmi", old, check=False)  # untagged now; fails harmlessly while a container uses it
+
+    def up(self, workers: int) -> None:
+        """Start (or rescale) the job and return at once; the PS must answer /healthz first."""
+        self.compose("up", "-d", "--no-build", "--no-recreate", "--scale", f"worker={workers}")
+
+    def down(self) -> list[str]:
+        """Remove containers, network and volumes; what is left of the project (should be [])."""
+        self.compose("down", "-v", "--remove-orphans", "--timeout", "5", timeout=120.0, check=False)
+        label = f"label=com.docker.compose.project={self.name}"
+        left = []
+        for kind in (["ps", "-a"], ["volume", "ls"], ["network", "ls"]):
+            out = docker(*kind, "-q", "--filter", label, check=False).stdout.split()
+            left += [f"{kind[0]} {x}" for x in out]
+        return left
+
+    def logs(self, tail: int = 60) -> str:
+        return self.compose("logs", "--no-color", "--tail", str(tail), check=False).stdout
+
+    # -- containers ------------------------------------------------------------------------
+    def container_ids(self, service: str) -> list[str]:
+        return self.compose("ps", "-a", "-q", service).stdout.split()
+
+    def inspect(self, service: str) -> list[dict]:
+        ids = self.container_ids(service)
+        return json.loads(docker("inspect", *ids).stdout) if ids else []
+
+    def worker_name(self, container: dict) -> str:
+        """The name the worker registers under: hostname:pid, and the worker is PID 1."""
+        return f"{container['Config']['Hostname']}:1"
+
+    def wait_workers_exited(self, deadline: float = 60.0) -> list[dict]:
+        def exited():
+            cs = self.inspect("worker")
+            return cs if cs and all(c["State"]["Status"] == "exited" for c in cs) else None
+        return wait_for(exited, deadline, "every worker container to exit", interval=0.5)
+
+    # -- the PS over the published port -----------------------------------------------------
+    def get(self, path: str, timeout: float = 5.0) -> dict:
+        return httpx.get(f"{self.url}{path}", timeout=timeout).json()
+
+    def try_status(self) -> dict | None:
+        try:
+            return self.get("/v1/status")
+        except (httpx.HTTPError, ValueError):
+            return None
+
+    def wait_status(self, predicate, deadline: float, what: str) -> dict:
+        """Poll /v1/status until ``predicate(status)``; the status that satisfied it."""
+        def check():
+            s = self.try_status()
+            return s if s is not None and predicate(s) else None
+        return wait_for(check, deadline, what, interval=0.2)
+
+    def workers(self) -> dict:
+        return self.get("/v1/workers")

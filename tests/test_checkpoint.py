@@ -1,0 +1,184 @@
+"""Checkpoints: the format round-trips the whole state, writes are atomic and pruned, corrupt files are
+skipped, the documented plain-script reader works, and a real PS restores on start and writes on SIGTERM."""
+from __future__ import annotations
+
+import hashlib
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from cluster.processes import LocalCluster
+from ps_service import checkpoint
+from ps_service.core import CoreConfig, ParameterServerCore
+from shared.codec import encode_tensors, pack
+from shared.errors import ProtocolError
+from shared.protocol import MSGPACK, ModelInit, PushRequest
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "checkpoint.md"
+W0 = {"w": np.zeros((3, 2), np.float32), "b": np.zeros((2,), np.float32)}
+
+
+def make_core(n=2, **cfg) -> tuple[ParameterServerCore, list[str]]:
+    core = ParameterServerCore(CoreConfig(min_workers=n, startup_grace_seconds=0.0, **cfg))
+    core.init_model(ModelInit({k: v.copy() for k, v in W0.items()}, {"name": "adam", "learning_rate": 0.1}), 0.0)
+    return core, [core.register(f"w{i}", 0.0)[0].worker_id for i in range(n)]
+
+
+def train(core: ParameterServerCore, ids: list[str], steps: int) -> None:
+    for _ in range(steps):
+        step = core.global_step
+        for i, wid in enumerate(ids):
+            rng = np.random.default_rng(100 * step + i)
+            grads = {k: rng.standard_normal(v.shape).astype(np.float32) for k, v in W0.items()}
+            core.push(PushRequest(wid, step, grads), 0.0)
+
+
+def write(core: ParameterServerCore, directory: Path, keep: int = 3) -> dict:
+    return checkpoint.write_checkpoint(directory, core.export_state(), keep)
+
+
+def test_round_trip_restores_weights_optimizer_step_and_members(tmp_path):
+    core, ids = make_core()
+    train(core, ids, 5)
+    write(core, tmp_path)
+    state, path = checkpoint.load_latest(tmp_path)
+    assert path.name == "ckpt-0000000005.msgpack"
+    back = ParameterServerCore(CoreConfig(min_workers=2, startup_grace_seconds=0.0))
+    back.import_state(state, 100.0)
+    assert back.global_step == 5 and back.optimizer.iterations == 5 and back.optimizer.spec == core.optimizer.spec
+    for k in W0:
+        np.testing.assert_array_equal(back.weights[k], core.weights[k])
+        for slot in ("m", "v"):
+            np.testing.assert_array_equal(back.optimizer.slots[slot][k], core.optimizer.slots[slot][k])
+    assert [(m.worker_id, m.name, m.rank, m.state) for m in back.members.all()] == [
+        (m.worker_id, m.name, m.rank, "expired") for m in core.members.all()]
+    with pytest.raises(ProtocolError) as exc:  # restored means initialised: workers pull, not PUT
+        back.init_model(ModelInit(dict(W0), {}), 100.0)
+    assert exc.value.status == 409
+    # members come back under their names with their ids and ranks; training goes on bit for bit
+    assert [back.register(f"w{i}", 100.0)[0].worker_id for i in range(2)] == ids
+    assert back.started and back.round.step == 5
+    train(core, ids, 3)
+    train(back, ids, 3)
+    for k in W0:
+        np.testing.assert_array_equal(back.weights[k], core.weights[k])
+
+
+def test_keeps_the_newest_k_and_indexes_them_in_the_manifest(tmp_path):
+    core, ids = make_core()
+    for _ in range(5):
+        train(core, ids, 1)
+        entry = write(core, tmp_path, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-0000000004.msgpack", "ckpt-0000000005.msgpack",
+                                                          "manifest.json"]
+    manifest = checkpoint.read_manifest(tmp_path)
+    assert manifest["latest"] == "ckpt-0000000005.msgpack" and [e["step"] for e in manifest["checkpoints"]] == [5, 4]
+    assert manifest["checkpoints"][0] == entry
+    assert entry["bytes"] == (tmp_path / entry["file"]).stat().st_size
+
+
+def corrupt_flip(p: Path) -> None:
+    data = bytearray(p.read_bytes())
+    data[-5] ^= 0xFF
+    p.write_bytes(bytes(data))
+
+
+def corrupt_truncate(p: Path) -> None:
+    p.write_bytes(p.read_bytes()[:-40])
+
+
+def corrupt_garbage(p: Path) -> None:
+    p.write_bytes(b"\x00not msgpack at all")
+
+
+def corrupt_no_weights(p: Path) -> None:
+    payload = pack({"global_step": 9})
+    p.write_bytes(pack({"format": checkpoint.FORMAT, "version": 1, "sha256": hashlib.sha256(payload).hexdigest(),
+                        "payload": payload}))
+
+
+@pytest.mark.parametrize("damage", [corrupt_flip, corrupt_truncate, corrupt_garbage, corrupt_no_weights])
+def test_a_corrupt_newest_checkpoint_is_skipped_for_the_previous_one(tmp_path, damage, caplog):
+    core, ids = make_core()
+    train(core, ids, 2)
+    write(core, tmp_path)
+    train(core, ids, 2)
+    newest = Path(checkpoint.write_checkpoint(tmp_path, core.export_state(), 3)["file"])
+    damage(tmp_path / newest)
+    (tmp_path / ".ckpt-0000000009.msgpack.123.tmp").write_bytes(b"half a write")  # a crash mid-write
+    state, path = checkpoint.load_latest(tmp_path)
+    assert path.name == "ckpt-0000000002.msgpack" and state["global_step"] == 2
+    assert "skipping checkpoint ckpt-0000000004.msgpack" in caplog.text
+
+
+def test_no_valid_checkpoint_means_a_fresh_start(tmp_path):
+    assert checkpoint.load_latest(tmp_path) is None
+    (tmp_path / "ckpt-0000000001.msgpack").write_bytes(b"")
+    assert checkpoint.load_latest(tmp_path) is None
+    assert checkpoint.load_latest(tmp_path / "missing") is None
+
+
+def test_the_policy_checkpoints_every_n_steps_in_the_background_and_once_more_at_the_end(tmp_path):
+    core, ids = make_core()
+    infos = []
+    ck = checkpoint.Checkpointer(tmp_path, every_steps=3, every_seconds=0, keep=10, on_info=infos.append)
+    written = []
+    for _ in range(7):
+        fut = ck.maybe_save(core, 0.0)
+        if fut is not None:
+            written.append(fut.result()["step"])
+        train(core, ids, 1)
+    ck.finish(core)
+    assert written == [0, 3, 6] and infos[-1]["step"] == 7 and infos[-1]["count"] == 4
+    assert set(infos[-1]) >= {"step", "path", "time", "duration_seconds", "count"}
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)][:2] == ["ckpt-0000000007.msgpack",
+                                                                          "ckpt-0000000006.msgpack"]
+
+
+def test_the_time_policy_needs_the_step_to_move(tmp_path):
+    core, ids = make_core()
+    ck = checkpoint.Checkpointer(tmp_path, every_steps=0, every_seconds=10.0, keep=3)
+    ck.last_step, ck.last_time = 0, 0.0
+    assert not ck.due(core, 100.0)  # same step: nothing new to save
+    train(core, ids, 1)
+    assert not ck.due(core, 5.0) and ck.due(core, 10.0)
+    ck.finish(core)
+
+
+def test_the_documented_plain_script_reads_a_checkpoint(tmp_path):
+    core, ids = make_core()
+    train(core, ids, 3)
+    write(core, tmp_path)
+    corrupt_newer = tmp_path / "ckpt-0000000010.msgpack"
+    corrupt_newer.write_bytes(b"\x81")
+    script = re.search(r"```python\n(.*?)```", DOC.read_text(), re.S).group(1)
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "global step 3" in out.stdout and "'name': 'adam'" in out.stdout
+    assert f"b {core.weights['b'].tolist()}" in out.stdout
+
+
+def test_a_real_ps_writes_on_sigterm_and_restores_on_start(tmp_path):
+    ps_env = {"PS_MAX_STEPS": 30, "PS_CHECKPOINT_DIR": tmp_path, "PS_CHECKPOINT_EVERY_STEPS": 0,
+              "PS_CHECKPOINT_EVERY_SECONDS": 0}
+    c = LocalCluster(1, ps_env=ps_env, worker_env={"WORKER_TASK": "linear"})
+    with c:
+        assert c.wait_workers(60) == [0]
+        assert checkpoint.list_checkpoints(tmp_path) == []  # periodic checkpoints are off
+    state, path = checkpoint.load_latest(tmp_path)  # the final one, written on SIGTERM
+    assert path.name == "ckpt-0000000030.msgpack" and state["members"][0]["name"] == "worker-0"
+    again = LocalCluster(0, ps_env={**ps_env, "PS_MIN_WORKERS": 1}, port=c.port)
+    with again:
+        st = again.status()
+        assert st["global_step"] == 30 and st["state"] == "done"
+        assert st["checkpoint"]["step"] == 30 and st["checkpoint"]["path"] == str(path)
+        body = pack({"tensors": encode_tensors({"w": np.zeros(3, np.float32)}), "optimizer": {}})
+        r = httpx.put(f"{again.url}/v1/model", content=body, headers={"content-type": MSGPACK}, timeout=10)
+        assert r.status_code == 409 and r.json()["error"] == "already_initialized"
+        reg = httpx.post(f"{again.url}/v1/workers", json={"name": "worker-0"}, timeout=10).json()
+        assert (reg["worker_id"], reg["rank"]) == (state["members"][0]["worker_id"], 0)

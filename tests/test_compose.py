@@ -1,0 +1,219 @@
+"""``docker compose up --scale worker=K`` for real: the repository's Dockerfile and docker-compose.yml,
+a real Docker engine, real containers (issue 3; the compose kill test of issue 5).
+
+Each test is its own compose project (unique name, own host port, ``down -v`` afterwards even on
+failure, and the test checks nothing of it is left). Skipped, loudly, when ``SYNCPS_SKIP_COMPOSE``
+is set or no engine answers: the line ``COMPOSE TESTS SKIPPED: <reason>`` goes to stdout.
+Measured times are printed past the capture (``pytest -m compose`` runs just these).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from contextlib import contextmanager
+
+import httpx
+import numpy as np
+import pytest
+
+from cluster.processes import wait_for
+from tests.compose_util import IMAGE, ComposeProject, compose_unavailable, docker
+from worker_service.client import PSClient
+
+pytestmark = [pytest.mark.compose, pytest.mark.timeout(420)]
+
+W_TRUE, B_TRUE = [0.1, 0.2, 0.3], 0.4
+
+
+def report(request, line: str) -> None:
+    """Print past pytest's capture (the skip line must reach the CI log; timings are worth seeing)."""
+    capman = request.config.pluginmanager.getplugin("capturemanager")
+    with capman.global_and_fixture_disabled():
+        print(f"\n{line}", flush=True)
+
+
+@pytest.fixture(scope="module")
+def image(request):
+    reason = compose_unavailable()
+    if reason:
+        line = f"COMPOSE TESTS SKIPPED: {reason}"
+        report(request, line)
+        pytest.skip(line)
+    t0 = time.monotonic()
+    ComposeProject("build").build()
+    report(request, f"[compose] image {IMAGE} built in {time.monotonic() - t0:.1f} s")
+    return IMAGE
+
+
+@pytest.fixture
+def compose(image, request):
+    """Factory of compose projects; each one is taken down (with its volumes) when the test ends."""
+    made: list[ComposeProject] = []
+
+    def make(label: str, **env) -> ComposeProject:
+        made.append(ComposeProject(label, env))
+        return made[-1]
+
+    yield make
+    leftovers = [x for p in made for x in p.down()]
+    assert not leftovers, f"docker compose down -v left {leftovers}"
+
+
+@contextmanager
+def logs_on_failure(p: ComposeProject):
+    try:
+        yield
+    except BaseException:
+        print(f"--- docker compose logs ({p.name})\n{p.logs()}")
+        raise
+
+
+def final_weights(p: ComposeProject, token: str | None = None) -> dict[str, np.ndarray]:
+    client = PSClient(p.url, timeout=10.0, attempts=3, token=token)
+    try:
+        return client.pull(0, wait=5.0).tensors
+    finally:
+        client.close()
+
+
+def assert_linear_solved(p: ComposeProject, token: str | None = None) -> None:
+    t = final_weights(p, token)
+    np.testing.assert_allclose(t["w"].reshape(-1), W_TRUE, atol=1e-3)
+    np.testing.assert_allclose(t["b"].reshape(-1), [B_TRUE], atol=1e-3)
+
+
+def contributors(p: ComposeProject) -> set[str]:
+    return {w["name"] for w in p.workers()["workers"] if w["pushes"]["accepted"] > 0}
+
+
+def states(p: ComposeProject) -> dict[str, str]:
+    return {w["name"]: w["state"] for w in p.workers()["workers"]}
+
+
+def test_up_scale_4_trains_linear_and_down_cleans_up(compose, request):
+    token = "compose-test-token"  # PS_AUTH_TOKEN from the environment reaches the PS and every worker
+    p = compose("up4", PS_MAX_STEPS=400, WORKER_TASK="linear", PS_AUTH_TOKEN=token)
+    with logs_on_failure(p):
+        t0 = time.monotonic()
+        p.up(4)
+        done = p.wait_status(lambda s: s["state"] == "done", 180, "the job to finish")
+        report(request, f"[compose] up --scale worker=4 -> done (400 linear steps): {time.monotonic() - t0:.1f} s")
+        assert done["global_step"] == 400
+        assert_linear_solved(p, token)
+        assert httpx.get(f"{p.url}/v1/model", timeout=5.0).status_code == 401
+        assert p.get("/v1/status")["auth_failures"] == 1  # that probe; the workers were never refused
+        containers = p.wait_workers_exited(60)
+        assert len(containers) == 4
+        assert [c["State"]["ExitCode"] for c in containers] == [0] * 4, [c["Name"] for c in containers]
+        names = {p.worker_name(c) for c in containers}
+        assert contributors(p) == names  # 4 distinct workers, registered by hostname, all pushed
+        # The PS outlives the job: it keeps serving the monitoring API.
+        assert p.get("/healthz")["status"] == "ok"
+        again = p.get("/v1/status")
+        assert again["state"] == "done" and again["global_step"] == 400
+        assert set(states(p).values()) == {"left"}
+        label = f"label=com.docker.compose.project={p.name}"
+        assert docker("volume", "ls", "-q", "--filter", label).stdout.split(), "no checkpoint volume was created"
+    assert p.down() == []  # containers, network and the named volume are gone
+
+
+def test_scale_4_to_6_to_2_while_training(compose, request):
+    steps = 4000  # both rescales are over by step ~450-900 on a 2-core machine (faster means more steps)
+    p = compose("rescale", PS_MAX_STEPS=steps, WORKER_TASK="linear")
+    with logs_on_failure(p):
+        p.up(4)
+        p.wait_status(lambda s: s["state"] == "training" and s["global_step"] >= 50, 120, "training to start")
+        p.up(6)
+        grown = p.wait_status(lambda s: s["workers"]["active"] == 6, 90, "6 active workers")
+        p.wait_status(lambda s: s["global_step"] >= grown["global_step"] + 20, 60, "rounds with 6 workers")
+        assert len(contributors(p)) == 6
+        t0 = time.monotonic()
+        p.up(2)
+        shrunk = p.wait_status(lambda s: s["workers"]["active"] == 2, 90, "2 active workers")
+        report(request, f"[compose] 6 -> 2 workers in {time.monotonic() - t0:.1f} s, at step {shrunk['global_step']}")
+        assert shrunk["state"] == "training", "the job finished before the scale-down: raise max_steps"
+        # SIGTERM: the 4 removed workers left gracefully; none had to expire
+        assert (shrunk["workers"]["left"], shrunk["workers"]["expired"]) == (4, 0)
+        p.wait_status(lambda s: s["global_step"] >= shrunk["global_step"] + 20, 60, "rounds with 2 workers")
+        done = p.wait_status(lambda s: s["state"] == "done", 240, "the job to finish")
+        assert done["global_step"] == steps
+        assert done["workers"]["membership_changes"] >= 6 + 4 + 2  # joins, scale-down leaves, final leaves
+        assert_linear_solved(p)
+        events = p.workers()["events"]
+        assert len({e["name"] for e in events if e["event"] == "joined"}) == 6
+        assert not [e for e in events if e["event"] == "expired"]
+        containers = p.wait_workers_exited(60)  # the 2 that remain after the scale-down
+        assert [c["State"]["ExitCode"] for c in containers] == [0, 0]
+
+
+def crash(c: dict) -> bool:
+    """SIGKILL a container's main process itself (a crash), so its restart policy applies; True if it did.
+    ``docker kill`` would not do: Docker counts it as an explicit stop and never restarts after it.
+    Without the right to signal the process, fall back to ``docker kill`` + ``docker start``."""
+    assert c["State"]["Running"] and c["State"]["Pid"] > 0, c["Name"]
+    try:
+        os.kill(c["State"]["Pid"], signal.SIGKILL)
+        return True
+    except PermissionError:
+        docker("kill", c["Id"])
+        docker("start", c["Id"])
+        return False
+
+
+def test_kill_a_worker_crash_a_worker_crash_the_ps_job_finishes(compose, request):
+    steps, lease = 2500, 3.0
+    p = compose("kill", PS_MAX_STEPS=steps, WORKER_TASK="linear", PS_LEASE_SECONDS=lease,
+                PS_CHECKPOINT_EVERY_STEPS=100)
+    with logs_on_failure(p):
+        p.up(4)
+        p.wait_status(lambda s: s["state"] == "training" and s["global_step"] >= 50, 120, "training to start")
+        # 1. docker kill one worker: its lease expires, the round stops waiting for it, training goes on.
+        victim = p.inspect("worker")[0]
+        name = p.worker_name(victim)
+        t0 = time.monotonic()
+        docker("kill", victim["Id"])
+        p.wait_status(lambda s: s["workers"]["active"] == 3, 60, "the killed worker's lease to expire")
+        stall = time.monotonic() - t0
+        assert states(p)[name] == "expired"
+        at = p.get("/v1/status")["global_step"]
+        p.wait_status(lambda s: s["global_step"] >= at + 20, 60, "training to go on with 3 workers")
+        (victim,) = [c for c in p.inspect("worker") if c["Id"] == victim["Id"]]
+        assert (victim["State"]["ExitCode"], victim["RestartCount"]) == (137, 0)
+        # 2. A worker crashes: restarted (on-failure), it is PID 1 again, so same name: same rank back.
+        crashed = next(c for c in p.inspect("worker") if c["State"]["Running"])
+        before = {w["name"]: w for w in p.workers()["workers"]}[p.worker_name(crashed)]
+        t_crash = time.monotonic()
+        by_policy = crash(crashed)
+        again = lambda: {w["name"]: w for w in p.workers()["workers"]}[before["name"]]  # noqa: E731
+        wait_for(lambda: again()["registrations"] == 2 and again()["state"] == "active", 60, "the crashed worker back")
+        assert again()["rank"] == before["rank"]
+        worker_back = time.monotonic() - t_crash
+        if by_policy:
+            assert [c["RestartCount"] for c in p.inspect("worker") if c["Id"] == crashed["Id"]] == [1]
+        # 3. The PS crashes: the restart policy brings it back, the workers find it again.
+        before = p.get("/v1/status")["global_step"]
+        t1 = time.monotonic()
+        by_policy = crash(p.inspect("ps")[0])
+        back = p.wait_status(lambda s: s["uptime_seconds"] < time.monotonic() - t1 + 1, 90, "the PS to come back")
+        t_back = time.monotonic() - t1
+        resumed = p.wait_status(lambda s: s["state"] == "training" and s["global_step"] > back["global_step"],
+                                90, "training to resume")
+        t_resume = time.monotonic() - t1
+        (ps,) = p.inspect("ps")
+        if by_policy:
+            assert ps["RestartCount"] >= 1
+        restored = (back.get("checkpoint") or {}).get("step")  # None: no checkpoint, the job starts over
+        report(request, f"[compose] worker kill -> lease expiry after {stall:.1f} s (lease {lease} s); worker crash "
+                        f"-> restarted and rejoined with its rank in {worker_back:.1f} s; PS crash at "
+                        f"step >= {before} -> API back in {t_back:.1f} s at step {back['global_step']} (checkpoint "
+                        f"{restored}), training again in {t_resume:.1f} s (step {resumed['global_step']}); "
+                        f"restarted by policy: {by_policy}")
+        if restored is not None:  # checkpoints every 100 steps: about one interval lost at most
+            assert before - 200 <= restored <= back["global_step"]
+        done = p.wait_status(lambda s: s["state"] == "done", 240, "the job to finish after the PS restart")
+        assert done["global_step"] == steps
+        assert_linear_solved(p)
+        containers = p.wait_workers_exited(60)
+        codes = sorted(c["State"]["ExitCode"] for c in containers)
+        assert codes == [0, 0, 0, 137]

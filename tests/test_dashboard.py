@@ -1,0 +1,71 @@
+"""The dashboard (``GET /``) in a real headless Chromium (Debian's, driven by Playwright) while a real job
+trains: no console errors, the current step shown, the loss plot growing, the straggler highlighted."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from cluster.processes import LocalCluster, wait_for
+
+CHROMIUM = os.environ.get("SYNCPS_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+SLOW = "worker-1"
+
+try:
+    from playwright.sync_api import sync_playwright
+except ImportError as exc:  # pragma: no cover - depends on the machine
+    sync_playwright = None
+    MISSING = f"the Python package playwright is not installed ({exc})"
+else:
+    MISSING = None if CHROMIUM else "no chromium binary (Debian package 'chromium'; .ci/run installs it)"
+if MISSING:
+    print(f"\nDASHBOARD TEST SKIPPED: {MISSING}")
+pytestmark = pytest.mark.skipif(MISSING is not None, reason=f"DASHBOARD TEST SKIPPED: {MISSING}")
+
+
+def test_dashboard_shows_live_training_without_console_errors(tmp_path):
+    c = LocalCluster(2, ps_env={"PS_MAX_STEPS": 100000, "PS_STARTUP_GRACE_SECONDS": 0},
+                     worker_env={"WORKER_COMPUTE_DELAY_SECONDS": 0.01, "WORKER_LOG_EVERY_SECONDS": 60})
+    errors: list[str] = []
+    try:
+        c.start_ps()
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, args=FLAGS, timeout=60_000)
+            try:
+                page = browser.new_page(viewport={"width": 1400, "height": 1000})
+                page.set_default_timeout(15_000)
+                page.on("console", lambda m: errors.append(f"console {m.type}: {m.text}") if m.type == "error" else None)
+                page.on("pageerror", lambda e: errors.append(f"page error: {e}"))
+                page.on("requestfailed", lambda r: errors.append(f"request failed: {r.url} {r.failure}"))
+                page.goto(f"{c.url}/", wait_until="load")
+                assert page.title() == "syncps parameter server"
+                wait_for(lambda: page.text_content("#state") == "waiting for model", 15, "the page to show the job state")
+                assert page.text_content("#step") == "0"
+
+                c.start_worker(0)
+                c.start_worker(1, env={"WORKER_COMPUTE_DELAY_SECONDS": 0.08})  # the straggler
+                step = lambda: int(page.text_content("#step"))  # noqa: E731
+                wait_for(lambda: page.text_content("#state") == "training" and step() > 0, 60, "training on the page")
+                points = lambda: int(page.get_attribute("#loss-plot", "data-points"))  # noqa: E731
+                wait_for(lambda: points() >= 2, 30, "a loss curve")
+                first_points, first_path, first_step = points(), page.get_attribute("#loss-plot path", "d"), step()
+                # the page polls once a second: the curve and the step move on while training runs
+                wait_for(lambda: points() > first_points and step() > first_step, 30, "the plot to update")
+                assert page.get_attribute("#loss-plot path", "d") != first_path
+                now = c.status()["global_step"]
+                assert 0 <= now - step() < 100  # the current step: at most a poll (1 s of rounds) behind
+                wait_for(lambda: page.get_attribute("#workers tr.straggler", "data-name") == SLOW, 30,
+                         "the straggler row to be highlighted")
+                assert page.locator("#workers tbody tr").count() == 2
+                assert float(page.text_content("#rps")) > 0
+                assert int(page.get_attribute("#rate-plot", "data-points")) >= 2
+                assert page.text_content("#straggler") == SLOW
+                page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
+            finally:
+                browser.close()
+    finally:
+        c.stop()
+    assert errors == [], errors

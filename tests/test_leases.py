@@ -1,0 +1,127 @@
+"""Leases, comebacks and quorum in the sans-IO core (simulated clock): a dead worker leaves the round at
+once, a restarted one rejoins at the next boundary with its old rank, the status says why a round waits,
+and a retried push is never applied twice."""
+from __future__ import annotations
+
+import numpy as np
+
+from ps_service.core import CoreConfig, ParameterServerCore
+from shared.protocol import ModelInit, PushRequest, PushStatus
+
+W0 = {"w": np.zeros((2,), np.float32)}
+
+
+def make(n=3, **cfg):
+    cfg = {"min_workers": n, "startup_grace_seconds": 0.0, "lease_seconds": 5.0, **cfg}
+    core = ParameterServerCore(CoreConfig(**cfg))
+    core.init_model(ModelInit({"w": W0["w"].copy()}, {"name": "sgd", "learning_rate": 1.0}), 0.0)
+    return core, [core.register(f"w{i}", 0.0)[0].worker_id for i in range(n)]
+
+
+def push(core, wid, step, now, value=1.0):
+    return core.push(PushRequest(wid, step, {"w": np.full(2, value, np.float32)}), now).status
+
+
+def test_an_expired_worker_leaves_the_round_at_once_and_the_record_says_membership():
+    core, ids = make()
+    push(core, ids[0], 0, 1.0)
+    push(core, ids[1], 0, 4.9)
+    assert "1 more gradient(s) from w2" in core.wait_reason(4.9)
+    core.tick(5.01)  # w2 last seen at 0.0, lease 5 s
+    assert core.global_step == 1 and core.rounds[-1]["reason"] == "membership"
+    assert core.rounds[-1]["missing"] == ["w2"] and core.rounds[-1]["closed_at"] == 5.01
+    assert ids[2] not in core.round.eligible
+
+
+def test_a_restarted_worker_rejoins_at_the_next_boundary_with_its_rank():
+    core, ids = make()
+    push(core, ids[0], 0, 1.0)
+    core.tick(5.5)  # w1 and w2 expired: round 0 closes with w0 alone
+    push(core, ids[0], 1, 5.6)  # round 1: w0 only -> closes
+    push(core, ids[0], 2, 5.7)
+    assert core.global_step == 3
+    m, start = core.register("w1", 6.0)  # the restarted process, same name
+    assert (m.worker_id, m.rank, start) == (ids[1], 1, 4)
+    assert ids[1] not in core.round.eligible
+    assert push(core, ids[1], 3, 6.1) is PushStatus.LATE  # not in the open round
+    push(core, ids[0], 3, 6.2)
+    assert core.global_step == 4 and core.round.eligible == {ids[0]: 0, ids[1]: 1}
+
+
+def test_a_worker_back_in_the_round_it_died_in_is_not_waited_for_again():
+    core, ids = make(lease_seconds=100.0)
+    push(core, ids[0], 0, 1.0)
+    core.members.by_id[ids[2]].lease_until = 1.0
+    core.tick(1.5)  # w2 expired, w1 still owes its gradient
+    m, start = core.register("w2", 2.0)
+    assert start == 1 and ids[2] in core.round.gone and core.needed(core.round) == 1
+    assert push(core, ids[2], 0, 2.1) is PushStatus.LATE
+    push(core, ids[1], 0, 2.2)
+    assert core.global_step == 1 and ids[2] in core.round.eligible  # back from the boundary on
+
+
+def test_a_comeback_joins_the_open_round_when_nobody_else_is_alive():
+    core, ids = make(n=1)
+    core.tick(6.0)
+    assert core.wait_reason(6.0).startswith("no live member")
+    m, start = core.register("w0", 7.0)
+    assert start == 0 and push(core, ids[0], 0, 7.1) is PushStatus.ACCEPTED and core.global_step == 1
+
+
+def test_a_restart_within_the_lease_keeps_the_round_waiting_for_it():
+    core, ids = make()
+    push(core, ids[0], 0, 1.0)
+    m, start = core.register("w1", 2.0)  # restarted before its lease ran out: still the same member
+    assert start == 0 and core.needed(core.round) == 2
+    _, start0 = core.register("w0", 2.0)
+    assert start0 == 1  # its gradient for round 0 is in: pull the next step
+
+
+def test_below_the_quorum_after_the_deadline_the_status_says_why():
+    core, ids = make(round_timeout_seconds=2.0, min_replicas=2, lease_seconds=100.0)
+    push(core, ids[0], 0, 0.5)
+    core.tick(3.0)
+    assert core.global_step == 0
+    assert core.wait_reason(3.0) == ("round deadline passed 1.0 s ago but below the quorum: "
+                                     "1 of min_replicas 2 gradients")
+    push(core, ids[1], 0, 3.1)
+    core.tick(3.2)
+    assert core.global_step == 1 and core.rounds[-1]["reason"] == "deadline"
+
+
+def test_the_status_says_what_start_up_waits_for():
+    core = ParameterServerCore(CoreConfig(min_workers=2, startup_grace_seconds=5.0))
+    assert core.wait_reason(0.0) == "waiting for a worker to initialise the model"
+    core.init_model(ModelInit({"w": W0["w"].copy()}, {}), 0.0)
+    core.register("a", 0.0)
+    assert core.wait_reason(0.0) == "waiting for workers: 1 of min_workers 2 registered"
+    core.register("b", 1.0)
+    assert core.wait_reason(1.0).startswith("start-up grace")
+
+
+def test_a_retried_push_is_a_duplicate_across_the_boundary_and_a_comeback():
+    core, ids = make(n=2)
+    assert push(core, ids[0], 0, 1.0) is PushStatus.ACCEPTED
+    assert push(core, ids[1], 0, 1.0) is PushStatus.ACCEPTED
+    weights = core.weights["w"].copy()
+    assert push(core, ids[0], 0, 1.1) is PushStatus.DUPLICATE  # the answer was lost: retried after the boundary
+    core.tick(7.0)  # both expired
+    core.register("w0", 7.0)
+    assert push(core, ids[0], 0, 7.1) is PushStatus.DUPLICATE  # still never applied twice
+    np.testing.assert_array_equal(core.weights["w"], weights)
+    assert core.push_counts["accepted"] == 2 and core.push_counts["duplicate"] == 2
+
+
+def test_after_a_restore_the_restored_round_is_redone_not_a_duplicate():
+    core, ids = make(n=2)
+    push(core, ids[0], 0, 1.0)
+    push(core, ids[1], 0, 1.0)
+    state = core.export_state()
+    push(core, ids[0], 1, 1.2)  # accepted, then the PS dies before round 1 closes
+    back = ParameterServerCore(core.config)
+    back.import_state(state, 10.0)
+    assert back.state().value == "waiting_for_workers" and back.resume_expected == 2
+    for i in range(2):
+        back.register(f"w{i}", 10.0)
+    assert back.started  # every member the checkpoint had is back: no grace
+    assert push(back, ids[0], 1, 10.1) is PushStatus.ACCEPTED
