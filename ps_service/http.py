@@ -25,6 +25,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from ps_service.bodysink import SINK_KEY, BodySink
 from ps_service.buffers import POOL
 from shared.codec import ZERO_COPY_MIN_BYTES
 from shared.errors import ProtocolError
@@ -58,29 +59,40 @@ async def read_body(request: Request, limit: int, media_type: str,
         if int(declared) > limit:
             raise ProtocolError(413, "body_too_large", f"body of {declared} bytes exceeds the limit of {limit}")
     chunks, size = [], 0
-    # a large body goes straight into one buffer of our own (no join, writable: the core may aggregate in it)
+    # a large body goes into one pooled buffer of our own (no join; writable: the core may aggregate in it),
+    # written by the protocol itself where it can (ps_service/bodysink.py)
     big = declared is not None and int(declared) >= ZERO_COPY_MIN_BYTES
-    whole = POOL.take(int(declared)) if big else None
+    sink = BodySink(POOL.take(int(declared))) if big else None
+    if sink is not None:
+        request.scope[SINK_KEY] = sink
     loop = asyncio.get_running_loop()
     try:
         async with asyncio.timeout(idle_timeout) as deadline:
-            async for chunk in request.stream():
+            while True:
+                message = await request.receive()
+                if message["type"] == "http.disconnect":
+                    raise ClientDisconnect()
+                chunk = message.get("body", b"")
                 size += len(chunk)
                 if size > limit:
                     raise ProtocolError(413, "body_too_large", f"body exceeds the limit of {limit} bytes")
-                if whole is None:
+                if sink is None:
                     chunks.append(chunk)
-                elif size <= len(whole):
-                    whole[size - len(chunk):size] = chunk
-                else:
-                    raise ProtocolError(400, "bad_content_length", "the body is longer than its content-length")
-                deadline.reschedule(loop.time() + idle_timeout)
+                elif chunk:
+                    sink.write(chunk)
+                deadline.reschedule(loop.time() + idle_timeout)  # every wake-up brings bytes (or the end)
+                if not message.get("more_body", False):
+                    break
     except TimeoutError:
         raise ProtocolError(408, "body_timeout", f"the body stalled for {idle_timeout:g} s") from None
     except ClientDisconnect:
         raise ProtocolError(400, "client_disconnected", "the client went away before the end of the body") from None
-    if whole is not None:
-        return whole[:size]
+    except ValueError:
+        raise ProtocolError(400, "bad_content_length", "the body is longer than its content-length") from None
+    finally:
+        request.scope.pop(SINK_KEY, None)
+    if sink is not None:
+        return sink.view[:sink.at]
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 

@@ -15,7 +15,7 @@ from typing import Awaitable, Callable
 from ps_service.buffers import POOL
 from ps_service.core import CoreConfig, ParameterServerCore
 from ps_service.settings import PSSettings
-from shared.codec import ZERO_COPY_MIN_BYTES, encode_tensors, pack_parts
+from shared.codec import ZERO_COPY_MIN_BYTES, encode_tensors, pack, pack_parts
 
 log = logging.getLogger("ps_service")
 
@@ -94,13 +94,13 @@ class Runtime:
         ranks = sorted(core.round.eligible.values()) if core.round else []
         key = (core.global_step, core.done, tuple(ranks), core.optimizer.iterations if core.optimizer else -1)
         if key != self._body_key:
-            parts = pack_parts({"step": core.global_step, "done": core.done, "ranks": ranks,
-                                "tensors": encode_tensors(core.weights)})
-            size = sum(len(p) for p in parts)
+            obj = {"step": core.global_step, "done": core.done, "ranks": ranks, "tensors": encode_tensors(core.weights)}
             self._body = b""  # the old body's buffer goes back to the pool once no answer sends it
-            if size < ZERO_COPY_MIN_BYTES:
-                self._body = b"".join(parts)
+            if sum(w.nbytes for w in core.weights.values()) < ZERO_COPY_MIN_BYTES:
+                self._body = pack(obj)
             else:
+                parts = pack_parts(obj)
+                size = sum(len(p) for p in parts)
                 view, at = POOL.take(size), 0
                 for p in parts:
                     view[at:at + len(p)] = p

@@ -17,7 +17,7 @@ from shared.codec import decode_tensors, encode_tensors, pack, pack_parts, unpac
 from shared.errors import ProtocolError
 from shared.protocol import MSGPACK, PUSH_STATUS_HEADER
 from tests.clusters import run_job
-from tests.live_ps import live_ps
+from tests.live_ps import live_ps, raw_exchange, state_hash
 
 
 def test_bench_run_prints_the_anchor_fields():
@@ -162,3 +162,57 @@ def test_large_gradients_arriving_in_any_order_give_the_reference_weights():
             weights[k] = weights[k] - np.float64(0.5) * (total[k] / workers)
     for k in weights:
         assert job.tensors[k].tobytes() == weights[k].tobytes(), f"{k}: not bit-identical"
+
+
+def _big_push_head(port: int, length: int) -> bytes:
+    return (f"POST /v1/gradients HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: {MSGPACK}\r\n"
+            f"Content-Length: {length}\r\n\r\n").encode()
+
+
+def test_large_bodies_through_the_sink_are_refused_cleanly():
+    """Bodies the protocol writes into the route's buffer: a stalled one gets 408, an abandoned one
+    400 or a closed connection, and neither touches the state; the PS trains on afterwards."""
+    size = 50_000  # 200 KB pushes
+    with live_ps(total_num_replicas=1, body_idle_timeout_seconds=1.0, lease_seconds=600) as ps:
+        client = ps.client()
+        wid = client.register("w")["worker_id"]
+        client.init_model({"w": np.zeros(size, np.float32)}, {"name": "sgd", "learning_rate": 1.0})
+        before = state_hash(ps.rt)
+        body = pack({"worker_id": wid, "step": 0, "tensors": encode_tensors({"w": np.ones(size, np.float32)})})
+        status, reply = raw_exchange(ps.port, _big_push_head(ps.port, len(body)) + body[:150_000])
+        assert status == 408 and b"body_timeout" in reply
+        status, _ = raw_exchange(ps.port, _big_push_head(ps.port, len(body) + 10) + body, shutdown=True)
+        assert status in (None, 400)
+        assert state_hash(ps.rt) == before
+        assert client.push(wid, 0, {"w": np.ones(size, np.float32)})["status"] == "accepted"
+        np.testing.assert_array_equal(client.pull(1, wait=5.0).tensors["w"], np.full(size, -1.0, np.float32))
+        client.close()
+
+
+def test_a_parsed_body_is_freed_without_the_cyclic_gc():
+    """Views into a body keep it alive only while they live (a parser cycle once held 40 MB bodies)."""
+    import gc
+    import weakref
+    body = np.zeros(200_000, np.uint8)
+    packed = pack({"tensors": encode_tensors({"w": np.ones(20_000, np.float32)})})
+    body[:len(packed)] = np.frombuffer(packed, np.uint8)
+    alive = weakref.ref(body)
+    gc.disable()
+    try:
+        tensors = decode_tensors(unpack(memoryview(body)[:len(packed)])["tensors"])
+        assert tensors["w"].sum() == 20_000
+        del body, tensors
+        assert alive() is None
+    finally:
+        gc.enable()
+
+
+def test_the_raw_client_reads_a_refusal_sent_before_the_body_ended():
+    """A 20 MB body over the PS's limit: the PS answers 413 at the headers and stops reading; the client
+    reports that answer instead of a broken connection."""
+    with live_ps(total_num_replicas=1, max_body_bytes=1 << 20) as ps:
+        client = ps.client()
+        with pytest.raises(ProtocolError) as err:
+            client.init_model({"w": np.zeros(5_000_000, np.float32)}, {"name": "sgd", "learning_rate": 1.0})
+        assert (err.value.status, err.value.code) == (413, "body_too_large")
+        client.close()

@@ -78,7 +78,13 @@ class RawConnection:
                     self.sock = socket.create_connection((self.host, self.port), timeout=timeout)
                     self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 self.sock.settimeout(timeout)
-                self._send(parts)
+                try:
+                    self._send(parts)
+                except _IdleClosed:
+                    early = self._early_answer(method)  # e.g. a 413 sent before the server stopped reading
+                    if early is None:
+                        raise
+                    return early
                 return self._receive(method)
             except _IdleClosed:
                 self.close()
@@ -100,6 +106,13 @@ class RawConnection:
                     parts[0] = parts[0][sent:]
         except (BrokenPipeError, ConnectionResetError):
             raise _IdleClosed from None
+
+    def _early_answer(self, method: str) -> RawResponse | None:
+        """The answer a server sent before it closed on our request, if there is one to read."""
+        try:
+            return self._receive(method)
+        except (OSError, ValueError, _IdleClosed):
+            return None
 
     def _receive(self, method: str) -> RawResponse:
         buf = bytearray()
