@@ -414,7 +414,7 @@ class ParameterServerCore:
         ``acc = g[first]; acc += g[next] ...; acc /= n`` element-wise in that order whatever
         the arrival order, so the result is bit-reproducible; part of the sum may already be
         done (:meth:`_fold`). Consumes the round's gradients."""
-        order = sorted(r.grads, key=lambda w: r.eligible[w])
+        order = sorted(r.grads, key=self._rank_order(r))
         if order[:len(r.folded)] != r.folded:
             raise AssertionError(f"round {r.step}: summed {r.folded} is not a rank-order prefix of {order}")
         for wid in order[len(r.folded):]:
@@ -425,13 +425,19 @@ class ParameterServerCore:
                 acc /= len(order)
         return out
 
+    @staticmethod
+    def _rank_order(r: Round):
+        """Sort key of the round's members: rank, then id (a newcomer can reuse the rank of a
+        member that left mid-round, so ranks alone may tie)."""
+        return lambda wid: (r.eligible[wid], wid)
+
     def _fold(self, r: Round) -> None:
         """Sum the gradients already in while the round fills: the longest run of eligible ranks,
         lowest first, that have all pushed, and release their buffers (elastic mode: the accepted
         set is then a superset of the run, in the same order; with R set, it is not known yet)."""
         if self.config.replicas_to_aggregate:
             return
-        for wid in sorted(r.eligible, key=r.eligible.__getitem__)[len(r.folded):]:
+        for wid in sorted(r.eligible, key=self._rank_order(r))[len(r.folded):]:
             if wid not in r.grads:
                 return
             self._add(r, wid)

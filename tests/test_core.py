@@ -248,3 +248,20 @@ def test_rank_is_stable_per_name_and_freed_on_leave():
     assert newcomer.rank == 1  # the lowest rank nobody present holds
     back, _ = core.register("w1", 4.0)
     assert back.worker_id == ids[1] and back.rank == 3
+
+
+def test_a_newcomer_reusing_a_leavers_rank_in_an_orphaned_round():
+    """Fixed R: rank 0 pushed and left, rank 1 died; a newcomer gets rank 0 back and joins the orphaned
+    round at once (nobody else can close it); the two rank-0 gradients sum in a deterministic order."""
+    results = []
+    for name in ("fresh", "another"):
+        core, ids = make(2, lease_seconds=5.0, replicas_to_aggregate=2)
+        push(core, ids[0], 0, grad(1), now=1.0)
+        core.leave(ids[0], 1.5)
+        core.tick(6.0)  # ids[1] expires; R = 2 still needs a gradient
+        assert core.global_step == 0
+        m, start = core.register(name, 6.5)
+        assert m.rank == 0 and start == 0 and m.worker_id in core.round.eligible
+        assert push(core, m.worker_id, 0, grad(2), now=7.0).closed
+        results.append(core.weights["w"].copy())
+    np.testing.assert_allclose(results[0], results[1], rtol=1e-6)
