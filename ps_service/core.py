@@ -466,7 +466,7 @@ class ParameterServerCore:
     def _close(self, now: float, reason: str) -> None:
         r = self.round
         if r.grads:  # none when every contribution was skipped (NaN/Inf): the step passes without an update
-            self.optimizer.apply(self.weights, self.aggregate(r))
+            self.optimizer.apply(self.weights, self.aggregate(r), consume=True)
         loss = None
         if r.losses:
             total = sum(n for _, n in r.losses)

@@ -76,8 +76,11 @@ class Optimizer:
             for slot in SLOT_NAMES[self.name]
         }
 
-    def apply(self, weights: dict[str, np.ndarray], grads: Mapping[str, np.ndarray]) -> None:
-        """One update of every weight from its (already aggregated) gradient, in place."""
+    def apply(self, weights: dict[str, np.ndarray], grads: Mapping[str, np.ndarray], consume: bool = False) -> None:
+        """One update of every weight from its (already aggregated) gradient, in place.
+
+        ``consume``: the gradients are scratch buffers of the caller's (the PS's aggregate) and may be
+        overwritten, which saves a model-sized temporary per step; the result is bit-identical."""
         self.iterations += 1
         s = self.spec
         for key, w in weights.items():
@@ -85,7 +88,11 @@ class Optimizer:
             dt = w.dtype.type
             lr = dt(s["learning_rate"])
             if self.name == "sgd":
-                w -= lr * g
+                if consume and g.dtype == w.dtype and g.flags.writeable:
+                    np.multiply(g, lr, out=g)
+                    w -= g
+                else:
+                    w -= lr * g
             elif self.name == "momentum":
                 a = self.slots["accum"][key]
                 m = dt(s["momentum"])

@@ -99,3 +99,14 @@ def test_bad_specs_are_422(spec):
     with pytest.raises(ProtocolError) as err:
         normalize_spec(spec)
     assert err.value.status == 422 and err.value.code == "bad_optimizer"
+
+
+def test_consuming_the_gradient_is_bit_identical():
+    w0 = np.random.default_rng(2).standard_normal((50,)).astype(np.float32)
+    grads = grads_sequence(w0.shape, np.float32)
+    plain, _ = run({"name": "sgd", "learning_rate": 0.5}, w0, grads)
+    w = {"w": w0.copy()}
+    opt = Optimizer({"name": "sgd", "learning_rate": 0.5}, w)
+    for g in grads:
+        opt.apply(w, {"w": g.copy()}, consume=True)
+    assert w["w"].tobytes() == plain.tobytes()
