@@ -117,6 +117,10 @@ class LocalCluster:
         path = self.log_dir / f"{name}.log"
         return path.read_text(errors="replace") if path.exists() else ""
 
+    def logs(self, tail: int = 4000) -> str:
+        """The last ``tail`` characters of every process log (PS first), for failure messages."""
+        return "\n".join(f"--- {p.stem}\n{p.read_text(errors='replace')[-tail:]}" for p in sorted(self.log_dir.glob("*.log")))
+
     def stop(self, grace: float = 10.0) -> None:
         procs = [p for p in [*self.workers, self.ps] if p is not None and p.poll() is None]
         for p in procs:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Query, Request, Response
 from pydantic import BaseModel, Field
 
-from ps_service.runtime import Runtime
+from ps_service.runtime import Runtime, runtime
 from shared.codec import unpack
 from shared.errors import ProtocolError
 from shared.protocol import (API, JSON, MODEL_INIT_SCHEMA, MSGPACK, PUSH_SCHEMA, PUSH_STATUS_HEADER, STEP_HEADER,
@@ -19,10 +19,6 @@ from shared.protocol import (API, JSON, MODEL_INIT_SCHEMA, MSGPACK, PUSH_SCHEMA,
 from ps_service.http import JSON_BODY_LIMIT, parse_json, read_body
 
 router = APIRouter(prefix=API, tags=["training"])
-
-
-def runtime(request: Request) -> Runtime:
-    return request.app.state.runtime
 
 
 async def request_body(request: Request, media_type: str, limit: int | None = None) -> bytes:

@@ -24,6 +24,7 @@ from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import SecretStr
 
+from ps_service.runtime import runtime
 from shared.errors import ProtocolError
 
 REALM = 'Bearer realm="syncps"'
@@ -64,7 +65,7 @@ def check(request: Request, creds: HTTPAuthorizationCredentials | None, *accepte
         ok |= token_matches(presented, token)
     if ok:
         return
-    request.app.state.runtime.auth_failures += 1
+    runtime(request).auth_failures += 1
     if not presented:
         raise Unauthorized("this route needs 'Authorization: Bearer <token>'", REALM)
     raise Unauthorized("the bearer token is not valid for this route", f'{REALM}, error="invalid_token"')
@@ -73,14 +74,14 @@ def check(request: Request, creds: HTTPAuthorizationCredentials | None, *accepte
 async def require_training(request: Request,
                            creds: HTTPAuthorizationCredentials | None = Depends(_training_scheme)) -> None:
     """Dependency of the training and control routes (PS_AUTH_TOKEN)."""
-    s = request.app.state.runtime.settings
+    s = runtime(request).settings
     check(request, creds, s.auth_token)
 
 
 async def require_monitor(request: Request,
                           creds: HTTPAuthorizationCredentials | None = Depends(_monitor_scheme)) -> None:
     """Dependency of the read-only monitoring routes (PS_MONITOR_TOKEN, or the training token)."""
-    s = request.app.state.runtime.settings
+    s = runtime(request).settings
     if s.monitor_token is not None:
         check(request, creds, s.monitor_token, s.auth_token)
 

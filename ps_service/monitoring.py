@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 
 from ps_service.membership import ACTIVE, EXPIRED, LEFT
 from ps_service.monitoring_models import LossCurve, Rounds, RoundRecord, Status, Workers
-from ps_service.runtime import Runtime
+from ps_service.runtime import Runtime, runtime
 from shared.errors import ProtocolError
 from shared.protocol import API
 
@@ -26,10 +26,6 @@ THROUGHPUT_WINDOW_SECONDS = 10.0
 LOSS_AVERAGE_ROUNDS = 20
 STRAGGLER_WINDOW_ROUNDS = 100
 PUSH_KINDS = ("accepted", "stale", "late", "duplicate", "skipped")
-
-
-def runtime(request: Request) -> Runtime:
-    return request.app.state.runtime
 
 
 def wall(rt: Runtime, t: float) -> float:

@@ -36,6 +36,11 @@ def core_config(s: PSSettings) -> CoreConfig:
     )
 
 
+def runtime(request) -> "Runtime":
+    """The Runtime of the app serving ``request`` (set by ``app.py``'s lifespan)."""
+    return request.app.state.runtime
+
+
 class Runtime:
     def __init__(self, settings: PSSettings, clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings

@@ -1,4 +1,5 @@
-"""Run a whole local training job (real PS + worker processes) and collect what tests assert on."""
+"""Run a whole local training job (real PS + worker processes), and read what a running LocalCluster
+did (round records, final weights) for the tests to assert on."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -7,6 +8,19 @@ import numpy as np
 
 from cluster.processes import LocalCluster, wait_for
 from worker_service.client import PSClient
+
+
+def closed_rounds(c: LocalCluster, limit: int = 100) -> list[dict]:
+    """The last ``limit`` round records (Unix times), oldest first."""
+    return c.get("/v1/rounds", params={"limit": limit}).json()["rounds"][::-1]
+
+
+def final_weights(c: LocalCluster) -> dict[str, np.ndarray]:
+    client = PSClient(c.url)
+    try:
+        return dict(client.pull(0, wait=5.0).tensors)
+    finally:
+        client.close()
 
 
 @dataclass
@@ -23,10 +37,6 @@ def run_job(workers: int, ps_env: dict, worker_env: dict, deadline: float = 120.
         try:
             codes = c.wait_workers(deadline)
             wait_for(lambda: c.status()["state"] == "done", 10, "the PS to report done")
-            client = PSClient(c.url)
-            final = client.pull(0, wait=5.0)
-            client.close()
-            return JobResult(dict(final.tensors), c.status(), c.get("/v1/workers").json()["workers"], codes)
+            return JobResult(final_weights(c), c.status(), c.get("/v1/workers").json()["workers"], codes)
         except Exception:
-            logs = "\n".join(f"--- {n}\n{c.log(n)[-3000:]}" for n in ["ps", *(f"worker-{i}" for i in range(workers))])
-            raise AssertionError(f"job failed; logs:\n{logs}")
+            raise AssertionError(f"job failed; logs:\n{c.logs()}")

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from cluster.processes import LocalCluster, wait_for
-from tests.probes import closed_rounds, final_weights, logs_of
+from tests.clusters import closed_rounds, final_weights
 from worker_service.tasks import load_task
 
 LEASE, DEADLINE = 1.0, 2.0
@@ -82,7 +82,7 @@ def kill_workers_in_turn(n_workers: int, kills: int, every: int, restart_at_once
             assert {w["name"]: w["rank"] for w in workers} == ranks  # every comeback kept its rank
             assert sum(w["registrations"] for w in workers) >= n_workers + kills
         except Exception as exc:
-            raise AssertionError(f"{exc}\nstalls so far: {records}\n{logs_of(c, n_workers)}") from exc
+            raise AssertionError(f"{exc}\nstalls so far: {records}\n{c.logs()}") from exc
     return records
 
 
@@ -128,7 +128,7 @@ def run_with_checkpoints(ckpt_dir, steps: int, every: int, kill_at: int | None) 
             out["rejoins"] = [tuple(map(int, m)) for i in range(3) for m in REJOINED.findall(c.log(f"worker-{i}"))]
             out["ps_log"] = c.log("ps")
         except Exception as exc:
-            raise AssertionError(f"{exc}\n{logs_of(c, 3)}") from exc
+            raise AssertionError(f"{exc}\n{c.logs()}") from exc
     return out
 
 

@@ -84,8 +84,7 @@ def job():
                 "rounds": httpx.get(f"{url}/v1/rounds", params={"limit": 1000}, timeout=10).json()["rounds"],
             }
         except Exception as exc:
-            worker_logs = "\n".join(f"--- worker-{i}\n{c.log(f'worker-{i}')[-3000:]}" for i in range(WORKERS))
-            raise AssertionError(f"job failed: {exc}; logs:\n{worker_logs}") from exc
+            raise AssertionError(f"job failed: {exc}; logs:\n{c.logs()}") from exc
         finally:
             c.stop()
         yield out

@@ -21,10 +21,6 @@ SLOW = "worker-2"
 DELAY = 0.25  # WORKER_COMPUTE_DELAY_SECONDS of the slow worker
 
 
-def logs(c: LocalCluster, n: int) -> str:
-    return "\n".join(f"--- {name}\n{c.log(name)[-3000:]}" for name in ["ps", *(f"worker-{i}" for i in range(n))])
-
-
 def awaiting_slow(c: LocalCluster):
     st = c.status()
     r = st["round"]
@@ -55,10 +51,10 @@ def job():
         out["readyz_after"] = c.get("/readyz")
         out["healthz"] = c.get("/healthz")
         out["logs"] = {f"worker-{i}": c.log(f"worker-{i}") for i in range(3)}
-        out["all_logs"] = logs(c, 3)
+        out["all_logs"] = c.logs()
     except Exception as exc:
         c.stop()
-        raise AssertionError(f"job failed: {exc}; logs:\n{logs(c, 3)}") from exc
+        raise AssertionError(f"job failed: {exc}; logs:\n{c.logs()}") from exc
     yield out
     c.stop()
 
@@ -216,7 +212,7 @@ def test_backup_workers_show_late_pushes_and_late_state():
         ws = {w["name"]: w for w in c.get("/v1/workers").json()["workers"]}
         rounds = c.get("/v1/rounds", params={"limit": 1000}).json()["rounds"]
     except Exception:
-        raise AssertionError(f"job failed; logs:\n{logs(c, 3)}")
+        raise AssertionError(f"job failed; logs:\n{c.logs()}")
     finally:
         c.stop()
     assert st_during["mode"] == "fixed" and st_during["replicas_to_aggregate"] == 2

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from cluster.processes import LocalCluster
-from tests.probes import final_weights, logs_of
+from tests.clusters import final_weights
 from worker_service.client import PSClient
 from worker_service.faults import FaultTransport
 
@@ -81,9 +81,9 @@ def run_linear(workers: int, steps: int, worker_env: dict) -> tuple[dict, dict, 
             assert c.wait_workers(120) == [0] * workers
             st = c.status()
             assert st["state"] == "done" and st["global_step"] == steps
-            return final_weights(c), st, logs_of(c, workers)
+            return final_weights(c), st, c.logs()
         except Exception as exc:
-            raise AssertionError(f"{exc}\n{logs_of(c, workers)}") from exc
+            raise AssertionError(f"{exc}\n{c.logs()}") from exc
 
 
 def test_an_unreliable_network_changes_nothing_in_sync_mode():
