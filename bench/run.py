@@ -52,11 +52,14 @@ def _global_step(client: httpx.Client) -> tuple[float, int, dict]:
 
 
 def measure(workers: int, params: int, seconds: float, warmup: float = 2.0, dtype: str = "float32",
-            ps_env: dict | None = None, worker_env: dict | None = None, start_deadline: float = 120.0) -> dict:
+            ps_env: dict | None = None, worker_env: dict | None = None, start_deadline: float = 120.0,
+            transport: str = "auto") -> dict:
     """One run; the result line as a dict."""
     p = actual_params(params)
     d, k = model_dims(params)
     out: dict = {"system": "syncps", "workers": workers, "params": p, "params_requested": int(params)}
+    if transport == "http":  # no same-host transport: every tensor crosses the loopback socket
+        worker_env = {"WORKER_SHM_DIR": "", **(worker_env or {})}
     cluster = LocalCluster(
         workers,
         ps_env={"PS_TOTAL_NUM_REPLICAS": workers, "PS_LOG_LEVEL": "warning", **(ps_env or {})},
@@ -78,6 +81,7 @@ def measure(workers: int, params: int, seconds: float, warmup: float = 2.0, dtyp
             time.sleep(seconds)
             t1, g1, st = _global_step(client)
             cpu1 = _cpu_seconds(cluster.ps.pid)
+            members = client.get("/v1/workers").json()["workers"]
         rate = (g1 - g0) / (t1 - t0)
         out.update({
             "steps_per_s": round(rate, 4),
@@ -88,6 +92,9 @@ def measure(workers: int, params: int, seconds: float, warmup: float = 2.0, dtyp
             "ps_cpu_s": None if cpu0 is None or cpu1 is None else round(cpu1 - cpu0, 3),
             "steps": g1 - g0, "window_s": round(t1 - t0, 3), "batch": 32, "d": d, "k": k, "dtype": dtype,
             "load_avg": round(os.getloadavg()[0], 2),
+            "transport": "+".join(sorted({m["transport"] for m in members})),
+            "worker_phase_ms": {k: round(1e3 * sum(m["mean_seconds"][k] for m in members) / len(members), 2)
+                                for k in ("fetch", "compute", "push")},
         })
     except Exception as exc:  # a failed run is a line too, as the anchors do
         out.update({"steps_per_s": None, "grad_MB_per_s": None, "error": f"{type(exc).__name__}: {exc}"[:500],
@@ -106,10 +113,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=float, default=2.0)
     ap.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     ap.add_argument("--repeat", type=int, default=1, help="runs (one line each)")
+    ap.add_argument("--transport", choices=["auto", "http"], default="auto",
+                    help="auto: the same-host transport when available (the default of a local cluster); "
+                         "http: every tensor over the loopback socket")
     args = ap.parse_args(argv)
     ok = True
     for _ in range(args.repeat):
-        line = measure(args.workers, args.params, args.seconds, args.warmup, args.dtype)
+        line = measure(args.workers, args.params, args.seconds, args.warmup, args.dtype, transport=args.transport)
         ok = ok and line.get("steps_per_s") is not None
         print(json.dumps(line), flush=True)
     return 0 if ok else 1

@@ -1,7 +1,9 @@
 """``python -m bench.table`` (``make bench``): our grid next to the anchors', one Markdown table.
 
 For each cell (params x workers) of the grid, side by side in one run on this machine:
-syncps (:mod:`bench.run`, ``--repeat`` runs, the median is tabled), then, when
+syncps (:mod:`bench.run`, ``--repeat`` runs, the median is tabled), as a local cluster runs it
+(workers on the PS's host use the same-host transport) and with every tensor over TCP
+(``WORKER_SHM_DIR=''``), then, when
 ``../shared/bench/compare.sh`` exists, TensorFlow SyncReplicasOptimizer and torch gloo
 all-reduce on the same workload (its first use creates virtual environments under
 ``~/.cache/syncps-anchors``, about 5 minutes). Every JSON line goes to ``--out``; the table
@@ -64,16 +66,18 @@ def fmt(v: float | None, digits: int = 3) -> str:
 
 
 def table(cells: list[tuple[int, int]], results: dict) -> str:
-    rows = ["| params | workers | syncps steps/s | TF steps/s | torch steps/s | syncps / TF | syncps / torch "
-            "| PS peak RSS MB | PS payload MB/s |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    """syncps as a local cluster runs it (same-host transport) and with every tensor over TCP, next to the anchors."""
+    rows = ["| params | workers | syncps steps/s | syncps TCP steps/s | TF steps/s | torch steps/s | syncps / TF "
+            "| syncps / torch | TCP / TF | TCP / torch | PS peak RSS MB (TCP) | PS payload MB/s |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for params, workers in cells:
         r = results[(params, workers)]
-        ours, tf, torch = (median_of(r[k], "steps_per_s") for k in ("syncps", "tf", "torch"))
+        ours, tcp, tf, torch = (median_of(r[k], "steps_per_s") for k in ("syncps", "syncps_tcp", "tf", "torch"))
         ratio = lambda a, b: f"{a / b:.2f}x" if a and b else "-"  # noqa: E731
-        rows.append(f"| {params:,} | {workers} | {fmt(ours)} | {fmt(tf)} | {fmt(torch)} | {ratio(ours, tf)} "
-                    f"| {ratio(ours, torch)} | {fmt(median_of(r['syncps'], 'peak_rss_MB'), 0)} "
-                    f"| {fmt(median_of(r['syncps'], 'tensor_MB_per_s'), 0)} |")
+        rss = lambda k: fmt(median_of(r[k], "peak_rss_MB"), 0)  # noqa: E731
+        rows.append(f"| {params:,} | {workers} | {fmt(ours)} | {fmt(tcp)} | {fmt(tf)} | {fmt(torch)} "
+                    f"| {ratio(ours, tf)} | {ratio(ours, torch)} | {ratio(tcp, tf)} | {ratio(tcp, torch)} "
+                    f"| {rss('syncps')} ({rss('syncps_tcp')}) | {fmt(median_of(r['syncps'], 'tensor_MB_per_s'), 0)} |")
     return "\n".join(rows)
 
 
@@ -101,9 +105,10 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(line), file=sys.stderr, flush=True)
             return line
         for params, workers in cells:
-            r = results[(params, workers)] = {"syncps": [], "tf": [], "torch": []}
+            r = results[(params, workers)] = {"syncps": [], "syncps_tcp": [], "tf": [], "torch": []}
             for _ in range(args.repeat):
                 r["syncps"].append(keep(measure(workers, params, args.seconds)))
+                r["syncps_tcp"].append(keep(measure(workers, params, args.seconds, transport="http")))
             for line in anchors(workers, params, args.seconds, systems) if systems else []:
                 kind = next((k for k, name in ANCHORS.items() if line.get("system") == name), None)
                 if kind:

@@ -65,16 +65,17 @@ def main(argv: list[str] | None = None) -> int:
                   f"{min(st['global_step'], 1000)} rounds ({elapsed:.1f} s wall)")
     for name, arr in final.tensors.items():
         console.print(f"  {name} = {arr.reshape(-1).round(6).tolist() if arr.size <= 16 else f'<{arr.shape}>'}")
-    table = Table("rank", Column("name", no_wrap=True), "state", "acc", "stale", "late", "dup", "fetch\nms", "comp\nms",
+    table = Table("rank", Column("name", no_wrap=True), "state", "via", "acc", "stale", "late", "dup", "fetch\nms", "comp\nms",
                   "push\nms", "strag\nrounds", "strag\ns", box=box.SIMPLE_HEAD, padding=0, title="workers")
     for w in workers["workers"]:
         p, t = w["pushes"], w["mean_seconds"]
         name = f"[bold red]{w['name']} *" if w["name"] == workers["straggler"] else w["name"]
-        table.add_row(str(w["rank"]), name, w["state"], *(str(p[k]) for k in ("accepted", "stale", "late", "duplicate")),
+        table.add_row(str(w["rank"]), name, w["state"], w["transport"] or "-", *(str(p[k]) for k in ("accepted", "stale", "late", "duplicate")),
                       *(f"{1e3 * t[k]:.2f}" for k in ("fetch", "compute", "push")), str(w["straggler_rounds"]),
                       f"{w['straggler_seconds']:.3f}")
     console.print(table)
-    console.print("strag: rounds (of the last 100) the worker slowed, and the seconds it cost them")
+    console.print("via: how tensors travelled (shm: same-host files, http: request bodies); "
+                  "strag: rounds (of the last 100) the worker slowed, and the seconds it cost them")
     if workers["straggler"]:
         console.print(f"* straggler: {workers['straggler']} (cost the rounds the most waiting time)")
     ok = all(c == 0 for c in codes) and st["state"] == "done"

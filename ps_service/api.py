@@ -8,12 +8,15 @@ app.py attaches to this router): bounded, typed, never buffered before auth.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from fastapi import APIRouter, Query, Request, Response
 from pydantic import BaseModel, Field
 
 from ps_service.runtime import Runtime, runtime
 from shared.codec import unpack
 from shared.errors import ProtocolError
+from shared.shm import TENSORS_HEADER
 from shared.protocol import (API, JSON, MODEL_INIT_SCHEMA, MSGPACK, PUSH_SCHEMA, PUSH_STATUS_HEADER, STEP_HEADER,
                              msgpack_body, parse_model_init, parse_push)
 from ps_service.http import JSON_BODY_LIMIT, parse_json, read_body
@@ -84,7 +87,9 @@ async def init_model(request: Request) -> dict:
     200: {"content": {MSGPACK: {}}, "description": 'msgpack {"step", "done", "ranks", "tensors"}'},
     204: {"description": "timeout: global_step did not reach min_step in time"}})
 async def pull(request: Request, min_step: int = Query(0, ge=0), timeout: float = Query(30.0, ge=0, allow_inf_nan=False),
-               worker_id: str | None = Query(None, max_length=64)) -> Response:
+               worker_id: str | None = Query(None, max_length=64),
+               shm: bool = Query(False, description="Same-host transport: answer without tensors (`\"shm\": true`); "
+                                                    "the weights are in the weights file (GET /v1/shm).")) -> Response:
     rt = runtime(request)
     core = rt.core
     if worker_id is not None:
@@ -96,7 +101,7 @@ async def pull(request: Request, min_step: int = Query(0, ge=0), timeout: float 
     waited(rt, worker_id)
     if not ok:
         return Response(status_code=204, headers={STEP_HEADER: str(core.global_step)})
-    return weights_response(rt)
+    return weights_response(rt, shm=shm)
 
 
 def waited(rt: Runtime, worker_id: str | None) -> None:
@@ -106,10 +111,13 @@ def waited(rt: Runtime, worker_id: str | None) -> None:
         rt.core.heartbeat(worker_id, rt.now())
 
 
-def weights_response(rt: Runtime, headers: dict | None = None) -> Response:
-    """The current weights (the same encoded bytes for every worker of a step)."""
-    body = rt.pull_body()
-    rt.bytes_out += len(body)
+def weights_response(rt: Runtime, headers: dict | None = None, shm: bool = False) -> Response:
+    """The current weights (the same encoded bytes for every worker of a step), or where they are (shm)."""
+    if shm and rt.shm.weights_name is not None:
+        body = rt.shm_pull_body()
+    else:
+        body = rt.pull_body()
+        rt.bytes_out += len(body)
     return Response(body, media_type=MSGPACK, headers={STEP_HEADER: str(rt.core.global_step), **(headers or {})})
 
 
@@ -122,14 +130,46 @@ async def push(request: Request, pull: bool = Query(False, description=(
     rt = runtime(request)
     rt.drop_body()
     raw = await request_body(request, MSGPACK)
-    req = parse_push(unpack(raw))
-    rt.bytes_in += len(raw)
-    owned = isinstance(raw, memoryview) and not raw.readonly  # a buffer of our own: aggregate in place
+    obj = unpack(raw)
+    req = parse_push(obj)
+    shm = request.headers.get(TENSORS_HEADER) == "shm"
+    if shm:  # the tensors are in the worker's gradient file (GET /v1/shm)
+        rt.core.members.get(req.worker_id)  # 404 unknown_worker first: a restarted PS has no file of it
+        req = replace(req, tensors=rt.shm.gradients(req.worker_id, obj.get("shm_seq")))
+    else:
+        rt.bytes_in += len(raw)
+    owned = shm or isinstance(raw, memoryview) and not raw.readonly  # a buffer of our own: aggregate in place
     result = rt.run_guarded(lambda: rt.core.push(req, rt.now(), owned=owned))
+    rt.shm.last_transport[req.worker_id] = "shm" if shm else "http"  # a known worker (the core raised otherwise)
     core, step, worker_id = rt.core, req.step, req.worker_id
-    del raw, req  # the round holds what it needs, and frees it once aggregated
+    del raw, req, obj  # the round holds what it needs, and frees it once aggregated
     if pull and await rt.wait_until(lambda: core.done or core.global_step > step,
                                     min(timeout, rt.settings.pull_timeout_max_seconds)):
         waited(rt, worker_id)
-        return weights_response(rt, {PUSH_STATUS_HEADER: result.status.value})
+        return weights_response(rt, {PUSH_STATUS_HEADER: result.status.value}, shm=shm)
     return {"status": result.status.value, "step": result.step, "done": core.done}
+
+
+class ShmAttach(BaseModel):
+    file: str = Field(max_length=64, description="Name of the worker's gradient file in the shared directory.")
+    nonce: str = Field(max_length=64, description="The 16 bytes (hex) the worker wrote at the start of the file.")
+
+
+@router.get("/shm", responses={409: {"description": "shm_unavailable (off) or not_initialized"}})
+async def shm_offer(request: Request) -> dict:
+    """The same-host transport: the weights file (name, nonce, layout) of this PS (docs/protocol.md)."""
+    rt = runtime(request)
+    if not rt.core.initialized:
+        raise ProtocolError(409, "not_initialized", "the model is not initialised yet (PUT /v1/model)")
+    return rt.shm.offer(rt.core.weights)
+
+
+@router.post("/workers/{worker_id}/shm", openapi_extra={"requestBody": {
+    "required": True, "content": {JSON: {"schema": ShmAttach.model_json_schema()}}}})
+async def shm_attach(worker_id: str, request: Request) -> dict:
+    """Use the worker's gradient file for its pushes (409 shm_unavailable: not on this host; push over HTTP)."""
+    rt = runtime(request)
+    body = parse_json(await request_body(request, JSON, JSON_BODY_LIMIT), ShmAttach)
+    m = rt.core.members.get(worker_id)
+    rt.shm.attach(m.worker_id, body.file, body.nonce)
+    return {"worker_id": m.worker_id, "transport": "shm"}

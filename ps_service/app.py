@@ -32,6 +32,7 @@ def create_app(settings: PSSettings | None = None) -> FastAPI:
                 await task
             if checkpointer is not None:
                 await asyncio.to_thread(checkpointer.finish, rt.core)
+            rt.shm.close()
 
     docs = {} if not settings.production else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="syncps parameter server", version="0.1.0", lifespan=lifespan, **docs,

@@ -130,6 +130,7 @@ def status_view(rt: Runtime) -> dict:
                  "moving_average_rounds": len(losses)},
         "throughput": throughput(rt, now),
         "examples": core.examples, "bytes_received": rt.bytes_in, "bytes_sent": rt.bytes_out,
+        "shm_bytes_received": rt.shm.bytes_in,
         "auth_failures": rt.auth_failures, "started_at": rt.started_wall,
         "training_started_at": None if core.started_at is None else wall(rt, core.started_at),
         "uptime_seconds": now - rt.started_mono,
@@ -148,6 +149,7 @@ def worker_view(rt: Runtime, m, now: float, totals: dict[str, dict]) -> dict:
     return {
         "worker_id": m.worker_id, "name": m.name, "rank": m.rank, "state": state,
         "last_seen": wall(rt, m.last_seen), "last_seen_seconds_ago": now - m.last_seen,
+        "transport": rt.shm.last_transport.get(m.worker_id),
         "registered_at": wall(rt, m.registered_at), "registrations": m.registrations,
         "last_step": last_step, "last_push_status": last_status, "in_current_round": in_round,
         "awaited": in_round and m.state == ACTIVE and m.worker_id not in {a["worker_id"] for a in r.arrivals},

@@ -82,6 +82,7 @@ class Status(BaseModel):
     examples: int = Field(description="Examples behind all accepted gradients.")
     bytes_received: int = Field(description="Bytes of model and gradient bodies received.")
     bytes_sent: int = Field(description="Bytes of weight bodies sent.")
+    shm_bytes_received: int = Field(description="Gradient bytes read from workers' files (same-host transport).")
     auth_failures: int
     started_at: float = Field(description="PS start (Unix s).")
     training_started_at: float | None = Field(description="Round 0 opened (Unix s).")
@@ -103,6 +104,8 @@ class Worker(BaseModel):
     state: WorkerState = Field(description="Membership state; `late` = active but its last push was late or stale.")
     last_seen: float = Field(description="Unix s of its last request.")
     last_seen_seconds_ago: float
+    transport: Literal["shm", "http"] | None = Field(
+        description="How its last push travelled: shm = through files in PS_SHM_DIR (same host), http = in the body.")
     registered_at: float
     registrations: int
     last_step: int | None = Field(description="The last step it pushed.")

@@ -15,6 +15,7 @@ from typing import Awaitable, Callable
 from ps_service.buffers import POOL
 from ps_service.core import CoreConfig, ParameterServerCore
 from ps_service.settings import PSSettings
+from ps_service.shm import ShmHub
 from shared.codec import ZERO_COPY_MIN_BYTES, encode_tensors, pack, pack_parts
 
 log = logging.getLogger("ps_service")
@@ -50,6 +51,7 @@ class Runtime:
         self.started_mono = clock()
         self._event = asyncio.Event()
         self._seen_version = self.core.version
+        self.shm = ShmHub(settings.shm_dir or None)
         self._body_key: tuple | None = None
         self._body: bytes | memoryview = b""
         self.bytes_in = 0
@@ -89,6 +91,16 @@ class Runtime:
                 return predicate()
         return True
 
+    def _pull_head(self) -> tuple[tuple, dict]:
+        core = self.core
+        ranks = sorted(core.round.eligible.values()) if core.round else []
+        key = (core.global_step, core.done, tuple(ranks), core.optimizer.iterations if core.optimizer else -1)
+        return key, {"step": core.global_step, "done": core.done, "ranks": ranks}
+
+    def shm_pull_body(self) -> bytes:
+        """The pull answer of a same-host worker: no tensors (they are in the weights file)."""
+        return pack({**self._pull_head()[1], "tensors": {}, "shm": True})
+
     def pull_body(self) -> bytes | memoryview:
         """msgpack of the current weights, encoded once per (step, round membership).
 
@@ -96,10 +108,9 @@ class Runtime:
         buffer growth) that is never written again while an answer still sends it, so the
         weights can change under an answer in flight."""
         core = self.core
-        ranks = sorted(core.round.eligible.values()) if core.round else []
-        key = (core.global_step, core.done, tuple(ranks), core.optimizer.iterations if core.optimizer else -1)
+        key, head = self._pull_head()
         if key != self._body_key:
-            obj = {"step": core.global_step, "done": core.done, "ranks": ranks, "tensors": encode_tensors(core.weights)}
+            obj = {**head, "tensors": encode_tensors(core.weights)}
             self._body = b""  # the old body's buffer goes back to the pool once no answer sends it
             if sum(w.nbytes for w in core.weights.values()) < ZERO_COPY_MIN_BYTES:
                 self._body = pack(obj)
@@ -125,6 +136,8 @@ class Runtime:
             await asyncio.sleep(self.settings.tick_seconds)
             self.core.tick(self.now())
             self.notify()
+            if self.shm.attached:
+                self.shm.prune({m.worker_id for m in self.core.members.by_id.values() if m.active})
 
     def run_guarded(self, fn: Callable[[], object]) -> object:
         """Run a core call and wake the waiters whatever happened."""

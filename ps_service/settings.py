@@ -66,6 +66,9 @@ class PSSettings(BaseSettings):
     checkpoint_every_seconds: float = Field(
         60.0, ge=0, description="Checkpoint when this many seconds passed since the last one and the step moved (0: off).")
     checkpoint_keep: int = Field(3, ge=1, description="Checkpoints kept (the newest); older ones are deleted.")
+    shm_dir: str = Field(
+        "/dev/shm", description="Shared-memory directory of the same-host transport (workers on this host exchange "
+                                "tensors through files there, not the socket). Empty or missing: off, all over HTTP.")
     log_level: str = Field("info", description="Log level of the PS.")
 
     @model_validator(mode="after")

@@ -25,7 +25,8 @@ def main() -> int:
     task = load_task(s.task, s.seed, s.dtype)
     transport = faults.from_settings(s)  # a fault drill when WORKER_FAULT_* are set
     client = PSClient(s.ps_url, timeout=s.request_timeout_seconds, attempts=s.retry_attempts,
-                      retry_timeout=s.retry_timeout_seconds, transport=transport, token=s.auth_token)
+                      retry_timeout=s.retry_timeout_seconds, transport=transport, token=s.auth_token,
+                      shm_dir=s.shm_dir)
     client.wait_ready(s.retry_timeout_seconds)
     summary = train(client, task, s.name, s.batch_size, stop, s.log_every_seconds, s.compute_delay_seconds)
     client.close()

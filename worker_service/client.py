@@ -13,6 +13,7 @@ weights are kept and returned by the next :meth:`PSClient.pull` that they satisf
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -28,7 +29,11 @@ from pydantic import SecretStr
 from shared.errors import ProtocolError
 from shared.protocol import API, MSGPACK, PUSH_STATUS_HEADER
 from shared.tokens import bearer_header
+from shared.shm import TENSORS_HEADER
 from worker_service.rawhttp import ConnectionLost, RawConnection
+from worker_service.shm import ShmChannel
+
+log = logging.getLogger("worker")
 
 
 class ServerError(Exception):
@@ -48,15 +53,19 @@ class Pulled:
     nbytes: int
 
 
-def _pulled(body: bytes | memoryview) -> Pulled:
+def _pulled(body: bytes | memoryview, channel: ShmChannel | None = None) -> Pulled:
+    """The weights of a pull answer (in the body, or the PS's weights file for a same-host answer)."""
     obj = unpack(body)
+    if obj.get("shm") is True and channel is not None:
+        return Pulled(obj["step"], obj["done"], obj.get("ranks", []), channel.weights, channel.layout.data_bytes)
     tensors = {k: v if v.flags.aligned else v.copy() for k, v in decode_tensors(obj["tensors"]).items()}  # BLAS
     return Pulled(obj["step"], obj["done"], obj.get("ranks", []), tensors, len(body))
 
 
 class PSClient:
     def __init__(self, base_url: str, timeout: float = 30.0, attempts: int = 10, retry_timeout: float = 120.0,
-                 transport: httpx.BaseTransport | None = None, token: SecretStr | str | None = None) -> None:
+                 transport: httpx.BaseTransport | None = None, token: SecretStr | str | None = None,
+                 shm_dir: str | None = None) -> None:
         self.timeout = timeout
         self.attempts = attempts
         self.retry_timeout = retry_timeout
@@ -67,8 +76,44 @@ class PSClient:
         #: seconds a push waits for its round to close (then it answers without weights)
         self.push_wait = 5.0
         self._prefetched: Pulled | None = None
+        #: the shared directory of the same-host transport (None: tensors always over HTTP)
+        self.shm_dir = shm_dir
+        self.shm: ShmChannel | None = None
+
+    @property
+    def transport(self) -> str:
+        return "shm" if self.shm is not None else "http"
+
+    def setup_shm(self, worker_id: str) -> bool:
+        """Move this worker's tensors to the same-host transport if the PS is on this host (else HTTP)."""
+        self.drop_shm()
+        if not self.shm_dir:
+            return False
+        try:
+            offer = self._request("GET", f"{API}/shm").json()
+            channel = ShmChannel.open(self.shm_dir, offer)
+        except (ProtocolError, OSError, ValueError) as exc:
+            log.info("tensors over HTTP (same-host transport unavailable: %s)", exc)
+            return False
+        try:
+            self._request("POST", f"{API}/workers/{worker_id}/shm",
+                          json={"file": channel.gradient_file, "nonce": channel.nonce.hex()})
+        except ProtocolError as exc:
+            channel.close()
+            log.info("tensors over HTTP (the PS cannot use our gradient file: %s)", exc)
+            return False
+        channel.unlink()  # the PS holds it open: it vanishes with the last descriptor
+        self.shm = channel
+        log.info("tensors through %s (same host as the PS)", self.shm_dir)
+        return True
+
+    def drop_shm(self) -> None:
+        if self.shm is not None:
+            self.shm.close()
+            self.shm = None
 
     def close(self) -> None:
+        self.drop_shm()
         self.http.close()
         if self.raw is not None:
             self.raw.close()
@@ -127,20 +172,37 @@ class PSClient:
         params: dict[str, Any] = {"min_step": min_step, "timeout": wait}
         if worker_id:
             params["worker_id"] = worker_id
+        if self.shm is not None:
+            params["shm"] = 1
         resp = self._request("GET", f"{API}/model", params=params, timeout=self.timeout + wait, parts=[])
         if resp.status_code == 204:
             return None
-        return _pulled(resp.content)
+        return _pulled(resp.content, self.shm)
 
     def push(self, worker_id: str, step: int, grads: Mapping[str, np.ndarray], loss: float | None = None,
-             num_examples: int | None = None, timings: Mapping[str, float] | None = None) -> dict:
-        body = pack_parts({"worker_id": worker_id, "step": step, "loss": loss, "num_examples": num_examples,
-                           "timings": dict(timings or {}), "tensors": encode_tensors(grads)})
+             num_examples: int | None = None, timings: Mapping[str, float] | None = None, _again: bool = True) -> dict:
+        head = {"worker_id": worker_id, "step": step, "loss": loss, "num_examples": num_examples,
+                "timings": dict(timings or {})}
         params = {"pull": 1, "timeout": self.push_wait}
-        resp = self._request("POST", f"{API}/gradients", parts=body, params=params, headers={"content-type": MSGPACK},
-                             timeout=self.timeout + self.push_wait)
+        headers = {"content-type": MSGPACK}
+        channel = self.shm
+        seq = channel.write(grads) if channel is not None else None
+        if seq is not None:  # the tensors are in our gradient file; the body is the rest
+            body = pack_parts({**head, "tensors": {}, "shm_seq": seq})
+            headers[TENSORS_HEADER] = "shm"
+        else:
+            body = pack_parts({**head, "tensors": encode_tensors(grads)})
+        try:
+            resp = self._request("POST", f"{API}/gradients", parts=body, params=params, headers=headers,
+                                 timeout=self.timeout + self.push_wait)
+        except ProtocolError as exc:
+            if seq is None or not _again or exc.code not in ("shm_not_attached", "shm_torn"):
+                raise
+            log.info("PS says %s: attaching the gradient file again", exc.code)
+            self.setup_shm(worker_id)  # then push again (over HTTP if that failed)
+            return self.push(worker_id, step, grads, loss, num_examples, timings, _again=False)
         if resp.headers.get("content-type", "").startswith(MSGPACK):  # the answer carries the next weights
-            self._prefetched = _pulled(resp.content)
+            self._prefetched = _pulled(resp.content, channel)
             return {"status": resp.headers[PUSH_STATUS_HEADER.lower()], "step": self._prefetched.step,
                     "done": self._prefetched.done}
         return resp.json()

@@ -70,6 +70,7 @@ def train(client: PSClient, task: Task, name: str, batch_size: int, stop: thread
             log.info("initialised the model on the PS")
     worker_id, rank, step = reg["worker_id"], reg["rank"], reg["start_step"]
     summary.rank = rank
+    client.setup_shm(worker_id)
     lease = float(reg["lease_seconds"])
     wait = max(0.5, min(10.0, lease / 2))
     hb = Heartbeat(str(client.http.base_url), worker_id, max(0.2, lease / 3), client.timeout, client.token)
@@ -107,6 +108,7 @@ def train(client: PSClient, task: Task, name: str, batch_size: int, stop: thread
                 reg = _rejoin(client, task, name, exc, step)
                 worker_id, step, summary.rank = reg["worker_id"], reg["start_step"], reg["rank"]
                 hb.worker_id = worker_id
+                client.setup_shm(worker_id)
                 continue
             t3 = time.monotonic()
             times["push"] = t3 - t2

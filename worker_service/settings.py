@@ -47,6 +47,9 @@ class WorkerSettings(BaseSettings):
         0.0, ge=0, le=1, description="Fault drill: share of requests the PS processes whose answer is then lost.")
     fault_duplicate: float = Field(0.0, ge=0, le=1, description="Fault drill: share of requests the PS receives twice.")
     fault_seed: int = Field(0, description="Fault drill: seed of the fault pattern (mixed with the worker's name).")
+    shm_dir: str = Field(
+        "/dev/shm", description="Shared-memory directory of the same-host transport: used when the PS's weights file "
+                                "is found there (same host), else tensors go over HTTP. Empty: always HTTP.")
     compute_delay_seconds: float = Field(
         0.0, ge=0, description="Extra seconds added to every compute phase: a deliberately slow worker, for straggler drills.")
 

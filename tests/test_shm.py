@@ -1,0 +1,191 @@
+"""The same-host transport (shared/shm.py, ps_service/shm.py, worker_service/shm.py).
+
+- Layout: round trip, and the PS's description is validated by the worker.
+- Live PS: a worker on the same host attaches, its pushes and pulls carry no tensor bytes, the weights
+  it maps are the PS's; every hostile attach or push is refused with a clear 409/400 and changes nothing;
+  a PS with the transport off, or on "another host" (another directory), is used over HTTP.
+- Files: the PS removes its weights file on shutdown and sweeps the ones a killed PS left; workers'
+  files vanish once attached.
+- Real processes: shm workers, HTTP workers and a mix of both end bit-identical to one process.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from cluster.processes import LocalCluster, wait_for
+from shared import shm
+from shared.codec import pack
+from shared.errors import ProtocolError
+from shared.protocol import MSGPACK
+from tests.clusters import final_weights
+from tests.live_ps import live_ps, state_hash
+from tests.reference import train_reference
+from worker_service.shm import ShmChannel
+
+W0 = {"w": np.arange(6, dtype=np.float32).reshape(3, 2) / 10, "b": np.array([0.5, -0.5], np.float32)}
+
+
+def grads(scale: float) -> dict[str, np.ndarray]:
+    return {k: np.full_like(v, scale) for k, v in W0.items()}
+
+
+def test_layout_round_trip_and_validation():
+    layout = shm.Layout.of({"w": np.zeros((1000, 3), np.float32), "b": np.zeros(3, np.float64)})
+    assert [t.name for t in layout.tensors] == ["b", "w"]
+    assert all(t.offset % shm.ALIGN == 0 for t in layout.tensors)
+    assert shm.Layout.from_wire(layout.to_wire()) == layout
+    assert layout.region_bytes == shm.HEADER_BYTES + shm.ALIGN + 12288  # b: one page; w: 12000 bytes, three
+    for bad in ([], "x", [["w", "object", [3], 0]], [["w", "float32", [-1], 0]], [["w", "float32", [3], 5]],
+                [["a", "float32", [4096], 0], ["b", "float32", [1], 4096]]):  # unaligned, overlapping
+        with pytest.raises(ProtocolError):
+            shm.Layout.from_wire(bad)
+
+
+@pytest.fixture
+def shm_dir(tmp_path):
+    d = tmp_path / "shm"
+    d.mkdir()
+    return str(d)
+
+
+def test_same_host_worker_moves_no_tensor_bytes(shm_dir):
+    with live_ps(shm_dir=shm_dir, min_workers=2, startup_grace_seconds=0, lease_seconds=600) as ps:
+        a, b = ps.client(shm_dir=shm_dir), ps.client()  # b: tensors over HTTP
+        with ps.http() as h:
+            assert h.get("/v1/shm").json()["error"] == "not_initialized"
+        wa, wb = a.register("a")["worker_id"], b.register("b")["worker_id"]
+        assert a.init_model(W0, {"name": "sgd", "learning_rate": 0.5})
+        assert a.setup_shm(wa) and a.transport == "shm"
+        assert os.listdir(shm_dir) == [ps.rt.shm.weights_name]  # the worker's file is unlinked once attached
+        pulled = a.pull(0, wa, wait=5.0)
+        assert pulled.nbytes == a.shm.layout.data_bytes and pulled.tensors is a.shm.weights
+        np.testing.assert_array_equal(pulled.tensors["w"], W0["w"])
+        before = ps.rt.bytes_in, ps.rt.bytes_out
+        assert a.push(wa, 0, grads(1.0))["status"] == "accepted"
+        assert ps.rt.bytes_in == before[0]  # the HTTP body carried no tensor
+        assert b.push(wb, 0, grads(3.0))["step"] == 1
+        assert a.pull(1, wa, wait=5.0).step == 1
+        expect = W0["w"] - np.float32(0.5) * np.float32(2.0)
+        np.testing.assert_array_equal(a.shm.weights["w"], expect)  # the PS's live weights, mapped
+        np.testing.assert_array_equal(b.pull(1, wb, wait=5.0).tensors["w"], expect)
+        status = ps.http().get("/v1/status").json()
+        assert status["shm_bytes_received"] == a.shm.layout.data_bytes
+        transports = {w["name"]: w["transport"] for w in ps.http().get("/v1/workers").json()["workers"]}
+        assert transports == {"a": "shm", "b": "http"}
+        assert "\nps_shm_workers 1.0" in ps.http().get("/metrics").text
+        a.close(), b.close()
+    assert os.listdir(shm_dir) == []  # the weights file goes with the PS
+
+
+def shm_push(h, worker_id: str, step: int, seq):
+    """A push whose tensors are said to be in the worker's gradient file."""
+    body = pack({"worker_id": worker_id, "step": step, "tensors": {}, "shm_seq": seq})
+    return h.post("/v1/gradients", content=body, headers={"content-type": MSGPACK, shm.TENSORS_HEADER: "shm"})
+
+
+def test_hostile_attach_and_push_change_nothing(shm_dir, tmp_path):
+    with live_ps(shm_dir=shm_dir, min_workers=1, startup_grace_seconds=0, lease_seconds=600) as ps:
+        c = ps.client(shm_dir=shm_dir)
+        wid = c.register("a")["worker_id"]
+        assert c.init_model(W0, {"name": "adam", "learning_rate": 0.1})
+        h = ps.http()
+        offer = h.get("/v1/shm").json()
+        real = ShmChannel.open(shm_dir, offer)  # a well-formed file of the right size, not yet attached
+
+        def attach(file, nonce=real.nonce.hex(), worker=wid):
+            return h.post(f"/v1/workers/{worker}/shm", json={"file": file, "nonce": nonce})
+
+        small = "syncps-g-" + "1" * 32
+        with open(os.path.join(shm_dir, small), "wb") as f:
+            f.write(real.nonce + b"\0" * 100)
+        link = "syncps-g-" + "2" * 32
+        os.symlink(os.path.join(shm_dir, real.gradient_file), os.path.join(shm_dir, link))
+        cases = [
+            (lambda: attach("../../etc/passwd"), 400, "bad_field"),
+            (lambda: attach("syncps-g-" + "0" * 32), 409, "shm_unavailable"),  # no such file: another host
+            (lambda: attach(real.gradient_file, "00" * 16), 409, "shm_unavailable"),  # wrong nonce
+            (lambda: attach(real.gradient_file, "zz" * 16), 400, "bad_field"),
+            (lambda: attach(small), 409, "shm_unavailable"),  # wrong size
+            (lambda: attach(link), 409, "shm_unavailable"),  # a symlink is never followed
+            (lambda: attach(real.gradient_file, worker="nobody"), 404, "unknown_worker"),
+            (lambda: shm_push(h, wid, 0, 1), 409, "shm_not_attached"),
+            (lambda: shm_push(h, "nobody", 0, 1), 404, "unknown_worker"),
+        ]
+        before = state_hash(ps.rt)
+        for send, status, code in cases:
+            resp = send()
+            assert (resp.status_code, resp.json()["error"]) == (status, code), resp.text
+        assert not ps.rt.shm.attached
+        assert attach(real.gradient_file).status_code == 200
+        real.unlink()
+        seq = real.write(grads(1.0))
+        for bad_seq, status, code in ((seq + 1, 409, "shm_torn"), (-1, 400, "bad_field"), ("1", 400, "bad_field")):
+            resp = shm_push(h, wid, 0, bad_seq)
+            assert (resp.status_code, resp.json()["error"]) == (status, code), resp.text
+        assert state_hash(ps.rt) == before and ps.rt.core.push_counts.get("accepted", 0) == 0
+        assert shm_push(h, wid, 0, seq).json()["status"] == "accepted"
+        assert ps.rt.core.global_step == 1
+        c.close(), h.close(), real.close()
+
+
+def test_off_or_elsewhere_falls_back_to_http(shm_dir, tmp_path):
+    elsewhere = tmp_path / "other-host"
+    elsewhere.mkdir()
+    for ps_dir, worker_dir in (("", shm_dir), (shm_dir, str(elsewhere))):
+        with live_ps(shm_dir=ps_dir, min_workers=1, startup_grace_seconds=0) as ps:
+            c = ps.client(shm_dir=worker_dir)
+            wid = c.register("a")["worker_id"]
+            assert c.init_model(W0, {"name": "sgd", "learning_rate": 0.5})
+            assert not c.setup_shm(wid) and c.transport == "http"
+            assert c.push(wid, 0, grads(1.0))["status"] == "accepted"
+            assert os.listdir(worker_dir) == []  # nothing left behind by the failed attempt
+            c.close()
+
+
+def test_weights_file_of_a_killed_ps_is_swept(shm_dir):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = os.path.join(shm_dir, f"syncps-w-{dead.pid}-{'ab' * 8}")
+    alive = os.path.join(shm_dir, f"syncps-w-{os.getpid()}-{'cd' * 8}")
+    for path in (stale, alive):
+        open(path, "wb").close()
+    with live_ps(shm_dir=shm_dir):
+        assert not os.path.exists(stale) and os.path.exists(alive)
+
+
+def _job(worker_dirs: list[str], steps: int = 30) -> tuple[dict, dict, list[dict]]:
+    n = len(worker_dirs)
+    c = LocalCluster(n, ps_env={"PS_MAX_STEPS": steps, "PS_SHM_DIR": next((d for d in worker_dirs if d), "")},
+                     worker_env={"WORKER_TASK": "linear", "WORKER_DTYPE": "float64", "WORKER_SEED": 7,
+                                 "WORKER_BATCH_SIZE": 16})
+    try:
+        c.start_ps()
+        for i, d in enumerate(worker_dirs):
+            c.start_worker(i, {"WORKER_SHM_DIR": d})
+        try:
+            assert c.wait_workers(120) == [0] * n
+            wait_for(lambda: c.status()["state"] == "done", 10, "the PS to report done")
+            return final_weights(c), c.status(), c.get("/v1/workers").json()["workers"]
+        except Exception:
+            raise AssertionError(f"job failed; logs:\n{c.logs()}")
+    finally:
+        c.stop()
+
+
+@pytest.mark.parametrize("kind", ["shm", "http", "mixed"])
+def test_transports_train_bit_identical(kind, shm_dir):
+    dirs = {"shm": [shm_dir] * 2, "http": [""] * 2, "mixed": [shm_dir, "", shm_dir, ""]}[kind]
+    tensors, status, workers = _job(dirs)
+    _, ref = train_reference("linear", len(dirs), 30, batch_size=16, seed=7, dtype="float64")
+    for k in ref:
+        assert tensors[k].tobytes() == ref[k].tobytes(), f"{k}: not bit-identical"
+    used = {w["name"]: w["transport"] for w in workers}
+    assert used == {f"worker-{i}": "shm" if d else "http" for i, d in enumerate(dirs)}
+    assert (status["shm_bytes_received"] > 0) == (kind != "http")
+    if any(dirs):
+        assert os.listdir(shm_dir) == []  # every file gone with its process
