@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from ps_service import api, auth, checkpoint, dashboard, metrics, monitoring
+from ps_service.hotpath import HotPath
 from ps_service.http import install_error_handlers
 from ps_service.runtime import Runtime
 from ps_service.settings import PSSettings
@@ -38,6 +39,7 @@ def create_app(settings: PSSettings | None = None) -> FastAPI:
     app = FastAPI(title="syncps parameter server", version="0.1.0", lifespan=lifespan, **docs,
                   description="Synchronous parameter server (SyncReplicasOptimizer semantics). See docs/protocol.md.")
     install_error_handlers(app)
+    app.add_middleware(HotPath)  # the per-step push and pull skip FastAPI's routing when plainly well-formed
     # access control (ps_service/auth.py): every router but health and the static dashboard needs a token when one is configured
     app.include_router(api.router, dependencies=auth.TRAINING)
     app.include_router(monitoring.router, dependencies=auth.MONITORING)
