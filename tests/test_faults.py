@@ -6,6 +6,7 @@ takes ``time.time()`` right before each ``kill -9``.
 """
 from __future__ import annotations
 
+import os
 import re
 import statistics
 import time
@@ -109,9 +110,12 @@ def test_killed_workers_never_hang_the_job(restart_at_once, stall_report):
 
 def run_with_checkpoints(ckpt_dir, steps: int, every: int, kill_at: int | None) -> dict:
     """One 3-worker job with checkpoints; optionally kill -9 the PS at ``kill_at`` and start it again."""
+    shm_dir = f"{ckpt_dir}-shm"  # the same-host transport's files, to see that none is left behind
+    os.makedirs(shm_dir)
     ps_env = {"PS_MAX_STEPS": steps, "PS_TOTAL_NUM_REPLICAS": 3, "PS_CHECKPOINT_DIR": ckpt_dir,
-              "PS_CHECKPOINT_EVERY_STEPS": every, "PS_CHECKPOINT_EVERY_SECONDS": 0}
-    c = LocalCluster(3, ps_env=ps_env, worker_env={"WORKER_TASK": "linear", "WORKER_COMPUTE_DELAY_SECONDS": PACE / 2})
+              "PS_CHECKPOINT_EVERY_STEPS": every, "PS_CHECKPOINT_EVERY_SECONDS": 0, "PS_SHM_DIR": shm_dir}
+    c = LocalCluster(3, ps_env=ps_env, worker_env={"WORKER_TASK": "linear", "WORKER_COMPUTE_DELAY_SECONDS": PACE / 2,
+                                                   "WORKER_SHM_DIR": shm_dir})
     out: dict = {}
     with c:
         try:
@@ -127,8 +131,10 @@ def run_with_checkpoints(ckpt_dir, steps: int, every: int, kill_at: int | None) 
             out["rounds"] = closed_rounds(c, 1000)
             out["rejoins"] = [tuple(map(int, m)) for i in range(3) for m in REJOINED.findall(c.log(f"worker-{i}"))]
             out["ps_log"] = c.log("ps")
+            out["transports"] = [w["transport"] for w in c.get("/v1/workers").json()["workers"]]
         except Exception as exc:
             raise AssertionError(f"{exc}\n{c.logs()}") from exc
+    out["shm_files_left"] = os.listdir(shm_dir)
     return out
 
 
@@ -140,6 +146,8 @@ def test_killed_ps_resumes_from_its_checkpoint(tmp_path):
     assert len(restored) == 1 and restored[0] >= kill_at - 2 * every
     # every worker found the PS again by itself, and says where the PS was and where it had been
     assert len(run["rejoins"]) == 3 and {ps for ps, _ in run["rejoins"]} == {restored[0]}
+    # ... and attached its gradient file to the new PS (same host); the killed PS's weights file was swept
+    assert run["transports"] == ["shm"] * 3 and run["shm_files_left"] == ref["shm_files_left"] == []
     lost = max(was for _, was in run["rejoins"]) - restored[0]
     assert 0 <= lost <= every + 1  # + the round of a write in progress at the kill
     resumed = min(r["closed_at"] for r in run["rounds"]) - run["killed_at"]
