@@ -13,10 +13,12 @@ Contract:
   place: a worker does not write its file again before its round closed (it waits for the answer).
 - Refusals: 409 ``shm_unavailable`` (the worker then uses plain HTTP), 409 ``shm_not_attached`` /
   ``shm_torn`` (attach again), 400 for malformed names.
-The weights file is unlinked on shutdown; files left by a PS that was killed are swept on start.
+The weights file is unlinked on shutdown; files left by a PS that was killed (no flock held on them)
+are swept on start.
 """
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import secrets
@@ -39,6 +41,8 @@ class ShmHub:
         self.layout: shm.Layout | None = None
         self.weights_name: str | None = None
         self._nonce = secrets.token_bytes(shm.NONCE_BYTES)
+        #: an open descriptor of the weights file holding an exclusive flock: "this file's PS is alive"
+        self._lock_fd: int | None = None
         #: worker_id -> the mapping of its gradient file
         self.attached: dict[str, object] = {}
         #: worker_id -> the transport of its last push ("shm" or "http"), for monitoring
@@ -52,20 +56,24 @@ class ShmHub:
         return self.directory is not None
 
     def _sweep(self) -> None:
-        """Unlink weights files of PS processes that no longer run (a kill -9 leaves its file)."""
+        """Unlink weights files whose PS is gone (a killed PS leaves its file). A live PS holds an
+        exclusive flock on its file: that works across containers sharing the directory, where PIDs
+        mean nothing."""
         for name in os.listdir(self.directory):
-            if shm.WEIGHTS_FILE.fullmatch(name):
-                pid = int(name.split("-")[2])
-                try:
-                    os.kill(pid, 0)
-                except ProcessLookupError:
-                    try:
-                        os.unlink(os.path.join(self.directory, name))
-                        log.info("removed %s (left by PS process %d)", name, pid)
-                    except OSError:
-                        pass
-                except OSError:
-                    pass
+            if not shm.WEIGHTS_FILE.fullmatch(name):
+                continue
+            try:
+                fd = shm.open_in(self.directory, name, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                os.unlink(os.path.join(self.directory, name))
+                log.info("removed %s (its PS is gone)", name)
+            except OSError:  # locked: its PS runs
+                pass
+            finally:
+                os.close(fd)
 
     def offer(self, weights: dict[str, np.ndarray]) -> dict:
         """Describe the weights file, moving ``weights`` (the core's dict, updated in place) into it first."""
@@ -79,9 +87,12 @@ class ShmHub:
             except OSError as exc:  # e.g. a full tmpfs
                 raise unavailable(f"cannot make the weights file: {exc}") from exc
             try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 region = shm.map_file(fd, layout.region_bytes, writable=True)
-            finally:
+            except OSError as exc:
                 os.close(fd)
+                raise unavailable(f"cannot map the weights file: {exc}") from exc
+            self._lock_fd = fd
             shm.set_header(region, self._nonce, 0)
             views = shm.data_views(layout, region)
             for key, view in views.items():
@@ -145,3 +156,6 @@ class ShmHub:
                 os.unlink(os.path.join(self.directory, self.weights_name))
             except OSError:
                 pass
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None

@@ -108,6 +108,9 @@ def test_up_scale_4_trains_linear_and_down_cleans_up(compose, request):
         assert [c["State"]["ExitCode"] for c in containers] == [0] * 4, [c["Name"] for c in containers]
         names = {p.worker_name(c) for c in containers}
         assert contributors(p) == names  # 4 distinct workers, registered by hostname, all pushed
+        # the shared tmpfs volume put every worker on the same-host transport (no tensor in the bodies)
+        assert {w["transport"] for w in p.workers()["workers"]} == {"shm"}
+        assert p.get("/v1/status")["shm_bytes_received"] > 0
         # The PS outlives the job: it keeps serving the monitoring API.
         assert p.get("/healthz")["status"] == "ok"
         again = p.get("/v1/status")
@@ -213,6 +216,10 @@ def test_kill_a_worker_crash_a_worker_crash_the_ps_job_finishes(compose, request
             assert before - 200 <= restored <= back["global_step"]
         done = p.wait_status(lambda s: s["state"] == "done", 240, "the job to finish after the PS restart")
         assert done["global_step"] == steps
+        # every worker attached to the restarted PS, which swept its predecessor's weights file
+        assert {w["transport"] for w in p.workers()["workers"] if w["pushes"]["accepted"]} == {"shm"}
+        files = p.compose("exec", "-T", "ps", "ls", "/syncps-shm").stdout.split()
+        assert len(files) == 1 and files[0].startswith("syncps-w-"), files
         assert_linear_solved(p)
         containers = p.wait_workers_exited(60)
         codes = sorted(c["State"]["ExitCode"] for c in containers)

@@ -10,9 +10,8 @@
 """
 from __future__ import annotations
 
+import fcntl
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -25,6 +24,7 @@ from shared.protocol import MSGPACK
 from tests.clusters import final_weights
 from tests.live_ps import live_ps, state_hash
 from tests.reference import train_reference
+from ps_service.shm import ShmHub
 from worker_service.shm import ShmChannel
 
 W0 = {"w": np.arange(6, dtype=np.float32).reshape(3, 2) / 10, "b": np.array([0.5, -0.5], np.float32)}
@@ -148,14 +148,25 @@ def test_off_or_elsewhere_falls_back_to_http(shm_dir, tmp_path):
 
 
 def test_weights_file_of_a_killed_ps_is_swept(shm_dir):
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    stale = os.path.join(shm_dir, f"syncps-w-{dead.pid}-{'ab' * 8}")
-    alive = os.path.join(shm_dir, f"syncps-w-{os.getpid()}-{'cd' * 8}")
+    """A file without a live PS's flock goes; a locked one (a PS still running, maybe in another
+    container sharing the directory) stays."""
+    stale = os.path.join(shm_dir, f"syncps-w-1-{'ab' * 8}")
+    alive = os.path.join(shm_dir, f"syncps-w-1-{'cd' * 8}")
     for path in (stale, alive):
         open(path, "wb").close()
-    with live_ps(shm_dir=shm_dir):
-        assert not os.path.exists(stale) and os.path.exists(alive)
+    holder = os.open(alive, os.O_RDONLY)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    try:
+        with live_ps(shm_dir=shm_dir) as ps:
+            assert not os.path.exists(stale) and os.path.exists(alive)
+            c = ps.client(shm_dir=shm_dir)
+            wid = c.register("a")["worker_id"]
+            assert c.init_model(W0, {"name": "sgd", "learning_rate": 0.5}) and c.setup_shm(wid)
+            ShmHub(shm_dir)  # a second PS starting on the directory (it sweeps) keeps the live one's file
+            assert os.path.exists(os.path.join(shm_dir, ps.rt.shm.weights_name))
+            c.close()
+    finally:
+        os.close(holder)
 
 
 def _job(worker_dirs: list[str], steps: int = 30) -> tuple[dict, dict, list[dict]]:
