@@ -60,6 +60,7 @@ def test_dashboard_shows_live_training_without_console_errors(tmp_path):
                 wait_for(lambda: page.get_attribute("#workers tr.straggler", "data-name") == SLOW, 30,
                          "the straggler row to be highlighted")
                 assert page.locator("#workers tbody tr").count() == 2
+                assert page.locator("#workers tbody tr td:nth-child(4)").all_text_contents() == ["shm", "shm"]
                 assert float(page.text_content("#rps")) > 0
                 assert int(page.get_attribute("#rate-plot", "data-points")) >= 2
                 assert page.text_content("#straggler") == SLOW

@@ -145,7 +145,7 @@ function renderWorkers(ws) {
     tr.className = [w.state, w.name === ws.straggler ? "straggler" : "", w.awaited ? "awaited" : ""].join(" ").trim();
     tr.dataset.name = w.name;
     const p = w.pushes, t = w.mean_seconds;
-    [w.rank, w.name, w.awaited ? `${w.state} (awaited)` : w.state, w.last_step ?? "-", p.accepted, p.late, p.stale,
+    [w.rank, w.name, w.awaited ? `${w.state} (awaited)` : w.state, w.transport ?? "-", w.last_step ?? "-", p.accepted, p.late, p.stale,
      p.duplicate, ms(t.fetch), ms(t.compute), ms(t.push), w.straggler_rounds, fmt(w.straggler_seconds, 3),
      `${fmt(w.last_seen_seconds_ago, 2)} s ago`].forEach((v) => cell(tr, String(v)));
     body.append(tr);
