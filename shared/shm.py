@@ -10,7 +10,8 @@ them only when it closes that step's round, after which a push for that step is 
 stale) whatever it was computed from.
 
 A file is one *region*: a :data:`HEADER_BYTES` header (16-byte nonce, int64 marker) then the
-tensors of a :class:`Layout`, each at an :data:`ALIGN`-aligned offset. The nonce proves the other
+tensors of a :class:`Layout`, each at an :data:`ALIGN`-aligned offset (cache-line aligned for numpy
+and BLAS, without a page of padding per small tensor). The nonce proves the other
 side mapped the very file its peer made (same host, same directory). In a gradient file the marker
 is the sequence number of the push it holds (:data:`WRITING` while the worker writes), so the PS
 never sums a file that is not the push it was sent.
@@ -33,8 +34,9 @@ import numpy as np
 from shared.codec import DTYPES, MAX_NDIM, MAX_TENSORS, dtype_name
 from shared.errors import bad_request
 
-ALIGN = 4096
-HEADER_BYTES = ALIGN
+ALIGN = 64
+#: the header takes a page, so the tensors start page-aligned
+HEADER_BYTES = 4096
 NONCE_BYTES = 16
 #: the marker while a region is being written
 WRITING = -1
@@ -45,8 +47,8 @@ WEIGHTS_FILE = re.compile(r"syncps-w-[0-9]+-[0-9a-f]{16}")
 TENSORS_HEADER = "X-Syncps-Tensors"
 
 
-def _aligned(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
+def _aligned(n: int, to: int = ALIGN) -> int:
+    return -(-n // to) * to
 
 
 @dataclass(frozen=True)
@@ -79,7 +81,7 @@ class Layout:
     @cached_property
     def data_bytes(self) -> int:
         last = self.tensors[-1] if self.tensors else None
-        return _aligned(last.offset + last.nbytes) if last else 0
+        return _aligned(last.offset + last.nbytes, HEADER_BYTES) if last else 0
 
     @cached_property
     def region_bytes(self) -> int:

@@ -39,9 +39,10 @@ def test_layout_round_trip_and_validation():
     assert [t.name for t in layout.tensors] == ["b", "w"]
     assert all(t.offset % shm.ALIGN == 0 for t in layout.tensors)
     assert shm.Layout.from_wire(layout.to_wire()) == layout
-    assert layout.region_bytes == shm.HEADER_BYTES + shm.ALIGN + 12288  # b: one page; w: 12000 bytes, three
+    assert [t.offset for t in layout.tensors] == [0, 64]  # b: 24 bytes, padded to a cache line
+    assert layout.region_bytes == shm.HEADER_BYTES + 12288  # 64 + 12,000 bytes, rounded up to pages
     for bad in ([], "x", [["w", "object", [3], 0]], [["w", "float32", [-1], 0]], [["w", "float32", [3], 5]],
-                [["a", "float32", [4096], 0], ["b", "float32", [1], 4096]]):  # unaligned, overlapping
+                [["a", "float32", [16], 0], ["b", "float32", [1], 32]]):  # unaligned, overlapping
         with pytest.raises(ProtocolError):
             shm.Layout.from_wire(bad)
 

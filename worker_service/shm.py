@@ -37,7 +37,8 @@ class ShmChannel:
             os.close(fd)
         shm.set_header(self._region, self.nonce, shm.WRITING)
         self._grads = shm.data_views(layout, self._region)
-        self._seq = 0
+        # a random start: a push of an earlier channel still in flight can never match this file's marker
+        self._seq = secrets.randbits(48)
 
     @classmethod
     def open(cls, directory: str, offer: dict) -> "ShmChannel":
