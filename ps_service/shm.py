@@ -18,7 +18,6 @@ are swept on start.
 """
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import secrets
@@ -27,6 +26,11 @@ import numpy as np
 
 from shared import shm
 from shared.errors import ProtocolError, bad_request
+
+try:
+    import fcntl
+except ImportError:  # not a POSIX system: no same-host transport
+    fcntl = None
 
 log = logging.getLogger("ps_service")
 
@@ -37,7 +41,7 @@ def unavailable(detail: str) -> ProtocolError:
 
 class ShmHub:
     def __init__(self, directory: str | None) -> None:
-        self.directory = directory if directory and os.path.isdir(directory) else None
+        self.directory = directory if directory and fcntl is not None and os.path.isdir(directory) else None
         self.layout: shm.Layout | None = None
         self.weights_name: str | None = None
         self._nonce = secrets.token_bytes(shm.NONCE_BYTES)
