@@ -1,10 +1,12 @@
-"""The training routes: register, leave, heartbeat, initialise, pull, push (docs/protocol.md).
+"""The training routes: register, leave, heartbeat, initialise, pull, push, and the same-host
+transport's offer and attach (docs/protocol.md; the files themselves: ps_service/shm.py).
 
 Thin drivers of :class:`ps_service.core.ParameterServerCore`: read and decode
 the body, call the core with the runtime's clock, wake the waiters, encode the
 answer. Tensor routes skip pydantic and speak msgpack. Every body is read in the
 endpoint with :func:`ps_service.http.read_body` (after the auth dependency that
-app.py attaches to this router): bounded, typed, never buffered before auth.
+app.py attaches to this router): bounded, typed, never buffered before auth. The
+per-step push and pull are also called directly by ps_service/hotpath.py.
 """
 from __future__ import annotations
 
