@@ -86,12 +86,16 @@ def run_linear(workers: int, steps: int, worker_env: dict) -> tuple[dict, dict, 
             raise AssertionError(f"{exc}\n{c.logs()}") from exc
 
 
-def test_an_unreliable_network_changes_nothing_in_sync_mode():
+@pytest.mark.parametrize("transport", ["shm", "http"])
+def test_an_unreliable_network_changes_nothing_in_sync_mode(transport):
+    """Tensors in the request bodies (http) or through same-host files (shm): the faults hit the HTTP calls."""
     workers, steps = 3, 50
-    clean, clean_st, _ = run_linear(workers, steps, {})
+    env = {"WORKER_SHM_DIR": ""} if transport == "http" else {}
+    clean, clean_st, _ = run_linear(workers, steps, env)
     faults = {"WORKER_FAULT_DROP_BEFORE": 0.1, "WORKER_FAULT_DROP_AFTER": 0.1, "WORKER_FAULT_DUPLICATE": 0.1,
-              "WORKER_FAULT_SEED": 3}
+              "WORKER_FAULT_SEED": 3, **env}
     faulty, st, logs = run_linear(workers, steps, faults)
+    assert (st["shm_bytes_received"] > 0) == (transport == "shm")
     injected = [dict(zip(("drop_before", "drop_after", "duplicate"), map(int, m)))
                 for m in re.findall(r"'drop_before': (\d+), 'drop_after': (\d+), 'duplicate': (\d+)", logs)]
     assert len(injected) == workers and all(min(i.values()) > 0 for i in injected), injected
