@@ -7,17 +7,21 @@ from tests.clusters import run_job
 from tests.reference import train_reference
 
 CASES = [
-    # task, dtype, workers, steps
-    *[("linear", "float64", n, 40) for n in (1, 2, 4)],
-    *[("linear", "float32", n, 40) for n in (1, 2, 4)],
-    *[("mlp", "float64", n, 25) for n in (1, 2, 4)],
+    # task, dtype, workers, steps, transport (local workers use the same-host one unless told otherwise)
+    *[("linear", "float64", n, 40, "shm") for n in (1, 2, 4)],
+    *[("linear", "float32", n, 40, "shm") for n in (1, 2, 4)],
+    *[("mlp", "float64", n, 25, "shm") for n in (1, 2, 4)],
+    ("linear", "float32", 4, 40, "http"),
+    ("mlp", "float64", 2, 25, "http"),
 ]
 
 
-@pytest.mark.parametrize("task,dtype,workers,steps", CASES, ids=lambda v: str(v))
-def test_sync_workers_equal_single_process(task, dtype, workers, steps):
+@pytest.mark.parametrize("task,dtype,workers,steps,transport", CASES, ids=lambda v: str(v))
+def test_sync_workers_equal_single_process(task, dtype, workers, steps, transport):
     job = run_job(workers, {"PS_MAX_STEPS": steps},
-                  {"WORKER_TASK": task, "WORKER_DTYPE": dtype, "WORKER_SEED": 7, "WORKER_BATCH_SIZE": 16})
+                  {"WORKER_TASK": task, "WORKER_DTYPE": dtype, "WORKER_SEED": 7, "WORKER_BATCH_SIZE": 16,
+                   **({"WORKER_SHM_DIR": ""} if transport == "http" else {})})
+    assert {w["transport"] for w in job.workers} == {transport}
     assert job.exit_codes == [0] * workers
     assert job.status["global_step"] == steps
     assert all(w["pushes"]["accepted"] == steps for w in job.workers)
