@@ -7,7 +7,7 @@ import logging
 import uvicorn
 
 from ps_service.app import create_app
-from ps_service.bodysink import SinkHttpToolsProtocol
+from ps_service.bodysink import BufferedSinkProtocol
 from ps_service.settings import PSSettings
 
 
@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s ps %(levelname)s %(message)s")
     # uvloop + httptools, with large bodies written straight into the routes' buffers (ps_service/bodysink.py)
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level,
-                access_log=False, timeout_graceful_shutdown=5, http=SinkHttpToolsProtocol)
+                access_log=False, timeout_graceful_shutdown=5, http=BufferedSinkProtocol)
 
 
 if __name__ == "__main__":

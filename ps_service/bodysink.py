@@ -10,14 +10,27 @@ route only every :data:`WAKE_BYTES` or :data:`WAKE_SECONDS` of progress, and at 
 (so the route's idle timeout still sees a slow but steady body move). Bytes that arrived before the sink
 was set are still delivered the usual way and land first (the sink keeps the offset).
 
+Once the sink is set, the rest of a ``Content-Length`` body is not even copied once: served through
+:class:`BufferedSinkProtocol` (an :class:`asyncio.BufferedProtocol` around it; uvloop reads into a
+protocol's buffer only if it is not an ``asyncio.Protocol``), the event loop reads the socket straight into the sink
+(``get_buffer`` hands out exactly the body's remaining bytes, never more) and the HTTP parser never
+sees those bytes; when the body is complete the message is ended by hand and a fresh parser takes
+the next request on the connection. Every other byte (headers, chunked or small bodies, bytes before
+the sink exists) goes through a scratch buffer to uvicorn's parser as before.
+
 Under another server (or uvicorn's stock protocol) nothing writes to the sink and
 ``read_body`` gets the chunks as usual: the sink is an optimisation, never a contract.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 
+import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+#: bytes per socket read outside a sink
+READ_CHUNK = 256 << 10
 
 SINK_KEY = "syncps.body_sink"
 #: wake the route after this many bytes or seconds of progress while a body streams into its sink
@@ -54,8 +67,62 @@ class BodySink:
         return False
 
 
+def _content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
+    """The body length of a plain ``Content-Length`` request (None if chunked, absent or odd)."""
+    lengths = [v for k, v in headers if k == b"content-length"]
+    if len(lengths) != 1 or not lengths[0].isdigit() or any(k == b"transfer-encoding" for k, _ in headers):
+        return None
+    return int(lengths[0])
+
+
 class SinkHttpToolsProtocol(HttpToolsProtocol):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._scratch = memoryview(bytearray(READ_CHUNK))
+        self._reading_into: BodySink | None = None
+        #: bytes of the current request's body not yet received (None: not a Content-Length body)
+        self._body_left: int | None = None
+
+    def on_headers_complete(self) -> None:
+        super().on_headers_complete()
+        self._body_left = _content_length(self.headers)
+
+    def _direct_sink(self) -> BodySink | None:
+        """The sink the socket may be read into right now, leftovers flushed into it first."""
+        cycle, left = self.cycle, self._body_left
+        if cycle is None or not left or cycle.response_complete:
+            return None
+        sink = cycle.scope.get(SINK_KEY)
+        if sink is None or sink.at + len(cycle.body) + left != len(sink.view):
+            return None
+        if cycle.body:  # arrived before the route set the sink: it goes first
+            sink.write(cycle.body)
+            cycle.body = bytearray()
+        return sink
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        sink = self._reading_into = self._direct_sink()
+        if sink is not None:
+            return sink.view[sink.at:sink.at + self._body_left]
+        return self._scratch
+
+    def buffer_updated(self, nbytes: int) -> None:
+        sink, self._reading_into = self._reading_into, None
+        if sink is None:
+            return self.data_received(bytes(self._scratch[:nbytes]))
+        self._unset_keepalive_if_required()
+        sink.at += nbytes
+        self._body_left -= nbytes
+        if self._body_left == 0:  # the parser never saw this body: end the message, fresh parser for the next
+            self._body_left = None
+            self.parser = httptools.HttpRequestParser(self)
+            self.on_message_complete()
+        elif sink.due():
+            self.cycle.message_event.set()
+
     def on_body(self, body: bytes) -> None:
+        if self._body_left is not None:
+            self._body_left -= len(body)
         cycle = self.cycle
         sink = cycle.scope.get(SINK_KEY) if cycle is not None else None
         if sink is None or cycle.response_complete or (self.parser.should_upgrade() and self._should_upgrade()):
@@ -70,3 +137,27 @@ class SinkHttpToolsProtocol(HttpToolsProtocol):
             return super().on_body(body)
         if sink.due():
             cycle.message_event.set()
+
+
+class BufferedSinkProtocol(asyncio.BufferedProtocol):
+    """The PS's uvicorn ``http`` protocol: :class:`SinkHttpToolsProtocol` behind the buffered interface."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.inner = SinkHttpToolsProtocol(*args, **kwargs)
+        self.get_buffer = self.inner.get_buffer
+        self.buffer_updated = self.inner.buffer_updated
+
+    def connection_made(self, transport) -> None:
+        self.inner.connection_made(transport)
+
+    def connection_lost(self, exc) -> None:
+        self.inner.connection_lost(exc)
+
+    def eof_received(self):
+        return self.inner.eof_received()
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()

@@ -189,6 +189,27 @@ def test_large_bodies_through_the_sink_are_refused_cleanly():
         client.close()
 
 
+def test_large_bodies_are_read_from_the_socket_straight_into_the_sink(monkeypatch):
+    """Once the route's sink exists, the socket is read into it and the parser sees none of those bytes;
+    the keep-alive connection then carries the next requests through a fresh parser."""
+    from ps_service import bodysink
+    parsed = []
+    original = bodysink.SinkHttpToolsProtocol.on_body
+    monkeypatch.setattr(bodysink.SinkHttpToolsProtocol, "on_body", lambda self, b: (parsed.append(len(b)), original(self, b)))
+    size, steps = 2_000_000, 4  # 8 MB pushes
+    with live_ps(total_num_replicas=1, lease_seconds=600) as ps:
+        client = ps.client()  # one keep-alive connection for every tensor call
+        wid = client.register("w")["worker_id"]
+        client.init_model({"w": np.zeros(size, np.float32)}, {"name": "sgd", "learning_rate": 1.0})
+        parsed.clear()
+        for step in range(steps):
+            assert client.push(wid, step, {"w": np.full(size, step, np.float32)})["status"] == "accepted"
+            assert client.pull(step + 1, wid, wait=5.0).step == step + 1
+        np.testing.assert_array_equal(client.pull(steps, wait=5.0).tensors["w"], np.full(size, -6.0, np.float32))
+        assert sum(parsed) < steps * size * 4 / 2, f"{sum(parsed)} of {steps * size * 4} body bytes went through the parser"
+        client.close()
+
+
 def test_a_parsed_body_is_freed_without_the_cyclic_gc():
     """Views into a body keep it alive only while they live (a parser cycle once held 40 MB bodies)."""
     import gc
