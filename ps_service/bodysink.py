@@ -79,13 +79,18 @@ class SinkHttpToolsProtocol(HttpToolsProtocol):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._scratch = memoryview(bytearray(READ_CHUNK))
-        self._reading_into: BodySink | None = None
+        #: where the bytes of the pending read go: a sink, "discard" (a bypassed body nobody reads any
+        #: more), or None (the scratch buffer, then the parser)
+        self._reading_into: BodySink | str | None = None
         #: bytes of the current request's body not yet received (None: not a Content-Length body)
         self._body_left: int | None = None
+        #: the parser has been bypassed for part of this body: the rest must bypass it too
+        self._bypassing = False
 
     def on_headers_complete(self) -> None:
         super().on_headers_complete()
         self._body_left = _content_length(self.headers)
+        self._bypassing = False
 
     def _direct_sink(self) -> BodySink | None:
         """The sink the socket may be read into right now, leftovers flushed into it first."""
@@ -101,23 +106,29 @@ class SinkHttpToolsProtocol(HttpToolsProtocol):
         return sink
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        sink = self._reading_into = self._direct_sink()
+        sink = self._direct_sink()
         if sink is not None:
+            self._reading_into, self._bypassing = sink, True
             return sink.view[sink.at:sink.at + self._body_left]
+        if self._bypassing and self._body_left:  # the route gave up on this body: read the rest past the parser
+            self._reading_into = "discard"
+            return self._scratch[:self._body_left]
+        self._reading_into = None
         return self._scratch
 
     def buffer_updated(self, nbytes: int) -> None:
-        sink, self._reading_into = self._reading_into, None
-        if sink is None:
+        into, self._reading_into = self._reading_into, None
+        if into is None:
             return self.data_received(bytes(self._scratch[:nbytes]))
         self._unset_keepalive_if_required()
-        sink.at += nbytes
         self._body_left -= nbytes
+        if isinstance(into, BodySink):
+            into.at += nbytes
         if self._body_left == 0:  # the parser never saw this body: end the message, fresh parser for the next
-            self._body_left = None
+            self._body_left, self._bypassing = None, False
             self.parser = httptools.HttpRequestParser(self)
             self.on_message_complete()
-        elif sink.due():
+        elif isinstance(into, BodySink) and into.due():
             self.cycle.message_event.set()
 
     def on_body(self, body: bytes) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 import subprocess
+import socket
 import sys
 import threading
 
@@ -17,7 +18,7 @@ from shared.codec import decode_tensors, encode_tensors, pack, pack_parts, unpac
 from shared.errors import ProtocolError
 from shared.protocol import MSGPACK, PUSH_STATUS_HEADER
 from tests.clusters import run_job
-from tests.live_ps import live_ps, raw_exchange, state_hash
+from tests.live_ps import live_ps, raw_exchange, read_response, state_hash
 
 
 def test_bench_run_prints_the_anchor_fields():
@@ -207,6 +208,25 @@ def test_large_bodies_are_read_from_the_socket_straight_into_the_sink(monkeypatc
             assert client.pull(step + 1, wid, wait=5.0).step == step + 1
         np.testing.assert_array_equal(client.pull(steps, wait=5.0).tensors["w"], np.full(size, -6.0, np.float32))
         assert sum(parsed) < steps * size * 4 / 2, f"{sum(parsed)} of {steps * size * 4} body bytes went through the parser"
+        client.close()
+
+
+def test_a_body_refused_halfway_keeps_its_connection_framed():
+    """The parser missed the part of a body read straight into the sink: when the route gives up on that
+    body (408 here), the rest is still read past the parser, so the next request on the connection parses."""
+    size = 50_000  # a 200 KB push
+    with live_ps(total_num_replicas=1, body_idle_timeout_seconds=0.5, lease_seconds=600) as ps:
+        client = ps.client()
+        wid = client.register("w")["worker_id"]
+        client.init_model({"w": np.zeros(size, np.float32)}, {"name": "sgd", "learning_rate": 1.0})
+        body = pack({"worker_id": wid, "step": 0, "tensors": encode_tensors({"w": np.ones(size, np.float32)})})
+        with socket.create_connection(("127.0.0.1", ps.port), timeout=10) as s:
+            s.sendall(_big_push_head(ps.port, len(body)) + body[:150_000])
+            status, reply = read_response(s)
+            assert status == 408 and b"body_timeout" in reply
+            s.sendall(body[150_000:] + f"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1:{ps.port}\r\n\r\n".encode())
+            assert read_response(s) == (200, b'{"status":"ok"}')
+        assert client.push(wid, 0, {"w": np.ones(size, np.float32)})["status"] == "accepted"
         client.close()
 
 
