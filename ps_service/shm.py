@@ -35,6 +35,11 @@ except ImportError:  # not a POSIX system: no same-host transport
 log = logging.getLogger("ps_service")
 
 
+def _hold_lock(fd: int) -> None:
+    """The exclusive flock a live PS keeps on its weights file (what the start-up sweep tests)."""
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
 def unavailable(detail: str) -> ProtocolError:
     return ProtocolError(409, "shm_unavailable", detail)
 
@@ -87,17 +92,10 @@ class ShmHub:
             layout = shm.Layout.of(weights)
             name = f"syncps-w-{os.getpid()}-{secrets.token_hex(8)}"
             try:
-                fd = shm.create_in(self.directory, name, layout.region_bytes)
+                self._lock_fd, region = shm.create_region(self.directory, name, layout.region_bytes, self._nonce, 0,
+                                                          lock=_hold_lock)
             except OSError as exc:  # e.g. a full tmpfs
                 raise unavailable(f"cannot make the weights file: {exc}") from exc
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                region = shm.map_file(fd, layout.region_bytes, writable=True)
-            except OSError as exc:
-                os.close(fd)
-                raise unavailable(f"cannot map the weights file: {exc}") from exc
-            self._lock_fd = fd
-            shm.set_header(region, self._nonce, 0)
             views = shm.data_views(layout, region)
             for key, view in views.items():
                 np.copyto(view, weights[key])
@@ -118,17 +116,11 @@ class ShmHub:
         if self.layout is None:
             raise unavailable("GET /v1/shm first")
         try:
-            fd = shm.open_in(self.directory, name, os.O_RDWR)
+            region = shm.map_existing(self.directory, name, self.layout.region_bytes, want, writable=True)
         except OSError as exc:
             raise unavailable(f"cannot open {name} here (another host?): {exc.strerror or exc}") from None
-        try:
-            if os.fstat(fd).st_size != self.layout.region_bytes:
-                raise unavailable(f"{name} is not {self.layout.region_bytes} bytes")
-            region = shm.map_file(fd, self.layout.region_bytes, writable=True)
-        finally:
-            os.close(fd)
-        if not secrets.compare_digest(shm.nonce_of(region), want):
-            raise unavailable(f"{name} does not hold that nonce")
+        except ValueError as exc:
+            raise unavailable(str(exc)) from None
         self.attached[worker_id] = region
 
     def detach(self, worker_id: str) -> None:

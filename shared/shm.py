@@ -21,13 +21,14 @@ allow-list; nothing here trusts a length it did not compute from a validated lay
 """
 from __future__ import annotations
 
+import hmac
 import mmap
 import os
 import re
 import struct
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -124,10 +125,6 @@ def map_file(fd: int, size: int, writable: bool) -> mmap.mmap:
     return mmap.mmap(fd, size, access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ)
 
 
-def nonce_of(region: mmap.mmap) -> bytes:
-    return bytes(region[:NONCE_BYTES])
-
-
 def marker_of(region: mmap.mmap) -> int:
     return _MARKER.unpack_from(region, NONCE_BYTES)[0]
 
@@ -169,3 +166,35 @@ def create_in(directory: str, name: str, size: int) -> int:
         os.unlink(path)
         raise
     return fd
+
+
+def create_region(directory: str, name: str, size: int, nonce: bytes, marker: int,
+                  lock: Callable[[int], None] | None = None) -> tuple[int, mmap.mmap]:
+    """A new file of ``size`` bytes, ``lock(fd)`` applied first if given, mapped writable, header
+    written; (its descriptor, for the caller to keep or close; the mapping). OSError if impossible."""
+    fd = create_in(directory, name, size)
+    try:
+        if lock is not None:
+            lock(fd)
+        region = map_file(fd, size, writable=True)
+    except BaseException:
+        os.close(fd)
+        os.unlink(os.path.join(directory, name))
+        raise
+    set_header(region, nonce, marker)
+    return fd, region
+
+
+def map_existing(directory: str, name: str, size: int, nonce: bytes, writable: bool) -> mmap.mmap:
+    """Map the peer's file ``name``: a regular file of ours, no symlink, exactly ``size`` bytes,
+    holding ``nonce``. OSError if it cannot be opened here, ValueError if it is not the file meant."""
+    fd = open_in(directory, name, os.O_RDWR if writable else os.O_RDONLY)
+    try:
+        if os.fstat(fd).st_size != size:
+            raise ValueError(f"{name} is not {size} bytes")
+        region = map_file(fd, size, writable)
+    finally:
+        os.close(fd)
+    if not hmac.compare_digest(bytes(region[:NONCE_BYTES]), nonce):
+        raise ValueError(f"{name} does not hold the expected nonce")
+    return region

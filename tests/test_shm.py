@@ -89,7 +89,7 @@ def shm_push(h, worker_id: str, step: int, seq):
     return h.post("/v1/gradients", content=body, headers={"content-type": MSGPACK, shm.TENSORS_HEADER: "shm"})
 
 
-def test_hostile_attach_and_push_change_nothing(shm_dir, tmp_path):
+def test_hostile_attach_and_push_change_nothing(shm_dir):
     with live_ps(shm_dir=shm_dir, min_workers=1, startup_grace_seconds=0, lease_seconds=600) as ps:
         c = ps.client(shm_dir=shm_dir)
         wid = c.register("a")["worker_id"]

@@ -27,15 +27,8 @@ class ShmChannel:
         self.nonce = secrets.token_bytes(shm.NONCE_BYTES)
         self.gradient_file = f"syncps-g-{secrets.token_hex(16)}"
         self._path: str | None = os.path.join(directory, self.gradient_file)
-        fd = shm.create_in(directory, self.gradient_file, layout.region_bytes)
-        try:
-            self._region = shm.map_file(fd, layout.region_bytes, writable=True)
-        except BaseException:
-            self.unlink()
-            raise
-        finally:
-            os.close(fd)
-        shm.set_header(self._region, self.nonce, shm.WRITING)
+        fd, self._region = shm.create_region(directory, self.gradient_file, layout.region_bytes, self.nonce, shm.WRITING)
+        os.close(fd)
         self._grads = shm.data_views(layout, self._region)
         # a random start: a push of an earlier channel still in flight can never match this file's marker
         self._seq = secrets.randbits(48)
@@ -46,16 +39,10 @@ class ShmChannel:
         name, region_bytes = offer.get("weights_file"), offer.get("region_bytes")
         if not isinstance(name, str) or not shm.WEIGHTS_FILE.fullmatch(name) or region_bytes != layout.region_bytes:
             raise ValueError("the PS's shm offer is malformed")
-        fd = shm.open_in(directory, name, os.O_RDONLY)
-        try:
-            if os.fstat(fd).st_size != region_bytes:
-                raise ValueError(f"{name} here is not the PS's weights file")
-            region = shm.map_file(fd, region_bytes, writable=False)
-        finally:
-            os.close(fd)
-        if shm.nonce_of(region).hex() != offer.get("nonce"):
-            raise ValueError(f"{name} here is not the PS's weights file")
-        return cls(directory, layout, region)
+        nonce = offer.get("nonce")
+        if not isinstance(nonce, str):
+            raise ValueError("the PS's shm offer has no nonce")
+        return cls(directory, layout, shm.map_existing(directory, name, region_bytes, bytes.fromhex(nonce), writable=False))
 
     def unlink(self) -> None:
         if self._path is not None:
