@@ -10,8 +10,11 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONPATH=/app
 
 # Optional dependency groups of pyproject.toml to install: "mlp" (scikit-learn) lets workers run
-# WORKER_TASK=mlp; `--build-arg EXTRAS=` gives a smaller image that runs the linear task only.
+# WORKER_TASK=mlp; `--build-arg EXTRAS=` gives a smaller image that runs the linear task only;
+# EXTRAS=mlp,torch adds PyTorch (the cnn task, syncps.torch scripts) from TORCH_INDEX_URL, PyTorch's CPU
+# wheels: PyPI's torch 2.13.0 for Linux brings several GB of CUDA libraries (docs/torch.md).
 ARG EXTRAS=mlp
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 
 WORKDIR /app
 COPY pyproject.toml .
@@ -19,7 +22,8 @@ RUN python -c "import os, tomllib; p = tomllib.load(open('pyproject.toml', 'rb')
 extras = os.environ.get('EXTRAS', '').replace(',', ' ').split(); \
 print('\n'.join(p['dependencies'] + [d for e in extras for d in p['optional-dependencies'][e]]))" \
       > /tmp/requirements.txt \
- && pip install -r /tmp/requirements.txt \
+ && case ",$EXTRAS," in *,torch,*) set -- --extra-index-url "$TORCH_INDEX_URL" ;; *) set -- ;; esac \
+ && pip install "$@" -r /tmp/requirements.txt \
  && rm /tmp/requirements.txt
 
 # A non-root user; /data/checkpoints belongs to it, so a fresh named volume mounted there does too.
@@ -28,9 +32,11 @@ RUN useradd --create-home --uid 10001 --user-group syncps \
 COPY shared/ shared/
 COPY ps_service/ ps_service/
 COPY worker_service/ worker_service/
+COPY syncps/ syncps/
 USER syncps
 
 EXPOSE 8000
-# Exec form: the service is PID 1 and receives SIGTERM itself. A worker's default name is
-# hostname:pid, so a restarted worker container keeps its name and its rank.
+# Exec form: the service is PID 1 and receives SIGTERM itself. A worker that is PID 1 names itself
+# after its container (syncps-worker-1, by reverse DNS on the compose network; else hostname:pid), so a
+# restarted worker container keeps its name and its rank.
 CMD ["python", "-m", "ps_service"]

@@ -13,9 +13,12 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+# RUN_ARGS: more options of python -m cluster, e.g. make run RUN_ARGS=--keep-logs
 run: $(STAMP)
-	$(PY) -m cluster --workers 4 --task linear
+	$(PY) -m cluster --workers 4 --task linear $(RUN_ARGS)
 
+# The last section of the output, "degraded checks", lists what ran degraded or was skipped for want of
+# promtool, Chromium or Docker (tests/conftest.py).
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 

@@ -10,6 +10,9 @@ running :mod:`bench.task` (the anchors' workload), waits until training runs, wa
 through the PS: gradients in + weights out), ``ps_cpu_s`` (PS CPU seconds in the window),
 ``steps``, ``window_s``, ``load_avg``. Exit status 1 (and an ``error`` field) when the
 run failed.
+
+``--task cnn`` measures the torch ``cnn`` task instead (worker_service/tasks/cnn.py, batch 32 per
+worker; ``--params`` does not apply): its side-by-side with torch DDP is ``python -m bench.ddp_cnn``.
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ import time
 
 import httpx
 
-from bench.task import actual_params, model_dims
+from bench.task import task_workload
 from cluster.processes import LocalCluster, wait_for
 
 
@@ -53,17 +56,18 @@ def _global_step(client: httpx.Client) -> tuple[float, int, dict]:
 
 def measure(workers: int, params: int, seconds: float, warmup: float = 2.0, dtype: str = "float32",
             ps_env: dict | None = None, worker_env: dict | None = None, start_deadline: float = 120.0,
-            transport: str = "auto") -> dict:
+            transport: str = "auto", task: str = "linear") -> dict:
     """One run; the result line as a dict."""
-    p = actual_params(params)
-    d, k = model_dims(params)
+    p, (d, k), task_env = task_workload(task, params)
     out: dict = {"system": "syncps", "workers": workers, "params": p, "params_requested": int(params)}
+    if task != "linear":
+        out.update(task=task, params_requested=p)
     if transport == "http":  # no same-host transport: every tensor crosses the loopback socket
         worker_env = {"WORKER_SHM_DIR": "", **(worker_env or {})}
     cluster = LocalCluster(
         workers,
         ps_env={"PS_TOTAL_NUM_REPLICAS": workers, "PS_LOG_LEVEL": "warning", **(ps_env or {})},
-        worker_env={"WORKER_TASK": f"bench.task:params_{int(params)}", "WORKER_DTYPE": dtype,
+        worker_env={"WORKER_TASK": task_env, "WORKER_DTYPE": dtype,
                     "WORKER_LOG_EVERY_SECONDS": 3600, "OPENBLAS_NUM_THREADS": 1, "OMP_NUM_THREADS": 1,
                     "MKL_NUM_THREADS": 1, **(worker_env or {})})
     try:
@@ -113,13 +117,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=float, default=2.0)
     ap.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     ap.add_argument("--repeat", type=int, default=1, help="runs (one line each)")
+    ap.add_argument("--task", choices=["linear", "cnn"], default="linear",
+                    help="linear: the anchors' workload at --params; cnn: the torch cnn task (needs the torch extra)")
     ap.add_argument("--transport", choices=["auto", "http"], default="auto",
                     help="auto: the same-host transport when available (the default of a local cluster); "
                          "http: every tensor over the loopback socket")
     args = ap.parse_args(argv)
     ok = True
     for _ in range(args.repeat):
-        line = measure(args.workers, args.params, args.seconds, args.warmup, args.dtype, transport=args.transport)
+        line = measure(args.workers, args.params, args.seconds, args.warmup, args.dtype, transport=args.transport,
+                       task=args.task)
         ok = ok and line.get("steps_per_s") is not None
         print(json.dumps(line), flush=True)
     return 0 if ok else 1

@@ -86,6 +86,16 @@ class BenchLinearTask:
                 "max_abs_error_b": float(np.abs(params["b"] - BIAS_TRUE).max())}
 
 
+def task_workload(task: str, params: int) -> tuple[int, tuple[int | None, int | None], str]:
+    """(parameter count, (d, k), WORKER_TASK) of a benchmark task: ``linear`` (this module's, at ``params``)
+    or ``cnn`` (the torch task of worker_service/tasks/cnn.py, whose size is fixed)."""
+    if task == "cnn":
+        from worker_service.tasks.cnn import PARAMS
+
+        return PARAMS, (None, None), "cnn"
+    return actual_params(params), model_dims(params), f"bench.task:params_{int(params)}"
+
+
 def factory(params: int) -> Callable[..., BenchLinearTask]:
     def make(seed: int = 0, dtype: str = "float32") -> BenchLinearTask:
         return BenchLinearTask(params, seed, dtype)

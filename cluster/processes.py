@@ -4,11 +4,19 @@
 free port, waits for ``/healthz`` (polling with a deadline), starts N
 ``python -m worker_service`` processes with distinct names, and on exit stops
 whatever still runs (SIGTERM, then SIGKILL after a grace period). Process
-output goes to files under ``log_dir`` so a failing test can show it.
+output goes to files under ``log_dir`` so a failing run can show it.
+
+Logs: without an explicit ``log_dir`` the cluster makes a ``syncps-*`` temporary
+folder (under ``$SYNCPS_LOG_ROOT`` when set, as the test suite does) and removes
+it when it stops, unless ``keep_logs`` (or ``SYNCPS_KEEP_LOGS=1``) asks to keep it
+or something failed: an exception out of the ``with`` block, :meth:`mark_failed`,
+a process that exited non-zero without being killed by :meth:`kill`, or one that
+needed SIGKILL to stop. A folder the caller gave is never removed.
 """
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -43,8 +51,10 @@ def wait_for(predicate, deadline: float, what: str, interval: float = 0.05):
 
 class LocalCluster:
     def __init__(self, workers: int = 4, ps_env: dict | None = None, worker_env: dict | None = None,
-                 log_dir: str | Path | None = None, port: int | None = None, token: str | None = None) -> None:
-        """``token``: the PS's PS_AUTH_TOKEN, given to the workers too (and used by :meth:`status`, :meth:`get`)."""
+                 log_dir: str | Path | None = None, port: int | None = None, token: str | None = None,
+                 keep_logs: bool | None = None) -> None:
+        """``token``: the PS's PS_AUTH_TOKEN, given to the workers too (and used by :meth:`status`, :meth:`get`).
+        ``keep_logs``: keep the temporary log folder even after a clean run (default: ``SYNCPS_KEEP_LOGS``)."""
         self.n_workers = workers
         self.token = token
         self.headers = bearer_header(SecretStr(token) if token else None)
@@ -55,11 +65,23 @@ class LocalCluster:
         self.worker_env = {"WORKER_PS_URL": self.url, **{k: str(v) for k, v in (worker_env or {}).items()}}
         if token:
             self.ps_env["PS_AUTH_TOKEN"] = self.worker_env["WORKER_AUTH_TOKEN"] = token
-        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="syncps-"))
+        if keep_logs is None:
+            keep_logs = os.environ.get("SYNCPS_KEEP_LOGS", "").lower() in ("1", "true", "yes")
+        self.keep_logs = keep_logs
+        self._own_log_dir = log_dir is None
+        if log_dir is None:
+            root = os.environ.get("SYNCPS_LOG_ROOT") or None
+            if root:
+                Path(root).mkdir(parents=True, exist_ok=True)
+            log_dir = tempfile.mkdtemp(prefix="syncps-", dir=root)
+        self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.ps: subprocess.Popen | None = None
         self.workers: list[subprocess.Popen] = []
         self._files: list = []
+        self._killed: set[int] = set()  # pids we kill -9'd on purpose (their exit code is no failure)
+        self._failed = False
+        self.logs_removed = False
 
     def _spawn(self, module: str, env: dict, log_name: str) -> subprocess.Popen:
         out = open(self.log_dir / log_name, "ab")
@@ -92,6 +114,7 @@ class LocalCluster:
         ``start_ps()`` / ``start_worker(i)`` start it again (same port, same name, log appended)."""
         proc = proc or self.ps
         at = time.time()
+        self._killed.add(proc.pid)
         proc.kill()
         proc.wait(10)
         return at
@@ -121,7 +144,19 @@ class LocalCluster:
         """The last ``tail`` characters of every process log (PS first), for failure messages."""
         return "\n".join(f"--- {p.stem}\n{p.read_text(errors='replace')[-tail:]}" for p in sorted(self.log_dir.glob("*.log")))
 
+    def mark_failed(self) -> None:
+        """Something went wrong: keep the logs when the cluster stops."""
+        self._failed = True
+
+    @property
+    def failed(self) -> bool:
+        """Marked failed, or a process exited non-zero (or by a signal) that :meth:`kill` did not kill."""
+        procs = [p for p in [*self.workers, self.ps] if p is not None]
+        return self._failed or any(p.poll() not in (None, 0) and p.pid not in self._killed for p in procs)
+
     def stop(self, grace: float = 10.0) -> None:
+        """SIGTERM whatever runs, SIGKILL what is still there after ``grace`` s; then remove the temporary
+        log folder unless logs are to be kept (``keep_logs``) or something failed (:attr:`failed`)."""
         procs = [p for p in [*self.workers, self.ps] if p is not None and p.poll() is None]
         for p in procs:
             p.send_signal(signal.SIGTERM)
@@ -130,13 +165,27 @@ class LocalCluster:
             try:
                 p.wait(max(0.1, end - time.monotonic()))
             except subprocess.TimeoutExpired:
+                self._failed = True  # it ignored SIGTERM: worth a look at its log
                 p.kill()
                 p.wait(5)
+        # A process that exits by our SIGTERM (code 0, or -15 without a handler) is no failure.
+        self._killed.update(p.pid for p in procs if p.returncode == -signal.SIGTERM)
         for f in self._files:
             f.close()
+        self._files.clear()
+        if self._own_log_dir and not self.keep_logs and not self.failed and self.log_dir.exists():
+            shutil.rmtree(self.log_dir, ignore_errors=True)
+            self.logs_removed = True
 
     def __enter__(self) -> "LocalCluster":
-        return self.start()
+        try:
+            return self.start()
+        except BaseException:
+            self.mark_failed()
+            self.stop()
+            raise
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is not None:
+            self.mark_failed()
         self.stop()

@@ -7,7 +7,7 @@ import logging
 import uvicorn
 
 from ps_service.app import create_app
-from ps_service.bodysink import BufferedSinkProtocol
+from ps_service.transport.bodysink import BufferedSinkProtocol
 from ps_service.settings import PSSettings
 
 
@@ -19,9 +19,10 @@ def main(argv: list[str] | None = None) -> None:
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     settings = PSSettings(**overrides)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s ps %(levelname)s %(message)s")
-    # uvloop + httptools, with large bodies written straight into the routes' buffers (ps_service/bodysink.py)
+    # uvloop + httptools, with large bodies written straight into the routes' buffers (ps_service/transport/bodysink.py)
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level,
-                access_log=False, timeout_graceful_shutdown=5, http=BufferedSinkProtocol)
+                access_log=False, timeout_graceful_shutdown=5, timeout_keep_alive=settings.http_keepalive_seconds,
+                http=BufferedSinkProtocol)
 
 
 if __name__ == "__main__":

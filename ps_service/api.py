@@ -1,34 +1,30 @@
 """The training routes: register, leave, heartbeat, initialise, pull, push, and the same-host
-transport's offer and attach (docs/protocol.md; the files themselves: ps_service/shm.py).
+transport's offer and attach (docs/protocol.md).
 
-Thin drivers of :class:`ps_service.core.ParameterServerCore`: read and decode
-the body, call the core with the runtime's clock, wake the waiters, encode the
-answer. Tensor routes skip pydantic and speak msgpack. Every body is read in the
-endpoint with :func:`ps_service.http.read_body` (after the auth dependency that
-app.py attaches to this router): bounded, typed, never buffered before auth. The
-per-step push and pull are also called directly by ps_service/hotpath.py.
+Thin drivers of :class:`ps_service.core.ParameterServerCore`: get the request's tensors from the
+receive seam (:class:`ps_service.transport.TensorSeam`: no route knows which transport carried them),
+call the core with the runtime's clock, wake the waiters, answer. JSON bodies are read with
+:func:`ps_service.transport.body.read_body` in the endpoint (after the auth dependency that app.py
+attaches to this router): bounded, typed, never buffered before auth. The per-step push and pull are
+also called directly by ps_service/hotpath.py.
 """
 from __future__ import annotations
-
-from dataclasses import replace
 
 from fastapi import APIRouter, Query, Request, Response
 from pydantic import BaseModel, Field
 
+from ps_service.http import JSON_BODY_LIMIT, parse_json
 from ps_service.runtime import Runtime, runtime
-from shared.codec import unpack
+from ps_service.transport.body import read_body
 from shared.errors import ProtocolError
-from shared.shm import TENSORS_HEADER
-from shared.protocol import (API, JSON, MODEL_INIT_SCHEMA, MSGPACK, PUSH_SCHEMA, PUSH_STATUS_HEADER, STEP_HEADER,
-                             msgpack_body, parse_model_init, parse_push)
-from ps_service.http import JSON_BODY_LIMIT, parse_json, read_body
+from shared.protocol import API, FRAME, FRAME_BODY, JSON, PUSH_STATUS_HEADER, STEP_HEADER
 
 router = APIRouter(prefix=API, tags=["training"])
 
 
-async def request_body(request: Request, media_type: str, limit: int | None = None) -> bytes:
+async def json_body(request: Request, model):
     rt = runtime(request)
-    return await read_body(request, limit or rt.settings.max_body_bytes, media_type, rt.settings.body_idle_timeout_seconds)
+    return parse_json(await read_body(request, JSON_BODY_LIMIT, JSON, rt.settings.body_idle_timeout_seconds), model)
 
 
 class Registration(BaseModel):
@@ -52,7 +48,7 @@ class Registered(BaseModel):
     "required": True, "content": {JSON: {"schema": Registration.model_json_schema()}}}})
 async def register(request: Request) -> Registered:
     rt = runtime(request)
-    reg = parse_json(await request_body(request, JSON, JSON_BODY_LIMIT), Registration)
+    reg = await json_body(request, Registration)
     m, start = rt.run_guarded(lambda: rt.core.register(reg.name, rt.now()))
     return Registered(worker_id=m.worker_id, name=m.name, rank=m.rank, start_step=start,
                       global_step=rt.core.global_step, model_initialized=rt.core.initialized,
@@ -75,80 +71,46 @@ async def heartbeat(worker_id: str, request: Request) -> dict:
 
 
 @router.put("/model", status_code=201, responses={409: {"description": "already initialised: pull instead"}},
-            openapi_extra=msgpack_body(MODEL_INIT_SCHEMA))
+            openapi_extra=FRAME_BODY)
 async def init_model(request: Request) -> dict:
     rt = runtime(request)
-    raw = await request_body(request, MSGPACK)
-    init = parse_model_init(unpack(raw))
-    rt.bytes_in += len(raw)
+    init = await rt.tensors.receive_model(request)
     rt.run_guarded(lambda: rt.core.init_model(init, rt.now()))
     return {"step": rt.core.global_step, "optimizer": rt.core.optimizer.spec}
 
 
 @router.get("/model", response_class=Response, responses={
-    200: {"content": {MSGPACK: {}}, "description": 'msgpack {"step", "done", "ranks", "tensors"}'},
+    200: {"content": {FRAME: {}}, "description": 'a frame; meta {"step", "done", "ranks"} (and "shm": true)'},
     204: {"description": "timeout: global_step did not reach min_step in time"}})
 async def pull(request: Request, min_step: int = Query(0, ge=0), timeout: float = Query(30.0, ge=0, allow_inf_nan=False),
                worker_id: str | None = Query(None, max_length=64),
-               shm: bool = Query(False, description="Same-host transport: answer without tensors (`\"shm\": true`); "
+               shm: bool = Query(False, description="Same-host transport: answer without tensors (meta `\"shm\": true`); "
                                                     "the weights are in the weights file (GET /v1/shm).")) -> Response:
     rt = runtime(request)
     core = rt.core
-    if worker_id is not None:
-        core.heartbeat(worker_id, rt.now())
-    if not core.initialized and not await rt.wait_until(lambda: core.initialized, min(timeout, rt.settings.pull_timeout_max_seconds)):
+    ready = lambda: core.initialized and (core.done or (core.started and core.global_step >= min_step))  # noqa: E731
+    ok = await rt.wait_for(ready, timeout, worker_id)
+    if not core.initialized:
         raise ProtocolError(409, "not_initialized", "the model is not initialised yet (PUT /v1/model)")
-    ready = lambda: core.done or (core.started and core.global_step >= min_step)  # noqa: E731
-    ok = await rt.wait_until(ready, min(timeout, rt.settings.pull_timeout_max_seconds))
-    waited(rt, worker_id)
     if not ok:
         return Response(status_code=204, headers={STEP_HEADER: str(core.global_step)})
-    return weights_response(rt, shm=shm)
+    return rt.tensors.weights_response(rt.tensors.via(shm))
 
 
-def waited(rt: Runtime, worker_id: str | None) -> None:
-    """Waiting on the barrier is being alive: renew the lease of an active waiter."""
-    m = rt.core.members.by_id.get(worker_id) if worker_id is not None else None
-    if m is not None and m.active:
-        rt.core.heartbeat(worker_id, rt.now())
-
-
-def weights_response(rt: Runtime, headers: dict | None = None, shm: bool = False) -> Response:
-    """The current weights (the same encoded bytes for every worker of a step), or where they are (shm)."""
-    if shm and rt.shm.weights_name is not None:
-        body = rt.shm_pull_body()
-    else:
-        body = rt.pull_body()
-        rt.bytes_out += len(body)
-    return Response(body, media_type=MSGPACK, headers={STEP_HEADER: str(rt.core.global_step), **(headers or {})})
-
-
-@router.post("/gradients", responses={200: {"description": '{"status": accepted|stale|duplicate|late|skipped, "step"}'}},
-             openapi_extra=msgpack_body(PUSH_SCHEMA))
+@router.post("/gradients", responses={200: {"description": '{"status": accepted|stale|duplicate|late|skipped, "step", "done"}'}},
+             openapi_extra=FRAME_BODY)
 async def push(request: Request, pull: bool = Query(False, description=(
-                   "Answer with the next weights (msgpack, as GET /model) once global_step passes the pushed step, "
+                   "Answer with the next weights (a frame, as GET /model) once global_step passes the pushed step, "
                    f"the push's status in {PUSH_STATUS_HEADER}; JSON as without it if `timeout` passes first.")),
                timeout: float = Query(30.0, ge=0, allow_inf_nan=False)) -> dict:
     rt = runtime(request)
-    rt.drop_body()
-    raw = await request_body(request, MSGPACK)
-    obj = unpack(raw)
-    req = parse_push(obj)
-    shm = request.headers.get(TENSORS_HEADER) == "shm"
-    if shm:  # the tensors are in the worker's gradient file (GET /v1/shm)
-        rt.core.members.get(req.worker_id)  # 404 unknown_worker first: a restarted PS has no file of it
-        req = replace(req, tensors=rt.shm.gradients(req.worker_id, obj.get("shm_seq")))
-    else:
-        rt.bytes_in += len(raw)
-    owned = shm or isinstance(raw, memoryview) and not raw.readonly  # a buffer of our own: aggregate in place
-    result = rt.run_guarded(lambda: rt.core.push(req, rt.now(), owned=owned))
-    rt.shm.last_transport[req.worker_id] = "shm" if shm else "http"  # a known worker (the core raised otherwise)
-    core, step, worker_id = rt.core, req.step, req.worker_id
-    del raw, req, obj  # the round holds what it needs, and frees it once aggregated
-    if pull and await rt.wait_until(lambda: core.done or core.global_step > step,
-                                    min(timeout, rt.settings.pull_timeout_max_seconds)):
-        waited(rt, worker_id)
-        return weights_response(rt, {PUSH_STATUS_HEADER: result.status.value}, shm=shm)
+    got = await rt.tensors.receive_push(request)
+    result = rt.run_guarded(lambda: rt.core.push(got.push, rt.now()))
+    rt.tensors.delivered(got)
+    core, step, worker_id, via = rt.core, got.push.step, got.push.worker_id, got.via
+    del got  # the round holds what it needs, and frees it once aggregated
+    if pull and await rt.wait_for(lambda: core.done or core.global_step > step, timeout, worker_id):
+        return rt.tensors.weights_response(via, {PUSH_STATUS_HEADER: result.status.value})
     return {"status": result.status.value, "step": result.step, "done": core.done}
 
 
@@ -163,7 +125,7 @@ async def shm_offer(request: Request) -> dict:
     rt = runtime(request)
     if not rt.core.initialized:
         raise ProtocolError(409, "not_initialized", "the model is not initialised yet (PUT /v1/model)")
-    return rt.shm.offer(rt.core.weights)
+    return rt.tensors.shm.offer(rt.core.weights, rt.core.global_step)
 
 
 @router.post("/workers/{worker_id}/shm", openapi_extra={"requestBody": {
@@ -171,7 +133,9 @@ async def shm_offer(request: Request) -> dict:
 async def shm_attach(worker_id: str, request: Request) -> dict:
     """Use the worker's gradient file for its pushes (409 shm_unavailable: not on this host; push over HTTP)."""
     rt = runtime(request)
-    body = parse_json(await request_body(request, JSON, JSON_BODY_LIMIT), ShmAttach)
+    body = await json_body(request, ShmAttach)
     m = rt.core.members.get(worker_id)
-    rt.shm.attach(m.worker_id, body.file, body.nonce)
+    if not m.active:
+        raise ProtocolError(409, "not_active", f"worker {m.name!r} is {m.state}; register again (POST /v1/workers)")
+    rt.tensors.shm.attach(m.worker_id, body.file, body.nonce)
     return {"worker_id": m.worker_id, "transport": "shm"}

@@ -4,17 +4,21 @@ Contract (the format is documented in docs/checkpoint.md, with a plain-script re
 
 - One checkpoint is one file ``ckpt-<global step, 10 digits>.msgpack`` in the
   checkpoint directory: a msgpack map ``{"format": "syncps-checkpoint",
-  "version": 1, "sha256": hex, "payload": bin}`` where ``payload`` is the msgpack
-  of :meth:`ps_service.core.ParameterServerCore.export_state` (tensors in the
-  wire form of :mod:`shared.codec`) plus ``written_at``. No pickle anywhere.
+  "version": 2, "sha256": hex, "payload": bin}`` where ``payload`` is one tensor
+  frame (:mod:`shared.frame`) of :meth:`ps_service.core.ParameterServerCore.export_state`:
+  tensors ``weights/<name>`` and ``slots/<slot>/<name>``, everything else in its
+  ``meta``, plus ``written_at``. No pickle anywhere.
 - A write goes to a hidden temp file, is fsynced, renamed over the final name
   and the directory fsynced: a reader sees the old file or the new one, never
   half of one. Then only the newest ``keep`` checkpoints are kept and
   ``manifest.json`` (an index: file, step, sha256, bytes, time) is rewritten the
   same way.
 - Restore lists the files themselves (the manifest is for people and tools),
-  newest step first, and takes the first whose checksum and structure are
-  valid: a corrupt or truncated file is logged and skipped for the previous one.
+  newest step first, and takes the first that is valid: checksum, and every
+  field's type and range (a step is an int >= 0, the optimizer spec one the PS
+  runs, its slots those of that optimizer with the weights' names, dtypes and
+  shapes, weights floating point and finite, members well-formed). A corrupt,
+  truncated or invalid file is logged with its reason and skipped for the previous one.
 - :class:`Checkpointer` decides when (every N steps and/or T seconds, only when
   the step moved), takes the snapshot on the caller's thread (the event loop:
   consistent, a memcpy) and encodes/writes it on its own single thread, one
@@ -33,11 +37,19 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
-from shared.codec import decode_tensors, encode_tensors, pack, unpack
+import numpy as np
+
+import math
+
+from ps_service.membership import ACTIVE, EXPIRED, LEFT
+from ps_service.optimizers import SLOT_NAMES, normalize_spec
+from shared import frame
+from shared.codec import FLOAT_DTYPES, dtype_name, pack, unpack
+from shared.errors import ProtocolError
 
 log = logging.getLogger("ps_service.checkpoint")
 
-FORMAT, VERSION = "syncps-checkpoint", 1
+FORMAT, VERSION = "syncps-checkpoint", 2
 MANIFEST = "manifest.json"
 NAME_RE = re.compile(r"^ckpt-(\d{10,})\.msgpack$")
 
@@ -60,19 +72,25 @@ def list_checkpoints(directory: str | Path) -> list[Path]:
 def encode(state: dict[str, Any], written_at: float) -> tuple[bytes, str]:
     """(file bytes, sha256 hex of the payload) of an exported core state."""
     opt = state["optimizer"]
-    payload = pack({
-        "global_step": state["global_step"], "written_at": written_at,
-        "weights": encode_tensors(state["weights"]),
-        "optimizer": {"spec": opt["spec"], "iterations": opt["iterations"],
-                      "slots": {s: encode_tensors(t) for s, t in opt["slots"].items()}},
-        "members": state["members"], "config": state["config"],
-    })
+    tensors = {f"weights/{k}": v for k, v in state["weights"].items()}
+    for slot, per in opt["slots"].items():
+        tensors.update({f"slots/{slot}/{k}": v for k, v in per.items()})
+    meta = {"global_step": state["global_step"], "written_at": written_at,
+            "optimizer": {"spec": opt["spec"], "iterations": opt["iterations"]},
+            "members": state["members"], "config": state["config"]}
+    payload = frame.encode_bytes(tensors, meta)
     digest = hashlib.sha256(payload).hexdigest()
     return pack({"format": FORMAT, "version": VERSION, "sha256": digest, "payload": payload}), digest
 
 
+def _int(value: Any, what: str, low: int = 0) -> int:
+    if type(value) is not int or value < low:
+        raise CheckpointError(f"{what} must be an int >= {low}, not {value!r:.40}")
+    return value
+
+
 def decode(data: bytes) -> dict[str, Any]:
-    """The state in a checkpoint file's bytes (arrays are read-only views); CheckpointError if unusable."""
+    """The state in a checkpoint file's bytes, every field checked; CheckpointError if unusable."""
     try:
         outer = unpack(data)
         if not isinstance(outer, dict) or outer.get("format") != FORMAT:
@@ -82,22 +100,83 @@ def decode(data: bytes) -> dict[str, Any]:
         payload = outer.get("payload")
         if not isinstance(payload, (bytes, memoryview)) or hashlib.sha256(payload).hexdigest() != outer.get("sha256"):
             raise CheckpointError("checksum mismatch")
-        inner = unpack(payload)
-        opt = inner["optimizer"]
-        state = {
-            "global_step": int(inner["global_step"]), "written_at": float(inner["written_at"]),
-            "weights": decode_tensors(inner["weights"]),
-            "optimizer": {"spec": dict(opt["spec"]), "iterations": int(opt["iterations"]),
-                          "slots": {s: decode_tensors(t) for s, t in opt["slots"].items()}},
-            "members": [dict(m) for m in inner["members"]], "config": dict(inner["config"]),
-        }
+        f = frame.decode(payload)
+        return _validated(f.meta, f.tensors)
+    except ProtocolError as exc:
+        raise CheckpointError(f"{exc.code}: {exc.detail}") from None
     except CheckpointError:
         raise
-    except Exception as exc:  # truncated msgpack, missing keys, bad tensors: all mean "unusable"
+    except Exception as exc:  # anything else unexpected in a hostile file: unusable, never a crash
         raise CheckpointError(f"{type(exc).__name__}: {exc}") from None
-    if not state["weights"]:
+
+
+def _validated(meta: dict, tensors: dict[str, np.ndarray]) -> dict[str, Any]:
+    if set(meta) != {"global_step", "written_at", "optimizer", "members", "config"}:
+        raise CheckpointError(f"meta has the fields {sorted(meta)}")
+    step = _int(meta["global_step"], "global_step")
+    written_at = meta["written_at"]
+    if isinstance(written_at, bool) or not isinstance(written_at, (int, float)) or not math.isfinite(written_at):
+        raise CheckpointError("written_at must be a finite number")
+    opt = meta["optimizer"]
+    if not isinstance(opt, dict) or set(opt) != {"spec", "iterations"} or not isinstance(opt["spec"], dict):
+        raise CheckpointError("optimizer must be {spec, iterations}")
+    try:
+        spec = normalize_spec(opt["spec"])
+    except ProtocolError as exc:
+        raise CheckpointError(f"optimizer spec: {exc.detail}") from None
+    if spec != opt["spec"]:
+        raise CheckpointError("optimizer spec is not complete")
+    iterations = _int(opt["iterations"], "optimizer iterations")
+    weights = {k[len("weights/"):]: v for k, v in tensors.items() if k.startswith("weights/")}
+    if not weights:
         raise CheckpointError("no weights")
-    return state
+    slots: dict[str, dict[str, np.ndarray]] = {s: {} for s in SLOT_NAMES[spec["name"]]}
+    for key, arr in tensors.items():
+        if key.startswith("weights/"):
+            continue
+        kind, slot, name = (key.split("/", 2) + ["", ""])[:3]
+        if kind != "slots" or slot not in slots or name not in weights:
+            raise CheckpointError(f"unexpected tensor {key!r} for optimizer {spec['name']}")
+        if arr.dtype != weights[name].dtype or arr.shape != weights[name].shape:
+            raise CheckpointError(f"slot {key!r} does not match its weight's dtype and shape")
+        slots[slot][name] = arr
+    for slot, per in slots.items():
+        if per.keys() != weights.keys():
+            raise CheckpointError(f"slot {slot!r} misses tensors {sorted(weights.keys() - per.keys())[:4]}")
+    for key, arr in tensors.items():
+        if dtype_name(arr.dtype) not in FLOAT_DTYPES:
+            raise CheckpointError(f"{key!r} is not floating point")
+        with np.errstate(all="ignore"):
+            if not np.isfinite(arr).all():
+                raise CheckpointError(f"{key!r} has NaN or Inf values")
+    return {"global_step": step, "written_at": float(written_at), "weights": weights,
+            "optimizer": {"spec": spec, "iterations": iterations, "slots": slots},
+            "members": _members(meta["members"]), "config": _config(meta["config"])}
+
+
+def _members(members: Any) -> list[dict]:
+    if not isinstance(members, list):
+        raise CheckpointError("members must be a list")
+    out, ids, ranks = [], set(), set()
+    for m in members:
+        if not (isinstance(m, dict) and isinstance(m.get("worker_id"), str) and isinstance(m.get("name"), str)
+                and m.get("state") in (ACTIVE, EXPIRED, LEFT)):
+            raise CheckpointError("each member needs worker_id, name (strings) and a state")
+        rank = _int(m.get("rank"), "a member's rank")
+        _int(m.get("registrations", 1), "a member's registrations", 1)
+        if m["worker_id"] in ids or (m["state"] != LEFT and rank in ranks):
+            raise CheckpointError("two members share an id or a rank")
+        ids.add(m["worker_id"])
+        if m["state"] != LEFT:
+            ranks.add(rank)
+        out.append(dict(m))
+    return out
+
+
+def _config(config: Any) -> dict:
+    if not isinstance(config, dict):
+        raise CheckpointError("config must be a map")
+    return dict(config)
 
 
 def atomic_write(path: Path, data: bytes) -> None:
@@ -161,7 +240,7 @@ class Checkpointer:
                  on_info: Callable[[dict], None] = lambda info: None) -> None:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
-        for stale in self.dir.glob(".ckpt-*.tmp"):  # a write cut short by a crash
+        for stale in [*self.dir.glob(".ckpt-*.tmp"), *self.dir.glob(f".{MANIFEST}.*.tmp")]:  # cut short by a crash
             stale.unlink(missing_ok=True)
         self.every_steps, self.every_seconds, self.keep = every_steps, every_seconds, keep
         self.on_info = on_info

@@ -6,16 +6,16 @@ routing errors are mapped to the same shape (400: a malformed or mistyped
 request), and an unexpected exception to a 500 of that shape (logged, never
 echoing internals).
 
-Every route that takes a body reads it with :func:`read_body` *in the endpoint*,
-after the auth dependency ran: content type checked first (415), size checked
-while streaming (413), a stalled body cut off (408), a client that vanished
-mid-body answered 400 without a traceback. JSON bodies are then validated with
-:func:`parse_json` (400). No route declares a pydantic body parameter, which
-FastAPI would buffer, unbounded, before any dependency runs.
+Every route that takes a body reads it with
+:func:`ps_service.transport.body.read_body` *in the endpoint*, after the auth
+dependency ran. JSON bodies are then validated with :func:`parse_json` (400; a
+key that appears twice in one object is 400 ``duplicate_key``). No route declares
+a pydantic body parameter, which FastAPI would buffer, unbounded, before any
+dependency runs.
 """
 from __future__ import annotations
 
-import asyncio
+import json
 import logging
 from typing import TypeVar
 from fastapi import FastAPI, Request
@@ -23,17 +23,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
 
-from ps_service.bodysink import SINK_KEY, BodySink
-from ps_service.buffers import POOL
-from shared.codec import ZERO_COPY_MIN_BYTES
 from shared.errors import ProtocolError
 
 log = logging.getLogger("ps_service")
 M = TypeVar("M", bound=BaseModel)
-#: default idle timeout of a body (the routes pass PS_BODY_IDLE_TIMEOUT_SECONDS)
-BODY_IDLE_TIMEOUT = 30.0
 #: limit of JSON bodies (they are small control messages)
 JSON_BODY_LIMIT = 1 << 16
 
@@ -42,64 +36,23 @@ def error_response(status: int, code: str, detail: str, headers: dict | None = N
     return JSONResponse({"error": code, "detail": detail}, status_code=status, headers=headers)
 
 
-async def read_body(request: Request, limit: int, media_type: str,
-                    idle_timeout: float = BODY_IDLE_TIMEOUT) -> bytes | memoryview:
-    """The request body, refused with 415 for another content type, 413 past ``limit``, 408 if it stalls.
+def _object(pairs: list) -> dict:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set = set()
+        key = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ProtocolError(400, "duplicate_key", f"the key {key[:64]!r} appears twice in one object")
+    return out
 
-    The size check happens while streaming: a huge body is never buffered whole.
-    ``idle_timeout`` bounds the wait for each chunk (a client that trickles or stops).
-    """
-    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if ctype != media_type:
-        raise ProtocolError(415, "unsupported_media_type", f"send {media_type}, not {ctype[:64] or 'nothing'!r}")
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        if not (declared.isascii() and declared.isdigit()):
-            raise ProtocolError(400, "bad_content_length", "content-length must be a non-negative integer")
-        if int(declared) > limit:
-            raise ProtocolError(413, "body_too_large", f"body of {declared} bytes exceeds the limit of {limit}")
-    chunks, size = [], 0
-    # a large body goes into one pooled buffer of our own (no join; writable: the core may aggregate in it),
-    # written by the protocol itself where it can (ps_service/bodysink.py)
-    big = declared is not None and int(declared) >= ZERO_COPY_MIN_BYTES
-    sink = BodySink(POOL.take(int(declared))) if big else None
-    if sink is not None:
-        request.scope[SINK_KEY] = sink
-    loop = asyncio.get_running_loop()
+
+def parse_json(body: bytes | bytearray | memoryview, model: type[M]) -> M:
+    """Validate a JSON body against ``model``; malformed JSON, a repeated key, missing or mistyped fields: 400."""
     try:
-        async with asyncio.timeout(idle_timeout) as deadline:
-            while True:
-                message = await request.receive()
-                if message["type"] == "http.disconnect":
-                    raise ClientDisconnect()
-                chunk = message.get("body", b"")
-                size += len(chunk)
-                if size > limit:
-                    raise ProtocolError(413, "body_too_large", f"body exceeds the limit of {limit} bytes")
-                if sink is None:
-                    chunks.append(chunk)
-                elif chunk:
-                    sink.write(chunk)
-                deadline.reschedule(loop.time() + idle_timeout)  # every wake-up brings bytes (or the end)
-                if not message.get("more_body", False):
-                    break
-    except TimeoutError:
-        raise ProtocolError(408, "body_timeout", f"the body stalled for {idle_timeout:g} s") from None
-    except ClientDisconnect:
-        raise ProtocolError(400, "client_disconnected", "the client went away before the end of the body") from None
-    except ValueError:
-        raise ProtocolError(400, "bad_content_length", "the body is longer than its content-length") from None
-    finally:
-        request.scope.pop(SINK_KEY, None)
-    if sink is not None:
-        return sink.view[:sink.at]
-    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-
-def parse_json(body: bytes, model: type[M]) -> M:
-    """Validate a JSON body against ``model``; malformed JSON, missing or mistyped fields: 400."""
+        obj = json.loads(bytes(body), object_pairs_hook=_object)
+    except (ValueError, RecursionError):
+        raise ProtocolError(400, "bad_request", "body: the body is not valid JSON (or nested too deeply)") from None
     try:
-        return model.model_validate_json(body)
+        return model.model_validate(obj, strict=False)
     except ValidationError as exc:
         raise ProtocolError(400, "bad_request", _first_error(exc.errors(include_url=False, include_input=False))) from None
 

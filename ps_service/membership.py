@@ -9,6 +9,10 @@ Contract:
 - Every request from a worker renews its lease (``touch``); ``expire(now)``
   marks members whose lease ran out as ``expired``. ``leave`` is the graceful
   exit. Expired and left members stay listed, for monitoring.
+- A worker waiting on the barrier (a long-poll pull) is alive for as long as it
+  waits: ``begin_wait`` renews its lease and counts one wait in flight, ``expire``
+  never expires a member with a wait in flight, ``end_wait`` ends one and renews
+  the lease from then. Waits are counted per member, so overlapping ones nest.
 - Every change is appended to ``events`` (bounded) with its time.
 """
 from __future__ import annotations
@@ -54,6 +58,8 @@ class Membership:
         self.by_name: dict[str, Member] = {}
         self.events: deque[dict] = deque(maxlen=max_events)
         self.changes = 0
+        #: worker_id -> waits in flight (long-poll pulls); never expired while there is one
+        self.waits: dict[str, int] = {}
 
     def _event(self, now: float, kind: str, m: Member) -> None:
         self.changes += 1
@@ -83,7 +89,7 @@ class Membership:
                 m.rank = self._free_rank()
         m.state = ACTIVE
         m.registrations += 1
-        m.last_seen, m.lease_until = now, now + self.lease_seconds
+        self._renew(m, now)
         self._event(now, "rejoined", m)
         return m, True
 
@@ -98,8 +104,26 @@ class Membership:
         m = self.get(worker_id)
         if m.state != ACTIVE:
             raise ProtocolError(409, "not_active", f"worker {m.name!r} is {m.state}; register again (POST /v1/workers)")
-        m.last_seen, m.lease_until = now, now + self.lease_seconds
+        self._renew(m, now)
         return m
+
+    def _renew(self, m: Member, now: float) -> None:
+        m.last_seen, m.lease_until = now, now + self.lease_seconds
+
+    def begin_wait(self, worker_id: str, now: float) -> Member:
+        """A wait on the barrier starts: renew the lease (as :meth:`touch`, 404/409) and hold it while waiting."""
+        m = self.touch(worker_id, now)
+        self.waits[worker_id] = self.waits.get(worker_id, 0) + 1
+        return m
+
+    def end_wait(self, worker_id: str, now: float) -> None:
+        """A wait started by :meth:`begin_wait` ends: the lease runs from ``now`` (if still active). Never raises."""
+        n = self.waits.pop(worker_id, 0) - 1
+        if n > 0:
+            self.waits[worker_id] = n
+        m = self.by_id.get(worker_id)
+        if m is not None and m.state == ACTIVE:
+            self._renew(m, now)
 
     def leave(self, worker_id: str, now: float) -> Member:
         m = self.get(worker_id)
@@ -110,11 +134,28 @@ class Membership:
         return m
 
     def expire(self, now: float) -> list[Member]:
-        gone = [m for m in self.by_id.values() if m.state == ACTIVE and m.lease_until < now]
+        gone = [m for m in self.by_id.values()
+                if m.state == ACTIVE and m.lease_until < now and m.worker_id not in self.waits]
         for m in gone:
             m.state = EXPIRED
             self._event(now, "expired", m)
         return gone
+
+    def export(self) -> list[dict]:
+        """Checkpoint data: every member's id, name, rank, state and registrations."""
+        return [{"worker_id": m.worker_id, "name": m.name, "rank": m.rank, "state": m.state,
+                 "registrations": m.registrations} for m in self.all()]
+
+    def load(self, records: list[dict], now: float) -> int:
+        """:meth:`export`'s data, members back as expired (left ones stay left): each registers again
+        under its name and gets its id and rank back. How many were active."""
+        for rec in records:
+            state = LEFT if rec["state"] == LEFT else EXPIRED
+            m = Member(str(rec["worker_id"]), str(rec["name"]), int(rec["rank"]), state, now, now, now,
+                       registrations=int(rec.get("registrations", 1)))
+            self.by_id[m.worker_id] = m
+            self.by_name[m.name] = m
+        return sum(1 for rec in records if rec["state"] == ACTIVE)
 
     def active(self) -> list[Member]:
         return sorted((m for m in self.by_id.values() if m.state == ACTIVE), key=lambda m: m.rank)

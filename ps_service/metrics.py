@@ -21,6 +21,7 @@ from prometheus_client.exposition import choose_encoder
 
 from ps_service.membership import ACTIVE, EXPIRED, LEFT
 from ps_service.monitoring import PUSH_KINDS
+from ps_service.rounds import CLOSE_REASONS
 from ps_service.runtime import Runtime
 from shared.protocol import JobState
 
@@ -28,7 +29,6 @@ router = APIRouter(tags=["monitoring"])
 
 #: seconds: from a sub-millisecond loopback round to a two-minute stall
 TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-CLOSE_REASONS = ("full", "membership", "deadline")
 
 
 def _gauge(name: str, doc: str, value: float | None) -> GaugeMetricFamily:
@@ -80,7 +80,7 @@ class StateCollector:
         yield _gauge("ps_round_open_seconds", "How long the open round has been open (absent: none open).",
                      None if r is None else now - r.opened_at)
         yield _gauge("ps_round_awaited_workers", "Gradients the open round still waits for.",
-                     None if r is None else core.needed(r))
+                     None if r is None else core.progress().needed)
         yield _gauge("ps_loss", "Loss of the last closed round.", core.loss_history[-1][1] if core.loss_history else None)
         yield _gauge("ps_start_time_seconds", "Start of the PS, Unix time.", rt.started_wall)
         info = rt.checkpoint_info or {}
@@ -97,7 +97,7 @@ class PSMetrics:
         self.rt = rt
         self.registry = CollectorRegistry()
         reg = self.registry
-        self.rounds = Counter("ps_rounds", "Rounds closed, by what closed them (full | membership | deadline).",
+        self.rounds = Counter("ps_rounds", f"Rounds closed, by what closed them ({' | '.join(CLOSE_REASONS)}).",
                               ["reason"], registry=reg)
         for reason in CLOSE_REASONS:
             self.rounds.labels(reason)
@@ -112,7 +112,7 @@ class PSMetrics:
         self.checkpoint_duration = Histogram("ps_checkpoint_duration_seconds", "Checkpoint write duration.",
                                              buckets=TIME_BUCKETS, registry=reg)
         reg.register(StateCollector(rt))
-        self._last_step = rt.core.rounds[-1]["step"] if rt.core.rounds else None
+        self._last_step = rt.core.rounds[-1].step if rt.core.rounds else None
         self._checkpoints = 0
         rt.observers.append(self.observe)
 
@@ -120,17 +120,17 @@ class PSMetrics:
         """Account the rounds closed and the checkpoint written since the last call."""
         new = []
         for rec in reversed(self.rt.core.rounds):
-            if self._last_step is not None and rec["step"] <= self._last_step:
+            if self._last_step is not None and rec.step <= self._last_step:
                 break
             new.append(rec)
         for rec in reversed(new):
-            self.rounds.labels(rec["reason"] if rec["reason"] in CLOSE_REASONS else "full").inc()
-            self.round_duration.observe(rec["duration"])
-            for c in rec["contributors"]:
-                self.barrier_wait.observe(max(0.0, rec["closed_at"] - c["at"]))
-            if rec["straggler"] is not None:
-                self.straggler_wait.observe(rec["straggler"]["waited_seconds"])
-            self._last_step = rec["step"]
+            self.rounds.labels(rec.reason if rec.reason in CLOSE_REASONS else "full").inc()
+            self.round_duration.observe(rec.duration)
+            for c in rec.contributors:
+                self.barrier_wait.observe(max(0.0, rec.closed_at - c.at))
+            if rec.straggler is not None:
+                self.straggler_wait.observe(rec.straggler.waited_seconds)
+            self._last_step = rec.step
         info = self.rt.checkpoint_info or {}
         count = info.get("count") or 0
         if count > self._checkpoints:

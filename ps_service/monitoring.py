@@ -9,12 +9,15 @@ event loop, never concurrently with a push.
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import asdict
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 
+from ps_service.core import ParameterServerCore
 from ps_service.membership import ACTIVE, EXPIRED, LEFT
-from ps_service.monitoring_models import LossCurve, Rounds, RoundRecord, Status, Workers
+from ps_service.monitoring_models import LossCurve, Rounds, RoundRecord as RoundModel, Status, Workers
+from ps_service.rounds import Arrival, RoundRecord
 from ps_service.runtime import Runtime, runtime
 from shared.errors import ProtocolError
 from shared.protocol import API
@@ -22,7 +25,6 @@ from shared.protocol import API
 router = APIRouter(tags=["monitoring"])  # app.py attaches auth.require_monitor
 health = APIRouter(tags=["health"])  # always open: orchestrators probe it
 
-THROUGHPUT_WINDOW_SECONDS = 10.0
 LOSS_AVERAGE_ROUNDS = 20
 STRAGGLER_WINDOW_ROUNDS = 100
 PUSH_KINDS = ("accepted", "stale", "late", "duplicate", "skipped")
@@ -37,66 +39,59 @@ def current_round(rt: Runtime) -> dict | None:
     core, r = rt.core, rt.core.round
     if r is None:
         return None
-    names = {w: core.members.by_id[w].name for w in r.eligible}
-    pushed = {a["worker_id"] for a in r.arrivals}
+    name = {w: core.members.by_id[w].name for w in r.eligible}
+    p = core.progress()
     return {
         "step": r.step, "opened_at": wall(rt, r.opened_at), "open_for_seconds": rt.now() - r.opened_at,
-        "eligible": [names[w] for w in sorted(r.eligible, key=r.eligible.get) if w not in r.gone],
-        "pushed_by": [a["name"] for a in r.arrivals],
-        "awaited": [names[w] for w in sorted(core._alive_eligible(r), key=r.eligible.get) if w not in pushed],
-        "late": [a["name"] for a in r.late],
-        "still_needed": core.needed(r),
+        "eligible": [name[w] for w in sorted(r.eligible, key=r.key) if r.counts(w)],
+        "pushed_by": [a.name for a in r.arrivals],
+        "awaited": [name[w] for w in p.awaited],
+        "late": [a.name for a in r.late],
+        "still_needed": p.needed,
+        "unreachable": p.unreachable,
     }
 
 
-def arrivals_view(entries: list[dict], opened_at: float) -> list[dict]:
-    return [{"order": i, "name": a["name"], "rank": a["rank"], "worker_id": a["worker_id"],
-             "after_seconds": a["at"] - opened_at} for i, a in enumerate(entries, 1)]
+def arrivals_view(entries: tuple[Arrival, ...] | list[Arrival], opened_at: float) -> list[dict]:
+    return [{"order": i, "name": a.name, "rank": a.rank, "worker_id": a.worker_id,
+             "after_seconds": a.at - opened_at} for i, a in enumerate(entries, 1)]
 
 
-def round_record(rt: Runtime, rec: dict) -> dict:
+def round_record(rt: Runtime, rec: RoundRecord) -> dict:
     return {
-        "step": rec["step"], "opened_at": wall(rt, rec["opened_at"]), "closed_at": wall(rt, rec["closed_at"]),
-        "duration_seconds": rec["duration"], "reason": rec["reason"], "aggregated": rec["aggregated"],
-        "eligible": rec["eligible"], "contributors": arrivals_view(rec["contributors"], rec["opened_at"]),
-        "late": arrivals_view(rec.get("late", []), rec["opened_at"]), "missing": rec["missing"],
-        "straggler": rec["straggler"], "loss": rec["loss"], "examples": rec.get("examples", 0),
+        "step": rec.step, "opened_at": wall(rt, rec.opened_at), "closed_at": wall(rt, rec.closed_at),
+        "duration_seconds": rec.duration, "reason": rec.reason, "aggregated": rec.aggregated,
+        "eligible": rec.eligible, "contributors": arrivals_view(rec.contributors, rec.opened_at),
+        "late": arrivals_view(rec.late, rec.opened_at), "missing": list(rec.missing),
+        "straggler": None if rec.straggler is None else asdict(rec.straggler), "loss": rec.loss,
+        "examples": rec.examples, "replicas_to_aggregate": rec.replicas_to_aggregate,
     }
 
 
-def last_rounds(rt: Runtime, limit: int) -> list[dict]:
+def last_rounds(rt: Runtime, limit: int) -> list[RoundRecord]:
     """The last ``limit`` core round records, newest first."""
     rounds = rt.core.rounds
     return [rounds[-i] for i in range(1, min(limit, len(rounds)) + 1)]
 
 
-def straggler_totals(records: list[dict]) -> list[dict]:
+def straggler_totals(records: list[RoundRecord]) -> list[dict]:
     """Per straggler name over ``records``: rounds and seconds it cost; most costly first."""
     totals: dict[str, dict] = {}
     for rec in records:
-        s = rec["straggler"]
+        s = rec.straggler
         if s is not None:
-            t = totals.setdefault(s["name"], {"name": s["name"], "rounds": 0, "waited_seconds": 0.0})
+            t = totals.setdefault(s.name, {"name": s.name, "rounds": 0, "waited_seconds": 0.0})
             t["rounds"] += 1
-            t["waited_seconds"] += s["waited_seconds"]
+            t["waited_seconds"] += s.waited_seconds
     return sorted(totals.values(), key=lambda t: (-t["waited_seconds"], t["name"]))
 
 
-def throughput(rt: Runtime, now: float) -> dict:
-    core = rt.core
-    since = now - THROUGHPUT_WINDOW_SECONDS
-    rounds = examples = 0
-    for rec in reversed(core.rounds):
-        if rec["closed_at"] < since:
-            break
-        rounds += 1
-        examples += rec.get("examples", 0)
-    window = THROUGHPUT_WINDOW_SECONDS
-    if core.started_at is not None:
-        window = max(1e-9, min(window, now - core.started_at))
+def throughput(core: ParameterServerCore, now: float) -> dict:
+    """Rates from counters: (rounds closed, examples) now minus at the start of the window, over its span."""
+    window, (rounds, examples) = core.rates.rates(now, (core.rounds_closed, core.examples))
     kept = core.rounds
-    span = kept[-1]["closed_at"] - kept[0]["opened_at"] if kept else 0.0
-    return {"window_seconds": window, "rounds_per_second": rounds / window, "examples_per_second": examples / window,
+    span = kept[-1].closed_at - kept[0].opened_at if kept else 0.0
+    return {"window_seconds": window, "rounds_per_second": rounds, "examples_per_second": examples,
             "mean_rounds_per_second": len(kept) / span if span > 0 else 0.0}
 
 
@@ -110,16 +105,13 @@ def status_view(rt: Runtime) -> dict:
     core, s, now = rt.core, rt.settings, rt.now()
     losses = [l for _, l in list(core.loss_history)[-LOSS_AVERAGE_ROUNDS:]]
     states = [m.state for m in core.members.by_id.values()]
-    r = core.round
-    effective_r = None
-    if r is not None:
-        effective_r = s.replicas_to_aggregate or len(core._alive_eligible(r))
     return {
         "state": core.state().value, "global_step": core.global_step, "max_steps": s.max_steps,
         "progress": core.global_step / s.max_steps if s.max_steps else None,
         "mode": "fixed" if s.replicas_to_aggregate else "elastic",
         "replicas_to_aggregate": s.replicas_to_aggregate, "total_num_replicas": s.total_num_replicas,
-        "effective_replicas_to_aggregate": effective_r, "aggregation": s.aggregation,
+        "effective_replicas_to_aggregate": None if core.round is None else core.progress().effective,
+        "aggregation": s.aggregation,
         "optimizer": core.optimizer.spec if core.optimizer else None,
         "round": current_round(rt), "wait_reason": core.wait_reason(now),
         "workers": {"active": states.count(ACTIVE), "expired": states.count(EXPIRED), "left": states.count(LEFT),
@@ -128,7 +120,7 @@ def status_view(rt: Runtime) -> dict:
         "loss": {"last": losses[-1] if losses else None,
                  "moving_average": sum(losses) / len(losses) if losses else None,
                  "moving_average_rounds": len(losses)},
-        "throughput": throughput(rt, now),
+        "throughput": throughput(core, now),
         "examples": core.examples, "bytes_received": rt.bytes_in, "bytes_sent": rt.bytes_out,
         "shm_bytes_received": rt.shm.bytes_in,
         "auth_failures": rt.auth_failures, "started_at": rt.started_wall,
@@ -138,12 +130,12 @@ def status_view(rt: Runtime) -> dict:
     }
 
 
-def worker_view(rt: Runtime, m, now: float, totals: dict[str, dict]) -> dict:
+def worker_view(rt: Runtime, m, now: float, totals: dict[str, dict], awaited: tuple[str, ...]) -> dict:
     r = rt.core.round
     n = max(1, m.phase_reports)
     last_step = max(m.recent) if m.recent else None
     last_status = m.recent[last_step] if m.recent else None
-    in_round = r is not None and m.worker_id in r.eligible and m.worker_id not in r.gone
+    in_round = r is not None and r.counts(m.worker_id)
     state = "late" if m.state == ACTIVE and last_status in ("late", "stale") else m.state
     t = totals.get(m.name, {})
     return {
@@ -152,7 +144,7 @@ def worker_view(rt: Runtime, m, now: float, totals: dict[str, dict]) -> dict:
         "transport": rt.shm.last_transport.get(m.worker_id),
         "registered_at": wall(rt, m.registered_at), "registrations": m.registrations,
         "last_step": last_step, "last_push_status": last_status, "in_current_round": in_round,
-        "awaited": in_round and m.state == ACTIVE and m.worker_id not in {a["worker_id"] for a in r.arrivals},
+        "awaited": m.worker_id in awaited, "waiting": rt.core.members.waits.get(m.worker_id, 0) > 0,
         "pushes": {k: m.pushes.get(k, 0) for k in PUSH_KINDS},
         "mean_seconds": {k: v / n for k, v in m.phase_sums.items()},
         "last_loss": m.last_loss,
@@ -165,7 +157,9 @@ def workers_view(rt: Runtime) -> dict:
     window = last_rounds(rt, STRAGGLER_WINDOW_ROUNDS)
     ranked = straggler_totals(window)
     events = [{**e, "time": wall(rt, e["time"])} for e in list(rt.core.members.events)[-100:]]
-    return {"workers": [worker_view(rt, m, now, {t["name"]: t for t in ranked}) for m in rt.core.members.all()],
+    awaited = rt.core.progress().awaited if rt.core.round else ()
+    totals = {t["name"]: t for t in ranked}
+    return {"workers": [worker_view(rt, m, now, totals, awaited) for m in rt.core.members.all()],
             "straggler": ranked[0]["name"] if ranked else None, "window_rounds": len(window), "events": events}
 
 
@@ -191,15 +185,15 @@ async def rounds(request: Request, limit: int = Query(20, ge=1, le=1000, descrip
             "stragglers": straggler_totals(records)}
 
 
-@router.get(f"{API}/rounds/{{step}}", response_model=RoundRecord,
+@router.get(f"{API}/rounds/{{step}}", response_model=RoundModel,
             responses={404: {"description": "no such round kept (not closed yet, or older than the last 1000)"}})
 async def one_round(step: int, request: Request) -> dict:
     """One closed round: who slowed round ``step`` and by how much."""
     rt = runtime(request)
     kept = rt.core.rounds
-    if kept and kept[0]["step"] <= step <= kept[-1]["step"]:
+    if kept and kept[0].step <= step <= kept[-1].step:
         for rec in kept:  # steps are increasing; restarts from a checkpoint keep them so
-            if rec["step"] == step:
+            if rec.step == step:
                 return round_record(rt, rec)
     raise ProtocolError(404, "unknown_round", f"round {step} is not among the kept closed rounds")
 

@@ -30,6 +30,8 @@ class CurrentRound(BaseModel):
     awaited: list[str] = Field(description="Live eligible members that have not pushed yet.")
     late: list[str] = Field(description="Names of late pushes for this round.")
     still_needed: int = Field(description="Gradients the round still waits for before it closes.")
+    unreachable: bool = Field(description="Fixed R that the round's live members can no longer meet (some left or "
+                                          "expired): it closes with what they bring, if at least min_replicas.")
 
 
 class Loss(BaseModel):
@@ -39,9 +41,10 @@ class Loss(BaseModel):
 
 
 class Throughput(BaseModel):
-    window_seconds: float = Field(description="Sliding window of the two rates below.")
-    rounds_per_second: float = Field(description="Rounds closed in the window / the window.")
-    examples_per_second: float = Field(description="Examples of accepted gradients in the window / the window.")
+    window_seconds: float = Field(description="Span of the two rates below: the last 10 s or so (less just after "
+                                              "the start).")
+    rounds_per_second: float = Field(description="Rounds closed in the window / its span (from the rounds counter).")
+    examples_per_second: float = Field(description="Examples of accepted gradients in the window / its span.")
     mean_rounds_per_second: float = Field(description="Over the kept rounds (up to 1000): rounds / their span.")
 
 
@@ -70,7 +73,9 @@ class Status(BaseModel):
     mode: Literal["elastic", "fixed"] = Field(description="elastic: R = the round's live workers; fixed: R set.")
     replicas_to_aggregate: int | None = Field(description="R as configured (null: elastic).")
     total_num_replicas: int | None = Field(description="N as configured (N > R: backup workers).")
-    effective_replicas_to_aggregate: int | None = Field(description="R of the open round.")
+    effective_replicas_to_aggregate: int | None = Field(
+        description="R of the open round: the gradients it closes with (elastic, or fixed R out of reach: what its "
+                    "live members bring).")
     aggregation: str
     optimizer: dict[str, Any] | None = Field(description="The optimizer the PS runs, with its hyper-parameters.")
     round: CurrentRound | None = Field(description="The open round (null before start and when done).")
@@ -112,6 +117,7 @@ class Worker(BaseModel):
     last_push_status: str | None
     in_current_round: bool
     awaited: bool = Field(description="The open round is waiting for it.")
+    waiting: bool = Field(description="It waits on the barrier (a long-poll pull): its lease holds meanwhile.")
     pushes: PushCounts
     mean_seconds: PhaseSeconds = Field(description="Mean phase times the worker reported with its pushes.")
     last_loss: float | None
@@ -160,7 +166,8 @@ class RoundRecord(BaseModel):
     opened_at: float
     closed_at: float
     duration_seconds: float
-    reason: str = Field(description="full | membership | deadline")
+    reason: str = Field(description="full | membership | deadline | unreachable (fixed R out of reach: closed "
+                                    "with what the live members brought)")
     aggregated: int = Field(description="Gradients applied.")
     eligible: int = Field(description="Members the round counted.")
     contributors: list[Contributor] = Field(description="Accepted pushes in arrival order.")
@@ -169,6 +176,7 @@ class RoundRecord(BaseModel):
     straggler: Straggler | None = Field(description="Who slowed the round and by how much (null: one contributor).")
     loss: float | None
     examples: int
+    replicas_to_aggregate: int | None = Field(None, description="The R the round aimed at (null: elastic).")
 
 
 class StragglerTotal(BaseModel):

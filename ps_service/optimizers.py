@@ -1,18 +1,26 @@
-"""Optimizers that live on the PS: SGD, Momentum (optionally Nesterov), Adam, Adagrad.
+"""Optimizers that live on the PS, in two flavours: TensorFlow 1.x's (the default) and torch.optim's.
 
-Formulas are TensorFlow 1.x's (the system syncps replaces), so a model moved
-from ``SyncReplicasOptimizer(tf.train.XOptimizer(...))`` trains the same:
+A spec is ``{"name", "learning_rate", <hyper-parameters>}``, plus ``"flavor": "torch"`` for
+torch's formulas (:mod:`ps_service.torch_rules`). docs/protocol.md's optimizer table and docs/torch.md
+list every formula; the TF1 ones (``tf.compat.v1.train``, kernels of ``training_ops.cc``):
 
-- ``sgd``:      w -= lr * g
-- ``momentum``: a = m * a + g;  w -= lr * a            (``nesterov``: w -= lr * (g + m * a))
-- ``adam``:     t += 1;  lr_t = lr * sqrt(1 - b2^t) / (1 - b1^t)
-                m = b1 * m + (1 - b1) * g;  v = b2 * v + (1 - b2) * g^2
-                w -= lr_t * m / (sqrt(v) + eps)          (eps = 1e-8, "epsilon hat" as in TF1)
-- ``adagrad``:  a += g^2;  w -= lr * g / sqrt(a)        (a starts at initial_accumulator_value = 0.1)
+- ``sgd``:      w -= g * lr
+- ``momentum``: a = a * m + g;  w -= a * lr          (``nesterov``: w -= g * lr + a * m * lr)
+- ``adam``:     p1 *= b1, p2 *= b2 (running products: b1^t, b2^t);  alpha = lr * sqrt(1 - p2) / (1 - p1)
+                m += (g - m) * (1 - b1);  v += (g * g - v) * (1 - b2);  w -= m * alpha / (sqrt(v) + eps)
+- ``adagrad``:  a += g * g;  w -= g * lr / sqrt(a)   (a starts at initial_accumulator_value = 0.1)
 
-Slots are arrays of the weights' dtype keyed by (slot, tensor); ``apply``
-updates weights and slots in place. All arithmetic happens in the weights'
-dtype, in a fixed order, so a run is bit-reproducible.
+Every constant, ``1 - beta`` included, is a scalar of the weight's dtype and every operation is
+rounded in it, in the kernels' order: float32 TF1 training is reproduced bit for bit (float64 too,
+given float64 hyper-parameters; TF1 turns Python floats into float32 tensors).
+
+Buffers: a tensor whose name starts with :data:`BUFFER_PREFIX` is not stepped by any optimizer: the
+round sets it to the aggregate of what the workers pushed for it (their mean under the default
+``PS_AGGREGATION=mean``). That carries BatchNorm's running statistics (docs/torch.md).
+
+Slots are arrays of the weights' dtype keyed by (slot, tensor), named after the optimizer
+(:data:`SLOT_NAMES`, the checkpoint's layout); ``apply`` updates weights and slots in place, in a
+fixed order, so a run is bit-reproducible.
 """
 from __future__ import annotations
 
@@ -21,46 +29,79 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from ps_service import torch_rules
 from shared.errors import unprocessable
 
-#: name -> {hyper-parameter: default}. learning_rate has no default on purpose.
+#: names of tensors that are set to the round's aggregate instead of being stepped
+BUFFER_PREFIX = "buffer:"
+#: name -> {hyper-parameter: default}, TF1 flavour. learning_rate defaults to 0.01.
 HYPERPARAMS: dict[str, dict[str, Any]] = {
     "sgd": {},
     "momentum": {"momentum": 0.9, "nesterov": False},
     "adam": {"beta1": 0.9, "beta2": 0.999, "epsilon": 1e-8},
     "adagrad": {"initial_accumulator_value": 0.1},
 }
-SLOT_NAMES = {"sgd": (), "momentum": ("accum",), "adam": ("m", "v"), "adagrad": ("accum",)}
+#: the same for ``"flavor": "torch"`` (torch.optim's defaults, learning_rate included)
+TORCH_HYPERPARAMS = torch_rules.HYPERPARAMS
+#: optimizer name -> its slots, in either flavour (torch's SGD with momentum is named "momentum")
+SLOT_NAMES = {"sgd": (), "momentum": ("accum",), "adam": ("m", "v"), "adamw": ("m", "v"), "adagrad": ("accum",)}
+FLAVORS = ("tf1", "torch")
+
+
+def _number(name: str, key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise unprocessable("bad_optimizer", f"{name}.{key} must be a finite number >= 0")
+    return float(value)
 
 
 def normalize_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
-    """A complete, checked optimizer spec (name, learning_rate and every hyper-parameter)."""
+    """A complete, checked optimizer spec (name, learning_rate, every hyper-parameter; ``flavor``
+    only when it is torch). Idempotent."""
+    flavor = spec.get("flavor", "tf1")
+    if flavor not in FLAVORS:
+        raise unprocessable("bad_optimizer", f"flavor {str(flavor)[:32]!r} is not one of {list(FLAVORS)}")
+    table = TORCH_HYPERPARAMS if flavor == "torch" else HYPERPARAMS
     name = spec.get("name", "sgd")
-    if name not in HYPERPARAMS:
-        raise unprocessable("bad_optimizer", f"optimizer {str(name)[:32]!r} is not one of {sorted(HYPERPARAMS)}")
-    out: dict[str, Any] = {"name": name}
-    unknown = set(spec) - {"name", "learning_rate"} - set(HYPERPARAMS[name])
+    if name not in table:
+        raise unprocessable("bad_optimizer", f"optimizer {str(name)[:32]!r} is not one of {sorted(table)}"
+                                             f" (flavor {flavor})")
+    if flavor == "torch" and name in ("sgd", "momentum"):  # one torch optimizer, named after its slots as in TF1
+        momentum = spec.get("momentum", 0.0)
+        name = "momentum" if isinstance(momentum, (int, float)) and not isinstance(momentum, bool) and momentum > 0 \
+            else "sgd"
+    defaults = table[name]
+    unknown = set(spec) - {"name", "learning_rate", "flavor"} - set(defaults)
     if unknown:
-        raise unprocessable("bad_optimizer", f"optimizer {name} has no settings {sorted(map(str, unknown))}")
-    lr = spec.get("learning_rate", 0.01)
+        raise unprocessable("bad_optimizer", f"optimizer {name} ({flavor}) has no settings {sorted(map(str, unknown))}")
+    out: dict[str, Any] = {"name": name, **({"flavor": "torch"} if flavor == "torch" else {})}
+    lr = spec.get("learning_rate", defaults.get("learning_rate", 0.01))
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
         raise unprocessable("bad_optimizer", "learning_rate must be a finite number > 0")
     out["learning_rate"] = float(lr)
-    for key, default in HYPERPARAMS[name].items():
+    for key, default in defaults.items():
+        if key == "learning_rate":
+            continue
         value = spec.get(key, default)
         if isinstance(default, bool):
             if not isinstance(value, bool):
                 raise unprocessable("bad_optimizer", f"{name}.{key} must be a boolean")
-        elif isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-            raise unprocessable("bad_optimizer", f"{name}.{key} must be a finite number >= 0")
+            out[key] = value
         else:
-            value = float(value)
-        out[key] = value
-    if name == "adam" and not (out["beta1"] < 1 and out["beta2"] < 1 and out["epsilon"] > 0):
-        raise unprocessable("bad_optimizer", "adam needs beta1, beta2 < 1 and epsilon > 0")
-    if name == "adagrad" and out["initial_accumulator_value"] <= 0:
-        raise unprocessable("bad_optimizer", "adagrad needs initial_accumulator_value > 0")
+            out[key] = _number(name, key, value)
+    _check(out)
     return out
+
+
+def _check(s: dict[str, Any]) -> None:
+    name = s["name"]
+    if name in ("adam", "adamw") and not (s["beta1"] < 1 and s["beta2"] < 1):
+        raise unprocessable("bad_optimizer", f"{name} needs beta1, beta2 < 1")
+    if name == "adam" and "flavor" not in s and s["epsilon"] <= 0:
+        raise unprocessable("bad_optimizer", "adam needs epsilon > 0")
+    if name == "adagrad" and "flavor" not in s and s["initial_accumulator_value"] <= 0:
+        raise unprocessable("bad_optimizer", "adagrad needs initial_accumulator_value > 0")
+    if "flavor" in s and s.get("nesterov") and (s["momentum"] <= 0 or s["dampening"] != 0):
+        raise unprocessable("bad_optimizer", "nesterov needs a momentum > 0 and dampening 0 (as torch.optim.SGD)")
 
 
 class Optimizer:
@@ -69,53 +110,77 @@ class Optimizer:
     def __init__(self, spec: Mapping[str, Any], weights: Mapping[str, np.ndarray]) -> None:
         self.spec = normalize_spec(spec)
         self.name: str = self.spec["name"]
+        self.torch = self.spec.get("flavor") == "torch"
+        odd = [k for k, w in weights.items() if self.torch and w.dtype not in (np.float32, np.float64)]
+        if odd:
+            raise unprocessable("bad_optimizer", f"torch's formulas run on float32 and float64 tensors, "
+                                                 f"not {weights[odd[0]].dtype} ({odd[0]!r})")
         self.iterations = 0
-        fill = self.spec.get("initial_accumulator_value", 0.0)
+        fill = self.spec.get("initial_accumulator_value", 0.0) if self.name == "adagrad" else 0.0
         self.slots: dict[str, dict[str, np.ndarray]] = {
-            slot: {k: np.full_like(w, fill if self.name == "adagrad" else 0.0) for k, w in weights.items()}
-            for slot in SLOT_NAMES[self.name]
+            slot: {k: np.full_like(w, fill) for k, w in weights.items()} for slot in SLOT_NAMES[self.name]
         }
+        self._powers: dict[np.dtype, tuple[int, Any, Any]] = {}  # TF1 adam: dtype -> (t, b1^t, b2^t)
 
     def apply(self, weights: dict[str, np.ndarray], grads: Mapping[str, np.ndarray], consume: bool = False) -> None:
-        """One update of every weight from its (already aggregated) gradient, in place.
+        """One update of every weight from its (already aggregated) gradient, in place; buffers
+        (:data:`BUFFER_PREFIX`) take the aggregate as it is.
 
         ``consume``: the gradients are scratch buffers of the caller's (the PS's aggregate) and may be
         overwritten, which saves a model-sized temporary per step; the result is bit-identical."""
         self.iterations += 1
-        s = self.spec
         for key, w in weights.items():
             g = grads[key]
-            dt = w.dtype.type
-            lr = dt(s["learning_rate"])
-            if self.name == "sgd":
-                if consume and g.dtype == w.dtype and g.flags.writeable:
-                    np.multiply(g, lr, out=g)
-                    w -= g
-                else:
-                    w -= lr * g
-            elif self.name == "momentum":
-                a = self.slots["accum"][key]
-                m = dt(s["momentum"])
-                a *= m
-                a += g
-                if s["nesterov"]:
-                    w -= lr * g + lr * m * a
-                else:
-                    w -= lr * a
-            elif self.name == "adam":
-                b1, b2, eps = s["beta1"], s["beta2"], s["epsilon"]
-                t = self.iterations
-                lr_t = dt(s["learning_rate"] * math.sqrt(1 - b2**t) / (1 - b1**t))
-                m, v = self.slots["m"][key], self.slots["v"][key]
-                m *= dt(b1)
-                m += dt(1 - b1) * g
-                v *= dt(b2)
-                v += dt(1 - b2) * (g * g)
-                w -= lr_t * m / (np.sqrt(v) + dt(eps))
-            else:  # adagrad
-                a = self.slots["accum"][key]
-                a += g * g
-                w -= lr * g / np.sqrt(a)
+            if key.startswith(BUFFER_PREFIX):
+                np.copyto(w, g)
+            elif self.torch:
+                torch_rules.apply(self.spec, self.iterations, w, g, {s: t[key] for s, t in self.slots.items()})
+            else:
+                self._tf1(key, w, g, consume)
+
+    def _tf1(self, key: str, w: np.ndarray, g: np.ndarray, consume: bool) -> None:
+        s = self.spec
+        dt = w.dtype.type
+        lr = dt(s["learning_rate"])
+        if self.name == "sgd":
+            if consume and g.dtype == w.dtype and g.flags.writeable:
+                np.multiply(g, lr, out=g)
+                w -= g
+            else:
+                w -= g * lr
+        elif self.name == "momentum":
+            a = self.slots["accum"][key]
+            m = dt(s["momentum"])
+            a *= m
+            a += g
+            if s["nesterov"]:
+                w -= g * lr + a * m * lr
+            else:
+                w -= a * lr
+        elif self.name == "adam":
+            p1, p2 = self._beta_powers(w.dtype)
+            one = dt(1)
+            alpha = lr * np.sqrt(one - p2) / (one - p1)
+            m, v = self.slots["m"][key], self.slots["v"][key]
+            m += (g - m) * (one - dt(s["beta1"]))
+            v += (g * g - v) * (one - dt(s["beta2"]))
+            w -= m * alpha / (np.sqrt(v) + dt(s["epsilon"]))
+        else:  # adagrad
+            a = self.slots["accum"][key]
+            a += g * g
+            w -= g * lr / np.sqrt(a)
+
+    def _beta_powers(self, dtype: np.dtype) -> tuple[Any, Any]:
+        """b1^t and b2^t as TF1 keeps them: running products in the weights' dtype, one factor per step."""
+        t = self.iterations
+        done, p1, p2 = self._powers.get(dtype, (0, None, None))
+        if done > t:  # never happens in a run; a restore starts over
+            done = 0
+        b1, b2 = dtype.type(self.spec["beta1"]), dtype.type(self.spec["beta2"])
+        for i in range(done, t):
+            p1, p2 = (b1, b2) if i == 0 else (p1 * b1, p2 * b2)
+        self._powers[dtype] = (t, p1, p2)
+        return p1, p2
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint needs to rebuild this optimizer exactly."""
@@ -123,6 +188,7 @@ class Optimizer:
 
     def load_state(self, iterations: int, slots: Mapping[str, Mapping[str, np.ndarray]]) -> None:
         self.iterations = int(iterations)
+        self._powers.clear()
         for slot, tensors in slots.items():
             for key, arr in tensors.items():
                 np.copyto(self.slots[slot][key], arr)

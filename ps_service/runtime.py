@@ -1,9 +1,9 @@
-"""The PS process's live objects: the core, its clock, the waiters, the encoded weights.
+"""The PS process's live objects: the core, its clock, the waiters, the tensor seam.
 
 Routes get the :class:`Runtime` from ``request.app.state.runtime``. It owns the
 only clock (``time.monotonic``), wakes long-polling pulls whenever the core's
-version moves, and encodes the weights once per (step, round) so every worker
-is served the same bytes.
+version moves, and holds the tensor seam (:class:`ps_service.transport.TensorSeam`)
+through which every tensor comes in and every weights answer goes out.
 """
 from __future__ import annotations
 
@@ -12,29 +12,11 @@ import logging
 import time
 from typing import Awaitable, Callable
 
-from ps_service.buffers import POOL
 from ps_service.core import CoreConfig, ParameterServerCore
 from ps_service.settings import PSSettings
-from ps_service.shm import ShmHub
-from shared.codec import ZERO_COPY_MIN_BYTES, encode_tensors, pack, pack_parts
+from ps_service.transport import TensorSeam
 
 log = logging.getLogger("ps_service")
-
-
-def core_config(s: PSSettings) -> CoreConfig:
-    return CoreConfig(
-        replicas_to_aggregate=s.replicas_to_aggregate,
-        total_num_replicas=s.total_num_replicas,
-        min_workers=s.min_workers,
-        startup_grace_seconds=s.startup_grace_seconds,
-        max_steps=s.max_steps,
-        aggregation=s.aggregation,
-        lease_seconds=s.lease_seconds,
-        round_timeout_seconds=s.round_timeout_seconds,
-        min_replicas=s.min_replicas,
-        optimizer_overrides=s.optimizer_overrides(),
-        nonfinite_policy=s.nonfinite_policy,
-    )
 
 
 def runtime(request) -> "Runtime":
@@ -46,16 +28,12 @@ class Runtime:
     def __init__(self, settings: PSSettings, clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings
         self.clock = clock
-        self.core = ParameterServerCore(core_config(settings))
+        self.core = ParameterServerCore(CoreConfig.from_settings(settings))
         self.started_wall = time.time()
         self.started_mono = clock()
         self._event = asyncio.Event()
         self._seen_version = self.core.version
-        self.shm = ShmHub(settings.shm_dir or None)
-        self._body_key: tuple | None = None
-        self._body: bytes | memoryview = b""
-        self.bytes_in = 0
-        self.bytes_out = 0
+        self.tensors = TensorSeam(settings, self.core)
         #: requests refused for a missing or wrong token (issue: access control)
         self.auth_failures = 0
         #: the last checkpoint written or restored: {"step", "path", "time", "duration_seconds", "count"}
@@ -91,44 +69,30 @@ class Runtime:
                 return predicate()
         return True
 
-    def _pull_head(self) -> tuple[tuple, dict]:
-        core = self.core
-        ranks = sorted(core.round.eligible.values()) if core.round else []
-        key = (core.global_step, core.done, tuple(ranks), core.optimizer.iterations if core.optimizer else -1)
-        return key, {"step": core.global_step, "done": core.done, "ranks": ranks}
+    @property
+    def shm(self):
+        """The same-host transport's hub (monitoring reads its counters)."""
+        return self.tensors.shm
 
-    def shm_pull_body(self) -> bytes:
-        """The pull answer of a same-host worker: no tensors (they are in the weights file)."""
-        return pack({**self._pull_head()[1], "tensors": {}, "shm": True})
+    @property
+    def bytes_in(self) -> int:
+        return self.tensors.bytes_in
 
-    def pull_body(self) -> bytes | memoryview:
-        """msgpack of the current weights, encoded once per (step, round membership).
+    @property
+    def bytes_out(self) -> int:
+        return self.tensors.bytes_out
 
-        A large body is a snapshot of the weights in a pooled buffer (one copy, no msgpack
-        buffer growth) that is never written again while an answer still sends it, so the
-        weights can change under an answer in flight."""
-        core = self.core
-        key, head = self._pull_head()
-        if key != self._body_key:
-            obj = {**head, "tensors": encode_tensors(core.weights)}
-            self._body = b""  # the old body's buffer goes back to the pool once no answer sends it
-            if sum(w.nbytes for w in core.weights.values()) < ZERO_COPY_MIN_BYTES:
-                self._body = pack(obj)
-            else:
-                parts = pack_parts(obj)
-                size = sum(len(p) for p in parts)
-                view, at = POOL.take(size), 0
-                for p in parts:
-                    view[at:at + len(p)] = p
-                    at += len(p)
-                self._body = view
-            self._body_key = key
-        return self._body
-
-    def drop_body(self) -> None:
-        """Forget the encoded weights (a push is coming in, its round re-encodes them): their
-        buffer serves the push's body once no answer sends it, which bounds the PS's memory."""
-        self._body, self._body_key = b"", None
+    async def wait_for(self, predicate: Callable[[], bool], timeout: float, worker_id: str | None = None) -> bool:
+        """:meth:`wait_until`, at most ``PS_PULL_TIMEOUT_MAX_SECONDS``; with ``worker_id`` the wait keeps that
+        worker's lease (404/409 first if it is unknown or not active)."""
+        timeout = min(timeout, self.settings.pull_timeout_max_seconds)
+        if worker_id is None:
+            return await self.wait_until(predicate, timeout)
+        self.core.begin_wait(worker_id, self.now())
+        try:
+            return await self.wait_until(predicate, timeout)
+        finally:
+            self.core.end_wait(worker_id, self.now())
 
     async def ticker(self) -> None:
         """Background task: leases, start-up grace, round deadlines."""

@@ -47,6 +47,8 @@ class PSSettings(BaseSettings):
     max_body_bytes: int = Field(1 << 30, gt=0, description="Largest request body accepted (413 beyond).")
     body_idle_timeout_seconds: float = Field(
         30.0, gt=0, description="A request body that stalls this long between two chunks is refused (408).")
+    http_keepalive_seconds: float = Field(
+        5.0, gt=0, description="How long the PS keeps an idle HTTP connection open (uvicorn's timeout_keep_alive).")
     auth_token: SecretStr | None = Field(
         None, description="Bearer token the training and control routes require (register, leave, heartbeat, "
                           "initialise, pull, push). Unset or empty: those routes are open.")

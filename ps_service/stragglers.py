@@ -20,26 +20,41 @@ the first and the median arrival). All times are seconds.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from statistics import median
-from typing import Sequence
+from typing import Protocol, Sequence
 
 
-def straggler(opened_at: float, closed_at: float, arrivals: Sequence[dict],
-              missing: Sequence[tuple[str, int]]) -> dict | None:
-    """``arrivals``: ``{"name", "rank", "at"}`` in arrival order; ``missing``: (name, rank) never pushed."""
-    times = [a["at"] for a in arrivals]
+class Arrived(Protocol):
+    name: str
+    rank: int
+    at: float
+
+
+@dataclass(frozen=True)
+class Straggler:
+    name: str
+    rank: int
+    kind: str  # "last_arrival" | "never_arrived"
+    waited_seconds: float
+    after_seconds: float
+    behind_first: float
+    behind_median: float
+
+
+def straggler(opened_at: float, closed_at: float, arrivals: Sequence[Arrived],
+              missing: Sequence[tuple[str, int]]) -> Straggler | None:
+    """``arrivals``: (name, rank, at) in arrival order; ``missing``: (name, rank) never pushed."""
+    times = [a.at for a in arrivals]
     last = times[-1] if times else opened_at
     if missing and closed_at > last:
         name, rank = min(missing, key=lambda m: m[1])
         at, waited, kind = closed_at, closed_at - last, "never_arrived"
     elif len(arrivals) >= 2:
-        name, rank = arrivals[-1]["name"], arrivals[-1]["rank"]
+        name, rank = arrivals[-1].name, arrivals[-1].rank
         at, waited, kind = last, last - times[-2], "last_arrival"
     else:
         return None
-    return {
-        "name": name, "rank": rank, "kind": kind, "waited_seconds": waited,
-        "after_seconds": at - opened_at,
-        "behind_first": at - times[0] if times else at - opened_at,
-        "behind_median": at - median(times) if times else at - opened_at,
-    }
+    return Straggler(name, rank, kind, waited, at - opened_at,
+                     behind_first=at - times[0] if times else at - opened_at,
+                     behind_median=at - median(times) if times else at - opened_at)

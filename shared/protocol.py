@@ -1,20 +1,20 @@
 """The wire contract shared by the PS and its clients (see docs/protocol.md).
 
-Paths, media types, push statuses, and the parsers that turn a decoded
-msgpack body into typed requests. Parsers only check form; whether a request
-fits the model (names, shapes) is the PS's business.
+Paths, media types, push statuses, and the parsers that turn a frame's ``meta`` (shared/frame.py)
+into typed requests. Parsers only check form, strictly (unknown fields are refused); whether a
+request fits the model (names, dtypes, shapes) is the PS core's business.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 
-from shared.codec import DTYPES, MAX_NDIM, decode_tensors
 from shared.errors import bad_request, unprocessable
+from shared.frame import MEDIA_TYPE as FRAME
 
 API = "/v1"
 MSGPACK = "application/msgpack"
@@ -61,10 +61,16 @@ class PhaseTimes:
 class PushRequest:
     worker_id: str
     step: int
-    tensors: dict[str, np.ndarray]
+    tensors: Mapping[str, np.ndarray]
     loss: float | None = None
     num_examples: int | None = None
     timings: PhaseTimes = field(default_factory=PhaseTimes)
+    #: False: not checked yet; None or a tensor name: what the PS found (all finite / the first NaN/Inf) when
+    #: it copied these very arrays (ps_service.accumulator.copy_checked)
+    nonfinite: str | None | bool = False
+
+    def with_tensors(self, tensors: Mapping[str, np.ndarray], nonfinite: str | None | bool = False) -> "PushRequest":
+        return replace(self, tensors=tensors, nonfinite=nonfinite)
 
 
 @dataclass(frozen=True)
@@ -91,69 +97,56 @@ def _optional_number(obj: dict, key: str, what: str) -> float | None:
     return value
 
 
-def _as_map(obj: Any, what: str) -> dict:
-    if not isinstance(obj, dict):
-        raise bad_request("bad_body", f"{what} must be a msgpack map")
-    return obj
+def _only(obj: dict, allowed: frozenset, what: str) -> None:
+    unknown = set(obj) - allowed
+    if unknown:
+        raise bad_request("bad_field", f"{what}: unknown fields {sorted(map(str, unknown))[:8]}")
 
 
-#: JSON Schema of the msgpack request bodies, for the OpenAPI document (``data`` is msgpack bin)
-TENSOR_SCHEMA = {
-    "type": "object", "required": ["dtype", "shape", "data"], "additionalProperties": False,
-    "properties": {"dtype": {"type": "string", "enum": sorted(DTYPES)},
-                   "shape": {"type": "array", "maxItems": MAX_NDIM, "items": {"type": "integer", "minimum": 0}},
-                   "data": {"type": "string", "format": "binary", "description": "little-endian, C order (msgpack bin)"}},
-}
-TENSORS_SCHEMA = {"type": "object", "additionalProperties": TENSOR_SCHEMA, "description": "tensor name -> tensor"}
-PUSH_SCHEMA = {
-    "type": "object", "required": ["worker_id", "step", "tensors"],
-    "properties": {"worker_id": {"type": "string"}, "step": {"type": "integer", "minimum": 0},
-                   "tensors": TENSORS_SCHEMA, "loss": {"type": ["number", "null"]},
-                   "num_examples": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_NUM_EXAMPLES},
-                   "timings": {"type": "object", "properties": {
-                       k: {"type": "number", "minimum": 0, "maximum": MAX_PHASE_SECONDS} for k in ("fetch", "compute", "push")}}},
-}
-MODEL_INIT_SCHEMA = {
-    "type": "object", "required": ["tensors"],
-    "properties": {"tensors": TENSORS_SCHEMA, "optimizer": {"type": "object", "description": "name, learning_rate, ..."}},
-}
+PUSH_FIELDS = frozenset({"worker_id", "step", "loss", "num_examples", "timings", "shm_seq"})
+MODEL_FIELDS = frozenset({"optimizer"})
 
 
-def msgpack_body(schema: dict) -> dict:
-    """``openapi_extra`` of a route whose body is msgpack of ``schema``."""
-    return {"requestBody": {"required": True, "content": {MSGPACK: {"schema": schema}}}}
-
-
-def parse_push(obj: Any, max_tensor_bytes: int | None = None) -> PushRequest:
+def parse_push_meta(meta: dict) -> tuple[PushRequest, int | None]:
+    """(the push without its tensors, its ``shm_seq`` or None) from a push frame's meta."""
     what = "push"
-    obj = _as_map(obj, what)
-    worker_id = _require(obj, "worker_id", str, what)
-    step = _require(obj, "step", int, what)
+    _only(meta, PUSH_FIELDS, what)
+    worker_id = _require(meta, "worker_id", str, what)
+    step = _require(meta, "step", int, what)
     if step < 0:
         raise unprocessable("bad_step", "step must be >= 0")
-    tensors = decode_tensors(_require(obj, "tensors", dict, what), max_tensor_bytes)
-    loss = _optional_number(obj, "loss", what)
+    loss = _optional_number(meta, "loss", what)
     if loss is not None and not math.isfinite(loss):
         loss = None
-    n = obj.get("num_examples")
+    n = meta.get("num_examples")
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_NUM_EXAMPLES):
         raise bad_request("bad_field", f"push: num_examples must be an int in [0, {MAX_NUM_EXAMPLES}]")
-    raw = obj.get("timings") or {}
+    raw = meta.get("timings") or {}
     if not isinstance(raw, dict):
         raise bad_request("bad_field", "push: timings must be a map of phase -> seconds")
+    _only(raw, frozenset({"fetch", "compute", "push"}), "push timings")
     times = {k: _optional_number(raw, k, "timings") or 0.0 for k in ("fetch", "compute", "push")}
     if not all(0 <= t <= MAX_PHASE_SECONDS for t in times.values()):  # NaN fails too
         raise bad_request("bad_field", f"push: timings must be seconds in [0, {MAX_PHASE_SECONDS:g}]")
-    return PushRequest(worker_id, step, tensors, None if loss is None else float(loss), n, PhaseTimes(**times))
+    seq = meta.get("shm_seq")
+    if seq is not None and (isinstance(seq, bool) or not isinstance(seq, int) or seq < 0):
+        raise bad_request("bad_field", "push: shm_seq must be an int >= 0")
+    push = PushRequest(worker_id, step, {}, None if loss is None else float(loss), n, PhaseTimes(**times))
+    return push, seq
 
 
-def parse_model_init(obj: Any, max_tensor_bytes: int | None = None) -> ModelInit:
+def parse_model_meta(meta: dict, tensors: dict[str, np.ndarray]) -> ModelInit:
     what = "model init"
-    obj = _as_map(obj, what)
-    tensors = decode_tensors(_require(obj, "tensors", dict, what), max_tensor_bytes)
+    _only(meta, MODEL_FIELDS, what)
     if not tensors:
         raise unprocessable("empty_model", "a model needs at least one tensor")
-    optimizer = obj.get("optimizer") or {}
+    optimizer = meta.get("optimizer") or {}
     if not isinstance(optimizer, dict) or not all(isinstance(k, str) for k in optimizer):
         raise bad_request("bad_field", "model init: optimizer must be a map")
     return ModelInit(tensors, optimizer)
+
+
+#: OpenAPI description of a request body that is one frame
+FRAME_BODY = {"requestBody": {"required": True, "content": {FRAME: {"schema": {
+    "type": "string", "format": "binary",
+    "description": "one tensor frame (docs/protocol.md, Tensor frame); its meta holds the control fields"}}}}}

@@ -1,23 +1,28 @@
-"""Same-host tensor files: the layout and the byte-level rules both sides of the shm transport follow.
+"""Same-host tensor files: the byte-level rules both sides of the shared-memory transport follow.
 
-When a worker runs on the PS's host (``make run``, ``bench/``, several worker processes on one
-box), tensors need not cross a socket: the PS keeps its weights in a file in a shared-memory
-directory (``/dev/shm``, a tmpfs) that every worker maps read-only, and each worker writes its
-gradients into a file of its own there that the PS maps; the HTTP push and pull then carry only
-the small control map (docs/protocol.md, "Same-host transport"). The HTTP exchange stays the
-synchronisation: a worker computes on the weights of the step its pull named, and the PS changes
-them only when it closes that step's round, after which a push for that step is refused (late or
-stale) whatever it was computed from.
+When a worker runs on the PS's host, tensors need not cross a socket: the PS keeps its weights in a
+file in a shared-memory directory (``/dev/shm``, a tmpfs) that every worker maps read-only, and each
+worker writes its gradients into a file of its own there that the PS maps; the HTTP push and pull then
+carry only their control fields (docs/protocol.md, "Same-host transport").
 
-A file is one *region*: a :data:`HEADER_BYTES` header (16-byte nonce, int64 marker) then the
-tensors of a :class:`Layout`, each at an :data:`ALIGN`-aligned offset (cache-line aligned for numpy
-and BLAS, without a page of padding per small tensor). The nonce proves the other
-side mapped the very file its peer made (same host, same directory). In a gradient file the marker
-is the sequence number of the push it holds (:data:`WRITING` while the worker writes), so the PS
-never sums a file that is not the push it was sent.
+A file is one *region*: a 64-byte region header, then one tensor frame (:mod:`shared.frame`, empty
+``meta``), zero-padded to a whole number of pages::
 
-Contract: file names match :data:`GRADIENT_FILE` / :data:`WEIGHTS_FILE`; dtypes come from the codec's
-allow-list; nothing here trusts a length it did not compute from a validated layout.
+    0   8  magic  b"SYNCPSM1"
+    8   1  kind   b"W" (the PS's weights) or b"G" (a worker's gradients)
+    9   7  zero
+    16 16  nonce: random bytes chosen by the file's creator
+    32  8  int64 little-endian marker: -1 while the creator writes the tensors; in a gradient file the
+           sequence number of the push it holds; in the weights file the global step of the weights
+    40 24  zero
+    64     the frame (prefix, header, padding, data)
+
+The nonce proves a peer mapped the very file its creator made (same host, same directory); the kind
+keeps a weights file (or a hard link to it) from passing for a gradient file.
+
+Contract: names match :data:`GRADIENT_FILE` / :data:`WEIGHTS_FILE`; a peer's file is opened without
+following links, must be a regular file of this user with one link, of exactly the expected size, with
+the expected magic, kind and nonce and a valid frame; nothing here trusts a length it did not compute.
 """
 from __future__ import annotations
 
@@ -26,175 +31,173 @@ import mmap
 import os
 import re
 import struct
-from dataclasses import dataclass
-from functools import cached_property
-from typing import Any, Callable, Mapping
+from typing import Callable
 
 import numpy as np
 
-from shared.codec import DTYPES, MAX_NDIM, MAX_TENSORS, dtype_name
-from shared.errors import bad_request
+from shared import frame
 
-ALIGN = 64
-#: the header takes a page, so the tensors start page-aligned
-HEADER_BYTES = 4096
+MAGIC = b"SYNCPSM1"
+HEADER = struct.Struct("<8sc7x16sq24x")
+HEADER_BYTES = HEADER.size  # 64
+PAGE = 4096
 NONCE_BYTES = 16
-#: the marker while a region is being written
+KIND_WEIGHTS, KIND_GRADIENTS = b"W", b"G"
+#: the marker while a region's tensors are being written
 WRITING = -1
 _MARKER = struct.Struct("<q")
+_MARKER_AT = 32
 GRADIENT_FILE = re.compile(r"syncps-g-[0-9a-f]{32}")
 WEIGHTS_FILE = re.compile(r"syncps-w-[0-9]+-[0-9a-f]{16}")
-#: header of an HTTP push whose tensors are in the worker's gradient file (value "shm")
-TENSORS_HEADER = "X-Syncps-Tensors"
 
 
-def _aligned(n: int, to: int = ALIGN) -> int:
-    return -(-n // to) * to
+def region_bytes(layout: frame.Layout) -> int:
+    """The size of a file holding ``layout``: header, frame, padding to a page."""
+    return frame.aligned(HEADER_BYTES + frame.frame_bytes(layout), PAGE)
 
 
-@dataclass(frozen=True)
-class TensorSlot:
-    name: str
-    dtype: np.dtype
-    shape: tuple[int, ...]
-    offset: int  # from the start of the region's data (after the header)
+class Region:
+    """A mapped region: its marker, and its tensors as arrays over the mapping."""
 
-    @cached_property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+    def __init__(self, mapping: mmap.mmap, layout: frame.Layout) -> None:
+        self.mapping = mapping
+        self.layout = layout
+        start = HEADER_BYTES + len(frame.header(layout))
+        self.data = memoryview(mapping)[start:start + layout.data_bytes]
 
+    @property
+    def marker(self) -> int:
+        return _MARKER.unpack_from(self.mapping, _MARKER_AT)[0]
 
-@dataclass(frozen=True)
-class Layout:
-    """Where each tensor of a model sits in a region (names in sorted order)."""
+    @marker.setter
+    def marker(self, value: int) -> None:
+        _MARKER.pack_into(self.mapping, _MARKER_AT, value)
 
-    tensors: tuple[TensorSlot, ...]
+    def views(self) -> dict[str, np.ndarray]:
+        """The tensors over the mapping (writable if the mapping is)."""
+        return self.layout.views(self.data)
 
-    @classmethod
-    def of(cls, arrays: Mapping[str, np.ndarray]) -> "Layout":
-        slots, at = [], 0
-        for name in sorted(arrays):
-            a = arrays[name]
-            slots.append(TensorSlot(name, DTYPES[dtype_name(a.dtype)], tuple(a.shape), at))
-            at = _aligned(at + a.nbytes)
-        return cls(tuple(slots))
-
-    @cached_property
-    def data_bytes(self) -> int:
-        last = self.tensors[-1] if self.tensors else None
-        return _aligned(last.offset + last.nbytes, HEADER_BYTES) if last else 0
-
-    @cached_property
-    def region_bytes(self) -> int:
-        return HEADER_BYTES + self.data_bytes
-
-    def to_wire(self) -> list:
-        return [[t.name, dtype_name(t.dtype), list(t.shape), t.offset] for t in self.tensors]
-
-    @classmethod
-    def from_wire(cls, obj: Any) -> "Layout":
-        """The layout a PS sent (validated: allow-listed dtypes, in-order non-overlapping offsets)."""
-        if not isinstance(obj, list) or not 0 < len(obj) <= MAX_TENSORS:
-            raise bad_request("bad_field", "shm layout must be a non-empty list")
-        slots, end = [], 0
-        for item in obj:
-            if not (isinstance(item, list) and len(item) == 4 and isinstance(item[0], str) and item[1] in DTYPES
-                    and isinstance(item[2], list) and len(item[2]) <= MAX_NDIM
-                    and all(isinstance(d, int) and d >= 0 for d in item[2]) and isinstance(item[3], int)):
-                raise bad_request("bad_field", "shm layout entry must be [name, dtype, shape, offset]")
-            slot = TensorSlot(item[0], DTYPES[item[1]], tuple(item[2]), item[3])
-            if slot.offset < end or slot.offset % ALIGN:
-                raise bad_request("bad_field", "shm layout offsets must be aligned and increasing")
-            slots.append(slot)
-            end = slot.offset + slot.nbytes
-        return cls(tuple(slots))
-
-    def views(self, data: memoryview | np.ndarray) -> dict[str, np.ndarray]:
-        """The tensors as arrays over ``data`` (one region's data part)."""
-        buf = np.frombuffer(data, np.uint8)
-        return {t.name: buf[t.offset:t.offset + t.nbytes].view(t.dtype).reshape(t.shape) for t in self.tensors}
-
-    def matches(self, arrays: Mapping[str, np.ndarray]) -> bool:
-        return len(arrays) == len(self.tensors) and all(
-            t.name in arrays and arrays[t.name].dtype == t.dtype and tuple(arrays[t.name].shape) == t.shape
-            for t in self.tensors)
-
-
-def map_file(fd: int, size: int, writable: bool) -> mmap.mmap:
-    """A shared mapping of the first ``size`` bytes of ``fd``."""
-    return mmap.mmap(fd, size, access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ)
-
-
-def marker_of(region: mmap.mmap) -> int:
-    return _MARKER.unpack_from(region, NONCE_BYTES)[0]
-
-
-def set_header(region: mmap.mmap, nonce: bytes | None = None, marker: int = WRITING) -> None:
-    if nonce is not None:
-        region[:NONCE_BYTES] = nonce
-    _MARKER.pack_into(region, NONCE_BYTES, marker)
-
-
-def data_views(layout: Layout, region: mmap.mmap) -> dict[str, np.ndarray]:
-    """The tensors of a mapped region, as arrays over the mapping (writable if the mapping is)."""
-    return layout.views(memoryview(region)[HEADER_BYTES:HEADER_BYTES + layout.data_bytes])
+    @property
+    def nonce(self) -> bytes:
+        return bytes(self.mapping[16:16 + NONCE_BYTES])
 
 
 def open_in(directory: str, name: str, flags: int) -> int:
-    """Open ``directory/name`` without following a symlink; a regular file of ours, or OSError."""
+    """Open ``directory/name`` without following a symlink: a regular file of this user with one link,
+    or OSError."""
     fd = os.open(os.path.join(directory, name), flags | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)
         if not (st.st_mode & 0o170000 == 0o100000 and st.st_uid == os.geteuid()):
             raise PermissionError(f"{name} is not a regular file of this user")
+        if st.st_nlink != 1:
+            raise PermissionError(f"{name} has {st.st_nlink} links (a link to another file?)")
     except BaseException:
         os.close(fd)
         raise
     return fd
 
 
-def create_in(directory: str, name: str, size: int) -> int:
-    """A new ``0600`` file of ``size`` zero bytes (OSError if it exists or the directory is full)."""
+def create_region(directory: str, name: str, kind: bytes, layout: frame.Layout, nonce: bytes,
+                  marker: int, lock: Callable[[int], None] | None = None) -> tuple[int, Region]:
+    """A new ``0600`` file holding ``layout`` (zero tensors), ``lock(fd)`` applied first if given, mapped
+    writable, header and frame header written; (its descriptor, for the caller to keep or close; the
+    region). OSError if impossible (it exists, the directory is full...)."""
     path = os.path.join(directory, name)
+    size = region_bytes(layout)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
         os.ftruncate(fd, size)
         if hasattr(os, "posix_fallocate"):
             os.posix_fallocate(fd, 0, size)  # ENOSPC now, not SIGBUS on first touch
+        if lock is not None:
+            lock(fd)
+        mapping = mmap.mmap(fd, size, access=mmap.ACCESS_WRITE)
     except BaseException:
         os.close(fd)
         os.unlink(path)
         raise
-    return fd
+    HEADER.pack_into(mapping, 0, MAGIC, kind, nonce, marker)
+    head = frame.header(layout)
+    mapping[HEADER_BYTES:HEADER_BYTES + len(head)] = head
+    return fd, Region(mapping, layout)
 
 
-def create_region(directory: str, name: str, size: int, nonce: bytes, marker: int,
-                  lock: Callable[[int], None] | None = None) -> tuple[int, mmap.mmap]:
-    """A new file of ``size`` bytes, ``lock(fd)`` applied first if given, mapped writable, header
-    written; (its descriptor, for the caller to keep or close; the mapping). OSError if impossible."""
-    fd = create_in(directory, name, size)
+def _check_header(raw: bytes, name: str, kind: bytes, nonce: bytes) -> None:
+    magic, got_kind, got_nonce, _ = HEADER.unpack(raw)
+    if magic != MAGIC or got_kind != kind:
+        raise ValueError(f"{name} is not a syncps {kind.decode()} region")
+    if not hmac.compare_digest(got_nonce, nonce):
+        raise ValueError(f"{name} does not hold the expected nonce")
+
+
+def open_peer(directory: str, name: str, kind: bytes, nonce: bytes, layout: frame.Layout) -> tuple[int, os.stat_result]:
+    """Open the peer's file ``name`` read-only and check it is the file meant: exact size, magic, ``kind``,
+    ``nonce``, and exactly the frame header of ``layout``. (its descriptor, for the caller to keep; its
+    stat). OSError if it cannot be opened here, ValueError if it is not the file meant. Nothing is mapped."""
+    fd = open_in(directory, name, os.O_RDONLY)
     try:
-        if lock is not None:
-            lock(fd)
-        region = map_file(fd, size, writable=True)
+        st = os.fstat(fd)
+        if st.st_size != region_bytes(layout):
+            raise ValueError(f"{name} is {st.st_size} bytes, not {region_bytes(layout)}")
+        _check_header(os.pread(fd, HEADER_BYTES, 0), name, kind, nonce)
+        head = frame.header(layout)
+        if os.pread(fd, len(head), HEADER_BYTES) != head:
+            raise ValueError(f"{name} does not hold the model's layout")
     except BaseException:
         os.close(fd)
-        os.unlink(os.path.join(directory, name))
         raise
-    set_header(region, nonce, marker)
-    return fd, region
+    return fd, st
 
 
-def map_existing(directory: str, name: str, size: int, nonce: bytes, writable: bool) -> mmap.mmap:
-    """Map the peer's file ``name``: a regular file of ours, no symlink, exactly ``size`` bytes,
-    holding ``nonce``. OSError if it cannot be opened here, ValueError if it is not the file meant."""
+def map_existing(directory: str, name: str, kind: bytes, nonce: bytes, writable: bool,
+                 layout: frame.Layout | None = None, size: int | None = None) -> tuple[Region, os.stat_result]:
+    """Map the peer's file ``name`` and check it is the file meant: magic, ``kind``, ``nonce``, a valid
+    frame, and ``layout`` (when given: the frame header must be exactly the one of that layout) or
+    ``size`` bytes. (the region, the file's stat). OSError if it cannot be opened here, ValueError if it
+    is not the file meant."""
     fd = open_in(directory, name, os.O_RDWR if writable else os.O_RDONLY)
     try:
-        if os.fstat(fd).st_size != size:
-            raise ValueError(f"{name} is not {size} bytes")
-        region = map_file(fd, size, writable)
+        st = os.fstat(fd)
+        want = region_bytes(layout) if layout is not None else size
+        if want is None or st.st_size != want:
+            raise ValueError(f"{name} is {st.st_size} bytes, not {want}")
+        mapping = mmap.mmap(fd, want, access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ)
     finally:
         os.close(fd)
-    if not hmac.compare_digest(bytes(region[:NONCE_BYTES]), nonce):
-        raise ValueError(f"{name} does not hold the expected nonce")
-    return region
+    _check_header(bytes(mapping[:HEADER_BYTES]), name, kind, nonce)
+    if layout is not None:
+        head = frame.header(layout)
+        if mapping[HEADER_BYTES:HEADER_BYTES + len(head)] != head:
+            raise ValueError(f"{name} does not hold the model's layout")
+    else:
+        try:
+            layout = frame.decode(memoryview(mapping)[HEADER_BYTES:], exact=False).layout
+        except Exception as exc:
+            raise ValueError(f"{name} holds no valid frame: {exc}") from None
+        if region_bytes(layout) != want:
+            raise ValueError(f"{name}: its frame does not fill {want} bytes")
+    return Region(mapping, layout), st
+
+
+class PeerFile:
+    """A peer's region read through its descriptor (pread), never mapped: its pages never count in this
+    process's memory, and every read is a copy into memory of ours."""
+
+    def __init__(self, fd: int, layout: frame.Layout) -> None:
+        self.fd = fd
+        self.layout = layout
+        self.data_at = HEADER_BYTES + len(frame.header(layout))
+
+    @property
+    def marker(self) -> int:
+        return _MARKER.unpack(os.pread(self.fd, _MARKER.size, _MARKER_AT))[0]
+
+    def read_into(self, offset: int, out: memoryview) -> None:
+        """``out`` filled from the frame's data at ``offset``."""
+        got = os.preadv(self.fd, [out], self.data_at + offset)
+        if got != out.nbytes:
+            raise OSError(f"short read of a peer's file ({got} of {out.nbytes} bytes)")
+
+    def close(self) -> None:
+        os.close(self.fd)

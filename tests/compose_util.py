@@ -1,10 +1,15 @@
 """Drive the repository's ``docker-compose.yml`` from tests: one isolated compose project per test.
 
 :class:`ComposeProject` runs ``docker compose`` with a unique project name, its own
-host port (``SYNCPS_PORT``) and an environment scrubbed of the caller's PS_*,
-WORKER_*, SYNCPS_* and COMPOSE_* variables (``--env-file /dev/null``: a
-developer's ``.env`` never leaks into a test). Every command has a timeout.
-``down()`` removes containers, network and volumes and reports what is left.
+host port (``SYNCPS_PORT``) and the job's settings in an env file of its own, as a
+user keeps them in ``.env`` (the README's one place for settings); the process
+environment is scrubbed of the caller's PS_*, WORKER_*, SYNCPS_* and COMPOSE_*
+variables and a developer's ``.env`` is never read. Every command has a timeout.
+``down()`` removes containers, network, volumes and the env file and reports what is left.
+
+:data:`DOCUMENTED` holds the compose commands the README gives (tests/test_docs.py checks
+that the README shows each one verbatim); :meth:`ComposeProject.run` runs one of them as
+written, adding only the flags that isolate the test's project.
 
 :func:`compose_unavailable` says why compose tests cannot run (``SYNCPS_SKIP_COMPOSE``
 set by ``.ci/run``, no ``docker`` CLI, no engine, no Compose v2), or None.
@@ -14,8 +19,10 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shlex
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import httpx
@@ -27,6 +34,22 @@ COMPOSE_FILE = ROOT / "docker-compose.yml"
 #: the tests' image tag, so a test run never retags a user's syncps:latest
 IMAGE = "syncps:compose-test"
 SCRUBBED_PREFIXES = ("PS_", "WORKER_", "SYNCPS_", "COMPOSE_")
+
+#: The README's compose commands, run by the compose tests exactly as written there.
+DOCUMENTED = {
+    "up": "docker compose up -d",  # start (or resume) the job in the background: 4 workers, the file's count
+    "scale_up": "docker compose up -d --no-recreate --scale worker=6",  # on a running job: nothing restarted
+    "scale_down": "docker compose up -d --no-recreate --scale worker=2",
+    "kill_ps": "docker compose kill ps",
+    "start_ps": "docker compose start ps",  # the same PS container again; the workers are left alone
+    "ps": "docker compose ps",
+    "stop": "docker compose stop",  # workers leave gracefully, the PS writes a final checkpoint
+}
+
+#: Settings docker-compose.yml fixes (not taken from .env): the containers' addresses, the checkpoint
+#: volume's path, and WORKER_NAME empty (each replica names itself after its container).
+COMPOSE_FIXED = {"PS_HOST": "0.0.0.0", "PS_PORT": "8000", "PS_CHECKPOINT_DIR": "/data/checkpoints",
+                 "WORKER_PS_URL": "http://ps:8000", "WORKER_NAME": ""}
 
 
 def compose_unavailable() -> str | None:
@@ -59,17 +82,26 @@ class ComposeProject:
         self.name = f"syncps-test-{label}-{os.getpid()}-{secrets.token_hex(3)}".lower()
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        base = {k: v for k, v in os.environ.items() if not k.startswith(SCRUBBED_PREFIXES)}
-        self.env = {**base, "SYNCPS_IMAGE": IMAGE, "SYNCPS_PORT": str(self.port),
-                    **{k: str(v) for k, v in (env or {}).items()}}
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith(SCRUBBED_PREFIXES)}
+        settings = {"SYNCPS_IMAGE": IMAGE, "SYNCPS_PORT": str(self.port), **{k: str(v) for k, v in (env or {}).items()}}
+        fd, path = tempfile.mkstemp(prefix=f"{self.name}-", suffix=".env")
+        with os.fdopen(fd, "w") as f:  # the project's `.env`
+            f.writelines(f"{k}={v}\n" for k, v in settings.items())
+        self.env_file = Path(path)
 
     def compose(self, *args: str, timeout: float = 120.0, check: bool = True) -> subprocess.CompletedProcess:
         cmd = ["docker", "compose", "-f", str(COMPOSE_FILE), "--project-directory", str(ROOT),
-               "--env-file", os.devnull, "-p", self.name, *args]
+               "--env-file", str(self.env_file), "-p", self.name, *args]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=self.env)
         if check and r.returncode != 0:
             raise RuntimeError(f"{' '.join(args)} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
         return r
+
+    def run(self, key: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
+        """Run the README's command ``DOCUMENTED[key]`` as written, in this test's project."""
+        argv = shlex.split(DOCUMENTED[key])
+        assert argv[:2] == ["docker", "compose"], argv
+        return self.compose(*argv[2:], timeout=timeout)
 
     # -- lifecycle -------------------------------------------------------------------------
     def build(self, timeout: float = 600.0) -> None:
@@ -79,13 +111,10 @@ class ComposeProject:
         if old and old != docker("image", "inspect", "-f", "{{.Id}}", IMAGE).stdout.strip():
             docker("rmi", old, check=False)  # untagged now; fails harmlessly while a container uses it
 
-    def up(self, workers: int) -> None:
-        """Start (or rescale) the job and return at once; the PS must answer /healthz first."""
-        self.compose("up", "-d", "--no-build", "--no-recreate", "--scale", f"worker={workers}")
-
     def down(self) -> list[str]:
         """Remove containers, network and volumes; what is left of the project (should be [])."""
         self.compose("down", "-v", "--remove-orphans", "--timeout", "5", timeout=120.0, check=False)
+        self.env_file.unlink(missing_ok=True)
         label = f"label=com.docker.compose.project={self.name}"
         left = []
         for kind in (["ps", "-a"], ["volume", "ls"], ["network", "ls"]):
@@ -105,8 +134,17 @@ class ComposeProject:
         return json.loads(docker("inspect", *ids).stdout) if ids else []
 
     def worker_name(self, container: dict) -> str:
-        """The name the worker registers under: hostname:pid, and the worker is PID 1."""
-        return f"{container['Config']['Hostname']}:1"
+        """The name the worker registers under: its container's name (syncps-worker-1), as `docker compose ps`."""
+        return container["Name"].lstrip("/")
+
+    def ps_names(self, service: str, all_: bool = True) -> list[str]:
+        """Container names of ``service`` as the README's `docker compose ps` lists them (``-a``: exited too)."""
+        out = self.compose(*shlex.split(DOCUMENTED["ps"])[2:], *(["-a"] if all_ else []), "--format", "json",
+                           service).stdout
+        return sorted(json.loads(line)["Name"] for line in out.splitlines() if line.strip())
+
+    def running(self, service: str) -> list[dict]:
+        return [c for c in self.inspect(service) if c["State"]["Running"]]
 
     def wait_workers_exited(self, deadline: float = 60.0) -> list[dict]:
         def exited():

@@ -24,7 +24,7 @@ import uvicorn
 
 from cluster.processes import free_port, wait_for
 from ps_service.app import create_app
-from ps_service.bodysink import BufferedSinkProtocol
+from ps_service.transport.bodysink import BufferedSinkProtocol
 from ps_service.runtime import Runtime
 from ps_service.settings import PSSettings
 from worker_service.client import PSClient
@@ -55,9 +55,11 @@ class LivePS:
 @contextmanager
 def live_ps(**settings: Any) -> Iterator[LivePS]:
     port = free_port()
-    app = create_app(PSSettings(host="127.0.0.1", port=port, **settings))
+    ps_settings = PSSettings(host="127.0.0.1", port=port, **settings)
+    app = create_app(ps_settings)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                                            access_log=False, timeout_graceful_shutdown=2,
+                                           timeout_keep_alive=ps_settings.http_keepalive_seconds,
                                            http=BufferedSinkProtocol))  # the protocol `python -m ps_service` runs
     thread = threading.Thread(target=server.run, name=f"ps-{port}", daemon=True)
     thread.start()

@@ -12,10 +12,10 @@ from pydantic import ValidationError
 from cluster.processes import LocalCluster, wait_for
 from ps_service.app import create_app
 from ps_service.settings import PSSettings
-from shared.codec import encode_tensors, pack
-from shared.protocol import MSGPACK
+from shared import frame
 from tests.live_ps import live_ps, raw_exchange, state_hash
 from tests.reference import train_reference
+from tests.wire import FRAME, push_frame
 from worker_service.client import PSClient
 from worker_service.settings import WorkerSettings
 
@@ -86,7 +86,7 @@ def ps():
         assert c.init_model(W0, {"name": "sgd", "learning_rate": 0.1})
         assert c.pull(0, wid, wait=5.0).step == 0
         ps.wid = wid
-        ps.push_body = pack({"worker_id": wid, "step": 0, "tensors": encode_tensors({k: v + 1e6 for k, v in W0.items()})})
+        ps.push_body = push_frame(wid, 0, {k: v + 1e6 for k, v in W0.items()})
         yield ps
         c.close()
 
@@ -105,8 +105,8 @@ def send(ps, method, path, body, authorization):
     if body == "json":
         content, headers = b'{"name": "forger"}', {"content-type": "application/json"}
     elif body in ("init", "push"):
-        content = ps.push_body if body == "push" else pack({"tensors": encode_tensors(W0)})
-        headers = {"content-type": MSGPACK}
+        content = ps.push_body if body == "push" else frame.encode_bytes(W0)
+        headers = {"content-type": FRAME}
     if authorization is not None:
         headers["Authorization"] = authorization
     with ps.http() as h:
@@ -153,7 +153,7 @@ def test_training_token_works_and_the_scheme_is_case_insensitive(ps):
         assert h.post(f"/v1/workers/{ps.wid}/heartbeat", headers={"Authorization": f"bearer {TOKEN}"}).status_code == 200
 
 
-@pytest.mark.parametrize("method,path,ctype", [("POST", "/v1/gradients", MSGPACK), ("PUT", "/v1/model", MSGPACK),
+@pytest.mark.parametrize("method,path,ctype", [("POST", "/v1/gradients", FRAME), ("PUT", "/v1/model", FRAME),
                                                ("POST", "/v1/workers", "application/json")])
 def test_unauthenticated_body_is_never_read(ps, method, path, ctype):
     """401 comes before the body: a 1 GiB declared body is refused at once, not waited for."""
@@ -192,9 +192,8 @@ def test_forged_pushes_during_live_training_change_nothing():
                 while not stop.is_set():
                     step = c.status()["global_step"]
                     for kind, hdr in bad_headers.items():
-                        body = pack({"worker_id": ids[forged[kind] % workers], "step": step,
-                                     "tensors": encode_tensors({"w": np.full((3, 1), 1e6), "b": np.full(1, 1e6)})})
-                        r = h.post("/v1/gradients", content=body, headers={"content-type": MSGPACK, **hdr})
+                        body = push_frame(ids[forged[kind] % workers], step, {"w": np.full((3, 1), 1e6), "b": np.full(1, 1e6)})
+                        r = h.post("/v1/gradients", content=body, headers={"content-type": FRAME, **hdr})
                         assert r.status_code == 401, r.text
                         forged[kind] += 1
                     if 0 < step < steps:

@@ -1,5 +1,5 @@
-"""The speed work: the benchmark runner and task, the zero-copy codec paths, push-and-wait, and the
-in-place, arrival-order-independent aggregation of large bodies (bit-identical to the reference)."""
+"""The speed work: the benchmark runner and task, the zero-copy frame paths, push-and-wait, the body sink
+and the in-place, arrival-order-independent aggregation of large bodies (bit-identical to the reference)."""
 from __future__ import annotations
 
 import json
@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 
 from bench.task import BenchLinearTask, actual_params, model_dims
-from shared.codec import decode_tensors, encode_tensors, pack, pack_parts, unpack, unpack_view
+from shared import frame
 from shared.errors import ProtocolError
-from shared.protocol import MSGPACK, PUSH_STATUS_HEADER
+from shared.protocol import PUSH_STATUS_HEADER
 from tests.clusters import run_job
 from tests.live_ps import live_ps, raw_exchange, read_response, state_hash
+from tests.wire import FRAME, push_frame
 
 
 def test_bench_run_prints_the_anchor_fields():
@@ -69,46 +70,56 @@ def _random_msgpack(rnd: random.Random, depth: int = 0):
     return {f"k{i}": _random_msgpack(rnd, depth + 1) for i in range(rnd.choice([0, 15, 16]))}
 
 
-def _plain(x):
-    if isinstance(x, memoryview):
-        return bytes(x)
-    if isinstance(x, list):
-        return [_plain(v) for v in x]
-    if isinstance(x, dict):
-        return {k: _plain(v) for k, v in x.items()}
-    return x
+def _random_tensors(rnd: random.Random) -> dict[str, np.ndarray]:
+    return {"t" * rnd.randint(1, 9) + str(i): np.arange(rnd.choice([0, 3, 20_000, 70_000]),
+                                                        dtype=rnd.choice(["<f4", "<f8", "<f2", "<i8"]))
+            for i in range(rnd.randint(0, 3))}
 
 
-def test_zero_copy_unpack_agrees_with_msgpack_and_refuses_what_it_refuses():
+def test_random_frames_round_trip_and_refuse_truncation_and_trailing_bytes():
+    """Any meta msgpack can write and any tensors come back as they went; a byte less or more is refused."""
     rnd = random.Random(7)
     for _ in range(60):
-        body = msgpack.packb(_random_msgpack(rnd), use_bin_type=True)
-        assert _plain(unpack_view(body)) == msgpack.unpackb(body, raw=False)
-        for bad in (body[:len(body) // 2] if len(body) > 1 else b"", body + b"\x00"):
+        meta = {f"k{i}": _random_msgpack(rnd) for i in range(rnd.choice([0, 1, 16]))}
+        tensors = _random_tensors(rnd)
+        if len(msgpack.packb(meta, use_bin_type=True)) > frame.MAX_HEADER_BYTES:  # a meta of megabytes
+            with pytest.raises(ValueError, match="over the limit"):
+                frame.encode_bytes(tensors, meta)
+            continue
+        body = frame.encode_bytes(tensors, meta)
+        f = frame.decode(body)
+        assert f.meta == msgpack.unpackb(msgpack.packb(meta, use_bin_type=True), raw=False)
+        assert list(f.tensors) == list(tensors)
+        for name, arr in f.tensors.items():
+            np.testing.assert_array_equal(arr, tensors[name])
+        for bad in (body[:len(body) // 2], body[:-1], body + b"\x00"):
             with pytest.raises(ProtocolError) as err:
-                unpack_view(bad)
-            assert err.value.code == "bad_msgpack"
-    for bad in (b"\xc1", msgpack.packb(msgpack.ExtType(5, b"x")), b"\x81\x01\x02", b"\xdd\xff\xff\xff\xff",
-                b"\x91" * 40 + b"\x01"):
-        with pytest.raises(ProtocolError):
-            unpack_view(bad)
+                frame.decode(bad)
+            assert err.value.code == "bad_frame"
 
 
-def test_pack_parts_is_msgpack_with_aligned_large_payloads():
+def test_frame_parts_are_the_frame_with_aligned_zero_copy_tensors():
+    """encode's parts (sent scatter-gather) reference the arrays and join to the frame; decoded from the buffer a
+    body lands in, large tensors are aligned views of that buffer."""
     rnd = random.Random(3)
     for _ in range(40):
-        arrays = {"t" * rnd.randint(1, 9) + str(i): np.arange(rnd.choice([3, 20_000, 70_000]),
-                                                              dtype=rnd.choice(["<f4", "<f8"]))
-                  for i in range(rnd.randint(1, 3))}
-        obj = {"worker_id": "w" * rnd.randint(0, 40), "step": rnd.randint(0, 10**6), "tensors": encode_tensors(arrays)}
-        body = b"".join(pack_parts(obj))
-        assert msgpack.unpackb(body) == msgpack.unpackb(pack(obj))
-        landed = np.empty(len(body), np.uint8)
+        arrays = _random_tensors(rnd)
+        meta = {"worker_id": "w" * rnd.randint(0, 40), "step": rnd.randint(0, 10**6)}
+        parts = frame.encode(arrays, meta)
+        body = b"".join(bytes(p) for p in parts)
+        assert body == frame.encode_bytes(arrays, meta)
+        for arr in arrays.values():
+            assert arr.nbytes == 0 or any(isinstance(p, memoryview) and np.shares_memory(np.frombuffer(p, np.uint8), arr)
+                                          for p in parts), "encode copied an array"
+        landed = np.empty(len(body) + frame.ALIGN, np.uint8)[frame.ALIGN - 1:][:len(body)]  # not aligned on purpose
         memoryview(landed)[:] = body
-        out = decode_tensors(unpack(memoryview(landed))["tensors"])
+        out = frame.decode(memoryview(landed)).tensors
         for name, arr in out.items():
             np.testing.assert_array_equal(arr, arrays[name])
-            assert arr.nbytes < 65536 or (arr.flags.aligned and np.shares_memory(arr, landed))
+            assert arr.nbytes == 0 or np.shares_memory(arr, landed)
+        aligned = np.empty(len(body), np.uint8)  # malloc's 16-byte alignment, as the PS's buffers have
+        memoryview(aligned)[:] = body
+        assert all(a.flags.aligned for a in frame.decode(memoryview(aligned)).tensors.values())
 
 
 def test_push_and_wait_answers_the_next_weights_in_one_round_trip():
@@ -135,13 +146,15 @@ def test_push_and_wait_answers_the_next_weights_in_one_round_trip():
             assert pulled.step == 1 and pulled.tensors["w"].flags.aligned
             np.testing.assert_array_equal(pulled.tensors["w"], np.full(size, -1.5, np.float32))
         with ps.http() as http:  # the plain push answer is unchanged without ?pull=1
-            body = pack({"worker_id": ids[0], "step": 0, "tensors": encode_tensors({"w": grads[0]})})
-            r = http.post("/v1/gradients", content=body, headers={"content-type": MSGPACK})
+            body = push_frame(ids[0], 0, {"w": grads[0]})
+            r = http.post("/v1/gradients", content=body, headers={"content-type": FRAME})
             assert r.json() == {"status": "duplicate", "step": 1, "done": False}
             r = http.post("/v1/gradients", params={"pull": 1, "timeout": 1}, content=body,
-                          headers={"content-type": MSGPACK})
-            assert r.headers["content-type"] == MSGPACK and r.headers[PUSH_STATUS_HEADER] == "duplicate"
-            assert unpack(r.content)["step"] == 1
+                          headers={"content-type": FRAME})
+            assert r.headers["content-type"] == FRAME and r.headers[PUSH_STATUS_HEADER] == "duplicate"
+            answer = frame.decode(r.content)
+            assert answer.meta["step"] == 1 and answer.meta["done"] is False
+            np.testing.assert_array_equal(answer.tensors["w"], np.full(size, -1.5, np.float32))
         for c in clients:
             c.close()
 
@@ -166,7 +179,7 @@ def test_large_gradients_arriving_in_any_order_give_the_reference_weights():
 
 
 def _big_push_head(port: int, length: int) -> bytes:
-    return (f"POST /v1/gradients HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: {MSGPACK}\r\n"
+    return (f"POST /v1/gradients HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: {FRAME}\r\n"
             f"Content-Length: {length}\r\n\r\n").encode()
 
 
@@ -179,7 +192,7 @@ def test_large_bodies_through_the_sink_are_refused_cleanly():
         wid = client.register("w")["worker_id"]
         client.init_model({"w": np.zeros(size, np.float32)}, {"name": "sgd", "learning_rate": 1.0})
         before = state_hash(ps.rt)
-        body = pack({"worker_id": wid, "step": 0, "tensors": encode_tensors({"w": np.ones(size, np.float32)})})
+        body = push_frame(wid, 0, {"w": np.ones(size, np.float32)})
         status, reply = raw_exchange(ps.port, _big_push_head(ps.port, len(body)) + body[:150_000])
         assert status == 408 and b"body_timeout" in reply
         status, _ = raw_exchange(ps.port, _big_push_head(ps.port, len(body) + 10) + body, shutdown=True)
@@ -193,7 +206,7 @@ def test_large_bodies_through_the_sink_are_refused_cleanly():
 def test_large_bodies_are_read_from_the_socket_straight_into_the_sink(monkeypatch):
     """Once the route's sink exists, the socket is read into it and the parser sees none of those bytes;
     the keep-alive connection then carries the next requests through a fresh parser."""
-    from ps_service import bodysink
+    from ps_service.transport import bodysink
     parsed = []
     original = bodysink.SinkHttpToolsProtocol.on_body
     monkeypatch.setattr(bodysink.SinkHttpToolsProtocol, "on_body", lambda self, b: (parsed.append(len(b)), original(self, b)))
@@ -219,7 +232,7 @@ def test_a_body_refused_halfway_keeps_its_connection_framed():
         client = ps.client()
         wid = client.register("w")["worker_id"]
         client.init_model({"w": np.zeros(size, np.float32)}, {"name": "sgd", "learning_rate": 1.0})
-        body = pack({"worker_id": wid, "step": 0, "tensors": encode_tensors({"w": np.ones(size, np.float32)})})
+        body = push_frame(wid, 0, {"w": np.ones(size, np.float32)})
         with socket.create_connection(("127.0.0.1", ps.port), timeout=10) as s:
             s.sendall(_big_push_head(ps.port, len(body)) + body[:150_000])
             status, reply = read_response(s)
@@ -235,12 +248,12 @@ def test_a_parsed_body_is_freed_without_the_cyclic_gc():
     import gc
     import weakref
     body = np.zeros(200_000, np.uint8)
-    packed = pack({"tensors": encode_tensors({"w": np.ones(20_000, np.float32)})})
+    packed = frame.encode_bytes({"w": np.ones(20_000, np.float32)}, {"step": 0})
     body[:len(packed)] = np.frombuffer(packed, np.uint8)
     alive = weakref.ref(body)
     gc.disable()
     try:
-        tensors = decode_tensors(unpack(memoryview(body)[:len(packed)])["tensors"])
+        tensors = frame.decode(memoryview(body)[:len(packed)]).tensors
         assert tensors["w"].sum() == 20_000
         del body, tensors
         assert alive() is None

@@ -15,9 +15,10 @@ import pytest
 from cluster.processes import LocalCluster
 from ps_service import checkpoint
 from ps_service.core import CoreConfig, ParameterServerCore
-from shared.codec import encode_tensors, pack
+from shared import frame
+from shared.codec import pack, unpack
 from shared.errors import ProtocolError
-from shared.protocol import MSGPACK, ModelInit, PushRequest
+from shared.protocol import ModelInit, PushRequest
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "checkpoint.md"
 W0 = {"w": np.zeros((3, 2), np.float32), "b": np.zeros((2,), np.float32)}
@@ -96,13 +97,40 @@ def corrupt_garbage(p: Path) -> None:
     p.write_bytes(b"\x00not msgpack at all")
 
 
-def corrupt_no_weights(p: Path) -> None:
-    payload = pack({"global_step": 9})
-    p.write_bytes(pack({"format": checkpoint.FORMAT, "version": 1, "sha256": hashlib.sha256(payload).hexdigest(),
+def forge(p: Path, meta=lambda m: None, tensors=lambda t: None, version: int = checkpoint.VERSION) -> None:
+    """Rewrite a checkpoint with changed content and a checksum that holds."""
+    f = frame.decode(unpack(p.read_bytes())["payload"])
+    m, t = dict(f.meta), {k: v.copy() for k, v in f.tensors.items()}
+    meta(m)
+    tensors(t)
+    payload = frame.encode_bytes(t, m)
+    p.write_bytes(pack({"format": checkpoint.FORMAT, "version": version, "sha256": hashlib.sha256(payload).hexdigest(),
                         "payload": payload}))
 
 
-@pytest.mark.parametrize("damage", [corrupt_flip, corrupt_truncate, corrupt_garbage, corrupt_no_weights])
+def corrupt_no_weights(p: Path) -> None:
+    forge(p, tensors=lambda t: [t.pop(k) for k in list(t)])
+
+
+INVALID = {  # each: a checkpoint whose checksum holds but whose content must not be used
+    "negative step": lambda p: forge(p, meta=lambda m: m.update(global_step=-7)),
+    "fractional step": lambda p: forge(p, meta=lambda m: m.update(global_step=15.5)),
+    "boolean step": lambda p: forge(p, meta=lambda m: m.update(global_step=True)),
+    "string step": lambda p: forge(p, meta=lambda m: m.update(global_step="20")),
+    "nan weights": lambda p: forge(p, tensors=lambda t: t["weights/w"].fill(np.nan)),
+    "inf slot": lambda p: forge(p, tensors=lambda t: t["slots/m/b"].fill(np.inf)),
+    "missing slot": lambda p: forge(p, tensors=lambda t: t.pop("slots/v/w")),
+    "slot of another shape": lambda p: forge(p, tensors=lambda t: t.update({"slots/v/w": np.zeros(5, np.float32)})),
+    "integer weights": lambda p: forge(p, tensors=lambda t: t.update({"weights/b": np.zeros(2, np.int32)})),
+    "unknown optimizer": lambda p: forge(p, meta=lambda m: m["optimizer"].update(spec={"name": "lion"})),
+    "negative iterations": lambda p: forge(p, meta=lambda m: m["optimizer"].update(iterations=-1)),
+    "shared rank": lambda p: forge(p, meta=lambda m: m["members"][1].update(rank=m["members"][0]["rank"])),
+    "version 1": lambda p: forge(p, version=1),
+}
+
+
+@pytest.mark.parametrize("damage", [corrupt_flip, corrupt_truncate, corrupt_garbage, corrupt_no_weights,
+                                    *INVALID.values()], ids=["flip", "truncate", "garbage", "no weights", *INVALID])
 def test_a_corrupt_newest_checkpoint_is_skipped_for_the_previous_one(tmp_path, damage, caplog):
     core, ids = make_core()
     train(core, ids, 2)
@@ -113,7 +141,15 @@ def test_a_corrupt_newest_checkpoint_is_skipped_for_the_previous_one(tmp_path, d
     (tmp_path / ".ckpt-0000000009.msgpack.123.tmp").write_bytes(b"half a write")  # a crash mid-write
     state, path = checkpoint.load_latest(tmp_path)
     assert path.name == "ckpt-0000000002.msgpack" and state["global_step"] == 2
-    assert "skipping checkpoint ckpt-0000000004.msgpack" in caplog.text
+    assert "skipping checkpoint ckpt-0000000004.msgpack: " in caplog.text
+
+
+def test_temp_files_of_a_killed_ps_are_removed_at_start(tmp_path):
+    for name in (".ckpt-0000000009.msgpack.123.tmp", ".manifest.json.123.tmp", ".manifest.json.456.tmp"):
+        (tmp_path / name).write_bytes(b"half a write")
+    (tmp_path / "notes.tmp").write_bytes(b"not ours")
+    checkpoint.Checkpointer(tmp_path, every_steps=1, every_seconds=0, keep=3).finish(make_core()[0])
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")) == ["notes.tmp"]
 
 
 def test_no_valid_checkpoint_means_a_fresh_start(tmp_path):
@@ -177,8 +213,8 @@ def test_a_real_ps_writes_on_sigterm_and_restores_on_start(tmp_path):
         st = again.status()
         assert st["global_step"] == 30 and st["state"] == "done"
         assert st["checkpoint"]["step"] == 30 and st["checkpoint"]["path"] == str(path)
-        body = pack({"tensors": encode_tensors({"w": np.zeros(3, np.float32)}), "optimizer": {}})
-        r = httpx.put(f"{again.url}/v1/model", content=body, headers={"content-type": MSGPACK}, timeout=10)
+        body = frame.encode_bytes({"w": np.zeros(3, np.float32)}, {"optimizer": {}})
+        r = httpx.put(f"{again.url}/v1/model", content=body, headers={"content-type": frame.MEDIA_TYPE}, timeout=10)
         assert r.status_code == 409 and r.json()["error"] == "already_initialized"
         reg = httpx.post(f"{again.url}/v1/workers", json={"name": "worker-0"}, timeout=10).json()
         assert (reg["worker_id"], reg["rank"]) == (state["members"][0]["worker_id"], 0)

@@ -1,9 +1,11 @@
-"""``docker compose up --scale worker=K`` for real: the repository's Dockerfile and docker-compose.yml,
-a real Docker engine, real containers (issue 3; the compose kill test of issue 5).
+"""``docker compose up`` for real: the repository's Dockerfile and docker-compose.yml, a real Docker
+engine, real containers, driven by the README's own commands (``compose_util.DOCUMENTED``, run as
+written; the job's settings in the project's env file, as a user's ``.env``).
 
 Each test is its own compose project (unique name, own host port, ``down -v`` afterwards even on
 failure, and the test checks nothing of it is left). Skipped, loudly, when ``SYNCPS_SKIP_COMPOSE``
-is set or no engine answers: the line ``COMPOSE TESTS SKIPPED: <reason>`` goes to stdout.
+is set or no engine answers: the line ``COMPOSE TESTS SKIPPED: <reason>`` goes to stdout and the
+suite's summary lists it under "degraded checks".
 Measured times are printed past the capture (``pytest -m compose`` runs just these).
 """
 from __future__ import annotations
@@ -19,6 +21,7 @@ import pytest
 
 from cluster.processes import wait_for
 from tests.compose_util import IMAGE, ComposeProject, compose_unavailable, docker
+from tests.conftest import degraded
 from worker_service.client import PSClient
 
 pytestmark = [pytest.mark.compose, pytest.mark.timeout(420)]
@@ -39,9 +42,14 @@ def image(request):
     if reason:
         line = f"COMPOSE TESTS SKIPPED: {reason}"
         report(request, line)
+        degraded("compose tests (test_compose.py)", f"skipped: {reason}")
         pytest.skip(line)
     t0 = time.monotonic()
-    ComposeProject("build").build()
+    builder = ComposeProject("build")
+    try:
+        builder.build()
+    finally:
+        builder.env_file.unlink(missing_ok=True)
     report(request, f"[compose] image {IMAGE} built in {time.monotonic() - t0:.1f} s")
     return IMAGE
 
@@ -91,63 +99,111 @@ def states(p: ComposeProject) -> dict[str, str]:
     return {w["name"]: w["state"] for w in p.workers()["workers"]}
 
 
-def test_up_scale_4_trains_linear_and_down_cleans_up(compose, request):
-    token = "compose-test-token"  # PS_AUTH_TOKEN from the environment reaches the PS and every worker
-    p = compose("up4", PS_MAX_STEPS=400, WORKER_TASK="linear", PS_AUTH_TOKEN=token)
-    with logs_on_failure(p):
-        t0 = time.monotonic()
-        p.up(4)
-        done = p.wait_status(lambda s: s["state"] == "done", 180, "the job to finish")
-        report(request, f"[compose] up --scale worker=4 -> done (400 linear steps): {time.monotonic() - t0:.1f} s")
-        assert done["global_step"] == 400
-        assert_linear_solved(p, token)
-        assert httpx.get(f"{p.url}/v1/model", timeout=5.0).status_code == 401
-        assert p.get("/v1/status")["auth_failures"] == 1  # that probe; the workers were never refused
-        containers = p.wait_workers_exited(60)
-        assert len(containers) == 4
-        assert [c["State"]["ExitCode"] for c in containers] == [0] * 4, [c["Name"] for c in containers]
-        names = {p.worker_name(c) for c in containers}
-        assert contributors(p) == names  # 4 distinct workers, registered by hostname, all pushed
-        # the shared tmpfs volume put every worker on the same-host transport (no tensor in the bodies)
-        assert {w["transport"] for w in p.workers()["workers"]} == {"shm"}
-        assert p.get("/v1/status")["shm_bytes_received"] > 0
-        # The PS outlives the job: it keeps serving the monitoring API.
-        assert p.get("/healthz")["status"] == "ok"
-        again = p.get("/v1/status")
-        assert again["state"] == "done" and again["global_step"] == 400
-        assert set(states(p).values()) == {"left"}
-        label = f"label=com.docker.compose.project={p.name}"
-        assert docker("volume", "ls", "-q", "--filter", label).stdout.split(), "no checkpoint volume was created"
-    assert p.down() == []  # containers, network and the named volume are gone
+def test_up_builds_without_a_registry_trains_4_named_workers_and_down_cleans_up(compose, request):
+    token = "compose-test-token"  # PS_AUTH_TOKEN in .env reaches the PS and every worker
+    fresh = f"{IMAGE}-fresh-{os.getpid()}"  # a tag no registry has: `up` must build it, never try to pull it
+    p = compose("up4", PS_MAX_STEPS=400, WORKER_TASK="linear", PS_AUTH_TOKEN=token, SYNCPS_IMAGE=fresh)
+    try:
+        with logs_on_failure(p):
+            t0 = time.monotonic()
+            out = p.run("up", timeout=600)  # `docker compose up -d`: no --scale, no --build
+            text = out.stdout + out.stderr
+            assert "Pulling" not in text and "pull access denied" not in text and "registry" not in text, text
+            assert docker("image", "inspect", fresh, check=False).returncode == 0, text
+            done = p.wait_status(lambda s: s["state"] == "done", 180, "the job to finish")
+            report(request, f"[compose] up -d (4 workers by default) -> done (400 linear steps): "
+                            f"{time.monotonic() - t0:.1f} s")
+            assert done["global_step"] == 400
+            assert_linear_solved(p, token)
+            assert httpx.get(f"{p.url}/v1/model", timeout=5.0).status_code == 401
+            assert p.get("/v1/status")["auth_failures"] == 1  # that probe; the workers were never refused
+            containers = p.wait_workers_exited(60)
+            assert len(containers) == 4  # the compose file's default count
+            assert [c["State"]["ExitCode"] for c in containers] == [0] * 4, [c["Name"] for c in containers]
+            # Workers are named as `docker compose ps` names their containers (syncps-...-worker-1), all pushed.
+            listed = p.ps_names("worker")
+            assert listed == sorted(p.worker_name(c) for c in containers)
+            assert listed == [f"{p.name}-worker-{i}" for i in range(1, 5)]
+            assert contributors(p) == set(listed)
+            # the shared tmpfs volume put every worker on the same-host transport (no tensor in the bodies)
+            assert {w["transport"] for w in p.workers()["workers"]} == {"shm"}
+            assert p.get("/v1/status")["shm_bytes_received"] > 0
+            # The PS outlives the job: it keeps serving the monitoring API.
+            assert p.get("/healthz")["status"] == "ok"
+            again = p.get("/v1/status")
+            assert again["state"] == "done" and again["global_step"] == 400
+            assert set(states(p).values()) == {"left"}
+            label = f"label=com.docker.compose.project={p.name}"
+            assert docker("volume", "ls", "-q", "--filter", label).stdout.split(), "no checkpoint volume was created"
+        assert p.down() == []  # containers, network and the named volume are gone
+    finally:
+        p.down()
+        docker("rmi", fresh, check=False)
 
 
-def test_scale_4_to_6_to_2_while_training(compose, request):
-    steps = 4000  # both rescales are over by step ~450-900 on a 2-core machine (faster means more steps)
-    p = compose("rescale", PS_MAX_STEPS=steps, WORKER_TASK="linear")
+def test_documented_commands_restart_the_ps_and_rescale_without_changing_the_job(compose, request):
+    """The README's commands on a running job: `up -d` after `kill ps` keeps 4 workers (the file's count, not 1),
+    `up -d --no-recreate --scale worker=6` adds 2 and restarts nothing, `kill ps` + `start ps` leaves the 6
+    workers alone, `--scale worker=2` stops 4 gracefully; max_steps (from the env file) never changes.
+    The job is long on purpose (it must still run at the scale-down); `docker compose stop` ends it."""
+    steps = 1_000_000
+    p = compose("rescale", PS_MAX_STEPS=steps, WORKER_TASK="linear", PS_CHECKPOINT_EVERY_STEPS=50)
     with logs_on_failure(p):
-        p.up(4)
+        p.run("up")
         p.wait_status(lambda s: s["state"] == "training" and s["global_step"] >= 50, 120, "training to start")
-        p.up(6)
+        workers = sorted(c["Id"] for c in p.running("worker"))
+        assert len(workers) == 4
+        (ps,) = p.inspect("ps")
+
+        # 1. the PS killed, then the README's `docker compose up -d`: the same PS again, still 4 workers
+        t0 = time.monotonic()
+        p.run("kill_ps")
+        wait_for(lambda: p.inspect("ps")[0]["State"]["Status"] == "exited", 30, "the PS container to stop")
+        p.run("up")
+        assert sorted(c["Id"] for c in p.running("worker")) == workers  # none dropped, none recreated
+        assert p.inspect("ps")[0]["Id"] == ps["Id"]  # started again, not recreated
+        back = p.wait_status(lambda s: s["state"] == "training" and s["workers"]["active"] == 4, 90,
+                             "training with 4 workers after `up -d`")
+        assert back["max_steps"] == steps
+        report(request, f"[compose] kill ps + up -d -> training with 4 workers in {time.monotonic() - t0:.1f} s")
+
+        # 2. two more workers on the running job: nothing restarted
+        started = p.get("/v1/status")["started_at"]
+        p.run("scale_up")
         grown = p.wait_status(lambda s: s["workers"]["active"] == 6, 90, "6 active workers")
         p.wait_status(lambda s: s["global_step"] >= grown["global_step"] + 20, 60, "rounds with 6 workers")
         assert len(contributors(p)) == 6
+        assert p.inspect("ps")[0]["Id"] == ps["Id"] and p.get("/v1/status")["started_at"] == started
+        assert set(workers) <= {c["Id"] for c in p.running("worker")}
+
+        # 3. the PS killed, then `docker compose start ps`: the 6 workers stay and carry on with it
         t0 = time.monotonic()
-        p.up(2)
+        p.run("kill_ps")
+        p.run("start_ps")
+        assert len(p.running("worker")) == 6
+        again = p.wait_status(lambda s: s["state"] == "training" and s["workers"]["active"] == 6
+                              and s["started_at"] != started, 90, "training with 6 workers after `start ps`")
+        report(request, f"[compose] kill ps + start ps -> training with 6 workers in {time.monotonic() - t0:.1f} s")
+        assert again["max_steps"] == steps and p.inspect("ps")[0]["Id"] == ps["Id"]
+
+        # 4. down to 2: SIGTERM, the 4 removed workers leave gracefully; none had to expire
+        t0 = time.monotonic()
+        p.run("scale_down")
         shrunk = p.wait_status(lambda s: s["workers"]["active"] == 2, 90, "2 active workers")
         report(request, f"[compose] 6 -> 2 workers in {time.monotonic() - t0:.1f} s, at step {shrunk['global_step']}")
-        assert shrunk["state"] == "training", "the job finished before the scale-down: raise max_steps"
-        # SIGTERM: the 4 removed workers left gracefully; none had to expire
-        assert (shrunk["workers"]["left"], shrunk["workers"]["expired"]) == (4, 0)
+        remaining = sorted(p.worker_name(c) for c in p.running("worker"))
+        assert remaining == [f"{p.name}-worker-1", f"{p.name}-worker-2"] == p.ps_names("worker")
+        st = states(p)
+        assert {n: st[n] for n in st if n not in remaining} == {f"{p.name}-worker-{i}": "left" for i in range(3, 7)}
         p.wait_status(lambda s: s["global_step"] >= shrunk["global_step"] + 20, 60, "rounds with 2 workers")
-        done = p.wait_status(lambda s: s["state"] == "done", 240, "the job to finish")
-        assert done["global_step"] == steps
-        assert done["workers"]["membership_changes"] >= 6 + 4 + 2  # joins, scale-down leaves, final leaves
-        assert_linear_solved(p)
-        events = p.workers()["events"]
-        assert len({e["name"] for e in events if e["event"] == "joined"}) == 6
-        assert not [e for e in events if e["event"] == "expired"]
-        containers = p.wait_workers_exited(60)  # the 2 that remain after the scale-down
-        assert [c["State"]["ExitCode"] for c in containers] == [0, 0]
+        assert_linear_solved(p)  # converged long ago; the job goes on
+        assert not [e for e in p.workers()["events"] if e["event"] == "expired"]
+        assert p.get("/v1/status")["max_steps"] == steps
+
+        # 5. `docker compose stop`: the workers leave, exit 0; the PS writes its final checkpoint, exits 0
+        p.run("stop", timeout=180)
+        assert sorted(c["State"]["ExitCode"] for c in p.inspect("worker")) == [0, 0]
+        assert [c["State"]["ExitCode"] for c in p.inspect("ps")] == [0]
 
 
 def crash(c: dict) -> bool:
@@ -169,7 +225,7 @@ def test_kill_a_worker_crash_a_worker_crash_the_ps_job_finishes(compose, request
     p = compose("kill", PS_MAX_STEPS=steps, WORKER_TASK="linear", PS_LEASE_SECONDS=lease,
                 PS_CHECKPOINT_EVERY_STEPS=100)
     with logs_on_failure(p):
-        p.up(4)
+        p.run("up")
         p.wait_status(lambda s: s["state"] == "training" and s["global_step"] >= 50, 120, "training to start")
         # 1. docker kill one worker: its lease expires, the round stops waiting for it, training goes on.
         victim = p.inspect("worker")[0]
@@ -183,7 +239,7 @@ def test_kill_a_worker_crash_a_worker_crash_the_ps_job_finishes(compose, request
         p.wait_status(lambda s: s["global_step"] >= at + 20, 60, "training to go on with 3 workers")
         (victim,) = [c for c in p.inspect("worker") if c["Id"] == victim["Id"]]
         assert (victim["State"]["ExitCode"], victim["RestartCount"]) == (137, 0)
-        # 2. A worker crashes: restarted (on-failure), it is PID 1 again, so same name: same rank back.
+        # 2. A worker crashes: restarted (on-failure), the same container names itself the same: same rank back.
         crashed = next(c for c in p.inspect("worker") if c["State"]["Running"])
         before = {w["name"]: w for w in p.workers()["workers"]}[p.worker_name(crashed)]
         t_crash = time.monotonic()

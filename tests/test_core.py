@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ps_service.accumulator import Accumulator
 from ps_service.core import CoreConfig, ParameterServerCore
 from shared.errors import ProtocolError
 from shared.protocol import ModelInit, PushRequest, PushStatus
@@ -28,7 +29,9 @@ def grad(seed, dtype=np.float32):
 
 
 def push(core, wid, step, g=None, now=0.0, loss=None):
-    return core.push(PushRequest(wid, step, g if g is not None else grad(step), loss=loss), now)
+    """A push of copies of ``g``: the core owns (and sums into) the arrays it is given."""
+    g = {k: v.copy() for k, v in g.items()} if g is not None else grad(step)
+    return core.push(PushRequest(wid, step, g, loss=loss), now)
 
 
 def test_round_closes_with_mean_of_all_and_bumps_step():
@@ -43,7 +46,7 @@ def test_round_closes_with_mean_of_all_and_bumps_step():
     for k in W0:
         mean = (gs[0][k] + gs[1][k] + gs[2][k]) / np.float32(3)
         np.testing.assert_array_equal(core.weights[k], W0[k] - np.float32(0.5) * mean)
-    assert core.rounds[-1]["aggregated"] == 3 and core.rounds[-1]["reason"] == "full"
+    assert core.rounds[-1].aggregated == 3 and core.rounds[-1].reason == "full"
 
 
 @settings(max_examples=40, deadline=None)
@@ -75,7 +78,7 @@ def test_stale_is_refused_counted_and_never_applied():
     assert push(core, ids[0], 2).status is PushStatus.LATE  # the round that just closed without it
     assert core.push_counts["stale"] == 1 and core.members.by_id[ids[0]].pushes["stale"] == 1
     assert all(np.array_equal(before[k], core.weights[k]) for k in W0)
-    assert len(core.round.grads) == 0
+    assert len(core.round.acc) == 0
 
 
 def test_duplicate_in_open_round_and_after_the_boundary():
@@ -83,7 +86,7 @@ def test_duplicate_in_open_round_and_after_the_boundary():
     g = grad(1)
     assert push(core, ids[0], 0, g).status is PushStatus.ACCEPTED
     assert push(core, ids[0], 0, g).status is PushStatus.DUPLICATE
-    assert len(core.round.grads) == 1 and core.global_step == 0
+    assert len(core.round.acc) == 1 and core.global_step == 0
     push(core, ids[1], 0)
     assert core.global_step == 1
     before = {k: v.copy() for k, v in core.weights.items()}
@@ -102,7 +105,7 @@ def test_backup_workers_first_r_win_others_late():
     assert late.status is PushStatus.LATE
     for k in W0:
         np.testing.assert_array_equal(core.weights[k], W0[k] - np.float32(0.5) * ((g[0][k] + g[2][k]) / np.float32(2)))
-    assert core.last_round.late and core.last_round.late[0]["rank"] == 1
+    assert core.rounds[-1].late and core.rounds[-1].late[0].rank == 1
 
 
 def test_elastic_join_takes_effect_at_the_round_boundary():
@@ -125,7 +128,7 @@ def test_a_leaving_worker_no_longer_holds_the_round():
     push(core, ids[0], 0)
     push(core, ids[1], 0)
     core.leave(ids[2], 1.0)
-    assert core.global_step == 1 and core.rounds[-1]["aggregated"] == 2
+    assert core.global_step == 1 and core.rounds[-1].aggregated == 2
     assert ids[2] not in core.round.eligible
 
 
@@ -147,7 +150,7 @@ def test_round_deadline_needs_the_quorum():
     assert core.global_step == 0  # 1 < quorum 2: keeps waiting
     push(core, ids[1], 0, now=3.1)
     core.tick(3.2)
-    assert core.global_step == 1 and core.rounds[-1]["reason"] == "deadline"
+    assert core.global_step == 1 and core.rounds[-1].reason == "deadline"
     assert push(core, ids[2], 0, now=3.3).status is PushStatus.LATE
 
 
@@ -193,11 +196,12 @@ def test_sum_aggregation():
 @pytest.mark.parametrize("case,status,code", [
     ("future", 422, "future_step"), ("unknown", 404, "unknown_worker"), ("shape", 422, "tensor_mismatch"),
     ("missing", 422, "tensor_mismatch"), ("nan", 422, "nonfinite_gradient"), ("int", 422, "tensor_mismatch"),
+    ("float64", 422, "tensor_mismatch"),
 ])
 def test_refused_pushes_change_nothing(case, status, code):
     core, ids = make(2)
     push(core, ids[0], 0)
-    before = (core.version, core.global_step, len(core.round.grads), dict(core.push_counts))
+    before = (core.version, core.global_step, len(core.round.acc), dict(core.push_counts))
     wid, step, g = ids[1], 0, grad(5)
     if case == "future":
         step = 3
@@ -211,10 +215,12 @@ def test_refused_pushes_change_nothing(case, status, code):
         g["b"] = np.array([np.nan, 0], np.float32)
     elif case == "int":
         g["b"] = np.zeros(2, np.int32)
+    elif case == "float64":  # finite as float64, -inf weights once cast to the model's float32: never cast
+        g["b"] = np.array([1e300, 0], np.float64)
     with pytest.raises(ProtocolError) as err:
         push(core, wid, step, g)
     assert (err.value.status, err.value.code) == (status, code)
-    assert (core.version, core.global_step, len(core.round.grads), dict(core.push_counts)) == before
+    assert (core.version, core.global_step, len(core.round.acc), dict(core.push_counts)) == before
 
 
 def test_nonfinite_skip_policy_counts_and_does_not_apply():
@@ -223,7 +229,7 @@ def test_nonfinite_skip_policy_counts_and_does_not_apply():
     bad["w"][0, 0] = np.inf
     res = push(core, ids[0], 0, bad)
     assert res.status is PushStatus.LATE or core.push_counts["skipped"] == 1
-    assert core.push_counts["skipped"] == 1 and len(core.round.grads) == 0
+    assert core.push_counts["skipped"] == 1 and len(core.round.acc) == 0
 
 
 def test_init_first_caller_wins_and_ps_settings_take_precedence():
@@ -252,10 +258,11 @@ def test_rank_is_stable_per_name_and_freed_on_leave():
 
 def test_a_newcomer_reusing_a_leavers_rank_in_an_orphaned_round():
     """Fixed R: rank 0 pushed and left, rank 1 died; a newcomer gets rank 0 back and joins the orphaned
-    round at once (nobody else can close it); the two rank-0 gradients sum in a deterministic order."""
+    round at once (below min_replicas nobody else can close it); the two rank-0 gradients sum in a
+    deterministic order."""
     results = []
     for name in ("fresh", "another"):
-        core, ids = make(2, lease_seconds=5.0, replicas_to_aggregate=2)
+        core, ids = make(2, lease_seconds=5.0, replicas_to_aggregate=2, min_replicas=2)
         push(core, ids[0], 0, grad(1), now=1.0)
         core.leave(ids[0], 1.5)
         core.tick(6.0)  # ids[1] expires; R = 2 still needs a gradient
@@ -265,3 +272,128 @@ def test_a_newcomer_reusing_a_leavers_rank_in_an_orphaned_round():
         assert push(core, m.worker_id, 0, grad(2), now=7.0).closed
         results.append(core.weights["w"].copy())
     np.testing.assert_allclose(results[0], results[1], rtol=1e-6)
+
+
+def test_a_gradient_of_another_dtype_is_named_in_the_refusal():
+    core, ids = make(1)
+    g = grad(1, np.float64)
+    with pytest.raises(ProtocolError) as err:
+        core.push(PushRequest(ids[0], 0, g), 0.0)
+    assert err.value.code == "tensor_mismatch"
+    assert "'b' is float64, the model's is float32" in err.value.detail
+    core.push(PushRequest(ids[0], 0, grad(1)), 0.0)
+    assert core.global_step == 1 and all(np.isfinite(w).all() for w in core.weights.values())
+
+
+def test_read_only_and_non_contiguous_gradients_are_copied_not_written():
+    core, ids = make(2)
+    g0, g1 = grad(1), grad(2)
+    ro = {k: np.frombuffer(v.tobytes(), v.dtype).reshape(v.shape) for k, v in g0.items()}  # read-only
+    fortran = {k: np.asfortranarray(v) for k, v in g1.items()}
+    keep = {k: v.copy() for k, v in fortran.items()}
+    core.push(PushRequest(ids[0], 0, ro), 0.0)
+    core.push(PushRequest(ids[1], 0, fortran), 0.0)
+    for k in W0:
+        np.testing.assert_array_equal(core.weights[k], W0[k] - np.float32(0.5) * ((g0[k] + g1[k]) / np.float32(2)))
+        np.testing.assert_array_equal(fortran[k], keep[k])
+
+
+def test_the_accumulator_sums_in_rank_order_into_the_first_ranks_buffer():
+    g = [grad(i) for i in range(3)]
+    acc = Accumulator(tuple(W0), "mean")
+    given = {k: v.copy() for k, v in g[0].items()}
+    acc.apply("z", 1, {k: v.copy() for k, v in g[2].items()})  # rank 1, id z: after (1, "b")
+    acc.apply("b", 1, {k: v.copy() for k, v in g[1].items()}, pending=[(0, "a")])
+    assert acc.folded == []  # rank 0 may still come
+    acc.apply("a", 0, given, pending=[])
+    assert acc.folded == [(0, "a"), (1, "b"), (1, "z")] and len(acc) == 3
+    out = acc.take()
+    assert out["w"] is given["w"] and len(acc) == 0  # summed in place: the core owns what it is given
+    for k in W0:
+        expected = g[0][k].copy()
+        expected += g[1][k]
+        expected += g[2][k]
+        expected /= 3
+        assert out[k].tobytes() == expected.tobytes()
+
+
+def unreachable_round(**cfg):
+    """R = N = 3: w0 and w1 push step 0; w2 still owes its gradient."""
+    core, ids = make(3, replicas_to_aggregate=3, total_num_replicas=3, lease_seconds=5.0, **cfg)
+    g = [grad(i) for i in range(3)]
+    push(core, ids[0], 0, g[0], now=1.0)
+    push(core, ids[1], 0, g[1], now=4.0)
+    return core, ids, g
+
+
+def assert_closed_unreachable(core, g, closed_at):
+    rec = core.rounds[-1]
+    assert core.global_step == 1 and rec.reason == "unreachable" and rec.closed_at == closed_at
+    assert (rec.aggregated, rec.eligible, rec.missing, rec.replicas_to_aggregate) == (2, 3, ("w2",), 3)
+    for k in W0:
+        np.testing.assert_array_equal(core.weights[k], W0[k] - np.float32(0.5) * ((g[0][k] + g[1][k]) / np.float32(2)))
+
+
+def test_fixed_r_out_of_reach_after_a_leave_closes_with_what_it_has():
+    core, ids, g = unreachable_round()
+    assert core.wait_reason(4.5) == "waiting for 1 more gradient(s) from w2"
+    core.leave(ids[2], 5.0)
+    assert_closed_unreachable(core, g, 5.0)
+    assert core.progress().unreachable and core.needed() == 2  # round 1 counts w0 and w1: it closes when both pushed
+    push(core, ids[1], 1, now=6.0)
+    assert push(core, ids[0], 1, now=6.1).closed and core.rounds[-1].reason == "unreachable"
+
+
+def test_fixed_r_out_of_reach_after_a_lease_expiry_closes_on_tick():
+    core, ids, g = unreachable_round()
+    core.tick(4.9)
+    assert core.global_step == 0  # w2's lease (last seen at 0) holds until 5.0
+    core.tick(5.5)
+    assert core.members.by_id[ids[2]].state == "expired"
+    assert_closed_unreachable(core, g, 5.5)
+
+
+def test_fixed_r_out_of_reach_still_waits_for_the_live_members():
+    core, ids = make(3, replicas_to_aggregate=3, lease_seconds=100.0)
+    push(core, ids[0], 0, now=1.0)
+    core.leave(ids[2], 2.0)
+    assert core.global_step == 0 and core.progress().unreachable and core.needed() == 1
+    assert core.wait_reason(2.0) == ("waiting for 1 more gradient(s) from w1 "
+                                     "(R=3 is out of reach: the round closes with what they bring)")
+    assert core.progress().effective == 2
+    push(core, ids[1], 0, now=3.0)
+    assert core.global_step == 1 and core.rounds[-1].reason == "unreachable" and core.rounds[-1].aggregated == 2
+
+
+def test_fixed_r_out_of_reach_below_min_replicas_waits_for_a_worker_who_joins_at_once():
+    core, ids = make(3, replicas_to_aggregate=3, min_replicas=2, lease_seconds=100.0)
+    push(core, ids[0], 0, now=1.0)
+    core.leave(ids[1], 2.0)
+    core.leave(ids[2], 2.0)
+    assert core.global_step == 0 and core.progress().stuck
+    assert core.wait_reason(2.0) == ("R=3 is out of reach: 1 gradient(s) in, below min_replicas 2: "
+                                     "waiting for a worker to (re)register")
+    m, start = core.register("w2", 3.0)  # comes back: joins the open round, nobody else can close it
+    assert start == 0 and core.round.counts(m.worker_id)
+    assert push(core, m.worker_id, 0, now=3.5).closed
+    assert core.rounds[-1].reason == "unreachable" and core.rounds[-1].aggregated == 2
+
+
+def test_fixed_r_with_no_gradient_in_waits_for_a_rejoining_worker():
+    core, ids = make(2, replicas_to_aggregate=2, lease_seconds=5.0)
+    core.tick(6.0)  # both expired before anything came in
+    assert core.global_step == 0 and core.progress().stuck
+    assert core.wait_reason(6.0) == "no live member in this round: waiting for a worker to (re)register"
+    _, start = core.register("w1", 7.0)
+    assert start == 0 and push(core, ids[1], 0, now=7.5).closed and core.rounds[-1].reason == "unreachable"
+
+
+def test_the_core_config_comes_from_the_settings_in_one_mapping():
+    from ps_service.settings import PSSettings
+    s = PSSettings(replicas_to_aggregate=3, total_num_replicas=4, min_workers=2, max_steps=9, lease_seconds=3.0,
+                   round_timeout_seconds=7.0, min_replicas=2, nonfinite_policy="skip", aggregation="sum",
+                   startup_grace_seconds=1.5, optimizer="adam", learning_rate=0.01)
+    cfg = CoreConfig.from_settings(s)
+    assert cfg == CoreConfig(replicas_to_aggregate=3, total_num_replicas=4, min_workers=2, max_steps=9, lease_seconds=3.0,
+                             round_timeout_seconds=7.0, min_replicas=2, nonfinite_policy="skip", aggregation="sum",
+                             startup_grace_seconds=1.5, optimizer_overrides={"name": "adam", "learning_rate": 0.01})

@@ -11,6 +11,7 @@ CASES = [
     *[("linear", "float64", n, 40, "shm") for n in (1, 2, 4)],
     *[("linear", "float32", n, 40, "shm") for n in (1, 2, 4)],
     *[("mlp", "float64", n, 25, "shm") for n in (1, 2, 4)],
+    ("linear", "float64", 4, 40, "http"),
     ("linear", "float32", 4, 40, "http"),
     ("mlp", "float64", 2, 25, "http"),
 ]

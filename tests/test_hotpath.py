@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 
 from ps_service import api, hotpath
-from shared.codec import encode_tensors, pack
-from shared.protocol import MSGPACK
 from tests.live_ps import live_ps
+from tests.wire import FRAME, push_frame
 
 W0 = {"w": np.arange(4, dtype=np.float32)}
 
@@ -33,10 +32,6 @@ def served(monkeypatch):
     return counts
 
 
-def push_body(worker_id: str, step: int) -> bytes:
-    return pack({"worker_id": worker_id, "step": step, "tensors": encode_tensors({"w": np.ones(4, np.float32)})})
-
-
 @pytest.mark.parametrize("query,fast,status,code", [
     ("", True, 200, None),
     ("?pull=0&timeout=0", True, 200, None),
@@ -54,7 +49,8 @@ def test_push_query_strings(query, fast, status, code, served):
         assert c.init_model(W0, {"name": "sgd", "learning_rate": 0.5})
         with ps.http() as h:
             served.clear()
-            resp = h.post(f"/v1/gradients{query}", content=push_body(wid, 0), headers={"content-type": MSGPACK})
+            resp = h.post(f"/v1/gradients{query}", content=push_frame(wid, 0, {"w": np.ones(4, np.float32)}),
+                          headers={"content-type": FRAME})
             assert resp.status_code == status, resp.text
             assert resp.json().get("error") == code
             assert served.get("/v1/gradients", 0) == (1 if fast else 0)

@@ -1,11 +1,13 @@
 """Leases, comebacks and quorum in the sans-IO core (simulated clock): a dead worker leaves the round at
 once, a restarted one rejoins at the next boundary with its old rank, the status says why a round waits,
-and a retried push is never applied twice."""
+a retried push is never applied twice, and a worker waiting on the barrier keeps its lease."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from ps_service.core import CoreConfig, ParameterServerCore
+from shared.errors import ProtocolError
 from shared.protocol import ModelInit, PushRequest, PushStatus
 
 W0 = {"w": np.zeros((2,), np.float32)}
@@ -28,8 +30,8 @@ def test_an_expired_worker_leaves_the_round_at_once_and_the_record_says_membersh
     push(core, ids[1], 0, 4.9)
     assert "1 more gradient(s) from w2" in core.wait_reason(4.9)
     core.tick(5.01)  # w2 last seen at 0.0, lease 5 s
-    assert core.global_step == 1 and core.rounds[-1]["reason"] == "membership"
-    assert core.rounds[-1]["missing"] == ["w2"] and core.rounds[-1]["closed_at"] == 5.01
+    assert core.global_step == 1 and core.rounds[-1].reason == "membership"
+    assert core.rounds[-1].missing == ("w2",) and core.rounds[-1].closed_at == 5.01
     assert ids[2] not in core.round.eligible
 
 
@@ -86,7 +88,7 @@ def test_below_the_quorum_after_the_deadline_the_status_says_why():
                                      "1 of min_replicas 2 gradients")
     push(core, ids[1], 0, 3.1)
     core.tick(3.2)
-    assert core.global_step == 1 and core.rounds[-1]["reason"] == "deadline"
+    assert core.global_step == 1 and core.rounds[-1].reason == "deadline"
 
 
 def test_the_status_says_what_start_up_waits_for():
@@ -125,3 +127,45 @@ def test_after_a_restore_the_restored_round_is_redone_not_a_duplicate():
         back.register(f"w{i}", 10.0)
     assert back.started  # every member the checkpoint had is back: no grace
     assert push(back, ids[0], 1, 10.1) is PushStatus.ACCEPTED
+
+
+def test_a_member_waiting_on_the_barrier_keeps_its_lease():
+    """A long-poll pull counts as a heartbeat for as long as it waits (docs/protocol.md)."""
+    core, ids = make(n=2, lease_seconds=2.0)
+    assert push(core, ids[0], 0, 0.5) is PushStatus.ACCEPTED
+    core.begin_wait(ids[0], 0.5)  # w0 waits for round 0 to close; w1 computes, and dies
+    core.tick(2.6)  # w1, silent since 0.0, expires (the round closes without it); w0 waits on
+    assert core.members.by_id[ids[1]].state == "expired" and core.global_step == 1
+    core.tick(10.0)  # 9.5 s of waiting with a 2 s lease
+    assert core.members.by_id[ids[0]].state == "active"
+    core.end_wait(ids[0], 10.0)  # answered: the lease runs from now
+    assert core.members.by_id[ids[0]].lease_until == 12.0
+    core.tick(11.9)
+    assert core.members.by_id[ids[0]].state == "active" and push(core, ids[0], 1, 11.9) is PushStatus.ACCEPTED
+    core.tick(14.0)  # not waiting, silent for 2.1 s
+    assert core.members.by_id[ids[0]].state == "expired"
+
+
+def test_waits_nest_and_ending_one_never_raises():
+    core, ids = make(n=2, lease_seconds=2.0)
+    core.begin_wait(ids[0], 0.0)
+    core.begin_wait(ids[0], 1.0)  # two pulls in flight (a retry overlapping a timed-out one)
+    core.end_wait(ids[0], 1.5)
+    core.tick(5.0)
+    assert core.members.by_id[ids[0]].state == "active"  # one wait still holds it
+    core.end_wait(ids[0], 5.0)
+    core.tick(7.5)
+    assert core.members.by_id[ids[0]].state == "expired"
+    core.end_wait(ids[0], 8.0)  # unmatched, on an expired member, and an unknown id: no effect
+    core.end_wait("nope", 8.0)
+    assert core.members.by_id[ids[0]].state == "expired" and ids[0] not in core.members.waits
+
+
+def test_begin_wait_is_a_heartbeat_that_refuses_unknown_and_inactive_workers():
+    core, ids = make(n=2)
+    core.leave(ids[1], 1.0)
+    for wid, code in (("nope", 404), (ids[1], 409)):
+        with pytest.raises(ProtocolError) as err:
+            core.begin_wait(wid, 1.0)
+        assert err.value.status == code
+    assert core.begin_wait(ids[0], 3.0).lease_until == 8.0 and core.members.waits == {ids[0]: 1}

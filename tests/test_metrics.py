@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from cluster.processes import LocalCluster, free_port, wait_for
 from ps_service.app import create_app
 from ps_service.settings import PSSettings
+from tests.conftest import degraded
 
 STEPS = 40
 WORKERS = 2
@@ -93,7 +94,8 @@ def job():
 def test_format_passes_promtool_or_the_client_parser(job):
     promtool = shutil.which("promtool")
     if promtool is None:
-        print("\nNOTE: promtool not installed (Debian package 'prometheus'): checking with prometheus-client's parser only")
+        degraded("metrics format (test_metrics.py)", "promtool not installed (Debian package 'prometheus'): "
+                 "checked with prometheus-client's parser only")
     for text in (job["during"], job["text"]):
         if promtool:
             res = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=30)

@@ -6,12 +6,16 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import asdict
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from cluster.processes import LocalCluster, wait_for
 from ps_service.core import CoreConfig, ParameterServerCore
+from ps_service.monitoring import current_round, throughput
+from ps_service.rounds import Arrival
 from ps_service.stragglers import straggler
 from shared.protocol import ModelInit, PushRequest
 
@@ -167,16 +171,16 @@ def test_worker_logs_progress_lines_and_a_final_line(job):
 
 
 def test_straggler_definition():
-    a = [{"name": "a", "rank": 0, "at": 1.0}, {"name": "b", "rank": 1, "at": 1.2}, {"name": "c", "rank": 2, "at": 2.0}]
+    a = [Arrival("ia", "a", 0, 1.0), Arrival("ib", "b", 1, 1.2), Arrival("ic", "c", 2, 2.0)]
     s = straggler(0.5, 2.0, a, [])
-    assert (s["name"], s["kind"]) == ("c", "last_arrival")
-    assert s["waited_seconds"] == pytest.approx(0.8) and s["behind_first"] == pytest.approx(1.0)
-    assert s["behind_median"] == pytest.approx(0.8) and s["after_seconds"] == pytest.approx(1.5)
+    assert (s.name, s.kind) == ("c", "last_arrival")
+    assert s.waited_seconds == pytest.approx(0.8) and s.behind_first == pytest.approx(1.0)
+    assert s.behind_median == pytest.approx(0.8) and s.after_seconds == pytest.approx(1.5)
     s = straggler(0.5, 3.0, a[:2], [("z", 5), ("y", 3)])  # closed 1.8 s after the last arrival without y and z
-    assert (s["name"], s["rank"], s["kind"]) == ("y", 3, "never_arrived") and s["waited_seconds"] == pytest.approx(1.8)
+    assert (s.name, s.rank, s.kind) == ("y", 3, "never_arrived") and s.waited_seconds == pytest.approx(1.8)
     assert straggler(0.5, 1.0, a[:1], []) is None
     # R of N: the round closed on its R-th arrival; the dropped backup is missing but not the straggler
-    assert straggler(0.5, 1.2, a[:2], [("c", 2)])["name"] == "b"
+    assert straggler(0.5, 1.2, a[:2], [("c", 2)]).name == "b"
 
 
 def test_round_deadline_records_the_member_that_never_came():
@@ -187,9 +191,48 @@ def test_round_deadline_records_the_member_that_never_came():
     core.push(PushRequest(ids[0], 0, {"w": np.ones(2, np.float32)}), 0.5)
     core.tick(2.5)
     rec = core.rounds[-1]
-    assert rec["reason"] == "deadline" and rec["missing"] == ["w1"]
-    assert rec["straggler"] == {"name": "w1", "rank": 1, "kind": "never_arrived", "waited_seconds": 2.0,
-                                "after_seconds": 2.5, "behind_first": 2.0, "behind_median": 2.0}
+    assert rec.reason == "deadline" and rec.missing == ("w1",)
+    assert asdict(rec.straggler) == {"name": "w1", "rank": 1, "kind": "never_arrived", "waited_seconds": 2.0,
+                                     "after_seconds": 2.5, "behind_first": 2.0, "behind_median": 2.0}
+
+
+def test_throughput_is_not_capped_by_the_kept_rounds():
+    """Sans-IO, simulated clock: 2500 rounds/s for 6 s (15000 rounds, the core keeps 1000 records);
+    the rates come from counters over a sliding window."""
+    core = ParameterServerCore(CoreConfig(min_workers=1, startup_grace_seconds=0, lease_seconds=100.0))
+    core.init_model(ModelInit({"w": np.zeros(2, np.float32)}, {"name": "sgd", "learning_rate": 0.1}), 0.0)
+    wid = core.register("w0", 0.0)[0].worker_id
+    assert throughput(core, 0.0)["rounds_per_second"] == 0
+    for step in range(15000):
+        core.push(PushRequest(wid, step, {"w": np.ones(2, np.float32)}, num_examples=4), (step + 1) / 2500)
+    assert len(core.rounds) == 1000 and core.global_step == 15000
+    t = throughput(core, 6.0)
+    assert t["rounds_per_second"] == pytest.approx(2500, rel=1e-3)
+    assert t["examples_per_second"] == pytest.approx(10000, rel=1e-3)
+    assert t["window_seconds"] == pytest.approx(6.0) and t["mean_rounds_per_second"] == pytest.approx(2500, rel=1e-3)
+    for now in np.arange(6.1, 12.0, 0.1):  # idle: the ticker goes on sampling
+        core.tick(float(now))
+    t = throughput(core, 12.0)
+    since = 12.0 - t["window_seconds"]  # the window starts at a sample of the counters, 10 s old or a bit more
+    assert 10.0 <= t["window_seconds"] <= 10.2
+    assert t["rounds_per_second"] == pytest.approx((6.0 - since) * 2500 / t["window_seconds"], rel=1e-3)
+    core.tick(16.5)
+    assert throughput(core, 16.5)["rounds_per_second"] == 0
+
+
+def test_the_open_round_shows_an_unreachable_r():
+    """Sans-IO: fixed R = 3, w2 leaves after w0 pushed: /v1/status's round says R is out of reach."""
+    core = ParameterServerCore(CoreConfig(min_workers=3, startup_grace_seconds=0, replicas_to_aggregate=3))
+    core.init_model(ModelInit({"w": np.zeros(2, np.float32)}, {"name": "sgd", "learning_rate": 0.1}), 0.0)
+    ids = [core.register(f"w{i}", 0.0)[0].worker_id for i in range(3)]
+    core.push(PushRequest(ids[0], 0, {"w": np.ones(2, np.float32)}), 0.5)
+    core.leave(ids[2], 1.0)
+    rt = SimpleNamespace(core=core, now=lambda: 1.5, started_wall=1000.0, started_mono=0.0)
+    r = current_round(rt)
+    assert (r["unreachable"], r["still_needed"], r["awaited"], r["pushed_by"]) == (True, 1, ["w1"], ["w0"])
+    assert r["eligible"] == ["w0", "w1", "w2"] and core.progress().effective == 2
+    core.push(PushRequest(ids[1], 0, {"w": np.ones(2, np.float32)}), 2.0)
+    assert core.rounds[-1].reason == "unreachable" and core.rounds[-1].replicas_to_aggregate == 3
 
 
 def test_backup_workers_show_late_pushes_and_late_state():

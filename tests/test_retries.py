@@ -1,56 +1,72 @@
-"""Exactly-once pushes under retries: the fault-injecting transport, and a sync run through an unreliable
-network (10% dropped before the PS, 10% lost after it, 10% duplicated) that ends bit-identical to a clean one."""
+"""Exactly-once pushes under retries: the fault-injecting connection, and a sync run through an unreliable
+network (10% dropped before the PS, 10% lost after it, 10% duplicated) that ends bit-identical to a clean
+one, on each production transport (tensors in request bodies over the raw connection, and through
+same-host files)."""
 from __future__ import annotations
 
+import json
 import re
+from dataclasses import dataclass
 
-import httpx
 import numpy as np
 import pytest
 
 from cluster.processes import LocalCluster
 from tests.clusters import final_weights
 from worker_service.client import PSClient
-from worker_service.faults import FaultTransport
+from worker_service.rawhttp import ConnectionLost
+from worker_service.transport.faults import FaultyConnection
 
 
-def counting_server():
-    calls = []
+@dataclass
+class Answer:
+    status_code: int
+    headers: dict
+    content: bytes
 
-    def handle(request: httpx.Request) -> httpx.Response:
-        calls.append(request.content)
-        return httpx.Response(200, json={"n": len(calls)})
-
-    return calls, httpx.MockTransport(handle)
+    def json(self):
+        return json.loads(self.content)
 
 
-@pytest.mark.parametrize("kind, error, reached", [("drop_before", httpx.ConnectError, 0),
-                                                   ("drop_after", httpx.ReadError, 1)])
-def test_drops_before_and_after_the_server(kind, error, reached):
-    calls, inner = counting_server()
-    with httpx.Client(transport=FaultTransport(**{kind: 1.0}, inner=inner), base_url="http://ps") as http:
-        with pytest.raises(error):
-            http.post("/v1/gradients", content=b"x")
-    assert len(calls) == reached
+class CountingConnection:
+    """A stand-in for the PS: counts what reaches it."""
+
+    def __init__(self) -> None:
+        self.calls: list[bytes] = []
+
+    def request(self, method, target, headers, body=(), timeout=30.0):
+        self.calls.append(b"".join(bytes(p) for p in body))
+        return Answer(200, {"content-type": "application/json"}, json.dumps({"n": len(self.calls)}).encode())
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("kind, reached", [("drop_before", 0), ("drop_after", 1)])
+def test_drops_before_and_after_the_server(kind, reached):
+    inner = CountingConnection()
+    with pytest.raises(ConnectionLost, match="fault injected"):
+        FaultyConnection(inner, **{kind: 1.0}).request("POST", "/v1/gradients", {}, [b"x"])
+    assert len(inner.calls) == reached
 
 
 def test_duplicates_reach_the_server_twice_and_the_client_gets_the_first_answer():
-    calls, inner = counting_server()
-    with httpx.Client(transport=FaultTransport(duplicate=1.0, inner=inner), base_url="http://ps") as http:
-        assert http.post("/v1/gradients", content=b"body").json() == {"n": 1}
-    assert calls == [b"body", b"body"]
+    inner = CountingConnection()
+    body = [memoryview(b"bo"), b"dy"]
+    assert FaultyConnection(inner, duplicate=1.0).request("POST", "/x", {}, body).json() == {"n": 1}
+    assert inner.calls == [b"body", b"body"]
 
 
 def test_fault_rates_are_seeded_and_about_right():
     def pattern(seed):
-        t = FaultTransport(0.1, 0.1, 0.1, seed=seed, inner=httpx.MockTransport(lambda r: httpx.Response(204)))
+        t = FaultyConnection(CountingConnection(), 0.1, 0.1, 0.1, seed=seed)
         out = []
         for _ in range(3000):
             try:
-                t.handle_request(httpx.Request("GET", "http://ps/x"))
+                t.request("GET", "/x", {})
                 out.append("ok")
-            except httpx.TransportError as exc:
-                out.append(type(exc).__name__)
+            except ConnectionLost as exc:
+                out.append(str(exc))
         return out, t.counts
 
     a, counts = pattern("7:worker-0")
@@ -58,19 +74,19 @@ def test_fault_rates_are_seeded_and_about_right():
     for kind in ("drop_before", "drop_after", "duplicate"):
         assert 200 <= counts[kind] <= 400, counts
     with pytest.raises(ValueError):
-        FaultTransport(0.5, 0.4, 0.2)
+        FaultyConnection(CountingConnection(), 0.5, 0.4, 0.2)
 
 
 def test_the_client_retries_through_faults_until_the_server_answers():
-    calls, inner = counting_server()
-    client = PSClient("http://ps", attempts=30,
-                      transport=FaultTransport(drop_before=0.2, drop_after=0.2, seed=1, inner=inner))
+    inner = CountingConnection()
+    client = PSClient("http://ps", attempts=30, connection=FaultyConnection(inner, drop_before=0.2, drop_after=0.2,
+                                                                             seed=1))
     try:
         for _ in range(10):
-            client.status()  # never raises: every fault is a transport error, retried with backoff
+            client.status()  # never raises: every fault is a lost connection, retried with backoff
     finally:
         client.close()
-    assert len(calls) > 10  # drops after the server: it saw some requests more than once
+    assert len(inner.calls) > 10  # drops after the server: it saw some requests more than once
 
 
 def run_linear(workers: int, steps: int, worker_env: dict) -> tuple[dict, dict, str]:
@@ -81,6 +97,8 @@ def run_linear(workers: int, steps: int, worker_env: dict) -> tuple[dict, dict, 
             assert c.wait_workers(120) == [0] * workers
             st = c.status()
             assert st["state"] == "done" and st["global_step"] == steps
+            used = {w["transport"] for w in c.get("/v1/workers").json()["workers"]}
+            assert used == {"http" if worker_env.get("WORKER_SHM_DIR") == "" else "shm"}, used
             return final_weights(c), st, c.logs()
         except Exception as exc:
             raise AssertionError(f"{exc}\n{c.logs()}") from exc
@@ -88,7 +106,8 @@ def run_linear(workers: int, steps: int, worker_env: dict) -> tuple[dict, dict, 
 
 @pytest.mark.parametrize("transport", ["shm", "http"])
 def test_an_unreliable_network_changes_nothing_in_sync_mode(transport):
-    """Tensors in the request bodies (http) or through same-host files (shm): the faults hit the HTTP calls."""
+    """Tensors in the request bodies (http) or through same-host files (shm): the faults hit every exchange of
+    the production connection (RawConnection), whichever tensor transport carries the tensors."""
     workers, steps = 3, 50
     env = {"WORKER_SHM_DIR": ""} if transport == "http" else {}
     clean, clean_st, _ = run_linear(workers, steps, env)
@@ -99,6 +118,7 @@ def test_an_unreliable_network_changes_nothing_in_sync_mode(transport):
     injected = [dict(zip(("drop_before", "drop_after", "duplicate"), map(int, m)))
                 for m in re.findall(r"'drop_before': (\d+), 'drop_after': (\d+), 'duplicate': (\d+)", logs)]
     assert len(injected) == workers and all(min(i.values()) > 0 for i in injected), injected
+    assert logs.count("faults injected over RawConnection") == workers
     # every gradient was applied exactly once: retried and duplicated pushes were answered `duplicate`
     assert st["pushes"]["accepted"] == clean_st["pushes"]["accepted"] == workers * steps
     assert st["pushes"]["duplicate"] > 0 and st["pushes"]["stale"] == 0

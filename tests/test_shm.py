@@ -1,8 +1,10 @@
-"""The same-host transport (shared/shm.py, ps_service/shm.py, worker_service/shm.py).
+"""The same-host transport (shared/shm.py, ps_service/transport/shm.py, worker_service/transport/shm.py).
 
-- Layout: round trip, and the PS's description is validated by the worker.
+- Region: the file format of docs/protocol.md, byte by byte; a peer's file is checked before use.
 - Live PS: a worker on the same host attaches, its pushes and pulls carry no tensor bytes, the weights
-  it maps are the PS's; every hostile attach or push is refused with a clear 409/400 and changes nothing;
+  it maps are the PS's; every hostile attach or push is refused with a clear 409/400 and changes nothing
+  (a hard link of the weights file is no gradient file); what the PS applies is the copy it validated,
+  whatever the worker writes into its file after the push; a PS that lost the worker's file is re-attached;
   a PS with the transport off, or on "another host" (another directory), is used over HTTP.
 - Files: the PS removes its weights file on shutdown and sweeps the ones a killed PS left; workers'
   files vanish once attached.
@@ -17,15 +19,14 @@ import numpy as np
 import pytest
 
 from cluster.processes import LocalCluster, wait_for
-from shared import shm
-from shared.codec import pack
-from shared.errors import ProtocolError
-from shared.protocol import MSGPACK
+import struct
+
+from shared import frame, shm
 from tests.clusters import final_weights
 from tests.live_ps import live_ps, state_hash
 from tests.reference import train_reference
-from ps_service.shm import ShmHub
-from worker_service.shm import ShmChannel
+from ps_service.transport.shm import ShmHub
+from worker_service.transport.shm import ShmChannel
 
 W0 = {"w": np.arange(6, dtype=np.float32).reshape(3, 2) / 10, "b": np.array([0.5, -0.5], np.float32)}
 
@@ -34,17 +35,32 @@ def grads(scale: float) -> dict[str, np.ndarray]:
     return {k: np.full_like(v, scale) for k, v in W0.items()}
 
 
-def test_layout_round_trip_and_validation():
-    layout = shm.Layout.of({"w": np.zeros((1000, 3), np.float32), "b": np.zeros(3, np.float64)})
-    assert [t.name for t in layout.tensors] == ["b", "w"]
-    assert all(t.offset % shm.ALIGN == 0 for t in layout.tensors)
-    assert shm.Layout.from_wire(layout.to_wire()) == layout
+def test_region_format_byte_by_byte(tmp_path):
+    layout = frame.Layout.of({"b": np.zeros(3, np.float64), "w": np.zeros((1000, 3), np.float32)})
     assert [t.offset for t in layout.tensors] == [0, 64]  # b: 24 bytes, padded to a cache line
-    assert layout.region_bytes == shm.HEADER_BYTES + 12288  # 64 + 12,000 bytes, rounded up to pages
-    for bad in ([], "x", [["w", "object", [3], 0]], [["w", "float32", [-1], 0]], [["w", "float32", [3], 5]],
-                [["a", "float32", [16], 0], ["b", "float32", [1], 32]]):  # unaligned, overlapping
-        with pytest.raises(ProtocolError):
-            shm.Layout.from_wire(bad)
+    nonce = bytes(range(16))
+    fd, region = shm.create_region(str(tmp_path), "syncps-g-" + "a" * 32, shm.KIND_GRADIENTS, layout, nonce, 41)
+    os.close(fd)
+    raw = bytes(region.mapping)
+    assert len(raw) == shm.region_bytes(layout) and len(raw) % 4096 == 0
+    assert raw[:8] == b"SYNCPSM1" and raw[8:9] == b"G" and raw[9:16] == bytes(7)
+    assert raw[16:32] == nonce and struct.unpack_from("<q", raw, 32)[0] == 41 and raw[40:64] == bytes(24)
+    f = frame.decode(raw[64:], exact=False)
+    assert f.layout == layout and f.meta == {}
+    region.views()["w"][:] = 2.5
+    data = 64 + f.data_start  # w sits at offset 64 of the data
+    assert bytes(region.mapping)[data + 64:data + 68] == struct.pack("<f", 2.5)
+    region.marker = shm.WRITING
+    assert struct.unpack_from("<q", region.mapping, 32)[0] == -1
+    # a peer checks kind, nonce and layout before it uses a file
+    for kind, want_nonce, want_layout in ((shm.KIND_WEIGHTS, nonce, layout), (shm.KIND_GRADIENTS, bytes(16), layout),
+                                          (shm.KIND_GRADIENTS, nonce, frame.Layout.of({"b": np.zeros(4)}))):
+        with pytest.raises(ValueError):
+            shm.map_existing(str(tmp_path), "syncps-g-" + "a" * 32, kind, want_nonce, writable=False,
+                             layout=want_layout, size=len(raw))
+    got, _ = shm.map_existing(str(tmp_path), "syncps-g-" + "a" * 32, shm.KIND_GRADIENTS, nonce, writable=False,
+                              size=len(raw))
+    assert got.layout == layout and got.marker == -1
 
 
 @pytest.fixture
@@ -61,10 +77,11 @@ def test_same_host_worker_moves_no_tensor_bytes(shm_dir):
             assert h.get("/v1/shm").json()["error"] == "not_initialized"
         wa, wb = a.register("a")["worker_id"], b.register("b")["worker_id"]
         assert a.init_model(W0, {"name": "sgd", "learning_rate": 0.5})
-        assert a.setup_shm(wa) and a.transport == "shm"
+        assert a.attach(wa) == "shm" and a.transport == "shm"
+        channel = a.tensors.channel
         assert os.listdir(shm_dir) == [ps.rt.shm.weights_name]  # the worker's file is unlinked once attached
         pulled = a.pull(0, wa, wait=5.0)
-        assert pulled.nbytes == a.shm.layout.data_bytes and pulled.tensors is a.shm.weights
+        assert pulled.tensors is channel.weights
         np.testing.assert_array_equal(pulled.tensors["w"], W0["w"])
         before = ps.rt.bytes_in, ps.rt.bytes_out
         assert a.push(wa, 0, grads(1.0))["status"] == "accepted"
@@ -72,10 +89,10 @@ def test_same_host_worker_moves_no_tensor_bytes(shm_dir):
         assert b.push(wb, 0, grads(3.0))["step"] == 1
         assert a.pull(1, wa, wait=5.0).step == 1
         expect = W0["w"] - np.float32(0.5) * np.float32(2.0)
-        np.testing.assert_array_equal(a.shm.weights["w"], expect)  # the PS's live weights, mapped
+        np.testing.assert_array_equal(channel.weights["w"], expect)  # the PS's live weights, mapped
         np.testing.assert_array_equal(b.pull(1, wb, wait=5.0).tensors["w"], expect)
         status = ps.http().get("/v1/status").json()
-        assert status["shm_bytes_received"] == a.shm.layout.data_bytes
+        assert status["shm_bytes_received"] == channel.layout.data_bytes
         transports = {w["name"]: w["transport"] for w in ps.http().get("/v1/workers").json()["workers"]}
         assert transports == {"a": "shm", "b": "http"}
         assert "\nps_shm_workers 1.0" in ps.http().get("/metrics").text
@@ -85,8 +102,8 @@ def test_same_host_worker_moves_no_tensor_bytes(shm_dir):
 
 def shm_push(h, worker_id: str, step: int, seq):
     """A push whose tensors are said to be in the worker's gradient file."""
-    body = pack({"worker_id": worker_id, "step": step, "tensors": {}, "shm_seq": seq})
-    return h.post("/v1/gradients", content=body, headers={"content-type": MSGPACK, shm.TENSORS_HEADER: "shm"})
+    body = frame.encode_bytes({}, {"worker_id": worker_id, "step": step, "shm_seq": seq})
+    return h.post("/v1/gradients", content=body, headers={"content-type": frame.MEDIA_TYPE})
 
 
 def test_hostile_attach_and_push_change_nothing(shm_dir):
@@ -106,6 +123,9 @@ def test_hostile_attach_and_push_change_nothing(shm_dir):
             f.write(real.nonce + b"\0" * 100)
         link = "syncps-g-" + "2" * 32
         os.symlink(os.path.join(shm_dir, real.gradient_file), os.path.join(shm_dir, link))
+        hard = "syncps-g-" + "3" * 32  # a hard link of the PS's own weights file (kind W, two links)
+        os.link(os.path.join(shm_dir, offer["weights_file"]), os.path.join(shm_dir, hard))
+        weights_nonce = offer["nonce"]
         cases = [
             (lambda: attach("../../etc/passwd"), 400, "bad_field"),
             (lambda: attach("syncps-g-" + "0" * 32), 409, "shm_unavailable"),  # no such file: another host
@@ -113,6 +133,8 @@ def test_hostile_attach_and_push_change_nothing(shm_dir):
             (lambda: attach(real.gradient_file, "zz" * 16), 400, "bad_field"),
             (lambda: attach(small), 409, "shm_unavailable"),  # wrong size
             (lambda: attach(link), 409, "shm_unavailable"),  # a symlink is never followed
+            (lambda: attach(hard, weights_nonce), 409, "shm_unavailable"),  # the weights are no gradient
+            (lambda: shm_push(h, wid, 0, 1), 409, "shm_not_attached"),
             (lambda: attach(real.gradient_file, worker="nobody"), 404, "unknown_worker"),
             (lambda: shm_push(h, wid, 0, 1), 409, "shm_not_attached"),
             (lambda: shm_push(h, "nobody", 0, 1), 404, "unknown_worker"),
@@ -131,7 +153,44 @@ def test_hostile_attach_and_push_change_nothing(shm_dir):
         assert state_hash(ps.rt) == before and ps.rt.core.push_counts.get("accepted", 0) == 0
         assert shm_push(h, wid, 0, seq).json()["status"] == "accepted"
         assert ps.rt.core.global_step == 1
+        os.unlink(os.path.join(shm_dir, hard))
         c.close(), h.close(), real.close()
+
+
+def test_the_ps_applies_the_copy_it_validated(shm_dir):
+    """A worker that rewrites its file after its push was accepted (keeping the marker) changes nothing:
+    the PS copied the push when it took it."""
+    with live_ps(shm_dir=shm_dir, min_workers=2, startup_grace_seconds=0, lease_seconds=600) as ps:
+        a, b = ps.client(shm_dir=shm_dir), ps.client(shm_dir=shm_dir)
+        wa, wb = a.register("a")["worker_id"], b.register("b")["worker_id"]
+        assert a.init_model(W0, {"name": "sgd", "learning_rate": 0.5})
+        assert a.attach(wa) == b.attach(wb) == "shm"
+        assert a.push(wa, 0, grads(1.0))["status"] == "accepted"
+        for view in a.tensors.channel._grads.values():  # the file, marker untouched: NaN where the push was
+            view[...] = np.nan
+        assert b.push(wb, 0, grads(3.0))["step"] == 1  # closes the round
+        np.testing.assert_array_equal(ps.rt.core.weights["w"], W0["w"] - np.float32(0.5) * np.float32(2.0))
+        a.close(), b.close()
+
+
+def test_a_ps_that_lost_the_file_gets_it_again(shm_dir):
+    """409 shm_not_attached (a restarted PS, a pruned file) makes the client attach again and push: the
+    push is applied once, through the file; a worker that is not active is told to register (409 not_active),
+    never shm_not_attached."""
+    with live_ps(shm_dir=shm_dir, min_workers=1, startup_grace_seconds=0, lease_seconds=600) as ps:
+        c = ps.client(shm_dir=shm_dir)
+        wid = c.register("a")["worker_id"]
+        assert c.init_model(W0, {"name": "sgd", "learning_rate": 0.5}) and c.attach(wid) == "shm"
+        ps.rt.shm.detach(wid)
+        assert c.push(wid, 0, grads(1.0))["status"] == "accepted" and c.transport == "shm"
+        assert ps.rt.core.global_step == 1 and wid in ps.rt.shm.attached
+        with ps.http() as h:
+            h.delete(f"/v1/workers/{wid}")
+            seq = c.tensors.channel.write(grads(1.0))
+            for resp in (shm_push(h, wid, 1, seq),
+                         h.post(f"/v1/workers/{wid}/shm", json={"file": "syncps-g-" + "0" * 32, "nonce": "00" * 16})):
+                assert (resp.status_code, resp.json()["error"]) == (409, "not_active"), resp.text
+        c.close()
 
 
 def test_off_or_elsewhere_falls_back_to_http(shm_dir, tmp_path):
@@ -142,7 +201,7 @@ def test_off_or_elsewhere_falls_back_to_http(shm_dir, tmp_path):
             c = ps.client(shm_dir=worker_dir)
             wid = c.register("a")["worker_id"]
             assert c.init_model(W0, {"name": "sgd", "learning_rate": 0.5})
-            assert not c.setup_shm(wid) and c.transport == "http"
+            assert c.attach(wid) == "http" and c.transport == "http"
             assert c.push(wid, 0, grads(1.0))["status"] == "accepted"
             assert os.listdir(worker_dir) == []  # nothing left behind by the failed attempt
             c.close()
@@ -162,7 +221,7 @@ def test_weights_file_of_a_killed_ps_is_swept(shm_dir):
             assert not os.path.exists(stale) and os.path.exists(alive)
             c = ps.client(shm_dir=shm_dir)
             wid = c.register("a")["worker_id"]
-            assert c.init_model(W0, {"name": "sgd", "learning_rate": 0.5}) and c.setup_shm(wid)
+            assert c.init_model(W0, {"name": "sgd", "learning_rate": 0.5}) and c.attach(wid) == "shm"
             ShmHub(shm_dir)  # a second PS starting on the directory (it sweeps) keeps the live one's file
             assert os.path.exists(os.path.join(shm_dir, ps.rt.shm.weights_name))
             c.close()

@@ -8,8 +8,8 @@ import signal
 import sys
 import threading
 
-from worker_service import faults
-from worker_service.client import PSClient
+from worker_service.client import PSClient, connect
+from worker_service.transport import faults
 from worker_service.loop import train
 from worker_service.settings import WorkerSettings
 from worker_service.tasks import load_task
@@ -23,15 +23,14 @@ def main() -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     task = load_task(s.task, s.seed, s.dtype)
-    transport = faults.from_settings(s)  # a fault drill when WORKER_FAULT_* are set
+    conn = faults.from_settings(s, connect(s.ps_url))  # wrapped for a fault drill when WORKER_FAULT_* are set
     client = PSClient(s.ps_url, timeout=s.request_timeout_seconds, attempts=s.retry_attempts,
-                      retry_timeout=s.retry_timeout_seconds, transport=transport, token=s.auth_token,
-                      shm_dir=s.shm_dir)
+                      retry_timeout=s.retry_timeout_seconds, token=s.auth_token, shm_dir=s.shm_dir, connection=conn)
     client.wait_ready(s.retry_timeout_seconds)
     summary = train(client, task, s.name, s.batch_size, stop, s.log_every_seconds, s.compute_delay_seconds)
     client.close()
-    if transport is not None:
-        logging.info("faults injected: %s", transport.counts)
+    if isinstance(conn, faults.FaultyConnection):
+        logging.info("faults injected over %s: %s", type(conn.inner).__name__, conn.counts)
     print("SUMMARY " + json.dumps(summary.__dict__), flush=True)
     return 0
 

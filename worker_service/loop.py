@@ -70,10 +70,10 @@ def train(client: PSClient, task: Task, name: str, batch_size: int, stop: thread
             log.info("initialised the model on the PS")
     worker_id, rank, step = reg["worker_id"], reg["rank"], reg["start_step"]
     summary.rank = rank
-    client.setup_shm(worker_id)
+    client.attach(worker_id)
     lease = float(reg["lease_seconds"])
     wait = max(0.5, min(10.0, lease / 2))
-    hb = Heartbeat(str(client.http.base_url), worker_id, max(0.2, lease / 3), client.timeout, client.token)
+    hb = Heartbeat(client.base_url, worker_id, max(0.2, lease / 3), client.timeout, client.token)
     hb.start()
     log.info("registered as %r: rank %d, worker_id %s, starting at step %d", name, rank, worker_id, step)
     times = {"fetch": 0.0, "compute": 0.0, "push": 0.0}
@@ -108,7 +108,7 @@ def train(client: PSClient, task: Task, name: str, batch_size: int, stop: thread
                 reg = _rejoin(client, task, name, exc, step)
                 worker_id, step, summary.rank = reg["worker_id"], reg["start_step"], reg["rank"]
                 hb.worker_id = worker_id
-                client.setup_shm(worker_id)
+                client.attach(worker_id)
                 continue
             t3 = time.monotonic()
             times["push"] = t3 - t2

@@ -1,4 +1,5 @@
-"""The worker's progress log: one line every ``every`` seconds and a clear final line.
+"""The worker's progress log: a first line about a second into training, then one every ``every``
+seconds, and a clear final line.
 
 Periodic line (INFO)::
 
@@ -7,7 +8,9 @@ Periodic line (INFO)::
 ``rounds/s`` is the global step's progress seen by this worker since the last
 line; the phase times are this worker's means over the same interval (the
 wait at the barrier is in fetch or, when a push waits for the next weights, in
-push). The final line starts with ``FINISHED``
+push). The first line comes ``first`` seconds (1 s, or ``every`` if that is shorter) after this
+worker's first push, so even a short job shows each worker's pace once; a job shorter than that
+logs only the final line. The final line starts with ``FINISHED``
 (training done) or ``STOPPED`` (signal or error) and sums up the whole run.
 """
 from __future__ import annotations
@@ -16,12 +19,17 @@ import logging
 import time
 
 PHASES = ("fetch", "compute", "push")
+#: seconds from the first push to the first progress line (at most ``every``)
+FIRST_LINE_SECONDS = 1.0
 
 
 class ProgressLog:
-    def __init__(self, log: logging.Logger, every: float, clock=time.monotonic) -> None:
+    def __init__(self, log: logging.Logger, every: float, clock=time.monotonic,
+                 first: float = FIRST_LINE_SECONDS) -> None:
         self.log, self.every, self.clock = log, every, clock
+        self.first = min(first, every)
         self.t_start = self.t_last = clock()
+        self.lines = 0
         self.step_start: int | None = None
         self.step_last: int | None = None
         self.pushes = 0
@@ -34,6 +42,7 @@ class ProgressLog:
         """Account one push of ``step``; log a line when ``every`` seconds passed since the last one."""
         if self.step_start is None:
             self.step_start = self.step_last = step
+            self.t_last = self.clock()  # the first line's interval starts at the first push
         self.pushes += 1
         self.n += 1
         self.statuses[status] = self.statuses.get(status, 0) + 1
@@ -41,12 +50,13 @@ class ProgressLog:
             self.sums[k] += times[k]
             self.totals[k] += times[k]
         now = self.clock()
-        if now - self.t_last < self.every:
+        if now - self.t_last < (self.every if self.lines else self.first) or step == self.step_last:
             return
         rate = (step - self.step_last) / (now - self.t_last)
         self.log.info("progress: step %d loss %s | %.1f rounds/s | own mean %s | pushes %d (%s)",
                       step, _num(loss), rate, _phases(self.sums, self.n), self.pushes, _counts(self.statuses))
         self.t_last, self.step_last, self.n = now, step, 0
+        self.lines += 1
         self.sums = dict.fromkeys(PHASES, 0.0)
 
     def final(self, done: bool, step: int, loss: float | None, metrics: dict) -> None:

@@ -10,13 +10,20 @@ request; this connection does neither:
   arrays a caller decoded from the previous answer stay valid.
 
 Only what the PS speaks is supported: ``Content-Length`` or chunked bodies,
-keep-alive, ``http://`` URLs. Every call has a timeout. A connection the server
-closed while idle is reopened once, at once; any other failure closes it and
-raises :class:`ConnectionLost` (the client's retry policy decides what next).
+keep-alive, ``http://`` URLs. Every call has a timeout.
+
+Before a kept-alive socket is reused it is polled (no wait): if the server
+closed it while idle (its keep-alive ran out) it is replaced by a fresh
+connection before a byte is sent. A request is never sent twice from here:
+any failure once sending began closes the connection and raises
+:class:`ConnectionLost`, and the client's retry policy decides what next
+(worker_service/retry.py; pushes are idempotent at the PS). An answer the
+server sent before it stopped reading (e.g. a 413) is still returned.
 """
 from __future__ import annotations
 
 import json
+import select
 import socket
 import sys
 from dataclasses import dataclass
@@ -66,52 +73,68 @@ class RawConnection:
 
     def request(self, method: str, target: str, headers: Mapping[str, str], body: Iterable[bytes | memoryview] = (),
                 timeout: float = 30.0) -> RawResponse:
+        """Send one request (``body``: buffers sent as they are, in order) and read its answer.
+
+        ``timeout`` bounds each socket operation (connect, every send, every receive). Raises
+        :class:`ConnectionLost` when the request failed; it is never sent twice from here.
+        """
+        parts = self._message(method, target, headers, body)
+        if self.sock is not None and _dropped(self.sock):
+            self.close()  # the server closed it while idle (keep-alive ran out): nothing was sent on it
+        try:
+            if self.sock is None:
+                self.sock = socket.create_connection((self.host, self.port), timeout=timeout)
+                self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            else:
+                self.sock.settimeout(timeout)
+            try:
+                self._send(parts)
+            except (BrokenPipeError, ConnectionResetError):
+                early = self._early_answer(method)  # e.g. a 413 sent before the server stopped reading
+                if early is None:
+                    raise
+                self.close()  # our request was cut short: the connection is done with
+                return early
+            return self._receive(method)
+        except TimeoutError:
+            self.close()
+            raise ConnectionLost(f"timed out: no progress for {timeout:g} s") from None
+        except _Closed as exc:
+            self.close()
+            raise ConnectionLost(str(exc)) from None
+        except (BrokenPipeError, ConnectionResetError) as exc:
+            self.close()
+            raise ConnectionLost(f"the server closed the connection during the request ({exc})") from None
+        except (OSError, ValueError) as exc:
+            self.close()
+            raise ConnectionLost(f"{type(exc).__name__}: {exc}") from None
+
+    def _message(self, method: str, target: str, headers: Mapping[str, str],
+                 body: Iterable[bytes | memoryview]) -> list[memoryview]:
+        """The request as a fresh list of byte views: the head, then the body's buffers (not copied)."""
         parts = [memoryview(p).cast("B") for p in body]
         size = sum(p.nbytes for p in parts)
         head = [f"{method} {self.prefix}{target} HTTP/1.1", f"host: {self.host_header}", f"content-length: {size}"]
         head += [f"{k}: {v}" for k, v in headers.items() if k.lower() not in ("host", "content-length")]
         parts.insert(0, memoryview(("\r\n".join(head) + "\r\n\r\n").encode("latin-1")))
-        for attempt in (0, 1):
-            reused = self.sock is not None
-            try:
-                if self.sock is None:
-                    self.sock = socket.create_connection((self.host, self.port), timeout=timeout)
-                    self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                self.sock.settimeout(timeout)
-                try:
-                    self._send(parts)
-                except _IdleClosed:
-                    early = self._early_answer(method)  # e.g. a 413 sent before the server stopped reading
-                    if early is None:
-                        raise
-                    return early
-                return self._receive(method)
-            except _IdleClosed:
-                self.close()
-                if not reused or attempt:
-                    raise ConnectionLost("the server closed the connection") from None
-            except (OSError, ValueError) as exc:
-                self.close()
-                raise ConnectionLost(f"{type(exc).__name__}: {exc}") from None
-        raise AssertionError("unreachable")
+        return parts
 
     def _send(self, parts: list[memoryview]) -> None:
-        try:
-            while parts:
-                sent = self.sock.sendmsg(parts[:512])
-                while parts and sent >= parts[0].nbytes:
-                    sent -= parts[0].nbytes
-                    parts.pop(0)
-                if sent:
-                    parts[0] = parts[0][sent:]
-        except (BrokenPipeError, ConnectionResetError):
-            raise _IdleClosed from None
+        """sendmsg until every byte of ``parts`` went out (consumes the list: build one per request)."""
+        i = 0
+        while i < len(parts):
+            sent = self.sock.sendmsg(parts[i:i + 512])  # Linux takes at most 1024 buffers a call
+            while i < len(parts) and sent >= parts[i].nbytes:
+                sent -= parts[i].nbytes
+                i += 1
+            if sent:
+                parts[i] = parts[i][sent:]
 
     def _early_answer(self, method: str) -> RawResponse | None:
         """The answer a server sent before it closed on our request, if there is one to read."""
         try:
             return self._receive(method)
-        except (OSError, ValueError, _IdleClosed):
+        except (OSError, ValueError, _Closed):
             return None
 
     def _receive(self, method: str) -> RawResponse:
@@ -128,7 +151,7 @@ class RawConnection:
                 chunk = b""
             if not chunk:
                 if not buf:
-                    raise _IdleClosed
+                    raise _Closed("the server closed the connection before answering")
                 raise ValueError("connection closed inside the response headers")
             buf += chunk
         lines = bytes(buf[:end]).decode("latin-1").split("\r\n")
@@ -209,5 +232,17 @@ class RawConnection:
         buf += chunk
 
 
-class _IdleClosed(Exception):
-    """The server had closed the kept-alive connection before this request."""
+class _Closed(Exception):
+    """The server closed the connection before the first byte of its answer."""
+
+
+def _dropped(sock: socket.socket) -> bool:
+    """Whether an idle kept-alive socket is unusable, without waiting (urllib3's ``is_connection_dropped``).
+
+    Between two requests the server has nothing to say: readable means its FIN (it closed the
+    connection), a reset, or bytes nobody asked for; any of them, and the socket is done with."""
+    if hasattr(select, "poll"):
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        return bool(poller.poll(0))
+    return bool(select.select([sock], [], [], 0)[0])

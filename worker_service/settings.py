@@ -4,22 +4,14 @@ The only place the worker reads its environment (pydantic-settings).
 """
 from __future__ import annotations
 
-import os
-import socket
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.tokens import resolve_token
-
-
-def default_name() -> str:
-    """hostname:pid. In a container the worker is PID 1 and the hostname is the container's,
-    so a restarted container re-registers under the same name (and gets its rank back);
-    processes sharing a host still get distinct names."""
-    return f"{socket.gethostname()}:{os.getpid()}"
+from worker_service.naming import default_name
 
 
 class WorkerSettings(BaseSettings):
@@ -30,7 +22,10 @@ class WorkerSettings(BaseSettings):
     batch_size: int = Field(32, ge=1, description="Examples per worker per step.")
     seed: int = Field(0, description="Seed of the task's data and initial weights (same on every worker).")
     dtype: Literal["float32", "float64"] = Field("float32", description="dtype of weights and gradients.")
-    name: str = Field(default_factory=default_name, description="Name the worker registers under (default hostname:pid).")
+    name: str = Field(
+        default_factory=default_name,
+        description="Name the worker registers under. Unset or empty: under Compose the container's name "
+                    "(syncps-worker-1, by reverse DNS), else hostname:pid.")
     request_timeout_seconds: float = Field(30.0, gt=0, description="Timeout of each HTTP request (pulls add their wait).")
     retry_attempts: int = Field(
         100, ge=1, description="Attempts per request on connection errors, timeouts and 5xx (backoff capped at 1 s: "
@@ -52,6 +47,11 @@ class WorkerSettings(BaseSettings):
                                 "is found there (same host), else tensors go over HTTP. Empty: always HTTP.")
     compute_delay_seconds: float = Field(
         0.0, ge=0, description="Extra seconds added to every compute phase: a deliberately slow worker, for straggler drills.")
+
+    @field_validator("name", mode="after")
+    @classmethod
+    def _name(cls, name: str) -> str:
+        return name.strip() or default_name()  # WORKER_NAME= (empty, as docker-compose.yml sets it): the default
 
     @model_validator(mode="after")
     def _token(self) -> "WorkerSettings":

@@ -94,9 +94,10 @@ function plot(svg, xs, ys, { logY = false, cls = "line", xLabel = (x) => fmt(x) 
              svgEl("text", { class: "tick", x: right - 40, y: H - 4 }, xLabel(x1)));
 }
 
-function cell(tr, text) {
+function cell(tr, text, title) {
   const td = document.createElement("td");
   td.textContent = text;
+  if (title) td.title = title;  // the whole text where the cell may cut it short
   tr.append(td);
 }
 
@@ -134,6 +135,7 @@ function renderStatus(st) {
 
 function renderWorkers(ws) {
   $("straggler").textContent = ws.straggler ?? "none";
+  $("straggler").title = ws.straggler ?? "";
   const top = ws.workers.find((w) => w.name === ws.straggler);
   $("straggler-detail").textContent = top
     ? `slowed ${top.straggler_rounds} of the last ${ws.window_rounds} rounds by ${fmt(top.straggler_seconds, 3)} s`
@@ -147,7 +149,7 @@ function renderWorkers(ws) {
     const p = w.pushes, t = w.mean_seconds;
     [w.rank, w.name, w.awaited ? `${w.state} (awaited)` : w.state, w.transport ?? "-", w.last_step ?? "-", p.accepted, p.late, p.stale,
      p.duplicate, ms(t.fetch), ms(t.compute), ms(t.push), w.straggler_rounds, fmt(w.straggler_seconds, 3),
-     `${fmt(w.last_seen_seconds_ago, 2)} s ago`].forEach((v) => cell(tr, String(v)));
+     `${fmt(w.last_seen_seconds_ago, 2)} s ago`].forEach((v, i) => cell(tr, String(v), i === 1 ? w.name : undefined));
     body.append(tr);
   }
 }

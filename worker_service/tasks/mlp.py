@@ -15,21 +15,26 @@ from worker_service.tasks import shard_batch_indices
 HIDDEN = 64
 
 
+def digits_split(dtype: str = "float32") -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+    """((x_train, y_train), (x_test, y_test)): the digits scaled to [0, 1], 64 features per row, a fixed
+    80/20 split (it does not depend on the seed)."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x = (digits.data / 16.0).astype(dtype)
+    y = digits.target.astype(np.int64)
+    perm = np.random.default_rng(1234).permutation(len(x))
+    cut = int(0.8 * len(x))
+    return (x[perm[:cut]], y[perm[:cut]]), (x[perm[cut:]], y[perm[cut:]])
+
+
 class MLPTask:
     name = "mlp"
 
     def __init__(self, seed: int = 0, dtype: str = "float32") -> None:
-        from sklearn.datasets import load_digits
-
         self.dtype = np.dtype(dtype)
         self.seed = seed
-        digits = load_digits()
-        x = (digits.data / 16.0).astype(self.dtype)
-        y = digits.target.astype(np.int64)
-        perm = np.random.default_rng(1234).permutation(len(x))  # the split does not depend on the seed
-        cut = int(0.8 * len(x))
-        self.x_train, self.y_train = x[perm[:cut]], y[perm[:cut]]
-        self.x_test, self.y_test = x[perm[cut:]], y[perm[cut:]]
+        (self.x_train, self.y_train), (self.x_test, self.y_test) = digits_split(dtype)
 
     def init_params(self) -> dict[str, np.ndarray]:
         rng = np.random.default_rng(self.seed)

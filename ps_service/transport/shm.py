@@ -2,17 +2,19 @@
 
 Contract:
 - :meth:`ShmHub.offer` (``GET /v1/shm``) moves the weights into a file on first use (``0600``, in
-  ``PS_SHM_DIR``): from then on the optimizer updates them there, in place, and every same-host
-  worker maps them read-only (no copy per step on either side). It returns the file's name, nonce
-  and layout; a worker that maps it and reads the same nonce is on this host.
-- :meth:`ShmHub.attach` (``POST /v1/workers/{id}/shm``) maps the gradient file the worker made
-  (name pattern, regular file of this user, no symlink, exact size, matching nonce). The worker then
-  unlinks it: the mappings keep it alive, and it vanishes with the last of them.
-- :meth:`ShmHub.gradients` gives one push's gradients as writable arrays over that mapping, once
-  the file's marker shows it holds that push. The core sums the round into the first of them in
-  place: a worker does not write its file again before its round closed (it waits for the answer).
+  ``PS_SHM_DIR``, kind ``W``): from then on the optimizer updates them there, in place, and every
+  same-host worker maps them read-only. It returns the file's name, nonce and size; a worker that maps
+  it and reads the same nonce is on this host. :meth:`published` writes the global step into its marker.
+- :meth:`ShmHub.attach` (``POST /v1/workers/{id}/shm``) maps the gradient file the worker made (name
+  pattern, regular file of this user with one link, no symlink, kind ``G``, exact size, matching nonce,
+  the model's frame header), and never the PS's own weights file. The worker then unlinks it.
+- :meth:`ShmHub.gradients` *copies* one push's gradients out of the worker's file into a buffer the PS
+  owns, once the file's marker shows it holds that push (checked before and after the copy), checking
+  the copy for NaN/Inf chunk by chunk as it goes (one pass): what the core validates and applies is that
+  copy, whatever the worker writes into its file afterwards. Each worker has two such buffers, reused
+  (a fresh one only when both are still held by a round), so a push costs no page faults.
 - Refusals: 409 ``shm_unavailable`` (the worker then uses plain HTTP), 409 ``shm_not_attached`` /
-  ``shm_torn`` (attach again), 400 for malformed names.
+  ``shm_torn`` (attach again, or push over HTTP), 400 for malformed names.
 The weights file is unlinked on shutdown; files left by a PS that was killed (no flock held on them)
 are swept on start.
 """
@@ -21,10 +23,12 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import sys
 
 import numpy as np
 
-from shared import shm
+from ps_service.accumulator import copy_checked
+from shared import frame, shm
 from shared.errors import ProtocolError, bad_request
 
 try:
@@ -33,6 +37,11 @@ except ImportError:  # not a POSIX system: no same-host transport
     fcntl = None
 
 log = logging.getLogger("ps_service")
+
+
+#: copy buffers kept for reuse: a round in elastic mode folds each push as soon as the ranks before it are in,
+#: so two are enough in order; more are allocated (and freed) only when pushes arrive out of order
+MAX_SPARE = 2
 
 
 def _hold_lock(fd: int) -> None:
@@ -47,14 +56,18 @@ def unavailable(detail: str) -> ProtocolError:
 class ShmHub:
     def __init__(self, directory: str | None) -> None:
         self.directory = directory if directory and fcntl is not None and os.path.isdir(directory) else None
-        self.layout: shm.Layout | None = None
+        self.layout: frame.Layout | None = None
         self.weights_name: str | None = None
+        self._weights: shm.Region | None = None
+        self._weights_id: tuple[int, int] | None = None  # (st_dev, st_ino) of the weights file
         self._nonce = secrets.token_bytes(shm.NONCE_BYTES)
         #: an open descriptor of the weights file holding an exclusive flock: "this file's PS is alive"
         self._lock_fd: int | None = None
-        #: worker_id -> the mapping of its gradient file
-        self.attached: dict[str, object] = {}
-        #: worker_id -> the transport of its last push ("shm" or "http"), for monitoring
+        #: worker_id -> its gradient file (read with pread, never mapped)
+        self.attached: dict[str, shm.PeerFile] = {}
+        #: buffers pushes are copied into, reused once no round holds them (at most MAX_SPARE kept)
+        self._copies: list[np.ndarray] = []
+        #: worker_id -> the transport of its last accepted push ("shm" or "http"), for monitoring
         self.last_transport: dict[str, str] = {}
         self.bytes_in = 0
         if self.directory:
@@ -84,25 +97,31 @@ class ShmHub:
             finally:
                 os.close(fd)
 
-    def offer(self, weights: dict[str, np.ndarray]) -> dict:
+    def offer(self, weights: dict[str, np.ndarray], step: int) -> dict:
         """Describe the weights file, moving ``weights`` (the core's dict, updated in place) into it first."""
         if not self.enabled:
             raise unavailable("the PS's same-host transport is off (PS_SHM_DIR)")
         if self.weights_name is None:
-            layout = shm.Layout.of(weights)
+            layout = frame.Layout.of(weights, sorted(weights))
             name = f"syncps-w-{os.getpid()}-{secrets.token_hex(8)}"
             try:
-                self._lock_fd, region = shm.create_region(self.directory, name, layout.region_bytes, self._nonce, 0,
-                                                          lock=_hold_lock)
+                self._lock_fd, region = shm.create_region(self.directory, name, shm.KIND_WEIGHTS, layout,
+                                                          self._nonce, step, lock=_hold_lock)
             except OSError as exc:  # e.g. a full tmpfs
                 raise unavailable(f"cannot make the weights file: {exc}") from exc
-            views = shm.data_views(layout, region)
-            for key, view in views.items():
+            st = os.fstat(self._lock_fd)
+            for key, view in region.views().items():
                 np.copyto(view, weights[key])
                 weights[key] = view  # the optimizer now updates the file
-            self.layout, self.weights_name = layout, name
-        return {"weights_file": self.weights_name, "nonce": self._nonce.hex(), "layout": self.layout.to_wire(),
-                "region_bytes": self.layout.region_bytes}
+            self.layout, self.weights_name, self._weights = layout, name, region
+            self._weights_id = (st.st_dev, st.st_ino)
+        return {"weights_file": self.weights_name, "nonce": self._nonce.hex(),
+                "region_bytes": shm.region_bytes(self.layout)}
+
+    def published(self, step: int) -> None:
+        """The weights in the file are those of ``step`` (its marker, for readers)."""
+        if self._weights is not None and self._weights.marker != step:
+            self._weights.marker = step
 
     def attach(self, worker_id: str, name: object, nonce: object) -> None:
         if not isinstance(name, str) or not shm.GRADIENT_FILE.fullmatch(name):
@@ -116,37 +135,58 @@ class ShmHub:
         if self.layout is None:
             raise unavailable("GET /v1/shm first")
         try:
-            region = shm.map_existing(self.directory, name, self.layout.region_bytes, want, writable=True)
+            fd, st = shm.open_peer(self.directory, name, shm.KIND_GRADIENTS, want, self.layout)
         except OSError as exc:
             raise unavailable(f"cannot open {name} here (another host?): {exc.strerror or exc}") from None
         except ValueError as exc:
             raise unavailable(str(exc)) from None
-        self.attached[worker_id] = region
+        if (st.st_dev, st.st_ino) == self._weights_id:
+            os.close(fd)
+            raise unavailable(f"{name} is the PS's weights file")
+        self.detach(worker_id)
+        self.attached[worker_id] = shm.PeerFile(fd, self.layout)
 
     def detach(self, worker_id: str) -> None:
-        """Forget a worker's file; the mapping goes once no round holds its arrays any more."""
-        self.attached.pop(worker_id, None)
+        peer = self.attached.pop(worker_id, None)
+        if peer is not None:
+            peer.close()
 
     def prune(self, keep: set[str]) -> None:
         """Forget the files of workers that are gone (left or expired)."""
         for worker_id in [w for w in self.attached if w not in keep]:
             self.detach(worker_id)
 
-    def gradients(self, worker_id: str, seq: object) -> dict[str, np.ndarray]:
-        """One push's gradients as writable arrays over the worker's file (the core may sum into them)."""
+    def gradients(self, worker_id: str, seq: object) -> tuple[dict[str, np.ndarray], str | None]:
+        """A copy of one push's gradients in a buffer of the PS's own (the core may keep and sum into it),
+        and the first tensor whose copy has NaN/Inf (None: all finite)."""
         region = self.attached.get(worker_id)
         if region is None or self.layout is None:
             raise ProtocolError(409, "shm_not_attached", "this worker has no gradient file here: attach again")
         if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
             raise bad_request("bad_field", "push: shm_seq must be an int >= 0")
-        if shm.marker_of(region) != seq:
+        if region.marker != seq:
             raise ProtocolError(409, "shm_torn", "the gradient file does not hold that push (rewritten?)")
+        buf = self._buffer()
+        nonfinite = copy_checked(region.read_into, self.layout, buf)
+        if region.marker != seq:  # rewritten while we copied: the copy may mix two pushes
+            raise ProtocolError(409, "shm_torn", "the gradient file was rewritten during the push")
         self.bytes_in += self.layout.data_bytes
-        return shm.data_views(self.layout, region)
+        return self.layout.views(buf), nonfinite
+
+    def _buffer(self) -> np.ndarray:
+        """A copy buffer that no round holds any more, else a fresh one (kept for reuse up to MAX_SPARE)."""
+        for buf in self._copies:
+            if sys.getrefcount(buf) <= 3:  # the list, the loop variable, the argument: no view of it is alive
+                return buf
+        buf = np.empty(self.layout.data_bytes, np.uint8)
+        if len(self._copies) < MAX_SPARE:
+            self._copies.append(buf)
+        return buf
 
     def close(self) -> None:
         """Unlink the weights file (the core's arrays keep the mapping until they go)."""
-        self.attached.clear()
+        for worker_id in list(self.attached):
+            self.detach(worker_id)
         if self.weights_name is not None:
             try:
                 os.unlink(os.path.join(self.directory, self.weights_name))

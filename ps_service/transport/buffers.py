@@ -17,6 +17,8 @@ import numpy as np
 POOL_BYTES = 64 << 20
 #: largest buffer the pool keeps
 POOL_MAX_BUFFER = 16 << 20
+#: smaller buffers are plain bytearrays (not worth a pool slot)
+POOL_MIN_BUFFER = 64 << 10
 
 
 class BufferPool:
@@ -27,6 +29,8 @@ class BufferPool:
 
     def take(self, n: int) -> memoryview:
         """A writable view of ``n`` bytes that nothing else uses."""
+        if n < POOL_MIN_BUFFER:
+            return memoryview(bytearray(n))
         for buf in self._kept:
             if buf.nbytes >= n and sys.getrefcount(buf) <= 3:  # the list, the loop variable, the argument
                 return memoryview(buf)[:n]

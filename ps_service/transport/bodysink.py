@@ -24,6 +24,7 @@ Under another server (or uvicorn's stock protocol) nothing writes to the sink an
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httptools
@@ -86,6 +87,20 @@ class SinkHttpToolsProtocol(HttpToolsProtocol):
         self._body_left: int | None = None
         #: the parser has been bypassed for part of this body: the rest must bypass it too
         self._bypassing = False
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to a request its HTTP parser refuses (bad framing: a bad chunk size, a
+        Content-Length that is not one non-negative number, Content-Length with chunked...), with the
+        protocol's JSON error body instead of plain text. The connection is closed."""
+        detail = ("the HTTP request is malformed (request line, headers, Content-Length or chunked encoding): "
+                  + msg[:200])
+        body = json.dumps({"error": "bad_http", "detail": detail}).encode()
+        head = [b"HTTP/1.1 400 Bad Request\r\n"]
+        head += [name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers]
+        head += [b"content-type: application/json\r\n", b"content-length: %d\r\n" % len(body),
+                 b"connection: close\r\n\r\n"]
+        self.transport.write(b"".join(head) + body)
+        self.transport.close()
 
     def on_headers_complete(self) -> None:
         super().on_headers_complete()

@@ -1,0 +1,42 @@
+"""The core's configuration (:class:`CoreConfig`), and the one place it is built from the PS settings.
+
+Contract: a frozen value; every field but ``max_rounds_kept`` is the PS setting of the same name
+(:class:`ps_service.settings.PSSettings`, ``PS_*`` variables), ``optimizer_overrides`` being the
+optimizer settings given. :meth:`CoreConfig.from_settings` maps them; a checkpoint stores the
+fields and compares them on restore.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
+
+from ps_service.rounds import CloseRule
+
+
+@dataclass(frozen=True)
+class CoreConfig:
+    replicas_to_aggregate: int | None = None
+    total_num_replicas: int | None = None
+    min_workers: int = 1
+    startup_grace_seconds: float = 2.0
+    max_steps: int | None = None
+    aggregation: str = "mean"
+    lease_seconds: float = 10.0
+    round_timeout_seconds: float | None = None
+    min_replicas: int = 1
+    #: optimizer settings given to the PS; they win over what the model's initialiser brings
+    optimizer_overrides: Mapping[str, Any] = field(default_factory=dict)
+    #: "reject" (422) or "skip" (counted, not applied) for NaN/Inf gradients
+    nonfinite_policy: str = "reject"
+    max_rounds_kept: int = 1000
+
+    @classmethod
+    def from_settings(cls, settings) -> "CoreConfig":
+        """The core's part of :class:`ps_service.settings.PSSettings` (same field names): the one mapping."""
+        given = type(settings).model_fields
+        return cls(**{f.name: getattr(settings, f.name) for f in fields(cls) if f.name in given},
+                   optimizer_overrides=settings.optimizer_overrides())
+
+    @property
+    def rule(self) -> CloseRule:
+        return CloseRule(self.replicas_to_aggregate, self.min_replicas, self.round_timeout_seconds)

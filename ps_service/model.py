@@ -1,0 +1,90 @@
+"""The model half of the PS core: weights, optimizer, global step, and their checkpoint data. Pure, no I/O.
+
+Contract:
+- The model is initialised once: the first ``init_model`` wins, later ones get 409 (they must
+  pull). Weights must be floating point; the core keeps copies, sorted by name.
+- The optimizer the PS runs is the one the initialiser brought with the PS's settings on top
+  (``optimizer_spec``); another optimizer name in the settings drops the brought hyper-parameters.
+- ``restore`` loads checkpointed weights, optimizer slots and global step; ``model_state`` is the
+  same data as plain copies (safe to encode off the event loop).
+- ``version`` bumps on every change a waiting pull may care about (``_changed``); ``tick`` is
+  the core's hook to advance time once the model is there.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+
+from ps_service.optimizers import HYPERPARAMS, TORCH_HYPERPARAMS, Optimizer, normalize_spec
+from shared.codec import FLOAT_DTYPES, dtype_name
+from shared.errors import ProtocolError, unprocessable
+from shared.protocol import ModelInit
+
+
+class ModelState:
+    def __init__(self, optimizer_overrides: Mapping[str, Any]) -> None:
+        self.optimizer_overrides = dict(optimizer_overrides)
+        self.weights: dict[str, np.ndarray] | None = None
+        self.optimizer: Optimizer | None = None
+        self.global_step = 0
+        self.version = 0
+        #: after a restore: how many members the checkpoint had active (start at once when they are back)
+        self.resume_expected: int | None = None
+
+    @property
+    def initialized(self) -> bool:
+        return self.weights is not None
+
+    def optimizer_spec(self, brought: Mapping[str, Any]) -> dict[str, Any]:
+        """The spec the PS runs: what the initialiser brought, PS settings on top."""
+        spec = dict(brought)
+        overrides = self.optimizer_overrides
+        if "name" in overrides and overrides["name"] != spec.get("name"):
+            spec = {}  # another optimizer: the brought hyper-parameters do not apply
+        spec.update(overrides)
+        table = TORCH_HYPERPARAMS if spec.get("flavor") == "torch" else HYPERPARAMS
+        allowed = {"name", "learning_rate", *table.get(spec.get("name", "sgd"), {})}
+        return normalize_spec({k: v for k, v in spec.items() if k in allowed or k not in overrides})
+
+    def init_model(self, init: ModelInit, now: float) -> None:
+        """First caller wins; later ones get 409 and must pull."""
+        if self.initialized:
+            raise ProtocolError(409, "already_initialized", f"the model is initialised (global step {self.global_step}); pull it")
+        for name, arr in init.tensors.items():
+            if dtype_name(arr.dtype) not in FLOAT_DTYPES:
+                raise unprocessable("bad_dtype", f"tensor {name!r}: model weights must be floating point")
+        spec = self.optimizer_spec(init.optimizer)
+        weights = {k: np.array(v, copy=True) for k, v in sorted(init.tensors.items())}
+        self.optimizer = Optimizer(spec, weights)
+        self.weights = weights
+        self._changed()
+        self.tick(now)
+
+    def restore(self, weights: dict[str, np.ndarray], spec: Mapping[str, Any], iterations: int,
+                slots: Mapping[str, Mapping[str, np.ndarray]], global_step: int) -> None:
+        """Load a checkpointed model (before any worker talks to this PS)."""
+        self.weights = {k: np.array(v, copy=True) for k, v in sorted(weights.items())}
+        self.optimizer = Optimizer(spec, self.weights)
+        self.optimizer.load_state(iterations, slots)
+        self.global_step = int(global_step)
+        self._changed()
+
+    def model_state(self) -> dict[str, Any]:
+        """global_step, weights and optimizer (spec, iterations, slots), arrays copied."""
+        if not self.initialized:
+            raise ProtocolError(409, "not_initialized", "nothing to checkpoint before the model is initialised")
+        opt = self.optimizer
+        return {
+            "global_step": self.global_step,
+            "weights": {k: v.copy() for k, v in self.weights.items()},
+            "optimizer": {"spec": dict(opt.spec), "iterations": opt.iterations,
+                          "slots": {s: {k: v.copy() for k, v in t.items()} for s, t in opt.slots.items()}},
+        }
+
+    def tick(self, now: float) -> bool:
+        """Advance time (the core overrides it: leases, start-up, rounds)."""
+        return False
+
+    def _changed(self) -> None:
+        self.version += 1

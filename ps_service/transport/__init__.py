@@ -1,0 +1,123 @@
+"""The PS's one tensor seam: every tensor that reaches the core, and every weights answer, passes here.
+
+Routes call :meth:`TensorSeam.receive_push` / :meth:`receive_model` and get parsed requests whose
+tensors are *owned by the PS* (writable memory nothing else uses: a request body's buffer, or a copy
+taken out of a same-host worker's file), whatever carried the bytes; they answer pulls with
+:meth:`weights_response`. No route knows which transport carried a push: the seam says only which one
+to answer through (:class:`Received` ``.via``), so a same-host worker gets its weights through the file.
+
+Transports (docs/protocol.md):
+- ``http``: the tensors are the request body, one frame (:mod:`shared.frame`), read by
+  :mod:`ps_service.transport.body`;
+- ``shm``: the body is a frame with no tensors and ``meta.shm_seq``; the tensors are in the worker's
+  gradient file (:mod:`ps_service.transport.shm`).
+Whether tensors fit the model (names, exact dtypes, shapes, finite values) is the core's check, made on
+exactly the arrays it then applies.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from ps_service.transport.body import read_body
+from ps_service.transport.buffers import POOL
+from ps_service.transport.shm import ShmHub
+from shared import frame
+from shared.errors import ProtocolError, bad_request
+from shared.protocol import STEP_HEADER, ModelInit, PushRequest, parse_model_meta, parse_push_meta
+
+
+@dataclass(frozen=True)
+class Received:
+    push: PushRequest
+    via: str  # "http" or "shm": the transport the answer goes back through
+
+
+class TensorSeam:
+    def __init__(self, settings, core) -> None:
+        self.settings = settings
+        self.core = core
+        self.shm = ShmHub(settings.shm_dir or None)
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self._key: tuple | None = None
+        self._body: bytes | memoryview = b""
+
+    async def _frame(self, request: Request) -> tuple[frame.Frame, int]:
+        s = self.settings
+        body = await read_body(request, s.max_body_bytes, frame.MEDIA_TYPE, s.body_idle_timeout_seconds)
+        return frame.decode(body), len(body)
+
+    async def receive_push(self, request: Request) -> Received:
+        """A push with its gradients in memory the core may keep (404/409 for a worker that must register)."""
+        self.drop_body()  # its buffer may serve this push's body (bounds the PS's memory)
+        f, size = await self._frame(request)
+        push, seq = parse_push_meta(f.meta)
+        core = self.core
+        if not core.initialized:
+            raise ProtocolError(409, "not_initialized", "the model is not initialised yet (PUT /v1/model)")
+        member = core.members.get(push.worker_id)  # 404 unknown_worker (a restarted PS)
+        if not member.active:
+            raise ProtocolError(409, "not_active", f"worker {member.name!r} is {member.state}; register again "
+                                                   "(POST /v1/workers)")
+        if seq is None:
+            self.bytes_in += size
+            return Received(push.with_tensors(f.tensors), "http")
+        if f.tensors:
+            raise bad_request("bad_field", "a push with shm_seq carries no tensors in its body")
+        tensors, nonfinite = self.shm.gradients(push.worker_id, seq)
+        return Received(push.with_tensors(tensors, nonfinite), "shm")
+
+    def delivered(self, got: Received) -> None:
+        """The core took the push: remember how this worker's tensors travel (monitoring)."""
+        self.shm.last_transport[got.push.worker_id] = got.via
+
+    async def receive_model(self, request: Request) -> ModelInit:
+        f, size = await self._frame(request)
+        self.bytes_in += size
+        return parse_model_meta(f.meta, f.tensors)
+
+    def via(self, shm: bool) -> str:
+        """The transport a pull answers through: the file when asked for and offered, else the body."""
+        return "shm" if shm and self.shm.weights_name is not None else "http"
+
+    def weights_response(self, via: str, headers: dict | None = None) -> Response:
+        """The current weights: a frame of them (the same bytes for every worker of a step), or, for a
+        same-host worker, a frame with no tensors (they are in the weights file)."""
+        core = self.core
+        if via == "shm":
+            self.shm.published(core.global_step)
+            body: bytes | memoryview = frame.encode_bytes({}, {**self._head(), "shm": True})
+        else:
+            body = self._weights_frame()
+            self.bytes_out += len(body)
+        return Response(body, media_type=frame.MEDIA_TYPE,
+                        headers={STEP_HEADER: str(core.global_step), **(headers or {})})
+
+    def _head(self) -> dict:
+        core = self.core
+        ranks = sorted(core.round.eligible.values()) if core.round else []
+        return {"step": core.global_step, "done": core.done, "ranks": ranks}
+
+    def _weights_frame(self) -> bytes | memoryview:
+        """The weights' frame, encoded once per (step, round membership) into a buffer that is never
+        written again while an answer still sends it: the weights may change under an answer in flight."""
+        core = self.core
+        head = self._head()
+        key = (head["step"], head["done"], tuple(head["ranks"]), core.optimizer.iterations)
+        if key != self._key:
+            self._body = b""  # the old buffer goes back to the pool once no answer sends it
+            layout = frame.Layout.of(core.weights, sorted(core.weights))
+            view = POOL.take(frame.frame_bytes(layout, head))
+            frame.write_into(view, core.weights, head, layout)
+            self._body, self._key = view, key
+        return self._body
+
+    def drop_body(self) -> None:
+        """Forget the encoded weights (a push is coming in, its round re-encodes them)."""
+        self._body, self._key = b"", None
+
+    def close(self) -> None:
+        self.shm.close()

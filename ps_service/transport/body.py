@@ -1,0 +1,76 @@
+"""Request bodies, read bounded and into memory the PS owns.
+
+:func:`read_body` is the only way a route reads a body, *in the endpoint*, after the auth dependency
+ran: content type checked first (415), size checked while streaming (413), a stalled body cut off
+(408), a client that vanished mid-body answered 400 without a traceback, a body longer than its
+Content-Length refused (400). The result is always writable memory that nothing else uses: a body
+with a Content-Length lands in one buffer of :data:`ps_service.transport.buffers.POOL` (written by
+the HTTP protocol itself where it can, :mod:`ps_service.transport.bodysink`), a chunked one in a
+``bytearray``. Arrays the receive seam makes over it are the core's to keep and sum into.
+"""
+from __future__ import annotations
+
+import asyncio
+
+from starlette.requests import ClientDisconnect, Request
+
+from ps_service.transport.bodysink import SINK_KEY, BodySink
+from ps_service.transport.buffers import POOL
+from shared.errors import ProtocolError
+
+#: default idle timeout of a body (the routes pass PS_BODY_IDLE_TIMEOUT_SECONDS)
+BODY_IDLE_TIMEOUT = 30.0
+
+
+def media_type_of(request: Request) -> str:
+    return request.headers.get("content-type", "").split(";")[0].strip().lower()
+
+
+async def read_body(request: Request, limit: int, media_types: tuple[str, ...] | str,
+                    idle_timeout: float = BODY_IDLE_TIMEOUT) -> memoryview | bytearray:
+    """The request body, refused with 415 for another content type, 413 past ``limit``, 408 if it stalls."""
+    allowed = (media_types,) if isinstance(media_types, str) else media_types
+    ctype = media_type_of(request)
+    if ctype not in allowed:
+        raise ProtocolError(415, "unsupported_media_type", f"send {' or '.join(allowed)}, not {ctype[:64] or 'nothing'!r}")
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not (declared.isascii() and declared.isdigit()):
+            raise ProtocolError(400, "bad_content_length", "content-length must be a non-negative integer")
+        if int(declared) > limit:
+            raise ProtocolError(413, "body_too_large", f"body of {declared} bytes exceeds the limit of {limit}")
+    sink = BodySink(POOL.take(int(declared))) if declared is not None else None
+    chunks = bytearray() if sink is None else None
+    if sink is not None:
+        request.scope[SINK_KEY] = sink
+    loop = asyncio.get_running_loop()
+    try:
+        async with asyncio.timeout(idle_timeout) as deadline:
+            while True:
+                message = await request.receive()
+                if message["type"] == "http.disconnect":
+                    raise ClientDisconnect()
+                chunk = message.get("body", b"")
+                if sink is not None:
+                    if chunk:
+                        sink.write(chunk)
+                else:
+                    chunks += chunk
+                    if len(chunks) > limit:
+                        raise ProtocolError(413, "body_too_large", f"body exceeds the limit of {limit} bytes")
+                deadline.reschedule(loop.time() + idle_timeout)  # every wake-up brings bytes (or the end)
+                if not message.get("more_body", False):
+                    break
+    except TimeoutError:
+        raise ProtocolError(408, "body_timeout", f"the body stalled for {idle_timeout:g} s") from None
+    except ClientDisconnect:
+        raise ProtocolError(400, "client_disconnected", "the client went away before the end of the body") from None
+    except ValueError:
+        raise ProtocolError(400, "bad_content_length", "the body is longer than its content-length") from None
+    finally:
+        request.scope.pop(SINK_KEY, None)
+    if sink is not None:
+        if not sink.full:
+            raise ProtocolError(400, "bad_content_length", "the body is shorter than its content-length")
+        return sink.view
+    return chunks

@@ -1,0 +1,39 @@
+"""What a ``WORKER_TASK=package.module:factory`` factory may return to train a torch model with the stock
+worker (``python -m worker_service``), instead of writing a numpy task.
+
+``factory(seed=..., dtype=...)`` returns a :class:`TorchJob`; the worker wraps it into the task
+interface (``worker_service/tasks/torch_task.py``): each step it loads the PS's weights into the
+model, runs ``loss_fn(model(*inputs), target)`` on its shard of the round's batch (a batch of
+``dataset`` is a tuple whose last item is the target, the others the model's inputs), backpropagates
+and pushes the gradients. ``evaluate`` reports ``metrics(model, eval_dataset)``, by default the mean
+loss and, for class logits, the accuracy on ``eval_dataset``. Build the model from ``seed`` so every
+worker starts from the same weights (the first one initialises the PS; the others pull anyway).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+@dataclass
+class TorchJob:
+    #: the torch.nn.Module to train (CPU)
+    model: Any
+    #: training examples: a map-style Dataset (TensorDataset is indexed without per-example Python) or a
+    #: tuple of tensors (inputs..., target) with the examples along the first dimension
+    dataset: Any
+    #: loss_fn(output, target) -> the batch's mean loss (a scalar tensor)
+    loss_fn: Callable[[Any, Any], Any]
+    #: a torch.optim optimizer over model.parameters() (its hyper-parameters run on the PS) or a PS spec
+    optimizer: Any
+    #: held-out examples for evaluate (same form as dataset), or None
+    eval_dataset: Any = None
+    #: metrics(model, eval_dataset) -> {name: float}; None: mean loss and, for class logits, accuracy
+    metrics: Callable[[Any, Any], dict[str, float]] | None = None
+    #: the sampling stream's shuffle and seed (syncps.sampling)
+    shuffle: bool = True
+    seed: int = 0
+    #: "mean" (buffers averaged at each round) or "local" (syncps.tensors)
+    buffers: str = "mean"
+    #: push zeros for parameters whose .grad is None instead of letting the PS refuse the push
+    allow_unused: bool = False

@@ -1,0 +1,92 @@
+"""A torch module's tensors as the PS names them, and the zero-copy moves between the two.
+
+Contract:
+
+- **Parameters** that require grad are PS tensors under their ``named_parameters()`` names; their
+  gradients (``p.grad``) are pushed. Frozen parameters (``requires_grad=False``) stay on the worker:
+  build them identically everywhere (e.g. from the same pretrained file).
+- **Buffers** (``buffers="mean"``, the default): every persistent floating-point buffer (BatchNorm's
+  ``running_mean`` / ``running_var``) is a PS tensor named ``"buffer:" + name``. A worker pushes the
+  buffer's value after its forward pass where a parameter pushes its gradient; the PS sets the buffer
+  to the mean of the round's values (``ps_service.optimizers.BUFFER_PREFIX``). Integer buffers
+  (``num_batches_tracked``) and non-persistent ones stay local. ``buffers="local"``: none goes to the PS.
+- :meth:`ModelTensors.grads` gives numpy **views** of the gradients (no copy for contiguous CPU
+  tensors; a copy otherwise), valid until the next backward pass; a missing ``.grad`` is left out
+  (the PS then answers that the tensor is missing) unless ``allow_unused``, which sends zeros.
+- :meth:`ModelTensors.load` copies PS tensors into the module in place (``torch.no_grad``), casting
+  nothing silently but dtype (the PS refuses a gradient of another dtype at the next push); a shape
+  that differs raises :class:`ModelMismatch` naming the tensor.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Mapping
+
+import numpy as np
+import torch
+
+BUFFER_PREFIX = "buffer:"  # ps_service.optimizers.BUFFER_PREFIX (the PS is not imported here)
+BUFFER_RULES = ("mean", "local")
+
+
+class ModelMismatch(ValueError):
+    """The PS's model and this worker's module disagree on a tensor."""
+
+
+def as_numpy(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of ``t``'s memory (a copy when it is not a contiguous CPU tensor)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.dtype == torch.bfloat16:
+        raise TypeError("bfloat16 tensors cannot travel to the PS (no numpy dtype): use float16 or float32")
+    return t.numpy()
+
+
+class ModelTensors:
+    def __init__(self, model: torch.nn.Module, buffers: str = "mean") -> None:
+        if buffers not in BUFFER_RULES:
+            raise ValueError(f"buffers must be one of {BUFFER_RULES}, not {buffers!r}")
+        self.params: dict[str, torch.Tensor] = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        if not self.params:
+            raise ValueError("the model has no parameter that requires grad: nothing to train")
+        persistent = set(model.state_dict())
+        self.buffers: dict[str, torch.Tensor] = {
+            BUFFER_PREFIX + n: b for n, b in model.named_buffers()
+            if buffers == "mean" and n in persistent and b.is_floating_point()}
+        self.all = {**self.params, **self.buffers}
+
+    def init_tensors(self) -> dict[str, np.ndarray]:
+        """The tensors the PS is initialised with (views of the module's memory)."""
+        return {name: as_numpy(t) for name, t in self.all.items()}
+
+    def grads(self, allow_unused: bool = False) -> dict[str, np.ndarray]:
+        """The push: each parameter's gradient and each buffer's value, as numpy views."""
+        out: dict[str, np.ndarray] = {}
+        for name, p in self.params.items():
+            if p.grad is not None:
+                out[name] = as_numpy(p.grad)
+            elif allow_unused:
+                out[name] = np.zeros(tuple(p.shape), as_numpy(torch.empty(0, dtype=p.dtype)).dtype)
+        for name, b in self.buffers.items():
+            out[name] = as_numpy(b)
+        return out
+
+    def load(self, tensors: Mapping[str, np.ndarray]) -> None:
+        """Copy the PS's tensors into the module's parameters and buffers, in place."""
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # from_numpy of a read-only view: we only read it
+            for name, t in self.all.items():
+                arr = tensors.get(name)
+                if arr is None:
+                    continue
+                if tuple(arr.shape) != tuple(t.shape):
+                    raise ModelMismatch(f"the PS holds {name!r} with shape {list(arr.shape)}, "
+                                        f"this model has {list(t.shape)}")
+                t.copy_(torch.from_numpy(arr))
+
+    def torch_name(self, ps_name: str) -> str:
+        """The module's name of a PS tensor (buffers lose their prefix)."""
+        return ps_name[len(BUFFER_PREFIX):] if ps_name.startswith(BUFFER_PREFIX) else ps_name

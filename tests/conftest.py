@@ -1,0 +1,67 @@
+"""Suite-wide plumbing: the "degraded checks" summary and where local clusters put their logs.
+
+**Degraded checks.** A test that cannot do its full check on this machine (no promtool, no Chromium, no
+Docker engine) says so with :func:`degraded`; ``make test``'s final summary lists every such check
+under "degraded checks", or says that none was, so a green run without its real checks never passes
+for a full one. (pytest's own ``-ra`` lines still list the skips.)
+
+**Cluster logs.** Every :class:`cluster.processes.LocalCluster` a test starts (also those started by
+subprocesses such as ``python -m cluster`` and the benchmarks) logs under one ``syncps-tests-*``
+folder, and keeps its logs there until the session ends (``SYNCPS_LOG_ROOT``, ``SYNCPS_KEEP_LOGS``):
+a failing test can still show them. The folder is removed when the session passes and kept, named
+in the summary, when it fails.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+#: check -> what ran instead (or why it did not run), in the order they were reported
+DEGRADED: dict[str, str] = {}
+_LOG_ROOT: Path | None = None
+_SAVED_ENV: dict[str, str | None] = {}
+
+
+def degraded(check: str, reason: str) -> None:
+    """Report that ``check`` ran degraded or was skipped for want of something on this machine."""
+    DEGRADED.setdefault(check, reason)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _LOG_ROOT
+    if _LOG_ROOT is not None:
+        return
+    # named now, made by the first LocalCluster that needs it: a session without one leaves nothing behind
+    _LOG_ROOT = Path(tempfile.gettempdir()) / f"syncps-tests-{os.getpid()}-{secrets.token_hex(4)}"
+    for key, value in (("SYNCPS_LOG_ROOT", str(_LOG_ROOT)), ("SYNCPS_KEEP_LOGS", "1")):
+        _SAVED_ENV[key] = os.environ.get(key)
+        os.environ[key] = value
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    for key, value in _SAVED_ENV.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    if _LOG_ROOT is None or not _LOG_ROOT.exists():
+        return
+    if exitstatus in (0, 5) or not any(_LOG_ROOT.iterdir()):  # passed (or nothing ran), or nothing to show
+        shutil.rmtree(_LOG_ROOT, ignore_errors=True)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    tr = terminalreporter
+    tr.section("degraded checks")
+    if DEGRADED:
+        for check, reason in DEGRADED.items():
+            tr.write_line(f"DEGRADED {check}: {reason}")
+    else:
+        tr.write_line("none: every environment-dependent check that was selected ran in full")
+    if _LOG_ROOT is not None and _LOG_ROOT.exists() and any(_LOG_ROOT.iterdir()):
+        tr.write_line(f"local cluster logs of this session kept in {_LOG_ROOT}")

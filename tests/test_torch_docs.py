@@ -1,0 +1,30 @@
+"""docs/torch.md's training script runs as written: two copies train against a real PS until it is done."""
+from __future__ import annotations
+
+import re
+import tempfile
+from pathlib import Path
+
+from cluster.processes import wait_for
+from tests.live_ps import live_ps
+from tests.torch_util import logs, start_workers
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "torch.md"
+STEPS = 30
+
+
+def test_the_documented_script_trains_with_two_workers():
+    script = re.search(r"## A training script.*?```python\n(.*?)```", DOC.read_text(), re.S).group(1)
+    assert 15 <= len(script.strip().splitlines()) <= 25
+    with tempfile.TemporaryDirectory(prefix="syncps-doc-") as tmp, \
+            live_ps(min_workers=2, max_steps=STEPS, startup_grace_seconds=0) as ps:
+        path = Path(tmp) / "train.py"
+        path.write_text(script)
+        procs = start_workers(2, ps.url, {}, Path(tmp), script=str(path))
+        wait_for(lambda: all(p.exitcode is not None for p in procs), 120, "the scripts to end", 0.1)
+        out = logs(Path(tmp))
+        assert [p.exitcode for p in procs] == [0, 0], out
+        with ps.http() as http:
+            assert http.get("/v1/status").json()["state"] == "done"
+    assert out.count(f"done at global step {STEPS}, last loss") == 2, out
+    assert "rank 0, the round's ranks (0, 1)" in out and "rank 1, the round's ranks (0, 1)" in out, out

@@ -1,0 +1,121 @@
+"""A worker's default name: its container's compose name (``syncps-worker-1``), else ``hostname:pid``.
+
+Under Compose a worker is its container's PID 1 on a user-defined network, whose DNS (Docker's embedded
+server) answers a reverse lookup of the container's address with ``<container name>.<network>``: the
+name ``docker compose ps`` shows, without a Docker socket. The C resolver cannot be asked (it answers
+from /etc/hosts, where Docker maps the address to the container id), so this module sends the one PTR
+query itself, over UDP, with a timeout.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import time
+
+#: how long the compose-name lookup may take before the worker falls back to hostname:pid
+NAME_LOOKUP_SECONDS = 3.0
+RESOLV_CONF = "/etc/resolv.conf"
+
+
+def _nameserver() -> str | None:
+    """The first nameserver of /etc/resolv.conf (in a container on a compose network: Docker's, 127.0.0.11)."""
+    try:
+        with open(RESOLV_CONF, encoding="utf-8") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 2 and parts[0] == "nameserver":
+                    return parts[1]
+    except OSError:
+        pass
+    return None
+
+
+def _read_name(msg: bytes, pos: int, hops: int = 0) -> tuple[str, int]:
+    """A (possibly compressed) domain name at ``pos`` of a DNS message; (name, position after it)."""
+    labels = []
+    while True:
+        n = msg[pos]
+        if n & 0xC0 == 0xC0:  # a pointer to a name earlier in the message
+            if hops > 16:
+                raise ValueError("DNS name pointer loop")
+            rest, _ = _read_name(msg, ((n & 0x3F) << 8) | msg[pos + 1], hops + 1)
+            return ".".join([*labels, rest] if rest else labels), pos + 2
+        pos += 1
+        if n == 0:
+            return ".".join(labels), pos
+        labels.append(msg[pos:pos + n].decode("ascii", "replace"))
+        pos += n
+
+
+def reverse_dns(ip: str, server: str, timeout: float, port: int = 53) -> str | None:
+    """The PTR name of an IPv4 address, asked of ``server`` (UDP, one query, ``timeout`` seconds).
+
+    Asked of the DNS server directly: the C resolver would answer from /etc/hosts, where Docker
+    maps the container's address to its hostname (the container id)."""
+    qid = int.from_bytes(os.urandom(2), "big")
+    qname = b"".join(bytes([len(x)]) + x.encode() for x in [*reversed(ip.split(".")), "in-addr", "arpa"]) + b"\0"
+    query = struct.pack(">HHHHHH", qid, 0x0100, 1, 0, 0, 0) + qname + struct.pack(">HH", 12, 1)  # PTR, IN
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.settimeout(timeout)
+        s.sendto(query, (server, port))
+        msg = s.recv(4096)
+    rid, flags, qd, an = struct.unpack(">HHHH", msg[:8])
+    if rid != qid or flags & 0x000F or an == 0:  # not ours, an error (NXDOMAIN...), or no answer
+        return None
+    pos = 12
+    for _ in range(qd):
+        pos = _read_name(msg, pos)[1] + 4
+    for _ in range(an):
+        pos = _read_name(msg, pos)[1]
+        rtype, _, _, rdlen = struct.unpack(">HHIH", msg[pos:pos + 10])
+        pos += 10
+        if rtype == 12:
+            return _read_name(msg, pos)[0].rstrip(".") or None
+        pos += rdlen
+    return None
+
+
+def compose_name(timeout: float = NAME_LOOKUP_SECONDS) -> str | None:
+    """The container's name on its Docker network (``syncps-worker-1``), or None.
+
+    Docker's embedded DNS answers a reverse lookup of a container's address on a user-defined
+    network (every compose network) with ``<container name>.<network>``; the first label is the
+    name ``docker compose ps`` shows. No Docker socket is needed. Every query has a timeout and the
+    whole lookup a deadline; it is retried until then (right after a container (re)starts, its
+    record may lag its process by a moment). Anything unexpected means None: hostname:pid then."""
+    end = time.monotonic() + timeout
+    server = _nameserver()
+    if server is None:
+        return None
+    try:
+        host = socket.gethostname()
+        ip = socket.gethostbyname(host)  # /etc/hosts: the container's address on its network
+    except OSError:
+        return None
+    while True:
+        left = end - time.monotonic()
+        if left <= 0:
+            return None
+        try:
+            fqdn = reverse_dns(ip, server, min(1.0, left))
+        except (OSError, ValueError, IndexError, struct.error):
+            fqdn = None
+        if fqdn:
+            label, _, network = fqdn.partition(".")
+            return label if label and network and label != host else None
+        time.sleep(min(0.2, max(0.0, end - time.monotonic())))
+
+
+def default_name() -> str:
+    """The container's compose name (``syncps-worker-1``) when the worker is a container's main
+    process (PID 1, as in docker-compose.yml) on a network that names it; else hostname:pid.
+
+    Both are stable across a restart of the same container (its name, its hostname, PID 1 again),
+    so it re-registers under the same name and gets its rank back; processes sharing a host get
+    distinct names (their pids), and so do the containers of a service (their names)."""
+    if os.getpid() == 1:
+        name = compose_name()
+        if name:
+            return name
+    return f"{socket.gethostname()}:{os.getpid()}"

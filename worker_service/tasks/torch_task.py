@@ -1,0 +1,103 @@
+"""The task interface over a :class:`syncps.job.TorchJob`: how the stock worker trains a torch model.
+
+``load_task`` wraps what a ``package.module:factory`` returns when it is a TorchJob (anything without
+``loss_and_grads``). The model is cast to the worker's dtype (``WORKER_DTYPE``) and its tensors are
+named as :mod:`syncps.tensors` says (parameters, ``buffer:`` buffers). Each step loads the PS's weights
+into the model in place, runs the forward and backward pass on this worker's shard
+(:func:`syncps.sampling.round_batch`: the round's global batch, split by the round's ranks) and
+returns numpy views of the gradients, which the loop pushes before the next step reuses them.
+
+Threads: unless ``OMP_NUM_THREADS`` says otherwise, torch computes on one thread. Workers usually share
+a host with other workers (``--scale worker=4``); torch's default of one thread per core in every
+process oversubscribes the cores and spins (a 6 ms step of ``cnn`` took 500 ms with 4 workers on 2 cores).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from syncps.job import TorchJob
+from syncps.sampling import round_batch
+from syncps.spec import optimizer_spec
+from syncps.tensors import ModelTensors
+
+#: examples per forward pass when evaluating
+EVAL_CHUNK = 4096
+
+
+def take(dataset: Any, idx: np.ndarray, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """Examples ``idx`` of ``dataset`` as a tuple of batched tensors, floating ones in ``dtype``."""
+    columns = dataset.tensors if isinstance(dataset, torch.utils.data.TensorDataset) else dataset
+    if isinstance(columns, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in columns):
+        rows = torch.from_numpy(idx)
+        batch = tuple(t[rows] for t in columns)
+    else:
+        batch = tuple(torch.utils.data.default_collate([dataset[int(i)] for i in idx]))
+    return tuple(t.to(dtype) if t.is_floating_point() else t for t in batch)
+
+
+def _length(dataset: Any) -> int:
+    if isinstance(dataset, (tuple, list)):
+        return len(dataset[0])
+    return len(dataset)
+
+
+class TorchTask:
+    def __init__(self, job: TorchJob, dtype: str = "float32", name: str | None = None) -> None:
+        if "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(1)
+        self.job = job
+        self.name = name or f"torch:{type(job.model).__name__}"
+        self.dtype = getattr(torch, dtype)
+        job.model.to(self.dtype)
+        self.tensors = ModelTensors(job.model, job.buffers)
+        self.spec = dict(job.optimizer) if isinstance(job.optimizer, Mapping) else optimizer_spec(job.optimizer)
+        self.n = _length(job.dataset)
+
+    def init_params(self) -> dict[str, np.ndarray]:
+        return {k: v.copy() for k, v in self.tensors.init_tensors().items()}
+
+    def optimizer(self) -> dict[str, Any]:
+        return self.spec
+
+    def batch(self, step: int, shard_index: int, shard_count: int, batch_size: int) -> tuple[torch.Tensor, ...]:
+        idx = round_batch(self.n, step, shard_index, shard_count, batch_size, self.job.seed, self.job.shuffle)
+        return take(self.job.dataset, idx, self.dtype)
+
+    def loss_and_grads(self, params: Mapping[str, np.ndarray], batch: tuple[torch.Tensor, ...]
+                       ) -> tuple[float, dict[str, np.ndarray], int]:
+        model = self.job.model
+        self.tensors.load(params)
+        model.train()
+        model.zero_grad(set_to_none=True)
+        *inputs, target = batch
+        loss = self.job.loss_fn(model(*inputs), target)
+        loss.backward()
+        return float(loss.detach()), self.tensors.grads(self.job.allow_unused), len(target)
+
+    def evaluate(self, params: Mapping[str, np.ndarray]) -> dict[str, float]:
+        job = self.job
+        if job.eval_dataset is None:
+            return {}
+        self.tensors.load(params)
+        job.model.eval()
+        with torch.no_grad():
+            if job.metrics is not None:
+                return {k: float(v) for k, v in job.metrics(job.model, job.eval_dataset).items()}
+            return self._default_metrics()
+
+    def _default_metrics(self) -> dict[str, float]:
+        job, n = self.job, _length(self.job.eval_dataset)
+        loss = correct = 0.0
+        classes = True
+        for lo in range(0, n, EVAL_CHUNK):
+            *inputs, target = take(job.eval_dataset, np.arange(lo, min(n, lo + EVAL_CHUNK)), self.dtype)
+            out = job.model(*inputs)
+            loss += float(job.loss_fn(out, target)) * len(target)
+            classes = classes and out.dim() == 2 and target.dim() == 1 and not target.is_floating_point()
+            if classes:
+                correct += float((out.argmax(1) == target).sum())
+        return {"loss": loss / n, **({"accuracy": correct / n} if classes else {})}

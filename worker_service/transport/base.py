@@ -1,0 +1,108 @@
+"""The worker's tensor transport: the one interface its client pushes gradients and pulls weights through.
+
+Two layers, in the spirit of httpx's ``BaseTransport`` and ps-lite's ``van``:
+
+- a :class:`Connection` moves one HTTP exchange (:class:`worker_service.rawhttp.RawConnection` in
+  production; :class:`worker_service.transport.faults.FaultyConnection` wraps any connection to drop
+  or duplicate exchanges in drills);
+- a :class:`TensorTransport` decides where a message's tensors travel: in the request body
+  (:class:`worker_service.transport.http.BodyTransport`) or through same-host files
+  (:class:`worker_service.transport.shm.ShmTransport`). The client picks one when the worker attaches
+  and calls only :meth:`TensorTransport.push` / :meth:`TensorTransport.pull` afterwards.
+
+Every exchange goes through the client's ``call`` (timeouts, retries); a transport never retries by itself.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Protocol, Sequence
+
+import numpy as np
+
+from shared import frame
+from shared.protocol import API, PUSH_STATUS_HEADER
+
+
+class Response(Protocol):
+    status_code: int
+    headers: Mapping[str, str]  # lower-case names
+    content: bytes | memoryview
+
+    def json(self) -> Any: ...
+
+
+class Connection(Protocol):
+    """One HTTP/1.1 exchange at a time; ConnectionLost (worker_service.rawhttp) when it breaks."""
+
+    def request(self, method: str, target: str, headers: Mapping[str, str], body: Sequence[bytes | memoryview] = (),
+                timeout: float = 30.0) -> Response: ...
+
+    def close(self) -> None: ...
+
+
+#: the client's retried exchange: call(method, path, *, params, body, headers, timeout) -> Response (4xx raised)
+Call = Callable[..., Response]
+
+
+@dataclass(frozen=True)
+class Pulled:
+    step: int
+    done: bool
+    ranks: list[int]
+    tensors: dict[str, np.ndarray]
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class PushAnswer:
+    status: str
+    step: int
+    done: bool
+    pulled: Pulled | None  # the next weights, when the PS answered with them
+
+
+class TensorTransport(ABC):
+    name = "?"
+
+    def __init__(self, call: Call) -> None:
+        self.call = call
+
+    @abstractmethod
+    def push_body(self, meta: dict, grads: Mapping[str, np.ndarray]) -> list[bytes | memoryview]:
+        """The push's body (one frame) with the tensors wherever this transport puts them."""
+
+    @abstractmethod
+    def pull_params(self) -> dict:
+        """Query parameters this transport adds to a pull."""
+
+    @abstractmethod
+    def weights(self, answer: frame.Frame) -> dict[str, np.ndarray]:
+        """The weights of a pull answer."""
+
+    def pulled(self, body: bytes | memoryview) -> Pulled:
+        f = frame.decode(body)
+        m = f.meta
+        return Pulled(m["step"], m["done"], list(m.get("ranks", [])), self.weights(f), len(body))
+
+    def push(self, meta: dict, grads: Mapping[str, np.ndarray], wait: float, timeout: float) -> PushAnswer:
+        """Push, and wait at most ``wait`` s for the round to close and its weights to come back."""
+        resp = self.call("POST", f"{API}/gradients", params={"pull": 1, "timeout": wait},
+                         body=self.push_body(meta, grads), headers={"content-type": frame.MEDIA_TYPE},
+                         timeout=timeout + wait, what=f"POST {API}/gradients (step {meta['step']})")
+        if resp.headers.get("content-type", "").startswith(frame.MEDIA_TYPE):
+            got = self.pulled(resp.content)
+            return PushAnswer(resp.headers[PUSH_STATUS_HEADER.lower()], got.step, got.done, got)
+        obj = resp.json()
+        return PushAnswer(obj["status"], obj["step"], obj["done"], None)
+
+    def pull(self, min_step: int, worker_id: str | None, wait: float, timeout: float) -> Pulled | None:
+        params: dict[str, Any] = {"min_step": min_step, "timeout": wait, **self.pull_params()}
+        if worker_id:
+            params["worker_id"] = worker_id
+        resp = self.call("GET", f"{API}/model", params=params, timeout=timeout + wait,
+                         what=f"GET {API}/model (step {min_step})")
+        return None if resp.status_code == 204 else self.pulled(resp.content)
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,74 @@
+"""A fault-injecting connection: an unreliable network between a worker and the PS, for tests and drills.
+
+:class:`FaultyConnection` wraps the production connection (``worker_service.rawhttp.RawConnection``),
+so a drill runs through the same code as training, whichever tensor transport (request bodies or
+same-host files) the worker uses. Each exchange, independently, with the configured probabilities (a
+seeded ``random.Random``, so a run's fault pattern is reproducible for a given sequence of requests):
+
+- ``drop_before``: the request never reaches the PS; the client gets ``ConnectionLost`` (nothing was
+  processed).
+- ``drop_after``: the PS processes the request and answers, but the answer is lost; the client gets
+  ``ConnectionLost`` (it must retry a request that already took effect: the case idempotency exists for).
+- ``duplicate``: the request reaches the PS twice (the network duplicated it); the client gets the first
+  answer.
+
+Enabled in a worker by the ``WORKER_FAULT_*`` settings; counts of what was injected are in ``counts``.
+"""
+from __future__ import annotations
+
+import random
+import threading
+from typing import Mapping, Sequence
+
+from worker_service.rawhttp import ConnectionLost
+from worker_service.transport.base import Connection, Response
+
+
+class FaultyConnection:
+    def __init__(self, inner: Connection, drop_before: float = 0.0, drop_after: float = 0.0, duplicate: float = 0.0,
+                 seed: int | str = 0) -> None:
+        if min(drop_before, drop_after, duplicate) < 0 or drop_before + drop_after + duplicate > 1:
+            raise ValueError("fault probabilities must be >= 0 and sum to at most 1")
+        self.inner = inner
+        self.drop_before, self.drop_after, self.duplicate = drop_before, drop_after, duplicate
+        self.rng = random.Random(seed)
+        self.counts = {"requests": 0, "drop_before": 0, "drop_after": 0, "duplicate": 0}
+        self._lock = threading.Lock()
+
+    def _draw(self) -> str | None:
+        with self._lock:
+            self.counts["requests"] += 1
+            x = self.rng.random()
+            for kind in ("drop_before", "drop_after", "duplicate"):
+                p = getattr(self, kind)
+                if x < p:
+                    self.counts[kind] += 1
+                    return kind
+                x -= p
+            return None
+
+    def request(self, method: str, target: str, headers: Mapping[str, str], body: Sequence[bytes | memoryview] = (),
+                timeout: float = 30.0) -> Response:
+        fault = self._draw()
+        if fault == "drop_before":
+            raise ConnectionLost(f"fault injected: {method} {target.split('?')[0]} dropped before the PS")
+        response = self.inner.request(method, target, headers, body, timeout)
+        if fault == "drop_after":
+            raise ConnectionLost(f"fault injected: the answer to {method} {target.split('?')[0]} was lost")
+        if fault == "duplicate":
+            first = response
+            self.inner.request(method, target, headers, body, timeout)
+            return first
+        return response
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def from_settings(s, inner: Connection) -> Connection:
+    """``inner`` wrapped as the ``WORKER_FAULT_*`` settings ask (seeded with fault_seed and the worker's
+    name), or ``inner`` itself when they are all 0."""
+    if not (s.fault_drop_before or s.fault_drop_after or s.fault_duplicate):
+        return inner
+    return FaultyConnection(inner, s.fault_drop_before, s.fault_drop_after, s.fault_duplicate,
+                            seed=f"{s.fault_seed}:{s.name}")

@@ -1,0 +1,23 @@
+"""Tensors in the request and response bodies: each push body and each weights answer is one frame."""
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+
+from shared import frame
+from worker_service.transport.base import TensorTransport
+
+
+class BodyTransport(TensorTransport):
+    name = "http"
+
+    def push_body(self, meta: dict, grads: Mapping[str, np.ndarray]) -> list[bytes | memoryview]:
+        return frame.encode(grads, meta)  # the arrays' memory is sent as it is (scatter-gather)
+
+    def pull_params(self) -> dict:
+        return {}
+
+    def weights(self, answer: frame.Frame) -> dict[str, np.ndarray]:
+        # views of the answer's buffer; copied only if the buffer leaves them unaligned (BLAS wants aligned)
+        return {k: v if v.flags.aligned else v.copy() for k, v in answer.tensors.items()}

@@ -1,0 +1,25 @@
+"""A :class:`~worker_service.transport.base.Connection` over httpx, for PS URLs the raw connection does
+not speak (``https://``, a PS behind a TLS proxy). Slower (it copies bodies), same contract."""
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import httpx
+
+from worker_service.rawhttp import ConnectionLost
+
+
+class HttpxConnection:
+    def __init__(self, base_url: str) -> None:
+        self.client = httpx.Client(base_url=base_url, limits=httpx.Limits(max_keepalive_connections=2))
+
+    def request(self, method: str, target: str, headers: Mapping[str, str], body: Sequence[bytes | memoryview] = (),
+                timeout: float = 30.0) -> httpx.Response:
+        try:
+            content = b"".join(bytes(p) if isinstance(p, memoryview) else p for p in body) if body else None
+            return self.client.request(method, target, headers=dict(headers), content=content, timeout=timeout)
+        except httpx.TransportError as exc:
+            raise ConnectionLost(f"{type(exc).__name__}: {exc}") from None
+
+    def close(self) -> None:
+        self.client.close()
