@@ -14,7 +14,7 @@ from fastapi import APIRouter, Query, Request, Response
 from pydantic import BaseModel, Field
 
 from ps_service.http import JSON_BODY_LIMIT, parse_json
-from ps_service.runtime import Runtime, runtime
+from ps_service.runtime import runtime
 from ps_service.transport.body import read_body
 from shared.errors import ProtocolError
 from shared.protocol import API, FRAME, FRAME_BODY, JSON, PUSH_STATUS_HEADER, STEP_HEADER

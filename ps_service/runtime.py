@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Awaitable, Callable
+from typing import Callable
 
 from ps_service.core import CoreConfig, ParameterServerCore
 from ps_service.settings import PSSettings

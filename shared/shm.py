@@ -77,10 +77,6 @@ class Region:
         """The tensors over the mapping (writable if the mapping is)."""
         return self.layout.views(self.data)
 
-    @property
-    def nonce(self) -> bytes:
-        return bytes(self.mapping[16:16 + NONCE_BYTES])
-
 
 def open_in(directory: str, name: str, flags: int) -> int:
     """Open ``directory/name`` without following a symlink: a regular file of this user with one link,

@@ -9,7 +9,6 @@ import tracemalloc
 
 import msgpack
 import numpy as np
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -7,7 +7,7 @@ import inspect
 import numpy as np
 import pytest
 
-from ps_service import api, hotpath
+from ps_service import hotpath
 from tests.live_ps import live_ps
 from tests.wire import FRAME, push_frame
 
