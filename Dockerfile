@@ -1,34 +1,47 @@
 # One image for both services: `python -m ps_service` (the default command) and `python -m worker_service`.
 # Dependencies are installed from pyproject.toml alone, before the code is copied, so a code change
 # rebuilds in seconds. Plain Dockerfile syntax: builds with BuildKit and with the legacy builder.
+# Two stages: `deps` pip-installs the dependencies into a virtualenv, /opt/venv (without a pip of its
+# own: the base image's pip installs into it), which the image copies, so wheels handed to the build
+# (wheels/, below) never end up in the image.
+FROM python:3.11-slim AS deps
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PATH=/opt/venv/bin:$PATH
+RUN python -m venv --without-pip /opt/venv
+
+ARG EXTRAS=mlp
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+
+WORKDIR /build
+# wheels/*.whl, if any (`wheels*`: the build works without the directory; .dockerignore lets in nothing
+# else of it): wheels pip may take instead of downloading them (--find-links), e.g. torch's CPU wheel
+# where TORCH_INDEX_URL is out of reach; with a torch-*.whl there, that index is not asked at all.
+COPY pyproject.toml wheels* ./
+RUN python -c "import os, tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
+extras = os.environ.get('EXTRAS', '').replace(',', ' ').split(); \
+print('\n'.join(p['dependencies'] + [d for e in extras for d in p['optional-dependencies'][e]]))" \
+      > requirements.txt \
+ && case ",$EXTRAS," in *,torch,*) ls torch-*.whl >/dev/null 2>&1 || set -- --extra-index-url "$TORCH_INDEX_URL" ;; esac \
+ && pip --python /opt/venv/bin/python install --find-links . "$@" -r requirements.txt
+
 FROM python:3.11-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    PYTHONPATH=/app
+    PYTHONPATH=/app \
+    VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:$PATH
 
-# Optional dependency groups of pyproject.toml to install: "mlp" (scikit-learn) lets workers run
-# WORKER_TASK=mlp; `--build-arg EXTRAS=` gives a smaller image that runs the linear task only;
-# EXTRAS=mlp,torch adds PyTorch (the cnn task, syncps.torch scripts) from TORCH_INDEX_URL, PyTorch's CPU
-# wheels: PyPI's torch 2.13.0 for Linux brings several GB of CUDA libraries (docs/torch.md).
-ARG EXTRAS=mlp
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-
-WORKDIR /app
-COPY pyproject.toml .
-RUN python -c "import os, tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
-extras = os.environ.get('EXTRAS', '').replace(',', ' ').split(); \
-print('\n'.join(p['dependencies'] + [d for e in extras for d in p['optional-dependencies'][e]]))" \
-      > /tmp/requirements.txt \
- && case ",$EXTRAS," in *,torch,*) set -- --extra-index-url "$TORCH_INDEX_URL" ;; *) set -- ;; esac \
- && pip install "$@" -r /tmp/requirements.txt \
- && rm /tmp/requirements.txt
-
+COPY --from=deps /opt/venv /opt/venv
 # A non-root user; /data/checkpoints belongs to it, so a fresh named volume mounted there does too.
 RUN useradd --create-home --uid 10001 --user-group syncps \
  && mkdir -p /data/checkpoints && chown -R syncps:syncps /data
+WORKDIR /app
 COPY shared/ shared/
 COPY ps_service/ ps_service/
 COPY worker_service/ worker_service/

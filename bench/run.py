@@ -11,6 +11,10 @@ through the PS: gradients in + weights out), ``ps_cpu_s`` (PS CPU seconds in the
 ``steps``, ``window_s``, ``load_avg``. Exit status 1 (and an ``error`` field) when the
 run failed.
 
+``--compression X`` (``none``, ``bf16``, ``fp16``, ``topk``, ``2bit``) sets the job's ``PS_COMPRESSION`` (with
+``--transport http``: same-host workers stay uncompressed); the line gets ``compression`` and
+``wire_MB_per_s``, the bytes the PS really received and sent per second (``/v1/status``).
+
 ``--task cnn`` measures the torch ``cnn`` task instead (worker_service/tasks/cnn.py, batch 32 per
 worker; ``--params`` does not apply): its side-by-side with torch DDP is ``python -m bench.ddp_cnn``.
 """
@@ -56,7 +60,7 @@ def _global_step(client: httpx.Client) -> tuple[float, int, dict]:
 
 def measure(workers: int, params: int, seconds: float, warmup: float = 2.0, dtype: str = "float32",
             ps_env: dict | None = None, worker_env: dict | None = None, start_deadline: float = 120.0,
-            transport: str = "auto", task: str = "linear") -> dict:
+            transport: str = "auto", task: str = "linear", compression: str = "none") -> dict:
     """One run; the result line as a dict."""
     p, (d, k), task_env = task_workload(task, params)
     out: dict = {"system": "syncps", "workers": workers, "params": p, "params_requested": int(params)}
@@ -64,6 +68,9 @@ def measure(workers: int, params: int, seconds: float, warmup: float = 2.0, dtyp
         out.update(task=task, params_requested=p)
     if transport == "http":  # no same-host transport: every tensor crosses the loopback socket
         worker_env = {"WORKER_SHM_DIR": "", **(worker_env or {})}
+    if compression != "none":
+        out["compression"] = compression
+        ps_env = {"PS_COMPRESSION": compression, **(ps_env or {})}
     cluster = LocalCluster(
         workers,
         ps_env={"PS_TOTAL_NUM_REPLICAS": workers, "PS_LOG_LEVEL": "warning", **(ps_env or {})},
@@ -81,7 +88,7 @@ def measure(workers: int, params: int, seconds: float, warmup: float = 2.0, dtyp
             wait_for(training, start_deadline, "training to start", interval=0.1)
             time.sleep(warmup)
             cpu0 = _cpu_seconds(cluster.ps.pid)
-            t0, g0, _ = _global_step(client)
+            t0, g0, st0 = _global_step(client)
             time.sleep(seconds)
             t1, g1, st = _global_step(client)
             cpu1 = _cpu_seconds(cluster.ps.pid)
@@ -93,6 +100,7 @@ def measure(workers: int, params: int, seconds: float, warmup: float = 2.0, dtyp
             "final_loss": st["loss"]["last"],
             "peak_rss_MB": round(_proc_status(cluster.ps.pid, "VmHWM") or 0.0, 1),
             "tensor_MB_per_s": round(2 * workers * p * 4 / 1e6 * rate, 3),
+            "wire_MB_per_s": round(sum(st[k] - st0[k] for k in ("bytes_received", "bytes_sent")) / 1e6 / (t1 - t0), 3),
             "ps_cpu_s": None if cpu0 is None or cpu1 is None else round(cpu1 - cpu0, 3),
             "steps": g1 - g0, "window_s": round(t1 - t0, 3), "batch": 32, "d": d, "k": k, "dtype": dtype,
             "load_avg": round(os.getloadavg()[0], 2),
@@ -122,11 +130,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--transport", choices=["auto", "http"], default="auto",
                     help="auto: the same-host transport when available (the default of a local cluster); "
                          "http: every tensor over the loopback socket")
+    ap.add_argument("--compression", choices=["none", "bf16", "fp16", "topk", "2bit"], default="none",
+                    help="the job's gradient compression (PS_COMPRESSION; applies to request bodies: --transport http)")
     args = ap.parse_args(argv)
     ok = True
     for _ in range(args.repeat):
         line = measure(args.workers, args.params, args.seconds, args.warmup, args.dtype, transport=args.transport,
-                       task=args.task)
+                       task=args.task, compression=args.compression)
         ok = ok and line.get("steps_per_s") is not None
         print(json.dumps(line), flush=True)
     return 0 if ok else 1

@@ -3,12 +3,17 @@
 For each cell (params x workers) of the grid, side by side in one run on this machine:
 syncps (:mod:`bench.run`, ``--repeat`` runs, the median is tabled), as a local cluster runs it
 (workers on the PS's host use the same-host transport) and with every tensor over TCP
-(``WORKER_SHM_DIR=''``), then, when
+(``WORKER_SHM_DIR=''``), over TCP with each gradient compression of ``--compressions`` (``PS_COMPRESSION``:
+a column each, steps/s and the ratio to torch gloo's float32 all-reduce), then, when
 ``../shared/bench/compare.sh`` exists, TensorFlow SyncReplicasOptimizer and torch gloo
 all-reduce on the same workload (its first use creates virtual environments under
 ``~/.cache/syncps-anchors``, about 5 minutes). Every JSON line goes to ``--out``; the table
 (steps/s, ratios, the PS's peak RSS and payload rate) is printed at the end with the date,
 the machine and the load average.
+
+Then, when torch is installed (the ``torch`` extra), the CNN task (``WORKER_TASK=cnn``: a PyTorch model
+through ``syncps.torch``) for each of ``--cnn-workers``: syncps same-host and over TCP (``--repeat`` runs)
+next to torch DistributedDataParallel with gloo (:mod:`bench.ddp_cnn`, ``--cnn-steps`` steps), a second table.
 """
 from __future__ import annotations
 
@@ -65,11 +70,13 @@ def fmt(v: float | None, digits: int = 3) -> str:
     return f"{v:,.{max(0, digits - len(str(int(abs(v)))))}f}" if abs(v) < 10 ** digits else f"{v:,.0f}"
 
 
-def table(cells: list[tuple[int, int]], results: dict) -> str:
-    """syncps as a local cluster runs it (same-host transport) and with every tensor over TCP, next to the anchors."""
+def table(cells: list[tuple[int, int]], results: dict, compressions: tuple[str, ...] = ()) -> str:
+    """syncps as a local cluster runs it (same-host transport) and with every tensor over TCP, next to the anchors;
+    then a column per compression over TCP (steps/s, and its ratio to torch)."""
     rows = ["| params | workers | syncps steps/s | syncps TCP steps/s | TF steps/s | torch steps/s | syncps / TF "
-            "| syncps / torch | TCP / TF | TCP / torch | PS peak RSS MB (TCP) | PS payload MB/s |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "| syncps / torch | TCP / TF | TCP / torch | PS peak RSS MB (TCP) | PS payload MB/s |"
+            + "".join(f" TCP {c} steps/s (/ torch) |" for c in compressions),
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(compressions)]
     for params, workers in cells:
         r = results[(params, workers)]
         ours, tcp, tf, torch = (median_of(r[k], "steps_per_s") for k in ("syncps", "syncps_tcp", "tf", "torch"))
@@ -77,7 +84,39 @@ def table(cells: list[tuple[int, int]], results: dict) -> str:
         rss = lambda k: fmt(median_of(r[k], "peak_rss_MB"), 0)  # noqa: E731
         rows.append(f"| {params:,} | {workers} | {fmt(ours)} | {fmt(tcp)} | {fmt(tf)} | {fmt(torch)} "
                     f"| {ratio(ours, tf)} | {ratio(ours, torch)} | {ratio(tcp, tf)} | {ratio(tcp, torch)} "
-                    f"| {rss('syncps')} ({rss('syncps_tcp')}) | {fmt(median_of(r['syncps'], 'tensor_MB_per_s'), 0)} |")
+                    f"| {rss('syncps')} ({rss('syncps_tcp')}) | {fmt(median_of(r['syncps'], 'tensor_MB_per_s'), 0)} |"
+                    + "".join(f" {fmt(rate)} ({ratio(rate, torch)}) |"
+                              for rate in (median_of(r[c], "steps_per_s") for c in compressions)))
+    return "\n".join(rows)
+
+
+def _has_torch() -> bool:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def ddp_cnn(workers: int, steps: int) -> dict:
+    """torch DDP (gloo) on the cnn task: its JSON line (an ``error`` line if it failed)."""
+    try:
+        out = subprocess.run([sys.executable, "-m", "bench.ddp_cnn", "--workers", str(workers), "--steps", str(steps)],
+                             cwd=ROOT, capture_output=True, text=True, timeout=900).stdout
+    except subprocess.TimeoutExpired:
+        out = ""
+    lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    return lines[-1] if lines else {"system": "torch_ddp_gloo", "workers": workers, "error": "no output"}
+
+
+def cnn_table(results: dict) -> str:
+    """The CNN task: syncps (same-host, TCP) next to torch DDP gloo, steps/s and ratios."""
+    rows = ["| workers | syncps steps/s | syncps TCP steps/s | DDP gloo steps/s | syncps / DDP | TCP / DDP |",
+            "|---:|---:|---:|---:|---:|---:|"]
+    for workers, r in sorted(results.items()):
+        ours, tcp, ddp = (median_of(r[k], "steps_per_s") for k in ("syncps", "syncps_tcp", "ddp"))
+        ratio = lambda a, b: f"{a / b:.2f}x" if a and b else "-"  # noqa: E731
+        rows.append(f"| {workers} | {fmt(ours)} | {fmt(tcp)} | {fmt(ddp)} | {ratio(ours, ddp)} | {ratio(tcp, ddp)} |")
     return "\n".join(rows)
 
 
@@ -87,7 +126,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--params", default="4,1000000,10000000")
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--repeat", type=int, default=3, help="syncps runs per cell (median tabled)")
+    ap.add_argument("--compressions", default="bf16,fp16,topk,2bit",
+                    help="PS_COMPRESSION values measured over TCP, a column each ('' for none)")
     ap.add_argument("--anchors", default="tf,torch", help="anchor systems to run ('' for none)")
+    ap.add_argument("--cnn-workers", default="4", help="worker counts of the CNN table ('' for none; needs torch)")
+    ap.add_argument("--cnn-steps", type=int, default=200, help="DDP steps per CNN run")
     ap.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "syncps-bench.jsonl"),
                     help="every JSON line, appended")
     args = ap.parse_args(argv)
@@ -96,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[bench] {COMPARE} not found: syncps only", file=sys.stderr)
         systems = []
     cells = [(int(p), int(n)) for p in args.params.split(",") for n in args.workers.split(",")]
+    compressions = tuple(c for c in args.compressions.split(",") if c)
     results: dict = {}
     started = time.strftime("%Y-%m-%d %H:%M %Z")
     with open(args.out, "a") as out:
@@ -105,17 +149,30 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(line), file=sys.stderr, flush=True)
             return line
         for params, workers in cells:
-            r = results[(params, workers)] = {"syncps": [], "syncps_tcp": [], "tf": [], "torch": []}
+            r = results[(params, workers)] = {"syncps": [], "syncps_tcp": [], "tf": [], "torch": [],
+                                              **{c: [] for c in compressions}}
             for _ in range(args.repeat):
                 r["syncps"].append(keep(measure(workers, params, args.seconds)))
                 r["syncps_tcp"].append(keep(measure(workers, params, args.seconds, transport="http")))
+                for c in compressions:
+                    r[c].append(keep(measure(workers, params, args.seconds, transport="http", compression=c)))
             for line in anchors(workers, params, args.seconds, systems) if systems else []:
                 kind = next((k for k, name in ANCHORS.items() if line.get("system") == name), None)
                 if kind:
                     r[kind].append(keep(line))
+        cnn: dict = {}
+        for workers in [int(n) for n in args.cnn_workers.split(",") if n] if _has_torch() else []:
+            r = cnn[workers] = {"syncps": [], "syncps_tcp": [], "ddp": []}
+            for _ in range(args.repeat):
+                r["syncps"].append(keep(measure(workers, 0, args.seconds, task="cnn")))
+                r["syncps_tcp"].append(keep(measure(workers, 0, args.seconds, task="cnn", transport="http")))
+            r["ddp"].append(keep(ddp_cnn(workers, args.cnn_steps)))
     print(f"\nsyncps vs anchors, steps (rounds) per second, float32; {started}; {machine()}; "
           f"load average at the end {os.getloadavg()[0]:.2f}\n")
-    print(table(cells, results))
+    print(table(cells, results, compressions))
+    if cnn:
+        print("\nThe cnn task (PyTorch model through syncps.torch) against torch DDP gloo, steps per second\n")
+        print(cnn_table(cnn))
     ok = all(median_of(results[c]["syncps"], "steps_per_s") for c in cells)
     return 0 if ok else 1
 

@@ -19,10 +19,14 @@ def main(argv: list[str] | None = None) -> None:
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     settings = PSSettings(**overrides)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s ps %(levelname)s %(message)s")
-    # uvloop + httptools, with large bodies written straight into the routes' buffers (ps_service/transport/bodysink.py)
+    # httptools, with large bodies written straight into the routes' buffers (ps_service/transport/bodysink.py).
+    # PS_EVENT_LOOP: uvloop (default) reads large bodies at half asyncio's CPU (1e7 params over TCP: 98-104 against
+    # 194-203 ms of PS CPU per step); asyncio's loop accepts every pending connection at once where uvloop (libuv
+    # 1.52) accepts one per loop turn, which matters with a thousand workers opening connections under load
+    # (docs/performance.md, "Load: many workers on one PS").
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level,
                 access_log=False, timeout_graceful_shutdown=5, timeout_keep_alive=settings.http_keepalive_seconds,
-                http=BufferedSinkProtocol)
+                http=BufferedSinkProtocol, loop=settings.event_loop)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,8 @@ class Registered(BaseModel):
     rejoined: bool
     lease_seconds: float
     state: str
+    compression: dict = Field(description='The job\'s gradient compression of body pushes (PS_COMPRESSION): '
+                                          '{"name", "topk_ratio", "threshold"} (docs/protocol.md, Compression).')
 
 
 @router.post("/workers", response_model=Registered, openapi_extra={"requestBody": {
@@ -53,7 +55,7 @@ async def register(request: Request) -> Registered:
     return Registered(worker_id=m.worker_id, name=m.name, rank=m.rank, start_step=start,
                       global_step=rt.core.global_step, model_initialized=rt.core.initialized,
                       rejoined=m.registrations > 1, lease_seconds=rt.settings.lease_seconds,
-                      state=rt.core.state().value)
+                      state=rt.core.state().value, compression=rt.tensors.compression.to_wire())
 
 
 @router.delete("/workers/{worker_id}")
@@ -88,13 +90,14 @@ async def pull(request: Request, min_step: int = Query(0, ge=0), timeout: float 
                                                     "the weights are in the weights file (GET /v1/shm).")) -> Response:
     rt = runtime(request)
     core = rt.core
-    ready = lambda: core.initialized and (core.done or (core.started and core.global_step >= min_step))  # noqa: E731
+    ready = lambda: core.initialized and (core.done or (  # noqa: E731
+        core.started and core.global_step >= min_step and core.may_pull(worker_id)))  # SSP: the bound
     ok = await rt.wait_for(ready, timeout, worker_id)
     if not core.initialized:
         raise ProtocolError(409, "not_initialized", "the model is not initialised yet (PUT /v1/model)")
     if not ok:
         return Response(status_code=204, headers={STEP_HEADER: str(core.global_step)})
-    return rt.tensors.weights_response(rt.tensors.via(shm))
+    return rt.tensors.weights_response(answer_via(core, rt.tensors.via(shm)))
 
 
 @router.post("/gradients", responses={200: {"description": '{"status": accepted|stale|duplicate|late|skipped, "step", "done"}'}},
@@ -107,11 +110,19 @@ async def push(request: Request, pull: bool = Query(False, description=(
     got = await rt.tensors.receive_push(request)
     result = rt.run_guarded(lambda: rt.core.push(got.push, rt.now()))
     rt.tensors.delivered(got)
-    core, step, worker_id, via = rt.core, got.push.step, got.push.worker_id, got.via
+    core, step, worker_id, via = rt.core, got.push.step, got.push.worker_id, answer_via(rt.core, got.via)
     del got  # the round holds what it needs, and frees it once aggregated
-    if pull and await rt.wait_for(lambda: core.done or core.global_step > step, timeout, worker_id):
+    ready = lambda: core.done or (core.global_step > step and core.may_pull(worker_id))  # noqa: E731
+    if pull and await rt.wait_for(ready, timeout, worker_id):
         return rt.tensors.weights_response(via, {PUSH_STATUS_HEADER: result.status.value})
     return {"status": result.status.value, "step": result.step, "done": core.done}
+
+
+def answer_via(core, via: str) -> str:
+    """The transport weights go back through. In async/ssp always the body: the optimizer updates the
+    same-host weights file in place at every push, while a worker would read it (a torn read); a body
+    is a snapshot, encoded once per step (same-host pushes still go through the worker's file)."""
+    return via if core.modes is None else "http"
 
 
 class ShmAttach(BaseModel):

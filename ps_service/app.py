@@ -8,7 +8,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from ps_service import api, auth, checkpoint, dashboard, metrics, monitoring
+from ps_service import api, auth, checkpoint, dashboard, metrics, monitoring, probes
 from ps_service.hotpath import HotPath
 from ps_service.http import install_error_handlers
 from ps_service.runtime import Runtime
@@ -26,7 +26,8 @@ def create_app(settings: PSSettings | None = None) -> FastAPI:
         app.state.metrics = metrics.attach(rt)
         task = asyncio.create_task(rt.ticker())
         try:
-            yield
+            async with probes.listening(rt, settings.host, settings.probe_port):  # PS_PROBE_PORT (ps_service/probes.py)
+                yield
         finally:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

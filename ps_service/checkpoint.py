@@ -7,7 +7,8 @@ Contract (the format is documented in docs/checkpoint.md, with a plain-script re
   "version": 2, "sha256": hex, "payload": bin}`` where ``payload`` is one tensor
   frame (:mod:`shared.frame`) of :meth:`ps_service.core.ParameterServerCore.export_state`:
   tensors ``weights/<name>`` and ``slots/<slot>/<name>``, everything else in its
-  ``meta``, plus ``written_at``. No pickle anywhere.
+  ``meta``, plus ``written_at``. In ``PS_MODE=async|ssp`` the meta also has ``staleness``
+  (``{"floor", "clocks": {worker_id: clock}}``: ps_service/staleness.py); older files lack it. No pickle anywhere.
 - A write goes to a hidden temp file, is fsynced, renamed over the final name
   and the directory fsynced: a reader sees the old file or the new one, never
   half of one. Then only the newest ``keep`` checkpoints are kept and
@@ -78,6 +79,8 @@ def encode(state: dict[str, Any], written_at: float) -> tuple[bytes, str]:
     meta = {"global_step": state["global_step"], "written_at": written_at,
             "optimizer": {"spec": opt["spec"], "iterations": opt["iterations"]},
             "members": state["members"], "config": state["config"]}
+    if state.get("staleness") is not None:
+        meta["staleness"] = state["staleness"]
     payload = frame.encode_bytes(tensors, meta)
     digest = hashlib.sha256(payload).hexdigest()
     return pack({"format": FORMAT, "version": VERSION, "sha256": digest, "payload": payload}), digest
@@ -111,7 +114,7 @@ def decode(data: bytes) -> dict[str, Any]:
 
 
 def _validated(meta: dict, tensors: dict[str, np.ndarray]) -> dict[str, Any]:
-    if set(meta) != {"global_step", "written_at", "optimizer", "members", "config"}:
+    if set(meta) - {"staleness"} != {"global_step", "written_at", "optimizer", "members", "config"}:
         raise CheckpointError(f"meta has the fields {sorted(meta)}")
     step = _int(meta["global_step"], "global_step")
     written_at = meta["written_at"]
@@ -151,7 +154,22 @@ def _validated(meta: dict, tensors: dict[str, np.ndarray]) -> dict[str, Any]:
                 raise CheckpointError(f"{key!r} has NaN or Inf values")
     return {"global_step": step, "written_at": float(written_at), "weights": weights,
             "optimizer": {"spec": spec, "iterations": iterations, "slots": slots},
-            "members": _members(meta["members"]), "config": _config(meta["config"])}
+            "members": _members(meta["members"]), "config": _config(meta["config"]),
+            "staleness": _staleness(meta.get("staleness"))}
+
+
+def _staleness(data: Any) -> dict | None:
+    """async/ssp clocks: {"floor": int >= 0, "clocks": {worker_id: int >= 0}} (None: not saved)."""
+    if data is None:
+        return None
+    if not isinstance(data, dict) or set(data) != {"floor", "clocks"} or not isinstance(data["clocks"], dict):
+        raise CheckpointError("staleness must be {floor, clocks}")
+    _int(data["floor"], "staleness floor")
+    for wid, clock in data["clocks"].items():
+        if not isinstance(wid, str):
+            raise CheckpointError("staleness clocks must be keyed by worker id")
+        _int(clock, "a worker's clock")
+    return {"floor": data["floor"], "clocks": dict(data["clocks"])}
 
 
 def _members(members: Any) -> list[dict]:

@@ -29,6 +29,12 @@ class CoreConfig:
     #: "reject" (422) or "skip" (counted, not applied) for NaN/Inf gradients
     nonfinite_policy: str = "reject"
     max_rounds_kept: int = 1000
+    #: "sync" (the barrier), "async" or "ssp" (each gradient applied on arrival: ps_service/staleness.py)
+    mode: str = "sync"
+    #: ssp's bound s (per-worker clocks)
+    ssp_staleness: int = 3
+    #: async/ssp: gradients older than this many global steps are refused stale (None: no limit)
+    max_staleness: int | None = None
 
     @classmethod
     def from_settings(cls, settings) -> "CoreConfig":

@@ -5,6 +5,10 @@ and returns what happened; the routes are thin drivers and the tests drive it by
 The parts: :mod:`ps_service.membership` (names, ranks, leases, waits), :mod:`ps_service.rounds`
 (the open round, its closing rule, the round record), :mod:`ps_service.accumulator` (gradient
 validation, the rank-order sum), :mod:`ps_service.model` (weights, optimizer, global step).
+Cost (issue 17), K members: a push, heartbeat or wait does amortised O(log K) work, a tick
+O(log K) per lease that ended or was renewed (the parts keep their counts, heaps and orders up
+to date at each change); only opening and closing a round (once per round), a newcomer joining
+a stuck round, and the monitoring views walk the members.
 
 Barrier semantics (TensorFlow's SyncReplicasOptimizer, done right; docs/protocol.md):
 
@@ -31,6 +35,11 @@ Barrier semantics (TensorFlow's SyncReplicasOptimizer, done right; docs/protocol
 - Start: round 0 opens once the model is initialised and ``min_workers`` are active, after
   ``startup_grace_seconds`` (at once when N or R, or the members of a restored checkpoint,
   are active). ``max_steps``: at that step the job is done.
+
+Modes (``config.mode``): the above is ``sync``. In ``async`` and ``ssp`` no round ever opens: each accepted
+gradient is applied on arrival (:mod:`ps_service.on_arrival`), the clocks, the SSP bound and the staleness
+records are ``self.modes`` (:class:`ps_service.staleness.BoundedStaleness`), fed every join, leave and
+expiry; :meth:`may_pull` is the SSP gate of a worker's pull.
 """
 from __future__ import annotations
 
@@ -38,12 +47,14 @@ from collections import deque
 from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
-from ps_service.accumulator import Accumulator, validate
+from ps_service import on_arrival
+from ps_service.accumulator import Accumulator, finite_or_refuse, validate
 from ps_service.config import CoreConfig
 from ps_service.membership import ACTIVE, Member, Membership
 from ps_service.model import ModelState
 from ps_service.rates import RateMeter
 from ps_service.rounds import Arrival, Progress, Round, RoundRecord
+from ps_service.staleness import BoundedStaleness
 from shared.errors import ProtocolError, unprocessable
 from shared.protocol import JobState, PushRequest, PushStatus
 
@@ -69,7 +80,11 @@ class ParameterServerCore(ModelState):
         self.last_round: Round | None = None
         self.rounds: deque[RoundRecord] = deque(maxlen=config.max_rounds_kept)
         self.rounds_closed = 0  # since this process started
-        self.rates = RateMeter(RATE_WINDOW_SECONDS)  # samples (rounds_closed, examples) at ticks
+        self.gradients_applied = 0  # since this process started, every mode
+        self.rates = RateMeter(RATE_WINDOW_SECONDS)  # samples (rounds_closed, examples, gradients_applied) at ticks
+        #: async/ssp: clocks, the SSP bound, staleness records (None: sync)
+        self.modes = BoundedStaleness.for_mode(config.mode, config.ssp_staleness, config.max_staleness)
+        self._ranks: tuple[int, tuple[int, ...]] = (-1, ())  # (members.changes, active ranks) cache
         self.push_counts = {s.value: 0 for s in PushStatus} | {"skipped": 0}
         self.loss_history: deque[tuple[int, float]] = deque(maxlen=10000)
         self.examples = 0
@@ -82,8 +97,10 @@ class ParameterServerCore(ModelState):
 
     def export_state(self) -> dict[str, Any]:
         """What a checkpoint keeps, as plain data with copied arrays (safe to encode off the event loop):
-        weights, optimizer (spec, iterations, slots), global step, members (ids, names, ranks), config."""
-        return {**self.model_state(), "members": self.members.export(),
+        weights, optimizer (spec, iterations, slots), global step, members (ids, names, ranks), config; in
+        async/ssp the clocks too (``staleness``)."""
+        extra = {} if self.modes is None else {"staleness": self.modes.export()}
+        return {**self.model_state(), "members": self.members.export(), **extra,
                 "config": {f: dict(v) if isinstance(v, Mapping) else v for f, v in vars(self.config).items()}}
 
     def import_state(self, state: Mapping[str, Any], now: float) -> None:
@@ -93,6 +110,8 @@ class ParameterServerCore(ModelState):
         opt = state["optimizer"]
         self.restore(state["weights"], opt["spec"], opt["iterations"], opt["slots"], state["global_step"])
         self.resume_expected = self.members.load(state["members"], now) or None
+        if self.modes is not None and state.get("staleness") is not None:
+            self.modes.load(state["staleness"], now)  # nobody live: each comes back at max(its clock, floor)
         self._changed()
 
     # ---- membership --------------------------------------------------------------------
@@ -106,23 +125,30 @@ class ParameterServerCore(ModelState):
         returning = prev is None or not prev.active
         m, _ = self.members.register(name, now)
         wid, start, r = m.worker_id, self.global_step, self.round
+        if self.modes is not None:
+            self.modes.join(wid, now)
         if r is not None:
+            r.member_changed(wid, not returning, True)
             if wid in r.acc:
                 start += 1  # its gradient for this round is in
             elif returning or not r.counts(wid):
                 if self._progress(r, now, but=wid).stuck:  # nobody else can close it: join it now
-                    r.gone.discard(wid)
-                    r.eligible[wid] = m.rank
+                    r.join(wid, m.rank)
                 else:  # joins at the next round boundary; this round does not wait for it
                     if wid in r.eligible:
-                        r.gone.add(wid)
+                        r.drop(wid)
                     start += 1
         self._changed()
         self.tick(now)
         return m, start
 
     def leave(self, worker_id: str, now: float) -> Member:
+        was_alive = self.members.is_active(worker_id)
         m = self.members.leave(worker_id, now)
+        if self.modes is not None:
+            self.modes.drop(m.worker_id, now)
+        if self.round is not None:
+            self.round.member_changed(m.worker_id, was_alive, False)
         self._changed()
         self.tick(now)
         return m
@@ -151,11 +177,29 @@ class ParameterServerCore(ModelState):
         return self.config.total_num_replicas or self.config.replicas_to_aggregate
 
     def _progress(self, r: Round, now: float | None = None, but: str | None = None) -> Progress:
-        by_id = self.members.by_id
-        return self.rule.progress(r, lambda w: w != but and by_id[w].state == ACTIVE, now)
+        return self.rule.progress(r, now, but)
+
+    def may_pull(self, worker_id: str | None) -> bool:
+        """May this worker get weights for its next iteration now? Only SSP ever says no (the bound); a pull
+        without a worker id is not gated. O(1)."""
+        return self.modes is None or worker_id is None or self.modes.may_pull(worker_id)
+
+    @property
+    def pull_floor(self) -> int | None:
+        """What an SSP pull waits on besides the step: the slowest live clock (None: no SSP)."""
+        return None if self.modes is None or self.modes.bound is None else self.modes.floor
+
+    def ranks(self) -> tuple[int, ...]:
+        """The ranks a pull names (sharding): the open round's, else the active members' (cached per
+        membership change); sorted. O(1) per call while membership is still."""
+        if self.round is not None:
+            return self.round.ranks
+        if self._ranks[0] != self.members.changes:
+            self._ranks = (self.members.changes, tuple(sorted(m.rank for m in self.members.active_by_id.values())))
+        return self._ranks[1]
 
     def progress(self, now: float | None = None) -> Progress | None:
-        """Where the open round stands (None: no round open)."""
+        """Where the open round stands (None: no round open); O(1), its ``awaited`` names O(K) on first use."""
         return None if self.round is None else self._progress(self.round, now)
 
     def needed(self, r: Round | None = None) -> int:
@@ -169,13 +213,15 @@ class ParameterServerCore(ModelState):
         if self.done:
             return None
         if not self.started:
-            active, want = len(self.members.active()), max(1, self.config.min_workers)
+            active, want = self.members.active_count, max(1, self.config.min_workers)
             if active < want:
                 return f"waiting for workers: {active} of min_workers {want} registered"
             return "start-up grace: waiting for more workers before step 0"
+        if self.modes is not None:
+            return on_arrival.wait_reason(self, now)
         r, p = self.round, self._progress(self.round)
         got, quorum, want = len(r.acc), self.rule.quorum, self.rule.replicas_to_aggregate
-        if p.stuck and not got and not any(self.members.by_id[w].active for w in r.eligible if r.counts(w)):
+        if p.stuck and not got and not r.live:
             return "no live member in this round: waiting for a worker to (re)register"
         if p.stuck:
             return (f"R={want} is out of reach: {got} gradient(s) in, below min_replicas {quorum}: "
@@ -190,16 +236,23 @@ class ParameterServerCore(ModelState):
 
     def tick(self, now: float) -> bool:
         """Advance time: leases, start-up, round closing rule. True if anything changed."""
-        changed = bool(self.members.expire(now))
+        gone = self.members.expire(now)
+        for m in gone:
+            if self.round is not None:
+                self.round.member_changed(m.worker_id, True, False)
+            if self.modes is not None:
+                self.modes.drop(m.worker_id, now)
+        changed = bool(gone)
         if not self.started and self.initialized and not self.done:
-            active = len(self.members.active())
+            active = self.members.active_count
             if active >= max(1, self.config.min_workers):
                 if self._ready_since is None:
                     self._ready_since = now
                 expected = self.expected_workers() or self.resume_expected
                 if (expected and active >= expected) or now - self._ready_since >= self.config.startup_grace_seconds:
                     self.started, self.started_at = True, now
-                    self._open_round(now)
+                    if self.modes is None:
+                        self._open_round(now)
                     changed = True
             else:
                 self._ready_since = None
@@ -209,7 +262,7 @@ class ParameterServerCore(ModelState):
                 self._close(now, reason)
                 changed = True
         if self.started:
-            self.rates.sample(now, (self.rounds_closed, self.examples))
+            self.rates.sample(now, (self.rounds_closed, self.examples, self.gradients_applied))
         if changed:
             self._changed()
         return changed
@@ -219,17 +272,21 @@ class ParameterServerCore(ModelState):
             self.round = None
             return
         eligible = {m.worker_id: m.rank for m in self.members.active()}
-        self.round = Round(self.global_step, now, eligible, Accumulator(tuple(self.weights), self.config.aggregation))
+        self.round = Round(self.global_step, now, eligible, Accumulator(tuple(self.weights), self.config.aggregation),
+                           self.members.is_active)
 
     def _close(self, now: float, reason: str) -> None:
         r = self.round
+        r.acc.settle()  # borrowed gradients changed since they were taken are left out now (the record says so)
         rec = r.record(now, reason, lambda w: self.members.by_id[w].name, self.rule.replicas_to_aggregate)
-        if len(r.acc):  # none when every contribution was skipped (NaN/Inf): the step passes without an update
-            self.optimizer.apply(self.weights, r.acc.take(), consume=True)
+        if rec.aggregated:  # none when every contribution was skipped (NaN/Inf): the step passes without an update
+            total, n = r.acc.take_sum()
+            self.optimizer.apply(self.weights, total, consume=True, mean_of=n)
         if rec.loss is not None:
             self.loss_history.append((r.step, rec.loss))
         self.rounds.append(rec)
         self.rounds_closed += 1
+        self.gradients_applied += rec.aggregated
         self.last_round = r
         self.global_step += 1
         self._open_round(now)
@@ -244,16 +301,26 @@ class ParameterServerCore(ModelState):
             raise ProtocolError(409, "not_active", f"worker {m.name!r} is {m.state}; register again (POST /v1/workers)")
         if req.step > self.global_step:
             raise unprocessable("future_step", f"step {req.step} is ahead of the global step {self.global_step}")
-        if req.step == self.global_step and self.round is None:
+        if self.modes is None and req.step == self.global_step and self.round is None:
             raise ProtocolError(409, "not_started", "no round is open (waiting for workers, or done)")
-        finite = validate(self.weights, req.tensors, self.config.nonfinite_policy, req.nonfinite)  # all checks before any change
+        policy, borrowed = self.config.nonfinite_policy, req.borrowed
+        finite = validate(self.weights, req.tensors, policy, check_finite=borrowed is None)  # every check first
+        if self.modes is not None:  # async/ssp: read (if borrowed) and classify; applied below
+            verdict, grads = on_arrival.classify(self, m, req, finite, now)
+            status = verdict.status
+        else:
+            status, grads = self._classify(m, req.step, finite), req.tensors
+            if borrowed is not None and status is PushStatus.ACCEPTED:  # read it once, checked as read
+                grads = self.round.read(m.worker_id, borrowed, eager=not self.rule.replicas_to_aggregate)
+                borrowed.confirm()
+                if not finite_or_refuse(grads.nonfinite, policy):
+                    status = PushStatus.SKIPPED
         self.members.touch(req.worker_id, now)
         m.phase_reports += 1
         for k in ("fetch", "compute", "push"):
             m.phase_sums[k] += getattr(req.timings, k)
         if req.loss is not None:
             m.last_loss = req.loss
-        status = self._classify(m, req.step, finite)
         self.push_counts[status.value] += 1
         m.pushes[status.value] = m.pushes.get(status.value, 0) + 1
         if status is not PushStatus.DUPLICATE:
@@ -261,7 +328,10 @@ class ParameterServerCore(ModelState):
             if len(m.recent) > RECENT_STEPS:
                 del m.recent[min(m.recent)]
         before = self.global_step
-        self._take(m, req, status, now)
+        if self.modes is not None:
+            on_arrival.take(self, req, verdict, grads)
+        else:
+            self._take(m, req, status, now, grads)
         self._changed()
         return PushResult(status, self.global_step, self.global_step != before)
 
@@ -277,13 +347,13 @@ class ParameterServerCore(ModelState):
             return PushStatus.LATE
         return PushStatus.STALE
 
-    def _take(self, m: Member, req: PushRequest, status: PushStatus, now: float) -> None:
+    def _take(self, m: Member, req: PushRequest, status: PushStatus, now: float, grads) -> None:
         r, wid, at = self.round, m.worker_id, Arrival(m.worker_id, m.name, m.rank, now)
         if status is PushStatus.ACCEPTED:
-            r.accept(at, req.tensors, req.loss, req.num_examples, eager=not self.rule.replicas_to_aggregate)
+            r.accept(at, grads, req.loss, req.num_examples, eager=not self.rule.replicas_to_aggregate)
             self.examples += req.num_examples or 0
         elif status is PushStatus.SKIPPED and req.step == self.global_step and wid in r.eligible and wid not in r.acc:
-            r.skipped.add(wid)  # its part in the round is over: do not wait for it
+            r.skip(wid)  # its part in the round is over: do not wait for it
         else:
             if status is PushStatus.LATE and req.step == self.global_step:
                 r.late.append(at)

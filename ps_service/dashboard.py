@@ -3,8 +3,9 @@
 The page (``static/dashboard.html``, ``.js``, ``.css``) draws with plain SVG:
 no CDN, no third-party script, no build step. It reads ``/v1/status``,
 ``/v1/workers``, ``/v1/rounds`` and ``/v1/loss`` once a second and shows the
-job state, the current step, the loss curve, rounds/s, the open round and a
-per-worker table with the straggler highlighted. Files are read once, at import.
+job state, the current step, the loss curve, rounds/s (and gradients/s), the open round, the
+workers' clocks with their spread and the staleness percentiles (async/ssp), and a per-worker table
+(clock and mean staleness included) with the straggler highlighted. Files are read once, at import.
 
 With ``PS_MONITOR_TOKEN`` set, the script sends the token given in the page's
 ``#token=<token>`` fragment as a bearer header to the monitoring API (the

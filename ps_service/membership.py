@@ -14,9 +14,17 @@ Contract:
   never expires a member with a wait in flight, ``end_wait`` ends one and renews
   the lease from then. Waits are counted per member, so overlapping ones nest.
 - Every change is appended to ``events`` (bounded) with its time.
+
+Cost: no call scans the members. ``expire`` pops a heap of lease ends (one entry per member, renewing
+is free: an entry that comes due for a renewed lease is pushed back to its new end), so a tick costs
+O(log K) per lease that ran out or was renewed since its entry; the active members, their count and
+the ranks present members hold (for the lowest free rank) are kept up to date at every state change.
+Only :meth:`active` (sorted, once per round) and :meth:`all` / :meth:`export` (monitoring,
+checkpoints) walk them.
 """
 from __future__ import annotations
 
+import heapq
 import secrets
 from collections import deque
 from dataclasses import dataclass, field
@@ -35,7 +43,7 @@ class Member:
     state: str
     registered_at: float
     last_seen: float
-    lease_until: float
+    _lease_until: float
     registrations: int = 1
     #: counts of push outcomes, by PushStatus value
     pushes: dict[str, int] = field(default_factory=dict)
@@ -45,10 +53,46 @@ class Member:
     phase_sums: dict[str, float] = field(default_factory=lambda: {"fetch": 0.0, "compute": 0.0, "push": 0.0})
     phase_reports: int = 0
     last_loss: float | None = None
+    #: the lease ends this member is scheduled in (None: not yet handed to a :class:`Membership`)
+    _leases: LeaseHeap | None = field(default=None, repr=False, compare=False)
 
     @property
     def active(self) -> bool:
         return self.state == ACTIVE
+
+    @property
+    def lease_until(self) -> float:
+        return self._lease_until
+
+    @lease_until.setter
+    def lease_until(self, t: float) -> None:
+        self._lease_until = t
+        if self._leases is not None:
+            self._leases.schedule(self)
+
+
+class LeaseHeap:
+    """Lease ends by time, lazily: at most one live entry per member (its time in ``due``), never
+    later than its lease end. Renewing (a later end) costs nothing; an earlier end adds an entry."""
+
+    def __init__(self) -> None:
+        self.heap: list[tuple[float, str]] = []
+        self.due: dict[str, float] = {}  # worker_id -> time of its live entry
+
+    def schedule(self, m: Member) -> None:
+        due = self.due.get(m.worker_id)
+        if due is None or m.lease_until < due:
+            self.due[m.worker_id] = m.lease_until
+            heapq.heappush(self.heap, (m.lease_until, m.worker_id))
+
+    def pop_before(self, now: float):
+        """The worker ids whose entry is due before ``now``, each entry dropped (re-``schedule`` to keep one)."""
+        heap, due = self.heap, self.due
+        while heap and heap[0][0] < now:
+            t, wid = heapq.heappop(heap)
+            if due.get(wid) == t:
+                del due[wid]
+                yield wid
 
 
 class Membership:
@@ -60,17 +104,69 @@ class Membership:
         self.changes = 0
         #: worker_id -> waits in flight (long-poll pulls); never expired while there is one
         self.waits: dict[str, int] = {}
+        self.leases = LeaseHeap()
+        #: the active members, by worker id
+        self.active_by_id: dict[str, Member] = {}
+        #: rank -> present (not left) members holding it; free ranks below ``_top`` (lazy: some may be taken)
+        self._taken: dict[int, int] = {}
+        self._free: list[int] = []
+        self._top = 0  # every rank from here on is free
+        self._order: dict[str, int] = {}  # worker_id -> position in by_id (registration order)
 
     def _event(self, now: float, kind: str, m: Member) -> None:
         self.changes += 1
         self.events.append({"time": now, "event": kind, "worker_id": m.worker_id, "name": m.name, "rank": m.rank})
 
+    @property
+    def active_count(self) -> int:
+        return len(self.active_by_id)
+
+    def is_active(self, worker_id: str) -> bool:
+        return worker_id in self.active_by_id
+
+    def _is_taken(self, rank: int) -> bool:
+        return rank in self._taken
+
     def _free_rank(self) -> int:
-        taken = {m.rank for m in self.by_id.values() if m.state != LEFT}
-        rank = 0
-        while rank in taken:
-            rank += 1
-        return rank
+        """The lowest rank no present member holds."""
+        free, taken = self._free, self._taken
+        while free and free[0] in taken:
+            heapq.heappop(free)
+        return free[0] if free else self._top
+
+    def _hold(self, rank: int) -> None:
+        for r in range(self._top, rank):
+            if r not in self._taken:
+                heapq.heappush(self._free, r)
+        self._top = max(self._top, rank + 1)
+        self._taken[rank] = self._taken.get(rank, 0) + 1
+
+    def _release(self, rank: int) -> None:
+        n = self._taken.pop(rank) - 1
+        if n:
+            self._taken[rank] = n
+        else:
+            heapq.heappush(self._free, rank)
+
+    def _add(self, m: Member) -> None:
+        self._order[m.worker_id] = len(self._order)
+        self.by_id[m.worker_id] = m
+        self.by_name[m.name] = m
+        if m.state != LEFT:
+            self._hold(m.rank)
+        if m.state == ACTIVE:
+            self.active_by_id[m.worker_id] = m
+        m._leases = self.leases
+        self.leases.schedule(m)
+
+    def _set_state(self, m: Member, state: str) -> None:
+        if (m.state == LEFT) != (state == LEFT):
+            (self._release if state == LEFT else self._hold)(m.rank)
+        if state == ACTIVE:
+            self.active_by_id[m.worker_id] = m
+        else:
+            self.active_by_id.pop(m.worker_id, None)
+        m.state = state
 
     def register(self, name: str, now: float) -> tuple[Member, bool]:
         """(member, rejoined): the member for ``name``, now active with a fresh lease."""
@@ -79,15 +175,12 @@ class Membership:
         m = self.by_name.get(name)
         if m is None:
             m = Member(secrets.token_hex(8), name, self._free_rank(), ACTIVE, now, now, now + self.lease_seconds)
-            self.by_id[m.worker_id] = m
-            self.by_name[name] = m
+            self._add(m)
             self._event(now, "joined", m)
             return m, False
-        if m.state == LEFT:
-            taken = {o.rank for o in self.by_id.values() if o.state != LEFT and o is not m}
-            if m.rank in taken:
-                m.rank = self._free_rank()
-        m.state = ACTIVE
+        if m.state == LEFT and self._is_taken(m.rank):
+            m.rank = self._free_rank()
+        self._set_state(m, ACTIVE)
         m.registrations += 1
         self._renew(m, now)
         self._event(now, "rejoined", m)
@@ -128,16 +221,26 @@ class Membership:
     def leave(self, worker_id: str, now: float) -> Member:
         m = self.get(worker_id)
         if m.state != LEFT:
-            m.state = LEFT
+            self._set_state(m, LEFT)
             m.last_seen = now
             self._event(now, "left", m)
         return m
 
     def expire(self, now: float) -> list[Member]:
-        gone = [m for m in self.by_id.values()
-                if m.state == ACTIVE and m.lease_until < now and m.worker_id not in self.waits]
+        """Expire the active members whose lease ended before ``now`` and that wait on nothing (in
+        registration order); those that renewed are scheduled again, waiting ones when the wait ends."""
+        gone = []
+        for wid in list(self.leases.pop_before(now)):
+            m = self.by_id[wid]
+            if m.state != ACTIVE or wid in self.waits:
+                continue  # registering again or ending the wait renews the lease, and schedules it
+            if m.lease_until < now:
+                gone.append(m)
+            else:
+                self.leases.schedule(m)
+        gone.sort(key=lambda m: self._order[m.worker_id])
         for m in gone:
-            m.state = EXPIRED
+            self._set_state(m, EXPIRED)
             self._event(now, "expired", m)
         return gone
 
@@ -153,12 +256,12 @@ class Membership:
             state = LEFT if rec["state"] == LEFT else EXPIRED
             m = Member(str(rec["worker_id"]), str(rec["name"]), int(rec["rank"]), state, now, now, now,
                        registrations=int(rec.get("registrations", 1)))
-            self.by_id[m.worker_id] = m
-            self.by_name[m.name] = m
+            self._add(m)
         return sum(1 for rec in records if rec["state"] == ACTIVE)
 
     def active(self) -> list[Member]:
-        return sorted((m for m in self.by_id.values() if m.state == ACTIVE), key=lambda m: m.rank)
+        """The active members in rank order (sorts them: once per round, not per request)."""
+        return sorted(self.active_by_id.values(), key=lambda m: m.rank)
 
     def all(self) -> list[Member]:
         return sorted(self.by_id.values(), key=lambda m: m.rank)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import choose_encoder
 
 from ps_service.membership import ACTIVE, EXPIRED, LEFT
@@ -29,6 +29,8 @@ router = APIRouter(tags=["monitoring"])
 
 #: seconds: from a sub-millisecond loopback round to a two-minute stall
 TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+#: global steps of staleness (async/ssp): 0 (computed on the latest weights), then powers of two
+STALENESS_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 def _gauge(name: str, doc: str, value: float | None) -> GaugeMetricFamily:
@@ -42,6 +44,16 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
     c = CounterMetricFamily(name, doc)
     c.add_metric([], value)
     return c
+
+
+def staleness_histogram(counts: dict[int, int]) -> HistogramMetricFamily:
+    """The exact staleness distribution the core keeps (value -> count), as cumulative buckets: built at scrape
+    time, nothing per push."""
+    h = HistogramMetricFamily("ps_gradient_staleness_steps", "Per applied gradient (async/ssp): global steps "
+                              "between the weights it was computed on and those it was applied to.")
+    buckets = [(str(le), sum(n for v, n in counts.items() if v <= le)) for le in STALENESS_BUCKETS]
+    h.add_metric([], buckets + [("+Inf", sum(counts.values()))], sum_value=sum(v * n for v, n in counts.items()))
+    return h
 
 
 class StateCollector:
@@ -71,6 +83,15 @@ class StateCollector:
             pushes.add_metric([k], core.push_counts.get(k, 0))
         yield pushes
         yield _counter("ps_examples", "Examples behind the accepted gradients.", core.examples)
+        yield _counter("ps_gradients_applied", "Gradients applied since start (sync: a round's, as one update).",
+                       core.gradients_applied)
+        modes = core.modes
+        if modes is not None:
+            yield staleness_histogram(modes.staleness_counts)
+            live = bool(modes.live_count())
+            yield _gauge("ps_worker_clock_slowest", "Slowest live worker's clock (async/ssp).", modes.floor if live else None)
+            yield _gauge("ps_worker_clock_fastest", "Fastest live worker's clock (async/ssp).", modes.fastest if live else None)
+            yield _gauge("ps_worker_clock_spread", "Fastest minus slowest live clock (ssp: <= bound + 1).", modes.spread)
         yield _counter("ps_received_bytes", "Bytes of model and gradient request bodies received.", rt.bytes_in)
         yield _counter("ps_sent_bytes", "Bytes of weight response bodies sent.", rt.bytes_out)
         yield _counter("ps_shm_received_bytes", "Gradient bytes read from same-host workers' files.", rt.shm.bytes_in)

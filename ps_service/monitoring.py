@@ -87,12 +87,35 @@ def straggler_totals(records: list[RoundRecord]) -> list[dict]:
 
 
 def throughput(core: ParameterServerCore, now: float) -> dict:
-    """Rates from counters: (rounds closed, examples) now minus at the start of the window, over its span."""
-    window, (rounds, examples) = core.rates.rates(now, (core.rounds_closed, core.examples))
+    """Rates from counters: (rounds closed, examples, gradients applied) now minus at the start of the window,
+    over its span."""
+    window, (rounds, examples, applied) = core.rates.rates(
+        now, (core.rounds_closed, core.examples, core.gradients_applied))
     kept = core.rounds
     span = kept[-1].closed_at - kept[0].opened_at if kept else 0.0
     return {"window_seconds": window, "rounds_per_second": rounds, "examples_per_second": examples,
-            "mean_rounds_per_second": len(kept) / span if span > 0 else 0.0}
+            "gradients_per_second": applied, "mean_rounds_per_second": len(kept) / span if span > 0 else 0.0}
+
+
+def clocks_view(core: ParameterServerCore) -> dict | None:
+    """async/ssp: the live workers' clocks (by name), the slowest, fastest and their spread (null: sync)."""
+    modes = core.modes
+    if modes is None:
+        return None
+    live = {core.members.by_id[w].name: rec.clock for w, rec in modes.workers.items()
+            if rec.live and w in core.members.by_id}
+    return {"slowest": modes.floor if live else None, "fastest": modes.fastest if live else None,
+            "spread": modes.spread, "max_spread": modes.max_spread, "live": len(live), "workers": live}
+
+
+def staleness_view(core: ParameterServerCore) -> dict | None:
+    """async/ssp: the staleness (global steps) of the gradients applied since start: count and percentiles."""
+    modes = core.modes
+    if modes is None:
+        return None
+    counts = modes.staleness_counts
+    return {"applied": modes.applied(), "p50": modes.percentile(50), "p90": modes.percentile(90),
+            "p99": modes.percentile(99), "max": max(counts) if counts else None}
 
 
 def checkpoint_view(info: dict | None) -> dict | None:
@@ -109,6 +132,11 @@ def status_view(rt: Runtime) -> dict:
         "state": core.state().value, "global_step": core.global_step, "max_steps": s.max_steps,
         "progress": core.global_step / s.max_steps if s.max_steps else None,
         "mode": "fixed" if s.replicas_to_aggregate else "elastic",
+        "training_mode": core.config.mode,
+        "ssp_staleness": core.config.ssp_staleness if core.config.mode == "ssp" else None,
+        "max_staleness": core.config.max_staleness,
+        "clocks": clocks_view(core), "staleness": staleness_view(core),
+        "gradients_applied": core.gradients_applied,
         "replicas_to_aggregate": s.replicas_to_aggregate, "total_num_replicas": s.total_num_replicas,
         "effective_replicas_to_aggregate": None if core.round is None else core.progress().effective,
         "aggregation": s.aggregation,
@@ -122,7 +150,7 @@ def status_view(rt: Runtime) -> dict:
                  "moving_average_rounds": len(losses)},
         "throughput": throughput(core, now),
         "examples": core.examples, "bytes_received": rt.bytes_in, "bytes_sent": rt.bytes_out,
-        "shm_bytes_received": rt.shm.bytes_in,
+        "shm_bytes_received": rt.shm.bytes_in, "compression": rt.tensors.compression.to_wire(),
         "auth_failures": rt.auth_failures, "started_at": rt.started_wall,
         "training_started_at": None if core.started_at is None else wall(rt, core.started_at),
         "uptime_seconds": now - rt.started_mono,
@@ -138,6 +166,9 @@ def worker_view(rt: Runtime, m, now: float, totals: dict[str, dict], awaited: tu
     in_round = r is not None and r.counts(m.worker_id)
     state = "late" if m.state == ACTIVE and last_status in ("late", "stale") else m.state
     t = totals.get(m.name, {})
+    modes = rt.core.modes
+    rec = None if modes is None else modes.workers.get(m.worker_id)
+    blocked = None if rec is None or not rec.live else modes.wait(m.worker_id, now)
     return {
         "worker_id": m.worker_id, "name": m.name, "rank": m.rank, "state": state,
         "last_seen": wall(rt, m.last_seen), "last_seen_seconds_ago": now - m.last_seen,
@@ -149,6 +180,13 @@ def worker_view(rt: Runtime, m, now: float, totals: dict[str, dict], awaited: tu
         "mean_seconds": {k: v / n for k, v in m.phase_sums.items()},
         "last_loss": m.last_loss,
         "straggler_rounds": t.get("rounds", 0), "straggler_seconds": t.get("waited_seconds", 0.0),
+        "clock": None if rec is None else rec.clock,
+        "staleness": None if rec is None else {"last": rec.last_staleness, "mean": rec.mean_staleness,
+                                               "max": rec.staleness_max if rec.applied else None,
+                                               "applied": rec.applied},
+        "blocked": None if blocked is None else {
+            "clock": blocked.clock, "needs": blocked.needs, "slowest": blocked.slowest,
+            "stragglers": [{"name": rt.core.members.by_id[w].name, "seconds": secs} for w, secs in blocked.stragglers]},
     }
 
 

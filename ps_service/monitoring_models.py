@@ -45,7 +45,27 @@ class Throughput(BaseModel):
                                               "the start).")
     rounds_per_second: float = Field(description="Rounds closed in the window / its span (from the rounds counter).")
     examples_per_second: float = Field(description="Examples of accepted gradients in the window / its span.")
+    gradients_per_second: float = Field(description="Gradients applied in the window / its span (every mode: sync "
+                                                    "applies a round's gradients as one update).")
     mean_rounds_per_second: float = Field(description="Over the kept rounds (up to 1000): rounds / their span.")
+
+
+class Clocks(BaseModel):
+    slowest: int | None = Field(description="The slowest live worker's clock (its completed iterations): the SSP floor.")
+    fastest: int | None = Field(description="The fastest live worker's clock.")
+    spread: int = Field(description="fastest - slowest (ssp keeps it <= PS_SSP_STALENESS + 1).")
+    max_spread: int = Field(description="The largest spread seen since start.")
+    live: int = Field(description="Live workers (registered, lease running).")
+    workers: dict[str, int] = Field(description="Each live worker's clock, by name.")
+
+
+class StalenessSummary(BaseModel):
+    applied: int = Field(description="Gradients applied since start (their staleness is recorded).")
+    p50: int | None = Field(description="Median staleness: global steps between the weights a gradient was computed "
+                                        "on and the weights it was applied to (nearest rank).")
+    p90: int | None
+    p99: int | None
+    max: int | None
 
 
 class WorkerCounts(BaseModel):
@@ -71,6 +91,14 @@ class Status(BaseModel):
     max_steps: int | None
     progress: float | None = Field(description="global_step / max_steps, when max_steps is set.")
     mode: Literal["elastic", "fixed"] = Field(description="elastic: R = the round's live workers; fixed: R set.")
+    training_mode: Literal["sync", "async", "ssp"] = Field(
+        description="PS_MODE: sync (the barrier), async (each gradient applied on arrival), ssp (async with the "
+                    "pull bound PS_SSP_STALENESS).")
+    ssp_staleness: int | None = Field(description="ssp: the bound s (null in the other modes).")
+    max_staleness: int | None = Field(description="async/ssp: PS_MAX_STALENESS (null: no limit).")
+    clocks: Clocks | None = Field(description="async/ssp: the workers' clocks (null in sync: the round is the clock).")
+    staleness: StalenessSummary | None = Field(description="async/ssp: staleness of the applied gradients (null in sync).")
+    gradients_applied: int = Field(description="Gradients applied since this process started (every mode).")
     replicas_to_aggregate: int | None = Field(description="R as configured (null: elastic).")
     total_num_replicas: int | None = Field(description="N as configured (N > R: backup workers).")
     effective_replicas_to_aggregate: int | None = Field(
@@ -88,6 +116,8 @@ class Status(BaseModel):
     bytes_received: int = Field(description="Bytes of model and gradient bodies received.")
     bytes_sent: int = Field(description="Bytes of weight bodies sent.")
     shm_bytes_received: int = Field(description="Gradient bytes read from workers' files (same-host transport).")
+    compression: dict = Field(description='The job\'s gradient compression of body pushes (PS_COMPRESSION): '
+                                          '{"name", "topk_ratio", "threshold"}.')
     auth_failures: int
     started_at: float = Field(description="PS start (Unix s).")
     training_started_at: float | None = Field(description="Round 0 opened (Unix s).")
@@ -100,6 +130,25 @@ class PhaseSeconds(BaseModel):
     compute: float = Field(description="Computing the gradients (WORKER_COMPUTE_DELAY_SECONDS included).")
     push: float = Field(description="Sending the gradients; a push that asks for the next weights waits there "
                                     "for its round to close (the barrier wait).")
+
+
+class WorkerStaleness(BaseModel):
+    last: int | None = Field(description="Staleness of its last applied gradient (global steps).")
+    mean: float | None
+    max: int | None
+    applied: int = Field(description="Its gradients applied since start.")
+
+
+class StragglerWait(BaseModel):
+    name: str
+    seconds: float = Field(description="How long it has been at the slowest clock.")
+
+
+class Blocked(BaseModel):
+    clock: int = Field(description="Its clock.")
+    needs: int = Field(description="The slowest live clock it waits for: clock - s.")
+    slowest: int = Field(description="The slowest live clock now.")
+    stragglers: list[StragglerWait] = Field(description="The live workers at the slowest clock.")
 
 
 class Worker(BaseModel):
@@ -123,6 +172,10 @@ class Worker(BaseModel):
     last_loss: float | None
     straggler_rounds: int = Field(description="Rounds (of the window) it was the straggler of.")
     straggler_seconds: float = Field(description="What it cost those rounds: sum of their waited_seconds.")
+    clock: int | None = Field(description="async/ssp: its clock (iterations completed, counted from the floor it "
+                                          "joined at); null in sync.")
+    staleness: WorkerStaleness | None = Field(description="async/ssp: staleness of its applied gradients.")
+    blocked: Blocked | None = Field(description="ssp: why its next pull waits (more than s clocks ahead); null: it may pull.")
 
 
 class MembershipEvent(BaseModel):

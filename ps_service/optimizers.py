@@ -104,6 +104,24 @@ def _check(s: dict[str, Any]) -> None:
         raise unprocessable("bad_optimizer", "nesterov needs a momentum > 0 and dampening 0 (as torch.optim.SGD)")
 
 
+#: elements per chunk of the fused mean-and-SGD pass (three arrays' chunks stay in the cache)
+FUSED_CHUNK = 1 << 16
+
+
+def _fusable(w: np.ndarray, g: np.ndarray) -> bool:
+    return g.dtype == w.dtype and g.flags.writeable and g.flags.c_contiguous and w.flags.c_contiguous
+
+
+def _sgd_mean(w: np.ndarray, g: np.ndarray, n: int, lr) -> None:
+    """``g /= n; g *= lr; w -= g`` (TF1's SGD on the mean), one chunk at a time: one pass over memory."""
+    wf, gf = w.reshape(-1), g.reshape(-1)
+    for lo in range(0, wf.size, FUSED_CHUNK):
+        gc, wc = gf[lo:lo + FUSED_CHUNK], wf[lo:lo + FUSED_CHUNK]
+        np.divide(gc, n, out=gc)
+        np.multiply(gc, lr, out=gc)
+        np.subtract(wc, gc, out=wc)
+
+
 class Optimizer:
     """One optimizer over a fixed set of weights; ``iterations`` counts applies."""
 
@@ -122,15 +140,25 @@ class Optimizer:
         }
         self._powers: dict[np.dtype, tuple[int, Any, Any]] = {}  # TF1 adam: dtype -> (t, b1^t, b2^t)
 
-    def apply(self, weights: dict[str, np.ndarray], grads: Mapping[str, np.ndarray], consume: bool = False) -> None:
+    def apply(self, weights: dict[str, np.ndarray], grads: Mapping[str, np.ndarray], consume: bool = False,
+              mean_of: int = 1) -> None:
         """One update of every weight from its (already aggregated) gradient, in place; buffers
         (:data:`BUFFER_PREFIX`) take the aggregate as it is.
 
         ``consume``: the gradients are scratch buffers of the caller's (the PS's aggregate) and may be
-        overwritten, which saves a model-sized temporary per step; the result is bit-identical."""
+        overwritten, which saves a model-sized temporary per step; the result is bit-identical.
+        ``mean_of`` n > 1 (with ``consume``): each gradient is a sum of n, to divide by n first (the mean, as
+        ``g /= n``); SGD does the division and its update chunk by chunk in one pass, the same operations on
+        every element, so the bits are those of dividing first."""
         self.iterations += 1
         for key, w in weights.items():
             g = grads[key]
+            if mean_of > 1 and self.name == "sgd" and not self.torch and consume \
+                    and not key.startswith(BUFFER_PREFIX) and _fusable(w, g):
+                _sgd_mean(w, g, mean_of, w.dtype.type(self.spec["learning_rate"]))
+                continue
+            if mean_of > 1:
+                g /= mean_of
             if key.startswith(BUFFER_PREFIX):
                 np.copyto(w, g)
             elif self.torch:

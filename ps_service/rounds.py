@@ -23,14 +23,24 @@ Closing rule (:meth:`CloseRule.progress`), checked after every change:
 
 *Stuck* (:attr:`Progress.stuck`): the round cannot close with its own members (only a deadline
 could close it); a worker that registers then joins the open round instead of the next one.
+
+Cost: the round keeps its counts (``live``: counted members alive; ``waiting``: of them, those
+awaited) up to date through its mutators (:meth:`Round.accept`, ``skip``, ``drop``, ``join``) and
+:meth:`Round.member_changed`, which the core calls on every membership change; so the rule's
+decision is O(1) per push. The eligible keys are kept sorted with a frontier below which every
+key has contributed: the lowest key still pending, which bounds the early rank-order sum, is
+amortised O(1). Opening a round (sorting its members) and :attr:`Progress.awaited` (the names,
+for monitoring) are O(K).
 """
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Callable
 
-from ps_service.accumulator import Accumulator, Key
+from ps_service.accumulator import Accumulator, Borrowed, Key, Taken
 from ps_service.stragglers import Straggler, straggler
 
 CLOSE_REASONS = ("full", "membership", "deadline", "unreachable")
@@ -70,30 +80,54 @@ class RoundRecord:
 @dataclass(frozen=True)
 class Progress:
     """Where the open round stands."""
-    awaited: tuple[str, ...]  # live counted members with no contribution yet, in rank order
+    waiting: int  # live counted members with no contribution yet
     needed: int  # gradients it still waits for before it closes
     unreachable: bool  # fixed R that the round's members can no longer meet
     reason: str | None  # why it closes now; None: it waits
     effective: int  # contributions it closes with (R; R out of reach or elastic: what its live members bring)
+    round: Round | None = field(default=None, repr=False, compare=False)
+    but: str | None = field(default=None, repr=False, compare=False)  # a member taken as not alive
+
+    @cached_property
+    def awaited(self) -> tuple[str, ...]:
+        """The waiting members' ids in rank order: listed (O(K)) on first access, for monitoring."""
+        return () if self.round is None else self.round.awaited(self.but)
 
     @property
     def stuck(self) -> bool:
         """Its own members cannot close it: a worker that registers joins it at once."""
-        return self.reason is None and not self.awaited
+        return self.reason is None and not self.waiting
+
+
+def _always(worker_id: str) -> bool:
+    return True
 
 
 @dataclass
 class Round:
     step: int
     opened_at: float
-    eligible: dict[str, int]  # worker_id -> rank
+    eligible: dict[str, int]  # worker_id -> rank; read-only outside (:meth:`join` changes it)
     acc: Accumulator
+    #: alive(worker_id): an active member (the round's counts follow :meth:`member_changed`)
+    alive: Callable[[str], bool] = field(default=_always, repr=False, compare=False)
     arrivals: list[Arrival] = field(default_factory=list)
     late: list[Arrival] = field(default_factory=list)
     losses: list[tuple[float, int]] = field(default_factory=list)  # (loss, examples)
     gone: set[str] = field(default_factory=set)  # came back mid-round: not waited for
     skipped: set[str] = field(default_factory=set)  # NaN/Inf under policy skip: done, nothing applied
     examples: int = 0
+    live: int = field(default=0, init=False)  # counted members alive
+    waiting: int = field(default=0, init=False)  # of them, those with no contribution yet
+    #: the eligible keys in sum order, and the index before which every key has contributed
+    order: list[Key] = field(default_factory=list, init=False, repr=False)
+    frontier: int = field(default=0, init=False, repr=False)
+    _ranks: tuple[int, ...] | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.order = sorted((rank, w) for w, rank in self.eligible.items())
+        for w in self.eligible:
+            self._count(w, (False, False))
 
     def key(self, worker_id: str) -> Key:
         return self.eligible[worker_id], worker_id
@@ -102,17 +136,95 @@ class Round:
         """An eligible member the round counts (not come back mid-round)."""
         return worker_id in self.eligible and worker_id not in self.gone
 
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """The eligible members' ranks, sorted."""
+        if self._ranks is None:
+            self._ranks = tuple(rank for rank, _ in self.order)
+        return self._ranks
+
+    def standing(self, worker_id: str, alive: bool | None = None) -> tuple[bool, bool]:
+        """(live, waiting) of a member: counted and alive; and with no contribution yet."""
+        live = worker_id in self.eligible and worker_id not in self.gone \
+            and (self.alive(worker_id) if alive is None else alive)
+        return live, live and worker_id not in self.acc and worker_id not in self.skipped
+
+    def _count(self, worker_id: str, before: tuple[bool, bool], alive: bool | None = None) -> None:
+        live, waiting = self.standing(worker_id, alive)
+        self.live += live - before[0]
+        self.waiting += waiting - before[1]
+
+    def member_changed(self, worker_id: str, was_alive: bool, is_alive: bool) -> None:
+        """A member became alive or not (registered, left, expired): keep the counts."""
+        if worker_id in self.eligible:
+            self._count(worker_id, self.standing(worker_id, was_alive), is_alive)
+
+    def awaited(self, but: str | None = None) -> tuple[str, ...]:
+        """The waiting members' ids in rank order (O(K): monitoring); ``but`` is taken as not alive."""
+        return tuple(w for _, w in self.order if w != but and self.standing(w)[1])
+
+    def _first_pending(self, but: str, keep: bool = True) -> Key | None:
+        """The lowest key that may still bring a gradient (``but`` is bringing its own now); ``keep``: move the
+        frontier there (the keys before ``but``'s never go back to pending)."""
+        order, i, acc, skipped = self.order, self.frontier, self.acc, self.skipped
+        while i < len(order) and (order[i][1] in acc or order[i][1] in skipped or order[i][1] == but):
+            i += 1
+        if keep:
+            self.frontier = i
+        return order[i] if i < len(order) else None
+
+    def _pending(self, worker_id: str, eager: bool, keep: bool = True) -> tuple[Key, ...] | None:
+        """What may still sort before ``worker_id``'s gradient: the lowest pending key (eager), or None (unknown)."""
+        if not eager:
+            return None
+        first = self._first_pending(worker_id, keep)
+        return () if first is None else (first,)
+
+    def read(self, worker_id: str, borrowed: Borrowed, eager: bool) -> Taken:
+        """A borrowed gradient of an eligible member read into the PS's memory (:meth:`Accumulator.read`);
+        nothing changes: pass it to :meth:`accept` at once, or drop it."""
+        return self.acc.read(worker_id, self.eligible[worker_id], borrowed, self._pending(worker_id, eager, False))
+
     def accept(self, arrival: Arrival, grads, loss: float | None, examples: int | None, eager: bool) -> None:
-        """An accepted gradient; ``eager``: every eligible member may still push (elastic), so the
-        sum can start on the lowest ranks before they all are in."""
+        """An accepted gradient (or what :meth:`read` made of it, just before); ``eager``: every eligible member
+        may still push (elastic), so the sum can start on the lowest ranks before they all are in."""
         wid = arrival.worker_id
-        pending = [self.key(w) for w in self.eligible if w not in self.acc and w not in self.skipped and w != wid] \
-            if eager else None
-        self.acc.apply(wid, self.eligible[wid], grads, pending)
+        before = self.standing(wid)
+        self.acc.apply(wid, self.eligible[wid], grads, self._pending(wid, eager))
+        self._count(wid, before)
         self.arrivals.append(arrival)
         if loss is not None:
             self.losses.append((loss, examples or 1))
         self.examples += examples or 0
+
+    def skip(self, worker_id: str) -> None:
+        """A NaN/Inf push under policy skip: its part in the round is over (not waited for)."""
+        before = self.standing(worker_id)
+        self.skipped.add(worker_id)
+        self._count(worker_id, before)
+
+    def drop(self, worker_id: str) -> None:
+        """An eligible member came back mid-round: the round does not wait for it again."""
+        before = self.standing(worker_id)
+        self.gone.add(worker_id)
+        self._count(worker_id, before)
+
+    def join(self, worker_id: str, rank: int) -> None:
+        """A member joins this open round (it is stuck without it), under ``rank``."""
+        before = self.standing(worker_id)
+        self.gone.discard(worker_id)
+        old = self.eligible.get(worker_id)
+        if old != rank:
+            if old is not None:
+                i = bisect.bisect_left(self.order, (old, worker_id))
+                del self.order[i]
+                self.frontier -= i < self.frontier
+            i = bisect.bisect_left(self.order, (rank, worker_id))
+            self.order.insert(i, (rank, worker_id))
+            self.frontier = min(self.frontier, i)
+            self._ranks = None
+        self.eligible[worker_id] = rank
+        self._count(worker_id, before)
 
     def mean_loss(self) -> float | None:
         total = sum(n for _, n in self.losses)
@@ -120,9 +232,12 @@ class Round:
         return loss if loss is not None and math.isfinite(loss) else None  # huge losses can overflow the mean
 
     def record(self, now: float, reason: str, name_of: Callable[[str], str], replicas: int | None) -> RoundRecord:
-        missing = [(name_of(w), rank) for w, rank in self.eligible.items() if w not in self.acc]
+        acc = self.acc  # borrowed gradients found changed when summed are not applied (a spoiled sum: none is)
+        applied = (lambda w: False) if acc.spoiled else (lambda w: w in acc and w not in acc.dropped)
+        missing = [(name_of(w), rank) for w, rank in self.eligible.items() if not applied(w)]
         return RoundRecord(
-            self.step, self.opened_at, now, reason, len(self.acc), len(self.eligible), tuple(self.arrivals),
+            self.step, self.opened_at, now, reason, sum(1 for w in acc.keys if applied(w)), len(self.eligible),
+            tuple(a for a in self.arrivals if applied(a.worker_id)),
             tuple(n for n, _ in missing), straggler(self.opened_at, now, self.arrivals, missing),
             self.mean_loss(), self.examples, tuple(self.late), replicas)
 
@@ -137,25 +252,28 @@ class CloseRule:
     def quorum(self) -> int:
         return max(1, self.min_replicas)
 
-    def progress(self, r: Round, alive: Callable[[str], bool], now: float | None = None) -> Progress:
-        """The round's standing; ``alive(worker_id)``: an active member; ``now`` None: ignore the deadline."""
-        live = [w for w in r.eligible if r.counts(w) and alive(w)]
-        awaited = tuple(sorted((w for w in live if w not in r.acc and w not in r.skipped), key=r.key))
+    def progress(self, r: Round, now: float | None = None, but: str | None = None) -> Progress:
+        """The round's standing from its counts, O(1); ``now`` None: ignore the deadline; ``but``: a member
+        taken as not alive."""
+        live, waiting = r.live, r.waiting
+        if but is not None:
+            out = r.standing(but)
+            live, waiting = live - out[0], waiting - out[1]
         got = len(r.acc)
         done, want = got + len(r.skipped), self.replicas_to_aggregate
-        unreachable = bool(want) and done + len(awaited) < want
+        unreachable = bool(want) and done + waiting < want
         reason = None
         if want and not unreachable:
             needed, effective = max(0, want - done), want
             reason = "full" if needed == 0 else None
         elif want:
-            needed, effective = max(len(awaited), self.quorum - got), done + len(awaited)
+            needed, effective = max(waiting, self.quorum - got), done + waiting
             reason = "unreachable" if needed == 0 else None
         else:
-            needed, effective = len(awaited), len(live)
-            if not awaited and done:
+            needed, effective = waiting, live
+            if not waiting and done:
                 reason = "full" if got == len(r.eligible) else "membership"
         if reason is None and now is not None and self.round_timeout is not None \
                 and now - r.opened_at >= self.round_timeout and got >= self.quorum:
             reason = "deadline"
-        return Progress(awaited, needed, unreachable, reason, effective)
+        return Progress(waiting, needed, unreachable, reason, effective, r, but)

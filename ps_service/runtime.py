@@ -1,9 +1,15 @@
 """The PS process's live objects: the core, its clock, the waiters, the tensor seam.
 
 Routes get the :class:`Runtime` from ``request.app.state.runtime``. It owns the
-only clock (``time.monotonic``), wakes long-polling pulls whenever the core's
-version moves, and holds the tensor seam (:class:`ps_service.transport.TensorSeam`)
-through which every tensor comes in and every weights answer goes out.
+only clock (``time.monotonic``), wakes long-polling pulls, and holds the tensor seam
+(:class:`ps_service.transport.TensorSeam`) through which every tensor comes in and
+every weights answer goes out.
+
+Waking costs nothing per push: a wait (:meth:`Runtime.wait_until`) waits for a condition
+on the *barrier* (:meth:`Runtime.barrier`: the global step and the job state), and
+:meth:`Runtime.notify` wakes the waiters only when the barrier moved (once per round),
+not at every change of the core. The observers (metrics, checkpoints) run at every change
+and must be O(1).
 """
 from __future__ import annotations
 
@@ -33,6 +39,7 @@ class Runtime:
         self.started_mono = clock()
         self._event = asyncio.Event()
         self._seen_version = self.core.version
+        self._seen_barrier = self.barrier()
         self.tensors = TensorSeam(settings, self.core)
         #: requests refused for a missing or wrong token (issue: access control)
         self.auth_failures = 0
@@ -44,12 +51,19 @@ class Runtime:
     def now(self) -> float:
         return self.clock()
 
+    def barrier(self) -> tuple:
+        """What waits wait on: (global step, job state, the SSP floor: a leave or expiry can release a pull)."""
+        return self.core.global_step, self.core.state(), self.core.pull_floor
+
     def notify(self) -> None:
-        """Wake every waiter if the core changed since the last call."""
+        """If the core changed since the last call: run the observers, and wake every waiter if the barrier moved."""
         if self.core.version != self._seen_version:
             self._seen_version = self.core.version
-            self._event.set()
-            self._event = asyncio.Event()
+            barrier = self.barrier()
+            if barrier != self._seen_barrier:
+                self._seen_barrier = barrier
+                self._event.set()
+                self._event = asyncio.Event()
             for observe in self.observers:
                 try:
                     observe()
@@ -57,7 +71,8 @@ class Runtime:
                     log.exception("observer failed")
 
     async def wait_until(self, predicate: Callable[[], bool], timeout: float) -> bool:
-        """Wait (at most ``timeout`` s) until ``predicate()``; its final value."""
+        """Wait (at most ``timeout`` s) until ``predicate()``, a function of :meth:`barrier` only (it is
+        checked again when the barrier moves); its final value."""
         deadline = self.clock() + timeout
         while not predicate():
             remaining = deadline - self.clock()
@@ -101,7 +116,7 @@ class Runtime:
             self.core.tick(self.now())
             self.notify()
             if self.shm.attached:
-                self.shm.prune({m.worker_id for m in self.core.members.by_id.values() if m.active})
+                self.shm.prune(self.core.members.active_by_id.keys())
 
     def run_guarded(self, fn: Callable[[], object]) -> object:
         """Run a core call and wake the waiters whatever happened."""

@@ -20,6 +20,14 @@ class PSSettings(BaseSettings):
 
     host: str = Field("0.0.0.0", description="Address the PS binds to.")
     port: int = Field(8000, description="TCP port of the PS (workers, monitoring, metrics).")
+    probe_port: int | None = Field(
+        None, description="A second TCP port serving only /healthz and /readyz, from a thread of its own: probes "
+                          "answer at once under any training load (docs/protocol.md). Unset: off; both stay on the "
+                          "main port either way.")
+    event_loop: Literal["uvloop", "asyncio"] = Field(
+        "uvloop", description="The PS's event loop. uvloop: half the CPU per large body (1e7-param pushes over TCP). "
+                              "asyncio: accepts every pending connection at once (uvloop one per loop turn), for "
+                              "thousands of workers that open connections under load (docs/performance.md).")
     optimizer: Literal["sgd", "momentum", "adam", "adagrad"] | None = Field(
         None, description="Optimizer; wins over the one the worker's task brings. Unset: the task's.")
     learning_rate: float | None = Field(None, gt=0, description="Learning rate; wins over the task's.")
@@ -42,6 +50,16 @@ class PSSettings(BaseSettings):
     round_timeout_seconds: float | None = Field(
         None, gt=0, description="A round open this long closes with what it has, if at least min_replicas pushed.")
     min_replicas: int = Field(1, ge=1, description="Quorum for closing a round at its deadline.")
+    mode: Literal["sync", "async", "ssp"] = Field(
+        "sync", description="Training mode: sync (the barrier: one update per round), async (each gradient applied "
+                            "when it arrives, TF's default PS training) or ssp (async, and a worker's pull waits "
+                            "while it is more than PS_SSP_STALENESS clocks ahead of the slowest live worker).")
+    ssp_staleness: int = Field(
+        3, ge=0, description="ssp: the bound s. A worker at clock c (its completed iterations) gets weights only "
+                             "when every live worker is at clock >= c - s (0: lockstep).")
+    max_staleness: int | None = Field(
+        None, ge=0, description="async and ssp: a gradient computed on weights more than this many global steps "
+                                "old is refused as stale. Unset: no limit.")
     nonfinite_policy: Literal["reject", "skip"] = Field(
         "reject", description="NaN/Inf gradient: reject with 422, or skip (count, do not apply).")
     max_body_bytes: int = Field(1 << 30, gt=0, description="Largest request body accepted (413 beyond).")
@@ -71,12 +89,29 @@ class PSSettings(BaseSettings):
     shm_dir: str = Field(
         "/dev/shm", description="Shared-memory directory of the same-host transport (workers on this host exchange "
                                 "tensors through files there, not the socket). Empty or missing: off, all over HTTP.")
+    compression: Literal["none", "bf16", "fp16", "topk", "2bit"] = Field(
+        "none", description="Gradient compression of pushes in request bodies: none, bf16, fp16, topk (error feedback) "
+                            "or 2bit (MXNet's); same-host files stay float32. Told to workers at registration.")
+    compression_topk_ratio: float = Field(
+        0.01, gt=0, le=1, description="topk: share of each float32 tensor's entries a push sends (at least one).")
+    compression_2bit_threshold: float = Field(
+        0.5, gt=0, allow_inf_nan=False, description="2bit: MXNet's threshold (an element is sent as +-threshold or 0).")
     log_level: str = Field("info", description="Log level of the PS.")
 
     @model_validator(mode="after")
     def _tokens(self) -> "PSSettings":
         self.auth_token = resolve_token(self.auth_token, self.auth_token_file, "PS_AUTH_TOKEN")
         self.monitor_token = resolve_token(self.monitor_token, None, "PS_MONITOR_TOKEN")
+        return self
+
+    @model_validator(mode="after")
+    def _barrier_settings_need_sync(self) -> "PSSettings":
+        if self.mode != "sync":
+            given = [n for n, on in (("PS_REPLICAS_TO_AGGREGATE", self.replicas_to_aggregate is not None),
+                                     ("PS_ROUND_TIMEOUT_SECONDS", self.round_timeout_seconds is not None),
+                                     ("PS_MIN_REPLICAS", self.min_replicas > 1)) if on]
+            if given:
+                raise ValueError(f"{', '.join(given)} configure the barrier: PS_MODE={self.mode} has none")
         return self
 
     def optimizer_overrides(self) -> dict:

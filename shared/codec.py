@@ -12,18 +12,22 @@ from typing import Any
 
 import struct
 
+import ml_dtypes
 import msgpack
 import numpy as np
 
 from shared.errors import ProtocolError, bad_request
 
-#: wire name -> numpy dtype (always little-endian). bfloat16 is not offered: numpy has no native type for it.
+#: wire name -> numpy dtype (always little-endian). ``bfloat16`` (ml_dtypes) and ``uint32`` are only ever the
+#: compressed encoding of a float32 gradient (shared/compression.py): no model or checkpoint tensor has them.
 DTYPES: dict[str, np.dtype] = {
     "float16": np.dtype("<f2"),
     "float32": np.dtype("<f4"),
     "float64": np.dtype("<f8"),
     "int32": np.dtype("<i4"),
     "int64": np.dtype("<i8"),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "uint32": np.dtype("<u4"),
 }
 FLOAT_DTYPES = frozenset({"float16", "float32", "float64"})
 
@@ -32,7 +36,7 @@ def dtype_name(dtype: np.dtype) -> str:
     """The wire name of a numpy dtype, or ProtocolError(422 unsupported_dtype) if it is not allowed."""
     dt = np.dtype(dtype)
     for name, allowed in DTYPES.items():
-        if dt.kind == allowed.kind and dt.itemsize == allowed.itemsize:
+        if dt == allowed if allowed.kind == "V" else dt.kind == allowed.kind and dt.itemsize == allowed.itemsize:
             return name
     raise ProtocolError(422, "unsupported_dtype", f"dtype {dt} is not in the allow-list {sorted(DTYPES)}")
 

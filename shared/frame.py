@@ -134,7 +134,7 @@ def encode(tensors: Mapping[str, np.ndarray], meta: Mapping[str, Any] | None = N
             parts.append(_PAD[:t.offset - end])
         arr = np.ascontiguousarray(tensors[t.name], dtype=t.dtype)
         if arr.nbytes:
-            parts.append(memoryview(arr.reshape(-1)).cast("B"))
+            parts.append(memoryview(arr.reshape(-1).view(np.uint8)))  # as bytes: bfloat16 has no buffer format
         end = t.offset + t.nbytes
     return parts
 

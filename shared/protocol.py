@@ -65,12 +65,12 @@ class PushRequest:
     loss: float | None = None
     num_examples: int | None = None
     timings: PhaseTimes = field(default_factory=PhaseTimes)
-    #: False: not checked yet; None or a tensor name: what the PS found (all finite / the first NaN/Inf) when
-    #: it copied these very arrays (ps_service.accumulator.copy_checked)
-    nonfinite: str | None | bool = False
+    #: a ps_service.accumulator.Borrowed when ``tensors`` are views of memory the sender may still rewrite (a
+    #: same-host file): read once, checked as read, when the core takes the push; None: they are the PS's own
+    borrowed: Any = None
 
-    def with_tensors(self, tensors: Mapping[str, np.ndarray], nonfinite: str | None | bool = False) -> "PushRequest":
-        return replace(self, tensors=tensors, nonfinite=nonfinite)
+    def with_tensors(self, tensors: Mapping[str, np.ndarray], borrowed: Any = None) -> "PushRequest":
+        return replace(self, tensors=tensors, borrowed=borrowed)
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,7 @@ def _only(obj: dict, allowed: frozenset, what: str) -> None:
         raise bad_request("bad_field", f"{what}: unknown fields {sorted(map(str, unknown))[:8]}")
 
 
-PUSH_FIELDS = frozenset({"worker_id", "step", "loss", "num_examples", "timings", "shm_seq"})
+PUSH_FIELDS = frozenset({"worker_id", "step", "loss", "num_examples", "timings", "shm_seq", "compression"})
 MODEL_FIELDS = frozenset({"optimizer"})
 
 
@@ -128,6 +128,8 @@ def parse_push_meta(meta: dict) -> tuple[PushRequest, int | None]:
     times = {k: _optional_number(raw, k, "timings") or 0.0 for k in ("fetch", "compute", "push")}
     if not all(0 <= t <= MAX_PHASE_SECONDS for t in times.values()):  # NaN fails too
         raise bad_request("bad_field", f"push: timings must be seconds in [0, {MAX_PHASE_SECONDS:g}]")
+    if not isinstance(meta.get("compression"), (str, type(None))):  # its value: shared/compression.py
+        raise bad_request("bad_field", "push: compression must be a string")
     seq = meta.get("shm_seq")
     if seq is not None and (isinstance(seq, bool) or not isinstance(seq, int) or seq < 0):
         raise bad_request("bad_field", "push: shm_seq must be an int >= 0")

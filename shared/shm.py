@@ -176,24 +176,25 @@ def map_existing(directory: str, name: str, kind: bytes, nonce: bytes, writable:
     return Region(mapping, layout), st
 
 
-class PeerFile:
-    """A peer's region read through its descriptor (pread), never mapped: its pages never count in this
-    process's memory, and every read is a copy into memory of ours."""
+class PeerRegion:
+    """A peer's region mapped read-only: its marker, and its frame's data as bytes the peer may rewrite at
+    any time (every read of it is a copy or a sum that checks what it read; shared/shm.py's users never
+    keep a view of it past one push). Its pages count in this process's RSS (they are the peer's file's)."""
 
     def __init__(self, fd: int, layout: frame.Layout) -> None:
-        self.fd = fd
         self.layout = layout
-        self.data_at = HEADER_BYTES + len(frame.header(layout))
+        self.mapping = mmap.mmap(fd, region_bytes(layout), access=mmap.ACCESS_READ)
+        at = HEADER_BYTES + len(frame.header(layout))
+        self.data = np.frombuffer(self.mapping, np.uint8, layout.data_bytes, at)
 
     @property
     def marker(self) -> int:
-        return _MARKER.unpack(os.pread(self.fd, _MARKER.size, _MARKER_AT))[0]
+        return _MARKER.unpack_from(self.mapping, _MARKER_AT)[0]
 
-    def read_into(self, offset: int, out: memoryview) -> None:
-        """``out`` filled from the frame's data at ``offset``."""
-        got = os.preadv(self.fd, [out], self.data_at + offset)
-        if got != out.nbytes:
-            raise OSError(f"short read of a peer's file ({got} of {out.nbytes} bytes)")
+    def views(self) -> dict[str, np.ndarray]:
+        """The tensors over the mapping (read-only arrays)."""
+        return self.layout.views(self.data)
 
     def close(self) -> None:
-        os.close(self.fd)
+        """Drop this object's hold on the mapping (it goes with the last array over it)."""
+        self.data = None

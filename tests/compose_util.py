@@ -11,11 +11,14 @@ variables and a developer's ``.env`` is never read. Every command has a timeout.
 that the README shows each one verbatim); :meth:`ComposeProject.run` runs one of them as
 written, adding only the flags that isolate the test's project.
 
+:func:`build_context` copies the build context elsewhere, to hand the build wheels (the torch image).
+
 :func:`compose_unavailable` says why compose tests cannot run (``SYNCPS_SKIP_COMPOSE``
 set by ``.ci/run``, no ``docker`` CLI, no engine, no Compose v2), or None.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import secrets
@@ -70,6 +73,31 @@ def compose_unavailable() -> str | None:
     return None
 
 
+def build_context(dest: Path, wheels: list[Path]) -> str:
+    """Copy the repository's build context into ``dest`` (docker-compose.yml, the Dockerfile and what
+    .dockerignore lets in), with ``wheels`` in ``dest/wheels/``, where a user puts them (docs/torch.md):
+    a test hands the build wheels without touching the working tree. Returns a digest of the copy
+    (wheels by name and size), so an image built from the same inputs can be found and reused."""
+    allowed = [line[1:].rstrip("/") for line in (ROOT / ".dockerignore").read_text().splitlines()
+               if line.startswith("!") and "*" not in line]
+    for name in ["Dockerfile", ".dockerignore", COMPOSE_FILE.name, *allowed]:
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, dest / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        else:
+            shutil.copy2(ROOT / name, dest / name)
+    (dest / "wheels").mkdir()
+    for wheel in wheels:
+        try:
+            os.link(wheel, dest / "wheels" / wheel.name)  # instant on one filesystem
+        except OSError:
+            shutil.copy2(wheel, dest / "wheels" / wheel.name)
+    digest = hashlib.sha256()
+    for f in sorted(p for p in dest.rglob("*") if p.is_file()):
+        digest.update(f"{f.relative_to(dest)}\0".encode())
+        digest.update(str(f.stat().st_size).encode() if f.suffix == ".whl" else f.read_bytes())
+    return digest.hexdigest()[:12]
+
+
 def docker(*args: str, timeout: float = 60.0, check: bool = True) -> subprocess.CompletedProcess:
     r = subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout)
     if check and r.returncode != 0:
@@ -78,7 +106,8 @@ def docker(*args: str, timeout: float = 60.0, check: bool = True) -> subprocess.
 
 
 class ComposeProject:
-    def __init__(self, label: str, env: dict | None = None) -> None:
+    def __init__(self, label: str, env: dict | None = None, root: Path = ROOT) -> None:
+        self.root = root  # where docker-compose.yml and the build context are: ROOT, or a copy (build_context)
         self.name = f"syncps-test-{label}-{os.getpid()}-{secrets.token_hex(3)}".lower()
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -90,7 +119,7 @@ class ComposeProject:
         self.env_file = Path(path)
 
     def compose(self, *args: str, timeout: float = 120.0, check: bool = True) -> subprocess.CompletedProcess:
-        cmd = ["docker", "compose", "-f", str(COMPOSE_FILE), "--project-directory", str(ROOT),
+        cmd = ["docker", "compose", "-f", str(self.root / COMPOSE_FILE.name), "--project-directory", str(self.root),
                "--env-file", str(self.env_file), "-p", self.name, *args]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=self.env)
         if check and r.returncode != 0:

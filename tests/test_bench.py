@@ -270,3 +270,15 @@ def test_the_raw_client_reads_a_refusal_sent_before_the_body_ended():
             client.init_model({"w": np.zeros(5_000_000, np.float32)}, {"name": "sgd", "learning_rate": 1.0})
         assert (err.value.status, err.value.code) == (413, "body_too_large")
         client.close()
+
+
+def test_the_cnn_table_puts_syncps_next_to_ddp():
+    """bench.table's CNN table: medians of the syncps runs (same-host, TCP) and the DDP line, and their ratios."""
+    from bench.table import cnn_table
+
+    runs = lambda *v: [{"steps_per_s": x} for x in v]  # noqa: E731
+    text = cnn_table({4: {"syncps": runs(50.0, 60.0, 55.0), "syncps_tcp": runs(40.0), "ddp": runs(50.0)},
+                      2: {"syncps": runs(90.0), "syncps_tcp": [], "ddp": [{"error": "no output"}]}})
+    lines = text.splitlines()
+    assert lines[2] == "| 2 | 90.0 | - | - | - | - |"
+    assert lines[3] == "| 4 | 55.0 | 40.0 | 50.0 | 1.10x | 0.80x |"

@@ -1,16 +1,20 @@
 """The PS's uvicorn protocol (ps_service/transport/bodysink.py) leans on uvicorn's internals: these tests
 fail loudly, naming what moved, when an upgrade changes them (the behaviour tests of the body sink are in
 tests/test_bench.py: bodies read straight into the sink, a body refused halfway keeps its connection framed).
-It also answers malformed HTTP framing with the protocol's JSON error body."""
+It also answers malformed HTTP framing with the protocol's JSON error body, and holds no buffer per idle
+connection."""
 from __future__ import annotations
 
 import inspect
 import json
+import socket
+import threading
 
 import pytest
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
+from ps_service.transport import bodysink
 from tests.live_ps import live_ps, raw_exchange
 
 #: the uvicorn releases this protocol was tested with (pyproject.toml bounds the dependency the same way)
@@ -63,3 +67,39 @@ def test_malformed_http_framing_gets_the_json_error_body(tail):
         answer = json.loads(body)
         assert answer["error"] == "bad_http" and answer["detail"] and set(answer) == {"error", "detail"}
         assert ps.rt.core.version == 0  # nothing reached the PS's state
+
+
+def test_every_connection_of_a_thread_reads_through_one_buffer():
+    mine = bodysink.scratch()
+    assert bodysink.scratch() is mine and len(mine) == bodysink.READ_CHUNK
+    other: list = []
+    thread = threading.Thread(target=lambda: other.append(bodysink.scratch()))
+    thread.start()
+    thread.join(10)
+    assert other and other[0] is not mine  # each event loop's thread has its own
+
+
+def _rss_kib() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+def test_an_idle_connection_costs_the_ps_at_most_64_kib():
+    """The issue's target: 300 keep-alive connections, each idle after one request (264 KiB each before)."""
+    n = 300
+    with live_ps(http_keepalive_seconds=120) as ps:
+        raw_exchange(ps.port, b"GET /healthz HTTP/1.1\r\nhost: ps\r\n\r\n", timeout=10)  # warm up
+        before = _rss_kib()
+        conns = []
+        try:
+            for _ in range(n):
+                s = socket.create_connection(("127.0.0.1", ps.port), timeout=10)
+                s.sendall(b"GET /healthz HTTP/1.1\r\nhost: ps\r\n\r\n")
+                conns.append(s)
+            for s in conns:
+                assert s.recv(4096).startswith(b"HTTP/1.1 200")
+            grown = _rss_kib() - before
+        finally:
+            for s in conns:
+                s.close()
+    assert grown / n <= 64, f"{grown / n:.0f} KiB per idle connection"

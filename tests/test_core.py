@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ps_service.accumulator import Accumulator
+from ps_service.accumulator import Accumulator, Borrowed
 from ps_service.core import CoreConfig, ParameterServerCore
 from shared.errors import ProtocolError
 from shared.protocol import ModelInit, PushRequest, PushStatus
@@ -317,6 +317,123 @@ def test_the_accumulator_sums_in_rank_order_into_the_first_ranks_buffer():
         assert out[k].tobytes() == expected.tobytes()
 
 
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 6), eager=st.booleans(), data=st.data())
+def test_borrowed_gradients_read_once_give_the_same_bits(n, eager, data):
+    """Gradients in memory their sender may rewrite (same-host files) are read once by the accumulator: summed
+    straight into a new running sum when next in rank order, else checked where they are and summed, read once and
+    checked again, in rank order. Any arrival order, any mix with owned gradients: the sum is bit-identical to the
+    rank-order sum."""
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    g = [{k: rng.standard_normal(v.shape).astype(np.float32) * np.float32(10.0 ** rng.integers(-3, 3))
+          for k, v in W0.items()} for _ in range(n)]
+    order = data.draw(st.permutations(range(n)))
+    borrowed = data.draw(st.lists(st.booleans(), min_size=n, max_size=n))
+    acc, arrived = Accumulator(tuple(W0), "mean"), set()
+    for i in order:
+        arrived.add(i)
+        pending = [(j, f"w{j}") for j in range(n) if j not in arrived] if eager else None
+        src = {k: v.copy() for k, v in g[i].items()}
+        if borrowed[i]:
+            b = Borrowed({k: v for k, v in src.items()}, lambda: {k: np.empty_like(v) for k, v in W0.items()},
+                         lambda: None)
+            taken = acc.read(f"w{i}", i, b, pending)
+            assert taken.nonfinite is None
+            acc.apply(f"w{i}", i, taken, pending)
+        else:
+            acc.apply(f"w{i}", i, src, pending)
+    out = acc.take()
+    for k in W0:
+        expected = g[0][k].copy()
+        for j in range(1, n):
+            expected += g[j][k]
+        if n > 1:
+            expected /= n
+        assert out[k].tobytes() == expected.tobytes()
+
+
+def test_a_borrowed_gradient_with_nan_or_an_overflowing_sum_is_found():
+    """NaN/Inf in a borrowed gradient is found when the core takes it, before any change; a sum that overflows
+    is found as it is made: that sum is spoiled and the round applies nothing (never an Inf)."""
+    acc = Accumulator(tuple(W0), "mean")
+    acc.apply("a", 0, {k: np.full_like(v, 3e38) for k, v in W0.items()}, pending=[])
+    before = {k: v.copy() for k, v in acc.acc.items()}
+    for bad in (np.nan, -np.inf):
+        src = {k: np.ones_like(v) for k, v in W0.items()}
+        src["w"][2, 1] = bad
+        b = Borrowed(src, lambda: {k: np.empty_like(v) for k, v in W0.items()}, lambda: None)
+        assert acc.read("b", 1, b, pending=[]).nonfinite == "w"
+    assert len(acc) == 1 and all(acc.acc[k].tobytes() == before[k].tobytes() for k in W0)
+    src = {k: np.full_like(v, 3e38) for k, v in W0.items()}
+    b = Borrowed(src, lambda: {k: np.empty_like(v) for k, v in W0.items()}, lambda: None)
+    taken = acc.read("b", 1, b, pending=[])
+    assert taken.nonfinite is None
+    acc.apply("b", 1, taken, pending=[])
+    assert acc.spoiled and list(acc.dropped) == ["b"] and acc.take() is None
+
+
+def test_a_borrowed_gradient_changed_before_it_is_summed_spoils_nothing_it_did_not_reach():
+    """A borrowed gradient that waits for a lower rank is summed later, in place, read once and the sum checked
+    as it goes. Changed meanwhile (NaN, or the transport says rewritten), it is dropped; if it had reached the
+    running sum, that sum is spoiled and the round applies nothing; if it was the first, it is simply left out."""
+    for change in ("nan", "torn"):
+        acc = Accumulator(tuple(W0), "mean")
+        g = [grad(i) for i in range(3)]
+        src = {k: v.copy() for k, v in g[1].items()}
+        torn = []
+
+        def confirm():
+            if torn:
+                raise ProtocolError(409, "shm_torn", "rewritten")
+
+        b = Borrowed(src, lambda: {k: np.empty_like(v) for k, v in W0.items()}, confirm)
+        taken = acc.read("b", 1, b, pending=[(0, "a")])
+        assert not taken.summed and taken.nonfinite is None
+        acc.apply("b", 1, taken, pending=[(0, "a")])
+        if change == "nan":
+            src["w"][0, 0] = np.nan
+        else:
+            torn.append(True)
+        acc.apply("a", 0, {k: v.copy() for k, v in g[0].items()}, pending=[(2, "c")])
+        acc.apply("c", 2, {k: v.copy() for k, v in g[2].items()}, pending=[])
+        assert list(acc.dropped) == ["b"] and acc.spoiled and len(acc) == 3
+        assert acc.take() is None
+    # the first in rank order is copied into a buffer of ours: found changed, it alone is left out
+    acc = Accumulator(tuple(W0), "mean")
+    src = {k: v.copy() for k, v in g[0].items()}
+    b = Borrowed(src, lambda: {k: np.empty_like(v) for k, v in W0.items()}, lambda: None)
+    acc.apply("a", 0, acc.read("a", 0, b, pending=None), pending=None)
+    src["b"][1] = np.inf
+    acc.apply("c", 2, {k: v.copy() for k, v in g[2].items()}, pending=None)
+    out = acc.take()
+    assert list(acc.dropped) == ["a"] and not acc.spoiled
+    assert all(out[k].tobytes() == g[2][k].tobytes() for k in W0)
+
+
+def test_a_torn_or_nonfinite_borrowed_push_changes_nothing_in_the_core():
+    """The core reads a borrowed push before any change: a NaN in it is a 422 (reject) and a rewrite while it was
+    read (the transport's confirm raises) is that error; either way the core's state is untouched."""
+    core, ids = make(2)
+    push(core, ids[0], 0, grad(1))
+
+    def torn():
+        raise ProtocolError(409, "shm_torn", "rewritten")
+
+    nan = grad(2)
+    nan["b"][0] = np.nan
+    for views, confirm, code in ((grad(2), torn, "shm_torn"), (nan, lambda: None, "nonfinite_gradient")):
+        b = Borrowed(views, lambda: {k: np.empty_like(v) for k, v in W0.items()}, confirm)
+        version, counts = core.version, dict(core.push_counts)
+        with pytest.raises(ProtocolError) as exc:
+            core.push(PushRequest(ids[1], 0, views, borrowed=b), 1.0)
+        assert exc.value.code == code and core.version == version and core.push_counts == counts
+        assert core.global_step == 0 and ids[1] not in core.round.acc
+    ok = grad(2)
+    b = Borrowed(ok, lambda: {k: np.empty_like(v) for k, v in W0.items()}, lambda: None)
+    assert core.push(PushRequest(ids[1], 0, ok, borrowed=b), 1.0).status is PushStatus.ACCEPTED
+    assert core.global_step == 1
+
+
 def unreachable_round(**cfg):
     """R = N = 3: w0 and w1 push step 0; w2 still owes its gradient."""
     core, ids = make(3, replicas_to_aggregate=3, total_num_replicas=3, lease_seconds=5.0, **cfg)
@@ -397,3 +514,20 @@ def test_the_core_config_comes_from_the_settings_in_one_mapping():
     assert cfg == CoreConfig(replicas_to_aggregate=3, total_num_replicas=4, min_workers=2, max_steps=9, lease_seconds=3.0,
                              round_timeout_seconds=7.0, min_replicas=2, nonfinite_policy="skip", aggregation="sum",
                              startup_grace_seconds=1.5, optimizer_overrides={"name": "adam", "learning_rate": 0.01})
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+def test_the_finiteness_check_finds_every_nan_and_inf_wherever_it_sits(dtype):
+    """ps_service.accumulator._all_finite (a BLAS dot product with zeros, chunk by chunk): any NaN, +Inf or -Inf
+    at the start, inside, at a chunk's edge or in the last partial chunk is found; huge finite values are not."""
+    from ps_service.accumulator import CHUNK_ELEMENTS, _all_finite
+    n = 2 * CHUNK_ELEMENTS + 77
+    big = np.finfo(dtype).max
+    g = np.full(n, big, dtype)
+    g[1::2] = -big
+    assert _all_finite(g) and _all_finite(g.reshape(-1, 1)) and _all_finite(g[::3])
+    for at in (0, 5, CHUNK_ELEMENTS - 1, CHUNK_ELEMENTS, 2 * CHUNK_ELEMENTS + 76):
+        for bad in (np.nan, np.inf, -np.inf):
+            h = g.copy()
+            h[at] = bad
+            assert not _all_finite(h) and not _all_finite(h[at:at + 1])

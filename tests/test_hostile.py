@@ -226,7 +226,7 @@ CASES = [
     Case("tensor-pickle-dtype-O", 422, "unsupported_dtype", body=lambda c: with_b(c, "O", data=bytes(16))),
     Case("tensor-big-endian", 422, "unsupported_dtype", body=lambda c: with_b(c, ">f4")),
     Case("tensor-complex", 422, "unsupported_dtype", body=lambda c: with_b(c, "complex64")),
-    Case("tensor-bfloat16", 422, "unsupported_dtype", body=lambda c: with_b(c, "bfloat16", data=bytes(4))),
+    Case("tensor-uint8", 422, "unsupported_dtype", body=lambda c: with_b(c, "uint8", data=bytes(4))),
     Case("tensor-absurd-declared-shape", 422, "bad_shape", body=lambda c: with_b(c, "float64", [2**39] * 8, bytes(8))),
     Case("tensor-dimension-too-large", 422, "bad_shape", body=lambda c: with_b(c, "float32", [0, 2**63], b"")),
     Case("tensor-zero-size-overflowing-shape", 422, "bad_shape",

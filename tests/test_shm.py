@@ -3,8 +3,9 @@
 - Region: the file format of docs/protocol.md, byte by byte; a peer's file is checked before use.
 - Live PS: a worker on the same host attaches, its pushes and pulls carry no tensor bytes, the weights
   it maps are the PS's; every hostile attach or push is refused with a clear 409/400 and changes nothing
-  (a hard link of the weights file is no gradient file); what the PS applies is the copy it validated,
-  whatever the worker writes into its file after the push; a PS that lost the worker's file is re-attached;
+  (a hard link of the weights file is no gradient file); the PS reads a push once, checking what it reads
+  (NaN/Inf or an overflowing sum: 422 or skipped), and what it applies is what it read, whatever the worker
+  writes into its file afterwards, in rank order or not; a PS that lost the worker's file is re-attached;
   a PS with the transport off, or on "another host" (another directory), is used over HTTP.
 - Files: the PS removes its weights file on shutdown and sweeps the ones a killed PS left; workers'
   files vanish once attached.
@@ -170,6 +171,64 @@ def test_the_ps_applies_the_copy_it_validated(shm_dir):
             view[...] = np.nan
         assert b.push(wb, 0, grads(3.0))["step"] == 1  # closes the round
         np.testing.assert_array_equal(ps.rt.core.weights["w"], W0["w"] - np.float32(0.5) * np.float32(2.0))
+        a.close(), b.close()
+
+
+def test_a_push_rewritten_before_it_is_summed_never_reaches_the_weights(shm_dir):
+    """Rank 1 pushes first: its gradient cannot be summed yet, so the PS checks it where it is and sums it once
+    rank 0's is in, reading it once and checking the sum as it goes. NaN written into that file in between (a
+    worker breaking the protocol) never reaches the weights: the round applies nothing and says so."""
+    with live_ps(shm_dir=shm_dir, min_workers=2, startup_grace_seconds=0, lease_seconds=600) as ps:
+        a, b = ps.client(shm_dir=shm_dir), ps.client(shm_dir=shm_dir)
+        wa, wb = a.register("a")["worker_id"], b.register("b")["worker_id"]
+        assert ps.rt.core.members.by_id[wa].rank == 0 and ps.rt.core.members.by_id[wb].rank == 1
+        assert a.init_model(W0, {"name": "sgd", "learning_rate": 0.5})
+        assert a.attach(wa) == b.attach(wb) == "shm"
+        assert b.push(wb, 0, grads(3.0))["status"] == "accepted"
+        for view in b.tensors.channel._grads.values():
+            view[...] = np.nan
+        assert a.push(wa, 0, grads(1.0))["step"] == 1
+        np.testing.assert_array_equal(ps.rt.core.weights["w"], W0["w"])
+        rec = ps.rt.core.rounds[-1]
+        assert rec.aggregated == 0 and rec.missing == ("a", "b") and rec.contributors == ()
+        assert a.push(wa, 1, grads(1.0))["status"] == "accepted" and b.push(wb, 1, grads(3.0))["step"] == 2
+        np.testing.assert_array_equal(ps.rt.core.weights["w"], W0["w"] - np.float32(0.5) * np.float32(2.0))
+        a.close(), b.close()
+
+
+@pytest.mark.parametrize("policy", ["reject", "skip"])
+def test_nan_in_the_file_is_found_as_it_is_read(policy, shm_dir):
+    """NaN/Inf in a same-host push is found when the PS takes it: 422 nonfinite_gradient and nothing changes
+    (reject), or 'skipped' (skip). A sum that overflows is found as it is made: the round applies nothing."""
+    with live_ps(shm_dir=shm_dir, min_workers=2, startup_grace_seconds=0, lease_seconds=600,
+                 nonfinite_policy=policy) as ps:
+        a, b = ps.client(shm_dir=shm_dir), ps.client(shm_dir=shm_dir)
+        wa, wb = a.register("a")["worker_id"], b.register("b")["worker_id"]
+        assert a.init_model(W0, {"name": "sgd", "learning_rate": 0.5})
+        assert a.attach(wa) == b.attach(wb) == "shm"
+        assert a.push(wa, 0, grads(3e38))["status"] == "accepted"
+        with ps.http() as h:
+            before = state_hash(ps.rt)
+            for bad in (np.nan, np.inf):
+                g = grads(1.0)
+                g["w"][1, 1] = bad
+                resp = shm_push(h, wb, 0, b.tensors.channel.write(g))
+                if policy == "reject":
+                    assert (resp.status_code, resp.json()["error"]) == (422, "nonfinite_gradient"), resp.text
+                    assert "'w'" in resp.json()["detail"] and state_hash(ps.rt) == before
+                else:
+                    assert resp.json()["status"] == "skipped", resp.text
+                    break
+            if policy == "reject":
+                assert shm_push(h, wb, 0, b.tensors.channel.write(grads(1.0))).json()["status"] == "accepted"
+        assert ps.rt.core.global_step == 1
+        mean = (np.float32(3e38) + np.float32(1.0)) / 2 if policy == "reject" else np.float32(3e38)
+        np.testing.assert_array_equal(ps.rt.core.weights["b"], W0["b"] - np.float32(0.5) * np.float32(mean))
+        after = {k: v.copy() for k, v in ps.rt.core.weights.items()}
+        assert a.push(wa, 1, grads(3e38))["status"] == "accepted"  # 3e38 + 3e38 overflows float32
+        assert b.push(wb, 1, grads(3e38))["status"] == "accepted" and ps.rt.core.global_step == 2
+        assert all(np.array_equal(ps.rt.core.weights[k], after[k]) for k in W0)  # no update, never an Inf
+        assert ps.rt.core.rounds[-1].aggregated == 0
         a.close(), b.close()
 
 

@@ -10,7 +10,8 @@ answers a repeated (worker, step) with ``duplicate``. With a ``token``, every re
 ``Authorization: Bearer <token>``.
 
 Tensors go through one tensor transport, chosen by :meth:`PSClient.attach` once the worker is
-registered: same-host files when the PS's weights file is found in ``shm_dir``, else request bodies.
+registered: same-host files when the PS's weights file is found in ``shm_dir``, else request bodies,
+compressed as the job says (``compression`` of the registration answer: worker_service/transport/compressed.py).
 A push asks the PS to answer with the next weights once its round closes (one round trip per step);
 those weights are kept and returned by the next :meth:`PSClient.pull` that they satisfy.
 """
@@ -31,7 +32,9 @@ from shared.protocol import API
 from shared.tokens import bearer_header
 from worker_service import retry
 from worker_service.rawhttp import ConnectionLost, RawConnection
+from shared.compression import Spec
 from worker_service.transport.base import Connection, Pulled, PushAnswer, Response, TensorTransport
+from worker_service.transport.compressed import body_transport
 from worker_service.transport.http import BodyTransport
 from worker_service.transport.httpx import HttpxConnection
 from worker_service.transport.shm import ShmChannel, ShmTransport
@@ -69,6 +72,8 @@ class PSClient:
         #: the shared directory of the same-host transport (None: tensors always in request bodies)
         self.shm_dir = shm_dir
         self.tensors: TensorTransport = BodyTransport(self.call)
+        #: the job's gradient compression of request bodies (from the last registration answer)
+        self.compression = Spec()
 
     @property
     def transport(self) -> str:
@@ -106,7 +111,9 @@ class PSClient:
 
     # ---- control ------------------------------------------------------------------------
     def register(self, name: str) -> dict:
-        return self.call_json("POST", f"{API}/workers", {"name": name})
+        reg = self.call_json("POST", f"{API}/workers", {"name": name})
+        self.compression = Spec.from_wire(reg.get("compression"))
+        return reg
 
     def leave(self, worker_id: str) -> None:
         self.call("DELETE", f"{API}/workers/{worker_id}")
@@ -121,7 +128,7 @@ class PSClient:
         """Choose this worker's tensor transport: same-host files if the PS is on this host, else request
         bodies. Its name."""
         self.tensors.close()
-        self.tensors = BodyTransport(self.call)
+        self.tensors = body_transport(self.call, self.compression)
         if not self.shm_dir:
             return self.transport
         try:
@@ -177,7 +184,7 @@ class PSClient:
                 if again.code not in SHM_AGAIN:
                     raise
                 log.warning("PS says %s again: this push goes in the request body", again.code)
-                answer = BodyTransport(self.call).push(meta, grads, self.push_wait, self.timeout)
+                answer = body_transport(self.call, self.compression).push(meta, grads, self.push_wait, self.timeout)
         self._prefetched = answer.pulled
         return {"status": answer.status, "step": answer.step, "done": answer.done}
 

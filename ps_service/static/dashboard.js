@@ -112,10 +112,14 @@ function renderStatus(st) {
   $("loss-avg").textContent = `${fmt(st.loss.moving_average)} (${st.loss.moving_average_rounds} rounds)`;
   $("rps").textContent = fmt(st.throughput.rounds_per_second, 3);
   $("eps").textContent = fmt(st.throughput.examples_per_second, 3);
+  $("gps").textContent = fmt(st.throughput.gradients_per_second, 3);
+  renderClocks(st);
   $("workers-active").textContent = `${st.workers.active} active`;
   $("workers-detail").textContent = `${st.workers.expired} expired, ${st.workers.left} left, ${st.workers.membership_changes} changes`;
   const r = st.replicas_to_aggregate === null ? `R = live (${st.effective_replicas_to_aggregate ?? "-"})` : `R = ${st.replicas_to_aggregate}`;
-  $("mode").textContent = `${st.mode}, ${r}` + (st.total_num_replicas === null ? "" : `, N = ${st.total_num_replicas}`);
+  $("mode").textContent = st.training_mode === "sync"
+    ? `${st.mode}, ${r}` + (st.total_num_replicas === null ? "" : `, N = ${st.total_num_replicas}`)
+    : st.training_mode + (st.ssp_staleness === null ? "" : `, s = ${st.ssp_staleness}`);
   const opt = st.optimizer;
   $("optimizer").textContent = opt ? Object.entries(opt).map(([k, v]) => k === "name" ? v : `${k}=${v}`).join(" ") : "-";
   $("uptime").textContent = duration(st.uptime_seconds);
@@ -133,6 +137,19 @@ function renderStatus(st) {
   plot($("rate-plot"), rateTimes, rateValues, { cls: "line rate", xLabel: (x) => `${Math.round(x)} s` });
 }
 
+// async/ssp: the slowest and fastest live clocks, their spread, and the staleness percentiles
+function renderClocks(st) {
+  const c = st.clocks, s = st.staleness;
+  if (!c) {
+    $("clocks").textContent = "sync";
+    $("clocks-detail").textContent = "the barrier: every worker at the round's step";
+    return;
+  }
+  $("clocks").textContent = c.live ? `${c.slowest}..${c.fastest}` : "-";
+  $("clocks-detail").textContent = `spread ${c.spread} (max ${c.max_spread})` +
+    (s && s.applied ? ` | staleness p50 ${s.p50}, p90 ${s.p90}, p99 ${s.p99}` : "");
+}
+
 function renderWorkers(ws) {
   $("straggler").textContent = ws.straggler ?? "none";
   $("straggler").title = ws.straggler ?? "";
@@ -147,7 +164,9 @@ function renderWorkers(ws) {
     tr.className = [w.state, w.name === ws.straggler ? "straggler" : "", w.awaited ? "awaited" : ""].join(" ").trim();
     tr.dataset.name = w.name;
     const p = w.pushes, t = w.mean_seconds;
-    [w.rank, w.name, w.awaited ? `${w.state} (awaited)` : w.state, w.transport ?? "-", w.last_step ?? "-", p.accepted, p.late, p.stale,
+    const clock = w.blocked ? `${w.clock} (waits)` : w.clock ?? "-";
+    [w.rank, w.name, w.awaited ? `${w.state} (awaited)` : w.state, w.transport ?? "-", w.last_step ?? "-", clock,
+     w.staleness && w.staleness.mean !== null ? fmt(w.staleness.mean, 3) : "-", p.accepted, p.late, p.stale,
      p.duplicate, ms(t.fetch), ms(t.compute), ms(t.push), w.straggler_rounds, fmt(w.straggler_seconds, 3),
      `${fmt(w.last_seen_seconds_ago, 2)} s ago`].forEach((v, i) => cell(tr, String(v), i === 1 ? w.name : undefined));
     body.append(tr);

@@ -11,6 +11,9 @@ Transports (docs/protocol.md):
   :mod:`ps_service.transport.body`;
 - ``shm``: the body is a frame with no tensors and ``meta.shm_seq``; the tensors are in the worker's
   gradient file (:mod:`ps_service.transport.shm`).
+With ``PS_COMPRESSION`` on, a body push carries its float32 gradients compressed (:mod:`shared.compression`):
+the seam decodes them to float32 here (422 ``compression_mismatch`` / ``bad_encoding``), so the core
+validates and applies the decoded arrays. Same-host pushes are never compressed.
 Whether tensors fit the model (names, exact dtypes, shapes, finite values) is the core's check, made on
 exactly the arrays it then applies.
 """
@@ -24,7 +27,7 @@ from starlette.responses import Response
 from ps_service.transport.body import read_body
 from ps_service.transport.buffers import POOL
 from ps_service.transport.shm import ShmHub
-from shared import frame
+from shared import compression, frame
 from shared.errors import ProtocolError, bad_request
 from shared.protocol import STEP_HEADER, ModelInit, PushRequest, parse_model_meta, parse_push_meta
 
@@ -40,6 +43,9 @@ class TensorSeam:
         self.settings = settings
         self.core = core
         self.shm = ShmHub(settings.shm_dir or None)
+        #: the job's gradient compression (told to workers at registration, shown in /v1/status)
+        self.compression = compression.Spec(settings.compression, settings.compression_topk_ratio,
+                                            settings.compression_2bit_threshold)
         self.bytes_in = 0
         self.bytes_out = 0
         self._key: tuple | None = None
@@ -62,13 +68,16 @@ class TensorSeam:
         if not member.active:
             raise ProtocolError(409, "not_active", f"worker {member.name!r} is {member.state}; register again "
                                                    "(POST /v1/workers)")
+        declared = f.meta.get("compression")
         if seq is None:
             self.bytes_in += size
-            return Received(push.with_tensors(f.tensors), "http")
+            tensors = compression.decode_push(self.compression, declared, f.tensors, core.weights)
+            return Received(push.with_tensors(tensors), "http")
+        compression.check_declared(self.compression, declared, via_body=False)
         if f.tensors:
             raise bad_request("bad_field", "a push with shm_seq carries no tensors in its body")
-        tensors, nonfinite = self.shm.gradients(push.worker_id, seq)
-        return Received(push.with_tensors(tensors, nonfinite), "shm")
+        borrowed = self.shm.gradients(push.worker_id, seq)
+        return Received(push.with_tensors(borrowed.views, borrowed), "shm")
 
     def delivered(self, got: Received) -> None:
         """The core took the push: remember how this worker's tensors travel (monitoring)."""
@@ -98,8 +107,8 @@ class TensorSeam:
 
     def _head(self) -> dict:
         core = self.core
-        ranks = sorted(core.round.eligible.values()) if core.round else []
-        return {"step": core.global_step, "done": core.done, "ranks": ranks}
+        # the open round's ranks, else (async/ssp, or no round) the active members': a cached sorted tuple
+        return {"step": core.global_step, "done": core.done, "ranks": core.ranks()}
 
     def _weights_frame(self) -> bytes | memoryview:
         """The weights' frame, encoded once per (step, round membership) into a buffer that is never

@@ -11,12 +11,17 @@ route only every :data:`WAKE_BYTES` or :data:`WAKE_SECONDS` of progress, and at 
 was set are still delivered the usual way and land first (the sink keeps the offset).
 
 Once the sink is set, the rest of a ``Content-Length`` body is not even copied once: served through
-:class:`BufferedSinkProtocol` (an :class:`asyncio.BufferedProtocol` around it; uvloop reads into a
-protocol's buffer only if it is not an ``asyncio.Protocol``), the event loop reads the socket straight into the sink
+:class:`BufferedSinkProtocol` (an :class:`asyncio.BufferedProtocol` around it; asyncio's loop and uvloop read
+into a protocol's buffer only if it is a ``BufferedProtocol`` and not an ``asyncio.Protocol``), the event loop
+reads the socket straight into the sink
 (``get_buffer`` hands out exactly the body's remaining bytes, never more) and the HTTP parser never
 sees those bytes; when the body is complete the message is ended by hand and a fresh parser takes
 the next request on the connection. Every other byte (headers, chunked or small bodies, bytes before
-the sink exists) goes through a scratch buffer to uvicorn's parser as before.
+the sink exists) goes through a scratch buffer to uvicorn's parser as before. That buffer is the
+thread's, shared by every connection its event loop serves (:func:`scratch`): the loop reads into it and
+hands the bytes on (``buffer_updated``) before it reads any other connection, so an idle connection holds
+no buffer at all, and only a connection sending a large body holds one (its sink, from the bounded pool
+of :mod:`ps_service.transport.buffers`).
 
 Under another server (or uvicorn's stock protocol) nothing writes to the sink and
 ``read_body`` gets the chunks as usual: the sink is an optimisation, never a contract.
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 
 import httptools
@@ -32,6 +38,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 #: bytes per socket read outside a sink
 READ_CHUNK = 256 << 10
+_thread = threading.local()
 
 SINK_KEY = "syncps.body_sink"
 #: wake the route after this many bytes or seconds of progress while a body streams into its sink
@@ -68,6 +75,14 @@ class BodySink:
         return False
 
 
+def scratch() -> memoryview:
+    """This thread's read buffer (:data:`READ_CHUNK` bytes), made on first use."""
+    buf = getattr(_thread, "scratch", None)
+    if buf is None:
+        buf = _thread.scratch = memoryview(bytearray(READ_CHUNK))
+    return buf
+
+
 def _content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
     """The body length of a plain ``Content-Length`` request (None if chunked, absent or odd)."""
     lengths = [v for k, v in headers if k == b"content-length"]
@@ -79,7 +94,6 @@ def _content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
 class SinkHttpToolsProtocol(HttpToolsProtocol):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._scratch = memoryview(bytearray(READ_CHUNK))
         #: where the bytes of the pending read go: a sink, "discard" (a bypassed body nobody reads any
         #: more), or None (the scratch buffer, then the parser)
         self._reading_into: BodySink | str | None = None
@@ -127,14 +141,14 @@ class SinkHttpToolsProtocol(HttpToolsProtocol):
             return sink.view[sink.at:sink.at + self._body_left]
         if self._bypassing and self._body_left:  # the route gave up on this body: read the rest past the parser
             self._reading_into = "discard"
-            return self._scratch[:self._body_left]
+            return scratch()[:self._body_left]
         self._reading_into = None
-        return self._scratch
+        return scratch()
 
     def buffer_updated(self, nbytes: int) -> None:
         into, self._reading_into = self._reading_into, None
         if into is None:
-            return self.data_received(bytes(self._scratch[:nbytes]))
+            return self.data_received(bytes(scratch()[:nbytes]))
         self._unset_keepalive_if_required()
         self._body_left -= nbytes
         if isinstance(into, BodySink):

@@ -8,11 +8,11 @@ Contract:
 - :meth:`ShmHub.attach` (``POST /v1/workers/{id}/shm``) maps the gradient file the worker made (name
   pattern, regular file of this user with one link, no symlink, kind ``G``, exact size, matching nonce,
   the model's frame header), and never the PS's own weights file. The worker then unlinks it.
-- :meth:`ShmHub.gradients` *copies* one push's gradients out of the worker's file into a buffer the PS
-  owns, once the file's marker shows it holds that push (checked before and after the copy), checking
-  the copy for NaN/Inf chunk by chunk as it goes (one pass): what the core validates and applies is that
-  copy, whatever the worker writes into its file afterwards. Each worker has two such buffers, reused
-  (a fresh one only when both are still held by a round), so a push costs no page faults.
+- :meth:`ShmHub.gradients` checks the worker's file holds the push (its marker) and hands it to the core
+  as a :class:`ps_service.accumulator.Borrowed`: read-only views of the file (mapped at attach), a source
+  of pooled buffers of the PS's own, and the marker re-check. The core reads it exactly once, checking what
+  it reads (ps_service/accumulator.py), so what it applies is what it checked, whatever the worker writes
+  into its file; buffers are reused once no round holds them (a fresh 40 MB one costs page faults).
 - Refusals: 409 ``shm_unavailable`` (the worker then uses plain HTTP), 409 ``shm_not_attached`` /
   ``shm_torn`` (attach again, or push over HTTP), 400 for malformed names.
 The weights file is unlinked on shutdown; files left by a PS that was killed (no flock held on them)
@@ -27,7 +27,7 @@ import sys
 
 import numpy as np
 
-from ps_service.accumulator import copy_checked
+from ps_service.accumulator import Borrowed
 from shared import frame, shm
 from shared.errors import ProtocolError, bad_request
 
@@ -39,8 +39,9 @@ except ImportError:  # not a POSIX system: no same-host transport
 log = logging.getLogger("ps_service")
 
 
-#: copy buffers kept for reuse: a round in elastic mode folds each push as soon as the ranks before it are in,
-#: so two are enough in order; more are allocated (and freed) only when pushes arrive out of order
+#: buffers kept for reuse, beyond one per attached worker: a push is summed from its file into a new running
+#: sum (the old one is then free), so a round needs two, and one more while the previous round's sum is
+#: applied; a fresh buffer costs page faults (~10 ms for 40 MB here), so the pool grows with the workers
 MAX_SPARE = 2
 
 
@@ -63,8 +64,8 @@ class ShmHub:
         self._nonce = secrets.token_bytes(shm.NONCE_BYTES)
         #: an open descriptor of the weights file holding an exclusive flock: "this file's PS is alive"
         self._lock_fd: int | None = None
-        #: worker_id -> its gradient file (read with pread, never mapped)
-        self.attached: dict[str, shm.PeerFile] = {}
+        #: worker_id -> its gradient file, mapped read-only
+        self.attached: dict[str, shm.PeerRegion] = {}
         #: buffers pushes are copied into, reused once no round holds them (at most MAX_SPARE kept)
         self._copies: list[np.ndarray] = []
         #: worker_id -> the transport of its last accepted push ("shm" or "http"), for monitoring
@@ -144,7 +145,10 @@ class ShmHub:
             os.close(fd)
             raise unavailable(f"{name} is the PS's weights file")
         self.detach(worker_id)
-        self.attached[worker_id] = shm.PeerFile(fd, self.layout)
+        try:
+            self.attached[worker_id] = shm.PeerRegion(fd, self.layout)
+        finally:
+            os.close(fd)
 
     def detach(self, worker_id: str) -> None:
         peer = self.attached.pop(worker_id, None)
@@ -156,9 +160,9 @@ class ShmHub:
         for worker_id in [w for w in self.attached if w not in keep]:
             self.detach(worker_id)
 
-    def gradients(self, worker_id: str, seq: object) -> tuple[dict[str, np.ndarray], str | None]:
-        """A copy of one push's gradients in a buffer of the PS's own (the core may keep and sum into it),
-        and the first tensor whose copy has NaN/Inf (None: all finite)."""
+    def gradients(self, worker_id: str, seq: object) -> Borrowed:
+        """One push's gradients, still in the worker's file: the core reads them once, when it takes the push,
+        into buffers of the PS's own (:class:`ps_service.accumulator.Borrowed`), and checks what it read."""
         region = self.attached.get(worker_id)
         if region is None or self.layout is None:
             raise ProtocolError(409, "shm_not_attached", "this worker has no gradient file here: attach again")
@@ -166,20 +170,21 @@ class ShmHub:
             raise bad_request("bad_field", "push: shm_seq must be an int >= 0")
         if region.marker != seq:
             raise ProtocolError(409, "shm_torn", "the gradient file does not hold that push (rewritten?)")
-        buf = self._buffer()
-        nonfinite = copy_checked(region.read_into, self.layout, buf)
-        if region.marker != seq:  # rewritten while we copied: the copy may mix two pushes
-            raise ProtocolError(409, "shm_torn", "the gradient file was rewritten during the push")
+
+        def confirm() -> None:
+            if region.marker != seq:  # rewritten while the core read it: what it read may mix two pushes
+                raise ProtocolError(409, "shm_torn", "the gradient file was rewritten during the push")
+
         self.bytes_in += self.layout.data_bytes
-        return self.layout.views(buf), nonfinite
+        return Borrowed(region.views(), lambda: self.layout.views(self._buffer()), confirm)
 
     def _buffer(self) -> np.ndarray:
-        """A copy buffer that no round holds any more, else a fresh one (kept for reuse up to MAX_SPARE)."""
+        """A buffer that no round holds any more, else a fresh one (kept for reuse up to MAX_SPARE)."""
         for buf in self._copies:
             if sys.getrefcount(buf) <= 3:  # the list, the loop variable, the argument: no view of it is alive
                 return buf
         buf = np.empty(self.layout.data_bytes, np.uint8)
-        if len(self._copies) < MAX_SPARE:
+        if len(self._copies) < MAX_SPARE + len(self.attached):
             self._copies.append(buf)
         return buf
 

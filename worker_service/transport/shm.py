@@ -7,7 +7,8 @@ is on another host, and the worker stays on HTTP), then makes and maps the worke
 its name: the mappings keep it alive until both sides are gone. :meth:`write` stores one push under a
 fresh sequence number (the marker is -1 while writing). :attr:`weights` are read-only arrays over the
 PS's live weights: they hold the step the last pull named until the PS closes that step's round, which
-needs this worker's push (or refuses it as late). The PS copies a push out of the file when it takes it.
+needs this worker's push (or refuses it as late). The PS reads a push out of the file once, checking what it
+reads, by the time the round closes: the worker writes its next push only after the next step's weights.
 """
 from __future__ import annotations
 

@@ -1,0 +1,72 @@
+"""The push path of ``PS_MODE=async|ssp``: each accepted gradient is applied when it arrives. Pure, no I/O.
+
+:class:`ps_service.core.ParameterServerCore` calls these after its common checks (model initialised, member
+active, no future step, the gradient's layout); :class:`ps_service.staleness.BoundedStaleness` (``core.modes``)
+decides. Contract:
+
+- :func:`classify`: refuses a push before the start (409 ``not_started``); reads a borrowed (same-host)
+  gradient once into the PS's memory (:func:`ps_service.accumulator.read_checked`), checking what it reads,
+  then confirms the file still held that push (409 ``shm_torn``) and applies the NaN/Inf policy (422 under
+  ``reject``): every refusal comes before any state changes. Then the machine classifies (``duplicate``,
+  ``skipped``, ``stale``, ``accepted``). Once the job is done a push is ``stale``: nothing applied, its
+  clock unchanged (as sync answers a push for a round that closed without it).
+- :func:`take`: an ``accepted`` gradient is one optimizer step (the mean of one gradient is itself), counted
+  in ``gradients_applied``, its examples and loss recorded; ``accepted`` and ``skipped`` move
+  ``global_step`` by one. No round is ever open in these modes.
+- :func:`wait_reason`: what the job waits for, for humans (the SSP wait names the stragglers).
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+
+from ps_service.accumulator import finite_or_refuse, read_checked
+from ps_service.membership import Member
+from ps_service.staleness import Verdict
+from shared.errors import ProtocolError
+from shared.protocol import PushRequest, PushStatus
+
+
+def classify(core, m: Member, req: PushRequest, finite: bool, now: float) -> tuple[Verdict, Mapping[str, np.ndarray]]:
+    """The machine's verdict on a push whose layout is valid (``finite``: its values were checked finite, or
+    it is borrowed and is checked here), and the gradient the PS owns."""
+    if not core.started:
+        raise ProtocolError(409, "not_started", "training has not started (waiting for workers)")
+    grads, borrowed = req.tensors, req.borrowed
+    if borrowed is not None:
+        grads = borrowed.buffer()
+        bad = read_checked(borrowed.views, grads)
+        borrowed.confirm()
+        finite = finite_or_refuse(bad, core.config.nonfinite_policy)
+    modes = core.modes
+    if core.done:
+        return Verdict(PushStatus.STALE, core.global_step - req.step, modes.workers[m.worker_id].clock), grads
+    return modes.push(m.worker_id, req.step, core.global_step, finite, now), grads
+
+
+def take(core, req: PushRequest, v: Verdict, grads: Mapping[str, np.ndarray]) -> None:
+    """Do what the verdict says: one optimizer step with ``grads`` (PS-owned: consumed) if it applies, and
+    ``global_step += 1`` if it advances."""
+    if v.applies:
+        core.optimizer.apply(core.weights, grads, consume=True)
+        core.gradients_applied += 1
+        core.examples += req.num_examples or 0
+        if req.loss is not None:
+            core.loss_history.append((core.global_step, req.loss))
+    if v.advances:
+        core.global_step += 1
+
+
+def wait_reason(core, now: float) -> str:
+    """Async: no barrier. SSP: the first blocked worker, the clock it needs and the stragglers holding it."""
+    modes = core.modes
+    if modes.bound is None:
+        return "async: no barrier, each gradient is applied when it arrives"
+    name = lambda w: core.members.by_id[w].name if w in core.members.by_id else w  # noqa: E731
+    for wid in core.members.active_by_id:
+        w = modes.wait(wid, now)
+        if w is not None:
+            held = ", ".join(f"{name(s)} at {w.slowest} for {secs:.1f} s" for s, secs in w.stragglers)
+            return f"ssp: {name(wid)} at clock {w.clock} waits for clock >= {w.needs}: {held}"
+    return f"ssp: no worker waits (clocks {modes.floor}..{modes.fastest}, bound s={modes.bound})"

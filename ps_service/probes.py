@@ -1,0 +1,92 @@
+"""The probe listener: ``/healthz`` and ``/readyz`` on a port of their own (``PS_PROBE_PORT``), served by a
+thread with its own event loop, so an orchestrator's probe never queues behind the training traffic.
+
+With a thousand workers one turn of the PS's event loop can take a second (it runs every push that
+arrived since the last turn), and a fresh connection needs a few turns before it is answered. The
+probe thread answers at once whatever the main loop is doing (it only waits for the interpreter lock,
+which the main thread hands over every few milliseconds). So that "the process answers" still means
+"the PS works", ``/healthz`` here reports the main loop's own pulse: :meth:`ProbeListener.pulse` runs on
+the main loop and stamps the time every :data:`PULSE_SECONDS`; when the stamp is older than
+:data:`STALL_SECONDS`, ``/healthz`` answers 503 ``{"error": "stalled", ...}``. ``/readyz`` is the main
+port's (:func:`ps_service.monitoring.readyz`: reads the core, changes nothing). Both stay on the main
+port too, and both are open (no token), as there.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from typing import AsyncIterator
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from ps_service import monitoring
+from ps_service.http import error_response, install_error_handlers
+from ps_service.runtime import Runtime
+
+#: how often the main loop stamps its pulse
+PULSE_SECONDS = 1.0
+#: a main loop whose pulse is older than this is stalled: /healthz on the probe port answers 503
+STALL_SECONDS = 30.0
+
+
+class ProbeListener:
+    """The probe port's server (a uvicorn in a daemon thread) and the main loop's pulse."""
+
+    def __init__(self, rt: Runtime, host: str, port: int) -> None:
+        self.last_pulse = time.monotonic()
+        app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
+        app.state.runtime = rt
+        install_error_handlers(app)
+        app.add_api_route("/healthz", self.healthz, methods=["GET"])
+        app.add_api_route("/readyz", monitoring.readyz, methods=["GET"])
+        # log_config / log_level None: the main server's logging stays as it is
+        config = uvicorn.Config(app, host=host, port=port, loop="asyncio", lifespan="off", log_config=None,
+                                log_level=None, access_log=False)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name=f"probes-{port}", daemon=True)
+
+    async def healthz(self, request: Request) -> JSONResponse:
+        """Liveness: the main event loop turned in the last STALL_SECONDS."""
+        quiet = time.monotonic() - self.last_pulse
+        if quiet > STALL_SECONDS:
+            return error_response(503, "stalled", f"the PS's event loop has not turned for {quiet:.0f} s")
+        return JSONResponse({"status": "ok"})
+
+    async def pulse(self) -> None:
+        """Runs on the main loop until cancelled."""
+        while True:
+            self.last_pulse = time.monotonic()
+            await asyncio.sleep(PULSE_SECONDS)
+
+    async def start(self, deadline: float = 10.0) -> None:
+        """Start the thread; raise if its server is not listening within ``deadline`` s (port taken...)."""
+        self.thread.start()
+        end = time.monotonic() + deadline
+        while not self.server.started and self.thread.is_alive() and time.monotonic() < end:
+            await asyncio.sleep(0.01)
+        if not self.server.started:
+            raise RuntimeError(f"the probe listener could not start on port {self.server.config.port}")
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(5)
+
+
+@contextlib.asynccontextmanager
+async def listening(rt: Runtime, host: str, port: int | None) -> AsyncIterator[ProbeListener | None]:
+    """The probe listener on ``port`` and the main loop's pulse while the block runs (nothing if None)."""
+    if port is None:
+        yield None
+        return
+    probes = ProbeListener(rt, host, port)
+    await probes.start()
+    pulse = asyncio.create_task(probes.pulse())
+    try:
+        yield probes
+    finally:
+        pulse.cancel()
+        probes.stop()

@@ -1,0 +1,244 @@
+"""Gradient compression on the wire (worker -> PS, request bodies only): the encodings, their checks, and
+the worker's error-feedback residuals (docs/protocol.md, "Compression", gives the byte layout of each).
+
+The job chooses one encoding (``PS_COMPRESSION``); the PS tells workers at registration (:class:`Spec`,
+``to_wire``). Only float32 model tensors are compressed (not the ``buffer:`` statistics of a torch
+model); every other tensor travels as it is. Per compressed tensor ``name`` of ``n`` elements and shape
+``S``, the push frame holds one tensor named ``name``:
+
+- ``bf16`` / ``fp16``: dtype ``bfloat16`` / ``float16``, shape ``S`` (round to nearest even);
+- ``topk``: dtype ``uint32``, shape ``[2, k]``, ``0 <= k <= n``: row 0 the flat indices (C order),
+  strictly increasing (so unique and, with the last ``< n``, in range), row 1 the float32 values' bits;
+- ``2bit``: dtype ``uint32``, shape ``[ceil(n / 16)]``: MXNet's 2-bit layout, 2 bits per element, 4 per
+  byte with the first in the high bits (``0b11`` = +threshold, ``0b10`` = -threshold, ``0b00`` = 0;
+  ``0b01`` and nonzero padding are refused), 16 per little-endian uint32 word.
+
+Contract: :func:`decode_push` (PS side; :func:`check_declared` for same-host pushes) checks every
+compressed tensor's form before it makes its dense float32 array (fresh memory the PS owns), and raises
+ProtocolError 422 ``compression_mismatch`` (the push declares another encoding than the job's) or
+``bad_encoding`` (a tensor does not have its encoding's form); decoding is exact (the float32 values
+the worker chose). :class:`Compressor` is the worker side:
+``topk`` and ``2bit`` keep per tensor the residual of what was not sent and add it to the next gradient
+(error feedback). Pure numpy; no I/O.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import ml_dtypes
+import numpy as np
+
+from shared.errors import unprocessable
+
+NAMES = ("none", "bf16", "fp16", "topk", "2bit")
+BF16 = np.dtype(ml_dtypes.bfloat16)
+F32 = np.dtype("<f4")
+U32 = np.dtype("<u4")
+#: torch buffers (running statistics, taken as the round's aggregate): never compressed
+BUFFER_PREFIX = "buffer:"
+#: candidate pruning of top-k: the magnitude threshold is estimated on a strided sample of this size
+_SAMPLE = 1 << 16
+
+
+class NonFiniteGradient(ValueError):
+    """A 2-bit worker's gradient holds NaN/Inf: 2 bits cannot carry it (the worker stops, as on a 422)."""
+
+
+@dataclass(frozen=True)
+class Spec:
+    """The job's choice: the encoding and its parameter."""
+
+    name: str = "none"
+    topk_ratio: float = 0.01
+    threshold: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.name not in NAMES:
+            raise ValueError(f"compression {self.name!r} is not one of {NAMES}")
+        if not 0 < self.topk_ratio <= 1 or not 0 < self.threshold < math.inf:
+            raise ValueError("compression: topk_ratio must be in (0, 1] and threshold a positive finite number")
+
+    @property
+    def on(self) -> bool:
+        return self.name != "none"
+
+    def to_wire(self) -> dict:
+        return {"name": self.name, "topk_ratio": self.topk_ratio, "threshold": self.threshold}
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> "Spec":
+        """The spec a registration answer carries (absent: none). ValueError if malformed."""
+        if obj is None:
+            return cls()
+        if not isinstance(obj, dict):
+            raise ValueError("compression must be a map")
+        return cls(str(obj.get("name", "none")), float(obj.get("topk_ratio", 0.01)), float(obj.get("threshold", 0.5)))
+
+    def compresses(self, name: str, dtype: np.dtype) -> bool:
+        """Whether a tensor of the model travels compressed."""
+        return self.on and dtype == F32 and not name.startswith(BUFFER_PREFIX)
+
+    def k(self, n: int) -> int:
+        """Entries a top-k push sends of a tensor of ``n`` elements: ceil(ratio * n), at least 1."""
+        return min(n, max(1, math.ceil(self.topk_ratio * n)))
+
+
+# ---- top-k ---------------------------------------------------------------------------------------------
+def top_k(x: np.ndarray, k: int) -> np.ndarray:
+    """The flat indices (ascending, uint32) of the ``k`` entries of ``x`` of largest magnitude (NaN and
+    Inf first; ties broken deterministically by numpy's partition)."""
+    flat = x.reshape(-1)
+    n = flat.size
+    if k >= n:
+        return np.arange(n, dtype=U32)
+    if k <= 0:
+        return np.empty(0, U32)
+    mag = np.abs(flat)
+    if not np.isfinite(mag.max()):
+        mag[~np.isfinite(mag)] = np.inf  # NaN sorts above Inf in numpy; both are sent first
+    elif n > 8 * _SAMPLE and k * 64 < n:
+        # every entry at or above a magnitude t that at least k entries reach is a candidate; the top k
+        # are among them (exact). t is estimated low from a strided sample; if too few reach it, full pass.
+        sample = np.sort(mag[::n // _SAMPLE])
+        t = sample[max(0, sample.size - 1 - 2 * math.ceil(k * sample.size / n) - 8)]
+        cand = np.flatnonzero(mag >= t)
+        if cand.size >= k:
+            pick = cand[np.argpartition(mag[cand], cand.size - k)[cand.size - k:]]
+            return np.sort(pick).astype(U32)
+    return np.sort(np.argpartition(mag, n - k)[n - k:]).astype(U32)
+
+
+def pack_topk(indices: np.ndarray, values: np.ndarray) -> np.ndarray:
+    out = np.empty((2, indices.size), U32)
+    out[0] = indices
+    out[1] = np.ascontiguousarray(values, F32).view(U32)
+    return out
+
+
+def unpack_topk(wire: np.ndarray, shape: tuple[int, ...], name: str) -> np.ndarray:
+    n = math.prod(shape)
+    if wire.dtype != U32 or wire.ndim != 2 or wire.shape[0] != 2 or wire.shape[1] > n:
+        raise _bad(name, f"topk wants uint32 of shape [2, k] with k <= {n}; got {wire.dtype} {list(wire.shape)}")
+    idx = wire[0]
+    if idx.size and (idx[-1] >= n or (idx.size > 1 and not (idx[1:] > idx[:-1]).all())):
+        raise _bad(name, f"topk indices must be strictly increasing and below {n}")
+    out = np.zeros(n, F32)
+    out[idx] = wire[1].view(F32)
+    return out.reshape(shape)
+
+
+# ---- 2-bit (MXNet) ---------------------------------------------------------------------------------------
+_SHIFTS = np.array([6, 4, 2, 0], np.uint8)
+_CODES = (np.arange(256, dtype=np.uint8)[:, None] >> _SHIFTS) & 3  # [byte, element] -> code
+_INVALID = (_CODES == 1).any(axis=1)
+
+
+def quantize_2bit(acc: np.ndarray, threshold: np.float32) -> np.ndarray:
+    """MXNet's 2-bit codes of ``acc`` (uint32 words); ``acc`` becomes the residual ``acc - sent`` in place."""
+    flat = acc.reshape(-1)
+    pos, neg = flat >= threshold, flat <= -threshold
+    codes = np.zeros(-(-flat.size // 16) * 16, np.uint8)
+    np.add(pos.view(np.uint8) * np.uint8(3), neg.view(np.uint8) * np.uint8(2), out=codes[:flat.size])
+    quads = codes.reshape(-1, 4)
+    packed = (quads[:, 0] << 6) | (quads[:, 1] << 4) | (quads[:, 2] << 2) | quads[:, 3]
+    sent = (pos.view(np.int8) - neg.view(np.int8)).astype(F32)  # +1, -1, 0
+    sent *= threshold
+    flat -= sent
+    return packed.view(U32)
+
+
+def dequantize_2bit(wire: np.ndarray, shape: tuple[int, ...], threshold: np.float32, name: str) -> np.ndarray:
+    n = math.prod(shape)
+    if wire.dtype != U32 or wire.shape != (-(-n // 16),):
+        raise _bad(name, f"2bit wants uint32 of shape [{-(-n // 16)}]; got {wire.dtype} {list(wire.shape)}")
+    octets = wire.view(np.uint8)
+    if _INVALID[octets].any():
+        raise _bad(name, "2bit code 0b01 is not a value")
+    # one 16-byte gather per byte: the byte's 4 float32 values (a table of 256 rows viewed as complex128)
+    table = np.array([0, 0, -threshold, threshold], F32)[_CODES].view(np.complex128).reshape(256)
+    values = table[octets].view(F32)
+    if values[n:].any():
+        raise _bad(name, "2bit padding codes (past the tensor's last element) must be zero")
+    return values[:n].reshape(shape)
+
+
+# ---- both sides --------------------------------------------------------------------------------------------
+def _bad(name: str, detail: str):
+    return unprocessable("bad_encoding", f"tensor {name!r}: {detail}")
+
+
+def decode_tensor(spec: Spec, name: str, shape: tuple[int, ...], wire: np.ndarray) -> np.ndarray:
+    """The dense float32 gradient a compressed tensor stands for (fresh memory), or 422 bad_encoding."""
+    if spec.name in ("bf16", "fp16"):
+        want = BF16 if spec.name == "bf16" else np.dtype("<f2")
+        if wire.dtype != want or wire.shape != shape:
+            raise _bad(name, f"{spec.name} wants {want.name} of shape {list(shape)}; "
+                             f"got {wire.dtype} {list(wire.shape)}")
+        return wire.astype(F32)
+    if spec.name == "topk":
+        return unpack_topk(wire, shape, name)
+    return dequantize_2bit(wire, shape, np.float32(spec.threshold), name)
+
+
+def check_declared(spec: Spec, declared: str | None, via_body: bool) -> None:
+    """422 compression_mismatch unless a push declares the job's encoding (same-host pushes: none)."""
+    expected = spec.name if via_body else "none"
+    if (declared or "none") != expected:
+        raise unprocessable("compression_mismatch", f"this push declares compression {declared or 'none'!r}; the "
+                                                    f"job's is {expected!r} (GET /v1/status, the registration answer)")
+
+
+def decode_push(spec: Spec, declared: str | None, tensors: Mapping[str, np.ndarray],
+                model: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
+    """A body push's tensors as the core takes them: the compressed ones decoded to float32. Tensors the
+    model does not have are left as they are (the core refuses them)."""
+    check_declared(spec, declared, via_body=True)
+    if not spec.on:
+        return tensors
+    out = dict(tensors)
+    for name, wire in tensors.items():
+        ref = model.get(name)
+        if ref is not None and spec.compresses(name, ref.dtype):
+            out[name] = decode_tensor(spec, name, tuple(ref.shape), wire)
+    return out
+
+
+class Compressor:
+    """The worker side of one job's encoding: encodes each push, keeping the residuals (topk, 2bit)."""
+
+    def __init__(self, spec: Spec) -> None:
+        self.spec = spec
+        self.residuals: dict[str, np.ndarray] = {}
+
+    def encode(self, grads: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The push's tensors, compressed where the job says (residuals updated)."""
+        spec = self.spec
+        if spec.name == "2bit":
+            bad = next((k for k, g in grads.items() if spec.compresses(k, g.dtype) and not np.isfinite(g).all()), None)
+            if bad is not None:
+                raise NonFiniteGradient(f"gradient {bad!r} holds NaN/Inf: 2-bit quantisation cannot send it")
+        return {k: self._one(k, np.asarray(g)) if spec.compresses(k, np.asarray(g).dtype) else g
+                for k, g in grads.items()}
+
+    def _one(self, name: str, grad: np.ndarray) -> np.ndarray:
+        spec = self.spec
+        if spec.name == "bf16":
+            return grad.astype(BF16)
+        if spec.name == "fp16":
+            with np.errstate(over="ignore"):  # beyond +-65504: Inf, which the PS refuses as non-finite
+                return grad.astype(np.float16)
+        acc = self.residuals.get(name)
+        if acc is None or acc.shape != grad.shape:
+            acc = self.residuals[name] = np.zeros(grad.shape, F32)
+        acc += grad  # the residual plus this gradient: what is owed to the PS
+        if spec.name == "2bit":
+            return quantize_2bit(acc, np.float32(spec.threshold))
+        flat = acc.reshape(-1)
+        idx = top_k(flat, spec.k(flat.size))
+        values = flat[idx]
+        flat[idx] = 0  # the residual keeps what was not sent
+        if not np.isfinite(values).all():
+            flat[:] = 0  # the PS refuses (or skips) this push; a NaN kept here would poison every later one
+        return pack_topk(idx, values)

@@ -1,0 +1,119 @@
+"""Membership's kept structures (issue 17): the lease heap, the active set and the free ranks give what the
+scans gave (tests/naive_core.py), and a member that rejoins an open round under another rank keeps the
+round's counts and rank order right."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ps_service.core import CoreConfig, ParameterServerCore
+from ps_service.membership import EXPIRED, LEFT, Membership
+from shared.errors import ProtocolError
+from shared.protocol import ModelInit, PushRequest
+from tests.naive_core import NaiveMembership
+
+
+def test_renewing_a_lease_costs_no_heap_entry_and_a_lease_ends_on_time():
+    ms = Membership(lease_seconds=2.0)
+    a, _ = ms.register("a", 0.0)
+    b, _ = ms.register("b", 0.0)
+    for t in range(1, 50):
+        ms.touch(a.worker_id, t * 0.1)
+    assert len(ms.leases.heap) == 2  # one entry per member, whatever the renewals
+    assert ms.expire(2.0) == [] and ms.expire(2.01) == [b]  # b's lease is [0, 2]
+    assert ms.expire(6.9) == [] and ms.expire(6.91) == [a]  # a's last renewal at 4.9
+    assert (a.state, b.state, ms.active_count, ms.leases.heap) == (EXPIRED, EXPIRED, 0, [])
+
+
+def test_simultaneous_expiries_come_in_registration_order_and_waits_hold_the_lease():
+    ms = Membership(lease_seconds=1.0)
+    members = [ms.register(name, t)[0] for name, t in (("z", 0.5), ("y", 0.0), ("x", 0.2))]
+    ms.begin_wait(members[2].worker_id, 0.9)  # x waits on the barrier
+    assert [m.name for m in ms.expire(5.0)] == ["z", "y"]
+    assert ms.expire(50.0) == [] and members[2].active
+    ms.end_wait(members[2].worker_id, 50.0)  # its lease runs from the end of the wait
+    assert ms.expire(51.0) == [] and [m.name for m in ms.expire(51.01)] == ["x"]
+
+
+def test_a_lease_set_earlier_by_hand_is_honoured():
+    ms = Membership(lease_seconds=100.0)
+    m, _ = ms.register("a", 0.0)
+    m.lease_until = 1.0
+    assert ms.expire(1.5) == [m]
+
+
+def test_free_ranks_are_the_lowest_ones_not_held_by_a_present_member():
+    ms = Membership(lease_seconds=10.0)
+    ms.load([{"worker_id": "p", "name": "p", "rank": 4, "state": "active"},
+             {"worker_id": "q", "name": "q", "rank": 1, "state": "left"}], 0.0)
+    ranks = [ms.register(n, 0.0)[0].rank for n in ("a", "b", "c", "d")]
+    assert ranks == [0, 1, 2, 3]  # 4 is p's (expired, present); q left: its rank is free
+    ms.leave(ms.by_name["b"].worker_id, 1.0)
+    ms.leave(ms.by_name["a"].worker_id, 1.0)
+    assert ms.register("e", 2.0)[0].rank == 0
+    assert ms.register("q", 2.0)[0].rank == 1  # q's old rank was free again: it gets it back
+    assert ms.register("b", 2.0)[0].rank == 5  # b's rank 1 is q's now
+
+
+names = st.sampled_from("abcdef")
+calls = st.lists(st.tuples(st.sampled_from(["register", "leave", "touch", "begin_wait", "end_wait", "expire"]),
+                           names, st.sampled_from([0.0, 0.3, 1.0, 2.5])), max_size=60)
+
+
+@settings(max_examples=150, deadline=None)
+@given(calls=calls)
+def test_membership_answers_as_the_scans(calls):
+    got, want, now = Membership(2.0), NaiveMembership(2.0), 0.0
+    for kind, name, dt in calls:
+        now += dt
+        out = []
+        for ms in (got, want):
+            m = ms.by_name.get(name)
+            wid = m.worker_id if m is not None else "unknown"
+            try:
+                if kind == "register":
+                    r = ms.register(name, now)[0]
+                    r = (r.name, r.rank, r.state)
+                elif kind == "expire":
+                    r = [x.name for x in ms.expire(now)]
+                else:
+                    r = getattr(ms, kind)(wid, now)
+                    r = None if r is None else (r.name, r.rank, r.state)
+            except ProtocolError as e:
+                r = e.code
+            out.append((r, [(x.name, x.rank, x.state, x.lease_until) for x in ms.all()],
+                        [m.name for m in ms.active()], ms.active_count, ms._free_rank()))
+        assert out[0] == out[1]
+
+
+def test_a_member_back_in_a_stuck_round_under_another_rank_is_counted_under_it():
+    """Fixed R = 3, min_replicas 2: w0 leaves, the others die; a newcomer takes rank 0 and joins the stuck
+    round; w0 comes back, its rank is taken: it joins under rank 3, and the round closes with both."""
+    core = ParameterServerCore(CoreConfig(min_workers=3, startup_grace_seconds=0.0, lease_seconds=5.0,
+                                          replicas_to_aggregate=3, min_replicas=2))
+    core.init_model(ModelInit({"w": np.zeros(3, np.float32)}, {"name": "sgd", "learning_rate": 1.0}), 0.0)
+    ids = [core.register(f"w{i}", 0.0)[0].worker_id for i in range(3)]
+    core.leave(ids[0], 1.0)
+    core.tick(6.0)  # w1 and w2 expire: nobody left in round 0
+    new, start = core.register("new", 6.5)
+    assert (new.rank, start, core.round.ranks) == (0, 0, (0, 0, 1, 2))
+    g = {"new": np.array([0.5, 1.0, 3.0], np.float32), "w0": np.array([-1.5, 1.0, 0.25], np.float32)}
+    core.push(PushRequest(new.worker_id, 0, {"w": g["new"].copy()}), 7.0)
+    w0, start = core.register("w0", 7.5)  # stuck below min_replicas: joins at once, under a free rank
+    assert (w0.rank, start, core.round.eligible[ids[0]], core.round.ranks) == (3, 0, 3, (0, 1, 2, 3))
+    assert core.push(PushRequest(ids[0], 0, {"w": g["w0"].copy()}), 8.0).closed
+    assert core.rounds[-1].reason == "unreachable" and core.rounds[-1].aggregated == 2
+    mean = (g["new"] + g["w0"]) / np.float32(2)
+    assert core.weights["w"].tobytes() == (np.zeros(3, np.float32) - np.float32(1.0) * mean).tobytes()
+
+
+def test_an_unknown_worker_leaving_changes_nothing():
+    core = ParameterServerCore(CoreConfig(min_workers=1, startup_grace_seconds=0.0))
+    core.init_model(ModelInit({"w": np.zeros(1, np.float32)}, {}), 0.0)
+    core.register("a", 0.0)
+    with pytest.raises(ProtocolError):
+        core.leave("nope", 1.0)
+    assert (core.round.live, core.round.waiting, core.members.active_count) == (1, 1, 1)
+    assert core.members.by_name["a"].state != LEFT
