@@ -66,7 +66,7 @@ class ShmHub:
         self._lock_fd: int | None = None
         #: worker_id -> its gradient file, mapped read-only
         self.attached: dict[str, shm.PeerRegion] = {}
-        #: buffers pushes are copied into, reused once no round holds them (at most MAX_SPARE kept)
+        #: buffers of running sums, reused once no round holds them (at most MAX_SPARE + one per attached worker)
         self._copies: list[np.ndarray] = []
         #: worker_id -> the transport of its last accepted push ("shm" or "http"), for monitoring
         self.last_transport: dict[str, str] = {}
@@ -179,7 +179,7 @@ class ShmHub:
         return Borrowed(region.views(), lambda: self.layout.views(self._buffer()), confirm)
 
     def _buffer(self) -> np.ndarray:
-        """A buffer that no round holds any more, else a fresh one (kept for reuse up to MAX_SPARE)."""
+        """A buffer that no round holds any more, else a fresh one (kept for reuse up to MAX_SPARE + attached)."""
         for buf in self._copies:
             if sys.getrefcount(buf) <= 3:  # the list, the loop variable, the argument: no view of it is alive
                 return buf
