@@ -104,13 +104,12 @@ class Borrowed:
 
 @dataclass(frozen=True)
 class Taken:
-    """A borrowed gradient read into the PS's memory (:meth:`Accumulator.read`): its checked copy, or, when it
-    was next in rank order, the running sum with it added (``summed``, over ``base``, the sum it read).
-    ``nonfinite``: the first tensor with NaN/Inf in what was read (or in that sum), None if all finite."""
-    arrays: dict[str, np.ndarray]
+    """What :meth:`Accumulator.read` made of a borrowed gradient: the round's first in rank order, read once
+    into a buffer of ours (``summed``: it becomes the running sum), or the :class:`Borrowed` itself, checked
+    where it is. ``nonfinite``: the first tensor with NaN/Inf in what was checked, None if all finite."""
+    arrays: dict[str, np.ndarray] | Borrowed
     summed: bool
     nonfinite: str | None
-    base: object = None
 
 
 def _dtype(dt: np.dtype) -> str:
@@ -188,7 +187,7 @@ class Accumulator:
         if self.acc is None and pending is not None and (bound is None or key < bound) \
                 and not (self.queue and self.queue[0] < key):
             out = borrowed.buffer()
-            return Taken(out, True, read_checked(borrowed.views, out), None)
+            return Taken(out, True, read_checked(borrowed.views, out))
         return Taken(borrowed, False, next((n for n, g in borrowed.views.items() if not _all_finite(g)), None))
 
     def apply(self, worker_id: str, rank: int, grads: Mapping[str, np.ndarray] | Taken,
@@ -200,8 +199,8 @@ class Accumulator:
             raise AssertionError(f"gradient {key} is a repeat or sorts before the summed prefix {self.folded}")
         self.keys[worker_id] = key
         if isinstance(grads, Taken) and grads.summed:
-            if grads.base is not self.acc or (self.queue and self.queue[0] < key):
-                raise AssertionError("a gradient summed by read() must be applied right after it")
+            if self.acc is not None or (self.queue and self.queue[0] < key):
+                raise AssertionError("a gradient read() made the running sum must be applied right after it")
             self.acc = grads.arrays
             self.folded.append(key)
         else:
