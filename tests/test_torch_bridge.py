@@ -68,7 +68,7 @@ def pull(url: str) -> dict[str, np.ndarray]:
 
 @pytest.mark.parametrize("shm_dir,transport", [(None, "shm"), ("", "http")])
 def test_workers_connect_step_in_place_and_finish(shm_dir, transport):
-    steps = 40
+    steps = 60  # enough for either worker's initial weights (whichever registers first initialises the PS)
     with live_ps(min_workers=2, max_steps=steps, startup_grace_seconds=0) as ps_:
         def worker(name: str, seed: int) -> dict:
             model = linear(seed)
