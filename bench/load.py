@@ -6,7 +6,8 @@ K simulated workers run as asyncio tasks in this one process and speak the real 
 tensor of ``--params`` elements trained with SGD for ``--rounds`` rounds. Each worker registers (a
 fresh connection), then every round pulls with the long-poll wait and pushes, both on its own
 keep-alive connection; its gradient is a deterministic function of (worker, step). Every worker also
-heartbeats every lease/3 on a connection of its own, kept alive, as the stock worker does. While the
+heartbeats on a connection of its own, kept alive, as the stock worker does: whenever lease/3 passed with no
+push or pull (they renew the lease). While the
 workers train, a prober (a thread with its own event loop) keeps asking ``GET /healthz`` on fresh
 connections, on ``PS_PROBE_PORT`` and on the main port, and every fifth time registers a new name and
 leaves again (registration under load). A worker that is told it expired (404/409) registers again.
@@ -124,6 +125,7 @@ class Load:
             while True:
                 a = await self.call(conn, "pull", "GET", f"/v1/model?min_step={step}&timeout={PULL_WAIT:g}&worker_id="
                                                  f"{me['worker_id']}", timeout=PULL_WAIT + 15)
+                me["renewed"] = time.monotonic()
                 if a.status == 204:  # the long poll timed out: ask again
                     continue
                 if a.status in (404, 409):
@@ -140,6 +142,7 @@ class Load:
                 body = frame.encode_bytes({"w": gradient(index, meta["step"], self.params)},
                                           {"worker_id": me["worker_id"], "step": meta["step"]})
                 a = await self.call(conn, "push", "POST", "/v1/gradients", body)
+                me["renewed"] = time.monotonic()
                 if a.status in (404, 409):
                     step = await self.rejoin(me)
                     continue
@@ -157,11 +160,17 @@ class Load:
         return me["start_step"]
 
     async def heartbeats(self, me: dict) -> None:
-        """As the stock worker: every lease/3 on a connection of their own (kept alive between beats)."""
-        conn = Conn(self.host, self.port, self.samples)
+        """As the stock worker (worker_service/loop.Heartbeat): whenever lease/3 passed with no push or pull, on a
+        connection of their own (kept alive between beats)."""
+        conn, period = Conn(self.host, self.port, self.samples), me["lease_seconds"] / 3
+        last = time.monotonic()
         try:
             while True:
-                await asyncio.sleep(me["lease_seconds"] / 3)
+                await asyncio.sleep(max(0.0, last + period - time.monotonic()))
+                last = max(last, me.get("renewed", last))
+                if time.monotonic() - last < period:
+                    continue
+                last = time.monotonic()
                 t0 = time.perf_counter()
                 try:
                     await conn.request("POST", f"/v1/workers/{me['worker_id']}/heartbeat", timeout=HEARTBEAT_TIMEOUT)

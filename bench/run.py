@@ -8,12 +8,17 @@ running :mod:`bench.task` (the anchors' workload), waits until training runs, wa
 (= workers * params * 4 / 1e6 * steps_per_s, the anchors' formula), ``final_loss``, plus
 ``peak_rss_MB`` (the PS's peak resident memory, VmHWM), ``tensor_MB_per_s`` (payload
 through the PS: gradients in + weights out), ``ps_cpu_s`` (PS CPU seconds in the window),
-``steps``, ``window_s``, ``load_avg``. Exit status 1 (and an ``error`` field) when the
-run failed.
+``workers_cpu_s`` (every worker's CPU seconds in the window, summed), ``steps``, ``window_s``,
+``load_avg``. Exit status 1 (and an ``error`` field) when the run failed.
 
 ``--compression X`` (``none``, ``bf16``, ``fp16``, ``topk``, ``2bit``) sets the job's ``PS_COMPRESSION`` (with
 ``--transport http``: same-host workers stay uncompressed); the line gets ``compression`` and
 ``wire_MB_per_s``, the bytes the PS really received and sent per second (``/v1/status``).
+
+``--shards S`` (default 1) runs S PS processes (``PS_SHARDS``; README, Shards): ``ps_cpu_s`` is then the CPU
+of every shard summed, ``peak_rss_MB`` the largest shard's, and the line gets ``shards``, ``shard_cpu_s`` and
+``shard_peak_rss_MB`` (one per shard, the coordinator first); ``wire_MB_per_s`` sums every shard's bytes.
+Its cost model: docs/scaling.md.
 
 ``--task cnn`` measures the torch ``cnn`` task instead (worker_service/tasks/cnn.py, batch 32 per
 worker; ``--params`` does not apply): its side-by-side with torch DDP is ``python -m bench.ddp_cnn``.
@@ -58,14 +63,29 @@ def _global_step(client: httpx.Client) -> tuple[float, int, dict]:
     return time.perf_counter(), st["global_step"], st
 
 
+def _wire_bytes(urls: list[str]) -> int:
+    """Tensor bytes every shard received and sent so far (``/v1/status``)."""
+    total = 0
+    for url in urls:
+        st = httpx.get(f"{url}/v1/status", timeout=10.0).json()
+        total += st["bytes_received"] + st["bytes_sent"]
+    return total
+
+
+def _shard_cpu(procs: list) -> list[float | None]:
+    return [_cpu_seconds(p.pid) for p in procs]
+
+
 def measure(workers: int, params: int, seconds: float, warmup: float = 2.0, dtype: str = "float32",
             ps_env: dict | None = None, worker_env: dict | None = None, start_deadline: float = 120.0,
-            transport: str = "auto", task: str = "linear", compression: str = "none") -> dict:
+            transport: str = "auto", task: str = "linear", compression: str = "none", shards: int = 1) -> dict:
     """One run; the result line as a dict."""
     p, (d, k), task_env = task_workload(task, params)
     out: dict = {"system": "syncps", "workers": workers, "params": p, "params_requested": int(params)}
     if task != "linear":
         out.update(task=task, params_requested=p)
+    if shards > 1:
+        out["shards"] = shards
     if transport == "http":  # no same-host transport: every tensor crosses the loopback socket
         worker_env = {"WORKER_SHM_DIR": "", **(worker_env or {})}
     if compression != "none":
@@ -76,7 +96,8 @@ def measure(workers: int, params: int, seconds: float, warmup: float = 2.0, dtyp
         ps_env={"PS_TOTAL_NUM_REPLICAS": workers, "PS_LOG_LEVEL": "warning", **(ps_env or {})},
         worker_env={"WORKER_TASK": task_env, "WORKER_DTYPE": dtype,
                     "WORKER_LOG_EVERY_SECONDS": 3600, "OPENBLAS_NUM_THREADS": 1, "OMP_NUM_THREADS": 1,
-                    "MKL_NUM_THREADS": 1, **(worker_env or {})})
+                    "MKL_NUM_THREADS": 1, **(worker_env or {})}, shards=shards)
+    urls = [f"http://127.0.0.1:{port}" for port in cluster.shard_ports]
     try:
         cluster.start()
         with httpx.Client(base_url=cluster.url, timeout=30.0) as client:
@@ -87,21 +108,28 @@ def measure(workers: int, params: int, seconds: float, warmup: float = 2.0, dtyp
                 return st["state"] == "training" and st["global_step"] >= 3
             wait_for(training, start_deadline, "training to start", interval=0.1)
             time.sleep(warmup)
-            cpu0 = _cpu_seconds(cluster.ps.pid)
-            t0, g0, st0 = _global_step(client)
+            procs = [cluster.ps, *cluster.followers]
+            cpu0, wcpu0, wire0 = _shard_cpu(procs), _shard_cpu(cluster.workers), _wire_bytes(urls)
+            t0, g0, _ = _global_step(client)
             time.sleep(seconds)
             t1, g1, st = _global_step(client)
-            cpu1 = _cpu_seconds(cluster.ps.pid)
+            cpu1, wcpu1, wire1 = _shard_cpu(procs), _shard_cpu(cluster.workers), _wire_bytes(urls)
             members = client.get("/v1/workers").json()["workers"]
         rate = (g1 - g0) / (t1 - t0)
+        cpu, wcpu = ([None if a is None or b is None else round(b - a, 3) for a, b in zip(*ab)]
+                     for ab in ((cpu0, cpu1), (wcpu0, wcpu1)))
+        rss = [round(_proc_status(proc.pid, "VmHWM") or 0.0, 1) for proc in procs]
+        if shards > 1:
+            out.update(shard_cpu_s=cpu, shard_peak_rss_MB=rss)
         out.update({
             "steps_per_s": round(rate, 4),
             "grad_MB_per_s": round(workers * p * 4 / 1e6 * rate, 3),
             "final_loss": st["loss"]["last"],
-            "peak_rss_MB": round(_proc_status(cluster.ps.pid, "VmHWM") or 0.0, 1),
+            "peak_rss_MB": max(rss),
             "tensor_MB_per_s": round(2 * workers * p * 4 / 1e6 * rate, 3),
-            "wire_MB_per_s": round(sum(st[k] - st0[k] for k in ("bytes_received", "bytes_sent")) / 1e6 / (t1 - t0), 3),
-            "ps_cpu_s": None if cpu0 is None or cpu1 is None else round(cpu1 - cpu0, 3),
+            "wire_MB_per_s": round((wire1 - wire0) / 1e6 / (t1 - t0), 3),
+            "ps_cpu_s": None if None in cpu else round(sum(cpu), 3),
+            "workers_cpu_s": None if None in wcpu else round(sum(wcpu), 3),
             "steps": g1 - g0, "window_s": round(t1 - t0, 3), "batch": 32, "d": d, "k": k, "dtype": dtype,
             "load_avg": round(os.getloadavg()[0], 2),
             "transport": "+".join(sorted({m["transport"] for m in members})),
@@ -113,7 +141,7 @@ def measure(workers: int, params: int, seconds: float, warmup: float = 2.0, dtyp
                     "log_dir": str(cluster.log_dir)})
     finally:
         cluster.stop()
-    out["oversubscribed"] = workers + 1 > (os.cpu_count() or 1)
+    out["oversubscribed"] = workers + shards > (os.cpu_count() or 1)
     return out
 
 
@@ -132,11 +160,12 @@ def main(argv: list[str] | None = None) -> int:
                          "http: every tensor over the loopback socket")
     ap.add_argument("--compression", choices=["none", "bf16", "fp16", "topk", "2bit"], default="none",
                     help="the job's gradient compression (PS_COMPRESSION; applies to request bodies: --transport http)")
+    ap.add_argument("--shards", type=int, default=1, help="PS processes (PS_SHARDS; docs/scaling.md)")
     args = ap.parse_args(argv)
     ok = True
     for _ in range(args.repeat):
         line = measure(args.workers, args.params, args.seconds, args.warmup, args.dtype, transport=args.transport,
-                       task=args.task, compression=args.compression)
+                       task=args.task, compression=args.compression, shards=args.shards)
         ok = ok and line.get("steps_per_s") is not None
         print(json.dumps(line), flush=True)
     return 0 if ok else 1

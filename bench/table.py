@@ -3,11 +3,15 @@
 For each cell (params x workers) of the grid, side by side in one run on this machine:
 syncps (:mod:`bench.run`, ``--repeat`` runs, the median is tabled), as a local cluster runs it
 (workers on the PS's host use the same-host transport) and with every tensor over TCP
-(``WORKER_SHM_DIR=''``), over TCP with each gradient compression of ``--compressions`` (``PS_COMPRESSION``:
+(``WORKER_SHM_DIR=''``), over TCP with two PS shards (``--shards 2``, for the cells of ``--shard-params``: the 1e7 rows by
+default, as small models only lose from shards; its ratio to one PS over TCP; docs/scaling.md), over TCP with
+each gradient compression of ``--compressions`` (``PS_COMPRESSION``:
 a column each, steps/s and the ratio to torch gloo's float32 all-reduce), then, when
 ``../shared/bench/compare.sh`` exists, TensorFlow SyncReplicasOptimizer and torch gloo
 all-reduce on the same workload (its first use creates virtual environments under
-``~/.cache/syncps-anchors``, about 5 minutes). Every JSON line goes to ``--out``; the table
+``~/.cache/syncps-anchors``, about 5 minutes), and, when ``../shared/bench/compute_ceiling.py`` exists, the
+machine's compute-only ceiling (the same workers computing their gradients with no PS at all: no synchronous
+system can beat it), with syncps's share of it. Every JSON line goes to ``--out``; the table
 (steps/s, ratios, the PS's peak RSS and payload rate) is printed at the end with the date,
 the machine and the load average.
 
@@ -33,6 +37,20 @@ from bench.run import measure
 ROOT = Path(__file__).resolve().parent.parent
 COMPARE = ROOT.parent / "shared" / "bench" / "compare.sh"
 ANCHORS = {"tf": "tf_sync_replicas", "torch": "torch_allreduce"}
+CEILING = ROOT.parent / "shared" / "bench" / "compute_ceiling.py"
+
+
+def compute_only(workers: int, params: int, seconds: float) -> dict:
+    """The compute-only ceiling of one cell (``../shared/bench/compute_ceiling.py``): its JSON line, or an error line."""
+    try:
+        out = subprocess.run([sys.executable, str(CEILING), "--workers", str(workers), "--params", str(params),
+                              "--seconds", str(seconds)], cwd=CEILING.parent, capture_output=True, text=True,
+                             timeout=seconds + 120).stdout
+    except subprocess.TimeoutExpired:
+        out = ""
+    lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    return lines[-1] if lines else {"system": "compute_only", "workers": workers, "params_requested": params,
+                                    "error": "no output"}
 
 
 def anchors(workers: int, params: int, seconds: float, systems: list[str]) -> list[dict]:
@@ -72,19 +90,25 @@ def fmt(v: float | None, digits: int = 3) -> str:
 
 def table(cells: list[tuple[int, int]], results: dict, compressions: tuple[str, ...] = ()) -> str:
     """syncps as a local cluster runs it (same-host transport) and with every tensor over TCP, next to the anchors;
-    then a column per compression over TCP (steps/s, and its ratio to torch)."""
+    then over TCP with two shards (steps/s, and its ratio to one PS over TCP; "-" where not measured), then a
+    column per compression over TCP (steps/s, and its ratio to torch)."""
     rows = ["| params | workers | syncps steps/s | syncps TCP steps/s | TF steps/s | torch steps/s | syncps / TF "
-            "| syncps / torch | TCP / TF | TCP / torch | PS peak RSS MB (TCP) | PS payload MB/s |"
+            "| syncps / torch | TCP / TF | TCP / torch | compute-only steps/s | syncps / compute | TCP / compute "
+            "| PS peak RSS MB (TCP) | PS payload MB/s | TCP S=2 steps/s (/ TCP) |"
             + "".join(f" TCP {c} steps/s (/ torch) |" for c in compressions),
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(compressions)]
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(compressions)]
     for params, workers in cells:
         r = results[(params, workers)]
-        ours, tcp, tf, torch = (median_of(r[k], "steps_per_s") for k in ("syncps", "syncps_tcp", "tf", "torch"))
+        ours, tcp, tf, torch, ceiling, sharded = (median_of(r.get(k, []), "steps_per_s") for k in
+                                                  ("syncps", "syncps_tcp", "tf", "torch", "compute", "syncps_tcp_s2"))
         ratio = lambda a, b: f"{a / b:.2f}x" if a and b else "-"  # noqa: E731
+        share = lambda a: f"{a / ceiling:.0%}" if a and ceiling else "-"  # noqa: E731
         rss = lambda k: fmt(median_of(r[k], "peak_rss_MB"), 0)  # noqa: E731
         rows.append(f"| {params:,} | {workers} | {fmt(ours)} | {fmt(tcp)} | {fmt(tf)} | {fmt(torch)} "
                     f"| {ratio(ours, tf)} | {ratio(ours, torch)} | {ratio(tcp, tf)} | {ratio(tcp, torch)} "
-                    f"| {rss('syncps')} ({rss('syncps_tcp')}) | {fmt(median_of(r['syncps'], 'tensor_MB_per_s'), 0)} |"
+                    f"| {fmt(ceiling)} | {share(ours)} | {share(tcp)} "
+                    f"| {rss('syncps')} ({rss('syncps_tcp')}) | {fmt(median_of(r['syncps'], 'tensor_MB_per_s'), 0)} "
+                    + (f"| {fmt(sharded)} ({ratio(sharded, tcp)}) |" if sharded else "| - |")
                     + "".join(f" {fmt(rate)} ({ratio(rate, torch)}) |"
                               for rate in (median_of(r[c], "steps_per_s") for c in compressions)))
     return "\n".join(rows)
@@ -128,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=3, help="syncps runs per cell (median tabled)")
     ap.add_argument("--compressions", default="bf16,fp16,topk,2bit",
                     help="PS_COMPRESSION values measured over TCP, a column each ('' for none)")
+    ap.add_argument("--shard-params", default="10000000",
+                    help="params of the cells also measured over TCP with two PS shards ('' for none)")
     ap.add_argument("--anchors", default="tf,torch", help="anchor systems to run ('' for none)")
     ap.add_argument("--cnn-workers", default="4", help="worker counts of the CNN table ('' for none; needs torch)")
     ap.add_argument("--cnn-steps", type=int, default=200, help="DDP steps per CNN run")
@@ -140,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         systems = []
     cells = [(int(p), int(n)) for p in args.params.split(",") for n in args.workers.split(",")]
     compressions = tuple(c for c in args.compressions.split(",") if c)
+    sharded = {int(p) for p in args.shard_params.split(",") if p}
     results: dict = {}
     started = time.strftime("%Y-%m-%d %H:%M %Z")
     with open(args.out, "a") as out:
@@ -149,17 +176,21 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(line), file=sys.stderr, flush=True)
             return line
         for params, workers in cells:
-            r = results[(params, workers)] = {"syncps": [], "syncps_tcp": [], "tf": [], "torch": [],
-                                              **{c: [] for c in compressions}}
+            r = results[(params, workers)] = {"syncps": [], "syncps_tcp": [], "syncps_tcp_s2": [], "tf": [], "torch": [],
+                                              "compute": [], **{c: [] for c in compressions}}
             for _ in range(args.repeat):
                 r["syncps"].append(keep(measure(workers, params, args.seconds)))
                 r["syncps_tcp"].append(keep(measure(workers, params, args.seconds, transport="http")))
+                if params in sharded:  # alternating with one PS over TCP: the ratio is of one pass
+                    r["syncps_tcp_s2"].append(keep(measure(workers, params, args.seconds, transport="http", shards=2)))
                 for c in compressions:
                     r[c].append(keep(measure(workers, params, args.seconds, transport="http", compression=c)))
             for line in anchors(workers, params, args.seconds, systems) if systems else []:
                 kind = next((k for k, name in ANCHORS.items() if line.get("system") == name), None)
                 if kind:
                     r[kind].append(keep(line))
+            if CEILING.exists():
+                r["compute"].append(keep(compute_only(workers, params, args.seconds)))
         cnn: dict = {}
         for workers in [int(n) for n in args.cnn_workers.split(",") if n] if _has_torch() else []:
             r = cnn[workers] = {"syncps": [], "syncps_tcp": [], "ddp": []}

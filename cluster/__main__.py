@@ -1,5 +1,7 @@
 """``python -m cluster`` (``make run``): a PS and N workers as local processes, trained to the end.
 
+``--shards S``: the PS is S processes (shard 0 coordinates; docs/architecture.md, Shards).
+
 Shows a progress bar of the global step, then prints the final weights, loss, rounds/s (over the
 training itself: from round 0 opening to the last round closing, start-up not counted), the task's
 evaluation of the final weights (``task.evaluate``: held-out accuracy for ``mlp``) and a per-worker
@@ -65,6 +67,9 @@ def training_span(cluster: LocalCluster, st: dict) -> float | None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m cluster", description=__doc__.split("\n\n")[0])
     ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--shards", type=int, default=1, help="PS processes the model is spread over (PS_SHARDS)")
+    ap.add_argument("--split-elements", type=int, default=None,
+                    help="cut tensors above this many elements into slices (PS_SHARD_SPLIT_ELEMENTS)")
     ap.add_argument("--task", default="linear", help="linear, mlp (needs the [mlp] extra), cnn (needs [torch,mlp]) or package.module:factory")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--optimizer", default=None, help="override the task's optimizer (sgd, momentum, adam, adagrad)")
@@ -74,8 +79,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="keep the processes' log folder after a clean run (it is always kept after a failure)")
     args = ap.parse_args(argv)
     console = Console()
-    if args.workers < 1 or args.steps < 1:
-        ap.error("--workers and --steps must be at least 1")
+    if args.workers < 1 or args.steps < 1 or args.shards < 1:
+        ap.error("--workers, --steps and --shards must be at least 1")
     missing = missing_extra(args.task)
     if missing:
         console.print(missing, style="red", markup=False)
@@ -85,10 +90,18 @@ def main(argv: list[str] | None = None) -> int:
         ps_env["PS_OPTIMIZER"] = args.optimizer
     if args.learning_rate:
         ps_env["PS_LEARNING_RATE"] = args.learning_rate
+    if args.split_elements:
+        ps_env["PS_SHARD_SPLIT_ELEMENTS"] = args.split_elements
+    elif args.shards > 1 and args.task == "linear":
+        ps_env["PS_SHARD_SPLIT_ELEMENTS"] = 2  # the linear model's 4 weights: enough pieces for a few shards
     worker_env = {"WORKER_TASK": args.task}
     t_launch = time.monotonic()
-    cluster = LocalCluster(args.workers, ps_env=ps_env, worker_env=worker_env, keep_logs=args.keep_logs)
+    cluster = LocalCluster(args.workers, ps_env=ps_env, worker_env=worker_env, keep_logs=args.keep_logs,
+                           shards=args.shards)
     console.print(f"syncps: PS at {cluster.url}, {args.workers} workers, task {args.task}, {args.steps} steps")
+    if args.shards > 1:
+        console.print(f"{args.shards} PS shards: " + ", ".join(f"shard {i} at http://127.0.0.1:{p}"
+                                                               for i, p in enumerate(cluster.shard_ports)))
     console.print(f"dashboard {cluster.url}/  metrics {cluster.url}/metrics  API docs {cluster.url}/docs")
     ok, codes, metrics = False, [], None
 
@@ -119,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             workers = cluster.get("/v1/workers").json()
             client = PSClient(cluster.url)
             try:
+                client.attach_reader()  # a sharded PS: every shard's pieces
                 final = client.pull(0, wait=5.0)
             finally:
                 client.close()

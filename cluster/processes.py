@@ -1,7 +1,8 @@
 """Start a PS and workers as local processes on loopback (``make run``, tests, benchmarks).
 
 :class:`LocalCluster` is a context manager: it starts ``python -m ps_service`` on a
-free port, waits for ``/healthz`` (polling with a deadline), starts N
+free port (``shards`` > 1: S of them, shard 0 the coordinator at :attr:`url`, each on its
+own port, ``PS_SHARD_*`` set, a checkpoint directory each), waits for ``/healthz`` (polling with a deadline), starts N
 ``python -m worker_service`` processes with distinct names, and on exit stops
 whatever still runs (SIGTERM, then SIGKILL after a grace period). Process
 output goes to files under ``log_dir`` so a failing run can show it.
@@ -52,7 +53,7 @@ def wait_for(predicate, deadline: float, what: str, interval: float = 0.05):
 class LocalCluster:
     def __init__(self, workers: int = 4, ps_env: dict | None = None, worker_env: dict | None = None,
                  log_dir: str | Path | None = None, port: int | None = None, token: str | None = None,
-                 keep_logs: bool | None = None) -> None:
+                 keep_logs: bool | None = None, shards: int = 1) -> None:
         """``token``: the PS's PS_AUTH_TOKEN, given to the workers too (and used by :meth:`status`, :meth:`get`).
         ``keep_logs``: keep the temporary log folder even after a clean run (default: ``SYNCPS_KEEP_LOGS``)."""
         self.n_workers = workers
@@ -62,6 +63,11 @@ class LocalCluster:
         self.url = f"http://127.0.0.1:{self.port}"
         self.ps_env = {"PS_HOST": "127.0.0.1", "PS_PORT": str(self.port), "PS_MIN_WORKERS": str(workers), "PS_STARTUP_GRACE_SECONDS": "0",
                        **{k: str(v) for k, v in (ps_env or {}).items()}}
+        self.shard_ports = [self.port, *(free_port() for _ in range(shards - 1))]
+        if shards > 1:
+            self.ps_env.update(PS_SHARDS=str(shards),
+                               PS_SHARD_URLS=",".join(f"http://127.0.0.1:{p}" for p in self.shard_ports))
+        self.followers: list[subprocess.Popen] = []  # shards 1..S-1
         self.worker_env = {"WORKER_PS_URL": self.url, **{k: str(v) for k, v in (worker_env or {}).items()}}
         if token:
             self.ps_env["PS_AUTH_TOKEN"] = self.worker_env["WORKER_AUTH_TOKEN"] = token
@@ -89,18 +95,32 @@ class LocalCluster:
         full_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1"}
         return subprocess.Popen([sys.executable, "-m", module], env=full_env, stdout=out, stderr=subprocess.STDOUT)
 
-    def start_ps(self, deadline: float = 30.0) -> None:
-        self.ps = self._spawn("ps_service", self.ps_env, "ps.log")
+    def shard_env(self, index: int) -> dict:
+        """Shard ``index``'s environment: its port and index, a checkpoint directory of its own."""
+        env = {**self.ps_env, "PS_PORT": str(self.shard_ports[index]), "PS_SHARD_INDEX": str(index)}
+        if len(self.shard_ports) > 1 and env.get("PS_CHECKPOINT_DIR"):
+            env["PS_CHECKPOINT_DIR"] = str(Path(env["PS_CHECKPOINT_DIR"]) / f"shard-{index}")
+        return env
 
-        def healthy():
-            if self.ps.poll() is not None:
-                raise RuntimeError(f"PS exited with {self.ps.returncode}:\n{self.log('ps')}")
+    def start_ps(self, deadline: float = 30.0) -> None:
+        """Start the PS (every shard not running, followers first), and wait until each answers /healthz."""
+        if len(self.shard_ports) > 1:
+            self.followers = [p if p is not None and p.poll() is None else
+                              self._spawn("ps_service", self.shard_env(i), f"ps-{i}.log")
+                              for i, p in enumerate(self.followers or [None] * (len(self.shard_ports) - 1), 1)]
+        self.ps = self._spawn("ps_service", self.shard_env(0), "ps.log")
+
+        def healthy(proc, port, name):
+            if proc.poll() is not None:
+                raise RuntimeError(f"PS exited with {proc.returncode}:\n{self.log(name)}")
             try:
-                return httpx.get(f"{self.url}/healthz", timeout=1.0).status_code == 200
+                return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1.0).status_code == 200
             except httpx.TransportError:
                 return False
 
-        wait_for(healthy, deadline, "the PS to answer /healthz")
+        for i, proc in enumerate([self.ps, *self.followers]):
+            wait_for(lambda proc=proc, i=i: healthy(proc, self.shard_ports[i], "ps" if i == 0 else f"ps-{i}"), deadline,
+                     f"PS shard {i} to answer /healthz")
 
     def start_worker(self, index: int | None = None, env: dict | None = None) -> subprocess.Popen:
         index = len(self.workers) if index is None else index
@@ -151,13 +171,13 @@ class LocalCluster:
     @property
     def failed(self) -> bool:
         """Marked failed, or a process exited non-zero (or by a signal) that :meth:`kill` did not kill."""
-        procs = [p for p in [*self.workers, self.ps] if p is not None]
+        procs = [p for p in [*self.workers, self.ps, *self.followers] if p is not None]
         return self._failed or any(p.poll() not in (None, 0) and p.pid not in self._killed for p in procs)
 
     def stop(self, grace: float = 10.0) -> None:
         """SIGTERM whatever runs, SIGKILL what is still there after ``grace`` s; then remove the temporary
         log folder unless logs are to be kept (``keep_logs``) or something failed (:attr:`failed`)."""
-        procs = [p for p in [*self.workers, self.ps] if p is not None and p.poll() is None]
+        procs = [p for p in [*self.workers, self.ps, *self.followers] if p is not None and p.poll() is None]
         for p in procs:
             p.send_signal(signal.SIGTERM)
         end = time.monotonic() + grace

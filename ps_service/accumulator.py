@@ -18,12 +18,14 @@ Contract:
   gradient still possible (``pending``) sorts before it. When that is not known (``pending=None``:
   fixed R, whose first R arrivals win) everything waits for ``take()``. Folding early or late
   gives the same bits. The gradients not summed yet wait in a heap by key: O(log K) per gradient.
-- A :class:`Borrowed` gradient (a same-host worker's file, which its worker could rewrite) is checked by
-  :meth:`Accumulator.read` before the core changes anything (the round's first in rank order: copied into
-  a buffer of ours, checked as copied; any other: checked where it is), then summed from the file, read
-  once, in place when its turn comes, the sum checked as it is made (:func:`read_checked`). Not finite
-  then (rewritten, or an overflowing sum), it is :attr:`~Accumulator.dropped` and the sum it reached
-  :attr:`~Accumulator.spoiled`: ``take()`` gives None, the round applies nothing. Same bits as owned
+- A :class:`Borrowed` gradient (a same-host worker's file, which its worker could rewrite) is checked where it
+  is by :meth:`Accumulator.read` before the core changes anything (its push's status), then summed from the
+  file when its turn comes, read once, the sum checked as it is made (:func:`read_checked`): the first two in
+  rank order, both borrowed, together into a buffer of ours (the first waits for the second), any later one
+  into the running sum in place. What is applied is what was checked. A gradient found changed then (NaN/Inf
+  or the file rewritten: a sender that broke the protocol) is :attr:`~Accumulator.dropped` (left out of the
+  sum and of the mean's count); if it had reached the running sum in place, or the sum overflows, the sum
+  is :attr:`~Accumulator.spoiled`: ``take()`` gives None, the round applies nothing. Same bits as owned
   gradients otherwise.
 - NaN/Inf checks (:func:`_all_finite`) are a BLAS dot product with zeros, chunk by chunk.
 """
@@ -42,6 +44,11 @@ Key = tuple[int, str]  # (rank, worker_id): the order of the sum
 
 #: elements read and checked at a time by :func:`read_checked` and :func:`_all_finite` (a chunk stays in the cache)
 CHUNK_ELEMENTS = 1 << 16
+#: :func:`read_checked` takes tensors up to this size whole, then checks them (they stay in the last-level cache:
+#: 0.66 against 0.92 ms for a checked sum of two 4 MB files, process CPU; 14.9 against 14.0 ms at 40 MB)
+WHOLE_BYTES = 8 << 20
+#: up to this many elements :func:`_all_finite` takes ``isfinite().all()`` (no error-state switch: 2 against 10 us)
+SMALL_ELEMENTS = 4096
 #: a chunk of zeros per BLAS dtype, for :func:`_all_finite`
 _ZEROS = {np.dtype(np.float32): np.zeros(CHUNK_ELEMENTS, np.float32),
           np.dtype(np.float64): np.zeros(CHUNK_ELEMENTS, np.float64)}
@@ -50,9 +57,9 @@ _ZEROS = {np.dtype(np.float32): np.zeros(CHUNK_ELEMENTS, np.float32),
 def _all_finite(g: np.ndarray) -> bool:
     """No NaN/Inf in ``g``. For float32/float64, chunk by chunk, the dot product with zeros: 0 when every
     element is finite, NaN as soon as one is NaN or +-Inf (0 * Inf is NaN), computed by BLAS at memory speed
-    with no temporary array (half the CPU of a sum). Other dtypes: the element-wise check."""
+    with no temporary array (half the CPU of a sum). Other dtypes, and small tensors: the element-wise check."""
     zeros = _ZEROS.get(g.dtype)
-    if zeros is None:
+    if zeros is None or g.size <= SMALL_ELEMENTS:
         return bool(np.isfinite(g).all())
     flat = g.reshape(-1)
     with np.errstate(invalid="ignore"):
@@ -65,9 +72,9 @@ def _all_finite(g: np.ndarray) -> bool:
 
 def read_checked(src: Mapping[str, np.ndarray], out: Mapping[str, np.ndarray],
                  base: Mapping[str, np.ndarray] | None = None) -> str | None:
-    """``out = src`` (or ``out = base + src``), chunk by chunk, each chunk of ``out`` checked for NaN/Inf while
-    it is in the cache: ``src`` is read exactly once and what is checked is what is kept, whatever writes into
-    ``src`` meanwhile. The first tensor with a NaN/Inf in ``out`` (from ``src``, or a sum that overflows) at
+    """``out = src`` (or ``out = base + src``), then ``out`` checked for NaN/Inf while it is in the cache (whole up
+    to :data:`WHOLE_BYTES` a tensor, else chunk by chunk): ``src`` is read exactly once and what is checked is
+    what is kept, whatever writes into ``src`` meanwhile. The first tensor with a NaN/Inf in ``out`` (from ``src``, or a sum that overflows) at
     which it stopped, or None (``out`` is complete)."""
     with np.errstate(over="ignore", invalid="ignore"):  # an overflowing sum is found below, not warned about
         return _read_checked(src, out, base)
@@ -77,6 +84,14 @@ def _read_checked(src, out, base) -> str | None:
     for name, o in out.items():
         s, o1 = src[name].reshape(-1), o.reshape(-1)
         b = None if base is None else base[name].reshape(-1)
+        if o1.nbytes <= WHOLE_BYTES:  # whole: it stays in the last-level cache for its check
+            if b is None:
+                np.copyto(o1, s)
+            else:
+                np.add(b, s, out=o1)
+            if not _all_finite(o1):
+                return name
+            continue
         zeros, dot, isfinite = _ZEROS.get(o1.dtype), np.dot, np.isfinite
         for lo in range(0, o1.size, CHUNK_ELEMENTS):
             hi = lo + CHUNK_ELEMENTS
@@ -104,11 +119,9 @@ class Borrowed:
 
 @dataclass(frozen=True)
 class Taken:
-    """What :meth:`Accumulator.read` made of a borrowed gradient: the round's first in rank order, read once
-    into a buffer of ours (``summed``: it becomes the running sum), or the :class:`Borrowed` itself, checked
-    where it is. ``nonfinite``: the first tensor with NaN/Inf in what was checked, None if all finite."""
-    arrays: dict[str, np.ndarray] | Borrowed
-    summed: bool
+    """What :meth:`Accumulator.read` made of a borrowed gradient: the :class:`Borrowed` itself, checked where it
+    is. ``nonfinite``: the first tensor with NaN/Inf in what was checked, None if all finite."""
+    arrays: Borrowed
     nonfinite: str | None
 
 
@@ -176,19 +189,11 @@ class Accumulator:
     def __contains__(self, worker_id: object) -> bool:
         return worker_id in self.keys
 
-    def read(self, worker_id: str, rank: int, borrowed: Borrowed, pending: Iterable[Key] | None = None) -> Taken:
-        """Check a borrowed gradient before the core takes it; nothing changes (pass the result to :meth:`apply`
-        at once, or drop it). The first of the round in rank order (nothing summed, waiting or ``pending``, as
-        in :meth:`apply`, sorts before it) is read once into a buffer of ours, checked as read: it becomes the
-        running sum. Any other is checked where it is and stays borrowed: the sum reads it once, in place,
-        checking again what it makes (:meth:`_fold`, at once if it is next in order)."""
-        key = (rank, worker_id)
-        bound = None if pending is None else min(pending, default=None)
-        if self.acc is None and pending is not None and (bound is None or key < bound) \
-                and not (self.queue and self.queue[0] < key):
-            out = borrowed.buffer()
-            return Taken(out, True, read_checked(borrowed.views, out))
-        return Taken(borrowed, False, next((n for n, g in borrowed.views.items() if not _all_finite(g)), None))
+    def read(self, borrowed: Borrowed) -> Taken:
+        """Check a borrowed gradient before the core takes it, where it is; nothing changes (pass the result to
+        :meth:`apply` at once, or drop it). It stays borrowed: the sum reads it again when its turn comes and
+        checks what it makes (:meth:`_fold`)."""
+        return Taken(borrowed, next((n for n, g in borrowed.views.items() if not _all_finite(g)), None))
 
     def apply(self, worker_id: str, rank: int, grads: Mapping[str, np.ndarray] | Taken,
               pending: Iterable[Key] | None = None) -> None:
@@ -198,14 +203,8 @@ class Accumulator:
         if worker_id in self.keys or (self.folded and key < self.folded[-1]):
             raise AssertionError(f"gradient {key} is a repeat or sorts before the summed prefix {self.folded}")
         self.keys[worker_id] = key
-        if isinstance(grads, Taken) and grads.summed:
-            if self.acc is not None or (self.queue and self.queue[0] < key):
-                raise AssertionError("a gradient read() made the running sum must be applied right after it")
-            self.acc = grads.arrays
-            self.folded.append(key)
-        else:
-            self.waiting[worker_id] = grads.arrays if isinstance(grads, Taken) else grads
-            heapq.heappush(self.queue, key)
+        self.waiting[worker_id] = grads.arrays if isinstance(grads, Taken) else grads
+        heapq.heappush(self.queue, key)
         if pending is not None:
             self._fold(min(pending, default=None))
 
@@ -233,11 +232,20 @@ class Accumulator:
         self._fold(None)
 
     def _fold(self, bound: Key | None) -> None:
-        """Sum the waiting gradients in key order, up to (not including) ``bound``."""
-        queue = self.queue
+        """Sum the waiting gradients in key order, up to (not including) ``bound``. The first two, when both are
+        borrowed, are summed together out of their files into a buffer of ours (:meth:`_fold_pair`): the first
+        waits for the second when it is still to come."""
+        queue, waiting = self.queue, self.waiting
         while queue and (bound is None or queue[0] < bound):
+            if self.acc is None and isinstance(waiting[queue[0][1]], Borrowed):
+                nxt = min(queue[1:3], default=None)
+                if nxt is not None and (bound is None or nxt < bound) and isinstance(waiting[nxt[1]], Borrowed):
+                    self._fold_pair(heapq.heappop(queue), heapq.heappop(queue))
+                    continue
+                if bound is not None and (nxt is None or not nxt < bound):
+                    return  # the second in order is still to come: the two are summed at once then
             key = heapq.heappop(queue)
-            grads = self.waiting.pop(key[1])
+            grads = waiting.pop(key[1])
             self.folded.append(key)
             if isinstance(grads, Borrowed):
                 self._fold_borrowed(key[1], grads)
@@ -246,6 +254,37 @@ class Accumulator:
             else:
                 for name, acc in self.acc.items():
                     np.add(acc, grads[name], out=acc)
+
+    def _fold_pair(self, first: Key, second: Key) -> None:
+        """The running sum's start, ``first + second``, both borrowed: read once from their files into a buffer
+        of ours, checked as made. Not finite, or a file rewritten: each one that changed since it was checked is
+        :attr:`dropped` and the other read alone; if neither changed (the two overflow), the second is dropped
+        and the round applies nothing (:attr:`spoiled`), as for any overflowing sum."""
+        b1, b2 = self.waiting.pop(first[1]), self.waiting.pop(second[1])
+        self.folded += [first, second]
+        out = b1.buffer()
+        bad = read_checked(b2.views, out, b1.views)
+        changed = {}
+        for key, b in ((first, b1), (second, b2)):
+            try:
+                b.confirm()
+            except Exception as exc:  # the transport's "rewritten while read" (ProtocolError)
+                changed[key[1]] = str(exc)
+            else:
+                if bad is not None and not all(_all_finite(g) for g in b.views.values()):
+                    changed[key[1]] = f"NaN/Inf in {bad}"
+        if bad is None and not changed:
+            self.acc = out
+            return
+        if not changed:
+            self.dropped[second[1]] = f"changed after it was taken (its sum overflows in {bad})"
+            self.spoiled = True
+            return
+        for wid, why in changed.items():
+            self.dropped[wid] = f"changed after it was taken ({why})"
+        for key, b in ((first, b1), (second, b2)):
+            if key[1] not in changed:
+                self._fold_borrowed(key[1], b)
 
     def _fold_borrowed(self, worker_id: str, borrowed: Borrowed) -> None:
         """Sum a borrowed gradient (checked when the core took it) into the running sum in place, reading it once

@@ -44,6 +44,8 @@ class Registered(BaseModel):
     state: str
     compression: dict = Field(description='The job\'s gradient compression of body pushes (PS_COMPRESSION): '
                                           '{"name", "topk_ratio", "threshold"} (docs/protocol.md, Compression).')
+    shards: int = Field(description="PS processes the model is spread over (PS_SHARDS); > 1: push and pull every "
+                                    "shard (GET /v1/shards; docs/protocol.md, Shards).")
 
 
 @router.post("/workers", response_model=Registered, openapi_extra={"requestBody": {
@@ -51,11 +53,14 @@ class Registered(BaseModel):
 async def register(request: Request) -> Registered:
     rt = runtime(request)
     reg = await json_body(request, Registration)
+    if rt.shards is not None:
+        rt.shards.admit()  # 503 while the shards are not at one step (a restore that mixes steps)
     m, start = rt.run_guarded(lambda: rt.core.register(reg.name, rt.now()))
     return Registered(worker_id=m.worker_id, name=m.name, rank=m.rank, start_step=start,
                       global_step=rt.core.global_step, model_initialized=rt.core.initialized,
                       rejoined=m.registrations > 1, lease_seconds=rt.settings.lease_seconds,
-                      state=rt.core.state().value, compression=rt.tensors.compression.to_wire())
+                      state=rt.core.state().value, compression=rt.tensors.compression.to_wire(),
+                      shards=rt.settings.shards)
 
 
 @router.delete("/workers/{worker_id}")
@@ -77,6 +82,8 @@ async def heartbeat(worker_id: str, request: Request) -> dict:
 async def init_model(request: Request) -> dict:
     rt = runtime(request)
     init = await rt.tensors.receive_model(request)
+    if rt.shards is not None:  # plan the shard map, give every follower its pieces; keep ours
+        init = await rt.shards.init_model(init)
     rt.run_guarded(lambda: rt.core.init_model(init, rt.now()))
     return {"step": rt.core.global_step, "optimizer": rt.core.optimizer.spec}
 
@@ -107,11 +114,21 @@ async def push(request: Request, pull: bool = Query(False, description=(
                    f"the push's status in {PUSH_STATUS_HEADER}; JSON as without it if `timeout` passes first.")),
                timeout: float = Query(30.0, ge=0, allow_inf_nan=False)) -> dict:
     rt = runtime(request)
+    if rt.shards is not None:
+        raise ProtocolError(409, "sharded", f"this PS is shard 0 of {rt.shards.count}: push pieces to every shard "
+                                            "(POST /v1/shard/gradients), then commit (POST /v1/shard/commit)")
     got = await rt.tensors.receive_push(request)
     result = rt.run_guarded(lambda: rt.core.push(got.push, rt.now()))
     rt.tensors.delivered(got)
-    core, step, worker_id, via = rt.core, got.push.step, got.push.worker_id, answer_via(rt.core, got.via)
+    step, worker_id, via = got.push.step, got.push.worker_id, got.via
     del got  # the round holds what it needs, and frees it once aggregated
+    return await answer_push(rt, result, step, worker_id, via, pull, timeout)
+
+
+async def answer_push(rt, result, step: int, worker_id: str, via: str, pull: bool, timeout: float):
+    """A push's answer: with ``pull``, the next weights once the pushed step's round closed (the status in a
+    header); else, or when ``timeout`` passes first, JSON ``{"status", "step", "done"}``."""
+    core, via = rt.core, answer_via(rt.core, via)
     ready = lambda: core.done or (core.global_step > step and core.may_pull(worker_id))  # noqa: E731
     if pull and await rt.wait_for(ready, timeout, worker_id):
         return rt.tensors.weights_response(via, {PUSH_STATUS_HEADER: result.status.value})
@@ -145,8 +162,9 @@ async def shm_attach(worker_id: str, request: Request) -> dict:
     """Use the worker's gradient file for its pushes (409 shm_unavailable: not on this host; push over HTTP)."""
     rt = runtime(request)
     body = await json_body(request, ShmAttach)
-    m = rt.core.members.get(worker_id)
-    if not m.active:
-        raise ProtocolError(409, "not_active", f"worker {m.name!r} is {m.state}; register again (POST /v1/workers)")
-    rt.tensors.shm.attach(m.worker_id, body.file, body.nonce)
-    return {"worker_id": m.worker_id, "transport": "shm"}
+    if rt.shards is None or rt.shards.coordinator:  # a follower has no membership: any worker id may attach
+        m = rt.core.members.get(worker_id)
+        if not m.active:
+            raise ProtocolError(409, "not_active", f"worker {m.name!r} is {m.state}; register again (POST /v1/workers)")
+    rt.tensors.shm.attach(worker_id, body.file, body.nonce)
+    return {"worker_id": worker_id, "transport": "shm"}

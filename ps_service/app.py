@@ -12,6 +12,7 @@ from ps_service import api, auth, checkpoint, dashboard, metrics, monitoring, pr
 from ps_service.hotpath import HotPath
 from ps_service.http import install_error_handlers
 from ps_service.runtime import Runtime
+from ps_service.sharding import routes as shard_routes
 from ps_service.settings import PSSettings
 
 
@@ -25,6 +26,8 @@ def create_app(settings: PSSettings | None = None) -> FastAPI:
         checkpointer = checkpoint.attach(rt)  # restores the newest valid checkpoint first
         app.state.metrics = metrics.attach(rt)
         task = asyncio.create_task(rt.ticker())
+        if rt.shards is not None:
+            await rt.shards.start()  # the coordinator's links to its followers (ps_service/sharding)
         try:
             async with probes.listening(rt, settings.host, settings.probe_port):  # PS_PROBE_PORT (ps_service/probes.py)
                 yield
@@ -35,6 +38,8 @@ def create_app(settings: PSSettings | None = None) -> FastAPI:
             if checkpointer is not None:
                 await asyncio.to_thread(checkpointer.finish, rt.core)
             rt.shm.close()
+            if rt.shards is not None and rt.shards.links is not None:
+                await rt.shards.links.close()
 
     docs = {} if not settings.production else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="syncps parameter server", version="0.1.0", lifespan=lifespan, **docs,
@@ -43,6 +48,8 @@ def create_app(settings: PSSettings | None = None) -> FastAPI:
     app.add_middleware(HotPath)  # the per-step push and pull skip FastAPI's routing when plainly well-formed
     # access control (ps_service/auth.py): every router but health and the static dashboard needs a token when one is configured
     app.include_router(api.router, dependencies=auth.TRAINING)
+    if settings.shards > 1:  # a sharded PS's routes (ps_service/sharding/routes.py)
+        app.include_router(shard_routes.router, dependencies=auth.TRAINING)
     app.include_router(monitoring.router, dependencies=auth.MONITORING)
     app.include_router(metrics.router, dependencies=auth.MONITORING)
     # the dashboard's page and assets hold no data (its script fetches the guarded JSON routes with the

@@ -310,8 +310,8 @@ class ParameterServerCore(ModelState):
             status = verdict.status
         else:
             status, grads = self._classify(m, req.step, finite), req.tensors
-            if borrowed is not None and status is PushStatus.ACCEPTED:  # read it once, checked as read
-                grads = self.round.read(m.worker_id, borrowed, eager=not self.rule.replicas_to_aggregate)
+            if borrowed is not None and status is PushStatus.ACCEPTED:  # checked where it is; summed later
+                grads = self.round.read(borrowed)
                 borrowed.confirm()
                 if not finite_or_refuse(grads.nonfinite, policy):
                     status = PushStatus.SKIPPED

@@ -1,4 +1,5 @@
-"""A fast lane for the two calls every worker makes every step: ``POST /v1/gradients`` and ``GET /v1/model``.
+"""A fast lane for the two calls every worker makes every step: ``POST /v1/gradients`` and ``GET /v1/model``
+(on a sharded PS: ``POST /v1/shard/gradients`` and ``POST /v1/shard/commit`` too; never on an unsharded one).
 
 With small models FastAPI's routing, dependency injection and response handling were most of the
 PS's time per request (py-spy, P=4, 2 workers: the endpoint itself ~15 % of the samples, the
@@ -17,6 +18,7 @@ import math
 from typing import Any, Callable
 from urllib.parse import parse_qsl
 
+from pydantic_core import PydanticUndefined
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -24,6 +26,7 @@ from ps_service import api
 from ps_service.auth import token_matches
 from ps_service.http import error_response
 from ps_service.runtime import Runtime
+from ps_service.sharding import routes as shard_routes
 from shared.errors import ProtocolError
 from shared.protocol import API
 
@@ -62,9 +65,16 @@ def _worker_id(v: str) -> str:
     return v
 
 
-#: (method, path) -> (endpoint, {query parameter: parser}, the route's defaults)
+#: a parameter the route requires (FastAPI's marker): with none given, FastAPI answers
+REQUIRED = PydanticUndefined
+
+#: (method, path) -> (endpoint, {query parameter: parser}, the route's defaults, :data:`REQUIRED` if none)
 ROUTES: dict[tuple[str, str], tuple[Callable, dict[str, Callable[[str], Any]], dict[str, Any]]] = {
     ("POST", f"{API}/gradients"): (api.push, {"pull": _bool, "timeout": _seconds}, {"pull": False, "timeout": 30.0}),
+    # a sharded PS's per-step calls (served only when PS_SHARDS > 1: :data:`SHARDED`)
+    ("POST", f"{API}/shard/gradients"): (shard_routes.hold, {"map": _worker_id}, {"map": REQUIRED}),  # <= 64 chars too
+    ("POST", f"{API}/shard/commit"): (shard_routes.commit, {"pull": _bool, "timeout": _seconds},
+                                      {"pull": False, "timeout": 30.0}),
     ("GET", f"{API}/model"): (api.pull, {"min_step": _step, "timeout": _seconds, "worker_id": _worker_id, "shm": _bool},
                               {"min_step": 0, "timeout": 30.0, "worker_id": None, "shm": False}),
 }
@@ -77,7 +87,11 @@ def _query(raw: bytes, parsers: dict, defaults: dict) -> dict | None:
         out = {k: parsers[k](v) for k, v in pairs}
     except (ValueError, KeyError, UnicodeDecodeError):
         return None
-    return {**defaults, **out} if len(out) == len(pairs) else None
+    params = {**defaults, **out}
+    return params if len(out) == len(pairs) and REQUIRED not in params.values() else None
+
+
+SHARDED = frozenset({shard_routes.hold, shard_routes.commit})
 
 
 def _authorised(rt: Runtime, scope: dict) -> bool:
@@ -99,7 +113,7 @@ class HotPath:
         route = ROUTES.get((scope.get("method"), scope.get("path"))) if scope["type"] == "http" else None
         params = _query(scope.get("query_string", b""), route[1], route[2]) if route else None
         rt = scope["app"].state.runtime if params is not None else None
-        if params is None or not _authorised(rt, scope):
+        if params is None or not _authorised(rt, scope) or (rt.shards is None and route[0] in SHARDED):
             return await self.app(scope, receive, send)
         try:
             result = await route[0](Request(scope, receive), **params)

@@ -109,6 +109,24 @@ class StateCollector:
         yield _gauge("ps_checkpoint_last_step", "Global step of the last checkpoint.", info.get("step"))
         yield _gauge("ps_checkpoint_last_duration_seconds", "How long writing the last checkpoint took.",
                      info.get("duration_seconds"))
+        if rt.shards is not None:
+            yield from shard_gauges(rt.shards.view())
+
+
+def shard_gauges(view: dict):
+    """A sharded PS: this shard's index; on the coordinator each shard's step, reachability and bytes (label shard)."""
+    yield _gauge("ps_shard_index", "This process's shard (0: the coordinator).", view["index"])
+    yield _gauge("ps_shards", "Shards of the PS (PS_SHARDS).", view["count"])
+    families = [(GaugeMetricFamily(f"ps_shard_{key}", doc, labels=["shard"]), key) for key, doc in (
+        ("step", "Each shard's global step, as the coordinator last heard it."),
+        ("reachable", "1 if the coordinator's last exchange with the shard got an answer."),
+        ("bytes_owned", "Bytes of the model the shard owns."))]
+    for row in view.get("shards", []):
+        for family, key in families:
+            if row[key] is not None:
+                family.add_metric([str(row["index"])], float(row[key]))
+    for family, _ in families:
+        yield family
 
 
 class PSMetrics:

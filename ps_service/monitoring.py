@@ -141,7 +141,8 @@ def status_view(rt: Runtime) -> dict:
         "effective_replicas_to_aggregate": None if core.round is None else core.progress().effective,
         "aggregation": s.aggregation,
         "optimizer": core.optimizer.spec if core.optimizer else None,
-        "round": current_round(rt), "wait_reason": core.wait_reason(now),
+        "round": current_round(rt),
+        "wait_reason": core.wait_reason(now) if rt.shards is None else rt.shards.wait_reason(now),
         "workers": {"active": states.count(ACTIVE), "expired": states.count(EXPIRED), "left": states.count(LEFT),
                     "registered": len(states), "membership_changes": core.members.changes},
         "pushes": {k: core.push_counts.get(k, 0) for k in PUSH_KINDS},
@@ -155,6 +156,7 @@ def status_view(rt: Runtime) -> dict:
         "training_started_at": None if core.started_at is None else wall(rt, core.started_at),
         "uptime_seconds": now - rt.started_mono,
         "checkpoint": checkpoint_view(rt.checkpoint_info),
+        "shard": None if rt.shards is None else rt.shards.view(),
     }
 
 

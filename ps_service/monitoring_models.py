@@ -123,6 +123,10 @@ class Status(BaseModel):
     training_started_at: float | None = Field(description="Round 0 opened (Unix s).")
     uptime_seconds: float
     checkpoint: CheckpointInfo | None
+    shard: dict | None = Field(None, description=(
+        'A sharded PS (PS_SHARDS > 1; null: one PS): {"index", "count", "role": coordinator|follower, "step", '
+        '"bytes_owned", "held_pushes", "map_digest"}; on the coordinator also "blocked" and "shards": per shard '
+        '{"index", "url", "step", "reachable", "bytes_owned", "error", "rounds_queued"} (docs/protocol.md, Shards).'))
 
 
 class PhaseSeconds(BaseModel):

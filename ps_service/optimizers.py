@@ -106,6 +106,10 @@ def _check(s: dict[str, Any]) -> None:
 
 #: elements per chunk of the fused mean-and-SGD pass (three arrays' chunks stay in the cache)
 FUSED_CHUNK = 1 << 16
+#: tensors up to this size take the three operations whole (they stay in the last-level cache, and three numpy
+#: calls cost less than three per chunk: 0.50 against 0.99 ms at 4 MB, process CPU); larger ones chunk by chunk
+#: (11.4 against 15.0 ms at 40 MB). Same operations on every element either way: the same bits.
+WHOLE_BYTES = 8 << 20
 
 
 def _fusable(w: np.ndarray, g: np.ndarray) -> bool:
@@ -113,7 +117,13 @@ def _fusable(w: np.ndarray, g: np.ndarray) -> bool:
 
 
 def _sgd_mean(w: np.ndarray, g: np.ndarray, n: int, lr) -> None:
-    """``g /= n; g *= lr; w -= g`` (TF1's SGD on the mean), one chunk at a time: one pass over memory."""
+    """``g /= n; g *= lr; w -= g`` (TF1's SGD on the mean); above :data:`WHOLE_BYTES`, one chunk at a time: one
+    pass over memory."""
+    if w.nbytes <= WHOLE_BYTES:
+        np.divide(g, n, out=g)
+        np.multiply(g, lr, out=g)
+        np.subtract(w, g, out=w)
+        return
     wf, gf = w.reshape(-1), g.reshape(-1)
     for lo in range(0, wf.size, FUSED_CHUNK):
         gc, wc = gf[lo:lo + FUSED_CHUNK], wf[lo:lo + FUSED_CHUNK]

@@ -163,27 +163,26 @@ class Round:
         """The waiting members' ids in rank order (O(K): monitoring); ``but`` is taken as not alive."""
         return tuple(w for _, w in self.order if w != but and self.standing(w)[1])
 
-    def _first_pending(self, but: str, keep: bool = True) -> Key | None:
-        """The lowest key that may still bring a gradient (``but`` is bringing its own now); ``keep``: move the
-        frontier there (the keys before ``but``'s never go back to pending)."""
+    def _first_pending(self, but: str) -> Key | None:
+        """The lowest key that may still bring a gradient (``but`` is bringing its own now); the frontier moves
+        there (the keys before ``but``'s never go back to pending)."""
         order, i, acc, skipped = self.order, self.frontier, self.acc, self.skipped
         while i < len(order) and (order[i][1] in acc or order[i][1] in skipped or order[i][1] == but):
             i += 1
-        if keep:
-            self.frontier = i
+        self.frontier = i
         return order[i] if i < len(order) else None
 
-    def _pending(self, worker_id: str, eager: bool, keep: bool = True) -> tuple[Key, ...] | None:
+    def _pending(self, worker_id: str, eager: bool) -> tuple[Key, ...] | None:
         """What may still sort before ``worker_id``'s gradient: the lowest pending key (eager), or None (unknown)."""
         if not eager:
             return None
-        first = self._first_pending(worker_id, keep)
+        first = self._first_pending(worker_id)
         return () if first is None else (first,)
 
-    def read(self, worker_id: str, borrowed: Borrowed, eager: bool) -> Taken:
-        """A borrowed gradient of an eligible member read into the PS's memory (:meth:`Accumulator.read`);
-        nothing changes: pass it to :meth:`accept` at once, or drop it."""
-        return self.acc.read(worker_id, self.eligible[worker_id], borrowed, self._pending(worker_id, eager, False))
+    def read(self, borrowed: Borrowed) -> Taken:
+        """A borrowed gradient checked where it is (:meth:`Accumulator.read`); nothing changes: pass it to
+        :meth:`accept` at once, or drop it."""
+        return self.acc.read(borrowed)
 
     def accept(self, arrival: Arrival, grads, loss: float | None, examples: int | None, eager: bool) -> None:
         """An accepted gradient (or what :meth:`read` made of it, just before); ``eager``: every eligible member

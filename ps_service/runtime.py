@@ -18,6 +18,7 @@ import logging
 import time
 from typing import Callable
 
+from ps_service import sharding
 from ps_service.core import CoreConfig, ParameterServerCore
 from ps_service.settings import PSSettings
 from ps_service.transport import TensorSeam
@@ -47,6 +48,10 @@ class Runtime:
         self.checkpoint_info: dict | None = None
         #: called with no argument after each change of the core (e.g. metrics observing closed rounds)
         self.observers: list[Callable[[], None]] = []
+        #: this process's part in a sharded PS (PS_SHARDS > 1; None: one PS): ps_service/sharding
+        self.shards = sharding.role(settings, self.core)
+        if self.shards is not None and self.shards.coordinator:
+            self.observers.append(self.shards.observe)  # closed rounds go to the followers
 
     def now(self) -> float:
         return self.clock()
@@ -115,7 +120,7 @@ class Runtime:
             await asyncio.sleep(self.settings.tick_seconds)
             self.core.tick(self.now())
             self.notify()
-            if self.shm.attached:
+            if self.shm.attached and (self.shards is None or self.shards.coordinator):  # followers have no members
                 self.shm.prune(self.core.members.active_by_id.keys())
 
     def run_guarded(self, fn: Callable[[], object]) -> object:

@@ -2,7 +2,7 @@
 
 This module is the only place the PS reads its environment (pydantic-settings),
 so the README's configuration table is this class. ``PS_AUTH_TOKEN_FILE`` (a
-Docker secret) is read here too.
+Docker secret) is read here too, and ``PS_REQUIRE_AUTH`` refuses settings without a training token.
 """
 from __future__ import annotations
 
@@ -13,6 +13,12 @@ from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.tokens import resolve_token
+
+#: what the PS says when PS_REQUIRE_AUTH=true finds no token: how to make one, and where it is mounted
+MAKE_A_TOKEN = ("Make one as a secret and point PS_AUTH_TOKEN_FILE at it: Docker Swarm: "
+                "`openssl rand -hex 32 | docker secret create syncps_token -` (mounted at /run/secrets/syncps_token); "
+                "Kubernetes: `kubectl create secret generic syncps-token --from-literal=token=$(openssl rand -hex 32)` "
+                "(deploy/k8s mounts it at /run/secrets/syncps/token).")
 
 
 class PSSettings(BaseSettings):
@@ -73,9 +79,15 @@ class PSSettings(BaseSettings):
     auth_token_file: Path | None = Field(
         None, description="File holding the training token (a Docker secret, /run/secrets/...); "
                           "instead of PS_AUTH_TOKEN, not with it.")
+    require_auth: bool = Field(
+        False, description="Refuse to start without a training token (PS_AUTH_TOKEN or PS_AUTH_TOKEN_FILE): for a PS "
+                           "on a network others share (the Swarm stack file and deploy/k8s set it).")
     monitor_token: SecretStr | None = Field(
         None, description="Read-only bearer token of the monitoring routes (/v1/status, /v1/workers, /v1/rounds, "
                           "/metrics, the dashboard); they accept the training token too. Unset: monitoring is open.")
+    monitor_token_file: Path | None = Field(
+        None, description="File holding the monitoring token (a Docker or Kubernetes secret); instead of "
+                          "PS_MONITOR_TOKEN, not with it.")
     production: bool = Field(False, description="Production mode: no /docs, /redoc or /openapi.json.")
     pull_timeout_max_seconds: float = Field(60.0, gt=0, description="Upper bound of a pull's ?timeout=.")
     tick_seconds: float = Field(0.1, gt=0, description="How often leases and round deadlines are checked.")
@@ -98,10 +110,36 @@ class PSSettings(BaseSettings):
         0.5, gt=0, allow_inf_nan=False, description="2bit: MXNet's threshold (an element is sent as +-threshold or 0).")
     log_level: str = Field("info", description="Log level of the PS.")
 
+    # ---- sharded PS (docs/architecture.md, Shards): S processes, shard 0 coordinates ----
+    shards: int = Field(1, ge=1, description="S: PS processes the model is spread over (1: one PS, today's path).")
+    shard_index: int = Field(
+        0, ge=0, description="This process's shard, 0..S-1. Shard 0 is the coordinator (membership, the barrier, "
+                             "round records; workers' WORKER_PS_URL); the others follow it.")
+    shard_urls: str = Field(
+        "", description="Comma-separated base URLs of the S shards in index order, as workers and the coordinator "
+                        "reach them (needed when PS_SHARDS > 1).")
+    shard_split_elements: int = Field(
+        1_000_000, ge=1, description="Tensors with more elements are cut into contiguous slices of at most this "
+                                     "many (MXNet's MXNET_KVSTORE_BIGARRAY_BOUND); slices are spread by bytes.")
+
+    @model_validator(mode="after")
+    def _token_required(self) -> "PSSettings":
+        """PS_REQUIRE_AUTH: no start without a training token. Runs before _tokens, whose errors it explains."""
+        if not self.require_auth:
+            return self
+        refusal = "PS_REQUIRE_AUTH=true: the PS does not start without a training token"
+        try:
+            token = resolve_token(self.auth_token, self.auth_token_file, "PS_AUTH_TOKEN")
+        except ValueError as exc:
+            raise ValueError(f"{refusal} ({exc}). {MAKE_A_TOKEN}") from None
+        if token is None:
+            raise ValueError(f"{refusal}, and neither PS_AUTH_TOKEN nor PS_AUTH_TOKEN_FILE is set. {MAKE_A_TOKEN}")
+        return self
+
     @model_validator(mode="after")
     def _tokens(self) -> "PSSettings":
         self.auth_token = resolve_token(self.auth_token, self.auth_token_file, "PS_AUTH_TOKEN")
-        self.monitor_token = resolve_token(self.monitor_token, None, "PS_MONITOR_TOKEN")
+        self.monitor_token = resolve_token(self.monitor_token, self.monitor_token_file, "PS_MONITOR_TOKEN")
         return self
 
     @model_validator(mode="after")
@@ -113,6 +151,22 @@ class PSSettings(BaseSettings):
             if given:
                 raise ValueError(f"{', '.join(given)} configure the barrier: PS_MODE={self.mode} has none")
         return self
+
+    @model_validator(mode="after")
+    def _shard_settings(self) -> "PSSettings":
+        if self.shards == 1:
+            return self
+        if self.shard_index >= self.shards:
+            raise ValueError(f"PS_SHARD_INDEX {self.shard_index} is not below PS_SHARDS {self.shards}")
+        if len(self.shard_url_list) != self.shards:
+            raise ValueError(f"PS_SHARD_URLS must list the {self.shards} shards' base URLs, comma-separated")
+        if self.mode != "sync" or self.nonfinite_policy != "reject":
+            raise ValueError("PS_SHARDS > 1 needs PS_MODE=sync and PS_NONFINITE_POLICY=reject")
+        return self
+
+    @property
+    def shard_url_list(self) -> list[str]:
+        return [u.strip().rstrip("/") for u in self.shard_urls.split(",") if u.strip()]
 
     def optimizer_overrides(self) -> dict:
         keys = ("learning_rate", "momentum", "nesterov", "beta1", "beta2", "epsilon", "initial_accumulator_value")

@@ -105,7 +105,7 @@ class DistributedOptimizer:
         lease = float(reg["lease_seconds"])
         self._wait = max(0.5, min(10.0, lease / 2))
         self.heartbeat = Heartbeat(self.client.base_url, self.worker_id, max(0.2, lease / 3), self.client.timeout,
-                                   self.client.token)
+                                   self.client.token, lambda: self.client.lease_renewed)
         self.heartbeat.start()
         if handle_sigterm and threading.current_thread() is threading.main_thread():
             self._old_sigterm = signal.signal(signal.SIGTERM, lambda *_: self._stop.set())

@@ -18,6 +18,7 @@ def closed_rounds(c: LocalCluster, limit: int = 100) -> list[dict]:
 def final_weights(c: LocalCluster) -> dict[str, np.ndarray]:
     client = PSClient(c.url)
     try:
+        client.attach_reader()  # a sharded PS: the pieces of every shard
         return dict(client.pull(0, wait=5.0).tensors)
     finally:
         client.close()
@@ -31,9 +32,9 @@ class JobResult:
     exit_codes: list[int]
 
 
-def run_job(workers: int, ps_env: dict, worker_env: dict, deadline: float = 120.0) -> JobResult:
-    """Train to PS_MAX_STEPS; fails with the process logs if anything goes wrong."""
-    with LocalCluster(workers, ps_env=ps_env, worker_env=worker_env) as c:
+def run_job(workers: int, ps_env: dict, worker_env: dict, deadline: float = 120.0, shards: int = 1) -> JobResult:
+    """Train to PS_MAX_STEPS (on ``shards`` PS processes); fails with the process logs if anything goes wrong."""
+    with LocalCluster(workers, ps_env=ps_env, worker_env=worker_env, shards=shards) as c:
         try:
             codes = c.wait_workers(deadline)
             wait_for(lambda: c.status()["state"] == "done", 10, "the PS to report done")

@@ -11,6 +11,9 @@ variables and a developer's ``.env`` is never read. Every command has a timeout.
 that the README shows each one verbatim); :meth:`ComposeProject.run` runs one of them as
 written, adding only the flags that isolate the test's project.
 
+:class:`PublishedPS` reads the PS of a deployment over its published port (/v1/status polled with a
+deadline, /v1/workers), with a token when one is needed; the swarm tests (tests/swarm_util.py) use it too.
+
 :func:`build_context` copies the build context elsewhere, to hand the build wheels (the torch image).
 
 :func:`compose_unavailable` says why compose tests cannot run (``SYNCPS_SKIP_COMPOSE``
@@ -26,6 +29,7 @@ import shlex
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import httpx
@@ -98,6 +102,17 @@ def build_context(dest: Path, wheels: list[Path]) -> str:
     return digest.hexdigest()[:12]
 
 
+def build_image() -> float:
+    """Build (or find up to date) the tests' image, :data:`IMAGE`, as ``docker compose build`` does; seconds taken."""
+    t0 = time.monotonic()
+    builder = ComposeProject("build")
+    try:
+        builder.build()
+    finally:
+        builder.env_file.unlink(missing_ok=True)
+    return time.monotonic() - t0
+
+
 def docker(*args: str, timeout: float = 60.0, check: bool = True) -> subprocess.CompletedProcess:
     r = subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout)
     if check and r.returncode != 0:
@@ -105,7 +120,32 @@ def docker(*args: str, timeout: float = 60.0, check: bool = True) -> subprocess.
     return r
 
 
-class ComposeProject:
+class PublishedPS:
+    """The PS of a test's deployment over its published port (``url``), sending ``headers`` (e.g. a token)."""
+    url: str
+    headers: dict[str, str] = {}
+
+    def get(self, path: str, timeout: float = 5.0) -> dict:
+        return httpx.get(f"{self.url}{path}", headers=self.headers, timeout=timeout).json()
+
+    def try_status(self) -> dict | None:
+        try:
+            return self.get("/v1/status")
+        except (httpx.HTTPError, ValueError):
+            return None
+
+    def wait_status(self, predicate, deadline: float, what: str) -> dict:
+        """Poll /v1/status until ``predicate(status)``; the status that satisfied it."""
+        def check():
+            s = self.try_status()
+            return s if s is not None and predicate(s) else None
+        return wait_for(check, deadline, what, interval=0.2)
+
+    def workers(self) -> dict:
+        return self.get("/v1/workers")
+
+
+class ComposeProject(PublishedPS):
     def __init__(self, label: str, env: dict | None = None, root: Path = ROOT) -> None:
         self.root = root  # where docker-compose.yml and the build context are: ROOT, or a copy (build_context)
         self.name = f"syncps-test-{label}-{os.getpid()}-{secrets.token_hex(3)}".lower()
@@ -180,23 +220,3 @@ class ComposeProject:
             cs = self.inspect("worker")
             return cs if cs and all(c["State"]["Status"] == "exited" for c in cs) else None
         return wait_for(exited, deadline, "every worker container to exit", interval=0.5)
-
-    # -- the PS over the published port -----------------------------------------------------
-    def get(self, path: str, timeout: float = 5.0) -> dict:
-        return httpx.get(f"{self.url}{path}", timeout=timeout).json()
-
-    def try_status(self) -> dict | None:
-        try:
-            return self.get("/v1/status")
-        except (httpx.HTTPError, ValueError):
-            return None
-
-    def wait_status(self, predicate, deadline: float, what: str) -> dict:
-        """Poll /v1/status until ``predicate(status)``; the status that satisfied it."""
-        def check():
-            s = self.try_status()
-            return s if s is not None and predicate(s) else None
-        return wait_for(check, deadline, what, interval=0.2)
-
-    def workers(self) -> dict:
-        return self.get("/v1/workers")

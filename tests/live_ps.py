@@ -53,8 +53,8 @@ class LivePS:
 
 
 @contextmanager
-def live_ps(**settings: Any) -> Iterator[LivePS]:
-    port = free_port()
+def live_ps(port: int | None = None, **settings: Any) -> Iterator[LivePS]:
+    port = port or free_port()
     ps_settings = PSSettings(host="127.0.0.1", port=port, **settings)
     app = create_app(ps_settings)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",

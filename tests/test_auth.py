@@ -40,6 +40,9 @@ def test_token_from_a_docker_secret_file(tmp_path):
     secret.write_text(TOKEN + "\n")
     assert PSSettings(auth_token_file=secret).auth_token.get_secret_value() == TOKEN
     assert WorkerSettings(auth_token_file=secret).auth_token.get_secret_value() == TOKEN
+    assert PSSettings(monitor_token_file=secret).monitor_token.get_secret_value() == TOKEN
+    with pytest.raises(ValueError, match="PS_MONITOR_TOKEN or PS_MONITOR_TOKEN_FILE"):
+        PSSettings(monitor_token="x", monitor_token_file=secret)
     with pytest.raises(ValidationError, match="not both"):
         PSSettings(auth_token="x", auth_token_file=secret)
     with pytest.raises(ValidationError, match="cannot read"):

@@ -282,3 +282,54 @@ def test_the_cnn_table_puts_syncps_next_to_ddp():
     lines = text.splitlines()
     assert lines[2] == "| 2 | 90.0 | - | - | - | - |"
     assert lines[3] == "| 4 | 55.0 | 40.0 | 50.0 | 1.10x | 0.80x |"
+
+
+def test_the_grid_table_puts_syncps_next_to_the_compute_only_ceiling():
+    """bench.table's grid: the compute-only ceiling (no PS at all) and syncps's share of it, same-host and TCP."""
+    from bench.table import table
+
+    runs = lambda *v: [{"steps_per_s": x} for x in v]  # noqa: E731
+    r = {"syncps": runs(60.0, 80.0, 70.0), "syncps_tcp": runs(50.0), "tf": runs(25.0), "torch": runs(70.0),
+         "compute": runs(100.0)}
+    row = table([(1000, 2)], {(1000, 2): r}).splitlines()[2].split("|")[1:-1]
+    assert [c.strip() for c in row[:13]] == ["1,000", "2", "70.0", "50.0", "25.0", "70.0", "2.80x", "1.00x",
+                                             "2.00x", "0.71x", "100", "70%", "50%"]
+    no_ceiling = table([(1000, 2)], {(1000, 2): {**r, "compute": [{"error": "no output"}]}}).splitlines()[2]
+    assert "| - | - | - |" in no_ceiling
+
+
+def test_the_grid_table_puts_two_shards_over_tcp_next_to_one():
+    """bench.table's grid: TCP with two PS shards and its ratio to one PS over TCP; "-" in a cell not measured."""
+    from bench.table import table
+
+    runs = lambda *v: [{"steps_per_s": x} for x in v]  # noqa: E731
+    r = {"syncps": runs(60.0), "syncps_tcp": runs(2.0, 1.0, 3.0), "syncps_tcp_s2": runs(3.0, 2.5, 9.0),
+         "tf": runs(25.0), "torch": runs(70.0), "compute": runs(100.0), "bf16": runs(4.0)}
+    lines = table([(10_000_000, 4), (1000, 4)], {(10_000_000, 4): r, (1000, 4): {**r, "syncps_tcp_s2": []}},
+                  ("bf16",)).splitlines()
+    header = [c.strip() for c in lines[0].split("|")[1:-1]]
+    assert header[15:] == ["TCP S=2 steps/s (/ TCP)", "TCP bf16 steps/s (/ torch)"]
+    assert lines[1].count("---:") == len(header)
+    measured, unmeasured = ([c.strip() for c in line.split("|")[1:-1]] for line in lines[2:])
+    assert measured[3] == "2.00" and measured[15:] == ["3.00 (1.50x)", "4.00 (0.06x)"]
+    assert unmeasured[15:] == ["-", "4.00 (0.06x)"] and len(unmeasured) == len(header)
+
+
+def test_bench_run_with_two_shards_sums_their_cpu():
+    out = subprocess.run([sys.executable, "-m", "bench.run", "--shards", "2", "--params", "1000", "--seconds", "1",
+                          "--warmup", "0.3"], capture_output=True, text=True, timeout=120)
+    line = json.loads(out.stdout.strip().splitlines()[-1])
+    assert out.returncode == 0, line
+    assert line["shards"] == 2 and line["params"] == 992 and line["steps_per_s"] > 0 and line["steps"] > 0
+    assert len(line["shard_cpu_s"]) == len(line["shard_peak_rss_MB"]) == 2 and min(line["shard_peak_rss_MB"]) > 0
+    assert line["ps_cpu_s"] == pytest.approx(sum(line["shard_cpu_s"]), abs=2e-3)
+    assert line["peak_rss_MB"] == max(line["shard_peak_rss_MB"])
+
+
+def test_bench_loopback_times_the_bytes_it_sends():
+    from bench.loopback import measure
+
+    line = measure(8 << 20)
+    assert line["bytes"] == 8 << 20 and line["seconds"] > 0
+    rate = lambda seconds: line["bytes"] / seconds / 1e9  # noqa: E731  (seconds is rounded to the ms)
+    assert rate(line["seconds"] + 6e-4) <= line["GB_per_s"] <= rate(max(line["seconds"] - 6e-4, 1e-6))

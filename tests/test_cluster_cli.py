@@ -64,7 +64,7 @@ def test_a_clean_cluster_removes_its_logs_a_failed_one_keeps_them(log_root, monk
     bad = LocalCluster(0, ps_env={**PS_ONLY, "PS_LEASE_SECONDS": "-1"})
     with pytest.raises(RuntimeError, match="PS exited"):
         bad.__enter__()
-    assert bad.failed and not bad.logs_removed and "lease_seconds" in bad.log("ps")
+    assert bad.failed and not bad.logs_removed and "PS_LEASE_SECONDS: " in bad.log("ps")
     # an exception inside the block marks the run failed: kept (no process needed to show it)
     c2 = LocalCluster(0, ps_env=PS_ONLY)
     c2.__exit__(KeyError, KeyError("boom"), None)
@@ -87,10 +87,10 @@ def test_cli_failure_keeps_the_logs_and_says_where(log_root):
                          capture_output=True, text=True, timeout=60, cwd=ROOT,
                          env={**os.environ, "COLUMNS": "160", "PS_LEASE_SECONDS": "-1"})
     text = out.stdout + out.stderr
-    assert out.returncode == 1 and "failed: PS exited with 1" in text and "lease_seconds" in text, text[-3000:]
+    assert out.returncode == 1 and "failed: PS exited with 1" in text and "PS_LEASE_SECONDS: " in text, text[-3000:]
     assert "Traceback (most recent call last)" not in text.split("failed: PS exited")[0]
     (kept,) = re.findall(r"logs of the PS and the workers: (\S+)", text)
-    assert Path(kept).parent == log_root and "lease_seconds" in (Path(kept) / "ps.log").read_text()
+    assert Path(kept).parent == log_root and "PS_LEASE_SECONDS: " in (Path(kept) / "ps.log").read_text()
 
 
 def test_mlp_without_scikit_learn_says_how_to_install_it(monkeypatch):

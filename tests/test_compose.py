@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from cluster.processes import wait_for
-from tests.compose_util import IMAGE, ComposeProject, compose_unavailable, docker
+from tests.compose_util import IMAGE, ComposeProject, build_image, compose_unavailable, docker
 from tests.conftest import degraded
 from worker_service.client import PSClient
 
@@ -44,13 +44,7 @@ def image(request):
         report(request, line)
         degraded("compose tests (test_compose.py)", f"skipped: {reason}")
         pytest.skip(line)
-    t0 = time.monotonic()
-    builder = ComposeProject("build")
-    try:
-        builder.build()
-    finally:
-        builder.env_file.unlink(missing_ok=True)
-    report(request, f"[compose] image {IMAGE} built in {time.monotonic() - t0:.1f} s")
+    report(request, f"[compose] image {IMAGE} built in {build_image():.1f} s")
     return IMAGE
 
 

@@ -320,9 +320,9 @@ def test_the_accumulator_sums_in_rank_order_into_the_first_ranks_buffer():
 @settings(max_examples=60, deadline=None)
 @given(n=st.integers(1, 6), eager=st.booleans(), data=st.data())
 def test_borrowed_gradients_read_once_give_the_same_bits(n, eager, data):
-    """Gradients in memory their sender may rewrite (same-host files) are read once by the accumulator: summed
-    straight into a new running sum when next in rank order, else checked where they are and summed, read once and
-    checked again, in rank order. Any arrival order, any mix with owned gradients: the sum is bit-identical to the
+    """Gradients in memory their sender may rewrite (same-host files) are checked where they are when taken, then
+    summed from there in rank order, the sum checked as made (the first two together, out of their files, when
+    both are borrowed). Any arrival order, any mix with owned gradients: the sum is bit-identical to the
     rank-order sum."""
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
     g = [{k: rng.standard_normal(v.shape).astype(np.float32) * np.float32(10.0 ** rng.integers(-3, 3))
@@ -337,7 +337,7 @@ def test_borrowed_gradients_read_once_give_the_same_bits(n, eager, data):
         if borrowed[i]:
             b = Borrowed({k: v for k, v in src.items()}, lambda: {k: np.empty_like(v) for k, v in W0.items()},
                          lambda: None)
-            taken = acc.read(f"w{i}", i, b, pending)
+            taken = acc.read(b)
             assert taken.nonfinite is None
             acc.apply(f"w{i}", i, taken, pending)
         else:
@@ -362,11 +362,11 @@ def test_a_borrowed_gradient_with_nan_or_an_overflowing_sum_is_found():
         src = {k: np.ones_like(v) for k, v in W0.items()}
         src["w"][2, 1] = bad
         b = Borrowed(src, lambda: {k: np.empty_like(v) for k, v in W0.items()}, lambda: None)
-        assert acc.read("b", 1, b, pending=[]).nonfinite == "w"
+        assert acc.read(b).nonfinite == "w"
     assert len(acc) == 1 and all(acc.acc[k].tobytes() == before[k].tobytes() for k in W0)
     src = {k: np.full_like(v, 3e38) for k, v in W0.items()}
     b = Borrowed(src, lambda: {k: np.empty_like(v) for k, v in W0.items()}, lambda: None)
-    taken = acc.read("b", 1, b, pending=[])
+    taken = acc.read(b)
     assert taken.nonfinite is None
     acc.apply("b", 1, taken, pending=[])
     assert acc.spoiled and list(acc.dropped) == ["b"] and acc.take() is None
@@ -387,8 +387,8 @@ def test_a_borrowed_gradient_changed_before_it_is_summed_spoils_nothing_it_did_n
                 raise ProtocolError(409, "shm_torn", "rewritten")
 
         b = Borrowed(src, lambda: {k: np.empty_like(v) for k, v in W0.items()}, confirm)
-        taken = acc.read("b", 1, b, pending=[(0, "a")])
-        assert not taken.summed and taken.nonfinite is None
+        taken = acc.read(b)
+        assert taken.nonfinite is None
         acc.apply("b", 1, taken, pending=[(0, "a")])
         if change == "nan":
             src["w"][0, 0] = np.nan
@@ -398,16 +398,70 @@ def test_a_borrowed_gradient_changed_before_it_is_summed_spoils_nothing_it_did_n
         acc.apply("c", 2, {k: v.copy() for k, v in g[2].items()}, pending=[])
         assert list(acc.dropped) == ["b"] and acc.spoiled and len(acc) == 3
         assert acc.take() is None
-    # the first in rank order is copied into a buffer of ours: found changed, it alone is left out
+    # the first in rank order is read into a buffer of ours when summed: found changed, it alone is left out
     acc = Accumulator(tuple(W0), "mean")
     src = {k: v.copy() for k, v in g[0].items()}
     b = Borrowed(src, lambda: {k: np.empty_like(v) for k, v in W0.items()}, lambda: None)
-    acc.apply("a", 0, acc.read("a", 0, b, pending=None), pending=None)
+    acc.apply("a", 0, acc.read(b), pending=None)
     src["b"][1] = np.inf
     acc.apply("c", 2, {k: v.copy() for k, v in g[2].items()}, pending=None)
     out = acc.take()
     assert list(acc.dropped) == ["a"] and not acc.spoiled
     assert all(out[k].tobytes() == g[2][k].tobytes() for k in W0)
+
+
+def test_the_first_two_borrowed_gradients_are_summed_together_and_a_changed_one_is_left_out():
+    """The first two in rank order, both borrowed, are summed at once out of their files (the first waits for the
+    second). One changed since it was taken (NaN, or rewritten): it alone is left out, the other is summed, nothing
+    is spoiled. Neither changed but their sum overflows: the round applies nothing."""
+    g = [grad(i) for i in range(3)]
+
+    def borrowed(i, torn=None):
+        src = {k: v.copy() for k, v in g[i].items()}
+
+        def confirm():
+            if torn:
+                raise ProtocolError(409, "shm_torn", "rewritten")
+        return src, Borrowed(src, lambda: {k: np.empty_like(v) for k, v in W0.items()}, confirm)
+
+    for change in (None, "nan", "torn"):
+        for who in (0, 1):
+            torn = []
+            acc = Accumulator(tuple(W0), "mean")
+            srcs, bs = zip(*(borrowed(i, torn if i == who else None) for i in range(2)))
+            acc.apply("a", 0, acc.read(bs[0]), pending=[(1, "b")])
+            assert acc.acc is None  # waits for its partner
+            acc.apply("b", 1, acc.read(bs[1]), pending=[(2, "c")])
+            if change is None:
+                assert acc.acc is not None and not acc.waiting
+            acc.apply("c", 2, {k: v.copy() for k, v in g[2].items()}, pending=[])
+            if change == "nan":  # changed after the pair was summed: too late to matter
+                srcs[who]["w"][0, 0] = np.nan
+            out = acc.take()
+            expected = {k: (g[0][k] + g[1][k] + g[2][k]) / np.float32(3) for k in W0}
+            assert all(out[k].tobytes() == expected[k].tobytes() for k in W0) and not acc.dropped
+    for change in ("nan", "torn"):
+        for who in (0, 1):
+            torn = []
+            acc = Accumulator(tuple(W0), "mean")
+            srcs, bs = zip(*(borrowed(i, torn if i == who else None) for i in range(2)))
+            acc.apply("a", 0, acc.read(bs[0]), pending=None)
+            acc.apply("b", 1, acc.read(bs[1]), pending=None)
+            if change == "nan":
+                srcs[who]["b"][1] = np.inf
+            else:
+                torn.append(True)
+            out = acc.take()
+            other = g[1 - who]
+            assert list(acc.dropped) == ["ab"[who]] and not acc.spoiled
+            assert all(out[k].tobytes() == other[k].tobytes() for k in W0)
+    big = {k: np.full_like(v, 3e38) for k, v in W0.items()}
+    acc = Accumulator(tuple(W0), "mean")
+    for i, wid in enumerate("ab"):
+        b = Borrowed({k: v.copy() for k, v in big.items()}, lambda: {k: np.empty_like(v) for k, v in W0.items()},
+                     lambda: None)
+        acc.apply(wid, i, acc.read(b), pending=None)
+    assert acc.take() is None and acc.spoiled and list(acc.dropped) == ["b"]
 
 
 def test_a_torn_or_nonfinite_borrowed_push_changes_nothing_in_the_core():

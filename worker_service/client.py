@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 from urllib.parse import urlencode
 
 import numpy as np
@@ -37,6 +37,7 @@ from worker_service.transport.base import Connection, Pulled, PushAnswer, Respon
 from worker_service.transport.compressed import body_transport
 from worker_service.transport.http import BodyTransport
 from worker_service.transport.httpx import HttpxConnection
+from worker_service.transport.sharded import ShardedTransport
 from worker_service.transport.shm import ShmChannel, ShmTransport
 
 log = logging.getLogger("worker")
@@ -44,6 +45,7 @@ log = logging.getLogger("worker")
 SHM_AGAIN = frozenset({"shm_not_attached", "shm_torn"})
 
 __all__ = ["PSClient", "Pulled", "PushAnswer", "ServerError"]
+T = TypeVar("T")
 
 
 class ServerError(Exception):
@@ -74,6 +76,11 @@ class PSClient:
         self.tensors: TensorTransport = BodyTransport(self.call)
         #: the job's gradient compression of request bodies (from the last registration answer)
         self.compression = Spec()
+        #: the PS's shard count (from the last registration answer; > 1: tensors through every shard)
+        self.shards = 1
+        #: time.monotonic() of the last answer to an exchange that renewed this worker's lease (a push, a pull
+        #: with its worker id): the heartbeat thread stays quiet while these come often enough
+        self.lease_renewed = float("-inf")
 
     @property
     def transport(self) -> str:
@@ -113,6 +120,7 @@ class PSClient:
     def register(self, name: str) -> dict:
         reg = self.call_json("POST", f"{API}/workers", {"name": name})
         self.compression = Spec.from_wire(reg.get("compression"))
+        self.shards = reg.get("shards", 1)
         return reg
 
     def leave(self, worker_id: str) -> None:
@@ -124,11 +132,30 @@ class PSClient:
     def status(self) -> dict:
         return self.call_json("GET", f"{API}/status")
 
-    def attach(self, worker_id: str) -> str:
+    def sibling(self, base_url: str) -> "PSClient":
+        """A client of another PS process (a shard) with this one's settings."""
+        return PSClient(base_url, self.timeout, self.attempts, self.retry_timeout, self.token, self.shm_dir)
+
+    def attach_reader(self) -> None:
+        """A client that only pulls (evaluation, monitoring): through every shard when the PS is sharded."""
+        try:
+            self.shards = self.call_json("GET", f"{API}/shards")["shards"]
+        except ProtocolError as exc:
+            if exc.status != 404:  # 404: not a sharded PS
+                raise
+            return
+        self.attach(None)
+
+    def attach(self, worker_id: str | None) -> str:
         """Choose this worker's tensor transport: same-host files if the PS is on this host, else request
-        bodies. Its name."""
+        bodies; through every shard (worker_service/transport/sharded.py) when the PS is sharded. Its name."""
         self.tensors.close()
         self.tensors = body_transport(self.call, self.compression)
+        if self.shards > 1:
+            self.tensors = ShardedTransport.open(self, worker_id)
+            return self.transport
+        if worker_id is None:
+            return self.transport
         if not self.shm_dir:
             return self.transport
         try:
@@ -165,28 +192,37 @@ class PSClient:
         ready, self._prefetched = self._prefetched, None
         if ready is not None and (ready.step >= min_step or ready.done):
             return ready
-        return self.tensors.pull(min_step, worker_id, wait, self.timeout)
+        got = self.tensors.pull(min_step, worker_id, wait, self.timeout)
+        if worker_id:
+            self.lease_renewed = time.monotonic()
+        return got
 
     def push(self, worker_id: str, step: int, grads: Mapping[str, np.ndarray], loss: float | None = None,
              num_examples: int | None = None, timings: Mapping[str, float] | None = None) -> dict:
         meta = {"worker_id": worker_id, "step": step, "loss": loss, "num_examples": num_examples,
                 "timings": dict(timings or {})}
+        answer = self.with_transport(worker_id, lambda t: t.push(meta, grads, self.push_wait, self.timeout))
+        self.lease_renewed = time.monotonic()
+        self._prefetched = answer.pulled
+        return {"status": answer.status, "step": answer.step, "done": answer.done}
+
+    def with_transport(self, worker_id: str | None, send: Callable[[TensorTransport], T]) -> T:
+        """``send(transport)``; if the PS says the same-host file is gone or rewritten (it restarted), attach
+        again and send again, and if it says so again, send through the request body."""
         try:
-            answer = self.tensors.push(meta, grads, self.push_wait, self.timeout)
+            return send(self.tensors)
         except ProtocolError as exc:
             if exc.code not in SHM_AGAIN:
                 raise
             log.warning("PS says %s (%s): choosing the tensor transport again", exc.code, exc.detail)
             self.attach(worker_id)
             try:
-                answer = self.tensors.push(meta, grads, self.push_wait, self.timeout)
+                return send(self.tensors)
             except ProtocolError as again:
                 if again.code not in SHM_AGAIN:
                     raise
                 log.warning("PS says %s again: this push goes in the request body", again.code)
-                answer = body_transport(self.call, self.compression).push(meta, grads, self.push_wait, self.timeout)
-        self._prefetched = answer.pulled
-        return {"status": answer.status, "step": answer.step, "done": answer.done}
+                return send(body_transport(self.call, self.compression))
 
     # ---- lifecycle ----------------------------------------------------------------------
     def wait_ready(self, deadline_seconds: float = 60.0) -> None:

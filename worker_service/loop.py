@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from shared.errors import ProtocolError
 from worker_service.client import PSClient
@@ -42,19 +43,31 @@ class Summary:
 
 
 class Heartbeat(threading.Thread):
-    """Renews the lease every ``period`` s (own client) until stopped."""
+    """Renews the lease (own client) whenever ``period`` s passed without a renewal: ``renewed()`` is the
+    monotonic time of the main loop's last exchange that renewed it (a push, a pull with the worker id), so a
+    worker whose steps are shorter than ``period`` sends no heartbeats at all (a thousand of them are a
+    thousand requests less per ``period`` on the PS)."""
 
-    def __init__(self, base_url: str, worker_id: str, period: float, timeout: float, token=None) -> None:
+    def __init__(self, base_url: str, worker_id: str, period: float, timeout: float, token=None,
+                 renewed: Callable[[], float] = lambda: float("-inf")) -> None:
         super().__init__(daemon=True, name="heartbeat")
         self.client = PSClient(base_url, timeout=timeout, attempts=1, token=token)
         self.worker_id = worker_id
         self.period = period
+        self.renewed = renewed
         self.halt = threading.Event()
+        self.sent = 0
 
     def run(self) -> None:
-        while not self.halt.wait(self.period):
+        last = time.monotonic()
+        while not self.halt.wait(max(0.0, last + self.period - time.monotonic())):
+            last = max(last, self.renewed())
+            if time.monotonic() - last < self.period:
+                continue  # the main loop renewed the lease meanwhile: wait a period from then
+            last = time.monotonic()
             try:
                 self.client.heartbeat(self.worker_id)
+                self.sent += 1
             except Exception as exc:  # the main loop notices real trouble on its next call
                 log.debug("heartbeat failed: %s", exc)
         self.client.close()
@@ -73,7 +86,8 @@ def train(client: PSClient, task: Task, name: str, batch_size: int, stop: thread
     client.attach(worker_id)
     lease = float(reg["lease_seconds"])
     wait = max(0.5, min(10.0, lease / 2))
-    hb = Heartbeat(client.base_url, worker_id, max(0.2, lease / 3), client.timeout, client.token)
+    hb = Heartbeat(client.base_url, worker_id, max(0.2, lease / 3), client.timeout, client.token,
+                   lambda: client.lease_renewed)
     hb.start()
     log.info("registered as %r: rank %d, worker_id %s, starting at step %d", name, rank, worker_id, step)
     times = {"fetch": 0.0, "compute": 0.0, "push": 0.0}

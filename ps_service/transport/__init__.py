@@ -50,22 +50,25 @@ class TensorSeam:
         self.bytes_out = 0
         self._key: tuple | None = None
         self._body: bytes | memoryview = b""
+        self._shm_key: tuple | None = None
+        self._shm_body = b""
 
     async def _frame(self, request: Request) -> tuple[frame.Frame, int]:
         s = self.settings
         body = await read_body(request, s.max_body_bytes, frame.MEDIA_TYPE, s.body_idle_timeout_seconds)
         return frame.decode(body), len(body)
 
-    async def receive_push(self, request: Request) -> Received:
-        """A push with its gradients in memory the core may keep (404/409 for a worker that must register)."""
+    async def receive_push(self, request: Request, members: bool = True) -> Received:
+        """A push with its gradients in memory the core may keep (404/409 for a worker that must register;
+        ``members`` False: no membership check, for a shard's held pieces: ps_service/sharding)."""
         self.drop_body()  # its buffer may serve this push's body (bounds the PS's memory)
         f, size = await self._frame(request)
         push, seq = parse_push_meta(f.meta)
         core = self.core
         if not core.initialized:
             raise ProtocolError(409, "not_initialized", "the model is not initialised yet (PUT /v1/model)")
-        member = core.members.get(push.worker_id)  # 404 unknown_worker (a restarted PS)
-        if not member.active:
+        member = core.members.get(push.worker_id) if members else None  # 404 unknown_worker (a restarted PS)
+        if member is not None and not member.active:
             raise ProtocolError(409, "not_active", f"worker {member.name!r} is {member.state}; register again "
                                                    "(POST /v1/workers)")
         declared = f.meta.get("compression")
@@ -98,7 +101,11 @@ class TensorSeam:
         core = self.core
         if via == "shm":
             self.shm.published(core.global_step)
-            body: bytes | memoryview = frame.encode_bytes({}, {**self._head(), "shm": True})
+            head = self._head()
+            key = (head["step"], head["done"], head["ranks"])
+            if key != self._shm_key:  # the same small frame for every same-host worker of a step
+                self._shm_body, self._shm_key = frame.encode_bytes({}, {**head, "shm": True}), key
+            body: bytes | memoryview = self._shm_body
         else:
             body = self._weights_frame()
             self.bytes_out += len(body)

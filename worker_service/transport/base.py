@@ -90,6 +90,10 @@ class TensorTransport(ABC):
         resp = self.call("POST", f"{API}/gradients", params={"pull": 1, "timeout": wait},
                          body=self.push_body(meta, grads), headers={"content-type": frame.MEDIA_TYPE},
                          timeout=timeout + wait, what=f"POST {API}/gradients (step {meta['step']})")
+        return self.push_answer(resp)
+
+    def push_answer(self, resp: Response) -> PushAnswer:
+        """A push's answer: the next weights (a frame, the status in a header), or JSON without them."""
         if resp.headers.get("content-type", "").startswith(frame.MEDIA_TYPE):
             got = self.pulled(resp.content)
             return PushAnswer(resp.headers[PUSH_STATUS_HEADER.lower()], got.step, got.done, got)

@@ -1,0 +1,219 @@
+"""A sharded PS (``PS_SHARDS`` = S > 1): this process's part in it (docs/architecture.md, Shards).
+
+Shard 0 is the *coordinator*: it alone holds membership (register, ranks, leases, leave), the barrier
+and the round records (its :class:`~ps_service.core.ParameterServerCore` as on one PS), and it owns a
+share of the tensors. Shards 1..S-1 are *followers*: they own their share and its optimizer slots and
+hold pushes; they decide nothing about membership or rounds. Each shard's core holds only its pieces
+(:mod:`shared.shards`) as its model.
+
+One round, exact: a worker pushes its pieces to every shard (each holds them: :mod:`.holds`), then
+commits step s to the coordinator; the commit is what the coordinator's barrier counts, with the held
+pieces as the push's gradients. When round s closes with contributors C, the coordinator has applied
+its share and :meth:`ShardRole.observe` queues "apply round s with C" for every follower
+(:mod:`.links`), who sum the held pieces of C in rank order and step the same optimizer. The routes are
+:mod:`.routes`. :func:`role` is None on an unsharded PS: nothing here runs then.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from ps_service.checkpoint import NAME_RE, CheckpointError, checkpoint_name, decode, list_checkpoints
+from ps_service.sharding.holds import Holds
+from ps_service.sharding.links import Links
+from shared import frame
+from shared.codec import FLOAT_DTYPES, dtype_name
+from shared.errors import ProtocolError, unprocessable
+from shared.protocol import ModelInit
+from shared.shards import ShardMap, from_wire, plan, spec_of, split
+
+log = logging.getLogger("ps_service")
+SIDECAR = "shard-map.json"
+
+
+def role(settings, core) -> "ShardRole | None":
+    return ShardRole(settings, core) if settings.shards > 1 else None
+
+
+class ShardRole:
+    def __init__(self, settings, core) -> None:
+        self.index, self.count = settings.shard_index, settings.shards
+        self.urls = settings.shard_url_list
+        self.split_elements = settings.shard_split_elements
+        self.aggregation = settings.aggregation
+        self.core = core
+        self.holds = Holds()
+        self.map: ShardMap | None = None
+        self.initialising = False
+        self.links = Links(self.urls, settings.auth_token) if self.coordinator else None
+        self.sidecar = Path(settings.checkpoint_dir) / SIDECAR if settings.checkpoint_dir else None
+        self._seen_closed = 0
+        self._sent_step = -1
+        if not self.coordinator:
+            core.started = True  # a follower's pulls wait on its step only: it has no membership, no start-up
+
+    @property
+    def coordinator(self) -> bool:
+        return self.index == 0
+
+    @property
+    def digest(self) -> str | None:
+        return None if self.map is None else self.map.digest
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    async def start(self) -> None:
+        """After a checkpoint restore (app start): read the map kept next to the checkpoints; the coordinator
+        starts its links and, when it restored a step, checks every follower is at that step too."""
+        core = self.core
+        if core.initialized and self.sidecar is not None and self.sidecar.exists():
+            self.map = from_wire(json.loads(self.sidecar.read_text()))
+        if not self.coordinator:
+            return
+        self._seen_closed, self._sent_step = core.rounds_closed, core.global_step - 1
+        self.links.start()
+        if core.initialized:  # restored: registration waits (503) until every follower says it is at our step
+            self.links.blocked = "checking that every shard restored the same step"
+            self.links.tasks.append(asyncio.create_task(self.links.check_steps(core.global_step,
+                                                                                self.checkpoint_steps())))
+
+    def _keep_map(self, m: ShardMap) -> None:
+        self.map = m
+        if self.sidecar is not None:
+            self.sidecar.parent.mkdir(parents=True, exist_ok=True)
+            self.sidecar.write_text(json.dumps(m.to_wire()))
+
+    def admit(self) -> None:
+        """Registration is refused (503, retried by workers) while the shards are not consistent."""
+        if self.links is not None and self.links.blocked:
+            raise ProtocolError(503, "shards_inconsistent", self.links.blocked)
+
+    # ---- the coordinator ----------------------------------------------------------------
+    def observe(self) -> None:
+        """Runtime observer (O(1) unless a round closed): queue each newly closed round for the followers."""
+        core = self.core
+        if core.rounds_closed == self._seen_closed:
+            return
+        self._seen_closed = core.rounds_closed
+        new = []
+        for rec in reversed(core.rounds):
+            if rec.step <= self._sent_step:
+                break
+            new.append(rec)
+        for rec in reversed(new):
+            contributors = sorted((a.rank, a.worker_id) for a in rec.contributors)
+            n = len(contributors)
+            self.links.round_closed(rec.step, contributors, n if self.aggregation == "mean" and n > 1 else 1)
+            self._sent_step = rec.step
+        self.holds.drop_through(self._sent_step)  # pieces held for a closed round and never committed
+
+    async def init_model(self, init: ModelInit) -> ModelInit:
+        """Plan the map of the brought model, give every follower its pieces, and return the coordinator's own
+        (the core then initialises with them). 409 while another initialisation is under way."""
+        core = self.core
+        if self.initialising or core.initialized:
+            raise ProtocolError(409, "already_initialized", "the model is initialised (or being initialised); pull it")
+        for name, arr in init.tensors.items():
+            if dtype_name(arr.dtype) not in FLOAT_DTYPES:
+                raise unprocessable("bad_dtype", f"tensor {name!r}: model weights must be floating point")
+        try:
+            m = plan(spec_of(init.tensors), self.count, self.split_elements)
+        except ValueError as exc:
+            raise unprocessable("too_few_pieces", str(exc)) from None
+        spec = core.optimizer_spec(init.optimizer)
+        self.initialising = True
+        try:
+            bodies = {i: b"".join(bytes(p) for p in frame.encode(split(init.tensors, m.pieces[i]),
+                                                                 {"optimizer": spec, "map": m.to_wire()}))
+                      for i in range(1, self.count)}
+            await self.links.init_followers(bodies)
+        finally:
+            self.initialising = False
+        self._keep_map(m)
+        return ModelInit(split(init.tensors, m.pieces[0]), spec)
+
+    # ---- a follower ---------------------------------------------------------------------
+    def init_follower(self, f: frame.Frame, now: float) -> dict:
+        """``PUT /v1/shard/model``: this follower's pieces from the coordinator (a repeat of the same map: 200)."""
+        core = self.core
+        try:
+            m = from_wire(f.meta["map"])
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ProtocolError(409, "shard_map_mismatch",
+                                f"the coordinator's shard map does not check here: {exc}") from None
+        if (m.shards, m.split_elements) != (self.count, self.split_elements):
+            raise ProtocolError(409, "shard_map_mismatch",
+                                f"the coordinator plans {m.shards} shards split at {m.split_elements} elements; "
+                                f"this shard runs PS_SHARDS={self.count}, PS_SHARD_SPLIT_ELEMENTS={self.split_elements}")
+        if set(f.tensors) != {p.key for p in m.pieces[self.index]}:
+            raise ProtocolError(409, "shard_map_mismatch", f"the pieces sent are not shard {self.index}'s")
+        if core.initialized:
+            if self.digest == m.digest and core.global_step == 0:
+                return {"step": core.global_step, "digest": m.digest}
+            raise ProtocolError(409, "already_initialized", f"shard {self.index} holds a model at step "
+                                                            f"{core.global_step} (map {self.digest})")
+        optimizer = f.meta.get("optimizer")
+        if not isinstance(optimizer, dict):
+            raise ProtocolError(400, "bad_field", "optimizer must be a map")
+        core.optimizer_overrides = {}  # the coordinator resolved the spec with its settings
+        core.init_model(ModelInit(dict(f.tensors), optimizer), now)
+        self._keep_map(m)
+        return {"step": core.global_step, "digest": m.digest}
+
+    # ---- checkpoints (the coordinator's choice of one step for every shard) --------------------
+    def checkpoint_steps(self) -> list[int]:
+        """The steps of this shard's checkpoints on disk, newest first ([] without PS_CHECKPOINT_DIR)."""
+        if self.sidecar is None:
+            return []
+        return [int(NAME_RE.match(p.name).group(1)) for p in list_checkpoints(self.sidecar.parent)]
+
+    def restore_step(self, step: int, now: float) -> dict:
+        """``POST /v1/shard/restore``: a follower loads its checkpoint of ``step`` (the coordinator chose it: the
+        newest every shard has), drops every held push and deletes its checkpoints of later steps (a future the job
+        abandoned). 404 ``unknown_checkpoint`` if it has none."""
+        if self.sidecar is None or step not in self.checkpoint_steps():
+            raise ProtocolError(404, "unknown_checkpoint", f"shard {self.index} has no checkpoint of step {step} "
+                                                           f"(it has {self.checkpoint_steps()})")
+        path = self.sidecar.parent / checkpoint_name(step)
+        try:
+            state = decode(path.read_bytes())
+        except (OSError, CheckpointError) as exc:
+            raise ProtocolError(409, "unknown_checkpoint", f"shard {self.index}: {path.name} is unusable: {exc}") from None
+        self.core.import_state(state, now)
+        self.holds = Holds()
+        for newer in list_checkpoints(self.sidecar.parent):  # an abandoned future: never restored later
+            if int(NAME_RE.match(newer.name).group(1)) > step:
+                newer.unlink(missing_ok=True)
+        if self.sidecar.exists():
+            self.map = from_wire(json.loads(self.sidecar.read_text()))
+        log.warning("shard %d: restored %s at the coordinator's request", self.index, path.name)
+        return {"step": self.core.global_step}
+
+    # ---- monitoring ---------------------------------------------------------------------
+    def wait_reason(self, now: float) -> str | None:
+        """What this shard waits for: the coordinator's reason (or why it admits no worker); a follower's rounds."""
+        core = self.core
+        if self.coordinator:
+            return self.links.blocked or core.wait_reason(now)
+        if not core.initialized:
+            return "follower: waiting for the coordinator to give it its pieces of the model"
+        return None if core.done else f"follower: waiting for the coordinator to close round {core.global_step}"
+
+    def view(self) -> dict:
+        """``/v1/status``'s ``shard`` block: this shard, and on the coordinator every shard."""
+        core = self.core
+        own = sum(int(np.asarray(w).nbytes) for w in (core.weights or {}).values())
+        out = {"index": self.index, "count": self.count, "role": "coordinator" if self.coordinator else "follower",
+               "step": core.global_step, "bytes_owned": own, "held_pushes": len(self.holds), "map_digest": self.digest}
+        if self.coordinator:
+            rows = [{"index": 0, "url": self.urls[0], "step": core.global_step, "reachable": True, "bytes_owned": own,
+                     "error": None}]
+            for f in self.links.followers:
+                rows.append({"index": f.index, "url": f.url, "step": f.step, "reachable": f.reachable,
+                             "bytes_owned": None if self.map is None else self.map.bytes_owned(f.index),
+                             "error": f.error, "rounds_queued": f.queue.qsize()})
+            out["shards"], out["blocked"] = rows, self.links.blocked
+        return out

@@ -1,0 +1,155 @@
+"""The routes of a sharded PS (docs/protocol.md, Shards); app.py mounts them only when ``PS_SHARDS`` > 1.
+
+Workers: ``GET /v1/shards`` (the coordinator: shard URLs and the map), ``POST /v1/shard/gradients`` (any
+shard: hold this worker's pieces for a step), ``POST /v1/shard/commit`` (the coordinator: count the push
+whose pieces every shard holds). Coordinator -> follower: ``PUT /v1/shard/model`` (its pieces),
+``POST /v1/shard/apply`` (apply a closed round), ``POST /v1/shard/restore`` (load the checkpoint of a step).
+``GET /v1/shard/state``: a shard's step and checkpoint steps (start-up check).
+Thin drivers, as :mod:`ps_service.api`: every check of the pieces is :func:`.holds.hold_tensors`'s, every
+barrier decision the core's.
+"""
+from __future__ import annotations
+
+import numpy as np
+from fastapi import APIRouter, Query, Request
+from pydantic import BaseModel, Field
+
+from ps_service import api
+from ps_service.http import JSON_BODY_LIMIT, parse_json
+from ps_service.runtime import runtime
+from ps_service.sharding.holds import Held, apply_round, hold_tensors
+from ps_service.transport.body import read_body
+from shared import frame
+from shared.errors import ProtocolError, unprocessable, bad_request
+from shared.protocol import API, FRAME_BODY, JSON, PushStatus, parse_push_meta
+
+router = APIRouter(prefix=API, tags=["shards"])
+#: a follower's apply names every contributor: room for thousands of workers
+APPLY_BODY_LIMIT = 1 << 22
+
+
+def _role(request: Request, coordinator: bool | None = None):
+    rt = runtime(request)
+    role = rt.shards
+    if coordinator is True and not role.coordinator:
+        raise ProtocolError(409, "not_coordinator", f"this is shard {role.index} of {role.count}: ask shard 0")
+    if coordinator is False and role.coordinator:
+        raise ProtocolError(409, "not_follower", "this is the coordinator (shard 0)")
+    return rt, role
+
+
+def _initialized(core) -> None:
+    if not core.initialized:
+        raise ProtocolError(409, "not_initialized", "the model is not initialised yet (PUT /v1/model)")
+
+
+@router.get("/shards")
+async def shards(request: Request, timeout: float = Query(0.0, ge=0, allow_inf_nan=False, description=(
+        "Wait at most this long for the model to be initialised (the map exists from then on)."))) -> dict:
+    """The coordinator's shard URLs and map (``map`` null until the model is initialised)."""
+    rt, role = _role(request, coordinator=True)
+    core = rt.core
+    await rt.wait_for(lambda: core.initialized and role.map is not None, timeout)
+    return {"shards": role.count, "urls": role.urls, "split_elements": role.split_elements,
+            "map": None if role.map is None else role.map.to_wire()}
+
+
+@router.post("/shard/gradients", openapi_extra=FRAME_BODY)
+async def hold(request: Request, map: str = Query(..., max_length=64, description=(
+        "The digest of the worker's shard map (GET /v1/shards): 409 shard_map_mismatch if it is not this shard's."))) -> dict:
+    """Hold this worker's pieces for ``step`` (checked as a push is; nothing counted until the commit)."""
+    rt, role = _role(request)
+    _initialized(rt.core)
+    if map != role.digest:
+        raise ProtocolError(409, "shard_map_mismatch", f"shard {role.index}'s map is {role.digest}, the push's "
+                                                       f"{map}: fetch GET /v1/shards again")
+    got = await rt.tensors.receive_push(request, members=role.coordinator)  # a follower has no membership
+    step, g = got.push.step, rt.core.global_step
+    if step > g:  # never held: a hold outlives nothing but its own round
+        raise unprocessable("future_step", f"step {step} is ahead of shard {role.index}'s global step {g}")
+    tensors = hold_tensors(rt.core.weights, got.push)
+    if step < g:  # its round is over here: nothing to keep (the commit says late or stale)
+        return {"status": "late", "step": step, "shard": role.index, "global_step": g}
+    role.holds.put(got.push.worker_id, Held(step, tensors, got.via))
+    rt.tensors.delivered(got)
+    return {"status": "held", "step": step, "shard": role.index, "global_step": g}
+
+
+@router.post("/shard/commit", openapi_extra=FRAME_BODY)
+async def commit(request: Request, pull: bool = Query(False), timeout: float = Query(30.0, ge=0, allow_inf_nan=False)):
+    """Count the push of (worker, step) whose pieces every shard holds: answered as ``POST /v1/gradients``."""
+    rt, role = _role(request, coordinator=True)
+    f = frame.decode(await read_body(request, JSON_BODY_LIMIT, frame.MEDIA_TYPE, rt.settings.body_idle_timeout_seconds))
+    push, seq = parse_push_meta(f.meta)
+    if f.tensors or seq is not None or f.meta.get("compression") not in (None, "none"):
+        raise bad_request("bad_field", "a commit is a frame with no tensors (its pieces are held by every shard)")
+    core = rt.core
+    _initialized(core)
+    m = core.members.get(push.worker_id)  # 404 unknown_worker
+    held = role.holds.get(push.worker_id, push.step)
+    if held is None:  # nothing held: fine for a push the core will not count (a retry: duplicate; late; stale)
+        if m.active and core.round is not None and push.step == core.global_step \
+                and core._classify(m, push.step, True) is PushStatus.ACCEPTED:
+            raise ProtocolError(409, "not_held", f"no pieces of step {push.step} held here: push them to every "
+                                                 "shard (POST /v1/shard/gradients) before the commit")
+        tensors, via = {k: np.zeros_like(w) for k, w in core.weights.items()}, "http"
+    else:
+        tensors, via = held.tensors, held.via
+    result = rt.run_guarded(lambda: core.push(push.with_tensors(tensors), rt.now()))
+    tensors = held = None  # the round holds what it needs, and frees it once aggregated
+    role.holds.discard(push.worker_id, push.step)
+    rt.tensors.shm.last_transport[push.worker_id] = via
+    return await api.answer_push(rt, result, push.step, push.worker_id, via, pull, timeout)
+
+
+@router.put("/shard/model", openapi_extra=FRAME_BODY)
+async def init_pieces(request: Request) -> dict:
+    """Coordinator -> follower: this follower's pieces of the model, the optimizer spec and the map."""
+    rt, role = _role(request, coordinator=False)
+    s = rt.settings
+    f = frame.decode(await read_body(request, s.max_body_bytes, frame.MEDIA_TYPE, s.body_idle_timeout_seconds))
+    return rt.run_guarded(lambda: role.init_follower(f, rt.now()))
+
+
+class ApplyRound(BaseModel):
+    step: int = Field(ge=0)
+    contributors: list[tuple[int, str]] = Field(description="(rank, worker_id) of the round's contributors, in sum order.")
+    mean_of: int = Field(ge=1)
+
+
+def _json_body(model: type[BaseModel]) -> dict:
+    return {"requestBody": {"required": True, "content": {JSON: {"schema": model.model_json_schema()}}}}
+
+
+async def _from_coordinator(request: Request, model: type[BaseModel], limit: int):
+    """A follower's (runtime, role, JSON body parsed as ``model``)."""
+    rt, role = _role(request, coordinator=False)
+    return rt, role, parse_json(await read_body(request, limit, JSON, rt.settings.body_idle_timeout_seconds), model)
+
+
+@router.post("/shard/apply", openapi_extra=_json_body(ApplyRound))
+async def apply(request: Request) -> dict:
+    """Coordinator -> follower: apply round ``step`` with these contributors (a repeat: answered, not applied again)."""
+    rt, role, msg = await _from_coordinator(request, ApplyRound, APPLY_BODY_LIMIT)
+    _initialized(rt.core)
+    applied = rt.run_guarded(lambda: apply_round(rt.core, role.holds, msg.step, msg.contributors, msg.mean_of))
+    return {"step": rt.core.global_step, "applied": applied}
+
+
+@router.get("/shard/state")
+async def state(request: Request) -> dict:
+    """This shard: index, count, whether it holds a model, its step, map digest and checkpoint steps on disk."""
+    rt, role = _role(request)
+    return {"index": role.index, "shards": role.count, "initialized": rt.core.initialized,
+            "step": rt.core.global_step, "digest": role.digest, "checkpoints": role.checkpoint_steps()}
+
+
+class RestoreStep(BaseModel):
+    step: int = Field(ge=0)
+
+
+@router.post("/shard/restore", openapi_extra=_json_body(RestoreStep))
+async def restore(request: Request) -> dict:
+    """Coordinator -> follower: load your checkpoint of ``step`` (the step the coordinator restored)."""
+    rt, role, msg = await _from_coordinator(request, RestoreStep, JSON_BODY_LIMIT)
+    return rt.run_guarded(lambda: role.restore_step(msg.step, rt.now()))

@@ -1,0 +1,140 @@
+"""The shard map: which shard of a sharded PS owns which part of which tensor. Pure, no I/O.
+
+Contract (:func:`plan`): from the model's spec (name -> (shape, dtype)), the shard count S and the split
+bound B (elements), every shard gets a list of :class:`Piece` (tensor name, flat start, stop):
+
+- a tensor of at most B elements is one piece (the whole tensor); a larger one is cut into
+  ``ceil(n / B)`` contiguous slices of its flattened (C order) elements, of sizes differing by at most one
+  (MXNet's ``MXNET_KVSTORE_BIGARRAY_BOUND``, BytePS's partitions);
+- pieces go largest first (bytes; ties by name, then start) to the least-loaded shard (bytes; ties by fewer
+  pieces, then the lower index). So the loads differ by at most one piece's bytes, every element is in
+  exactly one piece, and the first S pieces go to S different shards;
+- every shard must get at least one piece (``ValueError`` otherwise: fewer pieces than shards).
+
+Workers and shards compute it the same way; :attr:`ShardMap.digest` (a SHA-256 of the spec, S, B and the
+pieces) lets them check they agree. On a shard a piece is a tensor of its own: a whole tensor keeps its
+name and shape, a slice is the 1-D tensor ``name[start:stop]`` (:attr:`Piece.key`). Every optimizer of
+the PS is elementwise, so stepping the pieces on S shards gives the bits of stepping the whole model on one.
+:func:`split` cuts a worker's tensors into one shard's pieces (views, no copy); :func:`assemble` makes the
+whole tensors from every shard's pieces.
+"""
+from __future__ import annotations
+
+import hashlib
+import heapq
+import json
+import math
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import numpy as np
+
+#: the default split bound in elements (MXNet's MXNET_KVSTORE_BIGARRAY_BOUND default)
+DEFAULT_SPLIT_ELEMENTS = 1_000_000
+
+Spec = Mapping[str, tuple[tuple[int, ...], str]]  # name -> (shape, dtype name)
+
+
+@dataclass(frozen=True, order=True)
+class Piece:
+    name: str  # the model tensor
+    start: int  # flat element range [start, stop)
+    stop: int
+    whole: bool  # the piece is the whole tensor (it keeps its name and shape)
+
+    @property
+    def key(self) -> str:
+        """The piece's tensor name on its shard."""
+        return self.name if self.whole else f"{self.name}[{self.start}:{self.stop}]"
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class ShardMap:
+    spec: dict[str, tuple[tuple[int, ...], str]]
+    shards: int
+    split_elements: int
+    pieces: tuple[tuple[Piece, ...], ...]  # per shard, sorted by key
+
+    @property
+    def digest(self) -> str:
+        body = {"spec": {k: [list(s), d] for k, (s, d) in sorted(self.spec.items())}, "shards": self.shards,
+                "split_elements": self.split_elements,
+                "pieces": [[[p.name, p.start, p.stop] for p in ps] for ps in self.pieces]}
+        return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+    def bytes_owned(self, index: int) -> int:
+        return sum(p.size * np.dtype(self.spec[p.name][1]).itemsize for p in self.pieces[index])
+
+    def to_wire(self) -> dict:
+        """The spec as JSON (name -> {"shape", "dtype"}), S and B: what :func:`from_wire` plans from again."""
+        return {"spec": {k: {"shape": list(s), "dtype": d} for k, (s, d) in sorted(self.spec.items())},
+                "shards": self.shards, "split_elements": self.split_elements, "digest": self.digest}
+
+
+def spec_of(tensors: Mapping[str, np.ndarray]) -> dict[str, tuple[tuple[int, ...], str]]:
+    return {k: (tuple(int(n) for n in v.shape), v.dtype.name) for k, v in tensors.items()}
+
+
+def from_wire(obj: Mapping) -> ShardMap:
+    """:func:`plan` of a :meth:`ShardMap.to_wire` answer; ``ValueError`` if its digest is not what this code makes
+    of it (a peer running another version, or other settings)."""
+    spec = {k: (tuple(v["shape"]), v["dtype"]) for k, v in obj["spec"].items()}
+    m = plan(spec, obj["shards"], obj["split_elements"])
+    if m.digest != obj.get("digest"):
+        raise ValueError(f"shard map digest {obj.get('digest')} is not this code's {m.digest}")
+    return m
+
+
+def plan(spec: Spec, shards: int, split_elements: int) -> ShardMap:
+    if shards < 1 or split_elements < 1:
+        raise ValueError("shards and split_elements must be >= 1")
+    spec = {k: (tuple(int(n) for n in s), str(d)) for k, (s, d) in spec.items()}
+    pieces: list[tuple[int, Piece]] = []  # (bytes, piece)
+    for name, (shape, dtype) in sorted(spec.items()):
+        n, item = math.prod(shape), np.dtype(dtype).itemsize
+        k = max(1, math.ceil(n / split_elements))
+        bounds = [i * n // k for i in range(k + 1)]  # k slices, sizes differing by at most one
+        for lo, hi in zip(bounds, bounds[1:]):
+            pieces.append(((hi - lo) * item, Piece(name, lo, hi, k == 1)))
+    if len(pieces) < shards:
+        raise ValueError(f"the model has {len(pieces)} piece(s) for {shards} shards: lower PS_SHARDS or "
+                         "PS_SHARD_SPLIT_ELEMENTS")
+    pieces.sort(key=lambda bp: (-bp[0], bp[1].name, bp[1].start))
+    loads = [(0, 0, i) for i in range(shards)]  # a heap of (bytes, pieces, index): the least loaded first
+    owned: list[list[Piece]] = [[] for _ in range(shards)]
+    for nbytes, piece in pieces:
+        load, count, i = heapq.heappop(loads)
+        owned[i].append(piece)
+        heapq.heappush(loads, (load + nbytes, count + 1, i))
+    return ShardMap(spec, shards, split_elements, tuple(tuple(sorted(o, key=lambda p: p.key)) for o in owned))
+
+
+def split(tensors: Mapping[str, np.ndarray], pieces: Sequence[Piece]) -> dict[str, np.ndarray]:
+    """One shard's pieces of ``tensors`` (a whole tensor as it is; a slice a view of the flattened tensor when
+    it is C-contiguous, else a copy)."""
+    out = {}
+    for p in pieces:
+        t = tensors[p.name]
+        out[p.key] = t if p.whole else t.reshape(-1)[p.start:p.stop]
+    return out
+
+
+def assemble(m: ShardMap, parts: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """The whole tensors from every shard's pieces (``parts[i]``: shard i's tensors by key). A whole piece is
+    returned as it is (no copy); a split tensor is copied into a new array."""
+    out: dict[str, np.ndarray] = {}
+    for i, ps in enumerate(m.pieces):
+        for p in ps:
+            arr = parts[i][p.key]
+            if p.whole:
+                out[p.name] = arr
+                continue
+            shape, dtype = m.spec[p.name]
+            if p.name not in out:
+                out[p.name] = np.empty(shape, dtype)
+            out[p.name].reshape(-1)[p.start:p.stop] = arr.reshape(-1)
+    return dict(sorted(out.items()))

@@ -1,0 +1,216 @@
+"""Drive ``docker-stack.yml`` on a real Docker Swarm from tests: this engine as a one-node swarm, or with a
+second engine joined as a worker node (``../shared/docker/swarm-2node.sh``: docker-in-docker, reached over
+the swarm's overlay network as another host would be).
+
+- :data:`DOCUMENTED` holds the README's swarm commands; the tests run them as written, with the test's
+  stack name in place of ``syncps`` and, for the deploy, one more ``-c`` file holding the test's settings.
+- :func:`swarm_unavailable` says why swarm tests cannot run: :func:`compose_unavailable`'s reasons, or this
+  engine already in a swarm (a test never changes a swarm it did not make).
+- :class:`Swarm` is one test's swarm: ``docker swarm init`` on docker0's address, the stack's secrets
+  (tokens the test knows), node 2 on demand (:meth:`Swarm.join_node2`, :meth:`Swarm.kill_node2`), and
+  :meth:`Swarm.leave`, which removes the stacks (with their volumes), the secrets and node 2 (with its
+  image store) and leaves the swarm, reporting what is left: a fixture calls it, also after a failure.
+- :class:`Stack` is one deployment (unique name, its own host port, settings in an extra stack file),
+  read through its published port with the monitoring token (:class:`PublishedPS`).
+Every command has a timeout.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shlex
+import subprocess
+import tempfile
+from pathlib import Path
+
+import yaml
+from pydantic import SecretStr
+
+from cluster.processes import free_port, wait_for
+from shared.tokens import bearer_header
+from tests.compose_util import IMAGE, ROOT, SCRUBBED_PREFIXES, PublishedPS, compose_unavailable, docker
+
+STACK_FILE = ROOT / "docker-stack.yml"
+#: the stack's Docker secrets: the training token, the monitoring token
+TOKEN, MONITOR_TOKEN = "syncps_token", "syncps_monitor_token"
+TWO_NODE_SCRIPT = Path(os.environ.get("SYNCPS_SWARM_2NODE", ROOT.parent / "shared" / "docker" / "swarm-2node.sh"))
+NODE2 = "syncps-swarm-node2"  # the script's default node name
+#: node 2's image: the script's (python:3.11-slim + Debian's docker.io), with its image store on a volume, so
+#: dockerd inside uses overlay2; on the container's own overlay root it falls back to vfs, which copies every
+#: layer whole (loading our image took 2m17s instead of 33 s here)
+NODE_IMAGE = "syncps-swarm-node-test:latest"
+NODE_DOCKERFILE = """FROM python:3.11-slim
+RUN apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker.io iproute2 >/dev/null \\
+ && rm -rf /var/lib/apt/lists/*
+VOLUME /var/lib/docker
+CMD ["dockerd", "--host", "unix:///var/run/docker.sock"]
+"""
+
+#: The README's swarm commands, run by the swarm tests as written (the stack name aside).
+DOCUMENTED = {
+    "init": "docker swarm init",
+    "deploy": "deploy/swarm/deploy.sh",  # checks the secrets, then docker stack deploy ... syncps
+    "scale": "docker service scale syncps_worker=6",
+    "rm": "docker stack rm syncps",
+    "leave": "docker swarm leave --force",
+}
+
+
+def swarm_unavailable() -> str | None:
+    """The reason swarm tests must be skipped, or None."""
+    reason = compose_unavailable()
+    if reason:
+        return reason
+    state = docker("info", "-f", "{{.Swarm.LocalNodeState}}", check=False).stdout.strip()
+    if state != "inactive":
+        return f"this Docker engine is already in a swarm (state {state!r}): the swarm tests leave it alone"
+    return None
+
+
+def two_nodes_unavailable() -> str | None:
+    return None if TWO_NODE_SCRIPT.is_file() else f"no {TWO_NODE_SCRIPT} (SYNCPS_SWARM_2NODE)"
+
+
+def docker0_address() -> str | None:
+    """This host's address on docker0, which node 2 (a container) reaches: the swarm's advertise address."""
+    out = subprocess.run(["ip", "-4", "-o", "addr", "show", "docker0"], capture_output=True, text=True,
+                         timeout=10).stdout
+    m = re.search(r"inet (\d+\.\d+\.\d+\.\d+)/", out)
+    return m.group(1) if m else None
+
+
+def run(argv: list[str], timeout: float = 120.0, check: bool = True, **kw) -> subprocess.CompletedProcess:
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, **kw)
+    if check and r.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+    return r
+
+
+def scrubbed_env(**extra: str) -> dict[str, str]:
+    """The caller's environment without its PS_*, WORKER_*, SYNCPS_* and COMPOSE_* variables, plus ``extra``."""
+    return {**{k: v for k, v in os.environ.items() if not k.startswith(SCRUBBED_PREFIXES)}, **extra}
+
+
+class Stack(PublishedPS):
+    """One deployment of docker-stack.yml: ``ps`` / ``worker`` settings and ``worker_deploy`` (merged into
+    the worker service's ``deploy``) go into a second stack file, as a user adds one to deploy.sh."""
+
+    def __init__(self, swarm: "Swarm", label: str, ps: dict | None = None, worker: dict | None = None,
+                 worker_deploy: dict | None = None) -> None:
+        self.name = f"syncpstest-{label}-{os.getpid()}-{secrets.token_hex(2)}".lower()
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.headers = bearer_header(SecretStr(swarm.tokens[MONITOR_TOKEN]))
+        services = {"ps": {"environment": [f"{k}={v}" for k, v in (ps or {}).items()]},
+                    "worker": {"environment": [f"{k}={v}" for k, v in (worker or {}).items()]}}
+        if worker_deploy:
+            services["worker"]["deploy"] = worker_deploy
+        fd, path = tempfile.mkstemp(prefix=f"{self.name}-", suffix=".yml")
+        with os.fdopen(fd, "w") as f:
+            yaml.safe_dump({"version": "3.8", "services": services}, f)
+        self.settings_file = Path(path)
+        self.env = scrubbed_env(SYNCPS_STACK=self.name, SYNCPS_IMAGE=IMAGE, SYNCPS_PORT=str(self.port))
+
+    def argv(self, key: str) -> list[str]:
+        """The README's command ``DOCUMENTED[key]`` for this stack: its name in place of ``syncps``."""
+        argv = shlex.split(DOCUMENTED[key])
+        return [*argv[:-1], re.sub(r"^syncps(?=_|$)", self.name, argv[-1])]
+
+    def deploy(self, check: bool = True) -> subprocess.CompletedProcess:
+        """``deploy/swarm/deploy.sh -c <this test's settings>``, stack name and port from the environment."""
+        return run([str(ROOT / DOCUMENTED["deploy"]), "-c", str(self.settings_file)], cwd=ROOT, env=self.env,
+                   check=check)
+
+    def run(self, key: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
+        return run(self.argv(key), timeout=timeout, env=self.env)
+
+    def tasks(self, service: str) -> list[dict]:
+        """``docker service ps``: every task of the service (Name ``<stack>_worker.3``, Node, states)."""
+        out = docker("service", "ps", f"{self.name}_{service}", "--no-trunc", "--format", "{{json .}}").stdout
+        return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+    def running_on(self, service: str) -> dict[str, str]:
+        """Worker name (``<stack>_worker-<slot>``, as docker-stack.yml names them) -> node, of running tasks."""
+        return {f"{self.name}_{service}-{t['Name'].rsplit('.', 1)[1]}": t["Node"] for t in self.tasks(service)
+                if t["DesiredState"] == "Running" and t["CurrentState"].startswith("Running")}
+
+    def logs(self, service: str, tail: int = 60) -> str:
+        r = docker("service", "logs", "--no-task-ids", "--tail", str(tail), f"{self.name}_{service}",
+                   check=False, timeout=30)
+        return r.stdout + r.stderr
+
+    def rm(self) -> list[str]:
+        """``docker stack rm``, then the stack's volumes once its containers are gone; what is left (should be [])."""
+        run(self.argv("rm"), env=self.env, check=False)
+        label = f"label=com.docker.stack.namespace={self.name}"
+        try:
+            wait_for(lambda: not docker("ps", "-aq", "--filter", label).stdout.split(), 60,
+                     f"the containers of stack {self.name} to go", interval=0.5)
+        except TimeoutError:
+            pass  # reported below
+        for vol in docker("volume", "ls", "-q", "--filter", label, check=False).stdout.split():
+            docker("volume", "rm", vol, check=False)
+        self.settings_file.unlink(missing_ok=True)
+        left = []
+        for kind in (["ps", "-a"], ["volume", "ls"], ["network", "ls"], ["service", "ls"]):
+            left += [f"{kind[0]} {x}" for x in docker(*kind, "-q", "--filter", label, check=False).stdout.split()]
+        return left
+
+
+class Swarm:
+    """One test's swarm (this engine as the manager); :meth:`leave` undoes everything it made."""
+
+    def __init__(self) -> None:
+        self.tokens = {TOKEN: secrets.token_hex(16), MONITOR_TOKEN: secrets.token_hex(16)}
+        self.stacks: list[Stack] = []
+        self.node2_volume: str | None = None
+        self.node2_up = False
+
+    def init(self) -> None:
+        """The README's ``docker swarm init``, advertised on docker0 (the address node 2 can reach)."""
+        addr = docker0_address()
+        run([*shlex.split(DOCUMENTED["init"]), *(["--advertise-addr", addr] if addr else [])])
+
+    def create_secrets(self) -> None:
+        for name, token in self.tokens.items():
+            run(["docker", "secret", "create", name, "-"], input=token)
+
+    def stack(self, label: str, **settings) -> Stack:
+        self.stacks.append(Stack(self, label, **settings))
+        return self.stacks[-1]
+
+    # -- node 2 --------------------------------------------------------------------------------
+    def join_node2(self, *images: str) -> None:
+        """``swarm-2node.sh up IMAGE...``: node 2 joins this swarm, with ``images`` copied into it."""
+        self.node2_up = True
+        run(["docker", "build", "-q", "-t", NODE_IMAGE, "-"], input=NODE_DOCKERFILE, timeout=600)
+        run(["bash", str(TWO_NODE_SCRIPT), "up", *images], env=scrubbed_env(SWARM_NODE_IMAGE=NODE_IMAGE), timeout=600)
+        mounts = json.loads(docker("inspect", "-f", "{{json .Mounts}}", NODE2).stdout)
+        self.node2_volume = next(m["Name"] for m in mounts if m.get("Destination") == "/var/lib/docker")
+
+    def kill_node2(self) -> None:
+        """Node 2's engine dies at once, and every container it runs with it (a host losing power)."""
+        docker("kill", NODE2)
+
+    def nodes(self) -> dict[str, str]:
+        """Hostname -> status (Ready / Down) of every node of the swarm."""
+        out = docker("node", "ls", "--format", "{{.Hostname}} {{.Status}}").stdout
+        return dict(line.split() for line in out.splitlines() if line.strip())
+
+    # -- teardown -------------------------------------------------------------------------------
+    def leave(self) -> list[str]:
+        """Remove the stacks, the secrets and node 2, and leave the swarm; what is left (should be [])."""
+        left = [x for st in self.stacks for x in st.rm()]
+        docker("secret", "rm", *self.tokens, check=False)
+        if self.node2_up:
+            run(["bash", str(TWO_NODE_SCRIPT), "down"], env=scrubbed_env(), timeout=180, check=False)
+            if self.node2_volume:
+                docker("volume", "rm", self.node2_volume, check=False, timeout=180)
+            left += [f"container {x}" for x in docker("ps", "-aq", "--filter", f"name=^{NODE2}$").stdout.split()]
+            if self.node2_volume and docker("volume", "inspect", self.node2_volume, check=False).returncode == 0:
+                left.append(f"volume {self.node2_volume}")
+        run(shlex.split(DOCUMENTED["leave"]), check=False)
+        state = docker("info", "-f", "{{.Swarm.LocalNodeState}}", check=False).stdout.strip()
+        return left + ([f"swarm state {state}"] if state != "inactive" else [])

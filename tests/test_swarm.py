@@ -1,0 +1,227 @@
+"""``docker stack deploy`` for real: the repository's docker-stack.yml and deploy/swarm/deploy.sh on a swarm
+made by the test, on one node and on two (``../shared/docker/swarm-2node.sh``: a second Docker engine joined
+as a worker node, reached over the overlay network as another host).
+
+Each test makes its own swarm and leaves it in its teardown, also after a failure: stacks removed with their
+volumes, secrets removed, node 2 and its image store removed, ``docker swarm leave --force``; the teardown
+checks nothing is left. Skipped (and listed under "degraded checks") like the compose tests when no Docker
+engine answers or ``SYNCPS_SKIP_COMPOSE`` is set, and when this engine is already in a swarm (never touched).
+Measured times are printed past the capture (``pytest -m compose`` runs these with the compose tests).
+"""
+from __future__ import annotations
+
+import re
+import time
+from contextlib import contextmanager
+
+import httpx
+import numpy as np
+import pytest
+import yaml
+
+from ps_service.settings import PSSettings
+from tests.compose_util import IMAGE, build_image, docker
+from tests.conftest import degraded
+from tests.reference import train_reference
+from tests.swarm_util import (DOCUMENTED, MONITOR_TOKEN, NODE2, ROOT, STACK_FILE, TOKEN, Stack, Swarm, run,
+                              swarm_unavailable, two_nodes_unavailable)
+from tests.test_compose import assert_linear_solved, final_weights, report
+from worker_service.settings import WorkerSettings
+
+pytestmark = [pytest.mark.compose, pytest.mark.timeout(420)]
+README = (ROOT / "README.md").read_text()
+STACK = yaml.safe_load(STACK_FILE.read_text())
+
+
+def skip(request, check: str, reason: str) -> None:
+    line = f"SWARM TESTS SKIPPED: {reason}"
+    report(request, line)
+    degraded(check, f"skipped: {reason}")
+    pytest.skip(line)
+
+
+@pytest.fixture(scope="module")
+def image(request):
+    reason = swarm_unavailable()
+    if reason:
+        skip(request, "swarm tests (test_swarm.py)", reason)
+    report(request, f"[swarm] image {IMAGE} ready in {build_image():.1f} s")
+    return IMAGE
+
+
+@pytest.fixture
+def swarm(image):
+    """A one-node swarm of this engine for one test (node 2 joins on demand); left, with all it made, after it."""
+    s = Swarm()
+    try:
+        s.init()
+        yield s
+    finally:
+        left = s.leave()
+        assert not left, f"the swarm test left {left}"
+
+
+@contextmanager
+def logs_on_failure(*stacks: Stack):
+    try:
+        yield
+    except BaseException:
+        for st in stacks:
+            for service in ("ps", "worker"):
+                print(f"--- docker service logs {st.name}_{service}\n{st.logs(service)}")
+        raise
+
+
+def by_name(st: Stack) -> dict[str, dict]:
+    return {w["name"]: w for w in st.workers()["workers"]}
+
+
+# -- the files and the README, without Docker ---------------------------------------------------------
+def test_stack_file_passes_real_settings_and_the_readme_shows_the_commands():
+    real = {f"PS_{n.upper()}" for n in PSSettings.model_fields} | {f"WORKER_{n.upper()}" for n in WorkerSettings.model_fields}
+    named = {str(e).partition("=")[0] for svc in STACK["services"].values() for e in svc["environment"]}
+    assert named <= real, sorted(named - real)
+    ps, worker = STACK["services"]["ps"], STACK["services"]["worker"]
+    assert ps["deploy"]["endpoint_mode"] == "dnsrr" and ps["ports"][0]["mode"] == "host"
+    assert worker["deploy"]["replicas"] == 4 and "volumes" not in worker  # no shared memory: TCP
+    assert {"PS_REQUIRE_AUTH=true", f"PS_AUTH_TOKEN_FILE=/run/secrets/{TOKEN}"} <= set(ps["environment"])
+    assert f"WORKER_AUTH_TOKEN_FILE=/run/secrets/{TOKEN}" in worker["environment"]
+    assert all(STACK["secrets"][s] == {"external": True} for s in (TOKEN, MONITOR_TOKEN))
+    spans = set(re.findall(r"`([^`\n]+)`", README)) | {line.strip() for line in README.splitlines()}
+    missing = [cmd for cmd in DOCUMENTED.values() if cmd not in spans]
+    assert not missing, f"README does not show {missing}"
+
+
+# -- one node -----------------------------------------------------------------------------------------
+def test_deploy_without_the_secrets_fails_and_says_how_to_make_them(swarm):
+    st = swarm.stack("nosecret")
+    plain = run(["docker", "stack", "deploy", "--resolve-image", "never", "-c", str(STACK_FILE), st.name],
+                env=st.env, check=False)
+    assert plain.returncode != 0 and "secret not found" in plain.stderr, plain.stderr
+    r = st.deploy(check=False)
+    assert r.returncode == 1, r.stdout + r.stderr
+    howto = [line.strip() for line in r.stderr.splitlines() if "docker secret create" in line]
+    assert [h.rsplit(" ", 2)[-2] for h in howto] == [TOKEN, MONITOR_TOKEN], r.stderr
+    assert all(h in README for h in howto), howto  # the README gives the same commands
+    assert "secret not found" in r.stderr and not docker("service", "ls", "-q", "--filter",
+                                                         f"label=com.docker.stack.namespace={st.name}").stdout.split()
+
+
+def test_ps_refuses_to_start_without_a_token_when_auth_is_required(image):
+    """The stack's PS_REQUIRE_AUTH=true, in the image: no token, no PS, and the message says how to make one."""
+    r = run(["docker", "run", "--rm", "-e", "PS_REQUIRE_AUTH=true", IMAGE, "python", "-m", "ps_service"],
+            timeout=60, check=False)
+    assert r.returncode != 0, r.stdout + r.stderr
+    assert f"docker secret create {TOKEN} -" in r.stdout + r.stderr, r.stdout + r.stderr
+
+
+@pytest.mark.slow
+def test_one_node_stack_trains_to_done_over_tcp_then_scales_to_6(swarm, request):
+    """4 workers, R = 4 fixed: every round applies exactly 4 gradients. `docker service scale ..._worker=6`
+    mid-job: 6 workers, 2 of them backups each round; all push over TCP (no shared-memory volume)."""
+    steps, r = 450, 4
+    swarm.create_secrets()
+    st = swarm.stack("one", ps={"PS_MAX_STEPS": steps, "PS_REPLICAS_TO_AGGREGATE": r, "PS_MIN_WORKERS": 4,
+                                "PS_STARTUP_GRACE_SECONDS": 0},
+                     worker={"WORKER_COMPUTE_DELAY_SECONDS": 0.02})  # ~35 rounds/s: the job outlasts the scale-up
+    with logs_on_failure(st):
+        t0 = time.monotonic()
+        st.deploy()
+        st.wait_status(lambda s: s["state"] == "training" and s["workers"]["active"] == 4 and s["global_step"] >= 20,
+                       120, "training with 4 workers")
+        t_train = time.monotonic() - t0
+        assert list(st.running_on("ps").values()) == [docker("info", "-f", "{{.Name}}").stdout.strip()]  # the manager
+        t1 = time.monotonic()
+        st.run("scale")  # waits until the 6 tasks run
+        grown = st.wait_status(lambda s: s["workers"]["active"] == 6, 60, "6 active workers")
+        t_scale = time.monotonic() - t1
+        done = st.wait_status(lambda s: s["state"] == "done", 180, "the job to finish")
+        report(request, f"[swarm] 1 node: deploy.sh -> training with 4 workers in {t_train:.1f} s; service scale "
+                        f"-> 6 active in {t_scale:.1f} s (at step {grown['global_step']}); done ({steps} steps) "
+                        f"{time.monotonic() - t0:.1f} s after the deploy")
+        assert done["global_step"] == steps and grown["global_step"] < steps
+        assert done["pushes"]["accepted"] == done["gradients_applied"] == steps * r
+        workers = by_name(st)
+        assert sorted(workers) == [f"{st.name}_worker-{i}" for i in range(1, 7)]
+        assert all(w["pushes"]["accepted"] > 0 for w in workers.values()), workers
+        assert sum(w["pushes"]["accepted"] for w in workers.values()) == steps * r
+        # no shared-memory volume: every worker found no PS weights file and pushed in request bodies
+        assert {w["transport"] for w in workers.values()} == {"http"}
+        assert done["shm_bytes_received"] == 0
+        assert "same-host transport unavailable" in st.logs("worker", tail=200)
+        assert_linear_solved(st, swarm.tokens[TOKEN])
+        # secure by default: the published PS wants a token on the monitoring routes too
+        assert httpx.get(f"{st.url}/v1/status", timeout=5.0).status_code == 401
+        assert httpx.get(f"{st.url}/healthz", timeout=5.0).status_code == 200
+        t2 = time.monotonic()
+        assert st.rm() == []
+        report(request, f"[swarm] docker stack rm + its volume gone in {time.monotonic() - t2:.1f} s")
+
+
+# -- two nodes ----------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_two_nodes_train_exactly_then_lose_node_2_and_finish(swarm, request):
+    """PS on the manager, 2 workers on each node (max_replicas_per_node: 2). Job 1 ends bit-identical to one
+    process training on the 4 shards. Job 2: node 2's engine is killed mid-training; its workers' leases
+    expire and the manager's 2 workers finish the job."""
+    reason = two_nodes_unavailable()
+    if reason:
+        skip(request, "two-node swarm test (test_swarm.py)", reason)
+    t0 = time.monotonic()
+    swarm.join_node2(IMAGE)
+    t_node = time.monotonic() - t0
+    swarm.create_secrets()
+    spread = {"placement": {"max_replicas_per_node": 2}}
+    start = {"PS_MIN_WORKERS": 4, "PS_STARTUP_GRACE_SECONDS": 0}
+    steps, lease, fault_steps = 60, 2.0, 250
+    exact = swarm.stack("exact", ps={"PS_MAX_STEPS": steps, **start}, worker={"WORKER_DTYPE": "float64"},
+                        worker_deploy=spread)
+    fault = swarm.stack("fault", ps={"PS_MAX_STEPS": fault_steps, "PS_LEASE_SECONDS": lease, **start},
+                        worker={"WORKER_COMPUTE_DELAY_SECONDS": 0.02}, worker_deploy=spread)
+    manager = docker("info", "-f", "{{.Name}}").stdout.strip()
+    with logs_on_failure(exact, fault):
+        # job 1: exact across two hosts
+        t1 = time.monotonic()
+        exact.deploy()
+        done = exact.wait_status(lambda s: s["state"] == "done", 180, "job 1 to finish")
+        t_exact = time.monotonic() - t1
+        assert done["global_step"] == steps and done["pushes"]["accepted"] == 4 * steps
+        placed = sorted(t["Node"] for t in exact.tasks("worker"))  # finished tasks: 2 on each node
+        assert placed == sorted([manager] * 2 + [NODE2] * 2), placed
+        workers = by_name(exact)
+        assert len(workers) == 4 and {w["transport"] for w in workers.values()} == {"http"}
+        assert all(w["pushes"]["accepted"] == steps for w in workers.values())
+        _, ref = train_reference("linear", 4, steps, seed=0, dtype="float64")
+        got = final_weights(exact, swarm.tokens[TOKEN])
+        assert got.keys() == ref.keys()
+        for k in ref:
+            assert got[k].dtype == np.float64 and got[k].tobytes() == ref[k].tobytes(), f"{k}: not bit-identical"
+
+        # job 2: node 2 dies mid-training
+        t2 = time.monotonic()
+        fault.deploy()
+        fault.wait_status(lambda s: s["state"] == "training" and s["workers"]["active"] == 4 and s["global_step"] >= 30,
+                          120, "job 2 training with 4 workers")
+        placed = fault.running_on("worker")
+        remote = sorted(n for n, node in placed.items() if node != manager)
+        local = sorted(n for n, node in placed.items() if node == manager)
+        assert len(remote) == len(local) == 2, placed
+        t_kill = time.monotonic()
+        swarm.kill_node2()
+        shrunk = fault.wait_status(lambda s: s["workers"]["active"] == 2, 30, "node 2's workers to expire")
+        t_expired = time.monotonic() - t_kill
+        at = shrunk["global_step"]
+        done = fault.wait_status(lambda s: s["state"] == "done", 120, "job 2 to finish on the manager's workers")
+        report(request, f"[swarm] 2 nodes: node 2 up with {IMAGE} copied in {t_node:.1f} s; exact job ({steps} steps) "
+                        f"done {t_exact:.1f} s after deploy; job 2: node 2 killed at step >= 30, its workers expired "
+                        f"{t_expired:.1f} s later (lease {lease} s) at step {at}, done ({fault_steps} steps) "
+                        f"{time.monotonic() - t2:.1f} s after deploy")
+        assert at < fault_steps and done["global_step"] == fault_steps
+        workers = by_name(fault)
+        assert {n: workers[n]["state"] for n in remote} == {n: "expired" for n in remote}
+        assert all(workers[n]["pushes"]["accepted"] == fault_steps for n in local)  # every round, before and after
+        assert all(0 < workers[n]["pushes"]["accepted"] <= at + 1 for n in remote)
+        expired = {e["name"] for e in fault.workers()["events"] if e["event"] == "expired"}
+        assert expired == set(remote)
+        assert_linear_solved(fault, swarm.tokens[TOKEN])
+        assert swarm.nodes().get(manager) == "Ready"

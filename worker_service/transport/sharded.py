@@ -1,0 +1,134 @@
+"""Tensors through a sharded PS (docs/protocol.md, Shards): one production transport per shard, used in parallel.
+
+Contract: :meth:`ShardedTransport.open` asks the coordinator (the worker's ``WORKER_PS_URL``) for the shard
+URLs and map (``GET /v1/shards``, waiting for the model), plans the map again from the spec it names
+(:func:`shared.shards.from_wire`: a digest that differs is 409 ``shard_map_mismatch``), and opens one
+client per shard, each attached as on one PS (same-host files when that shard's weights file is here,
+else request bodies, compressed as the job says).
+
+- :meth:`push`: the worker's gradients are cut into each shard's pieces (views) and *held* by every shard
+  in parallel (``POST /v1/shard/gradients?map=<digest>``); only once every shard answered is the step
+  *committed* to the coordinator (``POST /v1/shard/commit?pull=1``: the push's status, as on one PS), while
+  the followers' next weights are pulled in parallel (``min_step = step + 1``). A refusal by any shard is
+  raised and nothing is committed: a push that some shard did not take never counts.
+- :meth:`pull`: every shard in parallel (only the coordinator's names the worker: it holds the lease);
+  the answers must all be of one step, else they are asked again for the newest step among them; the
+  whole tensors are reassembled (:func:`shared.shards.assemble`); step, done and ranks are the coordinator's.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor, wait as wait_all
+from typing import TYPE_CHECKING, Mapping
+
+import numpy as np
+
+from shared import frame, shards
+from shared.errors import ProtocolError
+from shared.protocol import API
+from worker_service.transport.base import Pulled, PushAnswer, TensorTransport
+
+if TYPE_CHECKING:
+    from worker_service.client import PSClient
+
+#: seconds a shard's answers may keep disagreeing on the step before a pull gives up (None: the caller retries)
+AGREE_SECONDS = 30.0
+
+
+class ShardedTransport(TensorTransport):
+    def __init__(self, m: shards.ShardMap, clients: list["PSClient"], worker_id: str | None) -> None:
+        super().__init__(clients[0].call)
+        self.map, self.clients, self.worker_id = m, clients, worker_id
+        self.pool = ThreadPoolExecutor(max_workers=len(clients), thread_name_prefix="shard")
+        self.name = "+".join(c.transport for c in clients)
+
+    @classmethod
+    def open(cls, client: "PSClient", worker_id: str | None) -> "ShardedTransport":
+        end = time.monotonic() + client.retry_timeout
+        while True:
+            info = client.call_json("GET", f"{API}/shards", params={"timeout": 10}, timeout=client.timeout + 10)
+            if info["map"] is not None or time.monotonic() > end:
+                break
+        if info["map"] is None:
+            raise ProtocolError(409, "not_initialized", "the sharded PS has no model yet")
+        try:
+            m = shards.from_wire(info["map"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProtocolError(409, "shard_map_mismatch",
+                                f"the coordinator's shard map does not check here: {exc}") from None
+        clients = [client.sibling(url if i else client.base_url) for i, url in enumerate(info["urls"])]
+        for c in clients:
+            c.compression = client.compression
+            if worker_id is not None:
+                c.attach(worker_id)
+        return cls(m, clients, worker_id)
+
+    # the per-shard work is the clients' transports'; these hooks of the one-PS seam are not used
+    def push_body(self, meta, grads):
+        raise NotImplementedError
+
+    def pull_params(self) -> dict:
+        return {}
+
+    def weights(self, answer):
+        raise NotImplementedError
+
+    def _all(self, calls) -> list:
+        """Run the calls in parallel; their results in order, or the first one's error once all are over."""
+        futures = [self.pool.submit(c) for c in calls]
+        wait_all(futures)
+        return [f.result() for f in futures]
+
+    def _hold(self, i: int, meta: dict, pieces: Mapping[str, np.ndarray], timeout: float) -> None:
+        c = self.clients[i]
+
+        def once(t: TensorTransport) -> None:
+            c.call("POST", f"{API}/shard/gradients", params={"map": self.map.digest}, body=t.push_body(dict(meta), pieces),
+                   headers={"content-type": frame.MEDIA_TYPE}, timeout=timeout, what=f"hold on shard {i} (step {meta['step']})")
+
+        c.with_transport(self.worker_id, once)
+
+    def _commit(self, meta: dict, wait: float, timeout: float) -> PushAnswer:
+        c = self.clients[0]
+        resp = c.call("POST", f"{API}/shard/commit", params={"pull": 1, "timeout": wait}, body=frame.encode({}, meta),
+                      headers={"content-type": frame.MEDIA_TYPE}, timeout=timeout + wait,
+                      what=f"commit (step {meta['step']})")
+        return c.tensors.push_answer(resp)
+
+    def push(self, meta: dict, grads: Mapping[str, np.ndarray], wait: float, timeout: float) -> PushAnswer:
+        step = meta["step"]
+        held = {"worker_id": meta["worker_id"], "step": step}
+        self._all([lambda i=i, ps=ps: self._hold(i, held, shards.split(grads, ps), timeout)
+                   for i, ps in enumerate(self.map.pieces)])
+        answer, *rest = self._all([lambda: self._commit(meta, wait, timeout),
+                                   *(lambda i=i: self.clients[i].tensors.pull(step + 1, None, wait, timeout)
+                                     for i in range(1, len(self.clients)))])
+        parts = [answer.pulled, *rest]
+        pulled = self._joined(parts) if all(p is not None for p in parts) else None
+        return PushAnswer(answer.status, answer.step, answer.done, pulled)
+
+    def _joined(self, parts: list[Pulled]) -> Pulled | None:
+        """The whole model from every shard's answer of one step (None: their steps differ)."""
+        if len({p.step for p in parts}) != 1:
+            return None
+        head = parts[0]
+        return Pulled(head.step, head.done, head.ranks, shards.assemble(self.map, [p.tensors for p in parts]),
+                      sum(p.nbytes for p in parts))
+
+    def pull(self, min_step: int, worker_id: str | None, wait: float, timeout: float) -> Pulled | None:
+        end = time.monotonic() + AGREE_SECONDS
+        while True:
+            parts = self._all([lambda i=i, s=min_step: self.clients[i].tensors.pull(s, worker_id if i == 0 else None,
+                                                                                    wait, timeout)
+                               for i in range(len(self.clients))])
+            if any(p is None for p in parts):
+                return None
+            joined = self._joined(parts)
+            if joined is not None or time.monotonic() > end:
+                return joined
+            min_step = max(p.step for p in parts)  # a shard was behind: ask every shard for the newest step
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        for c in self.clients:
+            c.close()
