@@ -304,7 +304,8 @@ class ParameterServerCore(ModelState):
         if self.modes is None and req.step == self.global_step and self.round is None:
             raise ProtocolError(409, "not_started", "no round is open (waiting for workers, or done)")
         policy, borrowed = self.config.nonfinite_policy, req.borrowed
-        finite = validate(self.weights, req.tensors, policy, check_finite=borrowed is None)  # every check first
+        finite = validate(self.weights, req.tensors, policy,  # every check first
+                          check_finite=borrowed is None and not req.finite_checked)
         if self.modes is not None:  # async/ssp: read (if borrowed) and classify; applied below
             verdict, grads = on_arrival.classify(self, m, req, finite, now)
             status = verdict.status

@@ -68,9 +68,13 @@ class PushRequest:
     #: a ps_service.accumulator.Borrowed when ``tensors`` are views of memory the sender may still rewrite (a
     #: same-host file): read once, checked as read, when the core takes the push; None: they are the PS's own
     borrowed: Any = None
+    #: the values were checked for NaN/Inf already, in memory nobody else writes (a shard's held pieces): the
+    #: core checks only their layout
+    finite_checked: bool = False
 
-    def with_tensors(self, tensors: Mapping[str, np.ndarray], borrowed: Any = None) -> "PushRequest":
-        return replace(self, tensors=tensors, borrowed=borrowed)
+    def with_tensors(self, tensors: Mapping[str, np.ndarray], borrowed: Any = None,
+                     finite_checked: bool = False) -> "PushRequest":
+        return replace(self, tensors=tensors, borrowed=borrowed, finite_checked=finite_checked)
 
 
 @dataclass(frozen=True)

@@ -95,7 +95,8 @@ async def commit(request: Request, pull: bool = Query(False), timeout: float = Q
         tensors, via = {k: np.zeros_like(w) for k, w in core.weights.items()}, "http"
     else:
         tensors, via = held.tensors, held.via
-    result = rt.run_guarded(lambda: core.push(push.with_tensors(tensors), rt.now()))
+    # held pieces were checked for NaN/Inf when held, into memory of the shard's own: not again here
+    result = rt.run_guarded(lambda: core.push(push.with_tensors(tensors, finite_checked=held is not None), rt.now()))
     tensors = held = None  # the round holds what it needs, and frees it once aggregated
     role.holds.discard(push.worker_id, push.step)
     rt.tensors.shm.last_transport[push.worker_id] = via
