@@ -27,7 +27,8 @@ Contract:
   sum and of the mean's count); if it had reached the running sum in place, or the sum overflows, the sum
   is :attr:`~Accumulator.spoiled`: ``take()`` gives None, the round applies nothing. Same bits as owned
   gradients otherwise.
-- NaN/Inf checks (:func:`_all_finite`) are a BLAS dot product with zeros, chunk by chunk.
+- NaN/Inf checks (:func:`_all_finite`) are a BLAS dot product with zeros, chunk by chunk (``isfinite`` up to
+  :data:`SMALL_ELEMENTS`).
 """
 from __future__ import annotations
 
@@ -74,8 +75,8 @@ def read_checked(src: Mapping[str, np.ndarray], out: Mapping[str, np.ndarray],
                  base: Mapping[str, np.ndarray] | None = None) -> str | None:
     """``out = src`` (or ``out = base + src``), then ``out`` checked for NaN/Inf while it is in the cache (whole up
     to :data:`WHOLE_BYTES` a tensor, else chunk by chunk): ``src`` is read exactly once and what is checked is
-    what is kept, whatever writes into ``src`` meanwhile. The first tensor with a NaN/Inf in ``out`` (from ``src``, or a sum that overflows) at
-    which it stopped, or None (``out`` is complete)."""
+    what is kept, whatever writes into ``src`` meanwhile. The first tensor with a NaN/Inf in ``out`` (from
+    ``src``, or a sum that overflows) at which it stopped, or None (``out`` is complete)."""
     with np.errstate(over="ignore", invalid="ignore"):  # an overflowing sum is found below, not warned about
         return _read_checked(src, out, base)
 

@@ -6,17 +6,9 @@ from __future__ import annotations
 
 import time
 
+from cluster.processes import wait_for
 from tests.live_ps import live_ps
 from worker_service.loop import Heartbeat
-
-
-def _poll(cond, deadline_s: float) -> bool:
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
 
 
 def test_heartbeats_keep_a_quiet_worker_and_stay_quiet_while_the_main_loop_renews():
@@ -29,7 +21,7 @@ def test_heartbeats_keep_a_quiet_worker_and_stay_quiet_while_the_main_loop_renew
         try:
             # quiet main loop: the thread keeps the 1 s lease for 3 s
             t0 = time.monotonic()
-            assert _poll(lambda: hb.sent >= 8, 10.0)
+            wait_for(lambda: hb.sent >= 8, 10.0, "8 heartbeats")
             assert time.monotonic() - t0 >= 2.0
             assert ps.rt.core.members.by_id[wid].state == "active"
             # the main loop renews every 0.1 s: no heartbeat goes out

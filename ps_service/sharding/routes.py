@@ -92,11 +92,12 @@ async def commit(request: Request, pull: bool = Query(False), timeout: float = Q
                 and core._classify(m, push.step, True) is PushStatus.ACCEPTED:
             raise ProtocolError(409, "not_held", f"no pieces of step {push.step} held here: push them to every "
                                                  "shard (POST /v1/shard/gradients) before the commit")
-        tensors, via = {k: np.zeros_like(w) for k, w in core.weights.items()}, "http"
+        # the core only classifies it (never accepted: checked above): zeros of the model's layout, no memory
+        tensors, via = {k: np.broadcast_to(np.zeros((), w.dtype), w.shape) for k, w in core.weights.items()}, "http"
     else:
         tensors, via = held.tensors, held.via
-    # held pieces were checked for NaN/Inf when held, into memory of the shard's own: not again here
-    result = rt.run_guarded(lambda: core.push(push.with_tensors(tensors, finite_checked=held is not None), rt.now()))
+    # held pieces were checked for NaN/Inf when held, into memory of the shard's own (zeros are finite): not again
+    result = rt.run_guarded(lambda: core.push(push.with_tensors(tensors, finite_checked=True), rt.now()))
     tensors = held = None  # the round holds what it needs, and frees it once aggregated
     role.holds.discard(push.worker_id, push.step)
     rt.tensors.shm.last_transport[push.worker_id] = via
