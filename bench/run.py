@@ -13,7 +13,9 @@ through the PS: gradients in + weights out), ``ps_cpu_s`` (PS CPU seconds in the
 
 ``--compression X`` (``none``, ``bf16``, ``fp16``, ``topk``, ``2bit``) sets the job's ``PS_COMPRESSION`` (with
 ``--transport http``: same-host workers stay uncompressed); the line gets ``compression`` and
-``wire_MB_per_s``, the bytes the PS really received and sent per second (``/v1/status``).
+``wire_MB_per_s``, the bytes the PS really received and sent per second (``/v1/status``), and
+``up_bytes_per_step`` / ``down_bytes_per_step`` (received / sent per step, all workers: ``down`` shrinks with
+weight deltas, ``PS_WEIGHT_DELTAS``, reported as ``weight_deltas``).
 
 ``--shards S`` (default 1) runs S PS processes (``PS_SHARDS``; README, Shards): ``ps_cpu_s`` is then the CPU
 of every shard summed, ``peak_rss_MB`` the largest shard's, and the line gets ``shards``, ``shard_cpu_s`` and
@@ -63,13 +65,13 @@ def _global_step(client: httpx.Client) -> tuple[float, int, dict]:
     return time.perf_counter(), st["global_step"], st
 
 
-def _wire_bytes(urls: list[str]) -> int:
+def _wire_bytes(urls: list[str]) -> tuple[int, int]:
     """Tensor bytes every shard received and sent so far (``/v1/status``)."""
-    total = 0
+    up = down = 0
     for url in urls:
         st = httpx.get(f"{url}/v1/status", timeout=10.0).json()
-        total += st["bytes_received"] + st["bytes_sent"]
-    return total
+        up, down = up + st["bytes_received"], down + st["bytes_sent"]
+    return up, down
 
 
 def _shard_cpu(procs: list) -> list[float | None]:
@@ -121,13 +123,17 @@ def measure(workers: int, params: int, seconds: float, warmup: float = 2.0, dtyp
         rss = [round(_proc_status(proc.pid, "VmHWM") or 0.0, 1) for proc in procs]
         if shards > 1:
             out.update(shard_cpu_s=cpu, shard_peak_rss_MB=rss)
+        if compression != "none":
+            out.update(weight_deltas=str({**os.environ, **ps_env}.get("PS_WEIGHT_DELTAS", "true")),
+                       **{f"{k}_bytes_per_step": round((b - a) / max(1, g1 - g0))
+                          for k, a, b in zip(("up", "down"), wire0, wire1)})
         out.update({
             "steps_per_s": round(rate, 4),
             "grad_MB_per_s": round(workers * p * 4 / 1e6 * rate, 3),
             "final_loss": st["loss"]["last"],
             "peak_rss_MB": max(rss),
             "tensor_MB_per_s": round(2 * workers * p * 4 / 1e6 * rate, 3),
-            "wire_MB_per_s": round((wire1 - wire0) / 1e6 / (t1 - t0), 3),
+            "wire_MB_per_s": round((sum(wire1) - sum(wire0)) / 1e6 / (t1 - t0), 3),
             "ps_cpu_s": None if None in cpu else round(sum(cpu), 3),
             "workers_cpu_s": None if None in wcpu else round(sum(wcpu), 3),
             "steps": g1 - g0, "window_s": round(t1 - t0, 3), "batch": 32, "d": d, "k": k, "dtype": dtype,

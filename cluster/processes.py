@@ -108,7 +108,8 @@ class LocalCluster:
             self.followers = [p if p is not None and p.poll() is None else
                               self._spawn("ps_service", self.shard_env(i), f"ps-{i}.log")
                               for i, p in enumerate(self.followers or [None] * (len(self.shard_ports) - 1), 1)]
-        self.ps = self._spawn("ps_service", self.shard_env(0), "ps.log")
+        if self.ps is None or self.ps.poll() is not None:
+            self.ps = self._spawn("ps_service", self.shard_env(0), "ps.log")
 
         def healthy(proc, port, name):
             if proc.poll() is not None:

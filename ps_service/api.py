@@ -20,6 +20,9 @@ from shared.errors import ProtocolError
 from shared.protocol import API, FRAME, FRAME_BODY, JSON, PUSH_STATUS_HEADER, STEP_HEADER
 
 router = APIRouter(prefix=API, tags=["training"])
+SINCE = ("The step whose weights this worker holds, as a previous answer of this PS gave them (meta `lineage`): "
+         "the answer may then carry the tensors that changed in few entries as those entries (meta `since`, "
+         "`sparse`; docs/protocol.md, Weight deltas). Any other value: the dense weights.")
 
 
 async def json_body(request: Request, model):
@@ -94,7 +97,8 @@ async def init_model(request: Request) -> dict:
 async def pull(request: Request, min_step: int = Query(0, ge=0), timeout: float = Query(30.0, ge=0, allow_inf_nan=False),
                worker_id: str | None = Query(None, max_length=64),
                shm: bool = Query(False, description="Same-host transport: answer without tensors (meta `\"shm\": true`); "
-                                                    "the weights are in the weights file (GET /v1/shm).")) -> Response:
+                                                    "the weights are in the weights file (GET /v1/shm)."),
+               since: int | None = Query(None, ge=0, description=SINCE)) -> Response:
     rt = runtime(request)
     core = rt.core
     ready = lambda: core.initialized and (core.done or (  # noqa: E731
@@ -104,7 +108,7 @@ async def pull(request: Request, min_step: int = Query(0, ge=0), timeout: float 
         raise ProtocolError(409, "not_initialized", "the model is not initialised yet (PUT /v1/model)")
     if not ok:
         return Response(status_code=204, headers={STEP_HEADER: str(core.global_step)})
-    return rt.tensors.weights_response(answer_via(core, rt.tensors.via(shm)))
+    return rt.tensors.weights_response(answer_via(core, rt.tensors.via(shm)), since=since)
 
 
 @router.post("/gradients", responses={200: {"description": '{"status": accepted|stale|duplicate|late|skipped, "step", "done"}'}},
@@ -112,7 +116,8 @@ async def pull(request: Request, min_step: int = Query(0, ge=0), timeout: float 
 async def push(request: Request, pull: bool = Query(False, description=(
                    "Answer with the next weights (a frame, as GET /model) once global_step passes the pushed step, "
                    f"the push's status in {PUSH_STATUS_HEADER}; JSON as without it if `timeout` passes first.")),
-               timeout: float = Query(30.0, ge=0, allow_inf_nan=False)) -> dict:
+               timeout: float = Query(30.0, ge=0, allow_inf_nan=False),
+               since: int | None = Query(None, ge=0, description=SINCE)) -> dict:
     rt = runtime(request)
     if rt.shards is not None:
         raise ProtocolError(409, "sharded", f"this PS is shard 0 of {rt.shards.count}: push pieces to every shard "
@@ -122,16 +127,18 @@ async def push(request: Request, pull: bool = Query(False, description=(
     rt.tensors.delivered(got)
     step, worker_id, via = got.push.step, got.push.worker_id, got.via
     del got  # the round holds what it needs, and frees it once aggregated
-    return await answer_push(rt, result, step, worker_id, via, pull, timeout)
+    return await answer_push(rt, result, step, worker_id, via, pull, timeout, since)
 
 
-async def answer_push(rt, result, step: int, worker_id: str, via: str, pull: bool, timeout: float):
+async def answer_push(rt, result, step: int, worker_id: str, via: str, pull: bool, timeout: float,
+                      since: int | None = None):
     """A push's answer: with ``pull``, the next weights once the pushed step's round closed (the status in a
-    header); else, or when ``timeout`` passes first, JSON ``{"status", "step", "done"}``."""
+    header; a delta from ``since`` when offered); else, or when ``timeout`` passes first, JSON
+    ``{"status", "step", "done"}``."""
     core, via = rt.core, answer_via(rt.core, via)
     ready = lambda: core.done or (core.global_step > step and core.may_pull(worker_id))  # noqa: E731
     if pull and await rt.wait_for(ready, timeout, worker_id):
-        return rt.tensors.weights_response(via, {PUSH_STATUS_HEADER: result.status.value})
+        return rt.tensors.weights_response(via, {PUSH_STATUS_HEADER: result.status.value}, since)
     return {"status": result.status.value, "step": result.step, "done": core.done}
 
 

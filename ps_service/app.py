@@ -27,7 +27,7 @@ def create_app(settings: PSSettings | None = None) -> FastAPI:
         app.state.metrics = metrics.attach(rt)
         task = asyncio.create_task(rt.ticker())
         if rt.shards is not None:
-            await rt.shards.start()  # the coordinator's links to its followers (ps_service/sharding)
+            await rt.shards.start(rt, checkpointer)  # the coordinator's links to its followers (ps_service/sharding)
         try:
             async with probes.listening(rt, settings.host, settings.probe_port):  # PS_PROBE_PORT (ps_service/probes.py)
                 yield

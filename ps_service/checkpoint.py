@@ -327,6 +327,12 @@ class Checkpointer:
         self.on_info(info)
         return info
 
+    def rewound(self, step: int) -> list[Future]:
+        """The core went back live to ``step`` (a sharded PS's rollback): the next checkpoint is due counting from
+        there. The writes still running (of abandoned steps: wait for them before deleting the files after ``step``)."""
+        self.last_step = self.written_step = step
+        return [f for f in self._queue if not f.done()]
+
     def finish(self, core) -> dict | None:
         """Shutdown (blocking; nothing else may touch ``core``): wait for a running write, write a final
         checkpoint if the step moved since the last one, stop the writer thread."""

@@ -47,6 +47,8 @@ from collections import deque
 from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
+import numpy as np
+
 from ps_service import on_arrival
 from ps_service.accumulator import Accumulator, finite_or_refuse, validate
 from ps_service.config import CoreConfig
@@ -90,6 +92,8 @@ class ParameterServerCore(ModelState):
         self.examples = 0
         self._ready_since: float | None = None
         self.started_at: float | None = None
+        #: live rollbacks to a checkpoint (:meth:`rewind`): waits in flight answer at once when it moves
+        self.rewinds = 0
 
     @property
     def done(self) -> bool:
@@ -113,6 +117,44 @@ class ParameterServerCore(ModelState):
         if self.modes is not None and state.get("staleness") is not None:
             self.modes.load(state["staleness"], now)  # nobody live: each comes back at max(its clock, floor)
         self._changed()
+
+    def rewind(self, state: Mapping[str, Any], now: float) -> list[Member]:
+        """Go back *live* to a checkpoint's model (a sharded PS's rollback when a follower restarted: the newest
+        step every shard has, docs/architecture.md, Shards). Weights, optimizer and global step become
+        ``state``'s (:meth:`export_state` data; its members are not read: the live ones stay); the open round and
+        its gradients are dropped; every active member is expired, waiting or not, so its next request gets 409
+        ``not_active`` and it registers again (same id and rank) and pulls, as after a one-PS restart, and the
+        first round opens when they are all back (or after the start-up grace); their memory of pushed steps is
+        cleared (the redone steps are not duplicates). The round records and loss history of the abandoned steps
+        (>= the checkpoint's) are dropped, so ``/v1/rounds`` lists each step once, as it ended up; the counters
+        since start (rounds closed, gradients applied, push counts, examples) keep counting the work done,
+        redone rounds included. The expired members, in registration order."""
+        live = self.weights
+        self.restore(state["weights"], state["optimizer"]["spec"], state["optimizer"]["iterations"],
+                     state["optimizer"]["slots"], state["global_step"])
+        if live is not None and all(live[k].shape == w.shape and live[k].dtype == w.dtype
+                                    for k, w in self.weights.items()) and live.keys() == self.weights.keys():
+            for k, w in self.weights.items():  # into the arrays the weights were in (a same-host weights file)
+                np.copyto(live[k], w)
+            self.weights = live
+        gone = self.members.expire_all(now)
+        for m in self.members.by_id.values():
+            m.recent.clear()
+        if self.modes is not None:
+            for m in gone:
+                self.modes.drop(m.worker_id, now)
+            if state.get("staleness") is not None:
+                self.modes.load(state["staleness"], now)
+        self.resume_expected = len(gone) or self.resume_expected
+        self.round = self.last_round = None
+        self.started, self._ready_since = False, None
+        while self.rounds and self.rounds[-1].step >= self.global_step:
+            self.rounds.pop()
+        while self.loss_history and self.loss_history[-1][0] >= self.global_step:
+            self.loss_history.pop()
+        self.rewinds += 1
+        self._changed()
+        return gone
 
     # ---- membership --------------------------------------------------------------------
     def register(self, name: str, now: float) -> tuple[Member, int]:

@@ -70,13 +70,15 @@ REQUIRED = PydanticUndefined
 
 #: (method, path) -> (endpoint, {query parameter: parser}, the route's defaults, :data:`REQUIRED` if none)
 ROUTES: dict[tuple[str, str], tuple[Callable, dict[str, Callable[[str], Any]], dict[str, Any]]] = {
-    ("POST", f"{API}/gradients"): (api.push, {"pull": _bool, "timeout": _seconds}, {"pull": False, "timeout": 30.0}),
+    ("POST", f"{API}/gradients"): (api.push, {"pull": _bool, "timeout": _seconds, "since": _step},
+                                   {"pull": False, "timeout": 30.0, "since": None}),
     # a sharded PS's per-step calls (served only when PS_SHARDS > 1: :data:`SHARDED`)
     ("POST", f"{API}/shard/gradients"): (shard_routes.hold, {"map": _worker_id}, {"map": REQUIRED}),  # <= 64 chars too
     ("POST", f"{API}/shard/commit"): (shard_routes.commit, {"pull": _bool, "timeout": _seconds},
                                       {"pull": False, "timeout": 30.0}),
-    ("GET", f"{API}/model"): (api.pull, {"min_step": _step, "timeout": _seconds, "worker_id": _worker_id, "shm": _bool},
-                              {"min_step": 0, "timeout": 30.0, "worker_id": None, "shm": False}),
+    ("GET", f"{API}/model"): (api.pull, {"min_step": _step, "timeout": _seconds, "worker_id": _worker_id, "shm": _bool,
+                                         "since": _step},
+                              {"min_step": 0, "timeout": 30.0, "worker_id": None, "shm": False, "since": None}),
 }
 
 

@@ -244,6 +244,14 @@ class Membership:
             self._event(now, "expired", m)
         return gone
 
+    def expire_all(self, now: float) -> list[Member]:
+        """Expire every active member at once, waiting or not (a live rollback: each must register again)."""
+        gone = sorted(self.active_by_id.values(), key=lambda m: self._order[m.worker_id])
+        for m in gone:
+            self._set_state(m, EXPIRED)
+            self._event(now, "expired", m)
+        return gone
+
     def export(self) -> list[dict]:
         """Checkpoint data: every member's id, name, rank, state and registrations."""
         return [{"worker_id": m.worker_id, "name": m.name, "rank": m.rank, "state": m.state,

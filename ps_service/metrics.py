@@ -117,6 +117,9 @@ def shard_gauges(view: dict):
     """A sharded PS: this shard's index; on the coordinator each shard's step, reachability and bytes (label shard)."""
     yield _gauge("ps_shard_index", "This process's shard (0: the coordinator).", view["index"])
     yield _gauge("ps_shards", "Shards of the PS (PS_SHARDS).", view["count"])
+    if "rollbacks" in view:
+        yield _counter("ps_shard_rollbacks", "Live rollbacks of the job to a checkpoint every shard has (a follower "
+                                             "restarted).", view["rollbacks"])
     families = [(GaugeMetricFamily(f"ps_shard_{key}", doc, labels=["shard"]), key) for key, doc in (
         ("step", "Each shard's global step, as the coordinator last heard it."),
         ("reachable", "1 if the coordinator's last exchange with the shard got an answer."),
@@ -157,7 +160,9 @@ class PSMetrics:
 
     def observe(self) -> None:
         """Account the rounds closed and the checkpoint written since the last call."""
-        new = []
+        new, core = [], self.rt.core
+        if self._last_step is not None and self._last_step >= core.global_step:  # went back to a checkpoint
+            self._last_step = core.global_step - 1
         for rec in reversed(self.rt.core.rounds):
             if self._last_step is not None and rec.step <= self._last_step:
                 break

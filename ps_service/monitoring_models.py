@@ -125,7 +125,8 @@ class Status(BaseModel):
     checkpoint: CheckpointInfo | None
     shard: dict | None = Field(None, description=(
         'A sharded PS (PS_SHARDS > 1; null: one PS): {"index", "count", "role": coordinator|follower, "step", '
-        '"bytes_owned", "held_pushes", "map_digest"}; on the coordinator also "blocked" and "shards": per shard '
+        '"bytes_owned", "held_pushes", "map_digest", "boot"}; on the coordinator also "blocked", "rollbacks", '
+        '"last_rollback" and "shards": per shard '
         '{"index", "url", "step", "reachable", "bytes_owned", "error", "rounds_queued"} (docs/protocol.md, Shards).'))
 
 

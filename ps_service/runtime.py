@@ -57,8 +57,9 @@ class Runtime:
         return self.clock()
 
     def barrier(self) -> tuple:
-        """What waits wait on: (global step, job state, the SSP floor: a leave or expiry can release a pull)."""
-        return self.core.global_step, self.core.state(), self.core.pull_floor
+        """What waits wait on: (global step, job state, the SSP floor: a leave or expiry can release a pull, the
+        count of live rollbacks: a sharded PS that went back to a checkpoint answers every wait at once)."""
+        return self.core.global_step, self.core.state(), self.core.pull_floor, self.core.rewinds
 
     def notify(self) -> None:
         """If the core changed since the last call: run the observers, and wake every waiter if the barrier moved."""
@@ -78,10 +79,10 @@ class Runtime:
     async def wait_until(self, predicate: Callable[[], bool], timeout: float) -> bool:
         """Wait (at most ``timeout`` s) until ``predicate()``, a function of :meth:`barrier` only (it is
         checked again when the barrier moves); its final value."""
-        deadline = self.clock() + timeout
+        deadline, rewinds = self.clock() + timeout, self.core.rewinds
         while not predicate():
             remaining = deadline - self.clock()
-            if remaining <= 0:
+            if remaining <= 0 or self.core.rewinds != rewinds:  # went back to a checkpoint: answer now
                 return False
             try:
                 await asyncio.wait_for(self._event.wait(), remaining)
@@ -104,15 +105,18 @@ class Runtime:
 
     async def wait_for(self, predicate: Callable[[], bool], timeout: float, worker_id: str | None = None) -> bool:
         """:meth:`wait_until`, at most ``PS_PULL_TIMEOUT_MAX_SECONDS``; with ``worker_id`` the wait keeps that
-        worker's lease (404/409 first if it is unknown or not active)."""
+        worker's lease (404/409 first if it is unknown or not active, and after a wait that ended unanswered)."""
         timeout = min(timeout, self.settings.pull_timeout_max_seconds)
         if worker_id is None:
             return await self.wait_until(predicate, timeout)
         self.core.begin_wait(worker_id, self.now())
         try:
-            return await self.wait_until(predicate, timeout)
+            ok = await self.wait_until(predicate, timeout)
         finally:
             self.core.end_wait(worker_id, self.now())
+        if not ok:  # 409 not_active if a rollback (sharded PS) expired the worker meanwhile: it registers again
+            self.core.heartbeat(worker_id, self.now())
+        return ok
 
     async def ticker(self) -> None:
         """Background task: leases, start-up grace, round deadlines."""

@@ -108,6 +108,10 @@ class PSSettings(BaseSettings):
         0.01, gt=0, le=1, description="topk: share of each float32 tensor's entries a push sends (at least one).")
     compression_2bit_threshold: float = Field(
         0.5, gt=0, allow_inf_nan=False, description="2bit: MXNet's threshold (an element is sent as +-threshold or 0).")
+    weight_deltas: bool = Field(
+        True, description="topk/2bit jobs on one PS process: a worker that holds the previous step's weights gets the "
+                          "float32 tensors that changed in few entries as those entries (exact; docs/protocol.md, "
+                          "Weight deltas). false: always the dense weights.")
     log_level: str = Field("info", description="Log level of the PS.")
 
     # ---- sharded PS (docs/architecture.md, Shards): S processes, shard 0 coordinates ----

@@ -117,13 +117,20 @@ def pack_topk(indices: np.ndarray, values: np.ndarray) -> np.ndarray:
     return out
 
 
-def unpack_topk(wire: np.ndarray, shape: tuple[int, ...], name: str) -> np.ndarray:
-    n = math.prod(shape)
+def check_topk(wire: np.ndarray, n: int, name: str) -> np.ndarray:
+    """The indices of a top-k layout (uint32 [2, k], k <= n, row 0 strictly increasing and < n), else 422
+    bad_encoding. Row 1 is any bits."""
     if wire.dtype != U32 or wire.ndim != 2 or wire.shape[0] != 2 or wire.shape[1] > n:
         raise _bad(name, f"topk wants uint32 of shape [2, k] with k <= {n}; got {wire.dtype} {list(wire.shape)}")
     idx = wire[0]
     if idx.size and (idx[-1] >= n or (idx.size > 1 and not (idx[1:] > idx[:-1]).all())):
         raise _bad(name, f"topk indices must be strictly increasing and below {n}")
+    return idx
+
+
+def unpack_topk(wire: np.ndarray, shape: tuple[int, ...], name: str) -> np.ndarray:
+    n = math.prod(shape)
+    idx = check_topk(wire, n, name)
     out = np.zeros(n, F32)
     out[idx] = wire[1].view(F32)
     return out.reshape(shape)

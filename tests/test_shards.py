@@ -161,12 +161,17 @@ def test_a_follower_that_stops_answering_for_a_while_delays_the_job_and_changes_
 
 # ---- in-process shards: what a push to one shard can and cannot do ----------------------------------------
 
+def shard_settings(ports: list[int], **kw) -> dict:
+    """The settings every shard of an in-process pair shares."""
+    return {"shards": 2, "shard_urls": ",".join(f"http://127.0.0.1:{p}" for p in ports), "shard_split_elements": 2,
+            "shm_dir": "", "min_workers": 2, "startup_grace_seconds": 0, **kw}
+
+
 @contextmanager
 def two_shards(ports: list[int] | None = None, each: tuple[dict, dict] = ({}, {}), **kw):
     """Shards 0 (the coordinator) and 1 in this process; ``each``: settings of one shard only."""
     ports = ports or [free_port(), free_port()]
-    common = {"shards": 2, "shard_urls": ",".join(f"http://127.0.0.1:{p}" for p in ports), "shard_split_elements": 2,
-              "shm_dir": "", "min_workers": 2, "startup_grace_seconds": 0, **kw}
+    common = shard_settings(ports, **kw)
     with live_ps(port=ports[1], shard_index=1, **{**common, **each[1]}) as f, \
             live_ps(port=ports[0], shard_index=0, **{**common, **each[0]}) as c:
         yield c, f
@@ -275,9 +280,12 @@ def test_a_bad_push_to_one_shard_gets_the_one_ps_refusal_and_changes_nothing():
         assert (r.status_code, r.json()["error"]) == (409, "shard_map_mismatch")
         r = post_frame(hc, "/v1/gradients", good, {"worker_id": a, "step": 0})
         assert (r.status_code, r.json()["error"]) == (409, "sharded")
-        # a hold for a step ahead of the shard is refused: nothing outlives its round on a follower
+        # a hold for a step ahead of a follower is refused (it restarted: the worker registers again)
         r = post_frame(hf, "/v1/shard/gradients", pieces, {"worker_id": a, "step": 5}, map=m.digest)
-        assert (r.status_code, r.json()["error"]) == (422, "future_step")
+        assert (r.status_code, r.json()["error"]) == (409, "shard_behind")
+        r = post_frame(hc, "/v1/shard/gradients", shards.split(good, m.pieces[0]), {"worker_id": a, "step": 5},
+                       map=m.digest)
+        assert (r.status_code, r.json()["error"]) == (422, "future_step")  # on the coordinator: as a push
         # on the coordinator a hold is a member's, as a push is
         r = post_frame(hc, "/v1/shard/gradients", shards.split(good, m.pieces[0]), {"worker_id": "w-nobody", "step": 0},
                        map=m.digest)
@@ -348,3 +356,24 @@ def test_a_coordinator_restored_behind_a_follower_has_it_restore_the_same_step(t
         wait_for(lambda: c.rt.core.round is not None, 10, "round 1")
         one_round(hc, f.http(), m, ids, 1, grads)
         wait_for(lambda: f.rt.core.global_step == 2, 10, "shard 1 to apply round 1 again")
+
+
+def test_a_follower_restarted_with_nothing_to_go_back_to_leaves_registration_refused_saying_what_to_do():
+    ports = [free_port(), free_port()]
+    common = shard_settings(ports)  # no PS_CHECKPOINT_DIR: a restarted follower comes back empty
+    with live_ps(port=ports[0], shard_index=0, **common) as c:
+        with live_ps(port=ports[1], shard_index=1, **common) as f:
+            hc, hf, m, ids = start_job(c, f)
+            one_round(hc, hf, m, ids, 0, {"w": np.ones((3, 1)), "b": np.ones(1)})
+            wait_for(lambda: f.rt.core.global_step == 1, 10, "shard 1 to apply round 0")
+        with live_ps(port=ports[1], shard_index=1, **common):  # the same follower, started again
+            wait_for(lambda: (c.rt.shards.links.blocked or "").endswith("or all fresh"), 20, "the rollback to give up")
+            r = hc.post("/v1/workers", json={"name": "w0"})
+            assert (r.status_code, r.json()["error"]) == (503, "shards_inconsistent")
+            assert "shard 1 restarted" in r.json()["detail"] and "set PS_CHECKPOINT_DIR on every shard" in r.json()["detail"]
+            st = hc.get("/v1/status").json()
+            assert st["shard"]["blocked"] == r.json()["detail"] and st["shard"]["rollbacks"] == 1
+            assert "ps_shard_rollbacks_total 1.0" in hc.get("/metrics").text
+            r = hc.get("/v1/model", params={"worker_id": ids[1], "min_step": 1, "timeout": 0})
+            assert (r.status_code, r.json()["error"]) == (409, "not_active")  # nothing goes on: every worker is out
+            assert c.rt.core.global_step == 1 and c.rt.core.round is None

@@ -26,8 +26,9 @@ from worker_service.progress import ProgressLog
 from worker_service.tasks import Task
 
 log = logging.getLogger("worker")
-#: PS answers that mean "register again and carry on" (it restarted, or our lease expired)
-REJOIN_CODES = frozenset({"unknown_worker", "not_active", "not_initialized", "not_started"})
+#: PS answers that mean "register again and carry on" (it restarted, or our lease expired; shard_behind: a
+#: shard of a sharded PS restarted and the job goes back to a checkpoint)
+REJOIN_CODES = frozenset({"unknown_worker", "not_active", "not_initialized", "not_started", "shard_behind"})
 
 
 @dataclass

@@ -12,17 +12,24 @@ pieces as the push's gradients. When round s closes with contributors C, the coo
 its share and :meth:`ShardRole.observe` queues "apply round s with C" for every follower
 (:mod:`.links`), who sum the held pieces of C in rank order and step the same optimizer. The routes are
 :mod:`.routes`. :func:`role` is None on an unsharded PS: nothing here runs then.
+
+A follower that restarts (kill -9, then started again from its checkpoints) comes back without the pieces
+held for the open round and maybe at an older step: the coordinator rolls the whole job back live to the
+newest checkpoint step every shard has (:mod:`.rollback`); each process has a ``boot`` id (in the follower's
+answers) that tells a restart apart from an outage.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import secrets
 from pathlib import Path
 
 import numpy as np
 
 from ps_service.checkpoint import NAME_RE, CheckpointError, checkpoint_name, decode, list_checkpoints
+from ps_service.sharding import rollback
 from ps_service.sharding.holds import Holds
 from ps_service.sharding.links import Links
 from shared import frame
@@ -53,6 +60,12 @@ class ShardRole:
         self.sidecar = Path(settings.checkpoint_dir) / SIDECAR if settings.checkpoint_dir else None
         self._seen_closed = 0
         self._sent_step = -1
+        self.boot = secrets.token_hex(8)  # this process: a follower answering with another one restarted
+        self.rt = None  # the runtime (set by start): its clock and notify, for a live rollback
+        self.checkpointer = None  # this shard's checkpoint writer (ps_service/checkpoint.py), if any
+        self.rollbacks = 0  # live rollbacks the coordinator made (a follower restarted)
+        self.last_rollback: str | None = None  # the last one: from which step to which, and why
+        self._rolling: asyncio.Task | None = None
         if not self.coordinator:
             core.started = True  # a follower's pulls wait on its step only: it has no membership, no start-up
 
@@ -65,15 +78,17 @@ class ShardRole:
         return None if self.map is None else self.map.digest
 
     # ---- lifecycle ----------------------------------------------------------------------
-    async def start(self) -> None:
+    async def start(self, rt, checkpointer=None) -> None:
         """After a checkpoint restore (app start): read the map kept next to the checkpoints; the coordinator
         starts its links and, when it restored a step, checks every follower is at that step too."""
         core = self.core
+        self.rt, self.checkpointer = rt, checkpointer
         if core.initialized and self.sidecar is not None and self.sidecar.exists():
             self.map = from_wire(json.loads(self.sidecar.read_text()))
         if not self.coordinator:
             return
         self._seen_closed, self._sent_step = core.rounds_closed, core.global_step - 1
+        self.links.on_restart = self._follower_restarted
         self.links.start()
         if core.initialized:  # restored: registration waits (503) until every follower says it is at our step
             self.links.blocked = "checking that every shard restored the same step"
@@ -170,27 +185,63 @@ class ShardRole:
             return []
         return [int(NAME_RE.match(p.name).group(1)) for p in list_checkpoints(self.sidecar.parent)]
 
-    def restore_step(self, step: int, now: float) -> dict:
-        """``POST /v1/shard/restore``: a follower loads its checkpoint of ``step`` (the coordinator chose it: the
-        newest every shard has), drops every held push and deletes its checkpoints of later steps (a future the job
-        abandoned). 404 ``unknown_checkpoint`` if it has none."""
-        if self.sidecar is None or step not in self.checkpoint_steps():
-            raise ProtocolError(404, "unknown_checkpoint", f"shard {self.index} has no checkpoint of step {step} "
-                                                           f"(it has {self.checkpoint_steps()})")
-        path = self.sidecar.parent / checkpoint_name(step)
-        try:
-            state = decode(path.read_bytes())
-        except (OSError, CheckpointError) as exc:
-            raise ProtocolError(409, "unknown_checkpoint", f"shard {self.index}: {path.name} is unusable: {exc}") from None
-        self.core.import_state(state, now)
+    def step_state(self, step: int) -> dict:
+        """The model of ``step``: its checkpoint's, or, with none, the live one if this shard is at ``step``.
+        404 ``unknown_checkpoint`` if neither (409 if the file is unusable)."""
+        if self.sidecar is not None and step in self.checkpoint_steps():
+            path = self.sidecar.parent / checkpoint_name(step)
+            try:
+                return decode(path.read_bytes())
+            except (OSError, CheckpointError) as exc:
+                raise ProtocolError(409, "unknown_checkpoint",
+                                    f"shard {self.index}: {path.name} is unusable: {exc}") from None
+        if self.core.initialized and self.core.global_step == step:
+            return self.core.model_state()
+        raise ProtocolError(404, "unknown_checkpoint", f"shard {self.index} has no checkpoint of step {step} "
+                                                       f"(it has {self.checkpoint_steps()})")
+
+    async def go_back(self, state: dict, now: float) -> None:
+        """Rewind the core live to ``state`` (:meth:`~ps_service.core.ParameterServerCore.rewind`), drop every
+        held push, wait for the checkpoint writes in flight and delete the checkpoints of later steps (a future
+        the job abandoned: never restored later, never mixed with the redone steps' files)."""
+        step = state["global_step"]
+        self.core.rewind(state, now)
         self.holds = Holds()
-        for newer in list_checkpoints(self.sidecar.parent):  # an abandoned future: never restored later
-            if int(NAME_RE.match(newer.name).group(1)) > step:
-                newer.unlink(missing_ok=True)
-        if self.sidecar.exists():
+        if self.coordinator:  # the rounds closed from now on go to the followers
+            self._seen_closed, self._sent_step = self.core.rounds_closed, step - 1
+        else:
+            self.core.started = True  # a follower's pulls wait on its step only
+        if self.rt is not None:
+            self.rt.tensors.drop_body()  # the weights answer encoded for the step left behind
+            self.rt.notify()  # waits in flight answer now (the barrier counts rewinds)
+        if self.checkpointer is not None:
+            for write in self.checkpointer.rewound(step):
+                await asyncio.wrap_future(write)
+        if self.sidecar is not None:
+            for newer in list_checkpoints(self.sidecar.parent):
+                if int(NAME_RE.match(newer.name).group(1)) > step:
+                    newer.unlink(missing_ok=True)
+
+    async def restore_step(self, step: int, now: float) -> dict:
+        """``POST /v1/shard/restore``: a follower goes back live to its checkpoint of ``step`` (the coordinator
+        chose it: the newest every shard has; with no file of it, a follower at that step keeps its model),
+        drops every held push and deletes its checkpoints of later steps. 404 ``unknown_checkpoint`` if it has
+        none."""
+        state = self.step_state(step)
+        await self.go_back(state, now)
+        if self.sidecar is not None and self.sidecar.exists():
             self.map = from_wire(json.loads(self.sidecar.read_text()))
-        log.warning("shard %d: restored %s at the coordinator's request", self.index, path.name)
-        return {"step": self.core.global_step}
+        log.warning("shard %d: back at step %d at the coordinator's request", self.index, step)
+        return {"step": self.core.global_step, "boot": self.boot}
+
+    def _follower_restarted(self, f, why: str) -> None:
+        """:attr:`Links.on_restart`: roll the job back live (one rollback at a time; before the model exists
+        there is nothing to roll back: the link goes on)."""
+        if not self.core.initialized:
+            f.error = None
+            return
+        if self._rolling is None or self._rolling.done():
+            self._rolling = asyncio.create_task(rollback.roll_back(self, why))
 
     # ---- monitoring ---------------------------------------------------------------------
     def wait_reason(self, now: float) -> str | None:
@@ -207,7 +258,8 @@ class ShardRole:
         core = self.core
         own = sum(int(np.asarray(w).nbytes) for w in (core.weights or {}).values())
         out = {"index": self.index, "count": self.count, "role": "coordinator" if self.coordinator else "follower",
-               "step": core.global_step, "bytes_owned": own, "held_pushes": len(self.holds), "map_digest": self.digest}
+               "step": core.global_step, "bytes_owned": own, "held_pushes": len(self.holds), "map_digest": self.digest,
+               "boot": self.boot}
         if self.coordinator:
             rows = [{"index": 0, "url": self.urls[0], "step": core.global_step, "reachable": True, "bytes_owned": own,
                      "error": None}]
@@ -216,4 +268,5 @@ class ShardRole:
                              "bytes_owned": None if self.map is None else self.map.bytes_owned(f.index),
                              "error": f.error, "rounds_queued": f.queue.qsize()})
             out["shards"], out["blocked"] = rows, self.links.blocked
+            out["rollbacks"], out["last_rollback"] = self.rollbacks, self.last_rollback
         return out

@@ -6,8 +6,11 @@ Contract:
   raised as a 409 ``shard_init_failed`` naming it, an unreachable one as 503 ``shard_unreachable``.
 - :meth:`Links.round_closed` queues "apply round s with contributors C" for every follower; one task per
   follower sends them in step order (``POST /v1/shard/apply``), retrying each (capped backoff) until the
-  follower answers. A refusal (4xx: the follower restarted from another state) stops that follower's link:
-  the job cannot go on consistently, and ``/v1/status`` says why (:attr:`Follower.error`).
+  follower answers; while a follower's queue is empty its state is probed every ``PROBE_SECONDS``
+  (``GET /v1/shard/state``). A follower that *restarted* (it refuses an apply, 4xx; or answers with another
+  ``boot`` id than before) stops its link (:attr:`Follower.error`, shown in ``/v1/status``) and is reported
+  to :attr:`Links.on_restart` (the coordinator's live rollback, :mod:`.rollback`; without one the job stalls).
+  :meth:`stop` stops every sender and empties the queues (:meth:`start` starts them again).
 - :meth:`Links.check_steps` (start-up after a restore) asks each follower its step and checkpoint steps: every
   shard must resume at the coordinator's step; a follower elsewhere that has a checkpoint of it is told to
   restore it (``POST /v1/shard/restore``), else :attr:`Links.blocked` says which differs (workers cannot register).
@@ -18,6 +21,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import httpx
 
@@ -31,6 +35,8 @@ log = logging.getLogger("ps_service")
 INIT_DEADLINE_SECONDS = 30.0
 REQUEST_TIMEOUT_SECONDS = 10.0
 BACKOFF_MAX_SECONDS = 1.0
+#: an idle link asks its follower's state this often (a restart shows as another boot id)
+PROBE_SECONDS = 0.5
 
 
 @dataclass
@@ -40,6 +46,7 @@ class Follower:
     step: int | None = None  # its global step, as it last answered
     reachable: bool | None = None  # did the last exchange get an answer
     error: str | None = None  # a refusal that stopped the link
+    boot: str | None = None  # the follower process's boot id, as it last answered (another one: it restarted)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
 
 
@@ -50,11 +57,24 @@ class Links:
         self.client = httpx.AsyncClient(timeout=REQUEST_TIMEOUT_SECONDS, headers=self.headers)
         self.tasks: list[asyncio.Task] = []
         self.blocked: str | None = None
+        #: called with the follower and the reason when it restarted (its link is stopped meanwhile)
+        self.on_restart: Callable[[Follower, str], None] | None = None
 
     def start(self) -> None:
         self.tasks = [asyncio.create_task(self._sender(f)) for f in self.followers]
 
+    async def stop(self) -> None:
+        """Stop every sender (an apply in flight is abandoned), empty the queues, clear the errors (:meth:`start`
+        starts them again)."""
+        await self._cancel()
+        for f in self.followers:
+            f.queue, f.error = asyncio.Queue(), None
+
     async def close(self) -> None:
+        await self._cancel()
+        await self.client.aclose()
+
+    async def _cancel(self) -> None:
         for t in self.tasks:
             t.cancel()
         for t in self.tasks:
@@ -62,7 +82,7 @@ class Links:
                 await t
             except (asyncio.CancelledError, Exception):
                 pass
-        await self.client.aclose()
+        self.tasks = []
 
     async def _exchange(self, f: Follower, method: str, path: str, deadline: float, **kw) -> httpx.Response:
         """One request, retried on lost connections, timeouts and 5xx until ``deadline`` (monotonic)."""
@@ -81,6 +101,10 @@ class Links:
             log.warning("shard %d at %s: %s %s failed (%s); retrying", f.index, f.url, method, path, why)
             await asyncio.sleep(delay)
             delay = min(BACKOFF_MAX_SECONDS, delay * 2)
+
+    async def ask(self, f: Follower, method: str, path: str, **kw) -> httpx.Response:
+        """One request to a follower, retried for at most ``INIT_DEADLINE_SECONDS`` (then TimeoutError)."""
+        return await self._exchange(f, method, path, time.monotonic() + INIT_DEADLINE_SECONDS, **kw)
 
     async def init_followers(self, bodies: dict[int, bytes]) -> None:
         """PUT each follower its pieces (``bodies``: index -> the frame)."""
@@ -105,17 +129,36 @@ class Links:
 
     async def _sender(self, f: Follower) -> None:
         while True:
-            msg = await f.queue.get()
+            try:
+                msg = await asyncio.wait_for(f.queue.get(), PROBE_SECONDS)
+            except asyncio.TimeoutError:
+                msg = None
             if f.error is not None:
                 continue
-            resp = await self._exchange(f, "POST", "/shard/apply", float("inf"), json=msg)
+            try:
+                if msg is None:  # idle: is it still the process we know?
+                    resp = await self._exchange(f, "GET", "/shard/state", time.monotonic() + PROBE_SECONDS)
+                else:
+                    resp = await self._exchange(f, "POST", "/shard/apply", float("inf"), json=msg)
+            except TimeoutError:
+                continue  # a probe that got no answer: the next one asks again
             if resp.status_code >= 400:
-                f.error = f"round {msg['step']}: {resp.status_code} {resp.text[:300]}"
-                log.error("shard %d at %s refused to apply round %d (%s): its link is stopped; the job cannot go "
-                          "on consistently (restore every shard from the same step)", f.index, f.url, msg["step"],
-                          f.error)
+                what = "its state" if msg is None else f"round {msg['step']}"
+                self._restarted(f, f"shard {f.index} refused {what}: {resp.status_code} {resp.text[:300]}")
                 continue
-            f.step = resp.json().get("step")
+            answer = resp.json()
+            boot, f.step = answer.get("boot"), answer.get("step") if answer.get("initialized", True) else None
+            if f.boot is not None and boot != f.boot:
+                self._restarted(f, f"shard {f.index} restarted (it answers at step {f.step} as another process)")
+            f.boot = boot
+
+    def _restarted(self, f: Follower, why: str) -> None:
+        f.error = why
+        if self.on_restart is None:
+            log.error("%s: its link is stopped; the job cannot go on consistently (restore every shard from the "
+                      "same step)", why)
+            return
+        self.on_restart(f, why)
 
     async def check_steps(self, step: int, own: list[int]) -> None:
         """After the coordinator restored step ``step`` (``own``: the steps of its checkpoints): every follower must
@@ -124,17 +167,16 @@ class Links:
         bad, common = [], set(own) | {step}
         for f in self.followers:
             try:
-                resp = await self._exchange(f, "GET", "/shard/state", time.monotonic() + INIT_DEADLINE_SECONDS)
-                st = resp.json()
+                st = (await self.ask(f, "GET", "/shard/state")).json()
             except (TimeoutError, ValueError) as exc:
                 bad.append(f"shard {f.index} did not answer ({exc})")
                 continue
             f.step = st.get("step") if st.get("initialized") else None
+            f.boot = st.get("boot")
             held = set(st.get("checkpoints") or [])
             common &= held | ({f.step} if f.step is not None else set())
             if f.step != step and step in held:
-                resp = await self._exchange(f, "POST", "/shard/restore", time.monotonic() + INIT_DEADLINE_SECONDS,
-                                            json={"step": step})
+                resp = await self.ask(f, "POST", "/shard/restore", json={"step": step})
                 if resp.status_code == 200:
                     log.warning("shard %d was at step %s: it restored step %d, the coordinator's", f.index, f.step, step)
                     f.step = step

@@ -65,6 +65,9 @@ async def hold(request: Request, map: str = Query(..., max_length=64, descriptio
                                                        f"{map}: fetch GET /v1/shards again")
     got = await rt.tensors.receive_push(request, members=role.coordinator)  # a follower has no membership
     step, g = got.push.step, rt.core.global_step
+    if step > g and not role.coordinator:  # this follower restarted or went back: the worker registers again
+        raise ProtocolError(409, "shard_behind", f"step {step} is ahead of shard {role.index}'s global step {g} "
+                                                 "(it restarted or the job went back to a checkpoint): register again")
     if step > g:  # never held: a hold outlives nothing but its own round
         raise unprocessable("future_step", f"step {step} is ahead of shard {role.index}'s global step {g}")
     tensors = hold_tensors(rt.core.weights, got.push)
@@ -135,15 +138,17 @@ async def apply(request: Request) -> dict:
     rt, role, msg = await _from_coordinator(request, ApplyRound, APPLY_BODY_LIMIT)
     _initialized(rt.core)
     applied = rt.run_guarded(lambda: apply_round(rt.core, role.holds, msg.step, msg.contributors, msg.mean_of))
-    return {"step": rt.core.global_step, "applied": applied}
+    return {"step": rt.core.global_step, "applied": applied, "boot": role.boot}
 
 
 @router.get("/shard/state")
 async def state(request: Request) -> dict:
-    """This shard: index, count, whether it holds a model, its step, map digest and checkpoint steps on disk."""
+    """This shard: index, count, whether it holds a model, its step, map digest, checkpoint steps on disk and boot
+    id (another one than before: the process restarted)."""
     rt, role = _role(request)
     return {"index": role.index, "shards": role.count, "initialized": rt.core.initialized,
-            "step": rt.core.global_step, "digest": role.digest, "checkpoints": role.checkpoint_steps()}
+            "step": rt.core.global_step, "digest": role.digest, "checkpoints": role.checkpoint_steps(),
+            "boot": role.boot}
 
 
 class RestoreStep(BaseModel):
@@ -152,6 +157,9 @@ class RestoreStep(BaseModel):
 
 @router.post("/shard/restore", openapi_extra=_json_body(RestoreStep))
 async def restore(request: Request) -> dict:
-    """Coordinator -> follower: load your checkpoint of ``step`` (the step the coordinator restored)."""
+    """Coordinator -> follower: go back live to your checkpoint of ``step`` (the step the coordinator chose)."""
     rt, role, msg = await _from_coordinator(request, RestoreStep, JSON_BODY_LIMIT)
-    return rt.run_guarded(lambda: role.restore_step(msg.step, rt.now()))
+    try:
+        return await role.restore_step(msg.step, rt.now())
+    finally:
+        rt.notify()

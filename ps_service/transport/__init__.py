@@ -14,6 +14,9 @@ Transports (docs/protocol.md):
 With ``PS_COMPRESSION`` on, a body push carries its float32 gradients compressed (:mod:`shared.compression`):
 the seam decodes them to float32 here (422 ``compression_mismatch`` / ``bad_encoding``), so the core
 validates and applies the decoded arrays. Same-host pushes are never compressed.
+Weights go back as a float32 frame; in a ``topk`` / ``2bit`` job (``PS_WEIGHT_DELTAS``, one PS process) a body
+answer to a worker that holds the previous served step's weights (``since``) carries the tensors that changed
+in few entries as those entries (:mod:`ps_service.transport.deltas`, :mod:`shared.weight_deltas`).
 Whether tensors fit the model (names, exact dtypes, shapes, finite values) is the core's check, made on
 exactly the arrays it then applies.
 """
@@ -26,6 +29,7 @@ from starlette.responses import Response
 
 from ps_service.transport.body import read_body
 from ps_service.transport.buffers import POOL
+from ps_service.transport.deltas import WeightDeltas
 from ps_service.transport.shm import ShmHub
 from shared import compression, frame
 from shared.errors import ProtocolError, bad_request
@@ -46,10 +50,13 @@ class TensorSeam:
         #: the job's gradient compression (told to workers at registration, shown in /v1/status)
         self.compression = compression.Spec(settings.compression, settings.compression_topk_ratio,
                                             settings.compression_2bit_threshold)
+        #: exact weight deltas for workers that hold the previous step (None: every body answer is dense)
+        self.deltas = (WeightDeltas(self.compression.compresses) if settings.weight_deltas and settings.shards == 1
+                       and self.compression.name in ("topk", "2bit") else None)
         self.bytes_in = 0
         self.bytes_out = 0
-        self._key: tuple | None = None
-        self._body: bytes | memoryview = b""
+        #: form ("dense" or "delta") -> (key, the encoded answer)
+        self._bodies: dict[str, tuple[tuple, bytes | memoryview]] = {}
         self._shm_key: tuple | None = None
         self._shm_body = b""
 
@@ -95,9 +102,10 @@ class TensorSeam:
         """The transport a pull answers through: the file when asked for and offered, else the body."""
         return "shm" if shm and self.shm.weights_name is not None else "http"
 
-    def weights_response(self, via: str, headers: dict | None = None) -> Response:
+    def weights_response(self, via: str, headers: dict | None = None, since: int | None = None) -> Response:
         """The current weights: a frame of them (the same bytes for every worker of a step), or, for a
-        same-host worker, a frame with no tensors (they are in the weights file)."""
+        same-host worker, a frame with no tensors (they are in the weights file). ``since``: the step whose
+        weights the worker holds (a delta from it when one is offered, else dense)."""
         core = self.core
         if via == "shm":
             self.shm.published(core.global_step)
@@ -107,7 +115,7 @@ class TensorSeam:
                 self._shm_body, self._shm_key = frame.encode_bytes({}, {**head, "shm": True}), key
             body: bytes | memoryview = self._shm_body
         else:
-            body = self._weights_frame()
+            body = self._weights_frame(since)
             self.bytes_out += len(body)
         return Response(body, media_type=frame.MEDIA_TYPE,
                         headers={STEP_HEADER: str(core.global_step), **(headers or {})})
@@ -117,23 +125,39 @@ class TensorSeam:
         # the open round's ranks, else (async/ssp, or no round) the active members': a cached sorted tuple
         return {"step": core.global_step, "done": core.done, "ranks": core.ranks()}
 
-    def _weights_frame(self) -> bytes | memoryview:
-        """The weights' frame, encoded once per (step, round membership) into a buffer that is never
-        written again while an answer still sends it: the weights may change under an answer in flight."""
-        core = self.core
+    def _weights_frame(self, since: int | None) -> bytes | memoryview:
+        """The weights' frame (dense, or a delta from ``since``), each form encoded once per (step, round
+        membership) into a buffer that is never written again while an answer still sends it: the weights
+        may change under an answer in flight."""
+        core, deltas = self.core, self.deltas
         head = self._head()
         key = (head["step"], head["done"], tuple(head["ranks"]), core.optimizer.iterations)
-        if key != self._key:
-            self._body = b""  # the old buffer goes back to the pool once no answer sends it
-            layout = frame.Layout.of(core.weights, sorted(core.weights))
-            view = POOL.take(frame.frame_bytes(layout, head))
-            frame.write_into(view, core.weights, head, layout)
-            self._body, self._key = view, key
-        return self._body
+        if deltas is None:
+            return self._encoded("dense", key, head, core.weights)
+        deltas.observe(core.global_step, core.optimizer.iterations, core.weights)
+        head["lineage"] = deltas.lineage
+        if not deltas.offers(since):
+            return self._encoded("dense", key, head, core.weights)
+        try:
+            return self._encoded("delta", key, {**head, "since": deltas.base, "sparse": sorted(deltas.changes)},
+                                 {**core.weights, **deltas.changes})
+        except ValueError:  # thousands of long names: the header would pass its limit; dense then
+            return self._encoded("dense", key, head, core.weights)
+
+    def _encoded(self, form: str, key: tuple, head: dict, tensors: dict) -> bytes | memoryview:
+        cached = self._bodies.get(form)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        self._bodies.pop(form, None)  # the old buffer goes back to the pool once no answer sends it
+        layout = frame.Layout.of(tensors, sorted(tensors))
+        view = POOL.take(frame.frame_bytes(layout, head))
+        frame.write_into(view, tensors, head, layout)
+        self._bodies[form] = (key, view)
+        return view
 
     def drop_body(self) -> None:
         """Forget the encoded weights (a push is coming in, its round re-encodes them)."""
-        self._body, self._key = b"", None
+        self._bodies.clear()
 
     def close(self) -> None:
         self.shm.close()

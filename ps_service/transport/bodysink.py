@@ -36,8 +36,11 @@ import time
 import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-#: bytes per socket read outside a sink
-READ_CHUNK = 256 << 10
+#: bytes per socket read outside a sink. Small on purpose: the read that brings a push's headers also
+#: brings the start of its body, which goes through the parser (and two more copies) before the route has
+#: set its sink. Headers and JSON bodies fit in one read; only bodies that never get a sink (chunked) take
+#: more reads.
+READ_CHUNK = 16 << 10
 _thread = threading.local()
 
 SINK_KEY = "syncps.body_sink"

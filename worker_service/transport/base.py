@@ -77,17 +77,27 @@ class TensorTransport(ABC):
         """Query parameters this transport adds to a pull."""
 
     @abstractmethod
-    def weights(self, answer: frame.Frame) -> dict[str, np.ndarray]:
-        """The weights of a pull answer."""
+    def weights(self, answer: frame.Frame) -> dict[str, np.ndarray] | None:
+        """The weights of a pull answer; None if this transport cannot use it (a weight delta from weights it
+        no longer holds): ask again, densely."""
 
-    def pulled(self, body: bytes | memoryview) -> Pulled:
+    def answer_params(self) -> dict:
+        """Query parameters this transport adds to a push that asks for the next weights."""
+        return {}
+
+    def pulled(self, body: bytes | memoryview) -> Pulled | None:
+        """The weights of an answer (None: see :meth:`weights`)."""
         f = frame.decode(body)
+        return self._pulled(f, self.weights(f), len(body))
+
+    @staticmethod
+    def _pulled(f: frame.Frame, tensors: dict[str, np.ndarray] | None, nbytes: int) -> Pulled | None:
         m = f.meta
-        return Pulled(m["step"], m["done"], list(m.get("ranks", [])), self.weights(f), len(body))
+        return None if tensors is None else Pulled(m["step"], m["done"], list(m.get("ranks", [])), tensors, nbytes)
 
     def push(self, meta: dict, grads: Mapping[str, np.ndarray], wait: float, timeout: float) -> PushAnswer:
         """Push, and wait at most ``wait`` s for the round to close and its weights to come back."""
-        resp = self.call("POST", f"{API}/gradients", params={"pull": 1, "timeout": wait},
+        resp = self.call("POST", f"{API}/gradients", params={"pull": 1, "timeout": wait, **self.answer_params()},
                          body=self.push_body(meta, grads), headers={"content-type": frame.MEDIA_TYPE},
                          timeout=timeout + wait, what=f"POST {API}/gradients (step {meta['step']})")
         return self.push_answer(resp)
@@ -95,8 +105,9 @@ class TensorTransport(ABC):
     def push_answer(self, resp: Response) -> PushAnswer:
         """A push's answer: the next weights (a frame, the status in a header), or JSON without them."""
         if resp.headers.get("content-type", "").startswith(frame.MEDIA_TYPE):
-            got = self.pulled(resp.content)
-            return PushAnswer(resp.headers[PUSH_STATUS_HEADER.lower()], got.step, got.done, got)
+            f = frame.decode(resp.content)
+            got = self._pulled(f, self.weights(f), len(resp.content))  # None: the client pulls
+            return PushAnswer(resp.headers[PUSH_STATUS_HEADER.lower()], f.meta["step"], f.meta["done"], got)
         obj = resp.json()
         return PushAnswer(obj["status"], obj["step"], obj["done"], None)
 
@@ -106,7 +117,11 @@ class TensorTransport(ABC):
             params["worker_id"] = worker_id
         resp = self.call("GET", f"{API}/model", params=params, timeout=timeout + wait,
                          what=f"GET {API}/model (step {min_step})")
-        return None if resp.status_code == 204 else self.pulled(resp.content)
+        if resp.status_code == 204:
+            return None
+        got = self.pulled(resp.content)
+        # an answer the transport cannot use made it forget what it held: the next pull asks densely
+        return got if got is not None else self.pull(min_step, worker_id, wait, timeout)
 
     def close(self) -> None:
         pass

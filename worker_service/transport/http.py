@@ -19,5 +19,9 @@ class BodyTransport(TensorTransport):
         return {}
 
     def weights(self, answer: frame.Frame) -> dict[str, np.ndarray]:
-        # views of the answer's buffer; copied only if the buffer leaves them unaligned (BLAS wants aligned)
-        return {k: v if v.flags.aligned else v.copy() for k, v in answer.tensors.items()}
+        return self.views(answer.tensors)
+
+    @staticmethod
+    def views(tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Views of the answer's buffer; copied only if the buffer leaves them unaligned (BLAS wants aligned)."""
+        return {k: v if v.flags.aligned else v.copy() for k, v in tensors.items()}

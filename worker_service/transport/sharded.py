@@ -18,7 +18,7 @@ else request bodies, compressed as the job says).
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor, wait as wait_all
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait as wait_all
 from typing import TYPE_CHECKING, Mapping
 
 import numpy as np
@@ -39,7 +39,8 @@ class ShardedTransport(TensorTransport):
     def __init__(self, m: shards.ShardMap, clients: list["PSClient"], worker_id: str | None) -> None:
         super().__init__(clients[0].call)
         self.map, self.clients, self.worker_id = m, clients, worker_id
-        self.pool = ThreadPoolExecutor(max_workers=len(clients), thread_name_prefix="shard")
+        # room for one call per shard, and for the calls a failed batch left running (:meth:`_all`)
+        self.pool = ThreadPoolExecutor(max_workers=2 * len(clients), thread_name_prefix="shard")
         self.name = "+".join(c.transport for c in clients)
 
     @classmethod
@@ -74,9 +75,14 @@ class ShardedTransport(TensorTransport):
         raise NotImplementedError
 
     def _all(self, calls) -> list:
-        """Run the calls in parallel; their results in order, or the first one's error once all are over."""
+        """Run the calls in parallel; their results in order, or an error as soon as one fails (e.g. 409
+        ``not_active`` from the coordinator after a rollback, while a follower's long-poll pull still waits: it is
+        left to end by itself)."""
         futures = [self.pool.submit(c) for c in calls]
-        wait_all(futures)
+        wait_all(futures, return_when=FIRST_EXCEPTION)
+        for f in futures:
+            if f.done() and f.exception() is not None:
+                raise f.exception()
         return [f.result() for f in futures]
 
     def _hold(self, i: int, meta: dict, pieces: Mapping[str, np.ndarray], timeout: float) -> None:

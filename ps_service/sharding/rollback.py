@@ -1,0 +1,99 @@
+"""The coordinator's live rollback of a sharded PS when a follower restarted (docs/architecture.md, Shards).
+
+A follower killed and started again comes back from its newest checkpoint: maybe behind the coordinator, and
+always without the pieces held for the open round. The job cannot go on from there, but it can from the newest
+step every shard has a checkpoint of (the start-up check's rule, :meth:`.links.Links.check_steps`), without
+restarting anything else. Contract of :func:`roll_back` (one at a time; :class:`~ps_service.sharding.ShardRole`
+starts it when :attr:`.links.Links.on_restart` reports a restart):
+
+1. Registration is refused (503 ``shards_inconsistent``, retried by workers) with the reason in ``/v1/status``
+   (``shard.blocked``); the links to the followers stop (applies in flight abandoned).
+2. Each follower's step and checkpoint steps (``GET /v1/shard/state``, asked until it answers). The step is the
+   newest in every shard's checkpoint steps (or its live step: a shard at that step keeps its model).
+3. Each follower goes back to it (``POST /v1/shard/restore``), then the coordinator itself
+   (:meth:`~ps_service.core.ParameterServerCore.rewind`): every member is expired, so each worker's next
+   request gets 409 ``not_active`` and it registers again and pulls the restored weights; the round records of
+   the abandoned steps are dropped. Checkpoints of later steps are deleted on every shard.
+4. The links start again with empty queues, registration opens: one WARNING line says from which step to which
+   and why, ``shard.rollbacks`` in ``/v1/status`` (and ``ps_shard_rollbacks_total``) counts it.
+
+No common step (no ``PS_CHECKPOINT_DIR``, or no step shared), or a follower refusing the restore: registration
+stays refused with a reason saying what the operator must do; nothing mixes steps.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+log = logging.getLogger("ps_service")
+
+
+async def _states(role) -> dict[int, dict]:
+    """Each follower's ``GET /v1/shard/state`` answer, asked again until it answers (the reason says who is awaited)."""
+    links, out = role.links, {}
+    for f in links.followers:
+        while f.index not in out:
+            try:
+                resp = await links.ask(f, "GET", "/shard/state")
+                if resp.status_code == 200:
+                    out[f.index] = resp.json()
+                    continue
+                why = f"{resp.status_code} {resp.text[:200]}"
+            except TimeoutError as exc:
+                why = str(exc)
+            links.blocked = f"rolling back: waiting for shard {f.index}'s state ({why})"
+            await asyncio.sleep(1.0)
+    return out
+
+
+def common_step(own: set[int], states: dict[int, dict]) -> int | None:
+    """The newest step every shard can go back to: a checkpoint of it, or (a follower) being at it now."""
+    common = set(own)
+    for st in states.values():
+        common &= set(st.get("checkpoints") or []) | ({st["step"]} if st.get("initialized") else set())
+    return max(common, default=None)
+
+
+async def roll_back(role, why: str) -> None:
+    """Roll the job back live (the module's contract); any failure leaves registration refused, saying why."""
+    try:
+        await _roll_back(role, why)
+    except Exception as exc:
+        role.links.blocked = (f"{why}; the rollback failed ({type(exc).__name__}: {exc}): restart every shard from "
+                              "checkpoints of one step")
+        log.exception("%s", role.links.blocked)
+
+
+async def _roll_back(role, why: str) -> None:
+    links, core, rt = role.links, role.core, role.rt
+    was = core.global_step
+    role.rollbacks += 1
+    links.blocked = f"rolling back to the newest checkpoint every shard has: {why}"
+    log.info("%s: rolling the job back (registration refused meanwhile)", why)
+    await links.stop()  # no apply of an abandoned round reaches a restored follower
+    await role.go_back(core.model_state(), rt.now())  # the job stops here: every worker out, no round open
+    states = await _states(role)
+    step = common_step(set(role.checkpoint_steps()) | {was}, states)
+    if step is None:
+        links.blocked = (f"{why}, and no step is in every shard's checkpoints (the coordinator is at step {was}; "
+                         + "; ".join(f"shard {i} at {st.get('step')}, checkpoints {st.get('checkpoints')}"
+                                     for i, st in states.items())
+                         + "): set PS_CHECKPOINT_DIR on every shard, or restart every shard from checkpoints of one "
+                           "step, or all fresh")
+        log.error("%s", links.blocked)
+        return
+    for f in links.followers:
+        resp = await links.ask(f, "POST", "/shard/restore", json={"step": step})
+        if resp.status_code != 200:
+            links.blocked = (f"{why}; rolling back to step {step}, shard {f.index} refused: {resp.status_code} "
+                             f"{resp.text[:300]}: restart every shard from checkpoints of step {step}")
+            log.error("%s", links.blocked)
+            return
+        f.step, f.boot = step, resp.json().get("boot", f.boot)
+    state = await asyncio.to_thread(role.step_state, step)
+    await role.go_back(state, rt.now())
+    links.start()
+    role.last_rollback = f"from step {was} to step {step}: {why}"
+    links.blocked = None
+    log.warning("rolled the job back from step %d to step %d, the newest checkpoint every shard has (%s); workers "
+                "register again and redo %d round(s)", was, step, why, was - step)

@@ -1,0 +1,63 @@
+"""The PS's side of weight deltas (docs/protocol.md, "Weight deltas"): which entries of the weights changed
+since the step whose weights were last served, computed once per step, not per worker.
+
+:class:`WeightDeltas` keeps one snapshot of the tracked tensors (float32 tensors the job compresses: at most
+one extra model copy) at ``step``; :meth:`observe`, called with the weights of every body answer, notices a
+new step and compares the weights with the snapshot bit for bit: the tensors with few changed entries
+(``shared.weight_deltas.worth_sparse``) keep them (the answer's sparse tensors), then the snapshot takes the
+new values (only the changed entries are copied). ``base`` is the step the changes are from.
+
+``lineage`` names this sequence of weights: a worker's weights of step ``s`` are the PS's of step ``s`` only
+if both come from the same lineage. It is random per PS process (a restarted PS, even one restored at the
+same step, is another lineage) and drawn again if the weights of one step changed (the optimizer's
+iterations moved while the step did not, or the step went back): never seen in practice, the rule that
+keeps a delta exact whatever happens.
+"""
+from __future__ import annotations
+
+import secrets
+from typing import Callable, Mapping
+
+import numpy as np
+
+from shared import weight_deltas as wd
+from shared.compression import U32
+
+
+class WeightDeltas:
+    def __init__(self, tracked: Callable[[str, np.dtype], bool]) -> None:
+        #: whether a tensor (name, dtype) may travel as changed entries
+        self.tracked = tracked
+        self.lineage = secrets.token_hex(8)
+        self.step: int | None = None
+        self._iterations: int | None = None
+        self._snapshot: dict[str, np.ndarray] = {}
+        #: the step ``changes`` are from (None: no delta to offer)
+        self.base: int | None = None
+        #: name -> uint32 [2, k]: the tracked tensors sent as changed entries from ``base`` to ``step``
+        self.changes: dict[str, np.ndarray] = {}
+
+    def observe(self, step: int, iterations: int, weights: Mapping[str, np.ndarray]) -> None:
+        """The weights about to be served are those of ``step``: if it is a new step, find what changed."""
+        if step == self.step and iterations == self._iterations:
+            return
+        if self.step is None or step <= self.step:  # first sight, or the weights of a step changed
+            if self.step is not None:
+                self.lineage = secrets.token_hex(8)
+            self._snapshot = {k: np.array(v, order="C") for k, v in weights.items() if self.tracked(k, v.dtype)}
+            self.base, self.changes = None, {}
+        else:
+            self.base, self.changes = self.step, {}
+            for name, snap in self._snapshot.items():
+                now = weights[name]
+                idx = wd.changed_indices(snap, now)
+                if wd.worth_sparse(idx.size, snap.size):
+                    wire = self.changes[name] = wd.pack(idx, now)
+                    snap.reshape(-1).view(U32)[idx] = wire[1]  # now the snapshot is ``now``: nothing else changed
+                else:
+                    np.copyto(snap, now)
+        self.step, self._iterations = step, iterations
+
+    def offers(self, since: int | None) -> bool:
+        """Whether a worker holding the weights of ``since`` (this lineage) can be answered with changes."""
+        return since is not None and since == self.base and bool(self.changes)

@@ -1,0 +1,41 @@
+"""Exact weight deltas PS -> worker (docs/protocol.md, "Weight deltas"): the layout of one tensor's changed
+entries, how the PS finds them and how a worker applies them. Pure numpy; no I/O.
+
+A float32 tensor of ``n`` elements that changed in ``k`` entries between two steps travels as the top-k
+layout of shared/compression.py: uint32 ``[2, k]``, row 0 the flat indices (C order) strictly increasing,
+row 1 the **new** float32 values' bits (not differences). "Changed" compares bit patterns, so applying the
+entries to the old tensor gives the new one bit for bit (-0.0, NaN payloads included). A tensor is worth
+sending so only while ``2 * k < n`` (8 bytes per changed entry against 4 per element).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from shared.compression import F32, U32, check_topk
+
+
+def changed_indices(old: np.ndarray, new: np.ndarray) -> np.ndarray:
+    """The flat indices (ascending, uint32) where ``new``'s float32 bits differ from ``old``'s."""
+    return np.flatnonzero(old.reshape(-1).view(U32) != new.reshape(-1).view(U32)).astype(U32)
+
+
+def worth_sparse(k: int, n: int) -> bool:
+    """Whether ``k`` changed entries of ``n`` travel smaller as entries than as the dense tensor."""
+    return 2 * k < n
+
+
+def pack(indices: np.ndarray, new: np.ndarray) -> np.ndarray:
+    """The wire form: uint32 ``[2, k]`` of ``indices`` and ``new``'s bits there."""
+    out = np.empty((2, indices.size), U32)
+    out[0] = indices
+    out[1] = new.reshape(-1).view(U32)[indices]
+    return out
+
+
+def apply(held: np.ndarray, wire: np.ndarray, name: str) -> None:
+    """Write a delta's new values into ``held`` (float32, C-contiguous, writable) in place; 422 bad_encoding
+    (nothing written) if ``wire`` is not the layout for ``held``."""
+    if held.dtype != F32 or not held.flags.c_contiguous or not held.flags.writeable:
+        raise ValueError(f"tensor {name!r}: a delta applies to a writable C-contiguous float32 array")
+    idx = check_topk(wire, held.size, name)
+    held.reshape(-1).view(U32)[idx] = wire[1]
