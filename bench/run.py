@@ -65,6 +65,12 @@ def _global_step(client: httpx.Client) -> tuple[float, int, dict]:
     return time.perf_counter(), st["global_step"], st
 
 
+def _wait_next_step(client: httpx.Client) -> None:
+    """Return (within 10 ms) when the next global step completes."""
+    step = _global_step(client)[1]
+    wait_for(lambda: _global_step(client)[1] > step, 600.0, "the next global step", interval=0.01)
+
+
 def _wire_bytes(urls: list[str]) -> tuple[int, int]:
     """Tensor bytes every shard received and sent so far (``/v1/status``)."""
     up = down = 0
@@ -80,8 +86,11 @@ def _shard_cpu(procs: list) -> list[float | None]:
 
 def measure(workers: int, params: int, seconds: float, warmup: float = 2.0, dtype: str = "float32",
             ps_env: dict | None = None, worker_env: dict | None = None, start_deadline: float = 120.0,
-            transport: str = "auto", task: str = "linear", compression: str = "none", shards: int = 1) -> dict:
-    """One run; the result line as a dict."""
+            transport: str = "auto", task: str = "linear", compression: str = "none", shards: int = 1,
+            cluster_options: dict | None = None, step_aligned: bool = False) -> dict:
+    """One run; the result line as a dict. ``cluster_options``: more :class:`LocalCluster` arguments (``host``,
+    ``prefix``: ``bench.hosts`` runs each process in a network namespace of its own). ``step_aligned``: the window
+    starts and ends as a global step completes (polled every 10 ms), for runs of only a few steps."""
     p, (d, k), task_env = task_workload(task, params)
     out: dict = {"system": "syncps", "workers": workers, "params": p, "params_requested": int(params)}
     if task != "linear":
@@ -98,8 +107,8 @@ def measure(workers: int, params: int, seconds: float, warmup: float = 2.0, dtyp
         ps_env={"PS_TOTAL_NUM_REPLICAS": workers, "PS_LOG_LEVEL": "warning", **(ps_env or {})},
         worker_env={"WORKER_TASK": task_env, "WORKER_DTYPE": dtype,
                     "WORKER_LOG_EVERY_SECONDS": 3600, "OPENBLAS_NUM_THREADS": 1, "OMP_NUM_THREADS": 1,
-                    "MKL_NUM_THREADS": 1, **(worker_env or {})}, shards=shards)
-    urls = [f"http://127.0.0.1:{port}" for port in cluster.shard_ports]
+                    "MKL_NUM_THREADS": 1, **(worker_env or {})}, shards=shards, **(cluster_options or {}))
+    urls = [f"http://{cluster.host}:{port}" for port in cluster.shard_ports]
     try:
         cluster.start()
         with httpx.Client(base_url=cluster.url, timeout=30.0) as client:
@@ -111,9 +120,13 @@ def measure(workers: int, params: int, seconds: float, warmup: float = 2.0, dtyp
             wait_for(training, start_deadline, "training to start", interval=0.1)
             time.sleep(warmup)
             procs = [cluster.ps, *cluster.followers]
+            if step_aligned:
+                _wait_next_step(client)
             cpu0, wcpu0, wire0 = _shard_cpu(procs), _shard_cpu(cluster.workers), _wire_bytes(urls)
             t0, g0, _ = _global_step(client)
             time.sleep(seconds)
+            if step_aligned:
+                _wait_next_step(client)
             t1, g1, st = _global_step(client)
             cpu1, wcpu1, wire1 = _shard_cpu(procs), _shard_cpu(cluster.workers), _wire_bytes(urls)
             members = client.get("/v1/workers").json()["workers"]

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -53,20 +54,24 @@ def wait_for(predicate, deadline: float, what: str, interval: float = 0.05):
 class LocalCluster:
     def __init__(self, workers: int = 4, ps_env: dict | None = None, worker_env: dict | None = None,
                  log_dir: str | Path | None = None, port: int | None = None, token: str | None = None,
-                 keep_logs: bool | None = None, shards: int = 1) -> None:
+                 keep_logs: bool | None = None, shards: int = 1, host: str = "127.0.0.1",
+                 prefix: Callable[[str], list[str]] | None = None) -> None:
         """``token``: the PS's PS_AUTH_TOKEN, given to the workers too (and used by :meth:`status`, :meth:`get`).
-        ``keep_logs``: keep the temporary log folder even after a clean run (default: ``SYNCPS_KEEP_LOGS``)."""
+        ``keep_logs``: keep the temporary log folder even after a clean run (default: ``SYNCPS_KEEP_LOGS``).
+        ``host``: the address the PS binds and everyone reaches it at; ``prefix``: the command prefix of the process
+        whose log is named ``ps`` / ``ps-<i>`` / ``worker-<i>`` (``bench.hosts``: ``ip netns exec NS``)."""
         self.n_workers = workers
         self.token = token
         self.headers = bearer_header(SecretStr(token) if token else None)
         self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.ps_env = {"PS_HOST": "127.0.0.1", "PS_PORT": str(self.port), "PS_MIN_WORKERS": str(workers), "PS_STARTUP_GRACE_SECONDS": "0",
+        self.host, self.prefix = host, prefix
+        self.url = f"http://{host}:{self.port}"
+        self.ps_env = {"PS_HOST": host, "PS_PORT": str(self.port), "PS_MIN_WORKERS": str(workers), "PS_STARTUP_GRACE_SECONDS": "0",
                        **{k: str(v) for k, v in (ps_env or {}).items()}}
         self.shard_ports = [self.port, *(free_port() for _ in range(shards - 1))]
         if shards > 1:
             self.ps_env.update(PS_SHARDS=str(shards),
-                               PS_SHARD_URLS=",".join(f"http://127.0.0.1:{p}" for p in self.shard_ports))
+                               PS_SHARD_URLS=",".join(f"http://{host}:{p}" for p in self.shard_ports))
         self.followers: list[subprocess.Popen] = []  # shards 1..S-1
         self.worker_env = {"WORKER_PS_URL": self.url, **{k: str(v) for k, v in (worker_env or {}).items()}}
         if token:
@@ -93,7 +98,8 @@ class LocalCluster:
         out = open(self.log_dir / log_name, "ab")
         self._files.append(out)
         full_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1"}
-        return subprocess.Popen([sys.executable, "-m", module], env=full_env, stdout=out, stderr=subprocess.STDOUT)
+        prefix = self.prefix(Path(log_name).stem) if self.prefix else []
+        return subprocess.Popen([*prefix, sys.executable, "-m", module], env=full_env, stdout=out, stderr=subprocess.STDOUT)
 
     def shard_env(self, index: int) -> dict:
         """Shard ``index``'s environment: its port and index, a checkpoint directory of its own."""
@@ -115,7 +121,7 @@ class LocalCluster:
             if proc.poll() is not None:
                 raise RuntimeError(f"PS exited with {proc.returncode}:\n{self.log(name)}")
             try:
-                return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1.0).status_code == 200
+                return httpx.get(f"http://{self.host}:{port}/healthz", timeout=1.0).status_code == 200
             except httpx.TransportError:
                 return False
 

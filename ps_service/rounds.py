@@ -179,10 +179,10 @@ class Round:
         first = self._first_pending(worker_id)
         return () if first is None else (first,)
 
-    def read(self, borrowed: Borrowed) -> Taken:
-        """A borrowed gradient checked where it is (:meth:`Accumulator.read`); nothing changes: pass it to
-        :meth:`accept` at once, or drop it."""
-        return self.acc.read(borrowed)
+    def read(self, borrowed: Borrowed, worker_id: str) -> Taken:
+        """``worker_id``'s borrowed gradient checked where it is (:meth:`Accumulator.read`); nothing changes: pass
+        it to :meth:`accept` at once, or drop it."""
+        return self.acc.read(borrowed, self.key(worker_id))
 
     def accept(self, arrival: Arrival, grads, loss: float | None, examples: int | None, eager: bool) -> None:
         """An accepted gradient (or what :meth:`read` made of it, just before); ``eager``: every eligible member

@@ -337,7 +337,7 @@ def test_borrowed_gradients_read_once_give_the_same_bits(n, eager, data):
         if borrowed[i]:
             b = Borrowed({k: v for k, v in src.items()}, lambda: {k: np.empty_like(v) for k, v in W0.items()},
                          lambda: None)
-            taken = acc.read(b)
+            taken = acc.read(b, (i, f"w{i}") if i % 2 else None)  # with its key: maybe the pair's checked sum
             assert taken.nonfinite is None
             acc.apply(f"w{i}", i, taken, pending)
         else:
@@ -585,3 +585,58 @@ def test_the_finiteness_check_finds_every_nan_and_inf_wherever_it_sits(dtype):
             h = g.copy()
             h[at] = bad
             assert not _all_finite(h) and not _all_finite(h[at:at + 1])
+
+
+def test_the_second_of_the_first_two_borrowed_is_checked_by_their_sum_and_that_sum_is_used():
+    """Taken with its key as the second of the first two in rank order (the first borrowed and waiting), a borrowed
+    gradient is checked by summing the pair out of both files (one read of its file): that checked sum is the
+    pair's fold, bit-identical to the rank-order sum, whatever either file holds afterwards. With a NaN in it, it
+    is found as alone; a lower rank arriving later makes the pair another one: that sum is not used."""
+    g = [grad(i) for i in range(3)]
+
+    def borrowed(i):
+        src = {k: v.copy() for k, v in g[i].items()}
+        return src, Borrowed(src, lambda: {k: np.empty_like(v) for k, v in W0.items()}, lambda: None)
+
+    expected = {k: (g[1][k] + g[2][k]) / np.float32(2) for k in W0}
+    acc = Accumulator(tuple(W0), "mean")
+    s1, b1 = borrowed(1)
+    acc.apply("b", 1, acc.read(b1, (1, "b")), pending=None)
+    s2, b2 = borrowed(2)
+    taken = acc.read(b2, (2, "c"))
+    assert taken.nonfinite is None and taken.presum is not None and taken.presum[:2] == ((1, "b"), (2, "c"))
+    acc.apply("c", 2, taken, pending=None)
+    for src in (s1, s2):  # rewritten after the pair was checked: what is applied is what was checked
+        src["w"][0, 0] = np.nan
+    out = acc.take()
+    assert not acc.dropped and all(out[k].tobytes() == expected[k].tobytes() for k in W0)
+    # a NaN in the second: found as when checked alone, nothing changes
+    acc = Accumulator(tuple(W0), "mean")
+    s1, b1 = borrowed(1)
+    acc.apply("b", 1, acc.read(b1, (1, "b")), pending=None)
+    s2, b2 = borrowed(2)
+    s2["b"][0] = np.inf
+    taken = acc.read(b2, (2, "c"))
+    assert taken.nonfinite == "b" and taken.presum is None and len(acc) == 1
+    # arrived in the other order: the same pair, the same sum
+    acc = Accumulator(tuple(W0), "mean")
+    _, b2 = borrowed(2)
+    acc.apply("c", 2, acc.read(b2, (2, "c")), pending=None)
+    _, b1 = borrowed(1)
+    taken = acc.read(b1, (1, "b"))
+    assert taken.presum is not None and taken.presum[:2] == ((1, "b"), (2, "c"))
+    acc.apply("b", 1, taken, pending=None)
+    out = acc.take()
+    expected = {k: (g[1][k] + g[2][k]) / np.float32(2) for k in W0}
+    assert all(out[k].tobytes() == expected[k].tobytes() for k in W0)
+    # a lower rank arrives after the pair was summed: the first two are now (0, 1), summed as usual
+    acc = Accumulator(tuple(W0), "mean")
+    _, b1 = borrowed(1)
+    acc.apply("b", 1, acc.read(b1, (1, "b")), pending=None)
+    _, b2 = borrowed(2)
+    acc.apply("c", 2, acc.read(b2, (2, "c")), pending=None)
+    _, b0 = borrowed(0)
+    acc.apply("a", 0, acc.read(b0, (0, "a")), pending=None)
+    out = acc.take()
+    expected = {k: (g[0][k] + g[1][k] + g[2][k]) / np.float32(3) for k in W0}
+    assert all(out[k].tobytes() == expected[k].tobytes() for k in W0)

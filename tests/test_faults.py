@@ -100,10 +100,11 @@ def stall_report():
 
 @pytest.mark.parametrize("restart_at_once", [False, True], ids=["replace-after", "restart-at-once"])
 def test_killed_workers_never_hang_the_job(restart_at_once, stall_report):
-    """20 kill -9 over two runs: each time a round closes within lease + deadline of the kill."""
-    records = kill_workers_in_turn(n_workers=4, kills=10, every=10, restart_at_once=restart_at_once)
+    """12 kill -9 over two runs (each of the 4 workers killed once or twice): each time a round closes within
+    lease + deadline of the kill."""
+    records = kill_workers_in_turn(n_workers=4, kills=6, every=10, restart_at_once=restart_at_once)
     stall_report.extend(records)
-    assert len(records) == 10
+    assert len(records) == 6
     for r in records:
         assert 0 < r["stall"] <= LEASE + DEADLINE, r
 

@@ -1,0 +1,291 @@
+"""``python -m bench.hosts``: syncps and torch gloo between emulated hosts, each behind a link of its own.
+
+On loopback bytes cost only CPU; between hosts each host has one NIC of bandwidth B: the PS's NIC carries
+2*N*M bytes a round (uncompressed), a ring all-reduce 2*(N-1)/N*M on every host's NIC at once. This emulates
+that on one machine (root, ``ip`` and ``tc``): host ``i`` is a network namespace ``<prefix>-h<i>`` at
+``<subnet>.<i+1>``, joined to a bridge ``<prefix>br`` (``<subnet>.254``, in the root namespace) by a veth pair
+whose two ends are shaped with ``tc ... tbf rate --rate`` (the host's end: its uplink; the bridge's end: its
+downlink). The hosts are always removed (``finally`` and ``atexit``), and so are a crashed run's leftovers of
+the same prefix when a run starts. A first line measures one TCP stream between two hosts (the shaping works).
+
+Systems (``--systems``, a comma list): ``syncps`` and ``syncps-bf16``, ``syncps-topk``, ``syncps-2bit``
+(``PS_COMPRESSION``) run :func:`bench.run.measure` (the anchors' workload of :mod:`bench.task`, every tensor
+over TCP: ``--transport http``; the window starts and ends as a step completes: a slow link makes few steps) with the PS in host 0 and worker k in host k; ``gloo`` runs
+:mod:`bench.gloo_hosts` (the anchors' torch all-reduce) with rank r in host r+1, in the anchors' torch venv
+(``~/.cache/syncps-anchors/torch``; a clear error line when it is missing). ``--rate none``: no namespaces,
+everything on loopback (to check a runner against its loopback figure).
+
+Output: one JSON line per run (bench.run's fields plus ``rate`` and ``wire_bytes_per_step``: the bytes the PS
+received and sent a step; gloo: ``ring_bytes_per_host_per_step``), then a Markdown table, rows params x workers,
+a column per system and the ratio of each syncps column to gloo.
+"""
+from __future__ import annotations
+
+import argparse
+import atexit
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.run import measure
+from bench.table import machine
+from cluster.processes import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+GLOO_RUNNER = ROOT / "bench" / "gloo_hosts.py"
+TORCH_PYTHON = Path.home() / ".cache" / "syncps-anchors" / "torch" / "bin" / "python"
+UNITS = {"tbit": 1e12, "gbit": 1e9, "mbit": 1e6, "kbit": 1e3, "bit": 1.0}
+
+
+def sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, check=check, capture_output=True, text=True, timeout=30)
+
+
+def rate_bits(rate: str) -> float:
+    """``1gbit`` -> 1e9 (tc's units of bits per second)."""
+    unit = next(u for u in UNITS if rate.lower().endswith(u))
+    return float(rate[: -len(unit)]) * UNITS[unit]
+
+
+def namespaces(prefix: str) -> list[str]:
+    """The hosts of ``prefix`` that exist."""
+    return [name for line in sh("ip", "netns", "list").stdout.splitlines()
+            if re.fullmatch(rf"{re.escape(prefix)}-h\d+", name := line.split()[0])]
+
+
+def remove_hosts(prefix: str) -> None:
+    """Delete the namespaces (killing what still runs there: a crashed run's PS and workers), links and forwarding
+    rule of ``prefix`` (a namespace takes its veth pair along)."""
+    for ns in namespaces(prefix):
+        for pid in sh("ip", "netns", "pids", ns, check=False).stdout.split():
+            with contextlib.suppress(OSError):
+                os.kill(int(pid), signal.SIGKILL)
+        sh("ip", "netns", "delete", ns, check=False)
+    ours = re.compile(rf"{re.escape(prefix)}(br|v\d+|n\d+)")
+    for line in sh("ip", "-o", "link", "show").stdout.splitlines():
+        name = line.split(":")[1].strip().split("@")[0]
+        if ours.fullmatch(name):
+            sh("ip", "link", "delete", name, check=False)
+    while shutil.which("iptables") and sh("iptables", "-D", *forward_rule(prefix), check=False).returncode == 0:
+        pass
+
+
+def forward_rule(prefix: str) -> list[str]:
+    """Bridged frames pass iptables' FORWARD chain when br_netfilter is loaded (Docker's policy: DROP)."""
+    return ["FORWARD", "-i", f"{prefix}br", "-o", f"{prefix}br", "-j", "ACCEPT"]
+
+
+class Hosts:
+    """``count`` emulated hosts on a bridge, every link shaped at ``rate`` (a context manager)."""
+
+    def __init__(self, count: int, rate: str, prefix: str = "sph", subnet: str = "10.88.0") -> None:
+        self.count, self.rate, self.prefix, self.subnet = count, rate, prefix, subnet
+
+    def ip(self, i: int) -> str:
+        return f"{self.subnet}.{i + 1}"
+
+    def namespace(self, i: int) -> str:
+        return f"{self.prefix}-h{i}"
+
+    def device(self, i: int) -> str:
+        """Host ``i``'s end of its veth pair (inside its namespace)."""
+        return f"{self.prefix}n{i}"
+
+    def exec_prefix(self, i: int) -> list[str]:
+        return ["ip", "netns", "exec", self.namespace(i)]
+
+    def shape(self, device: str, run_in: list[str] | None = None) -> None:
+        """A token bucket on ``device``'s egress (``run_in``: the namespace's ``ip netns exec`` prefix)."""
+        burst = max(64 * 1024, int(rate_bits(self.rate) / 8 / 1000))  # 1 ms of traffic, at least one GSO packet
+        sh(*(run_in or []), "tc", "qdisc", "add", "dev", device, "root", "tbf", "rate", self.rate,
+           "burst", str(burst), "latency", "20ms")
+
+    def __enter__(self) -> Hosts:
+        remove_hosts(self.prefix)
+        atexit.register(remove_hosts, self.prefix)
+        try:
+            bridge = f"{self.prefix}br"
+            sh("ip", "link", "add", bridge, "type", "bridge")
+            sh("ip", "addr", "add", f"{self.subnet}.254/24", "dev", bridge)
+            sh("ip", "link", "set", bridge, "up")
+            if shutil.which("iptables"):
+                sh("iptables", "-I", *forward_rule(self.prefix))
+            for i in range(self.count):
+                ns, outer, inner = self.namespace(i), f"{self.prefix}v{i}", self.device(i)
+                sh("ip", "netns", "add", ns)
+                sh("ip", "link", "add", outer, "type", "veth", "peer", "name", inner, "netns", ns)
+                sh("ip", "-n", ns, "addr", "add", f"{self.ip(i)}/24", "dev", inner)
+                sh("ip", "-n", ns, "link", "set", inner, "up")
+                sh("ip", "-n", ns, "link", "set", "lo", "up")
+                sh("ip", "link", "set", outer, "master", bridge)
+                sh("ip", "link", "set", outer, "up")
+                self.shape(outer)
+                self.shape(inner, self.exec_prefix(i))
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        remove_hosts(self.prefix)
+        atexit.unregister(remove_hosts)
+
+
+def sink(ip: str, port: int) -> None:
+    """Accept one TCP stream and print its rate (bytes from the first to the last, over that time)."""
+    import socket
+    with socket.create_server((ip, port)) as server:
+        conn, _ = server.accept()
+        with conn:
+            buf, total, first = bytearray(1 << 20), 0, None
+            while n := conn.recv_into(buf):
+                first = first or time.perf_counter()
+                total += n
+            seconds = time.perf_counter() - (first or time.perf_counter())
+    print(json.dumps({"bytes": total, "seconds": round(seconds, 4)}), flush=True)
+
+
+def source(ip: str, port: int, seconds: float) -> None:
+    """Send zeros to ``ip:port`` for ``seconds`` (connecting with retries while the sink starts)."""
+    import socket
+    end = time.monotonic() + 10
+    while True:
+        try:
+            conn = socket.create_connection((ip, port), timeout=10)
+            break
+        except OSError:
+            if time.monotonic() > end:
+                raise
+            time.sleep(0.05)
+    with conn:
+        chunk, stop = bytes(1 << 20), time.monotonic() + seconds
+        while time.monotonic() < stop:
+            conn.sendall(chunk)
+
+
+def stream_check(hosts: Hosts, seconds: float = 1.0) -> dict:
+    """One TCP stream from host 1 to host 0: the JSON line showing the links are shaped."""
+    port = free_port()
+    call = "from bench.hosts import {}; {}"
+    sink_proc = subprocess.Popen([*hosts.exec_prefix(0), sys.executable, "-c",
+                                  call.format("sink", f"sink({hosts.ip(0)!r}, {port})")],
+                                 cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        subprocess.run([*hosts.exec_prefix(1), sys.executable, "-c",
+                        call.format("source", f"source({hosts.ip(0)!r}, {port}, {seconds})")],
+                       cwd=ROOT, check=True, timeout=seconds + 30)
+        got = json.loads(sink_proc.communicate(timeout=30)[0])
+    finally:
+        sink_proc.kill()
+        sink_proc.wait()
+    return {"check": "tcp_stream", "rate": hosts.rate, "from": hosts.ip(1), "to": hosts.ip(0),
+            "mbit_per_s": round(got["bytes"] * 8 / 1e6 / max(got["seconds"], 1e-9), 1), **got}
+
+
+def syncps(hosts: Hosts | None, system: str, workers: int, params: int, seconds: float, warmup: float) -> dict:
+    """bench.run's line for ``syncps[-compression]``: the PS in host 0, worker k in host k, tensors over TCP."""
+    options = {} if hosts is None else {
+        "host": hosts.ip(0),
+        "prefix": lambda name: hosts.exec_prefix(0 if name.startswith("ps") else int(name.rsplit("-", 1)[1]) + 1)}
+    compression = system.partition("-")[2] or "none"
+    line = {**measure(workers, params, seconds, warmup, transport="http", compression=compression,
+                      cluster_options=options, step_aligned=True), "system": system}
+    if line.get("steps_per_s"):
+        line["wire_bytes_per_step"] = round(line["wire_MB_per_s"] * 1e6 / line["steps_per_s"])
+    return line
+
+
+def gloo(hosts: Hosts | None, workers: int, params: int, seconds: float, warmup: float) -> dict:
+    """The anchors' gloo all-reduce, rank r in host r+1 (:mod:`bench.gloo_hosts`): rank 0's line."""
+    base = {"system": "gloo", "workers": workers, "params_requested": params}
+    if not TORCH_PYTHON.exists():
+        return {**base, "steps_per_s": None, "error": f"skipped: no torch venv at {TORCH_PYTHON}"}
+    port, master = free_port(), "127.0.0.1" if hosts is None else hosts.ip(1)
+    args = ["--master", master, "--port", str(port), "--workers", str(workers), "--params", str(params),
+            "--seconds", str(seconds), "--warmup", str(warmup)]
+    procs = []
+    with tempfile.TemporaryFile("w+") as errors:
+        try:
+            for rank in range(workers):
+                run_in = [] if hosts is None else hosts.exec_prefix(rank + 1)
+                env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo" if hosts is None else hosts.device(rank + 1)}
+                procs.append(subprocess.Popen([*run_in, str(TORCH_PYTHON), str(GLOO_RUNNER), "--rank", str(rank), *args],
+                                              env=env, stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL,
+                                              stderr=errors, text=True))
+            out = procs[0].communicate(timeout=120 + warmup + 3 * seconds)[0]
+            lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+            if not lines:
+                errors.seek(0)
+                return {**base, "steps_per_s": None, "error": "no line from rank 0: " + errors.read()[-1000:]}
+        except subprocess.TimeoutExpired:
+            return {**base, "steps_per_s": None, "error": "timed out"}
+        finally:
+            for proc in procs:
+                proc.kill()
+                proc.wait()
+    line = {**lines[-1], "system": "gloo"}
+    line["ring_bytes_per_host_per_step"] = round(2 * (workers - 1) / workers * line["params"] * 4)
+    return line
+
+
+def table(lines: list[dict], systems: list[str]) -> str:
+    """Rows params x workers, a column per system (steps/s), then each syncps column over gloo."""
+    rate = {(x["params_requested"], x["workers"], x["system"]): x.get("steps_per_s") for x in lines}
+    ratios = [s for s in systems if s != "gloo"] if "gloo" in systems else []
+    head = ["params", "workers", *systems, *(f"{s} / gloo" for s in ratios)]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
+    for p, n in sorted({(p, n) for p, n, _ in rate}):
+        cells = [f"{p:,}", str(n), *(f"{v:.3g}" if (v := rate.get((p, n, s))) else "-" for s in systems)]
+        for s in ratios:
+            a, b = rate.get((p, n, s)), rate.get((p, n, "gloo"))
+            cells.append(f"{a / b:.2f}x" if a and b else "-")
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.hosts", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rate", default="1gbit", help="every host's link, up and down (tc units: 1gbit, 100mbit); "
+                                                    "none: no namespaces, all on loopback")
+    ap.add_argument("--workers", default="2", help="comma list")
+    ap.add_argument("--params", default="1000000", help="comma list")
+    ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--warmup", type=float, default=2.0)
+    ap.add_argument("--systems", default="syncps,gloo",
+                    help="comma list of syncps, syncps-bf16, syncps-fp16, syncps-topk, syncps-2bit, gloo")
+    ap.add_argument("--prefix", default="sph", help="of the namespaces and links (a crashed run's are removed)")
+    ap.add_argument("--subnet", default="10.88.0", help="the hosts' /24 (host i at .i+1, the bridge at .254)")
+    args = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: the hosts are removed on the way out
+    workers = [int(w) for w in args.workers.split(",")]
+    systems = [s for s in args.systems.split(",") if s]
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    lines: list[dict] = []
+    with (Hosts(max(workers) + 1, args.rate, args.prefix, args.subnet) if args.rate != "none"
+          else contextlib.nullcontext()) as hosts:
+        if hosts is not None:
+            print(json.dumps(stream_check(hosts)), flush=True)
+        for params in (int(float(p)) for p in args.params.split(",")):
+            for n in workers:
+                for system in systems:
+                    line = (gloo(hosts, n, params, args.seconds, args.warmup) if system == "gloo" else
+                            syncps(hosts, system, n, params, args.seconds, args.warmup))
+                    line["rate"] = args.rate
+                    lines.append(line)
+                    print(json.dumps(line), flush=True)
+    print(f"\nsteps/s between emulated hosts, link {args.rate} per host; {started}; {machine()}; "
+          f"load {os.getloadavg()[0]:.2f}\n")
+    print(table(lines, systems))
+    return 0 if all(x.get("steps_per_s") for x in lines) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

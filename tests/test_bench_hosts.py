@@ -1,0 +1,55 @@
+"""``python -m bench.hosts``: emulated hosts (network namespaces, shaped veth links) come up, carry a syncps run
+across their links, and are gone afterwards, even after a run that did not remove them. Needs root, ``ip`` and
+``tc`` (skipped otherwise); its own prefix and subnet, so it does not disturb a benchmark running meanwhile."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from bench.hosts import Hosts, namespaces, sh
+
+PREFIX, SUBNET = "sphtest", "10.88.201"
+
+
+def _can_emulate() -> bool:
+    if os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("tc")):
+        return False
+    probe = f"{PREFIX}-probe"
+    ok = sh("ip", "netns", "add", probe, check=False).returncode == 0
+    sh("ip", "netns", "delete", probe, check=False)
+    return ok
+
+
+pytestmark = pytest.mark.skipif(not _can_emulate(), reason="needs root with ip, tc and network namespaces")
+
+
+def _links() -> list[str]:
+    return [line for line in sh("ip", "-o", "link", "show").stdout.splitlines() if f" {PREFIX}" in line]
+
+
+def test_syncps_runs_between_shaped_hosts_and_the_hosts_are_removed():
+    out = subprocess.run([sys.executable, "-m", "bench.hosts", "--rate", "1gbit", "--workers", "2", "--params",
+                          "10000", "--seconds", "2", "--warmup", "0.5", "--systems", "syncps", "--prefix", PREFIX,
+                          "--subnet", SUBNET], check=False, capture_output=True, text=True, timeout=90)
+    lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert out.returncode == 0, out.stdout + out.stderr[-2000:]
+    stream, run = lines
+    assert stream["check"] == "tcp_stream" and 300 < stream["mbit_per_s"] < 1100  # shaped at 1 Gbit/s
+    assert run["system"] == "syncps" and run["rate"] == "1gbit" and run["transport"] == "http"
+    assert run["steps_per_s"] > 0 and run["wire_bytes_per_step"] > 2 * 2 * 10_000 * 4  # pushes and weights
+    assert "| 10,000 | 2 |" in out.stdout
+    assert namespaces(PREFIX) == [] and _links() == []
+
+
+def test_a_crashed_runs_hosts_are_replaced():
+    crashed = Hosts(2, "1gbit", PREFIX, SUBNET).__enter__()  # never left: as a run killed by SIGKILL leaves them
+    assert sorted(namespaces(PREFIX)) == [crashed.namespace(0), crashed.namespace(1)]
+    with Hosts(2, "1gbit", PREFIX, SUBNET) as hosts:
+        assert sorted(namespaces(PREFIX)) == [hosts.namespace(0), hosts.namespace(1)]
+        assert "tbf" in sh(*hosts.exec_prefix(1), "tc", "qdisc", "show", "dev", hosts.device(1)).stdout
+    assert namespaces(PREFIX) == [] and _links() == []
