@@ -42,7 +42,11 @@ def create_app(settings: PSSettings | None = None) -> FastAPI:
                 await rt.shards.links.close()
 
     docs = {} if not settings.production else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    # FastAPI >= 0.16x asks OpenTelemetry for its providers on every request (reading the environment each time:
+    # ~0.2 ms per request in the PS's profile); syncps exports Prometheus metrics, not OpenTelemetry: off (an older
+    # FastAPI keeps the unknown keyword in app.extra)
     app = FastAPI(title="syncps parameter server", version="0.1.0", lifespan=lifespan, **docs,
+                  telemetry={"tracing": False, "metrics": False, "logs": False},
                   description="Synchronous parameter server (SyncReplicasOptimizer semantics). See docs/protocol.md.")
     install_error_handlers(app)
     app.add_middleware(HotPath)  # the per-step push and pull skip FastAPI's routing when plainly well-formed
