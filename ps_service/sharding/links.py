@@ -50,6 +50,15 @@ class Follower:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
 
 
+def common_step(own: set[int], states: dict[int, dict]) -> int | None:
+    """The newest step every shard can go back to (``own``: the coordinator's; ``states``: each follower's
+    ``GET /v1/shard/state`` answer): a checkpoint of it, or (a follower) being at it now."""
+    common = set(own)
+    for st in states.values():
+        common &= set(st.get("checkpoints") or []) | ({st["step"]} if st.get("initialized") else set())
+    return max(common, default=None)
+
+
 class Links:
     def __init__(self, urls: list[str], token) -> None:
         self.followers = [Follower(i, url) for i, url in enumerate(urls) if i > 0]
@@ -164,18 +173,16 @@ class Links:
         """After the coordinator restored step ``step`` (``own``: the steps of its checkpoints): every follower must
         resume at that step. One that is at another step but has a checkpoint of it is told to restore it
         (``POST /v1/shard/restore``); else registration stays refused, naming the newest step every shard has."""
-        bad, common = [], set(own) | {step}
+        bad, states = [], {}
         for f in self.followers:
             try:
-                st = (await self.ask(f, "GET", "/shard/state")).json()
+                st = states[f.index] = (await self.ask(f, "GET", "/shard/state")).json()
             except (TimeoutError, ValueError) as exc:
                 bad.append(f"shard {f.index} did not answer ({exc})")
                 continue
             f.step = st.get("step") if st.get("initialized") else None
             f.boot = st.get("boot")
-            held = set(st.get("checkpoints") or [])
-            common &= held | ({f.step} if f.step is not None else set())
-            if f.step != step and step in held:
+            if f.step != step and step in (st.get("checkpoints") or []):
                 resp = await self.ask(f, "POST", "/shard/restore", json={"step": step})
                 if resp.status_code == 200:
                     log.warning("shard %d was at step %s: it restored step %d, the coordinator's", f.index, f.step, step)
@@ -184,7 +191,7 @@ class Links:
                 bad.append(f"shard {f.index} is at step {'none (no model)' if f.step is None else f.step}")
         self.blocked = None
         if bad:
-            newest = max(common, default=None)
+            newest = common_step(set(own) | {step}, states)
             self.blocked = (f"the coordinator restored step {step} but {'; '.join(bad)}: restore every shard from a "
                             f"checkpoint of the same step (the newest every shard has: {newest}), or start them all "
                             "fresh")

@@ -25,6 +25,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from ps_service.sharding.links import common_step
+
 log = logging.getLogger("ps_service")
 
 
@@ -44,14 +46,6 @@ async def _states(role) -> dict[int, dict]:
             links.blocked = f"rolling back: waiting for shard {f.index}'s state ({why})"
             await asyncio.sleep(1.0)
     return out
-
-
-def common_step(own: set[int], states: dict[int, dict]) -> int | None:
-    """The newest step every shard can go back to: a checkpoint of it, or (a follower) being at it now."""
-    common = set(own)
-    for st in states.values():
-        common &= set(st.get("checkpoints") or []) | ({st["step"]} if st.get("initialized") else set())
-    return max(common, default=None)
 
 
 async def roll_back(role, why: str) -> None:
