@@ -21,9 +21,10 @@ Contract:
 - A :class:`Borrowed` gradient (a same-host worker's file, which its worker could rewrite) is checked where it
   is by :meth:`Accumulator.read` before the core changes anything (its push's status), then summed from the
   file when its turn comes, read once, the sum checked as it is made (:func:`read_checked`): the first two in
-  rank order, both borrowed, together into a buffer of ours (the first waits for the second; when the second
-  is taken while the first waits, that checked sum is its check, made then, and the pair's fold: its file is
-  read once), any later one into the running sum in place. What is applied is what was checked. A gradient found changed then (NaN/Inf
+  rank order, both borrowed, together into a buffer of ours (the first waits for the second), any later one into
+  the running sum in place. When it can, the check at the push is itself the sum it is about to be part of, which
+  the fold then takes (its file read once): the pair's sum, or the running sum plus it into another buffer (the
+  running sum untouched until the push is taken). What is applied is what was checked. A gradient found changed then (NaN/Inf
   or the file rewritten: a sender that broke the protocol) is :attr:`~Accumulator.dropped` (left out of the
   sum and of the mean's count); if it had reached the running sum in place, or the sum overflows, the sum
   is :attr:`~Accumulator.spoiled`: ``take()`` gives None, the round applies nothing. Same bits as owned
@@ -42,6 +43,7 @@ import numpy as np
 from shared.errors import unprocessable
 
 Key = tuple[int, str]  # (rank, worker_id): the order of the sum
+_TOP: Key = (float("inf"), "")  # after every key
 
 
 #: elements read and checked at a time by :func:`read_checked` (a chunk stays in the cache)
@@ -125,10 +127,12 @@ class Borrowed:
 class Taken:
     """What :meth:`Accumulator.read` made of a borrowed gradient: the :class:`Borrowed` itself, checked where it
     is. ``nonfinite``: the first tensor with NaN/Inf in what was checked, None if all finite. ``presum``: (the
-    first's key, this one's key, their sum, checked) when the check was that sum (:meth:`Accumulator.read`)."""
+    first's key, this one's key, their sum, checked) when the check was that sum; ``onward``: (this one's key, the
+    running sum it was added to, how many were in it, the new running sum, checked) when the check was that (:meth:`Accumulator.read`)."""
     arrays: Borrowed
     nonfinite: str | None
     presum: tuple | None = None
+    onward: tuple | None = None
 
 
 def _dtype(dt: np.dtype) -> str:
@@ -190,6 +194,9 @@ class Accumulator:
     spoiled: bool = False
     #: (first key, second key, their checked sum) made by :meth:`read`: the pair's sum if they are still the first two
     _presum: tuple | None = field(default=None, repr=False)
+    #: (key, the running sum then, its count, running sum + that gradient, checked) made by :meth:`read`: used when
+    #: that gradient is folded
+    _onward: tuple | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -197,28 +204,49 @@ class Accumulator:
     def __contains__(self, worker_id: object) -> bool:
         return worker_id in self.keys
 
-    def read(self, borrowed: Borrowed, key: Key | None = None) -> Taken:
+    def read(self, borrowed: Borrowed, key: Key | None = None, pending: Iterable[Key] | None = None) -> Taken:
         """Check a borrowed gradient before the core takes it, where it is; nothing changes (pass the result to
-        :meth:`apply` at once, or drop it). It stays borrowed: the sum reads it again when its turn comes and
-        checks what it makes (:meth:`_fold`).
+        :meth:`apply` at once, with the same ``pending``, or drop it). Alone (no ``key``), it stays borrowed: the
+        sum reads it again when its turn comes and checks what it makes (:meth:`_fold`). With ``key`` (its sort
+        key) and ``pending`` (as :meth:`apply`'s; None: unknown), the check is, when it can be, a sum this gradient
+        is about to be part of, made out of the file into a buffer of ours and checked (a finite sum has finite
+        terms), so the file is read once, not twice:
 
-        With ``key`` (its sort key), when nothing is summed yet and the only gradient waiting is borrowed (the two
-        are the first two in rank order so far, in either arrival order), the check is their sum instead, made out of both files into a
-        buffer of ours and checked (a finite sum has finite terms): :meth:`_fold_pair` takes that sum if the two are
-        still the first two then, so the file is read once, not twice. A sum that is not finite (this one has NaN/Inf,
-        or the first changed, or they overflow): this one is checked alone, as without ``key``."""
-        pre = self._presum_with(borrowed, key) if key is not None else None
-        if pre is not None:
-            return Taken(borrowed, None, pre)
+        - the pair: nothing summed yet, and this one and the lowest waiting one (borrowed) are the two lowest keys so
+          far and, if ``pending`` is known, of the round: their sum, which :meth:`_fold_pair` takes if they are
+          still the first two then;
+        - onward: a running sum exists and, ``pending`` known, nothing that is waiting or still possible sorts
+          before this one (:meth:`apply` folds it at once): running sum + this one, into another buffer (the running
+          sum is not written), which :meth:`_fold_borrowed` takes.
+
+        A sum that is not finite (this one has NaN/Inf, the other changed, or they overflow): this one is checked
+        alone."""
+        if key is not None:
+            bound = None if pending is None else min(pending, default=_TOP)
+            made = self._onward_with(borrowed, key, bound) or self._presum_with(borrowed, key, bound)
+            if made is not None:
+                return made
         return Taken(borrowed, next((n for n, g in borrowed.views.items() if not _all_finite(g)), None))
 
-    def _presum_with(self, borrowed: Borrowed, key: Key) -> tuple | None:
-        if self.acc is not None or self.folded or len(self.waiting) != 1:
+    def _onward_with(self, borrowed: Borrowed, key: Key, bound: Key | None) -> Taken | None:
+        queue = self.queue
+        if (bound is None or not key < bound or self.acc is None or self.spoiled or (queue and queue[0] < key)
+                or key < self.folded[-1]):
             return None
-        (wid, other), = self.waiting.items()
-        if not isinstance(other, Borrowed):
-            return None
-        (k1, b1), (k2, b2) = sorted(((self.keys[wid], other), (key, borrowed)), key=lambda kb: kb[0])
+        out = borrowed.buffer()
+        if read_checked(borrowed.views, out, self.acc) is not None:  # exactly _fold_borrowed's sum
+            return None  # NaN/Inf in the file, or the sum overflows: checked alone, as any other
+        return Taken(borrowed, None, onward=(key, self.acc, len(self.folded), out))
+
+    def _presum_with(self, borrowed: Borrowed, key: Key, bound: Key | None) -> Taken | None:
+        queue = self.queue
+        if self.acc is not None or self.folded or not queue or min(queue[1:3], default=_TOP) < key:
+            return None  # something is summed, nothing waits, or two waiting sort before this one
+        other_key = queue[0]
+        other = self.waiting[other_key[1]]
+        (k1, b1), (k2, b2) = sorted(((other_key, other), (key, borrowed)), key=lambda kb: kb[0])
+        if not isinstance(other, Borrowed) or (bound is not None and bound < k2):
+            return None  # a lower gradient still to come would make this sum useless
         out = b1.buffer()
         if read_checked(b2.views, out, b1.views) is not None:  # exactly _fold_pair's sum
             return None
@@ -226,7 +254,7 @@ class Accumulator:
             other.confirm()
         except Exception:  # the other was rewritten: the pair is summed (and that found) at its turn
             return None
-        return k1, k2, out
+        return Taken(borrowed, None, (k1, k2, out))
 
     def apply(self, worker_id: str, rank: int, grads: Mapping[str, np.ndarray] | Taken,
               pending: Iterable[Key] | None = None) -> None:
@@ -239,6 +267,8 @@ class Accumulator:
         self.waiting[worker_id] = grads.arrays if isinstance(grads, Taken) else grads
         if isinstance(grads, Taken) and grads.presum is not None:
             self._presum = grads.presum
+        if isinstance(grads, Taken) and grads.onward is not None:
+            self._onward = grads.onward
         heapq.heappush(self.queue, key)
         if pending is not None:
             self._fold(min(pending, default=None))
@@ -259,7 +289,7 @@ class Accumulator:
             raise AssertionError("nothing to take")
         self._fold(None)
         out, n = (None, 0) if self.spoiled else (self.acc, len(self.keys) - len(self.dropped))
-        self.keys, self.folded, self.acc, self._presum = {}, [], None, None
+        self.keys, self.folded, self.acc, self._presum, self._onward = {}, [], None, None, None
         return out, n if self.aggregation == "mean" and n > 1 else 1
 
     def settle(self) -> None:
@@ -283,7 +313,7 @@ class Accumulator:
             grads = waiting.pop(key[1])
             self.folded.append(key)
             if isinstance(grads, Borrowed):
-                self._fold_borrowed(key[1], grads)
+                self._fold_borrowed(key, grads)
             elif self.acc is None:
                 self.acc = {name: _writable(grads[name]) for name in self.names}
             else:
@@ -323,15 +353,19 @@ class Accumulator:
             self.dropped[wid] = f"changed after it was taken ({why})"
         for key, b in ((first, b1), (second, b2)):
             if key[1] not in changed:
-                self._fold_borrowed(key[1], b)
+                self._fold_borrowed(key, b)
 
-    def _fold_borrowed(self, worker_id: str, borrowed: Borrowed) -> None:
+    def _fold_borrowed(self, key: Key, borrowed: Borrowed) -> None:
         """Sum a borrowed gradient (checked when the core took it) into the running sum in place, reading it once
         and checking the sum as it goes (the first one: copied into a buffer of ours, checked). If what it read
         is not what was checked (NaN/Inf now, or rewritten: a sender that broke the protocol), it is in
         :attr:`dropped`, and if it had reached the running sum, the sum is :attr:`spoiled`: the round applies
-        nothing rather than a value nobody checked."""
-        first = self.acc is None
+        nothing rather than a value nobody checked. If :meth:`read` made this very sum (``_onward``), it is taken."""
+        pre, self._onward = self._onward, None
+        if pre is not None and pre[0] == key and pre[1] is self.acc and pre[2] + 1 == len(self.folded):
+            self.acc = pre[3]  # made from this very running sum (nothing was added to it in place since)
+            return
+        worker_id, first = key[1], self.acc is None
         out = borrowed.buffer() if first else self.acc
         bad = read_checked(borrowed.views, out, None if first else self.acc)
         try:

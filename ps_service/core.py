@@ -354,7 +354,7 @@ class ParameterServerCore(ModelState):
         else:
             status, grads = self._classify(m, req.step, finite), req.tensors
             if borrowed is not None and status is PushStatus.ACCEPTED:  # checked where it is; summed later
-                grads = self.round.read(borrowed, m.worker_id)
+                grads = self.round.read(borrowed, m.worker_id, eager=not self.rule.replicas_to_aggregate)
                 borrowed.confirm()
                 if not finite_or_refuse(grads.nonfinite, policy):
                     status = PushStatus.SKIPPED

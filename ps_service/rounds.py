@@ -163,26 +163,27 @@ class Round:
         """The waiting members' ids in rank order (O(K): monitoring); ``but`` is taken as not alive."""
         return tuple(w for _, w in self.order if w != but and self.standing(w)[1])
 
-    def _first_pending(self, but: str) -> Key | None:
+    def _first_pending(self, but: str, move: bool = True) -> Key | None:
         """The lowest key that may still bring a gradient (``but`` is bringing its own now); the frontier moves
-        there (the keys before ``but``'s never go back to pending)."""
+        there unless ``move`` is False (the keys before ``but``'s never go back to pending once it is in)."""
         order, i, acc, skipped = self.order, self.frontier, self.acc, self.skipped
         while i < len(order) and (order[i][1] in acc or order[i][1] in skipped or order[i][1] == but):
             i += 1
-        self.frontier = i
+        if move:
+            self.frontier = i
         return order[i] if i < len(order) else None
 
-    def _pending(self, worker_id: str, eager: bool) -> tuple[Key, ...] | None:
+    def _pending(self, worker_id: str, eager: bool, move: bool = True) -> tuple[Key, ...] | None:
         """What may still sort before ``worker_id``'s gradient: the lowest pending key (eager), or None (unknown)."""
         if not eager:
             return None
-        first = self._first_pending(worker_id)
+        first = self._first_pending(worker_id, move)
         return () if first is None else (first,)
 
-    def read(self, borrowed: Borrowed, worker_id: str) -> Taken:
+    def read(self, borrowed: Borrowed, worker_id: str, eager: bool) -> Taken:
         """``worker_id``'s borrowed gradient checked where it is (:meth:`Accumulator.read`); nothing changes: pass
-        it to :meth:`accept` at once, or drop it."""
-        return self.acc.read(borrowed, self.key(worker_id))
+        it to :meth:`accept` at once (with the same ``eager``), or drop it."""
+        return self.acc.read(borrowed, self.key(worker_id), self._pending(worker_id, eager, move=False))
 
     def accept(self, arrival: Arrival, grads, loss: float | None, examples: int | None, eager: bool) -> None:
         """An accepted gradient (or what :meth:`read` made of it, just before); ``eager``: every eligible member

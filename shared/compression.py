@@ -212,6 +212,20 @@ def decode_push(spec: Spec, declared: str | None, tensors: Mapping[str, np.ndarr
     return out
 
 
+def known_finite(spec: Spec, wire: Mapping[str, np.ndarray], model: Mapping[str, np.ndarray]) -> bool:
+    """Whether the push :func:`decode_push` made of ``wire`` holds no NaN/Inf, known without reading its dense
+    tensors: every model tensor came top-k (its k values checked here) or 2-bit (+-threshold or 0 by
+    construction). False: not known, the core checks the dense tensors as any others."""
+    if spec.name not in ("topk", "2bit") or wire.keys() != model.keys():
+        return False
+    for name, ref in model.items():
+        if not spec.compresses(name, ref.dtype):
+            return False
+        if spec.name == "topk" and not np.isfinite(wire[name][1].view(F32)).all():
+            return False
+    return True
+
+
 class Compressor:
     """The worker side of one job's encoding: encodes each push, keeping the residuals (topk, 2bit)."""
 

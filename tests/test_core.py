@@ -337,7 +337,7 @@ def test_borrowed_gradients_read_once_give_the_same_bits(n, eager, data):
         if borrowed[i]:
             b = Borrowed({k: v for k, v in src.items()}, lambda: {k: np.empty_like(v) for k, v in W0.items()},
                          lambda: None)
-            taken = acc.read(b, (i, f"w{i}") if i % 2 else None)  # with its key: maybe the pair's checked sum
+            taken = acc.read(b, (i, f"w{i}"), pending) if i % 4 != 3 else acc.read(b)  # with its key: maybe a sum
             assert taken.nonfinite is None
             acc.apply(f"w{i}", i, taken, pending)
         else:
@@ -350,6 +350,42 @@ def test_borrowed_gradients_read_once_give_the_same_bits(n, eager, data):
         if n > 1:
             expected /= n
         assert out[k].tobytes() == expected.tobytes()
+
+
+def test_a_borrowed_gradient_that_folds_at_once_is_checked_by_the_new_running_sum_and_a_bad_one_changes_nothing():
+    """A borrowed gradient that will be folded as soon as it is taken (no lower rank still possible) is checked by
+    the new running sum, made out of the running sum and its file into another buffer: its file is read once. NaN in
+    it, or a sum that overflows: the running sum is untouched (checked alone then, as any other). A file changed
+    after that read changes nothing: what was checked is what is summed."""
+    g = [grad(i) for i in range(3)]
+    acc = Accumulator(tuple(W0), "mean")
+    acc.apply("a", 0, {k: v.copy() for k, v in g[0].items()}, pending=[])
+    before = {k: v.copy() for k, v in acc.acc.items()}
+    for bad in (np.nan, np.inf):
+        src = {k: v.copy() for k, v in g[1].items()}
+        src["b"][1] = bad
+        b = Borrowed(src, lambda: {k: np.empty_like(v) for k, v in W0.items()}, lambda: None)
+        taken = acc.read(b, (1, "b"), pending=[])
+        assert taken.nonfinite == "b" and taken.onward is None
+        assert all(acc.acc[k].tobytes() == before[k].tobytes() for k in W0)
+    src = {k: v.copy() for k, v in g[1].items()}
+    b = Borrowed(src, lambda: {k: np.empty_like(v) for k, v in W0.items()}, lambda: None)
+    taken = acc.read(b, (1, "b"), pending=[])
+    assert taken.onward is not None and all(acc.acc[k].tobytes() == before[k].tobytes() for k in W0)
+    acc.apply("b", 1, taken, pending=[])
+    src["w"][0, 0] = np.nan  # too late: the sum was made and checked when it was taken
+    acc.apply("c", 2, {k: v.copy() for k, v in g[2].items()}, pending=[])
+    out = acc.take()
+    expected = {k: (g[0][k] + g[1][k] + g[2][k]) / np.float32(3) for k in W0}
+    assert all(out[k].tobytes() == expected[k].tobytes() for k in W0) and not acc.dropped
+    acc = Accumulator(tuple(W0), "mean")  # an overflowing new sum: not the check; the in-place fold finds it
+    acc.apply("a", 0, {k: np.full_like(v, 3e38) for k, v in W0.items()}, pending=[])
+    b = Borrowed({k: np.full_like(v, 3e38) for k, v in W0.items()},
+                 lambda: {k: np.empty_like(v) for k, v in W0.items()}, lambda: None)
+    taken = acc.read(b, (1, "b"), pending=[])
+    assert taken.nonfinite is None and taken.onward is None
+    acc.apply("b", 1, taken, pending=[])
+    assert acc.spoiled and list(acc.dropped) == ["b"] and acc.take() is None
 
 
 def test_a_borrowed_gradient_with_nan_or_an_overflowing_sum_is_found():

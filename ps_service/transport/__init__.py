@@ -13,7 +13,8 @@ Transports (docs/protocol.md):
   gradient file (:mod:`ps_service.transport.shm`).
 With ``PS_COMPRESSION`` on, a body push carries its float32 gradients compressed (:mod:`shared.compression`):
 the seam decodes them to float32 here (422 ``compression_mismatch`` / ``bad_encoding``), so the core
-validates and applies the decoded arrays. Same-host pushes are never compressed.
+validates and applies the decoded arrays (a top-k push whose k values are finite, or a 2-bit one, is finite by
+construction: the core does not read its dense tensors for NaN/Inf again). Same-host pushes are never compressed.
 Weights go back as a float32 frame; in a ``topk`` / ``2bit`` job (``PS_WEIGHT_DELTAS``, one PS process) a body
 answer to a worker that holds the previous served step's weights (``since``) carries the tensors that changed
 in few entries as those entries (:mod:`ps_service.transport.deltas`, :mod:`shared.weight_deltas`).
@@ -82,7 +83,8 @@ class TensorSeam:
         if seq is None:
             self.bytes_in += size
             tensors = compression.decode_push(self.compression, declared, f.tensors, core.weights)
-            return Received(push.with_tensors(tensors), "http")
+            checked = compression.known_finite(self.compression, f.tensors, core.weights)  # top-k values, 2-bit
+            return Received(push.with_tensors(tensors, finite_checked=checked), "http")
         compression.check_declared(self.compression, declared, via_body=False)
         if f.tensors:
             raise bad_request("bad_field", "a push with shm_seq carries no tensors in its body")
