@@ -29,6 +29,9 @@ Contract:
   sum and of the mean's count); if it had reached the running sum in place, or the sum overflows, the sum
   is :attr:`~Accumulator.spoiled`: ``take()`` gives None, the round applies nothing. Same bits as owned
   gradients otherwise.
+- A top-k push's tensors (:class:`~shared.compression.SparseTensor`: k entries, zero elsewhere) are added to a
+  running sum made only of such pushes in O(k) (:func:`_add_sparse`, which also keeps the sign of zeros the
+  dense sum would give), else made dense: the same bits either way.
 - NaN/Inf checks (:func:`_all_finite`) are a BLAS dot product with zeros, chunk by chunk (``isfinite`` up to
   :data:`SMALL_ELEMENTS`).
 """
@@ -40,6 +43,7 @@ from typing import Callable, Iterable, Mapping
 
 import numpy as np
 
+from shared.compression import SparseTensor
 from shared.errors import unprocessable
 
 Key = tuple[int, str]  # (rank, worker_id): the order of the sum
@@ -64,6 +68,8 @@ def _all_finite(g: np.ndarray) -> bool:
     """No NaN/Inf in ``g``. For float32/float64, chunk by chunk, the dot product with zeros: 0 when every
     element is finite, NaN as soon as one is NaN or +-Inf (0 * Inf is NaN), computed by BLAS at memory speed
     with no temporary array (half the CPU of a sum). Other dtypes, and small tensors: the element-wise check."""
+    if isinstance(g, SparseTensor):
+        g = g.values  # zero elsewhere
     zeros = _ZEROS.get(g.dtype)
     if zeros is None or g.size <= SMALL_ELEMENTS:
         return bool(np.isfinite(g).all())
@@ -150,8 +156,8 @@ def validate(weights: Mapping[str, np.ndarray], grads: Mapping[str, np.ndarray],
         raise unprocessable("tensor_mismatch", f"tensor {name!r} is {'missing' if missing else 'not in the model'}")
     for name, w in weights.items():
         g = grads[name]
-        if not isinstance(g, np.ndarray) or g.dtype != w.dtype:
-            got = _dtype(g.dtype) if isinstance(g, np.ndarray) else type(g).__name__
+        if not isinstance(g, (np.ndarray, SparseTensor)) or g.dtype != w.dtype:
+            got = _dtype(g.dtype) if isinstance(g, (np.ndarray, SparseTensor)) else type(g).__name__
             raise unprocessable("tensor_mismatch", f"tensor {name!r} is {got}, the model's is {_dtype(w.dtype)}: "
                                                    "a gradient must have its weight's dtype")
         if g.shape != w.shape:
@@ -170,9 +176,30 @@ def finite_or_refuse(nonfinite: str | None, nonfinite_policy: str) -> bool:
     return True
 
 
-def _writable(g: np.ndarray) -> np.ndarray:
-    """``g`` itself to sum into, or a C-contiguous copy when it cannot be written in place."""
+def _writable(g: np.ndarray | SparseTensor) -> np.ndarray:
+    """``g`` itself to sum into, or a C-contiguous copy when it cannot be written in place (a sparse one: dense)."""
+    if isinstance(g, SparseTensor):
+        return g.dense()
     return g if g.flags.writeable and g.flags.c_contiguous else np.array(g, order="C", copy=True)
+
+
+def _negative_zeros(g: np.ndarray | SparseTensor) -> np.ndarray | None:
+    """The flat positions where ``g`` holds -0.0, when cheap to know (sparse: among its values), else None."""
+    if not isinstance(g, SparseTensor):
+        return None
+    v = g.values
+    return g.indices[(v == 0) & np.signbit(v)]
+
+
+def _add_sparse(acc: np.ndarray, g: SparseTensor, negative_zeros: np.ndarray) -> np.ndarray:
+    """``acc += g.dense()`` bit for bit in O(k), given where ``acc`` holds -0.0 (``-0.0 + 0.0`` is ``+0.0``: those
+    ``g`` does not hold become +0.0); the positions where the result holds -0.0."""
+    flat, idx = acc.reshape(-1), g.indices
+    flat[idx] += g.values  # indices strictly increasing: no repeats
+    if negative_zeros.size:
+        flat[negative_zeros[~np.isin(negative_zeros, idx, assume_unique=True)]] = 0.0
+    r = flat[idx]
+    return idx[(r == 0) & np.signbit(r)]
 
 
 @dataclass
@@ -197,6 +224,9 @@ class Accumulator:
     #: (key, the running sum then, its count, running sum + that gradient, checked) made by :meth:`read`: used when
     #: that gradient is folded
     _onward: tuple | None = field(default=None, repr=False)
+    #: per tensor of the running sum, where it holds -0.0 when known (it was only ever summed from
+    #: :class:`~shared.compression.SparseTensor` s): a sparse gradient is then added in O(k) (:func:`_add_sparse`)
+    _negative_zeros: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -290,6 +320,7 @@ class Accumulator:
         self._fold(None)
         out, n = (None, 0) if self.spoiled else (self.acc, len(self.keys) - len(self.dropped))
         self.keys, self.folded, self.acc, self._presum, self._onward = {}, [], None, None, None
+        self._negative_zeros = {}
         return out, n if self.aggregation == "mean" and n > 1 else 1
 
     def settle(self) -> None:
@@ -313,12 +344,24 @@ class Accumulator:
             grads = waiting.pop(key[1])
             self.folded.append(key)
             if isinstance(grads, Borrowed):
+                self._negative_zeros = {}
                 self._fold_borrowed(key, grads)
             elif self.acc is None:
                 self.acc = {name: _writable(grads[name]) for name in self.names}
+                self._negative_zeros = {name: nz for name in self.names
+                                        if (nz := _negative_zeros(grads[name])) is not None}
             else:
-                for name, acc in self.acc.items():
-                    np.add(acc, grads[name], out=acc)
+                self._fold_owned(grads)
+
+    def _fold_owned(self, grads: Mapping[str, np.ndarray | SparseTensor]) -> None:
+        """``acc += grads`` in place (a sparse tensor in O(k) when where the sum holds -0.0 is known)."""
+        known = self._negative_zeros
+        for name, acc in self.acc.items():
+            g, nz = grads[name], known.pop(name, None)
+            if isinstance(g, SparseTensor) and nz is not None:
+                known[name] = _add_sparse(acc, g, nz)
+            else:
+                np.add(acc, g.dense() if isinstance(g, SparseTensor) else g, out=acc)
 
     def _fold_pair(self, first: Key, second: Key) -> None:
         """The running sum's start, ``first + second``, both borrowed: read once from their files into a buffer

@@ -24,6 +24,7 @@ import numpy as np
 from ps_service.accumulator import finite_or_refuse, read_checked
 from ps_service.membership import Member
 from ps_service.staleness import Verdict
+from shared import compression
 from shared.errors import ProtocolError
 from shared.protocol import PushRequest, PushStatus
 
@@ -33,7 +34,7 @@ def classify(core, m: Member, req: PushRequest, finite: bool, now: float) -> tup
     it is borrowed and is checked here), and the gradient the PS owns."""
     if not core.started:
         raise ProtocolError(409, "not_started", "training has not started (waiting for workers)")
-    grads, borrowed = req.tensors, req.borrowed
+    grads, borrowed = {k: compression.dense(g) for k, g in req.tensors.items()}, req.borrowed
     if borrowed is not None:
         grads = borrowed.buffer()
         bad = read_checked(borrowed.views, grads)

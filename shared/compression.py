@@ -14,7 +14,8 @@ model); every other tensor travels as it is. Per compressed tensor ``name`` of `
   ``0b01`` and nonzero padding are refused), 16 per little-endian uint32 word.
 
 Contract: :func:`decode_push` (PS side; :func:`check_declared` for same-host pushes) checks every
-compressed tensor's form before it makes its dense float32 array (fresh memory the PS owns), and raises
+compressed tensor's form before it makes its float32 gradient (a dense array in fresh memory the PS owns; top-k:
+a :class:`SparseTensor` of its entries, which the PS sums without making it dense), and raises
 ProtocolError 422 ``compression_mismatch`` (the push declares another encoding than the job's) or
 ``bad_encoding`` (a tensor does not have its encoding's form); decoding is exact (the float32 values
 the worker chose). :class:`Compressor` is the worker side:
@@ -128,12 +129,30 @@ def check_topk(wire: np.ndarray, n: int, name: str) -> np.ndarray:
     return idx
 
 
-def unpack_topk(wire: np.ndarray, shape: tuple[int, ...], name: str) -> np.ndarray:
-    n = math.prod(shape)
-    idx = check_topk(wire, n, name)
-    out = np.zeros(n, F32)
-    out[idx] = wire[1].view(F32)
-    return out.reshape(shape)
+class SparseTensor:
+    """A decoded top-k tensor as the PS keeps it: float32 of ``shape``, zero but at the flat ``indices`` (strictly
+    increasing) where it holds ``values``. ``dense()`` makes the array; the PS's rank-order sum adds it without
+    making it (ps_service/accumulator.py): the same bits, O(k) instead of O(n)."""
+    dtype = F32
+
+    def __init__(self, shape: tuple[int, ...], indices: np.ndarray, values: np.ndarray) -> None:
+        self.shape, self.indices, self.values = shape, indices, values
+
+    def dense(self) -> np.ndarray:
+        out = np.zeros(math.prod(self.shape), F32)
+        out[self.indices] = self.values
+        return out.reshape(self.shape)
+
+
+def dense(g: np.ndarray | SparseTensor) -> np.ndarray:
+    """``g`` as an array (a :class:`SparseTensor` made dense)."""
+    return g.dense() if isinstance(g, SparseTensor) else g
+
+
+def sparse_topk(wire: np.ndarray, shape: tuple[int, ...], name: str) -> SparseTensor:
+    """A top-k tensor's entries, checked (422 bad_encoding), as a :class:`SparseTensor`."""
+    idx = check_topk(wire, math.prod(shape), name)
+    return SparseTensor(shape, idx.astype(np.intp), wire[1].view(F32))
 
 
 # ---- 2-bit (MXNet) ---------------------------------------------------------------------------------------
@@ -176,8 +195,9 @@ def _bad(name: str, detail: str):
     return unprocessable("bad_encoding", f"tensor {name!r}: {detail}")
 
 
-def decode_tensor(spec: Spec, name: str, shape: tuple[int, ...], wire: np.ndarray) -> np.ndarray:
-    """The dense float32 gradient a compressed tensor stands for (fresh memory), or 422 bad_encoding."""
+def decode_tensor(spec: Spec, name: str, shape: tuple[int, ...], wire: np.ndarray) -> np.ndarray | SparseTensor:
+    """The float32 gradient a compressed tensor stands for (fresh memory; top-k: a :class:`SparseTensor` over the
+    wire's memory), or 422 bad_encoding."""
     if spec.name in ("bf16", "fp16"):
         want = BF16 if spec.name == "bf16" else np.dtype("<f2")
         if wire.dtype != want or wire.shape != shape:
@@ -185,7 +205,7 @@ def decode_tensor(spec: Spec, name: str, shape: tuple[int, ...], wire: np.ndarra
                              f"got {wire.dtype} {list(wire.shape)}")
         return wire.astype(F32)
     if spec.name == "topk":
-        return unpack_topk(wire, shape, name)
+        return sparse_topk(wire, shape, name)
     return dequantize_2bit(wire, shape, np.float32(spec.threshold), name)
 
 
@@ -198,9 +218,9 @@ def check_declared(spec: Spec, declared: str | None, via_body: bool) -> None:
 
 
 def decode_push(spec: Spec, declared: str | None, tensors: Mapping[str, np.ndarray],
-                model: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
-    """A body push's tensors as the core takes them: the compressed ones decoded to float32. Tensors the
-    model does not have are left as they are (the core refuses them)."""
+                model: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray | SparseTensor]:
+    """A body push's tensors as the core takes them: the compressed ones decoded to float32 (top-k ones as
+    :class:`SparseTensor`). Tensors the model does not have are left as they are (the core refuses them)."""
     check_declared(spec, declared, via_body=True)
     if not spec.on:
         return tensors

@@ -41,7 +41,7 @@ def test_round_trip_and_residual(name, n, seed, ratio, threshold):
         before = comp.residuals.get("w", np.zeros(n, F32)).copy()
         wire = comp.encode(g)
         assert wire["d"] is g["d"]  # float64 tensors travel as they are
-        dec = C.decode_push(spec, name, wire, model)
+        dec = {k: C.dense(v) for k, v in C.decode_push(spec, name, wire, model).items()}
         assert dec["w"].dtype == F32 and dec["w"].shape == (n,)
         if name in ("bf16", "fp16"):
             assert np.array_equal(dec["w"], g["w"].astype(C.BF16 if name == "bf16" else np.float16).astype(F32))
@@ -87,7 +87,7 @@ def test_nonfinite():
     comp = C.Compressor(spec)
     g = np.ones(1000, F32)
     g[500] = np.nan
-    dec = C.decode_push(spec, "topk", comp.encode({"w": g}), {"w": g})
+    dec = {k: C.dense(v) for k, v in C.decode_push(spec, "topk", comp.encode({"w": g}), {"w": g}).items()}
     assert np.isnan(dec["w"][500])  # sent, so the PS refuses (or skips) it ...
     assert not comp.residuals["w"].any()  # ... and the residual does not keep poison
     with pytest.raises(C.NonFiniteGradient):
@@ -173,8 +173,8 @@ def test_live_ps_applies_the_decoded_gradients_exactly(name):
             # replay: decode what each rank sent, sum in rank order, mean, w -= g * lr (float32)
             decoded = [C.decode_push(C.Spec(name, 0.05, 0.25), name, sent[i][step], init) for i in (0, 1)]
             for k in weights:
-                acc = decoded[0][k].copy()
-                acc += decoded[1][k]
+                acc = C.dense(decoded[0][k]).copy()
+                acc += C.dense(decoded[1][k])
                 acc /= 2
                 weights[k] -= acc * F32(LR)
         final = workers[0].pull(4, regs[0]["worker_id"], 5.0)

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from ps_service.accumulator import Accumulator, Borrowed
 from ps_service.core import CoreConfig, ParameterServerCore
+from shared.compression import SparseTensor
 from shared.errors import ProtocolError
 from shared.protocol import ModelInit, PushRequest, PushStatus
 
@@ -350,6 +351,43 @@ def test_borrowed_gradients_read_once_give_the_same_bits(n, eager, data):
         if n > 1:
             expected /= n
         assert out[k].tobytes() == expected.tobytes()
+
+
+@settings(max_examples=80, deadline=None)
+@given(n=st.integers(1, 5), eager=st.booleans(), data=st.data())
+def test_sparse_top_k_gradients_are_summed_in_o_k_with_the_dense_sums_bits(n, eager, data):
+    """Top-k pushes (SparseTensor: some entries, zero elsewhere; -0.0 and 0.0 among the values) are added in
+    O(k) when the running sum came only from such pushes, mixed with dense ones otherwise: whatever the
+    arrival order, the sum is bit-identical to the rank-order sum of the dense arrays, signs of zeros included."""
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    size = {k: v.size for k, v in W0.items()}
+    pushes, dense = [], []
+    for i in range(n):
+        sparse = data.draw(st.booleans()) or i > 0 and data.draw(st.booleans())
+        p, d = {}, {}
+        for k, v in W0.items():
+            full = rng.choice(np.array([0.0, -0.0, 1.5, -2.25, 3e-3], np.float32), size[k])
+            if sparse:
+                idx = np.sort(rng.choice(size[k], rng.integers(0, size[k] + 1), replace=False))
+                vals = full[idx]
+                p[k] = SparseTensor(v.shape, idx.astype(np.intp), vals)
+                d[k] = p[k].dense()
+            else:
+                p[k] = full.reshape(v.shape)
+                d[k] = full.reshape(v.shape).copy()
+        pushes.append(p)
+        dense.append(d)
+    order = data.draw(st.permutations(range(n)))
+    acc, arrived = Accumulator(tuple(W0), "sum"), set()
+    for i in order:
+        arrived.add(i)
+        acc.apply(f"w{i}", i, pushes[i], [(j, f"w{j}") for j in range(n) if j not in arrived] if eager else None)
+    out = acc.take()
+    for k in W0:
+        expected = dense[0][k].copy()
+        for j in range(1, n):
+            expected += dense[j][k]
+        assert out[k].tobytes() == expected.tobytes(), (k, out[k], expected)
 
 
 def test_a_borrowed_gradient_that_folds_at_once_is_checked_by_the_new_running_sum_and_a_bad_one_changes_nothing():
