@@ -1,7 +1,8 @@
 """``python -m bench.hosts``: syncps and torch gloo between emulated hosts, each behind a link of its own.
 
 On loopback bytes cost only CPU; between hosts each host has one NIC of bandwidth B: the PS's NIC carries
-2*N*M bytes a round (uncompressed), a ring all-reduce 2*(N-1)/N*M on every host's NIC at once. This emulates
+2*N*M bytes a round (uncompressed), a ring all-reduce 2*(N-1)/N*M on every host's NIC at once; S PS shards on
+hosts of their own (``--shards``) carry 2*N*M/S each, over S links in parallel. This emulates
 that on one machine (root, ``ip`` and ``tc``): host ``i`` is a network namespace ``<prefix>-h<i>`` at
 ``<subnet>.<i+1>``, joined to a bridge ``<prefix>br`` (``<subnet>.254``, in the root namespace) by a veth pair
 whose two ends are shaped with ``tc ... tbf rate --rate`` (the host's end: its uplink; the bridge's end: its
@@ -10,14 +11,19 @@ the same prefix when a run starts. A first line measures one TCP stream between 
 
 Systems (``--systems``, a comma list): ``syncps`` and ``syncps-bf16``, ``syncps-topk``, ``syncps-2bit``
 (``PS_COMPRESSION``) run :func:`bench.run.measure` (the anchors' workload of :mod:`bench.task`, every tensor
-over TCP: ``--transport http``; the window starts and ends as a step completes: a slow link makes few steps) with the PS in host 0 and worker k in host k; ``gloo`` runs
+over TCP: ``--transport http``; the window starts and ends as a step completes: a slow link makes few steps) with
+the PS in host 0 and worker k in host k+1. ``--shards`` (a comma list, default 1) runs each syncps system with S PS
+shards (``PS_SHARDS``), shard i in host i and worker k in host S+k; the weights tensor is cut into S slices
+(``PS_SHARD_SPLIT_ELEMENTS``), so each shard's link carries 1/S of the bytes. ``gloo`` runs
 :mod:`bench.gloo_hosts` (the anchors' torch all-reduce) with rank r in host r+1, in the anchors' torch venv
 (``~/.cache/syncps-anchors/torch``; a clear error line when it is missing). ``--rate none``: no namespaces,
 everything on loopback (to check a runner against its loopback figure).
 
 Output: one JSON line per run (bench.run's fields plus ``rate`` and ``wire_bytes_per_step``: the bytes the PS
-received and sent a step; gloo: ``ring_bytes_per_host_per_step``), then a Markdown table, rows params x workers,
-a column per system and the ratio of each syncps column to gloo.
+received and sent a step; ``shards`` and ``shard_namespaces``, and with S > 1 bench.run's ``shard_urls`` and
+``shard_wire_bytes_per_step``; gloo: ``ring_bytes_per_host_per_step``), then a Markdown table, rows params x
+workers, a column per system (``syncps S=2``: two shards, when ``--shards`` is not just 1) and the ratio of each
+syncps column to gloo.
 """
 from __future__ import annotations
 
@@ -37,6 +43,7 @@ from pathlib import Path
 
 from bench.run import measure
 from bench.table import machine
+from bench.task import model_dims
 from cluster.processes import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -190,14 +197,25 @@ def stream_check(hosts: Hosts, seconds: float = 1.0) -> dict:
             "mbit_per_s": round(got["bytes"] * 8 / 1e6 / max(got["seconds"], 1e-9), 1), **got}
 
 
-def syncps(hosts: Hosts | None, system: str, workers: int, params: int, seconds: float, warmup: float) -> dict:
-    """bench.run's line for ``syncps[-compression]``: the PS in host 0, worker k in host k, tensors over TCP."""
-    options = {} if hosts is None else {
-        "host": hosts.ip(0),
-        "prefix": lambda name: hosts.exec_prefix(0 if name.startswith("ps") else int(name.rsplit("-", 1)[1]) + 1)}
+def host_of(name: str, shards: int) -> int:
+    """The host of the process whose log is ``name``: shard i (``ps``, ``ps-<i>``) in host i, worker k in host S+k."""
+    index = int(name.rsplit("-", 1)[1]) if "-" in name else 0
+    return index if name.startswith("ps") else shards + index
+
+
+def syncps(hosts: Hosts | None, system: str, workers: int, params: int, seconds: float, warmup: float,
+           shards: int = 1) -> dict:
+    """bench.run's line for ``syncps[-compression]`` with ``shards`` PS shards: shard i in host i, worker k in host
+    S+k, tensors over TCP; the weights cut into S slices."""
+    options = {} if hosts is None else {"hosts": [hosts.ip(i) for i in range(shards)],
+                                        "prefix": lambda name: hosts.exec_prefix(host_of(name, shards))}
+    d, k = model_dims(params)
+    ps_env = {"PS_SHARD_SPLIT_ELEMENTS": -(-d * k // shards)} if shards > 1 else {}
     compression = system.partition("-")[2] or "none"
-    line = {**measure(workers, params, seconds, warmup, transport="http", compression=compression,
-                      cluster_options=options, step_aligned=True), "system": system}
+    line = {**measure(workers, params, seconds, warmup, transport="http", compression=compression, ps_env=ps_env,
+                      shards=shards, cluster_options=options, step_aligned=True), "system": system, "shards": shards}
+    if hosts is not None:
+        line["shard_namespaces"] = [hosts.namespace(i) for i in range(shards)]
     if line.get("steps_per_s"):
         line["wire_bytes_per_step"] = round(line["wire_MB_per_s"] * 1e6 / line["steps_per_s"])
     return line
@@ -236,9 +254,16 @@ def gloo(hosts: Hosts | None, workers: int, params: int, seconds: float, warmup:
     return line
 
 
+def column(line: dict, label_shards: bool) -> str:
+    """A line's table column: its system, with ``S=<shards>`` when the table compares shard counts."""
+    return f"{line['system']} S={line.get('shards', 1)}" if label_shards and line["system"] != "gloo" else line["system"]
+
+
 def table(lines: list[dict], systems: list[str]) -> str:
-    """Rows params x workers, a column per system (steps/s), then each syncps column over gloo."""
-    rate = {(x["params_requested"], x["workers"], x["system"]): x.get("steps_per_s") for x in lines}
+    """Rows params x workers, a column per system (steps/s; ``systems``: the lines' :func:`column` names), then each
+    syncps column over gloo."""
+    labelled = any(" S=" in s for s in systems)
+    rate = {(x["params_requested"], x["workers"], column(x, labelled)): x.get("steps_per_s") for x in lines}
     ratios = [s for s in systems if s != "gloo"] if "gloo" in systems else []
     head = ["params", "workers", *systems, *(f"{s} / gloo" for s in ratios)]
     rows = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
@@ -261,29 +286,34 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=float, default=2.0)
     ap.add_argument("--systems", default="syncps,gloo",
                     help="comma list of syncps, syncps-bf16, syncps-fp16, syncps-topk, syncps-2bit, gloo")
+    ap.add_argument("--shards", default="1", help="comma list of PS shard counts S for each syncps system: shard i "
+                                                  "in host i, the workers in the hosts after them")
     ap.add_argument("--prefix", default="sph", help="of the namespaces and links (a crashed run's are removed)")
     ap.add_argument("--subnet", default="10.88.0", help="the hosts' /24 (host i at .i+1, the bridge at .254)")
     args = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: the hosts are removed on the way out
     workers = [int(w) for w in args.workers.split(",")]
     systems = [s for s in args.systems.split(",") if s]
+    shard_counts = [int(s) for s in args.shards.split(",")]
+    runs = [(system, s) for system in systems for s in ([1] if system == "gloo" else shard_counts)]
+    columns = [column({"system": system, "shards": s}, shard_counts != [1]) for system, s in runs]
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     lines: list[dict] = []
-    with (Hosts(max(workers) + 1, args.rate, args.prefix, args.subnet) if args.rate != "none"
+    with (Hosts(max(shard_counts) + max(workers), args.rate, args.prefix, args.subnet) if args.rate != "none"
           else contextlib.nullcontext()) as hosts:
         if hosts is not None:
             print(json.dumps(stream_check(hosts)), flush=True)
         for params in (int(float(p)) for p in args.params.split(",")):
             for n in workers:
-                for system in systems:
+                for system, shards in runs:
                     line = (gloo(hosts, n, params, args.seconds, args.warmup) if system == "gloo" else
-                            syncps(hosts, system, n, params, args.seconds, args.warmup))
+                            syncps(hosts, system, n, params, args.seconds, args.warmup, shards))
                     line["rate"] = args.rate
                     lines.append(line)
                     print(json.dumps(line), flush=True)
     print(f"\nsteps/s between emulated hosts, link {args.rate} per host; {started}; {machine()}; "
           f"load {os.getloadavg()[0]:.2f}\n")
-    print(table(lines, systems))
+    print(table(lines, columns))
     return 0 if all(x.get("steps_per_s") for x in lines) else 1
 
 

@@ -19,7 +19,8 @@ weight deltas, ``PS_WEIGHT_DELTAS``, reported as ``weight_deltas``).
 
 ``--shards S`` (default 1) runs S PS processes (``PS_SHARDS``; README, Shards): ``ps_cpu_s`` is then the CPU
 of every shard summed, ``peak_rss_MB`` the largest shard's, and the line gets ``shards``, ``shard_cpu_s`` and
-``shard_peak_rss_MB`` (one per shard, the coordinator first); ``wire_MB_per_s`` sums every shard's bytes.
+``shard_peak_rss_MB``, ``shard_urls`` and ``shard_wire_bytes_per_step`` (bytes received + sent a step; one per
+shard, the coordinator first); ``wire_MB_per_s`` sums every shard's bytes.
 Its cost model: docs/scaling.md.
 
 ``--task cnn`` measures the torch ``cnn`` task instead (worker_service/tasks/cnn.py, batch 32 per
@@ -71,13 +72,10 @@ def _wait_next_step(client: httpx.Client) -> None:
     wait_for(lambda: _global_step(client)[1] > step, 600.0, "the next global step", interval=0.01)
 
 
-def _wire_bytes(urls: list[str]) -> tuple[int, int]:
-    """Tensor bytes every shard received and sent so far (``/v1/status``)."""
-    up = down = 0
-    for url in urls:
-        st = httpx.get(f"{url}/v1/status", timeout=10.0).json()
-        up, down = up + st["bytes_received"], down + st["bytes_sent"]
-    return up, down
+def _wire_bytes(urls: list[str]) -> list[tuple[int, int]]:
+    """Tensor bytes each shard received and sent so far (``/v1/status``), the coordinator first."""
+    return [(st["bytes_received"], st["bytes_sent"])
+            for st in (httpx.get(f"{url}/v1/status", timeout=10.0).json() for url in urls)]
 
 
 def _shard_cpu(procs: list) -> list[float | None]:
@@ -88,8 +86,8 @@ def measure(workers: int, params: int, seconds: float, warmup: float = 2.0, dtyp
             ps_env: dict | None = None, worker_env: dict | None = None, start_deadline: float = 120.0,
             transport: str = "auto", task: str = "linear", compression: str = "none", shards: int = 1,
             cluster_options: dict | None = None, step_aligned: bool = False) -> dict:
-    """One run; the result line as a dict. ``cluster_options``: more :class:`LocalCluster` arguments (``host``,
-    ``prefix``: ``bench.hosts`` runs each process in a network namespace of its own). ``step_aligned``: the window
+    """One run; the result line as a dict. ``cluster_options``: more :class:`LocalCluster` arguments (``host`` or
+    ``hosts``, ``prefix``: ``bench.hosts`` runs each process in a network namespace of its own). ``step_aligned``: the window
     starts and ends as a global step completes (polled every 10 ms), for runs of only a few steps."""
     p, (d, k), task_env = task_workload(task, params)
     out: dict = {"system": "syncps", "workers": workers, "params": p, "params_requested": int(params)}
@@ -108,7 +106,7 @@ def measure(workers: int, params: int, seconds: float, warmup: float = 2.0, dtyp
         worker_env={"WORKER_TASK": task_env, "WORKER_DTYPE": dtype,
                     "WORKER_LOG_EVERY_SECONDS": 3600, "OPENBLAS_NUM_THREADS": 1, "OMP_NUM_THREADS": 1,
                     "MKL_NUM_THREADS": 1, **(worker_env or {})}, shards=shards, **(cluster_options or {}))
-    urls = [f"http://{cluster.host}:{port}" for port in cluster.shard_ports]
+    urls = cluster.shard_urls
     try:
         cluster.start()
         with httpx.Client(base_url=cluster.url, timeout=30.0) as client:
@@ -122,20 +120,23 @@ def measure(workers: int, params: int, seconds: float, warmup: float = 2.0, dtyp
             procs = [cluster.ps, *cluster.followers]
             if step_aligned:
                 _wait_next_step(client)
-            cpu0, wcpu0, wire0 = _shard_cpu(procs), _shard_cpu(cluster.workers), _wire_bytes(urls)
+            cpu0, wcpu0, shard_wire0 = _shard_cpu(procs), _shard_cpu(cluster.workers), _wire_bytes(urls)
             t0, g0, _ = _global_step(client)
             time.sleep(seconds)
             if step_aligned:
                 _wait_next_step(client)
             t1, g1, st = _global_step(client)
-            cpu1, wcpu1, wire1 = _shard_cpu(procs), _shard_cpu(cluster.workers), _wire_bytes(urls)
+            cpu1, wcpu1, shard_wire1 = _shard_cpu(procs), _shard_cpu(cluster.workers), _wire_bytes(urls)
             members = client.get("/v1/workers").json()["workers"]
         rate = (g1 - g0) / (t1 - t0)
         cpu, wcpu = ([None if a is None or b is None else round(b - a, 3) for a, b in zip(*ab)]
                      for ab in ((cpu0, cpu1), (wcpu0, wcpu1)))
         rss = [round(_proc_status(proc.pid, "VmHWM") or 0.0, 1) for proc in procs]
+        wire0, wire1 = ([sum(col) for col in zip(*per_shard)] for per_shard in (shard_wire0, shard_wire1))
         if shards > 1:
-            out.update(shard_cpu_s=cpu, shard_peak_rss_MB=rss)
+            out.update(shard_cpu_s=cpu, shard_peak_rss_MB=rss, shard_urls=urls,
+                       shard_wire_bytes_per_step=[round((sum(b) - sum(a)) / max(1, g1 - g0))
+                                                  for a, b in zip(shard_wire0, shard_wire1)])
         if compression != "none":
             out.update(weight_deltas=str({**os.environ, **ps_env}.get("PS_WEIGHT_DELTAS", "true")),
                        **{f"{k}_bytes_per_step": round((b - a) / max(1, g1 - g0))

@@ -2,7 +2,7 @@
 
 :class:`LocalCluster` is a context manager: it starts ``python -m ps_service`` on a
 free port (``shards`` > 1: S of them, shard 0 the coordinator at :attr:`url`, each on its
-own port, ``PS_SHARD_*`` set, a checkpoint directory each), waits for ``/healthz`` (polling with a deadline), starts N
+own port, and at an address of its own with ``hosts``; ``PS_SHARD_*`` set, a checkpoint directory each), waits for ``/healthz`` (polling with a deadline), starts N
 ``python -m worker_service`` processes with distinct names, and on exit stops
 whatever still runs (SIGTERM, then SIGKILL after a grace period). Process
 output goes to files under ``log_dir`` so a failing run can show it.
@@ -55,23 +55,28 @@ class LocalCluster:
     def __init__(self, workers: int = 4, ps_env: dict | None = None, worker_env: dict | None = None,
                  log_dir: str | Path | None = None, port: int | None = None, token: str | None = None,
                  keep_logs: bool | None = None, shards: int = 1, host: str = "127.0.0.1",
-                 prefix: Callable[[str], list[str]] | None = None) -> None:
+                 prefix: Callable[[str], list[str]] | None = None, hosts: list[str] | None = None) -> None:
         """``token``: the PS's PS_AUTH_TOKEN, given to the workers too (and used by :meth:`status`, :meth:`get`).
         ``keep_logs``: keep the temporary log folder even after a clean run (default: ``SYNCPS_KEEP_LOGS``).
         ``host``: the address the PS binds and everyone reaches it at; ``prefix``: the command prefix of the process
-        whose log is named ``ps`` / ``ps-<i>`` / ``worker-<i>`` (``bench.hosts``: ``ip netns exec NS``)."""
+        whose log is named ``ps`` / ``ps-<i>`` / ``worker-<i>`` (``bench.hosts``: ``ip netns exec NS``).
+        ``hosts``: one address per shard instead (shard i binds and is reached at ``hosts[i]``, e.g. each in a
+        namespace of its own; ``hosts[0]`` is the coordinator's, :attr:`host`); default ``host`` for every shard."""
+        if hosts is not None and len(hosts) != shards:
+            raise ValueError(f"hosts lists {len(hosts)} address(es) for {shards} shard(s)")
         self.n_workers = workers
         self.token = token
         self.headers = bearer_header(SecretStr(token) if token else None)
         self.port = port or free_port()
-        self.host, self.prefix = host, prefix
-        self.url = f"http://{host}:{self.port}"
-        self.ps_env = {"PS_HOST": host, "PS_PORT": str(self.port), "PS_MIN_WORKERS": str(workers), "PS_STARTUP_GRACE_SECONDS": "0",
+        self.shard_hosts = list(hosts) if hosts is not None else [host] * shards
+        self.host, self.prefix = self.shard_hosts[0], prefix
+        self.url = f"http://{self.host}:{self.port}"
+        self.ps_env = {"PS_HOST": self.host, "PS_PORT": str(self.port), "PS_MIN_WORKERS": str(workers), "PS_STARTUP_GRACE_SECONDS": "0",
                        **{k: str(v) for k, v in (ps_env or {}).items()}}
         self.shard_ports = [self.port, *(free_port() for _ in range(shards - 1))]
+        self.shard_urls = [f"http://{h}:{p}" for h, p in zip(self.shard_hosts, self.shard_ports)]  # shard 0 first
         if shards > 1:
-            self.ps_env.update(PS_SHARDS=str(shards),
-                               PS_SHARD_URLS=",".join(f"http://{host}:{p}" for p in self.shard_ports))
+            self.ps_env.update(PS_SHARDS=str(shards), PS_SHARD_URLS=",".join(self.shard_urls))
         self.followers: list[subprocess.Popen] = []  # shards 1..S-1
         self.worker_env = {"WORKER_PS_URL": self.url, **{k: str(v) for k, v in (worker_env or {}).items()}}
         if token:
@@ -102,8 +107,10 @@ class LocalCluster:
         return subprocess.Popen([*prefix, sys.executable, "-m", module], env=full_env, stdout=out, stderr=subprocess.STDOUT)
 
     def shard_env(self, index: int) -> dict:
-        """Shard ``index``'s environment: its port and index, a checkpoint directory of its own."""
+        """Shard ``index``'s environment: its address, port and index, a checkpoint directory of its own."""
         env = {**self.ps_env, "PS_PORT": str(self.shard_ports[index]), "PS_SHARD_INDEX": str(index)}
+        if self.shard_hosts[index] != self.host:  # ``hosts``: this shard binds an address of its own
+            env["PS_HOST"] = self.shard_hosts[index]
         if len(self.shard_ports) > 1 and env.get("PS_CHECKPOINT_DIR"):
             env["PS_CHECKPOINT_DIR"] = str(Path(env["PS_CHECKPOINT_DIR"]) / f"shard-{index}")
         return env
@@ -117,16 +124,16 @@ class LocalCluster:
         if self.ps is None or self.ps.poll() is not None:
             self.ps = self._spawn("ps_service", self.shard_env(0), "ps.log")
 
-        def healthy(proc, port, name):
+        def healthy(proc, url, name):
             if proc.poll() is not None:
                 raise RuntimeError(f"PS exited with {proc.returncode}:\n{self.log(name)}")
             try:
-                return httpx.get(f"http://{self.host}:{port}/healthz", timeout=1.0).status_code == 200
+                return httpx.get(f"{url}/healthz", timeout=1.0).status_code == 200
             except httpx.TransportError:
                 return False
 
         for i, proc in enumerate([self.ps, *self.followers]):
-            wait_for(lambda proc=proc, i=i: healthy(proc, self.shard_ports[i], "ps" if i == 0 else f"ps-{i}"), deadline,
+            wait_for(lambda proc=proc, i=i: healthy(proc, self.shard_urls[i], "ps" if i == 0 else f"ps-{i}"), deadline,
                      f"PS shard {i} to answer /healthz")
 
     def start_worker(self, index: int | None = None, env: dict | None = None) -> subprocess.Popen:

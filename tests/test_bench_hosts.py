@@ -1,6 +1,7 @@
 """``python -m bench.hosts``: emulated hosts (network namespaces, shaped veth links) come up, carry a syncps run
-across their links, and are gone afterwards, even after a run that did not remove them. Needs root, ``ip`` and
-``tc`` (skipped otherwise); its own prefix and subnet, so it does not disturb a benchmark running meanwhile."""
+across their links (two PS shards, each in a host of its own), and are gone afterwards, even after a run
+that did not remove them. Needs root, ``ip`` and ``tc`` (skipped otherwise); its own prefix and subnet, so it
+does not disturb a benchmark running meanwhile."""
 from __future__ import annotations
 
 import json
@@ -32,17 +33,29 @@ def _links() -> list[str]:
     return [line for line in sh("ip", "-o", "link", "show").stdout.splitlines() if f" {PREFIX}" in line]
 
 
-def test_syncps_runs_between_shaped_hosts_and_the_hosts_are_removed():
-    out = subprocess.run([sys.executable, "-m", "bench.hosts", "--rate", "1gbit", "--workers", "2", "--params",
-                          "10000", "--seconds", "2", "--warmup", "0.5", "--systems", "syncps", "--prefix", PREFIX,
-                          "--subnet", SUBNET], check=False, capture_output=True, text=True, timeout=90)
-    lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+def _bench_hosts(*args: str) -> tuple[str, list[dict]]:
+    """Run ``python -m bench.hosts`` (syncps, 2 workers, 10,000 params, 1 Gbit/s) with ``args``: its output and lines."""
+    out = subprocess.run([sys.executable, "-m", "bench.hosts", "--rate", "1gbit", "--workers", "2", "--params", "10000",
+                          "--systems", "syncps", "--prefix", PREFIX, "--subnet", SUBNET, *args],
+                         check=False, capture_output=True, text=True, timeout=90)
     assert out.returncode == 0, out.stdout + out.stderr[-2000:]
-    stream, run = lines
+    return out.stdout, [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+
+def test_syncps_runs_between_shaped_hosts_each_shard_in_a_host_of_its_own_and_the_hosts_are_removed():
+    """One run covers both: the shaped links (a TCP stream at about the rate), and a PS of two shards each bound
+    in a namespace of its own (one PS is the same code with one host)."""
+    stdout, (stream, run) = _bench_hosts("--seconds", "1", "--warmup", "0.2", "--shards", "2")
     assert stream["check"] == "tcp_stream" and 300 < stream["mbit_per_s"] < 1100  # shaped at 1 Gbit/s
     assert run["system"] == "syncps" and run["rate"] == "1gbit" and run["transport"] == "http"
-    assert run["steps_per_s"] > 0 and run["wire_bytes_per_step"] > 2 * 2 * 10_000 * 4  # pushes and weights
-    assert "| 10,000 | 2 |" in out.stdout
+    assert run["shards"] == 2 and run["shard_namespaces"] == [f"{PREFIX}-h0", f"{PREFIX}-h1"]
+    # each shard bound the address that only its namespace has: host i is SUBNET.(i+1)
+    assert [url.rsplit(":", 1)[0] for url in run["shard_urls"]] == [f"http://{SUBNET}.1", f"http://{SUBNET}.2"]
+    assert run["steps_per_s"] > 0 and run["final_loss"] < 1.0
+    assert run["wire_bytes_per_step"] > 2 * 2 * 10_000 * 4  # pushes and weights
+    per_shard = run["shard_wire_bytes_per_step"]  # the weights cut in two: each shard's link carries about half
+    assert len(per_shard) == 2 and min(per_shard) > 0.4 * sum(per_shard) and sum(per_shard) > 2 * 2 * 10_000 * 4
+    assert "| params | workers | syncps S=2 |" in stdout and "| 10,000 | 2 |" in stdout
     assert namespaces(PREFIX) == [] and _links() == []
 
 
