@@ -10,6 +10,9 @@ the swarm's overlay network as another host would be).
   (tokens the test knows), node 2 on demand (:meth:`Swarm.join_node2`, :meth:`Swarm.kill_node2`), and
   :meth:`Swarm.leave`, which removes the stacks (with their volumes), the secrets and node 2 (with its
   image store) and leaves the swarm, reporting what is left: a fixture calls it, also after a failure.
+  The slow parts run side by side: the stacks go together, node 2's store while they do.
+- :func:`start_node2` starts node 2's engine and copies images into it without joining any swarm, so a
+  test module can do it in a thread while other tests run; :func:`remove_node2` removes it.
 - :class:`Stack` is one deployment (unique name, its own host port, settings in an extra stack file),
   read through its published port with the monitoring token (:class:`PublishedPS`).
 Every command has a timeout.
@@ -23,6 +26,8 @@ import secrets
 import shlex
 import subprocess
 import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import yaml
@@ -93,6 +98,43 @@ def scrubbed_env(**extra: str) -> dict[str, str]:
     return {**{k: v for k, v in os.environ.items() if not k.startswith(SCRUBBED_PREFIXES)}, **extra}
 
 
+def node2_volume() -> str | None:
+    """The volume holding node 2's image store (its container's /var/lib/docker), or None without the container."""
+    r = docker("inspect", "-f", "{{json .Mounts}}", NODE2, check=False)
+    mounts = json.loads(r.stdout) if r.returncode == 0 else []
+    return next((m["Name"] for m in mounts if m.get("Destination") == "/var/lib/docker"), None)
+
+
+def start_node2(*images: str) -> float:
+    """Node 2's engine started, not joined to any swarm, with ``images`` copied into it (30-50 s here, mostly
+    the copy), so that a test can do this while other tests run (a thread) and then join it at once
+    (:meth:`Swarm.join_node2` with ``started``). The container is the one ``swarm-2node.sh up`` starts (its
+    name, image and the rights dockerd inside needs); ``up`` finds it running and only joins it. Seconds taken."""
+    t0 = time.monotonic()
+    run(["docker", "build", "-q", "-t", NODE_IMAGE, "-"], input=NODE_DOCKERFILE, timeout=600)
+    docker("rm", "-f", NODE2, check=False)
+    docker("run", "-d", "--name", NODE2, "--hostname", NODE2, "--cap-add", "SYS_ADMIN", "--cap-add", "NET_ADMIN",
+           "--security-opt", "seccomp=unconfined", "--cgroupns=host", "-v", "/sys/fs/cgroup:/sys/fs/cgroup:rw",
+           NODE_IMAGE)
+    wait_for(lambda: docker("exec", NODE2, "docker", "info", check=False).returncode == 0, 60,
+             "node 2's engine to answer", interval=0.2)
+    run(["bash", str(TWO_NODE_SCRIPT), "load", *images], env=scrubbed_env(), timeout=600)
+    return time.monotonic() - t0
+
+
+def remove_node2() -> list[str]:
+    """Node 2's container and its image store gone (removing the store takes ~10 s); what is left (should be []).
+    Node 2 stays listed in a swarm it joined (Down) until ``swarm-2node.sh down``."""
+    volume = node2_volume()
+    docker("rm", "-f", NODE2, check=False)
+    if volume:
+        docker("volume", "rm", volume, check=False, timeout=180)
+    left = [f"container {x}" for x in docker("ps", "-aq", "--filter", f"name=^{NODE2}$").stdout.split()]
+    if volume and docker("volume", "inspect", volume, check=False).returncode == 0:
+        left.append(f"volume {volume}")
+    return left
+
+
 class Stack(PublishedPS):
     """One deployment of docker-stack.yml: ``ps`` / ``worker`` settings and ``worker_deploy`` (merged into
     the worker service's ``deploy``) go into a second stack file, as a user adds one to deploy.sh."""
@@ -143,7 +185,15 @@ class Stack(PublishedPS):
 
     def rm(self) -> list[str]:
         """``docker stack rm``, then the stack's volumes once its containers are gone; what is left (should be [])."""
+        self.start_rm()
+        return self.finish_rm()
+
+    def start_rm(self) -> None:
+        """``docker stack rm``: the swarm starts stopping the stack's tasks (:meth:`finish_rm` waits for them)."""
         run(self.argv("rm"), env=self.env, check=False)
+
+    def finish_rm(self) -> list[str]:
+        """After :meth:`start_rm`: the stack's volumes once its containers are gone; what is left (should be [])."""
         label = f"label=com.docker.stack.namespace={self.name}"
         try:
             wait_for(lambda: not docker("ps", "-aq", "--filter", label).stdout.split(), 60,
@@ -165,7 +215,6 @@ class Swarm:
     def __init__(self) -> None:
         self.tokens = {TOKEN: secrets.token_hex(16), MONITOR_TOKEN: secrets.token_hex(16)}
         self.stacks: list[Stack] = []
-        self.node2_volume: str | None = None
         self.node2_up = False
 
     def init(self) -> None:
@@ -182,13 +231,14 @@ class Swarm:
         return self.stacks[-1]
 
     # -- node 2 --------------------------------------------------------------------------------
-    def join_node2(self, *images: str) -> None:
-        """``swarm-2node.sh up IMAGE...``: node 2 joins this swarm, with ``images`` copied into it."""
+    def join_node2(self, *images: str, started: bool = False) -> None:
+        """``swarm-2node.sh up IMAGE...``: node 2 joins this swarm, with ``images`` copied into it; ``started``:
+        :func:`start_node2` already started its engine with the images in it, and ``up`` only joins it."""
         self.node2_up = True
-        run(["docker", "build", "-q", "-t", NODE_IMAGE, "-"], input=NODE_DOCKERFILE, timeout=600)
-        run(["bash", str(TWO_NODE_SCRIPT), "up", *images], env=scrubbed_env(SWARM_NODE_IMAGE=NODE_IMAGE), timeout=600)
-        mounts = json.loads(docker("inspect", "-f", "{{json .Mounts}}", NODE2).stdout)
-        self.node2_volume = next(m["Name"] for m in mounts if m.get("Destination") == "/var/lib/docker")
+        if not started:
+            run(["docker", "build", "-q", "-t", NODE_IMAGE, "-"], input=NODE_DOCKERFILE, timeout=600)
+        run(["bash", str(TWO_NODE_SCRIPT), "up", *([] if started else images)],
+            env=scrubbed_env(SWARM_NODE_IMAGE=NODE_IMAGE), timeout=600)
 
     def kill_node2(self) -> None:
         """Node 2's engine dies at once, and every container it runs with it (a host losing power)."""
@@ -201,16 +251,19 @@ class Swarm:
 
     # -- teardown -------------------------------------------------------------------------------
     def leave(self) -> list[str]:
-        """Remove the stacks, the secrets and node 2, and leave the swarm; what is left (should be [])."""
-        left = [x for st in self.stacks for x in st.rm()]
+        """Remove the stacks, the secrets and node 2, and leave the swarm; what is left (should be []).
+        Everything that can go at once does: every stack's tasks stop together, and node 2's container and
+        its image store go (a thread) while they do; then ``swarm-2node.sh down`` and the swarm is left."""
+        with ThreadPoolExecutor(1) as pool:
+            node2_gone = pool.submit(remove_node2) if self.node2_up else None
+            for st in self.stacks:
+                st.start_rm()
+            left = [x for st in self.stacks for x in st.finish_rm()]
+            if node2_gone is not None:
+                left += node2_gone.result()
         docker("secret", "rm", *self.tokens, check=False)
         if self.node2_up:
             run(["bash", str(TWO_NODE_SCRIPT), "down"], env=scrubbed_env(), timeout=180, check=False)
-            if self.node2_volume:
-                docker("volume", "rm", self.node2_volume, check=False, timeout=180)
-            left += [f"container {x}" for x in docker("ps", "-aq", "--filter", f"name=^{NODE2}$").stdout.split()]
-            if self.node2_volume and docker("volume", "inspect", self.node2_volume, check=False).returncode == 0:
-                left.append(f"volume {self.node2_volume}")
         run(shlex.split(DOCUMENTED["leave"]), check=False)
         state = docker("info", "-f", "{{.Swarm.LocalNodeState}}", check=False).stdout.strip()
         return left + ([f"swarm state {state}"] if state != "inactive" else [])

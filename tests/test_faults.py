@@ -10,6 +10,7 @@ import os
 import re
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -141,8 +142,12 @@ def run_with_checkpoints(ckpt_dir, steps: int, every: int, kill_at: int | None) 
 
 def test_killed_ps_resumes_from_its_checkpoint(tmp_path):
     steps, every, kill_at = 160, 20, 90
-    ref = run_with_checkpoints(str(tmp_path / "ref"), steps, every, None)
-    run = run_with_checkpoints(str(tmp_path / "run"), steps, every, kill_at)
+    # the reference job (no kill) runs alongside the killed one: two clusters of their own (ports, checkpoint
+    # and shm folders), and a job's bits do not depend on its timing (sync mode, fixed membership)
+    with ThreadPoolExecutor(1) as pool:
+        reference = pool.submit(run_with_checkpoints, str(tmp_path / "ref"), steps, every, None)
+        run = run_with_checkpoints(str(tmp_path / "run"), steps, every, kill_at)
+        ref = reference.result()
     restored = [int(s) for s in re.findall(r"restored ckpt-\d+\.msgpack: global step (\d+)", run["ps_log"])]
     assert len(restored) == 1 and restored[0] >= kill_at - 2 * every
     # every worker found the PS again by itself, and says where the PS was and where it had been
