@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import sys
@@ -43,7 +44,13 @@ def main(argv: list[str] | None = None) -> None:
     # 194-203 ms of PS CPU per step); asyncio's loop accepts every pending connection at once where uvloop (libuv
     # 1.52) accepts one per loop turn, which matters with a thousand workers opening connections under load
     # (docs/performance.md, "Load: many workers on one PS").
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level,
+    app = create_app(settings)
+    # What start-up made (routes, settings, pydantic's schemas) lives as long as the process: out of the cyclic
+    # collector's reach, so its collections scan only what requests make (same-host 1e6 x 2: 65.1 -> 66.9 steps/s,
+    # 3 runs a side, docs/performance.md)
+    gc.collect()
+    gc.freeze()
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                 access_log=False, timeout_graceful_shutdown=5, timeout_keep_alive=settings.http_keepalive_seconds,
                 http=BufferedSinkProtocol, loop=settings.event_loop)
 
