@@ -318,6 +318,14 @@ def test_the_accumulator_sums_in_rank_order_into_the_first_ranks_buffer():
         assert out[k].tobytes() == expected.tobytes()
 
 
+def rank_order_sum(grads: list[dict], name: str) -> np.ndarray:
+    """``grads[0][name] + grads[1][name] + ...`` in that order, in a new array (the reference every sum is held to)."""
+    out = grads[0][name].copy()
+    for g in grads[1:]:
+        out += g[name]
+    return out
+
+
 @settings(max_examples=60, deadline=None)
 @given(n=st.integers(1, 6), eager=st.booleans(), data=st.data())
 def test_borrowed_gradients_read_once_give_the_same_bits(n, eager, data):
@@ -345,9 +353,7 @@ def test_borrowed_gradients_read_once_give_the_same_bits(n, eager, data):
             acc.apply(f"w{i}", i, src, pending)
     out = acc.take()
     for k in W0:
-        expected = g[0][k].copy()
-        for j in range(1, n):
-            expected += g[j][k]
+        expected = rank_order_sum(g, k)
         if n > 1:
             expected /= n
         assert out[k].tobytes() == expected.tobytes()
@@ -391,9 +397,7 @@ def test_sparse_top_k_gradients_are_summed_in_o_k_with_the_dense_sums_bits(n, ea
         acc.apply(f"w{i}", i, grads, pending)
     out = acc.take()
     for k in W0:
-        expected = dense[0][k].copy()
-        for j in range(1, n):
-            expected += dense[j][k]
+        expected = rank_order_sum(dense, k)
         assert out[k].tobytes() == expected.tobytes(), (k, out[k], expected)
 
 
