@@ -43,7 +43,7 @@ from typing import Callable, Iterable, Mapping
 
 import numpy as np
 
-from shared.compression import SparseTensor
+from shared.compression import SparseTensor, dense
 from shared.errors import unprocessable
 
 Key = tuple[int, str]  # (rank, worker_id): the order of the sum
@@ -179,11 +179,11 @@ def finite_or_refuse(nonfinite: str | None, nonfinite_policy: str) -> bool:
 def _writable(g: np.ndarray | SparseTensor) -> np.ndarray:
     """``g`` itself to sum into, or a C-contiguous copy when it cannot be written in place (a sparse one: dense)."""
     if isinstance(g, SparseTensor):
-        return g.dense()
+        return dense(g)
     return g if g.flags.writeable and g.flags.c_contiguous else np.array(g, order="C", copy=True)
 
 
-def _negative_zeros(g: np.ndarray | SparseTensor) -> np.ndarray | None:
+def _negative_zeros_of(g: np.ndarray | SparseTensor) -> np.ndarray | None:
     """The flat positions where ``g`` holds -0.0, when cheap to know (sparse: among its values), else None."""
     if not isinstance(g, SparseTensor):
         return None
@@ -349,7 +349,7 @@ class Accumulator:
             elif self.acc is None:
                 self.acc = {name: _writable(grads[name]) for name in self.names}
                 self._negative_zeros = {name: nz for name in self.names
-                                        if (nz := _negative_zeros(grads[name])) is not None}
+                                        if (nz := _negative_zeros_of(grads[name])) is not None}
             else:
                 self._fold_owned(grads)
 
@@ -361,7 +361,7 @@ class Accumulator:
             if isinstance(g, SparseTensor) and nz is not None:
                 known[name] = _add_sparse(acc, g, nz)
             else:
-                np.add(acc, g.dense() if isinstance(g, SparseTensor) else g, out=acc)
+                np.add(acc, dense(g), out=acc)
 
     def _fold_pair(self, first: Key, second: Key) -> None:
         """The running sum's start, ``first + second``, both borrowed: read once from their files into a buffer
