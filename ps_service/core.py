@@ -358,16 +358,19 @@ class ParameterServerCore(ModelState):
                 borrowed.confirm()
                 if not finite_or_refuse(grads.nonfinite, policy):
                     status = PushStatus.SKIPPED
-        self.members.touch(req.worker_id, now)
+        self.members.renew(m, now)  # active: checked above
         m.phase_reports += 1
-        for k in ("fetch", "compute", "push"):
-            m.phase_sums[k] += getattr(req.timings, k)
+        sums, t = m.phase_sums, req.timings
+        sums["fetch"] += t.fetch
+        sums["compute"] += t.compute
+        sums["push"] += t.push
         if req.loss is not None:
             m.last_loss = req.loss
-        self.push_counts[status.value] += 1
-        m.pushes[status.value] = m.pushes.get(status.value, 0) + 1
+        value = status.value
+        self.push_counts[value] += 1
+        m.pushes[value] = m.pushes.get(value, 0) + 1
         if status is not PushStatus.DUPLICATE:
-            m.recent[req.step] = status.value
+            m.recent[req.step] = value
             if len(m.recent) > RECENT_STEPS:
                 del m.recent[min(m.recent)]
         before = self.global_step

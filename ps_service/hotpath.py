@@ -26,6 +26,7 @@ from ps_service import api
 from ps_service.auth import token_matches
 from ps_service.http import error_response
 from ps_service.runtime import Runtime
+from ps_service.transport.onewrite import one_write_send
 from ps_service.sharding import routes as shard_routes
 from shared.errors import ProtocolError
 from shared.protocol import API
@@ -82,10 +83,24 @@ ROUTES: dict[tuple[str, str], tuple[Callable, dict[str, Callable[[str], Any]], d
 }
 
 
+def _pairs(query: str) -> list[tuple[str, str]]:
+    """``parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))``, split by hand when nothing in it is
+    escaped (what workers send); ValueError as parse_qsl for a field with no ``=``."""
+    if "%" in query or "+" in query or not query:
+        return parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))
+    pairs = []
+    for field in query.split("&"):
+        name, eq, value = field.partition("=")
+        if not eq:
+            raise ValueError(f"bad query field: {field!r}")
+        pairs.append((name, value))
+    return pairs
+
+
 def _query(raw: bytes, parsers: dict, defaults: dict) -> dict | None:
     """The parsed parameters, or None when FastAPI should judge them."""
     try:
-        pairs = parse_qsl(raw.decode("ascii"), keep_blank_values=True, strict_parsing=bool(raw))
+        pairs = _pairs(raw.decode("ascii"))
         out = {k: parsers[k](v) for k, v in pairs}
     except (ValueError, KeyError, UnicodeDecodeError):
         return None
@@ -123,4 +138,4 @@ class HotPath:
             result = error_response(exc.status, exc.code, exc.detail, getattr(exc, "headers", None))
         if not isinstance(result, Response):
             result = JSONResponse(result)
-        await result(scope, receive, send)
+        await result(scope, receive, one_write_send(scope, send))  # head and body in one write

@@ -182,7 +182,7 @@ class Membership:
             m.rank = self._free_rank()
         self._set_state(m, ACTIVE)
         m.registrations += 1
-        self._renew(m, now)
+        self.renew(m, now)
         self._event(now, "rejoined", m)
         return m, True
 
@@ -197,10 +197,11 @@ class Membership:
         m = self.get(worker_id)
         if m.state != ACTIVE:
             raise ProtocolError(409, "not_active", f"worker {m.name!r} is {m.state}; register again (POST /v1/workers)")
-        self._renew(m, now)
+        self.renew(m, now)
         return m
 
-    def _renew(self, m: Member, now: float) -> None:
+    def renew(self, m: Member, now: float) -> None:
+        """Renew the lease of ``m``, an active member (as :meth:`touch`, for a caller that holds it, checked)."""
         m.last_seen, m.lease_until = now, now + self.lease_seconds
 
     def begin_wait(self, worker_id: str, now: float) -> Member:
@@ -216,7 +217,7 @@ class Membership:
             self.waits[worker_id] = n
         m = self.by_id.get(worker_id)
         if m is not None and m.state == ACTIVE:
-            self._renew(m, now)
+            self.renew(m, now)
 
     def leave(self, worker_id: str, now: float) -> Member:
         m = self.get(worker_id)

@@ -77,9 +77,9 @@ class RoundRecord:
         return self.closed_at - self.opened_at
 
 
-@dataclass(frozen=True)
+@dataclass  # not frozen: made at every push and tick, and a frozen dataclass's __init__ costs a setattr per field
 class Progress:
-    """Where the open round stands."""
+    """Where the open round stands (a value: read it, never change it)."""
     waiting: int  # live counted members with no contribution yet
     needed: int  # gradients it still waits for before it closes
     unreachable: bool  # fixed R that the round's members can no longer meet
@@ -147,7 +147,7 @@ class Round:
         """(live, waiting) of a member: counted and alive; and with no contribution yet."""
         live = worker_id in self.eligible and worker_id not in self.gone \
             and (self.alive(worker_id) if alive is None else alive)
-        return live, live and worker_id not in self.acc and worker_id not in self.skipped
+        return live, live and worker_id not in self.acc.keys and worker_id not in self.skipped
 
     def _count(self, worker_id: str, before: tuple[bool, bool], alive: bool | None = None) -> None:
         live, waiting = self.standing(worker_id, alive)
@@ -166,7 +166,7 @@ class Round:
     def _first_pending(self, but: str, move: bool = True) -> Key | None:
         """The lowest key that may still bring a gradient (``but`` is bringing its own now); the frontier moves
         there unless ``move`` is False (the keys before ``but``'s never go back to pending once it is in)."""
-        order, i, acc, skipped = self.order, self.frontier, self.acc, self.skipped
+        order, i, acc, skipped = self.order, self.frontier, self.acc.keys, self.skipped  # keys: contributors
         while i < len(order) and (order[i][1] in acc or order[i][1] in skipped or order[i][1] == but):
             i += 1
         if move:
@@ -233,7 +233,7 @@ class Round:
 
     def record(self, now: float, reason: str, name_of: Callable[[str], str], replicas: int | None) -> RoundRecord:
         acc = self.acc  # borrowed gradients found changed when summed are not applied (a spoiled sum: none is)
-        applied = (lambda w: False) if acc.spoiled else (lambda w: w in acc and w not in acc.dropped)
+        applied = (lambda w: False) if acc.spoiled else (lambda w: w in acc.keys and w not in acc.dropped)
         missing = [(name_of(w), rank) for w, rank in self.eligible.items() if not applied(w)]
         return RoundRecord(
             self.step, self.opened_at, now, reason, sum(1 for w in acc.keys if applied(w)), len(self.eligible),

@@ -31,6 +31,11 @@ def runtime(request) -> "Runtime":
     return request.app.state.runtime
 
 
+def _time_up(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(False)
+
+
 class Runtime:
     def __init__(self, settings: PSSettings, clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings
@@ -38,7 +43,8 @@ class Runtime:
         self.core = ParameterServerCore(CoreConfig.from_settings(settings))
         self.started_wall = time.time()
         self.started_mono = clock()
-        self._event = asyncio.Event()
+        #: the waits in flight (:meth:`wait_until`), each a future :meth:`notify` resolves when the barrier moves
+        self._waiters: dict[asyncio.Future, None] = {}
         self._seen_version = self.core.version
         self._seen_barrier = self.barrier()
         self.tensors = TensorSeam(settings, self.core)
@@ -68,8 +74,10 @@ class Runtime:
             barrier = self.barrier()
             if barrier != self._seen_barrier:
                 self._seen_barrier = barrier
-                self._event.set()
-                self._event = asyncio.Event()
+                waiters, self._waiters = self._waiters, {}
+                for fut in waiters:  # in the order they started waiting
+                    if not fut.done():
+                        fut.set_result(True)
             for observe in self.observers:
                 try:
                     observe()
@@ -84,10 +92,16 @@ class Runtime:
             remaining = deadline - self.clock()
             if remaining <= 0 or self.core.rewinds != rewinds:  # went back to a checkpoint: answer now
                 return False
+            # one future and one timer per wait (asyncio.wait_for would make a task as well)
+            loop = asyncio.get_running_loop()
+            fut = loop.create_future()
+            self._waiters[fut] = None
+            timer = loop.call_later(remaining, _time_up, fut)
             try:
-                await asyncio.wait_for(self._event.wait(), remaining)
-            except asyncio.TimeoutError:
-                return predicate()
+                await fut
+            finally:
+                timer.cancel()
+                self._waiters.pop(fut, None)
         return True
 
     @property

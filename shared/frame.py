@@ -190,18 +190,24 @@ def decode(buf: bytes | bytearray | memoryview, exact: bool = True, max_tensor_b
     meta, entries, data_bytes = head["meta"], head["tensors"], head["data_bytes"]
     if not isinstance(meta, dict):
         raise bad_frame("header.meta must be a map")
-    layout = _layout(entries, max_tensor_bytes)
+    layout = _layout(entries, max_tensor_bytes) if entries != [] else _EMPTY  # no tensors: a control message
     if type(data_bytes) is not int or data_bytes != layout.data_bytes:
         raise bad_frame(f"header.data_bytes must be {layout.data_bytes} (the end of the last tensor)")
     start = aligned(PREFIX.size + hlen)
     end = start + data_bytes
     if (len(mv) != end) if exact else (len(mv) < end):
         raise bad_frame(f"the frame is {len(mv)} bytes; its header says {end}")
-    gaps = [(PREFIX.size + hlen, start)]
-    gaps += [(start + a.offset + a.nbytes, start + b.offset) for a, b in zip(layout.tensors, layout.tensors[1:])]
+    if mv[PREFIX.size + hlen:start] != _PAD[:start - PREFIX.size - hlen]:
+        raise bad_frame("padding bytes must be zero")
+    if layout is _EMPTY:
+        return Frame(meta, layout, start, {})
+    gaps = [(start + a.offset + a.nbytes, start + b.offset) for a, b in zip(layout.tensors, layout.tensors[1:])]
     if any(mv[lo:hi] != _PAD[:hi - lo] for lo, hi in gaps):
         raise bad_frame("padding bytes must be zero")
     return Frame(meta, layout, start, layout.views(mv[start:end]))
+
+
+_EMPTY = Layout(())  # a frame with no tensors (a same-host push, an answer whose weights are in the file)
 
 
 def _layout(entries: Any, max_tensor_bytes: int | None) -> Layout:

@@ -7,7 +7,7 @@ request fits the model (names, dtypes, shapes) is the PS core's business.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Mapping
 
@@ -74,7 +74,8 @@ class PushRequest:
 
     def with_tensors(self, tensors: Mapping[str, np.ndarray], borrowed: Any = None,
                      finite_checked: bool = False) -> "PushRequest":
-        return replace(self, tensors=tensors, borrowed=borrowed, finite_checked=finite_checked)
+        return PushRequest(self.worker_id, self.step, tensors, self.loss, self.num_examples, self.timings, borrowed,
+                           finite_checked)  # every field: a test fails if one is added and not passed on
 
 
 @dataclass(frozen=True)
@@ -111,8 +112,49 @@ PUSH_FIELDS = frozenset({"worker_id", "step", "loss", "num_examples", "timings",
 MODEL_FIELDS = frozenset({"optimizer"})
 
 
+_NUMBER_TYPES = (int, float)
+
+
+def _parse_push_plain(meta: dict) -> tuple[PushRequest, int | None] | None:
+    """:func:`parse_push_meta` of a plainly well-formed meta (every field of its exact type, in range; what
+    workers send each step) with few checks; None for anything else, which the full parser judges."""
+    if not meta.keys() <= PUSH_FIELDS:
+        return None
+    get = meta.get
+    worker_id, step, loss, n, raw, seq = (get("worker_id"), get("step"), get("loss"), get("num_examples"),
+                                          get("timings"), get("shm_seq"))
+    if type(worker_id) is not str or type(step) is not int or step < 0:
+        return None
+    if loss is not None:
+        if type(loss) not in _NUMBER_TYPES:
+            return None
+        loss = float(loss) if math.isfinite(loss) else None
+    if n is not None and (type(n) is not int or not 0 <= n <= MAX_NUM_EXAMPLES):
+        return None
+    if (seq is not None and (type(seq) is not int or seq < 0)) or type(get("compression")) not in (str, type(None)):
+        return None
+    if raw is None:
+        times = PhaseTimes()
+    elif type(raw) is dict and raw.keys() <= _PHASES:
+        t = [raw.get(k) for k in ("fetch", "compute", "push")]
+        if not all(v is None or (type(v) in _NUMBER_TYPES and 0 <= v <= MAX_PHASE_SECONDS) for v in t):
+            return None
+        times = PhaseTimes(*(v or 0.0 for v in t))
+    else:
+        return None
+    return PushRequest(worker_id, step, {}, loss, n, times), seq
+
+
+_PHASES = frozenset({"fetch", "compute", "push"})
+
+
 def parse_push_meta(meta: dict) -> tuple[PushRequest, int | None]:
     """(the push without its tensors, its ``shm_seq`` or None) from a push frame's meta."""
+    return _parse_push_plain(meta) or _parse_push_checked(meta)
+
+
+def _parse_push_checked(meta: dict) -> tuple[PushRequest, int | None]:
+    """:func:`parse_push_meta`, every field checked in turn (400/422 naming the first that is wrong)."""
     what = "push"
     _only(meta, PUSH_FIELDS, what)
     worker_id = _require(meta, "worker_id", str, what)

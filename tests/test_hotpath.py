@@ -74,3 +74,18 @@ def test_pull_and_errors_match_fastapi(served):
             long_id = "x" * 65
             resp = h.get("/v1/model", params={"worker_id": long_id, "timeout": 0})
             assert (resp.status_code, resp.json()["error"]) == (400, "bad_request") and served == {"/v1/model": 1}
+
+
+@pytest.mark.parametrize("query", ["", "pull=1", "pull=1&timeout=30&since=5", "a=", "=b", "a=b=c", "a", "a=1&&b=2",
+                                   "a=1&", "&a=1", "x=%41", "x=a+b", "timeout=1e3&pull=true", "a=1;b=2", "a=1&a=2"])
+def test_the_fast_query_split_is_parse_qsl(query):
+    from urllib.parse import parse_qsl
+
+    from ps_service.hotpath import _pairs
+
+    def outcome(fn):
+        try:
+            return fn(query)
+        except ValueError:
+            return "ValueError"
+    assert outcome(_pairs) == outcome(lambda q: parse_qsl(q, keep_blank_values=True, strict_parsing=bool(q)))

@@ -36,6 +36,8 @@ import time
 import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from ps_service.transport.onewrite import KEY as ONE_WRITE_KEY, OneWriteTransport
+
 #: bytes per socket read outside a sink. Small on purpose: the read that brings a push's headers also
 #: brings the start of its body, which goes through the parser (and two more copies) before the route has
 #: set its sink. Headers and JSON bodies fit in one read; only bodies that never get a sink (chunked) take
@@ -121,6 +123,8 @@ class SinkHttpToolsProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         super().on_headers_complete()
+        if isinstance(self.transport, OneWriteTransport):
+            self.scope[ONE_WRITE_KEY] = self.transport  # the request's scope (its cycle's)
         self._body_left = _content_length(self.headers)
         self._bypassing = False
 
@@ -191,7 +195,7 @@ class BufferedSinkProtocol(asyncio.BufferedProtocol):
         self.buffer_updated = self.inner.buffer_updated
 
     def connection_made(self, transport) -> None:
-        self.inner.connection_made(transport)
+        self.inner.connection_made(OneWriteTransport(transport))  # the fast lane's answers: one write each
 
     def connection_lost(self, exc) -> None:
         self.inner.connection_lost(exc)
