@@ -11,7 +11,8 @@ Load it in a worker with ``WORKER_TASK=bench.task:params_<P>`` (for example
 ``bench.task:params_1000000``): the module resolves ``params_<P>`` to a factory
 taking ``(seed, dtype)``, the :class:`worker_service.tasks.Task` interface.
 Gradient buffers are reused from step to step (the worker loop pushes them
-before it computes the next step).
+before it computes the next step); on the same-host transport they are the worker's gradient file
+(``out``), so a push copies nothing.
 """
 from __future__ import annotations
 
@@ -67,7 +68,9 @@ class BenchLinearTask:
         return rng.standard_normal((batch_size, self.d), dtype=self.dtype) if self.dtype.itemsize in (4, 8) \
             else rng.standard_normal((batch_size, self.d)).astype(self.dtype)
 
-    def loss_and_grads(self, params: Mapping[str, np.ndarray], x: np.ndarray) -> tuple[float, dict[str, np.ndarray], int]:
+    def loss_and_grads(self, params: Mapping[str, np.ndarray], x: np.ndarray,
+                       out: Mapping[str, np.ndarray] | None = None) -> tuple[float, dict[str, np.ndarray], int]:
+        """``out``: arrays to write the gradients into (the same-host gradient file), else this task's own."""
         y = x @ self.w_true
         y += self.dtype.type(BIAS_TRUE)
         err = x @ params["w"]
@@ -75,11 +78,12 @@ class BenchLinearTask:
         err -= y
         n = len(x)
         scale = self.dtype.type(2.0 / (n * self.k))
-        np.matmul(x.T, err, out=self._gw)
-        self._gw *= scale
-        np.sum(err, axis=0, out=self._gb)
-        self._gb *= scale
-        return float(np.mean(err * err)), {"w": self._gw, "b": self._gb}, n
+        gw, gb = (self._gw, self._gb) if out is None else (out["w"], out["b"])
+        np.matmul(x.T, err, out=gw)
+        gw *= scale
+        np.sum(err, axis=0, out=gb)
+        gb *= scale
+        return float(np.mean(err * err)), {"w": gw, "b": gb}, n
 
     def evaluate(self, params: Mapping[str, np.ndarray]) -> dict[str, float]:
         return {"max_abs_error_w": float(np.abs(params["w"] - self.w_true).max()),

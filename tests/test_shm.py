@@ -71,6 +71,42 @@ def shm_dir(tmp_path):
     return str(d)
 
 
+def test_gradients_computed_into_the_file_are_pushed_without_a_copy(tmp_path):
+    """A task that takes ``out`` computes into the worker's gradient file (ShmChannel.buffers): the marker says
+    "writing" meanwhile, the push finds its arrays there and copies nothing; other arrays are copied in."""
+    layout = frame.Layout.of(W0)
+    fd, weights = shm.create_region(str(tmp_path), "syncps-w-" + "b" * 32, shm.KIND_WEIGHTS, layout, bytes(16), 0)
+    os.close(fd)
+    ch = ShmChannel(str(tmp_path), weights)
+    out = ch.buffers()
+    assert ch._region.marker == shm.WRITING and set(out) == set(W0)
+    for name, g in grads(1.5).items():
+        np.copyto(out[name], g)
+    assert all(np.shares_memory(out[n], v) for n, v in ch._region.views().items())  # the file itself
+    seq = ch.write(out)  # the file's own arrays: nothing to copy
+    assert ch._region.marker == seq and all((v == 1.5).all() for v in ch._region.views().values())
+    seq2 = ch.write(grads(-2.0))  # anything else is copied in, under a fresh sequence number
+    assert seq2 == seq + 1 and all((v == -2.0).all() for v in ch._region.views().values())
+    ch.close()
+
+
+def test_a_task_that_takes_out_writes_its_gradients_there_with_the_same_bits():
+    from bench.task import BenchLinearTask
+    from worker_service.tasks import writes_into
+    from worker_service.tasks.linear import LinearTask
+    from worker_service.tasks.mlp import MLPTask
+
+    assert writes_into(LinearTask()) and writes_into(BenchLinearTask(1000)) and not writes_into(MLPTask())
+    for task in (LinearTask(dtype="float64"), LinearTask(), BenchLinearTask(1000)):
+        params = {k: np.full_like(v, 0.25) for k, v in task.init_params().items()}
+        batch = task.batch(3, 1, 2, 32)
+        loss, g, n = task.loss_and_grads(params, batch)
+        g = {k: v.copy() for k, v in g.items()}  # the bench task reuses its own buffers
+        out = {k: np.empty_like(v) for k, v in params.items()}
+        loss2, g2, n2 = task.loss_and_grads(params, batch, out=out)
+        assert (loss2, n2) == (loss, n) and all(g2[k] is out[k] and g2[k].tobytes() == g[k].tobytes() for k in g)
+
+
 def test_same_host_worker_moves_no_tensor_bytes(shm_dir):
     with live_ps(shm_dir=shm_dir, min_workers=2, startup_grace_seconds=0, lease_seconds=600) as ps:
         a, b = ps.client(shm_dir=shm_dir), ps.client()  # b: tensors over HTTP

@@ -206,6 +206,11 @@ class PSClient:
         self._prefetched = answer.pulled
         return {"status": answer.status, "step": answer.step, "done": answer.done}
 
+    def gradient_buffers(self) -> dict[str, np.ndarray] | None:
+        """Where the next push's gradients may be computed, for a push that copies nothing (the same-host
+        file), or None (:meth:`TensorTransport.gradient_buffers`)."""
+        return self.tensors.gradient_buffers()
+
     def with_transport(self, worker_id: str | None, send: Callable[[TensorTransport], T]) -> T:
         """``send(transport)``; if the PS says the same-host file is gone or rewritten (it restarted), attach
         again and send again, and if it says so again, send through the request body."""

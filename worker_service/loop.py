@@ -23,7 +23,7 @@ from typing import Callable
 from shared.errors import ProtocolError
 from worker_service.client import PSClient
 from worker_service.progress import ProgressLog
-from worker_service.tasks import Task
+from worker_service.tasks import Task, writes_into
 
 log = logging.getLogger("worker")
 #: PS answers that mean "register again and carry on" (it restarted, or our lease expired; shard_behind: a
@@ -93,6 +93,7 @@ def train(client: PSClient, task: Task, name: str, batch_size: int, stop: thread
     log.info("registered as %r: rank %d, worker_id %s, starting at step %d", name, rank, worker_id, step)
     times = {"fetch": 0.0, "compute": 0.0, "push": 0.0}
     progress = ProgressLog(log, log_every)
+    into_buffers = writes_into(task)
     params = None
     try:
         while not stop.is_set():
@@ -111,7 +112,9 @@ def train(client: PSClient, task: Task, name: str, batch_size: int, stop: thread
                     continue
                 t1 = time.monotonic()
                 batch = task.batch(pulled.step, pulled.ranks.index(summary.rank), len(pulled.ranks), batch_size)
-                loss, grads, n = task.loss_and_grads(pulled.tensors, batch)
+                into = client.gradient_buffers() if into_buffers else None  # the same-host file: no copy
+                loss, grads, n = (task.loss_and_grads(pulled.tensors, batch) if into is None
+                                  else task.loss_and_grads(pulled.tensors, batch, out=into))
                 if compute_delay > 0:
                     stop.wait(compute_delay)  # WORKER_COMPUTE_DELAY_SECONDS: a deliberately slow worker
                 t2 = time.monotonic()

@@ -10,6 +10,7 @@ factory may also return a torch model, its data and its loss as a
 from __future__ import annotations
 
 import importlib
+import inspect
 from typing import Any, Mapping, Protocol
 
 import numpy as np
@@ -28,10 +29,22 @@ class Task(Protocol):
         """This worker's examples for ``step``: shard ``shard_index`` of ``shard_count``."""
 
     def loss_and_grads(self, params: Mapping[str, np.ndarray], batch: Any) -> tuple[float, dict[str, np.ndarray], int]:
-        """(mean loss, gradient per tensor in the params' dtype, number of examples)."""
+        """(mean loss, gradient per tensor in the params' dtype, number of examples).
+
+        Optional: a task whose ``loss_and_grads`` also takes ``out`` (None, or a dict of arrays shaped and typed as
+        the params) writes each gradient into ``out[name]`` and returns those very arrays: on the same-host
+        transport they are the worker's gradient file, and the push copies nothing (:func:`writes_into`)."""
 
     def evaluate(self, params: Mapping[str, np.ndarray]) -> dict[str, float]:
         """Metrics of final weights (for logs and tests)."""
+
+
+def writes_into(task: Task) -> bool:
+    """Does ``task.loss_and_grads`` take ``out`` (the gradients computed into given arrays)?"""
+    try:
+        return "out" in inspect.signature(task.loss_and_grads).parameters
+    except (TypeError, ValueError):  # no signature to read (a builtin): it does not
+        return False
 
 
 def shard_batch_indices(n: int, step: int, shard_index: int, shard_count: int, batch_size: int) -> np.ndarray:

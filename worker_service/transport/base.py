@@ -81,6 +81,12 @@ class TensorTransport(ABC):
         """The weights of a pull answer; None if this transport cannot use it (a weight delta from weights it
         no longer holds): ask again, densely."""
 
+    def gradient_buffers(self) -> dict[str, np.ndarray] | None:
+        """Arrays to compute the next push's gradients into, where this transport sends them from (the same-host
+        file: the push then copies nothing); None: compute them anywhere. Ask once per step, just before computing:
+        the memory is this transport's again as soon as it is asked for."""
+        return None
+
     def answer_params(self) -> dict:
         """Query parameters this transport adds to a push that asks for the next weights."""
         return {}

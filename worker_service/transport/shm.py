@@ -5,7 +5,8 @@ the worker's shared directory and checks it (kind, nonce, frame: OSError/ValueEr
 is on another host, and the worker stays on HTTP), then makes and maps the worker's own gradient file
 (``0600``, random name, random nonce, the same layout). Once the PS attached it, :meth:`unlink` removes
 its name: the mappings keep it alive until both sides are gone. :meth:`write` stores one push under a
-fresh sequence number (the marker is -1 while writing). :attr:`weights` are read-only arrays over the
+fresh sequence number (the marker is -1 while writing); a task can compute them straight into the file
+(:meth:`ShmChannel.buffers`, the loop's ``out``), and the push then copies nothing. :attr:`weights` are read-only arrays over the
 PS's live weights: they hold the step the last pull named until the PS closes that step's round, which
 needs this worker's push (or refuses it as late). The PS reads a push out of the file once, checking what it
 reads, by the time the round closes: the worker writes its next push only after the next step's weights.
@@ -58,14 +59,22 @@ class ShmChannel:
                 pass
             self._path = None
 
+    def buffers(self) -> dict[str, np.ndarray]:
+        """The file's arrays, for the next push's gradients to be computed straight into (the marker says
+        "writing" from now until :meth:`write`)."""
+        self._region.marker = shm.WRITING
+        return self._grads
+
     def write(self, grads: Mapping[str, np.ndarray]) -> int | None:
-        """Store the gradients; the sequence number to push, or None if they do not fit the layout."""
+        """Store the gradients (those that are the file's own arrays, from :meth:`buffers`, are there already); the
+        sequence number to push, or None if they do not fit the layout."""
         if not self.layout.matches(grads):
             return None
         self._seq += 1
         self._region.marker = shm.WRITING
         for name, view in self._grads.items():
-            np.copyto(view, grads[name])
+            if grads[name] is not view:
+                np.copyto(view, grads[name])
         self._region.marker = self._seq
         return self._seq
 
@@ -91,6 +100,9 @@ class ShmTransport(TensorTransport):
 
     def pull_params(self) -> dict:
         return {"shm": 1}
+
+    def gradient_buffers(self) -> dict[str, np.ndarray]:
+        return self.channel.buffers()
 
     def weights(self, answer: frame.Frame) -> dict[str, np.ndarray]:
         if answer.meta.get("shm") is True:
