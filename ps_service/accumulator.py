@@ -20,15 +20,19 @@ Contract:
   gives the same bits. The gradients not summed yet wait in a heap by key: O(log K) per gradient.
 - A :class:`Borrowed` gradient (a same-host worker's file, which its worker could rewrite) is checked where it
   is by :meth:`Accumulator.read` before the core changes anything (its push's status), then summed from the
-  file when its turn comes, read once, the sum checked as it is made (:func:`read_checked`): the first two in
-  rank order, both borrowed, together into a buffer of ours (the first waits for the second), any later one into
-  the running sum in place. When it can, the check at the push is itself the sum it is about to be part of, which
+  file when its turn comes, read once: the first two in rank order, both borrowed, together into a buffer of ours
+  (the first waits for the second), checked as made (:func:`read_checked`), any later one into the running sum in
+  place, checked with the whole sum at the end. When it can, the check at the push is itself the sum it is about to be part of, which
   the fold then takes (its file read once): the pair's sum, or the running sum plus it into another buffer (the
   running sum untouched until the push is taken). What is applied is what was checked. A gradient found changed then (NaN/Inf
   or the file rewritten: a sender that broke the protocol) is :attr:`~Accumulator.dropped` (left out of the
   sum and of the mean's count); if it had reached the running sum in place, or the sum overflows, the sum
   is :attr:`~Accumulator.spoiled`: ``take()`` gives None, the round applies nothing. Same bits as owned
   gradients otherwise.
+- **What is applied is finite.** Every sum that was added to in place unchecked (dense owned gradients, borrowed
+  ones after the first two) is read once for NaN/Inf when the round ends (:meth:`Accumulator.settle`, ``take``):
+  finite gradients can overflow when added (two float32 3e38 make inf). Not finite: :attr:`~Accumulator.spoiled`
+  (:attr:`~Accumulator.overflow` names the tensor), the round applies nothing.
 - A top-k push's tensors (:class:`~shared.compression.SparseTensor`: k entries, zero elsewhere) are added to a
   running sum made only of such pushes in O(k) (:func:`_add_sparse`, which also keeps the sign of zeros the
   dense sum would give), else made dense: the same bits either way.
@@ -191,15 +195,15 @@ def _negative_zeros_of(g: np.ndarray | SparseTensor) -> np.ndarray | None:
     return g.indices[(v == 0) & np.signbit(v)]
 
 
-def _add_sparse(acc: np.ndarray, g: SparseTensor, negative_zeros: np.ndarray) -> np.ndarray:
+def _add_sparse(acc: np.ndarray, g: SparseTensor, negative_zeros: np.ndarray) -> tuple[np.ndarray, bool]:
     """``acc += g.dense()`` bit for bit in O(k), given where ``acc`` holds -0.0 (``-0.0 + 0.0`` is ``+0.0``: those
-    ``g`` does not hold become +0.0); the positions where the result holds -0.0."""
+    ``g`` does not hold become +0.0); (the positions where the result holds -0.0, whether the k sums are finite)."""
     flat, idx = acc.reshape(-1), g.indices
     flat[idx] += g.values  # indices strictly increasing: no repeats
     if negative_zeros.size:
         flat[negative_zeros[~np.isin(negative_zeros, idx, assume_unique=True)]] = 0.0
     r = flat[idx]
-    return idx[(r == 0) & np.signbit(r)]
+    return idx[(r == 0) & np.signbit(r)], bool(np.isfinite(r).all())
 
 
 @dataclass
@@ -217,8 +221,10 @@ class Accumulator:
     #: borrowed gradients found changed when summed (NaN/Inf, or rewritten: :class:`Borrowed`), by worker id:
     #: left out of the sum and of the mean's count
     dropped: dict[str, str] = field(default_factory=dict)
-    #: a dropped gradient had reached the running sum (in place): the sum is not applied
+    #: a dropped gradient had reached the running sum (in place), or the sum is not finite: the sum is not applied
     spoiled: bool = False
+    #: the first tensor of the final sum found not finite (finite gradients whose sum overflows), None if none
+    overflow: str | None = None
     #: (first key, second key, their checked sum) made by :meth:`read`: the pair's sum if they are still the first two
     _presum: tuple | None = field(default=None, repr=False)
     #: (key, the running sum then, its count, running sum + that gradient, checked) made by :meth:`read`: used when
@@ -227,6 +233,9 @@ class Accumulator:
     #: per tensor of the running sum, where it holds -0.0 when known (it was only ever summed from
     #: :class:`~shared.compression.SparseTensor` s): a sparse gradient is then added in O(k) (:func:`_add_sparse`)
     _negative_zeros: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+    #: the running sum is known finite (made by a checked read or sum); False once something was added to it in place
+    #: unchecked, and then :meth:`_check_sum` reads it once when the round ends
+    _finite: bool = field(default=True, repr=False)
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -318,14 +327,26 @@ class Accumulator:
         if not self.keys:
             raise AssertionError("nothing to take")
         self._fold(None)
+        self._check_sum()
         out, n = (None, 0) if self.spoiled else (self.acc, len(self.keys) - len(self.dropped))
         self.keys, self.folded, self.acc, self._presum, self._onward = {}, [], None, None, None
-        self._negative_zeros = {}
+        self._negative_zeros, self._finite = {}, True
         return out, n if self.aggregation == "mean" and n > 1 else 1
 
     def settle(self) -> None:
-        """Sum every gradient still waiting (what :meth:`take` does first): :attr:`dropped` is then final."""
+        """Sum every gradient still waiting and check the sum (what :meth:`take` does first): :attr:`dropped` and
+        :attr:`spoiled` are then final."""
         self._fold(None)
+        self._check_sum()
+
+    def _check_sum(self) -> None:
+        """The sum is what gets applied: unless every addition into it was checked as made, read it once for NaN/Inf
+        (finite gradients can overflow when added); not finite: :attr:`spoiled`, the round applies nothing."""
+        if self.acc is None or self.spoiled or self._finite:
+            return
+        self._finite = True
+        self.overflow = next((name for name, a in self.acc.items() if not _all_finite(a)), None)
+        self.spoiled = self.overflow is not None
 
     def _fold(self, bound: Key | None) -> None:
         """Sum the waiting gradients in key order, up to (not including) ``bound``. The first two, when both are
@@ -347,21 +368,26 @@ class Accumulator:
                 self._negative_zeros = {}
                 self._fold_borrowed(key, grads)
             elif self.acc is None:
-                self.acc = {name: _writable(grads[name]) for name in self.names}
+                self.acc, self._finite = {name: _writable(grads[name]) for name in self.names}, True  # validated
                 self._negative_zeros = {name: nz for name in self.names
                                         if (nz := _negative_zeros_of(grads[name])) is not None}
             else:
                 self._fold_owned(grads)
 
     def _fold_owned(self, grads: Mapping[str, np.ndarray | SparseTensor]) -> None:
-        """``acc += grads`` in place (a sparse tensor in O(k) when where the sum holds -0.0 is known)."""
+        """``acc += grads`` in place (a sparse tensor in O(k) when where the sum holds -0.0 is known, the k sums
+        checked as made; a dense one unchecked: the whole sum is checked once, :meth:`_check_sum`)."""
         known = self._negative_zeros
-        for name, acc in self.acc.items():
-            g, nz = grads[name], known.pop(name, None)
-            if isinstance(g, SparseTensor) and nz is not None:
-                known[name] = _add_sparse(acc, g, nz)
-            else:
-                np.add(acc, dense(g), out=acc)
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflowing sum is found by the check, not warned about
+            for name, acc in self.acc.items():
+                g, nz = grads[name], known.pop(name, None)
+                if isinstance(g, SparseTensor) and nz is not None:
+                    known[name], finite = _add_sparse(acc, g, nz)
+                    if not finite:  # k sums, read anyway: checked at once
+                        self.spoiled, self.overflow = True, self.overflow or name
+                else:
+                    np.add(acc, dense(g), out=acc)
+                    self._finite = False
 
     def _fold_pair(self, first: Key, second: Key) -> None:
         """The running sum's start, ``first + second``, both borrowed: read once from their files into a buffer
@@ -372,7 +398,7 @@ class Accumulator:
         self.folded += [first, second]
         pre, self._presum = self._presum, None
         if pre is not None and pre[:2] == (first, second):  # summed and checked when the second was taken
-            self.acc = pre[2]
+            self.acc, self._finite = pre[2], True
             return
         out = b1.buffer()
         bad = read_checked(b2.views, out, b1.views)
@@ -386,7 +412,7 @@ class Accumulator:
                 if bad is not None and not all(_all_finite(g) for g in b.views.values()):
                     changed[key[1]] = f"NaN/Inf in {bad}"
         if bad is None and not changed:
-            self.acc = out
+            self.acc, self._finite = out, True
             return
         if not changed:
             self.dropped[second[1]] = f"changed after it was taken (its sum overflows in {bad})"
@@ -400,23 +426,32 @@ class Accumulator:
 
     def _fold_borrowed(self, key: Key, borrowed: Borrowed) -> None:
         """Sum a borrowed gradient (checked when the core took it) into the running sum in place, reading it once
-        and checking the sum as it goes (the first one: copied into a buffer of ours, checked). If what it read
-        is not what was checked (NaN/Inf now, or rewritten: a sender that broke the protocol), it is in
-        :attr:`dropped`, and if it had reached the running sum, the sum is :attr:`spoiled`: the round applies
-        nothing rather than a value nobody checked. If :meth:`read` made this very sum (``_onward``), it is taken."""
+        (the first one: copied into a buffer of ours, checked as copied). If what it read is not what was checked
+        (rewritten: a sender that broke the protocol), it is in :attr:`dropped`; if it had reached the running sum,
+        the sum is :attr:`spoiled`: the round applies nothing rather than a value nobody checked. NaN/Inf added in
+        place is found by the one check of the final sum (:meth:`_check_sum`), which spoils it likewise. If
+        :meth:`read` made this very sum (``_onward``), it is taken."""
         pre, self._onward = self._onward, None
         if pre is not None and pre[0] == key and pre[1] is self.acc and pre[2] + 1 == len(self.folded):
-            self.acc = pre[3]  # made from this very running sum (nothing was added to it in place since)
+            self.acc, self._finite = pre[3], True  # made from this very running sum (nothing added in place since), checked
             return
         worker_id, first = key[1], self.acc is None
-        out = borrowed.buffer() if first else self.acc
-        bad = read_checked(borrowed.views, out, None if first else self.acc)
+        if first:  # into a buffer of ours, checked: a changed file is left out and the round goes on without it
+            out = borrowed.buffer()
+            bad = read_checked(borrowed.views, out)
+        else:  # in place: anything wrong spoils the sum anyway, found by the one check of the sum (_check_sum)
+            out, bad = self.acc, None
+            with np.errstate(over="ignore", invalid="ignore"):
+                for name, acc in out.items():
+                    np.add(acc, borrowed.views[name], out=acc)
+            self._finite = False
         try:
             borrowed.confirm()
         except Exception as exc:  # the transport's "rewritten while read" (ProtocolError)
             bad = bad or str(exc)
         if bad is None:
             self.acc = out
+            self._finite = self._finite or first  # the first was checked as copied; in place: checked at the end
             return
         self.dropped[worker_id] = f"changed after it was taken ({bad})"
         self.spoiled = self.spoiled or not first

@@ -475,3 +475,32 @@ def test_nonfinite_skip_policy_counts_drops_and_does_not_stall_the_round():
         assert workers["a"]["pushes"]["skipped"] == 2 and workers["b"]["pushes"]["skipped"] == 1
         ca.close()
         cb.close()
+
+
+def test_two_finite_pushes_whose_sum_overflows_change_no_weight_over_http():
+    """Two workers push float32 3e38 (finite, each one valid) in the body: their sum is inf. The round closes and
+    applies nothing; the weights stay finite and unchanged (issue 11: finiteness is checked on what is applied)."""
+    import threading
+
+    from worker_service.client import PSClient
+
+    with live_ps(total_num_replicas=2, min_workers=2) as ps:
+        url = f"http://127.0.0.1:{ps.port}"
+        clients = [PSClient(url) for _ in range(2)]
+        try:
+            ids = [c.register(f"w{i}")["worker_id"] for i, c in enumerate(clients)]
+            clients[0].init_model({"w": np.zeros(3, np.float32)}, {"name": "sgd", "learning_rate": 1.0})
+            answers: list = []
+            threads = [threading.Thread(target=lambda i=i: answers.append(
+                clients[i].push(ids[i], 0, {"w": np.full(3, 3e38, np.float32)}))) for i in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(30)
+            assert sorted(a["status"] for a in answers) == ["accepted", "accepted"]
+            assert ps.rt.core.global_step == 1 and ps.rt.core.weights["w"].tolist() == [0.0, 0.0, 0.0]
+            rounds = clients[0].conn.request("GET", "/v1/rounds", {}, (), 10.0).json()["rounds"]
+            assert rounds[0]["aggregated"] == 0
+        finally:
+            for c in clients:
+                c.close()

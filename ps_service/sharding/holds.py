@@ -90,7 +90,8 @@ def apply_round(core, holds: Holds, step: int, contributors: Sequence[tuple[int,
         for rank, w in contributors:
             acc.apply(w, rank, holds.get(w, step).tensors)
         total, _ = acc.take_sum()
-        core.optimizer.apply(core.weights, total, consume=True, mean_of=mean_of)
+        if total is not None:  # None: this shard's pieces of the round overflow when summed; nothing applied here
+            core.optimizer.apply(core.weights, total, consume=True, mean_of=mean_of)
     holds.drop_through(step)
     core.global_step += 1
     core.rounds_closed += 1
