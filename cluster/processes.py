@@ -5,7 +5,9 @@ free port (``shards`` > 1: S of them, shard 0 the coordinator at :attr:`url`, ea
 own port, and at an address of its own with ``hosts``; ``PS_SHARD_*`` set, a checkpoint directory each), waits for ``/healthz`` (polling with a deadline), starts N
 ``python -m worker_service`` processes with distinct names, and on exit stops
 whatever still runs (SIGTERM, then SIGKILL after a grace period). Process
-output goes to files under ``log_dir`` so a failing run can show it.
+output goes to files under ``log_dir`` so a failing run can show it. With ``SYNCPS_FORK_SERVER=1`` (the test
+suite) a process without ``prefix`` is forked from a zygote that imported its stack once when it can be
+(cluster/forkserver.py: a Popen-like handle), else exec'd.
 
 Logs: without an explicit ``log_dir`` the cluster makes a ``syncps-*`` temporary
 folder (under ``$SYNCPS_LOG_ROOT`` when set, as the test suite does) and removes
@@ -30,6 +32,7 @@ from pathlib import Path
 import httpx
 from pydantic import SecretStr
 
+from cluster import forkserver
 from shared.tokens import bearer_header
 
 
@@ -99,10 +102,16 @@ class LocalCluster:
         self._failed = False
         self.logs_removed = False
 
-    def _spawn(self, module: str, env: dict, log_name: str) -> subprocess.Popen:
+    def _spawn(self, module: str, env: dict, log_name: str) -> subprocess.Popen | forkserver.ForkedProcess:
+        """``python -m module``, its output appended to ``log_name``: forked by a zygote when
+        ``SYNCPS_FORK_SERVER=1`` and it can be (cluster/forkserver.py), else exec'd."""
+        full_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1"}
+        if not self.prefix and forkserver.enabled():
+            forked = forkserver.spawn(module, full_env, str(self.log_dir / log_name))
+            if forked is not None:
+                return forked
         out = open(self.log_dir / log_name, "ab")
         self._files.append(out)
-        full_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1"}
         prefix = self.prefix(Path(log_name).stem) if self.prefix else []
         return subprocess.Popen([*prefix, sys.executable, "-m", module], env=full_env, stdout=out, stderr=subprocess.STDOUT)
 

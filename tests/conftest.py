@@ -10,6 +10,12 @@ subprocesses such as ``python -m cluster`` and the benchmarks) logs under one ``
 folder, and keeps its logs there until the session ends (``SYNCPS_LOG_ROOT``, ``SYNCPS_KEEP_LOGS``):
 a failing test can still show them. The folder is removed when the session passes and kept, named
 in the summary, when it fails.
+
+**Fork server.** The session exports ``SYNCPS_FORK_SERVER=1``: local clusters (the tests', and those of
+their ``python -m cluster`` / benchmark subprocesses) fork their PS and worker processes from a zygote that
+imported the stack once (cluster/forkserver.py), instead of paying Python's start-up and imports for each;
+whatever a zygote cannot start exactly as ``python -m`` would is exec'd as before. ``tests/test_install.py``
+unsets it (the real exec path, as users get it); ``SYNCPS_FORK_SERVER=0 make test`` execs every process.
 """
 from __future__ import annotations
 
@@ -20,6 +26,8 @@ import tempfile
 from pathlib import Path
 
 import pytest
+
+from cluster import forkserver
 
 #: check -> what ran instead (or why it did not run), in the order they were reported
 DEGRADED: dict[str, str] = {}
@@ -38,12 +46,14 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     # named now, made by the first LocalCluster that needs it: a session without one leaves nothing behind
     _LOG_ROOT = Path(tempfile.gettempdir()) / f"syncps-tests-{os.getpid()}-{secrets.token_hex(4)}"
-    for key, value in (("SYNCPS_LOG_ROOT", str(_LOG_ROOT)), ("SYNCPS_KEEP_LOGS", "1")):
+    fork_server = os.environ.get("SYNCPS_FORK_SERVER") or "1"  # SYNCPS_FORK_SERVER=0: the whole suite exec'd
+    for key, value in (("SYNCPS_LOG_ROOT", str(_LOG_ROOT)), ("SYNCPS_KEEP_LOGS", "1"), ("SYNCPS_FORK_SERVER", fork_server)):
         _SAVED_ENV[key] = os.environ.get(key)
         os.environ[key] = value
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    forkserver.shutdown()
     for key, value in _SAVED_ENV.items():
         if value is None:
             os.environ.pop(key, None)
