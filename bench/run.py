@@ -38,6 +38,7 @@ import httpx
 
 from bench.task import task_workload
 from cluster.processes import LocalCluster, wait_for
+from shared.protocol import PHASES
 
 
 def _proc_status(pid: int, field: str) -> float | None:
@@ -154,7 +155,7 @@ def measure(workers: int, params: int, seconds: float, warmup: float = 2.0, dtyp
             "load_avg": round(os.getloadavg()[0], 2),
             "transport": "+".join(sorted({m["transport"] for m in members})),
             "worker_phase_ms": {k: round(1e3 * sum(m["mean_seconds"][k] for m in members) / len(members), 2)
-                                for k in ("fetch", "compute", "push")},
+                                for k in PHASES},
         })
     except Exception as exc:  # a failed run is a line too, as the anchors do
         out.update({"steps_per_s": None, "grad_MB_per_s": None, "error": f"{type(exc).__name__}: {exc}"[:500],

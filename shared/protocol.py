@@ -57,6 +57,11 @@ class PhaseTimes:
     push: float = 0.0
 
 
+#: the phases a push reports (``meta.timings`` keys), in :class:`PhaseTimes`' order
+PHASES = ("fetch", "compute", "push")
+_PHASE_SET = frozenset(PHASES)
+
+
 @dataclass(frozen=True)
 class PushRequest:
     worker_id: str
@@ -135,17 +140,14 @@ def _parse_push_plain(meta: dict) -> tuple[PushRequest, int | None] | None:
         return None
     if raw is None:
         times = PhaseTimes()
-    elif type(raw) is dict and raw.keys() <= _PHASES:
-        t = [raw.get(k) for k in ("fetch", "compute", "push")]
+    elif type(raw) is dict and raw.keys() <= _PHASE_SET:
+        t = [raw.get(k) for k in PHASES]
         if not all(v is None or (type(v) in _NUMBER_TYPES and 0 <= v <= MAX_PHASE_SECONDS) for v in t):
             return None
         times = PhaseTimes(*(v or 0.0 for v in t))
     else:
         return None
     return PushRequest(worker_id, step, {}, loss, n, times), seq
-
-
-_PHASES = frozenset({"fetch", "compute", "push"})
 
 
 def parse_push_meta(meta: dict) -> tuple[PushRequest, int | None]:
@@ -170,8 +172,8 @@ def _parse_push_checked(meta: dict) -> tuple[PushRequest, int | None]:
     raw = meta.get("timings") or {}
     if not isinstance(raw, dict):
         raise bad_request("bad_field", "push: timings must be a map of phase -> seconds")
-    _only(raw, frozenset({"fetch", "compute", "push"}), "push timings")
-    times = {k: _optional_number(raw, k, "timings") or 0.0 for k in ("fetch", "compute", "push")}
+    _only(raw, _PHASE_SET, "push timings")
+    times = {k: _optional_number(raw, k, "timings") or 0.0 for k in PHASES}
     if not all(0 <= t <= MAX_PHASE_SECONDS for t in times.values()):  # NaN fails too
         raise bad_request("bad_field", f"push: timings must be seconds in [0, {MAX_PHASE_SECONDS:g}]")
     if not isinstance(meta.get("compression"), (str, type(None))):  # its value: shared/compression.py

@@ -18,7 +18,8 @@ from __future__ import annotations
 import logging
 import time
 
-PHASES = ("fetch", "compute", "push")
+from shared.protocol import PHASES
+
 #: seconds from the first push to the first progress line (at most ``every``)
 FIRST_LINE_SECONDS = 1.0
 
