@@ -54,6 +54,7 @@ from syncps.tensors import ModelMismatch, ModelTensors
 from worker_service.client import PSClient
 from worker_service.loop import REJOIN_CODES, Heartbeat
 from worker_service.settings import WorkerSettings
+from worker_service.stopping import StopFlag
 
 __all__ = ["DistributedOptimizer", "GradientRejected", "ModelMismatch", "TorchJob", "connect", "optimizer_spec"]
 log = logging.getLogger("syncps.torch")
@@ -92,7 +93,7 @@ class DistributedOptimizer:
                                token=token if token is not None else s.auth_token,
                                shm_dir=s.shm_dir if shm_dir is None else shm_dir)
         self.client.wait_ready(retry_timeout or s.retry_timeout_seconds)
-        self._stop = threading.Event()
+        self._stop = StopFlag()  # set by SIGTERM's handler: must take no lock (worker_service/stopping.py)
         self._done = False
         self._step, self._ranks = 0, ()
         self._times = {"fetch": 0.0, "compute": 0.0, "push": 0.0}

@@ -6,12 +6,12 @@ import json
 import logging
 import signal
 import sys
-import threading
 
 from worker_service.client import PSClient, connect
 from worker_service.transport import faults
 from worker_service.loop import train
 from worker_service.settings import WorkerSettings
+from worker_service.stopping import StopFlag
 from worker_service.tasks import load_task
 
 
@@ -19,7 +19,7 @@ def main() -> int:
     s = WorkerSettings()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker {s.name} %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    stop = threading.Event()
+    stop = StopFlag()  # not a threading.Event: its set() in a signal handler can deadlock (stopping.py)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     task = load_task(s.task, s.seed, s.dtype)

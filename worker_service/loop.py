@@ -9,8 +9,9 @@ Contract:
 - A heartbeat thread keeps the lease while the worker computes.
 - A 404/409 from the PS (it restarted, or the lease expired) means register
   again and carry on from the PS's step.
-- ``stop`` (SIGTERM) ends the loop between two calls; the worker then leaves the
-  cluster so the barrier stops waiting for it. Returns a summary.
+- ``stop`` (SIGTERM; a ``StopFlag``, which a signal handler may set) ends the loop
+  between two calls; the worker then leaves the cluster so the barrier stops
+  waiting for it. Returns a summary.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from typing import Callable
 from shared.errors import ProtocolError
 from worker_service.client import PSClient
 from worker_service.progress import ProgressLog
+from worker_service.stopping import StopFlag
 from worker_service.tasks import Task, writes_into
 
 log = logging.getLogger("worker")
@@ -74,9 +76,9 @@ class Heartbeat(threading.Thread):
         self.client.close()
 
 
-def train(client: PSClient, task: Task, name: str, batch_size: int, stop: threading.Event | None = None,
+def train(client: PSClient, task: Task, name: str, batch_size: int, stop: StopFlag | threading.Event | None = None,
           log_every: float = 5.0, compute_delay: float = 0.0) -> Summary:
-    stop = stop or threading.Event()
+    stop = stop if stop is not None else StopFlag()
     summary = Summary(name=name)
     reg = client.register(name)
     if not reg["model_initialized"]:
