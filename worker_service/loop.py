@@ -139,6 +139,8 @@ def train(client: PSClient, task: Task, name: str, batch_size: int, stop: StopFl
             progress.pushed(pulled.step, loss, times, res["status"])
     finally:
         hb.halt.set()
+        if stop.is_set():
+            log.info("stop requested (SIGTERM): leaving the cluster")
         try:
             client.leave(worker_id)
         except Exception as exc:
