@@ -32,6 +32,19 @@ def test_bench_run_prints_the_anchor_fields():
     assert line["grad_MB_per_s"] == pytest.approx(2 * 4 * 4 / 1e6 * line["steps_per_s"], abs=1e-3)
 
 
+def test_bench_ab_alternates_two_trees_and_sums_each_cell_up():
+    from pathlib import Path
+    root = str(Path(__file__).resolve().parent.parent)
+    out = subprocess.run([sys.executable, "-m", "bench.ab", root, root, "--runs", "1", "--seconds", "1",
+                          "--warmup", "0.3", "--cells", "http:4:2"], capture_output=True, text=True, timeout=300)
+    lines = [json.loads(x) for x in out.stdout.splitlines()]
+    assert out.returncode == 0, out.stderr[-2000:]
+    runs, sums = [x for x in lines if "summary" not in x], [x for x in lines if "summary" in x]
+    assert [r["cell"] for r in runs] == ["http:4:2"] * 2 and all(r["transport"] == "http" for r in runs)
+    assert all(r["steps_per_s"] > 0 and r["ps_ms"] > 0 and r["workers_ms"] > 0 for r in runs)
+    assert len(sums) == 2 and all(s["runs"] == 1 and s["failed"] == 0 and s["median"] > 0 for s in sums)
+
+
 @pytest.mark.parametrize("p,dims", [(4, (3, 1)), (999, (998, 1)), (1_000_000, (999, 1000)),
                                     (10_000_000, (3161, 3162))])
 def test_model_split_is_the_anchors(p, dims):

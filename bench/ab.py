@@ -1,0 +1,84 @@
+"""``python -m bench.ab BEFORE AFTER``: two checkouts side by side in one pass, runs alternating.
+
+How the data-path issue's "no worse than before" was measured (docs/performance.md, "Issue 11, seventh session").
+BEFORE and AFTER are source trees of syncps (e.g. ``git archive REV | tar -C DIR -xf -``), each run with this
+interpreter from its own directory: ``python -m bench.run --workers N --params P --seconds S`` (plus
+``--transport http`` for the TCP cells), ``--runs`` times a side per cell, before and after alternating so that
+the machine's drift hits both. Prints each run's JSON line (with ``tree``, ``ps_ms`` and ``workers_ms``: CPU
+milliseconds per step, when the tree's ``bench.run`` reports them) and, per cell and tree, a ``summary`` line: the
+median steps/s, its min and max, and the medians of the CPU per step; each line names its ``side``
+(``before``, ``after``). Cells: ``--cells`` as
+``transport:params:workers`` (default: the eight of ``make bench`` at 1e6 and 1e7).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+DEFAULT_CELLS = [f"{t}:{p}:{n}" for p in (1_000_000, 10_000_000) for n in (2, 4) for t in ("shm", "http")]
+
+
+def one_run(tree: str, transport: str, params: int, workers: int, seconds: float, warmup: float = 2.0) -> dict:
+    cmd = [sys.executable, "-m", "bench.run", "--workers", str(workers), "--params", str(params),
+           "--seconds", str(seconds), "--warmup", str(warmup)]
+    cmd += ["--transport", "http"] if transport == "http" else []
+    try:
+        out = subprocess.run(cmd, cwd=tree, capture_output=True, text=True, timeout=seconds + 300)
+        lines = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
+    except subprocess.TimeoutExpired:
+        lines = []
+    d = lines[-1] if lines else {"error": "no output"}
+    d["tree"], d["cell"] = tree, f"{transport}:{params}:{workers}"
+    steps = d.get("steps_per_s", 0) * d.get("window_s", 0)
+    for key, name in (("ps_cpu_s", "ps_ms"), ("workers_cpu_s", "workers_ms")):
+        if steps and key in d:
+            d[name] = round(d[key] / steps * 1e3, 2)
+    return d
+
+
+def summary(cell: str, tree: str, runs: list[dict]) -> dict:
+    rates = [r["steps_per_s"] for r in runs if "steps_per_s" in r]
+    out = {"summary": cell, "tree": tree, "runs": len(runs), "failed": len(runs) - len(rates)}
+    if rates:
+        out.update(median=statistics.median(rates), min=min(rates), max=max(rates))
+    for name in ("ps_ms", "workers_ms"):
+        values = [r[name] for r in runs if name in r]
+        if values:
+            out[name] = statistics.median(values)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("before")
+    ap.add_argument("after")
+    ap.add_argument("--runs", type=int, default=5, help="runs a side per cell")
+    ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--warmup", type=float, default=2.0)
+    ap.add_argument("--cells", default=",".join(DEFAULT_CELLS), help="transport:params:workers,...")
+    args = ap.parse_args(argv)
+    trees = [os.path.abspath(args.before), os.path.abspath(args.after)]
+    failed = 0
+    for cell in args.cells.split(","):
+        transport, params, workers = cell.split(":")
+        results: list[list[dict]] = [[], []]
+        for _ in range(args.runs):
+            for side, tree in enumerate(trees):
+                d = one_run(tree, transport, int(params), int(workers), args.seconds, args.warmup)
+                d["side"], d["at"] = ("before", "after")[side], time.strftime("%H:%M:%S", time.gmtime())
+                results[side].append(d)
+                print(json.dumps(d), flush=True)
+        for side, tree in enumerate(trees):
+            s = {**summary(cell, tree, results[side]), "side": ("before", "after")[side]}
+            failed += s["failed"]
+            print(json.dumps(s), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
