@@ -92,4 +92,4 @@ def test_a_worker_stopped_during_a_long_compute_leaves_at_once():
         assert time.monotonic() - t0 < 30  # the compute's wait woke: not 600 s, nor a lease
         left = httpx.get(f"{c.url}/v1/workers", timeout=10).json()["workers"]
         assert all(w["state"] == "left" for w in left), left
-        assert c.logs().count("stop requested (SIGTERM): leaving the cluster") == 2
+        assert c.logs().count("stop requested (SIGTERM or SIGINT): leaving the cluster") == 2

@@ -140,7 +140,7 @@ def train(client: PSClient, task: Task, name: str, batch_size: int, stop: StopFl
     finally:
         hb.halt.set()
         if stop.is_set():
-            log.info("stop requested (SIGTERM): leaving the cluster")
+            log.info("stop requested (SIGTERM or SIGINT): leaving the cluster")
         try:
             client.leave(worker_id)
         except Exception as exc:
