@@ -7,7 +7,7 @@ request fits the model (names, dtypes, shapes) is the PS core's business.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any, Mapping
 
@@ -57,8 +57,8 @@ class PhaseTimes:
     push: float = 0.0
 
 
-#: the phases a push reports (``meta.timings`` keys), in :class:`PhaseTimes`' order
-PHASES = ("fetch", "compute", "push")
+#: the phases a push reports (``meta.timings`` keys): :class:`PhaseTimes`' fields, in order
+PHASES = tuple(f.name for f in fields(PhaseTimes))
 _PHASE_SET = frozenset(PHASES)
 
 
