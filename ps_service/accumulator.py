@@ -5,7 +5,8 @@ Contract:
 - :func:`validate` says whether a gradient fits the model, before anything changes: exactly the
   model's tensor names, and per tensor exactly its shape and dtype (422 ``tensor_mismatch``
   otherwise; nothing is ever cast), then no NaN/Inf in those very arrays (422
-  ``nonfinite_gradient`` under the ``reject`` policy; ``False`` under ``skip``).
+  ``nonfinite_gradient`` under the ``reject`` policy; ``None`` under ``skip``). It returns the push's
+  :func:`magnitude`, a bound on its elements that the same read gives.
 - :class:`Accumulator` holds the validated gradients of one round, one per worker:
   ``apply(worker_id, rank, grads, pending)``. It owns the arrays it is given: the first one in
   rank order becomes the running sum and is written into (copied first if it is read-only or
@@ -32,16 +33,21 @@ Contract:
 - **What is applied is finite.** Every sum that was added to in place unchecked (dense owned gradients, borrowed
   ones after the first two) is read once for NaN/Inf when the round ends (:meth:`Accumulator.settle`, ``take``):
   finite gradients can overflow when added (two float32 3e38 make inf). Not finite: :attr:`~Accumulator.spoiled`
-  (:attr:`~Accumulator.overflow` names the tensor), the round applies nothing.
+  (:attr:`~Accumulator.overflow` names the tensor), the round applies nothing. That read is skipped when the
+  pushes' magnitudes (``apply(..., magnitude=)``, from :func:`validate`) prove the sum cannot overflow: every
+  element of the sum is at most the sum of their magnitudes, and while that stays below :data:`SUM_LIMIT` (far
+  below float32's largest value, 3.4e38) no addition can reach Inf.
 - A top-k push's tensors (:class:`~shared.compression.SparseTensor`: k entries, zero elsewhere) are added to a
   running sum made only of such pushes in O(k) (:func:`_add_sparse`, which also keeps the sign of zeros the
   dense sum would give), else made dense: the same bits either way.
-- NaN/Inf checks (:func:`_all_finite`) are a BLAS dot product with zeros, chunk by chunk (``isfinite`` up to
-  :data:`SMALL_ELEMENTS`).
+- NaN/Inf checks (:func:`magnitude`) are a BLAS dot product of the tensor with itself, chunk by chunk: NaN or Inf
+  exactly when an element is (squares are >= 0: nothing cancels), unless the squares overflow (|x| > 1.8e19 in
+  float32), where that chunk is checked exactly by a dot product with zeros.
 """
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
 
@@ -56,34 +62,53 @@ _TOP: Key = (float("inf"), "")  # after every key
 
 #: elements read and checked at a time by :func:`read_checked` (a chunk stays in the cache)
 CHUNK_ELEMENTS = 1 << 16
-#: elements :func:`_all_finite` checks at a time (fewer, larger calls: 0.17 against 0.22 ms for 4 MB)
+#: elements :func:`magnitude` checks at a time (fewer, larger calls: 0.17 against 0.22 ms for 4 MB)
 FINITE_CHUNK = 1 << 18
 #: :func:`read_checked` takes tensors up to this size whole, then checks them (they stay in the last-level cache:
 #: 0.66 against 0.92 ms for a checked sum of two 4 MB files, process CPU; 14.9 against 14.0 ms at 40 MB)
 WHOLE_BYTES = 8 << 20
-#: up to this many elements :func:`_all_finite` takes ``isfinite().all()`` (no error-state switch: 2 against 10 us)
-SMALL_ELEMENTS = 4096
-#: a chunk of zeros per BLAS dtype, for :func:`_all_finite`
+#: a chunk of zeros per BLAS dtype: the exact check of a chunk whose squares overflow
 _ZEROS = {np.dtype(np.float32): np.zeros(FINITE_CHUNK, np.float32),
           np.dtype(np.float64): np.zeros(FINITE_CHUNK, np.float64)}
+#: the largest finite square sum per BLAS dtype
+_TOP_SQUARES = {dt: np.finfo(dt).max for dt in _ZEROS}
+#: a round's sum is read for overflow unless the sum of its pushes' magnitudes stays below this (float32's largest
+#: value is 3.4e38: the rounding of a few thousand additions cannot take a sum from 1e30 there)
+SUM_LIMIT = 1e30
 
 
-def _all_finite(g: np.ndarray) -> bool:
-    """No NaN/Inf in ``g``. For float32/float64, chunk by chunk, the dot product with zeros: 0 when every
-    element is finite, NaN as soon as one is NaN or +-Inf (0 * Inf is NaN), computed by BLAS at memory speed
-    with no temporary array (half the CPU of a sum). Other dtypes, and small tensors: the element-wise check."""
+def magnitude(g: np.ndarray | SparseTensor) -> float | None:
+    """None if ``g`` holds NaN/Inf; else a bound on the magnitude of each of its elements (``math.inf`` when none
+    is known). Call under ``np.errstate(over="ignore", invalid="ignore")``.
+
+    float32/float64, chunk by chunk: ``dot(c, c)`` (BLAS, at memory speed, no temporary array) is NaN or +Inf
+    exactly when an element of ``c`` is, since squares are >= 0 and nothing cancels; when it is not finite the
+    chunk is checked exactly (``dot(c, zeros)``, NaN iff an element is NaN/Inf: ``0 * Inf`` is NaN), which tells a
+    finite chunk whose squares overflow (the bound is then unknown). The bound is twice the 2-norm (a float32 sum
+    of squares is off by far less than the factor 4 that allows). Other dtypes: the element-wise check."""
     if isinstance(g, SparseTensor):
         g = g.values  # zero elsewhere
-    zeros = _ZEROS.get(g.dtype)
-    if zeros is None or g.size <= SMALL_ELEMENTS:
-        return bool(np.isfinite(g).all())
     flat = g.reshape(-1)
-    with np.errstate(invalid="ignore"):
-        for lo in range(0, flat.size, FINITE_CHUNK):
-            c = flat[lo:lo + FINITE_CHUNK]
-            if not np.isfinite(np.dot(c, zeros[:c.size])):
-                return False
-    return True
+    zeros = _ZEROS.get(flat.dtype)
+    if zeros is None:
+        return math.inf if bool(np.isfinite(flat).all()) else None
+    top, dot, total = _TOP_SQUARES[flat.dtype], np.dot, 0.0
+    for lo in range(0, flat.size, FINITE_CHUNK):
+        c = flat[lo:lo + FINITE_CHUNK]
+        s = dot(c, c)
+        if s <= top:  # False for NaN and Inf
+            total += float(s)
+        elif np.isfinite(dot(c, zeros[:c.size])):
+            total = math.inf  # finite, but its squares overflow
+        else:
+            return None
+    return 2.0 * math.sqrt(total)
+
+
+def _all_finite(g: np.ndarray | SparseTensor) -> bool:
+    """No NaN/Inf in ``g`` (:func:`magnitude`)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return magnitude(g) is not None
 
 
 def read_checked(src: Mapping[str, np.ndarray], out: Mapping[str, np.ndarray],
@@ -108,7 +133,7 @@ def _read_checked(src, out, base) -> str | None:
             if not _all_finite(o1):
                 return name
             continue
-        zeros, dot, isfinite = _ZEROS.get(o1.dtype), np.dot, np.isfinite
+        zeros, top, dot, isfinite = _ZEROS.get(o1.dtype), _TOP_SQUARES.get(o1.dtype), np.dot, np.isfinite
         for lo in range(0, o1.size, CHUNK_ELEMENTS):
             hi = lo + CHUNK_ELEMENTS
             oc = o1[lo:hi]
@@ -116,7 +141,10 @@ def _read_checked(src, out, base) -> str | None:
                 np.copyto(oc, s[lo:hi])
             else:
                 np.add(b[lo:hi], s[lo:hi], out=oc)
-            if not (isfinite(dot(oc, zeros[:oc.size])) if zeros is not None else _all_finite(oc)):
+            if zeros is None:
+                if magnitude(oc) is None:
+                    return name
+            elif not dot(oc, oc) <= top and not isfinite(dot(oc, zeros[:oc.size])):  # as magnitude()
                 return name
     return None
 
@@ -150,10 +178,11 @@ def _dtype(dt: np.dtype) -> str:
 
 
 def validate(weights: Mapping[str, np.ndarray], grads: Mapping[str, np.ndarray],
-             nonfinite_policy: str = "reject", check_finite: bool = True) -> bool:
-    """Raise 422 unless ``grads`` fits ``weights`` (names, shapes, dtypes); False if it has NaN/Inf under
-    policy ``skip``. Reads only. ``check_finite`` False: the values are checked later, as they are read
-    (:class:`Borrowed`), and only the layout is checked here."""
+             nonfinite_policy: str = "reject", check_finite: bool = True) -> float | None:
+    """Raise 422 unless ``grads`` fits ``weights`` (names, shapes, dtypes); None if it has NaN/Inf under
+    policy ``skip``, else its :func:`magnitude` (the largest of its tensors'). Reads only. ``check_finite`` False:
+    the values are checked later, as they are read (:class:`Borrowed`), or were already: only the layout is
+    checked here, and the magnitude is unknown (``math.inf``)."""
     missing, extra = weights.keys() - grads.keys(), grads.keys() - weights.keys()
     if missing or extra:
         name = sorted(missing or extra)[0]
@@ -167,8 +196,17 @@ def validate(weights: Mapping[str, np.ndarray], grads: Mapping[str, np.ndarray],
         if g.shape != w.shape:
             raise unprocessable("tensor_mismatch",
                                 f"tensor {name!r} has shape {list(g.shape)}, the model has {list(w.shape)}")
-    nonfinite = next((name for name, g in grads.items() if not _all_finite(g)), None) if check_finite else None
-    return finite_or_refuse(nonfinite, nonfinite_policy)
+    if not check_finite:
+        return math.inf
+    bound, nonfinite = 0.0, None
+    with np.errstate(over="ignore", invalid="ignore"):
+        for name, g in grads.items():
+            m = magnitude(g)
+            if m is None:
+                nonfinite = name
+                break
+            bound = max(bound, m)
+    return bound if finite_or_refuse(nonfinite, nonfinite_policy) else None
 
 
 def finite_or_refuse(nonfinite: str | None, nonfinite_policy: str) -> bool:
@@ -233,9 +271,15 @@ class Accumulator:
     #: per tensor of the running sum, where it holds -0.0 when known (it was only ever summed from
     #: :class:`~shared.compression.SparseTensor` s): a sparse gradient is then added in O(k) (:func:`_add_sparse`)
     _negative_zeros: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
-    #: the running sum is known finite (made by a checked read or sum); False once something was added to it in place
-    #: unchecked, and then :meth:`_check_sum` reads it once when the round ends
+    #: the running sum is known finite (made by a checked read or sum, or added to with magnitudes that cannot
+    #: overflow); False once something was added to it in place unchecked, and then :meth:`_check_sum` reads it once
+    #: when the round ends
     _finite: bool = field(default=True, repr=False)
+    #: the magnitudes given to :meth:`apply` of the owned gradients still waiting, by worker id
+    _magnitudes: dict[str, float] = field(default_factory=dict, repr=False)
+    #: a bound on the magnitude of every element of the running sum (the sum of its gradients' magnitudes; inf:
+    #: none known)
+    _bound: float = field(default=0.0, repr=False)
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -296,14 +340,16 @@ class Accumulator:
         return Taken(borrowed, None, (k1, k2, out))
 
     def apply(self, worker_id: str, rank: int, grads: Mapping[str, np.ndarray] | Taken,
-              pending: Iterable[Key] | None = None) -> None:
+              pending: Iterable[Key] | None = None, magnitude: float = math.inf) -> None:
         """Take ``worker_id``'s validated gradient (or what :meth:`read` made of it, just before); fold in what
-        sorts before every key in ``pending`` (the gradients still possible; None: unknown, fold nothing yet)."""
+        sorts before every key in ``pending`` (the gradients still possible; None: unknown, fold nothing yet).
+        ``magnitude``: a bound on its elements' magnitude (:func:`validate`'s), which can spare the sum's check."""
         key = (rank, worker_id)
         if worker_id in self.keys or (self.folded and key < self.folded[-1]):
             raise AssertionError(f"gradient {key} is a repeat or sorts before the summed prefix {self.folded}")
         self.keys[worker_id] = key
         self.waiting[worker_id] = grads.arrays if isinstance(grads, Taken) else grads
+        self._magnitudes[worker_id] = magnitude
         if isinstance(grads, Taken) and grads.presum is not None:
             self._presum = grads.presum
         if isinstance(grads, Taken) and grads.onward is not None:
@@ -330,7 +376,7 @@ class Accumulator:
         self._check_sum()
         out, n = (None, 0) if self.spoiled else (self.acc, len(self.keys) - len(self.dropped))
         self.keys, self.folded, self.acc, self._presum, self._onward = {}, [], None, None, None
-        self._negative_zeros, self._finite = {}, True
+        self._negative_zeros, self._finite, self._magnitudes, self._bound = {}, True, {}, 0.0
         return out, n if self.aggregation == "mean" and n > 1 else 1
 
     def settle(self) -> None:
@@ -362,21 +408,24 @@ class Accumulator:
                 if bound is not None and (nxt is None or not nxt < bound):
                     return  # the second in order is still to come: the two are summed at once then
             key = heapq.heappop(queue)
-            grads = waiting.pop(key[1])
+            grads, magnitude = waiting.pop(key[1]), self._magnitudes.pop(key[1], math.inf)
             self.folded.append(key)
             if isinstance(grads, Borrowed):
-                self._negative_zeros = {}
+                self._negative_zeros, self._bound = {}, math.inf
                 self._fold_borrowed(key, grads)
             elif self.acc is None:
                 self.acc, self._finite = {name: _writable(grads[name]) for name in self.names}, True  # validated
+                self._bound = magnitude
                 self._negative_zeros = {name: nz for name in self.names
                                         if (nz := _negative_zeros_of(grads[name])) is not None}
             else:
+                self._bound += magnitude
                 self._fold_owned(grads)
 
     def _fold_owned(self, grads: Mapping[str, np.ndarray | SparseTensor]) -> None:
         """``acc += grads`` in place (a sparse tensor in O(k) when where the sum holds -0.0 is known, the k sums
-        checked as made; a dense one unchecked: the whole sum is checked once, :meth:`_check_sum`)."""
+        checked as made; a dense one unchecked: the whole sum is checked once, :meth:`_check_sum`, unless
+        :attr:`_bound` proves it cannot overflow)."""
         known = self._negative_zeros
         with np.errstate(over="ignore", invalid="ignore"):  # an overflowing sum is found by the check, not warned about
             for name, acc in self.acc.items():
@@ -387,7 +436,7 @@ class Accumulator:
                         self.spoiled, self.overflow = True, self.overflow or name
                 else:
                     np.add(acc, dense(g), out=acc)
-                    self._finite = False
+                    self._finite = self._finite and self._bound <= SUM_LIMIT
 
     def _fold_pair(self, first: Key, second: Key) -> None:
         """The running sum's start, ``first + second``, both borrowed: read once from their files into a buffer

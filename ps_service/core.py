@@ -43,6 +43,7 @@ expiry; :meth:`may_pull` is the SSP gate of a worker's pull.
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, replace
 from typing import Any, Mapping
@@ -346,8 +347,9 @@ class ParameterServerCore(ModelState):
         if self.modes is None and req.step == self.global_step and self.round is None:
             raise ProtocolError(409, "not_started", "no round is open (waiting for workers, or done)")
         policy, borrowed = self.config.nonfinite_policy, req.borrowed
-        finite = validate(self.weights, req.tensors, policy,  # every check first
-                          check_finite=borrowed is None and not req.finite_checked)
+        magnitude = validate(self.weights, req.tensors, policy,  # every check first
+                             check_finite=borrowed is None and not req.finite_checked)
+        finite = magnitude is not None
         if self.modes is not None:  # async/ssp: read (if borrowed) and classify; applied below
             verdict, grads = on_arrival.classify(self, m, req, finite, now)
             status = verdict.status
@@ -377,7 +379,7 @@ class ParameterServerCore(ModelState):
         if self.modes is not None:
             on_arrival.take(self, req, verdict, grads)
         else:
-            self._take(m, req, status, now, grads)
+            self._take(m, req, status, now, grads, magnitude)
         self._changed()
         return PushResult(status, self.global_step, self.global_step != before)
 
@@ -393,10 +395,11 @@ class ParameterServerCore(ModelState):
             return PushStatus.LATE
         return PushStatus.STALE
 
-    def _take(self, m: Member, req: PushRequest, status: PushStatus, now: float, grads) -> None:
+    def _take(self, m: Member, req: PushRequest, status: PushStatus, now: float, grads, magnitude: float | None) -> None:
         r, wid, at = self.round, m.worker_id, Arrival(m.worker_id, m.name, m.rank, now)
         if status is PushStatus.ACCEPTED:
-            r.accept(at, grads, req.loss, req.num_examples, eager=not self.rule.replicas_to_aggregate)
+            r.accept(at, grads, req.loss, req.num_examples, eager=not self.rule.replicas_to_aggregate,
+                     magnitude=math.inf if magnitude is None else magnitude)
             self.examples += req.num_examples or 0
         elif status is PushStatus.SKIPPED and req.step == self.global_step and wid in r.eligible and wid not in r.acc:
             r.skip(wid)  # its part in the round is over: do not wait for it

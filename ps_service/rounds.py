@@ -185,12 +185,14 @@ class Round:
         it to :meth:`accept` at once (with the same ``eager``), or drop it."""
         return self.acc.read(borrowed, self.key(worker_id), self._pending(worker_id, eager, move=False))
 
-    def accept(self, arrival: Arrival, grads, loss: float | None, examples: int | None, eager: bool) -> None:
+    def accept(self, arrival: Arrival, grads, loss: float | None, examples: int | None, eager: bool,
+               magnitude: float = math.inf) -> None:
         """An accepted gradient (or what :meth:`read` made of it, just before); ``eager``: every eligible member
-        may still push (elastic), so the sum can start on the lowest ranks before they all are in."""
+        may still push (elastic), so the sum can start on the lowest ranks before they all are in. ``magnitude``:
+        the bound :func:`~ps_service.accumulator.validate` gave (:meth:`Accumulator.apply`)."""
         wid = arrival.worker_id
         before = self.standing(wid)
-        self.acc.apply(wid, self.eligible[wid], grads, self._pending(wid, eager))
+        self.acc.apply(wid, self.eligible[wid], grads, self._pending(wid, eager), magnitude)
         self._count(wid, before)
         self.arrivals.append(arrival)
         if loss is not None:

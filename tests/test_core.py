@@ -206,6 +206,61 @@ def test_finite_gradients_whose_sum_overflows_never_reach_the_weights(sparse):
     assert core.global_step == 2 and core.rounds[-1].aggregated == 2 and np.isfinite(core.weights["w"]).all()
 
 
+@pytest.mark.parametrize("dtype, scale, read, applied", [
+    (np.float32, 1.0, False, 2),    # ordinary gradients: their magnitudes rule an overflow out, the sum is not read
+    (np.float64, 1e29, False, 2),   # 2 x 2 x |g| = 9.8e29 stays below SUM_LIMIT: cannot overflow
+    (np.float64, 1e30, True, 2),    # past SUM_LIMIT: read, finite, applied
+    (np.float32, 1e25, True, 2),    # squares overflow (|x| > 1.8e19): no bound known, read, finite, applied
+    (np.float32, 3e38, True, 0),    # read, overflows: nothing applied
+])
+def test_the_sum_is_read_for_overflow_only_when_the_pushes_magnitudes_do_not_rule_it_out(monkeypatch, dtype, scale,
+                                                                                           read, applied):
+    """A dense push's NaN/Inf check (a dot product of it with itself) also bounds its elements (twice its 2-norm);
+    while the sum of the round's bounds stays below SUM_LIMIT no element of the sum can reach Inf, and the sum is
+    not read again when the round ends (one read of the model's size fewer per round). Otherwise it is read once,
+    and an overflow still keeps the round from applying anything."""
+    import ps_service.accumulator as accumulator
+    reads = []
+    real = accumulator._all_finite
+    monkeypatch.setattr(accumulator, "_all_finite", lambda g: reads.append(g.shape) or real(g))
+    core = ParameterServerCore(CoreConfig(min_workers=2, startup_grace_seconds=0.0))
+    w0 = {k: v.astype(dtype) for k, v in W0.items()}
+    core.init_model(ModelInit({k: v.copy() for k, v in w0.items()}, {"name": "sgd", "learning_rate": 0.5}), 0.0)
+    ids = [core.register(f"w{i}", 0.0)[0].worker_id for i in range(2)]
+    for wid in ids:
+        assert push(core, wid, 0, {k: np.full_like(v, scale) for k, v in w0.items()}).status is PushStatus.ACCEPTED
+    assert core.global_step == 1 and core.rounds[-1].aggregated == applied
+    assert bool(reads) == read
+    if applied:
+        g = np.full_like(w0["w"], scale)
+        assert core.weights["w"].tobytes() == (w0["w"] - dtype(0.5) * ((g + g) / dtype(2))).tobytes()
+    else:
+        assert core.weights["w"].tobytes() == w0["w"].tobytes()
+
+
+def test_magnitude_bounds_every_element_and_is_none_on_nan_or_inf():
+    """ps_service.accumulator.magnitude: >= every element's magnitude (over chunks, with huge and tiny values
+    mixed), math.inf when the squares overflow, None exactly when an element is NaN or Inf."""
+    import math
+    from ps_service.accumulator import FINITE_CHUNK, magnitude
+    rng = np.random.default_rng(3)
+    with np.errstate(over="ignore", invalid="ignore"):
+        for dtype in (np.float32, np.float64):
+            for n in (1, 7, FINITE_CHUNK, 2 * FINITE_CHUNK + 5):
+                g = (rng.standard_normal(n) * 10.0 ** rng.integers(-30, 15, n)).astype(dtype)
+                m = magnitude(g)
+                assert m is not None and math.isfinite(m) and m >= float(np.abs(g).max())
+            g = np.full(FINITE_CHUNK + 3, 1e20, np.float32)
+            assert magnitude(g.astype(dtype)) == (math.inf if dtype == np.float32 else magnitude(g.astype(dtype)))
+        assert magnitude(np.full(5, 1e20, np.float32)) == math.inf
+        assert magnitude(np.ones(3, np.float16)) == math.inf  # not a BLAS dtype: checked, no bound
+        for bad in (np.nan, np.inf, -np.inf):
+            for dtype in (np.float32, np.float64, np.float16):
+                g = np.ones(2 * FINITE_CHUNK + 5, dtype)
+                g[FINITE_CHUNK] = bad
+                assert magnitude(g) is None and magnitude(g[FINITE_CHUNK:FINITE_CHUNK + 1]) is None
+
+
 def test_sum_aggregation():
     core, ids = make(2, aggregation="sum")
     g = [grad(1), grad(2)]
