@@ -6,7 +6,8 @@ interpreter from its own directory: ``python -m bench.run --workers N --params P
 ``--transport http`` for the TCP cells), ``--runs`` times a side per cell, before and after alternating so that
 the machine's drift hits both. Prints each run's JSON line (with ``tree``, ``ps_ms`` and ``workers_ms``: CPU
 milliseconds per step, when the tree's ``bench.run`` reports them) and, per cell and tree, a ``summary`` line: the
-median steps/s, its min and max, and the medians of the CPU per step; each line names its ``side``
+median steps/s, its min and max, and the medians of the CPU per step (and of ``cpu_busy``, when the tree's
+``bench.run`` reports it); each line names its ``side``
 (``before``, ``after``). Cells: ``--cells`` as
 ``transport:params:workers`` (default: the eight of ``make bench`` at 1e6 and 1e7).
 """
@@ -46,7 +47,7 @@ def summary(cell: str, tree: str, runs: list[dict]) -> dict:
     out = {"summary": cell, "tree": tree, "runs": len(runs), "failed": len(runs) - len(rates)}
     if rates:
         out.update(median=statistics.median(rates), min=min(rates), max=max(rates))
-    for name in ("ps_ms", "workers_ms"):
+    for name in ("ps_ms", "workers_ms", "cpu_busy"):
         values = [r[name] for r in runs if name in r]
         if values:
             out[name] = statistics.median(values)

@@ -8,8 +8,11 @@ running :mod:`bench.task` (the anchors' workload), waits until training runs, wa
 (= workers * params * 4 / 1e6 * steps_per_s, the anchors' formula), ``final_loss``, plus
 ``peak_rss_MB`` (the PS's peak resident memory, VmHWM), ``tensor_MB_per_s`` (payload
 through the PS: gradients in + weights out), ``ps_cpu_s`` (PS CPU seconds in the window),
-``workers_cpu_s`` (every worker's CPU seconds in the window, summed), ``steps``, ``window_s``,
-``load_avg``. Exit status 1 (and an ``error`` field) when the run failed.
+``workers_cpu_s`` (every worker's CPU seconds in the window, summed), ``cpu_ms_per_step`` (the two together per
+global step: what one step costs the machine), ``cpu_busy`` (the same CPU over the window's core-seconds, with
+``os.cpu_count()`` cores: how much of the machine the job kept busy; the rest waited on the barrier, the
+scheduler or the other processes), ``steps``, ``window_s``, ``load_avg``. Exit status 1 (and an ``error`` field)
+when the run failed.
 
 ``--compression X`` (``none``, ``bf16``, ``fp16``, ``topk``, ``2bit``) sets the job's ``PS_COMPRESSION`` (with
 ``--transport http``: same-host workers stay uncompressed); the line gets ``compression`` and
@@ -22,6 +25,10 @@ of every shard summed, ``peak_rss_MB`` the largest shard's, and the line gets ``
 ``shard_peak_rss_MB``, ``shard_urls`` and ``shard_wire_bytes_per_step`` (bytes received + sent a step; one per
 shard, the coordinator first); ``wire_MB_per_s`` sums every shard's bytes.
 Its cost model: docs/scaling.md.
+
+Workers run as ``make run`` starts them (:class:`~cluster.processes.LocalCluster`): each on a CPU of its own when
+there are no more workers than CPUs; ``pinned_cpus`` lists each worker's CPU (null: not pinned). ``--no-pin``
+leaves them wherever the OS puts them.
 
 ``--task cnn`` measures the torch ``cnn`` task instead (worker_service/tasks/cnn.py, batch 32 per
 worker; ``--params`` does not apply): its side-by-side with torch DDP is ``python -m bench.ddp_cnn``.
@@ -110,6 +117,7 @@ def measure(workers: int, params: int, seconds: float, warmup: float = 2.0, dtyp
     urls = cluster.shard_urls
     try:
         cluster.start()
+        out["pinned_cpus"] = [cluster.pinned.get(i) for i in range(workers)]
         with httpx.Client(base_url=cluster.url, timeout=30.0) as client:
             def training() -> bool:
                 if any(w.poll() is not None for w in cluster.workers):
@@ -157,6 +165,10 @@ def measure(workers: int, params: int, seconds: float, warmup: float = 2.0, dtyp
             "worker_phase_ms": {k: round(1e3 * sum(m["mean_seconds"][k] for m in members) / len(members), 2)
                                 for k in PHASES},
         })
+        if out["ps_cpu_s"] is not None and out["workers_cpu_s"] is not None and g1 > g0:
+            job_cpu = out["ps_cpu_s"] + out["workers_cpu_s"]
+            out.update(cpu_ms_per_step=round(1e3 * job_cpu / (g1 - g0), 2),
+                       cpu_busy=round(job_cpu / ((t1 - t0) * (os.cpu_count() or 1)), 3))
     except Exception as exc:  # a failed run is a line too, as the anchors do
         out.update({"steps_per_s": None, "grad_MB_per_s": None, "error": f"{type(exc).__name__}: {exc}"[:500],
                     "log_dir": str(cluster.log_dir)})
@@ -182,11 +194,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compression", choices=["none", "bf16", "fp16", "topk", "2bit"], default="none",
                     help="the job's gradient compression (PS_COMPRESSION; applies to request bodies: --transport http)")
     ap.add_argument("--shards", type=int, default=1, help="PS processes (PS_SHARDS; docs/scaling.md)")
+    ap.add_argument("--no-pin", action="store_true",
+                    help="workers not pinned to CPUs (a local cluster pins each to its own when workers <= CPUs)")
     args = ap.parse_args(argv)
     ok = True
     for _ in range(args.repeat):
         line = measure(args.workers, args.params, args.seconds, args.warmup, args.dtype, transport=args.transport,
-                       task=args.task, compression=args.compression, shards=args.shards)
+                       task=args.task, compression=args.compression, shards=args.shards,
+                       cluster_options={"pin_workers": False} if args.no_pin else None)
         ok = ok and line.get("steps_per_s") is not None
         print(json.dumps(line), flush=True)
     return 0 if ok else 1

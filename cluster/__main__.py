@@ -75,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--optimizer", default=None, help="override the task's optimizer (sgd, momentum, adam, adagrad)")
     ap.add_argument("--learning-rate", type=float, default=None)
     ap.add_argument("--deadline", type=float, default=600.0, help="give up after this many seconds")
+    ap.add_argument("--no-pin", action="store_true",
+                    help="do not give each worker a CPU of its own (WORKER_CPUS; done when workers <= CPUs)")
     ap.add_argument("--keep-logs", action="store_true",
                     help="keep the processes' log folder after a clean run (it is always kept after a failure)")
     args = ap.parse_args(argv)
@@ -97,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     worker_env = {"WORKER_TASK": args.task}
     t_launch = time.monotonic()
     cluster = LocalCluster(args.workers, ps_env=ps_env, worker_env=worker_env, keep_logs=args.keep_logs,
-                           shards=args.shards)
+                           shards=args.shards, pin_workers=not args.no_pin)
     console.print(f"syncps: PS at {cluster.url}, {args.workers} workers, task {args.task}, {args.steps} steps")
     if args.shards > 1:
         console.print(f"{args.shards} PS shards: " + ", ".join(f"shard {i} at http://127.0.0.1:{p}"

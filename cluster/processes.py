@@ -58,16 +58,23 @@ class LocalCluster:
     def __init__(self, workers: int = 4, ps_env: dict | None = None, worker_env: dict | None = None,
                  log_dir: str | Path | None = None, port: int | None = None, token: str | None = None,
                  keep_logs: bool | None = None, shards: int = 1, host: str = "127.0.0.1",
-                 prefix: Callable[[str], list[str]] | None = None, hosts: list[str] | None = None) -> None:
+                 prefix: Callable[[str], list[str]] | None = None, hosts: list[str] | None = None,
+                 pin_workers: bool = True) -> None:
         """``token``: the PS's PS_AUTH_TOKEN, given to the workers too (and used by :meth:`status`, :meth:`get`).
         ``keep_logs``: keep the temporary log folder even after a clean run (default: ``SYNCPS_KEEP_LOGS``).
         ``host``: the address the PS binds and everyone reaches it at; ``prefix``: the command prefix of the process
         whose log is named ``ps`` / ``ps-<i>`` / ``worker-<i>`` (``bench.hosts``: ``ip netns exec NS``).
         ``hosts``: one address per shard instead (shard i binds and is reached at ``hosts[i]``, e.g. each in a
-        namespace of its own; ``hosts[0]`` is the coordinator's, :attr:`host`); default ``host`` for every shard."""
+        namespace of its own; ``hosts[0]`` is the coordinator's, :attr:`host`); default ``host`` for every shard.
+        ``pin_workers``: when there are no more workers than CPUs this process may use, worker i runs on the i-th
+        of them alone (``WORKER_CPUS``; the PS is not pinned), unless ``WORKER_CPUS`` is given (env, ``worker_env``
+        or ``start_worker``'s ``env``): a worker then never waits for a CPU that another worker holds while one is
+        idle, which the scheduler otherwise lets happen (docs/performance.md). :attr:`pinned` says where each went."""
         if hosts is not None and len(hosts) != shards:
             raise ValueError(f"hosts lists {len(hosts)} address(es) for {shards} shard(s)")
         self.n_workers = workers
+        self.pin_workers = pin_workers
+        self.pinned: dict[int, int] = {}  # worker index -> the CPU it was given
         self.token = token
         self.headers = bearer_header(SecretStr(token) if token else None)
         self.port = port or free_port()
@@ -147,10 +154,22 @@ class LocalCluster:
 
     def start_worker(self, index: int | None = None, env: dict | None = None) -> subprocess.Popen:
         index = len(self.workers) if index is None else index
-        p = self._spawn("worker_service", {"WORKER_NAME": f"worker-{index}", **self.worker_env,
-                                            **{k: str(v) for k, v in (env or {}).items()}}, f"worker-{index}.log")
+        full = {"WORKER_NAME": f"worker-{index}", **self.worker_env, **{k: str(v) for k, v in (env or {}).items()}}
+        cpu = self.worker_cpu(index) if "WORKER_CPUS" not in full and "WORKER_CPUS" not in os.environ else None
+        if cpu is not None:
+            full["WORKER_CPUS"] = str(cpu)
+            self.pinned[index] = cpu
+        p = self._spawn("worker_service", full, f"worker-{index}.log")
         self.workers.append(p)
         return p
+
+    def worker_cpu(self, index: int) -> int | None:
+        """The CPU worker ``index`` gets (``pin_workers``): the index-th this process may use, when there are no
+        more workers than such CPUs; else None (not pinned; nor is a worker beyond the cluster's ``workers``)."""
+        if not self.pin_workers or not hasattr(os, "sched_getaffinity"):
+            return None
+        cpus = sorted(os.sched_getaffinity(0))
+        return cpus[index] if index < self.n_workers <= len(cpus) else None
 
     def kill(self, proc: subprocess.Popen | None = None) -> float:
         """``kill -9`` a worker process or (default) the PS, and reap it; the Unix time of the signal.

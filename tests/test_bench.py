@@ -3,6 +3,7 @@ and the in-place, arrival-order-independent aggregation of large bodies (bit-ide
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import socket
@@ -30,6 +31,10 @@ def test_bench_run_prints_the_anchor_fields():
     assert line["system"] == "syncps" and line["workers"] == 2 and line["params"] == 4
     assert line["steps_per_s"] > 0 and line["steps"] > 0 and line["peak_rss_MB"] > 0
     assert line["grad_MB_per_s"] == pytest.approx(2 * 4 * 4 / 1e6 * line["steps_per_s"], abs=1e-3)
+    job_cpu = line["ps_cpu_s"] + line["workers_cpu_s"]  # what a step costs the machine, and how busy it kept it
+    assert line["cpu_ms_per_step"] == pytest.approx(1e3 * job_cpu / line["steps"], rel=1e-2, abs=0.01)
+    assert line["cpu_busy"] == pytest.approx(job_cpu / line["window_s"] / (os.cpu_count() or 1), abs=2e-3)
+    assert 0 < line["cpu_busy"] <= 1.05
 
 
 def test_bench_ab_alternates_two_trees_and_sums_each_cell_up():

@@ -4,20 +4,37 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import sys
 
 from worker_service.client import PSClient, connect
 from worker_service.transport import faults
 from worker_service.loop import train
-from worker_service.settings import WorkerSettings
+from worker_service.settings import WorkerSettings, cpu_list
 from worker_service.stopping import StopFlag
 from worker_service.tasks import load_task
+
+
+def pin(cpus: frozenset[int]) -> None:
+    """Run every thread of this process (and those it starts later) on ``cpus`` only (WORKER_CPUS)."""
+    if not hasattr(os, "sched_setaffinity"):
+        logging.warning("WORKER_CPUS is set but this OS cannot pin a process to CPUs: ignored")
+        return
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            os.sched_setaffinity(int(tid), cpus)
+    except OSError as exc:
+        raise SystemExit(f"WORKER_CPUS={','.join(map(str, sorted(cpus)))}: cannot run on those CPUs "
+                         f"(this process may use {sorted(os.sched_getaffinity(0))}): {exc}") from None
+    logging.info("running on CPU %s (WORKER_CPUS)", ",".join(map(str, sorted(cpus))))
 
 
 def main() -> int:
     s = WorkerSettings()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker {s.name} %(levelname)s %(message)s")
+    if s.cpus:
+        pin(cpu_list(s.cpus))
     logging.getLogger("httpx").setLevel(logging.WARNING)
     stop = StopFlag()  # not a threading.Event: its set() in a signal handler can deadlock (stopping.py)
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -14,6 +14,17 @@ from shared.tokens import resolve_token
 from worker_service.naming import default_name
 
 
+def cpu_list(text: str) -> frozenset[int]:
+    """The CPUs of a Linux CPU list (``3``, ``0-3,6``; empty: none), ValueError if it is not one."""
+    cpus: set[int] = set()
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        lo, dash, hi = part.partition("-")
+        if not (lo.isdigit() and (not dash or hi.isdigit())) or (dash and int(hi) < int(lo)):
+            raise ValueError(f"{text!r} is not a CPU list (e.g. 3, or 0-3,6)")
+        cpus.update(range(int(lo), int(hi if dash else lo) + 1))
+    return frozenset(cpus)
+
+
 class WorkerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="WORKER_", extra="ignore")
 
@@ -47,6 +58,15 @@ class WorkerSettings(BaseSettings):
                                 "is found there (same host), else tensors go over HTTP. Empty: always HTTP.")
     compute_delay_seconds: float = Field(
         0.0, ge=0, description="Extra seconds added to every compute phase: a deliberately slow worker, for straggler drills.")
+    cpus: str = Field(
+        "", description="CPUs the worker runs on, a Linux CPU list (3, or 0-3,6). Empty: wherever the OS puts it. "
+                        "python -m cluster gives each worker a CPU of its own when there are no more workers than CPUs.")
+
+    @field_validator("cpus", mode="after")
+    @classmethod
+    def _cpus(cls, text: str) -> str:
+        cpu_list(text)  # a ValueError names what is wrong
+        return text.strip()
 
     @field_validator("name", mode="after")
     @classmethod
