@@ -17,7 +17,8 @@ registration p99 (``register_p99_ms``: the K workers' start-up burst; ``register
 prober's, under load); ``healthz_p99_ms`` (probe port) and ``healthz_main_p99_ms`` under load;
 ``heartbeat_p99_ms`` and ``heartbeat_timeouts`` (no answer within 10 s); ``lost_connections`` (by kind:
 the PS had closed the connection, e.g. its keep-alive ran out); ``lease_expiries`` (from the PS's /v1/workers: re-registrations plus members
-left expired); ``ps_cpu_ms_per_push`` (the PS's utime+stime over the training, from /proc, per push;
+left expired); ``ps_cpu_ms_per_push`` (the PS's CPU time over the training, per push: its threads' schedstat, to the
+nanosecond, as a short run's CPU can be less than one 10 ms clock tick;
 the probes' and heartbeats' cost is in it); ``ps_peak_rss_MB`` (VmHWM); ``min_contributors`` (the
 smallest round); ``errors_5xx``; ``exact``: the final weights equal a numpy replay (the pushed gradients
 of each round summed in rank order, divided by their count, one SGD step).
@@ -40,7 +41,7 @@ import httpx
 import numpy as np
 
 from bench.loadclient import Conn, Samples, fresh
-from bench.run import _cpu_seconds, _proc_status
+from bench.run import _cpu_seconds_fine, _proc_status
 from cluster.processes import LocalCluster, free_port
 from shared import frame
 from shared.protocol import FRAME
@@ -211,7 +212,7 @@ class Load:
         """Every worker to the end; the PS's CPU seconds from all registered to the end."""
         workers = [asyncio.create_task(self.worker(i)) for i in range(self.k)]
         await self.registered.wait()
-        cpu0, t0 = _cpu_seconds(pid), time.perf_counter()
+        cpu0, t0 = _cpu_seconds_fine(pid), time.perf_counter()
         probe = threading.Thread(target=self.probing, name="prober", daemon=True)
         probe.start()
         try:
@@ -220,7 +221,7 @@ class Load:
             self.stop.set()
             for w in workers:
                 w.cancel()
-        cpu1 = _cpu_seconds(pid)
+        cpu1 = _cpu_seconds_fine(pid)
         await asyncio.to_thread(probe.join, 60)
         return {"ps_cpu_s": cpu1 - cpu0, "train_wall_s": time.perf_counter() - t0}
 

@@ -9,11 +9,13 @@ import subprocess
 import socket
 import sys
 import threading
+import time
 
 import msgpack
 import numpy as np
 import pytest
 
+from bench.run import _cpu_seconds_fine
 from bench.task import BenchLinearTask, actual_params, model_dims
 from shared import frame
 from shared.errors import ProtocolError
@@ -351,3 +353,13 @@ def test_bench_loopback_times_the_bytes_it_sends():
     assert line["bytes"] == 8 << 20 and line["seconds"] > 0
     rate = lambda seconds: line["bytes"] / seconds / 1e9  # noqa: E731  (seconds is rounded to the ms)
     assert rate(line["seconds"] + 6e-4) <= line["GB_per_s"] <= rate(max(line["seconds"] - 6e-4, 1e-6))
+
+
+def test_fine_cpu_time_sees_less_than_a_clock_tick():
+    """bench.load's short runs: a few ms of CPU, under one 10 ms tick of /proc/PID/stat, still measured."""
+    before = _cpu_seconds_fine(os.getpid())
+    end = time.thread_time() + 0.003
+    while time.thread_time() < end:  # 3 ms of this thread's CPU
+        pass
+    spent = _cpu_seconds_fine(os.getpid()) - before
+    assert 0.003 <= spent < 0.5
