@@ -24,7 +24,7 @@ from shared.errors import ProtocolError
 from syncps.tensors import ModelTensors
 from syncps.torch import DistributedOptimizer, GradientRejected, connect
 from tests.live_ps import live_ps, state_hash
-from tests.torch_tasks import batchnorm
+from tests.torch_tasks import SEEDING, batchnorm
 from worker_service.client import PSClient
 
 X = torch.randn(256, 3, generator=torch.Generator().manual_seed(0))
@@ -32,7 +32,9 @@ Y = X @ torch.tensor([[0.1], [0.2], [0.3]]) + 0.4
 
 
 def linear(seed: int) -> nn.Module:
-    with torch.random.fork_rng(devices=[]):
+    """The same weights for the same seed, also when worker threads build their models at once (seeding torch's
+    one global generator is not thread-safe: without the lock a thread's layers could draw from another's seed)."""
+    with SEEDING, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return nn.Sequential(OrderedDict(fc=nn.Linear(3, 2), out=nn.Linear(2, 1)))
 

@@ -2,9 +2,15 @@
 train through the stock worker, which wraps them into tasks (worker_service/tasks/torch_task.py)."""
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from worker_service.tasks.cnn import cnn_job
+
+#: held while a model is built from a seed: torch's global generator is one per process, and worker threads of one
+#: test seeding it at once would draw each other's numbers (a model's weights would depend on the timing)
+SEEDING = threading.Lock()
 
 
 def cnn_sgd(seed: int = 0, dtype: str = "float32"):
@@ -19,7 +25,7 @@ def batchnorm(seed: int = 0, dtype: str = "float32"):
     gen = torch.Generator().manual_seed(1000 + seed)
     x = torch.randn(512, 4, generator=gen) * 3 + 1
     y = x @ torch.tensor([[1.0], [-2.0], [0.5], [0.0]])
-    with torch.random.fork_rng(devices=[]):
+    with SEEDING, torch.random.fork_rng(devices=[]):  # threads of one test build models at once
         torch.manual_seed(seed)
         model = torch.nn.Sequential(torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1))
     from syncps.job import TorchJob
