@@ -74,16 +74,18 @@ def _cpu_seconds_fine(pid: int) -> float | None:
     """The CPU time of the process's live threads to the nanosecond (``/proc/PID/task/*/schedstat``), for windows
     too short for :func:`_cpu_seconds`' clock ticks; :func:`_cpu_seconds` where the kernel has no schedstat."""
     try:
-        total = 0
+        total, read = 0, 0
         for tid in os.listdir(f"/proc/{pid}/task"):
             try:
                 with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
                     total += int(f.read().split()[0])
-            except FileNotFoundError:  # the thread exited meanwhile
+                read += 1
+            except FileNotFoundError:  # the thread exited meanwhile (or the kernel keeps no schedstat)
                 continue
-        return total / 1e9
+        return total / 1e9 if read else _cpu_seconds(pid)
     except (OSError, IndexError, ValueError):
         return _cpu_seconds(pid)
+
 
 def _global_step(client: httpx.Client) -> tuple[float, int, dict]:
     st = client.get("/v1/status").json()
