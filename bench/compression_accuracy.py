@@ -7,7 +7,8 @@ to the same ``PS_MAX_STEPS``, pulls the final weights and evaluates them with th
 (held-out accuracy for mlp and cnn; loss on the task's data for linear). One JSON line per job, with
 ``delta_pp`` (accuracy minus the uncompressed run's, percentage points) or ``delta_loss``.
 
-``--topk-ratio`` and ``--threshold`` take one value for every task (``0.01``) or one per task
+``--topk-ratio``, ``--topk-warmup`` (``PS_COMPRESSION_TOPK_WARMUP_STEPS``; default: the PS's) and ``--threshold``
+take one value for every task (``0.01``) or one per task
 (``linear=0.01,mlp=0.25``; a task not named gets the PS's default): the right 2-bit threshold depends on
 the scale of the task's gradients, as in MXNet.
 """
@@ -65,16 +66,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compressions", default=",".join(ENCODINGS[1:]))
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--topk-ratio", default="0.01", help="PS_COMPRESSION_TOPK_RATIO: one value, or task=value,...")
+    ap.add_argument("--topk-warmup", default="", help="PS_COMPRESSION_TOPK_WARMUP_STEPS: one value, or task=value,... "
+                                                      "(default: the PS's)")
     ap.add_argument("--threshold", default="0.5", help="PS_COMPRESSION_2BIT_THRESHOLD: one value, or task=value,...")
     ap.add_argument("--steps", default="", help="global steps per task, e.g. mlp=1000 (default: linear=200, "
                                                 "mlp=300, cnn=200)")
     ap.add_argument("--deadline", type=float, default=900.0, help="seconds one job may take")
     args = ap.parse_args(argv)
     ratios, thresholds = per_task(args.topk_ratio, 0.01), per_task(args.threshold, 0.5)
+    warmups = {t: int(v) for t, v in per_task(args.topk_warmup, -1).items()} if args.topk_warmup else {}
     steps = {**STEPS, **{t: int(v) for t, v in (item.split("=") for item in args.steps.split(",") if item)}}
     ok = True
     for task in args.tasks.split(","):
         ps_env = {"PS_COMPRESSION_TOPK_RATIO": ratios[task], "PS_COMPRESSION_2BIT_THRESHOLD": thresholds[task]}
+        if warmups.get(task, -1) >= 0:
+            ps_env["PS_COMPRESSION_TOPK_WARMUP_STEPS"] = warmups[task]
         base = None
         for compression in ("none", *[c for c in args.compressions.split(",") if c and c != "none"]):
             try:

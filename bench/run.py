@@ -18,7 +18,8 @@ when the run failed.
 ``--transport http``: same-host workers stay uncompressed); the line gets ``compression`` and
 ``wire_MB_per_s``, the bytes the PS really received and sent per second (``/v1/status``), and
 ``up_bytes_per_step`` / ``down_bytes_per_step`` (received / sent per step, all workers: ``down`` shrinks with
-weight deltas, ``PS_WEIGHT_DELTAS``, reported as ``weight_deltas``).
+weight deltas, ``PS_WEIGHT_DELTAS``, reported as ``weight_deltas``). It measures top-k's steady state: the job has
+no warm-up (``PS_COMPRESSION_TOPK_WARMUP_STEPS=0``) unless that variable is set in the environment.
 
 ``--shards S`` (default 1) runs S PS processes (``PS_SHARDS``; README, Shards): ``ps_cpu_s`` is then the CPU
 of every shard summed, ``peak_rss_MB`` the largest shard's, and the line gets ``shards``, ``shard_cpu_s`` and
@@ -125,7 +126,8 @@ def measure(workers: int, params: int, seconds: float, warmup: float = 2.0, dtyp
         worker_env = {"WORKER_SHM_DIR": "", **(worker_env or {})}
     if compression != "none":
         out["compression"] = compression
-        ps_env = {"PS_COMPRESSION": compression, **(ps_env or {})}
+        steady = {} if "PS_COMPRESSION_TOPK_WARMUP_STEPS" in os.environ else {"PS_COMPRESSION_TOPK_WARMUP_STEPS": 0}
+        ps_env = {"PS_COMPRESSION": compression, **steady, **(ps_env or {})}
     cluster = LocalCluster(
         workers,
         ps_env={"PS_TOTAL_NUM_REPLICAS": workers, "PS_LOG_LEVEL": "warning", **(ps_env or {})},

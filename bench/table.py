@@ -18,6 +18,11 @@ the machine and the load average.
 Then, when torch is installed (the ``torch`` extra), the CNN task (``WORKER_TASK=cnn``: a PyTorch model
 through ``syncps.torch``) for each of ``--cnn-workers``: syncps same-host and over TCP (``--repeat`` runs)
 next to torch DistributedDataParallel with gloo (:mod:`bench.ddp_cnn`, ``--cnn-steps`` steps), a second table.
+
+Last, when run as root with ``ip`` and ``tc`` (a network namespace per host), the same workload between emulated hosts
+(:mod:`bench.hosts`: each host behind a ``--hosts-rate`` link, 1 Gb/s by default) for the systems of ``--hosts``
+(default: syncps uncompressed and top-k over TCP, torch gloo's float32 all-reduce) at ``--hosts-params``: a third
+table, steps/s and each syncps column over gloo. On loopback a byte costs only CPU; this is where compression pays.
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -144,6 +150,22 @@ def cnn_table(results: dict) -> str:
     return "\n".join(rows)
 
 
+def between_hosts(systems: str, params: str, workers: str, rate: str, seconds: float) -> tuple[list[dict], str]:
+    """:mod:`bench.hosts`'s JSON lines and its table (or why it was skipped)."""
+    if os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("tc")):
+        return [], "skipped: emulated hosts need root, ip and tc"
+    cmd = [sys.executable, "-m", "bench.hosts", "--rate", rate, "--workers", workers, "--params", params,
+           "--systems", systems, "--seconds", str(seconds)]
+    runs = len(systems.split(",")) * len(workers.split(",")) * len(params.split(","))
+    try:
+        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60 + runs * (120 + 3 * seconds))
+    except subprocess.TimeoutExpired:
+        return [], "timed out"
+    lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    text = "\n".join(line for line in out.stdout.splitlines() if line.startswith(("|", "steps/s")))
+    return lines, text or f"no table (exit {out.returncode}): {out.stderr[-500:]}"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.table", description=__doc__.split("\n\n")[0])
     ap.add_argument("--workers", default="2,4")
@@ -157,6 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--anchors", default="tf,torch", help="anchor systems to run ('' for none)")
     ap.add_argument("--cnn-workers", default="4", help="worker counts of the CNN table ('' for none; needs torch)")
     ap.add_argument("--cnn-steps", type=int, default=200, help="DDP steps per CNN run")
+    ap.add_argument("--hosts", default="syncps,syncps-topk,gloo",
+                    help="bench.hosts systems of the between-hosts table (root, ip and tc; '' for none)")
+    ap.add_argument("--hosts-params", default="10000000", help="params of the between-hosts table (comma list)")
+    ap.add_argument("--hosts-rate", default="1gbit", help="each emulated host's link (tc units)")
     ap.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "syncps-bench.jsonl"),
                     help="every JSON line, appended")
     args = ap.parse_args(argv)
@@ -198,12 +224,20 @@ def main(argv: list[str] | None = None) -> int:
                 r["syncps"].append(keep(measure(workers, 0, args.seconds, task="cnn")))
                 r["syncps_tcp"].append(keep(measure(workers, 0, args.seconds, task="cnn", transport="http")))
             r["ddp"].append(keep(ddp_cnn(workers, args.cnn_steps)))
+        hosts_lines, hosts_text = (between_hosts(args.hosts, args.hosts_params, args.workers, args.hosts_rate,
+                                                 args.seconds) if args.hosts else ([], ""))
+        for line in hosts_lines:
+            keep(line)
     print(f"\nsyncps vs anchors, steps (rounds) per second, float32; {started}; {machine()}; "
           f"load average at the end {os.getloadavg()[0]:.2f}\n")
     print(table(cells, results, compressions))
     if cnn:
         print("\nThe cnn task (PyTorch model through syncps.torch) against torch DDP gloo, steps per second\n")
         print(cnn_table(cnn))
+    if hosts_text:
+        print(f"\nBetween emulated hosts (bench.hosts, a {args.hosts_rate} link per host; syncps over TCP, top-k at its "
+              f"steady-state ratio, no warm-up)\n")
+        print(hosts_text)
     ok = all(median_of(results[c]["syncps"], "steps_per_s") for c in cells)
     return 0 if ok else 1
 

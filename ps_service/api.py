@@ -46,7 +46,7 @@ class Registered(BaseModel):
     lease_seconds: float
     state: str
     compression: dict = Field(description='The job\'s gradient compression of body pushes (PS_COMPRESSION): '
-                                          '{"name", "topk_ratio", "threshold"} (docs/protocol.md, Compression).')
+                                          '{"name", "topk_ratio", "threshold", "topk_warmup_steps"} (docs/protocol.md, Compression).')
     shards: int = Field(description="PS processes the model is spread over (PS_SHARDS); > 1: push and pull every "
                                     "shard (GET /v1/shards; docs/protocol.md, Shards).")
 

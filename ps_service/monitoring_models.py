@@ -117,7 +117,7 @@ class Status(BaseModel):
     bytes_sent: int = Field(description="Bytes of weight bodies sent.")
     shm_bytes_received: int = Field(description="Gradient bytes read from workers' files (same-host transport).")
     compression: dict = Field(description='The job\'s gradient compression of body pushes (PS_COMPRESSION): '
-                                          '{"name", "topk_ratio", "threshold"}.')
+                                          '{"name", "topk_ratio", "threshold", "topk_warmup_steps"}.')
     auth_failures: int
     started_at: float = Field(description="PS start (Unix s).")
     training_started_at: float | None = Field(description="Round 0 opened (Unix s).")

@@ -106,6 +106,10 @@ class PSSettings(BaseSettings):
                             "or 2bit (MXNet's); same-host files stay float32. Told to workers at registration.")
     compression_topk_ratio: float = Field(
         0.01, gt=0, le=1, description="topk: share of each float32 tensor's entries a push sends (at least one).")
+    compression_topk_warmup_steps: int = Field(
+        200, ge=0, lt=2 ** 53, description="topk: global steps of warm-up (Deep Gradient Compression's): a push "
+                                           "computed on step s < W sends the share 0.25 * (ratio / 0.25) ** (s / W) "
+                                           "of each tensor's entries (25 % at step 0, the ratio from step W on); 0: off.")
     compression_2bit_threshold: float = Field(
         0.5, gt=0, allow_inf_nan=False, description="2bit: MXNet's threshold (an element is sent as +-threshold or 0).")
     weight_deltas: bool = Field(

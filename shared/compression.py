@@ -20,7 +20,8 @@ ProtocolError 422 ``compression_mismatch`` (the push declares another encoding t
 ``bad_encoding`` (a tensor does not have its encoding's form); decoding is exact (the float32 values
 the worker chose). :class:`Compressor` is the worker side:
 ``topk`` and ``2bit`` keep per tensor the residual of what was not sent and add it to the next gradient
-(error feedback). Pure numpy; no I/O.
+(error feedback); ``topk`` sends more during the job's warm-up steps (:meth:`Spec.density`: the push's step
+picks k). Pure numpy; no I/O.
 """
 from __future__ import annotations
 
@@ -41,6 +42,8 @@ U32 = np.dtype("<u4")
 BUFFER_PREFIX = "buffer:"
 #: candidate pruning of top-k: the magnitude threshold is estimated on a strided sample of this size
 _SAMPLE = 1 << 16
+#: topk warm-up: the density of step 0 (8 bytes per sent entry: at 0.25 a push is half of float32's bytes)
+WARMUP_START = 0.25
 
 
 class NonFiniteGradient(ValueError):
@@ -54,19 +57,24 @@ class Spec:
     name: str = "none"
     topk_ratio: float = 0.01
     threshold: float = 0.5
+    #: topk: the first steps send more (:meth:`density`), as Deep Gradient Compression's warm-up does
+    topk_warmup_steps: int = 0
 
     def __post_init__(self) -> None:
         if self.name not in NAMES:
             raise ValueError(f"compression {self.name!r} is not one of {NAMES}")
         if not 0 < self.topk_ratio <= 1 or not 0 < self.threshold < math.inf:
             raise ValueError("compression: topk_ratio must be in (0, 1] and threshold a positive finite number")
+        if not isinstance(self.topk_warmup_steps, int) or not 0 <= self.topk_warmup_steps < 2 ** 53:
+            raise ValueError("compression: topk_warmup_steps must be a non-negative integer")
 
     @property
     def on(self) -> bool:
         return self.name != "none"
 
     def to_wire(self) -> dict:
-        return {"name": self.name, "topk_ratio": self.topk_ratio, "threshold": self.threshold}
+        return {"name": self.name, "topk_ratio": self.topk_ratio, "threshold": self.threshold,
+                "topk_warmup_steps": self.topk_warmup_steps}
 
     @classmethod
     def from_wire(cls, obj: Any) -> "Spec":
@@ -75,15 +83,29 @@ class Spec:
             return cls()
         if not isinstance(obj, dict):
             raise ValueError("compression must be a map")
-        return cls(str(obj.get("name", "none")), float(obj.get("topk_ratio", 0.01)), float(obj.get("threshold", 0.5)))
+        warmup = obj.get("topk_warmup_steps", 0)
+        if isinstance(warmup, bool) or not isinstance(warmup, int):
+            raise ValueError("topk_warmup_steps must be an integer")
+        return cls(str(obj.get("name", "none")), float(obj.get("topk_ratio", 0.01)), float(obj.get("threshold", 0.5)),
+                   warmup)
 
     def compresses(self, name: str, dtype: np.dtype) -> bool:
         """Whether a tensor of the model travels compressed."""
         return self.on and dtype == F32 and not name.startswith(BUFFER_PREFIX)
 
-    def k(self, n: int) -> int:
-        """Entries a top-k push sends of a tensor of ``n`` elements: ceil(ratio * n), at least 1."""
-        return min(n, max(1, math.ceil(self.topk_ratio * n)))
+    def density(self, step: int = -1) -> float:
+        """The share of a tensor's entries a top-k push computed on ``step``'s weights sends: ``topk_ratio``, except
+        during the warm-up (``0 <= step < topk_warmup_steps``), where it falls geometrically from
+        ``WARMUP_START`` (or ``topk_ratio`` if larger) at step 0 towards ``topk_ratio``:
+        ``start * (topk_ratio / start) ** (step / topk_warmup_steps)``."""
+        r, w = self.topk_ratio, self.topk_warmup_steps
+        if not 0 <= step < w or r >= WARMUP_START:
+            return r
+        return WARMUP_START * (r / WARMUP_START) ** (step / w)
+
+    def k(self, n: int, step: int = -1) -> int:
+        """Entries a top-k push sends of a tensor of ``n`` elements: ceil(density(step) * n), at least 1."""
+        return min(n, max(1, math.ceil(self.density(step) * n)))
 
 
 # ---- top-k ---------------------------------------------------------------------------------------------
@@ -253,17 +275,18 @@ class Compressor:
         self.spec = spec
         self.residuals: dict[str, np.ndarray] = {}
 
-    def encode(self, grads: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """The push's tensors, compressed where the job says (residuals updated)."""
+    def encode(self, grads: Mapping[str, np.ndarray], step: int = -1) -> dict[str, np.ndarray]:
+        """The push's tensors, computed on ``step``'s weights, compressed where the job says (residuals
+        updated)."""
         spec = self.spec
         if spec.name == "2bit":
             bad = next((k for k, g in grads.items() if spec.compresses(k, g.dtype) and not np.isfinite(g).all()), None)
             if bad is not None:
                 raise NonFiniteGradient(f"gradient {bad!r} holds NaN/Inf: 2-bit quantisation cannot send it")
-        return {k: self._one(k, np.asarray(g)) if spec.compresses(k, np.asarray(g).dtype) else g
+        return {k: self._one(k, np.asarray(g), step) if spec.compresses(k, np.asarray(g).dtype) else g
                 for k, g in grads.items()}
 
-    def _one(self, name: str, grad: np.ndarray) -> np.ndarray:
+    def _one(self, name: str, grad: np.ndarray, step: int) -> np.ndarray:
         spec = self.spec
         if spec.name == "bf16":
             return grad.astype(BF16)
@@ -277,7 +300,7 @@ class Compressor:
         if spec.name == "2bit":
             return quantize_2bit(acc, np.float32(spec.threshold))
         flat = acc.reshape(-1)
-        idx = top_k(flat, spec.k(flat.size))
+        idx = top_k(flat, spec.k(flat.size, step))
         values = flat[idx]
         flat[idx] = 0  # the residual keeps what was not sent
         if not np.isfinite(values).all():

@@ -363,3 +363,14 @@ def test_fine_cpu_time_sees_less_than_a_clock_tick():
         pass
     spent = _cpu_seconds_fine(os.getpid()) - before
     assert 0.003 <= spent < 0.5
+
+
+def test_between_hosts_table_is_skipped_without_root_or_tc(monkeypatch):
+    """make bench's third table (bench.hosts) needs root, ip and tc; without them it says so and runs nothing."""
+    from bench import table
+    monkeypatch.setattr(table.os, "geteuid", lambda: 1000)
+    assert table.between_hosts("syncps,gloo", "10000", "2", "1gbit", 1.0) == (
+        [], "skipped: emulated hosts need root, ip and tc")
+    monkeypatch.setattr(table.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(table.shutil, "which", lambda name: None)
+    assert table.between_hosts("syncps,gloo", "10000", "2", "1gbit", 1.0)[0] == []

@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from shared import compression as C
+from shared import compression as C, frame
 from shared.errors import ProtocolError
 from tests.live_ps import live_ps, state_hash
 from tests.wire import push_frame
+from worker_service.transport.compressed import CompressedBodyTransport
 
 ENCODINGS = ("bf16", "fp16", "topk", "2bit")
 F32 = np.float32
@@ -72,6 +73,29 @@ def test_top_k_is_exact_on_the_pruned_path(n, k):
     got = C.top_k(x, k)
     assert got.dtype == np.uint32 and np.array_equal(np.sort(np.abs(x[got])), np.sort(np.abs(x[want])))
     assert np.all(np.diff(got.astype(np.int64)) > 0)
+
+
+def test_topk_warmup_sends_more_first_then_the_ratio():
+    """PS_COMPRESSION_TOPK_WARMUP_STEPS: density falls geometrically from 25 % at step 0 to the ratio at step W, then
+    stays; the push's step (its weights') picks k, so a retried push (same step) sends the same k."""
+    spec = C.Spec("topk", 0.01, topk_warmup_steps=100)
+    assert spec.density(0) == C.WARMUP_START and spec.density(100) == spec.density(10**9) == 0.01
+    assert spec.density(-1) == 0.01  # a step the worker does not know: the ratio
+    assert abs(spec.density(50) - (0.25 * 0.01) ** 0.5) < 1e-12
+    ds = [spec.density(s) for s in range(101)]
+    assert all(a > b for a, b in zip(ds, ds[1:]))
+    assert C.Spec("topk", 0.5, topk_warmup_steps=100).density(0) == 0.5  # a ratio above the start: no warm-up
+    assert C.Spec("topk", 0.01).density(0) == 0.01  # W = 0: off
+    comp, g = C.Compressor(spec), {"w": np.random.default_rng(0).standard_normal(10_000).astype(F32)}
+    assert [comp.encode(g, step)["w"].shape[1] for step in (0, 50, 99, 100, 5000)] == [2500, 500, 104, 100, 100]
+    assert C.Spec.from_wire(spec.to_wire()) == spec and C.Spec.from_wire({"name": "topk"}).topk_warmup_steps == 0
+    for bad in (-1, 1.5, True, "3"):
+        with pytest.raises(ValueError):
+            C.Spec.from_wire({"name": "topk", "topk_warmup_steps": bad})
+    # the worker's transport encodes with the step of the push's weights
+    t = CompressedBodyTransport(call=None, spec=spec)
+    sent = [frame.decode(b"".join(bytes(b) for b in t.push_body({"step": s}, g))) for s in (0, 100)]
+    assert [f.tensors["w"].shape for f in sent] == [(2, 2500), (2, 100)] and sent[0].meta["step"] == 0
 
 
 def test_mxnet_2bit_layout():
@@ -154,17 +178,19 @@ def test_live_ps_applies_the_decoded_gradients_exactly(name):
     rng = np.random.default_rng(7)
     init = grads_of(rng, SHAPES)
     settings_ = dict(compression=name, compression_topk_ratio=0.05, compression_2bit_threshold=0.25,
-                     total_num_replicas=2, startup_grace_seconds=0.0, shm_dir="", aggregation="mean")
+                     compression_topk_warmup_steps=2, total_num_replicas=2, startup_grace_seconds=0.0, shm_dir="", aggregation="mean")
     with live_ps(**settings_) as ps:
         workers = [ps.client() for _ in range(2)]
         regs = [c.register(f"w{i}") for i, c in enumerate(workers)]
         assert regs[0]["compression"]["name"] == name and regs[0]["compression"]["topk_ratio"] == 0.05
+        assert regs[0]["compression"]["topk_warmup_steps"] == 2
         assert workers[0].init_model(init, {"name": "sgd", "learning_rate": LR})
         sent: list[list[dict]] = [[], []]
         for i, c in enumerate(workers):
             c.attach(regs[i]["worker_id"])
             encode = c.tensors.compressor.encode
-            c.tensors.compressor.encode = lambda g, encode=encode, i=i: sent[i].append(encode(g)) or sent[i][-1]
+            c.tensors.compressor.encode = (lambda g, step, encode=encode, i=i:
+                                           sent[i].append(encode(g, step)) or sent[i][-1])
         weights = {k: v.copy() for k, v in init.items()}
         for step in range(4):
             for i, c in enumerate(workers):
@@ -183,6 +209,8 @@ def test_live_ps_applies_the_decoded_gradients_exactly(name):
             assert np.array_equal(final.tensors[k], weights[k]), k
         status = ps.http().get("/v1/status").json()
         assert status["compression"]["name"] == name and status["global_step"] == 4
+        if name == "topk":  # warm-up: 25 % of w's 1,000 entries on step 0, sqrt(0.25 * 0.05) on step 1, then 5 %
+            assert [sent[0][s]["w"].shape[1] for s in range(4)] == [250, 112, 50, 50]
         # a push in another encoding, or a malformed one, is 422 and changes nothing
         before = state_hash(ps.rt)
         wid = regs[0]["worker_id"]

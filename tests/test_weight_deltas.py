@@ -257,6 +257,7 @@ def test_a_job_ends_with_the_same_bits_with_and_without_deltas(name):
     runs = {}
     for deltas in (True, False):
         runs[deltas] = run_job(2, {"PS_MAX_STEPS": 25, "PS_COMPRESSION": name, "PS_COMPRESSION_TOPK_RATIO": 0.01,
+                                   "PS_COMPRESSION_TOPK_WARMUP_STEPS": 5,
                                    "PS_COMPRESSION_2BIT_THRESHOLD": 0.01, "PS_WEIGHT_DELTAS": str(deltas).lower()},
                                {"WORKER_TASK": "bench.task:params_20000", "WORKER_SEED": 3, "WORKER_SHM_DIR": ""})
     on, off = runs[True], runs[False]

@@ -50,7 +50,7 @@ class TensorSeam:
         self.shm = ShmHub(settings.shm_dir or None)
         #: the job's gradient compression (told to workers at registration, shown in /v1/status)
         self.compression = compression.Spec(settings.compression, settings.compression_topk_ratio,
-                                            settings.compression_2bit_threshold)
+                                            settings.compression_2bit_threshold, settings.compression_topk_warmup_steps)
         #: exact weight deltas for workers that hold the previous step (None: every body answer is dense)
         self.deltas = (WeightDeltas(self.compression.compresses) if settings.weight_deltas and settings.shards == 1
                        and self.compression.name in ("topk", "2bit") else None)

@@ -96,7 +96,7 @@ class CompressedBodyTransport(BodyTransport):
         self.held = HeldWeights()
 
     def push_body(self, meta: dict, grads: Mapping[str, np.ndarray]) -> list[bytes | memoryview]:
-        return frame.encode(self.compressor.encode(grads), {**meta, "compression": self.compressor.spec.name})
+        return frame.encode(self.compressor.encode(grads, meta["step"]), {**meta, "compression": self.compressor.spec.name})
 
     def answer_params(self) -> dict:
         return self.held.params()
