@@ -10,43 +10,69 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import resource
 import socket
 import time
 
 CHUNK = 4 << 20
 
 
-def _sink(total: int, ports: mp.Queue) -> None:
+def _cpu() -> float:
+    """This process's CPU seconds (user + system)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def sink(total: int, ports: mp.Queue, chunk: int = CHUNK, cpu: mp.Queue | None = None) -> None:
+    """Receive ``total`` bytes on a fresh listening socket (its port put on ``ports``) into a ``chunk``-byte buffer,
+    then acknowledge with one byte; the CPU seconds that took go on ``cpu`` when given."""
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
         server.listen(1)
         ports.put(server.getsockname()[1])
         conn, _ = server.accept()
         with conn:
-            view, got = memoryview(bytearray(CHUNK)), 0
+            conn.settimeout(120)
+            view, got, start = memoryview(bytearray(chunk)), 0, _cpu()
             while got < total:
-                n = conn.recv_into(view)
+                n = conn.recv_into(view[:min(chunk, total - got)])
                 if not n:
                     break
                 got += n
+            if cpu is not None:
+                cpu.put(_cpu() - start)
             conn.sendall(b"k")
 
 
-def measure(total: int) -> dict:
+def stream(total: int, chunk: int = CHUNK) -> dict:
+    """``total`` bytes to a :func:`sink` process in ``chunk``-byte ``sendall`` calls: the bytes, the seconds from the
+    first byte to the acknowledgement of the last, and each end's CPU seconds."""
     ports: mp.Queue = mp.Queue()
-    sink = mp.Process(target=_sink, args=(total, ports))
-    sink.start()
+    cpu: mp.Queue = mp.Queue()
+    receiver = mp.Process(target=sink, args=(total, ports, chunk, cpu))
+    receiver.start()
     try:
-        with socket.create_connection(("127.0.0.1", ports.get(timeout=30)), timeout=60) as conn:
-            data, sent, t0 = bytes(CHUNK), 0, time.perf_counter()
+        data = memoryview(bytes(chunk))
+        with socket.create_connection(("127.0.0.1", ports.get(timeout=30)), timeout=120) as conn:
+            sent, t0, start = 0, time.perf_counter(), _cpu()
             while sent < total:
-                conn.sendall(data)
-                sent += CHUNK
+                n = min(chunk, total - sent)
+                conn.sendall(data[:n])
+                sent += n
+            sender_cpu = _cpu() - start
             conn.recv(1)
             seconds = time.perf_counter() - t0
+        receiver_cpu = cpu.get(timeout=60)
     finally:
-        sink.join(10)
-    return {"bytes": sent, "seconds": round(seconds, 3), "GB_per_s": round(sent / seconds / 1e9, 3),
+        receiver.join(10)
+        if receiver.is_alive():
+            receiver.kill()
+    return {"bytes": sent, "seconds": seconds, "sender_cpu_s": sender_cpu, "receiver_cpu_s": receiver_cpu}
+
+
+def measure(total: int) -> dict:
+    s = stream(total)
+    return {"bytes": s["bytes"], "seconds": round(s["seconds"], 3), "GB_per_s": round(s["bytes"] / s["seconds"] / 1e9, 3),
             "load_avg": round(os.getloadavg()[0], 2)}
 
 

@@ -120,6 +120,38 @@ def table(cells: list[tuple[int, int]], results: dict, compressions: tuple[str, 
     return "\n".join(rows)
 
 
+def loopback_floors(params: list[int], workers: list[int]) -> list[dict]:
+    """:mod:`bench.floor`'s lines for these cells (its own process: one BLAS thread, as the PS and the workers)."""
+    if not params:
+        return []
+    cmd = [sys.executable, "-m", "bench.floor", "--params", *map(str, params), "--workers", *map(str, workers)]
+    try:
+        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                             env={**os.environ, "OPENBLAS_NUM_THREADS": "1"}).stdout
+    except subprocess.TimeoutExpired:
+        out = ""
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def floor_table(cells: list[tuple[int, int]], results: dict, floors: list[dict]) -> str:
+    """Each cell's floors over loopback TCP (:mod:`bench.floor`: this machine's TCP cost per byte, compute and
+    arithmetic, no overhead at all) next to what syncps over TCP and torch gloo reached in this pass."""
+    rows = ["| params | workers | PS floor steps/s | ring floor steps/s | PS floor / ring floor | syncps TCP / PS floor "
+            "| torch / ring floor | PS floor / torch |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    by_cell = {(f["params_requested"], f["workers"]): f for f in floors if "ps_floor_steps_per_s" in f}
+    share = lambda a, b: f"{a / b:.0%}" if a and b else "-"  # noqa: E731
+    for params, workers in cells:
+        f = by_cell.get((params, workers))
+        if f is None:
+            continue
+        r = results.get((params, workers), {})
+        tcp, torch = (median_of(r.get(k, []), "steps_per_s") for k in ("syncps_tcp", "torch"))
+        ps, ring = f["ps_floor_steps_per_s"], f["ring_floor_steps_per_s"]
+        rows.append(f"| {f['params']:,} | {workers} | {fmt(ps)} | {fmt(ring)} | {ps / ring:.2f}x | {share(tcp, ps)} "
+                    f"| {share(torch, ring)} | " + (f"{ps / torch:.2f}x |" if torch else "- |"))
+    return "\n".join(rows)
+
+
 def _has_torch() -> bool:
     try:
         import torch  # noqa: F401
@@ -183,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="bench.hosts systems of the between-hosts table (root, ip and tc; '' for none)")
     ap.add_argument("--hosts-params", default="10000000", help="params of the between-hosts table (comma list)")
     ap.add_argument("--hosts-rate", default="1gbit", help="each emulated host's link (tc units)")
+    ap.add_argument("--floor-params", default="1000000,10000000",
+                    help="params of the cells whose loopback floors are measured (bench.floor; '' for none)")
     ap.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "syncps-bench.jsonl"),
                     help="every JSON line, appended")
     args = ap.parse_args(argv)
@@ -217,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
                     r[kind].append(keep(line))
             if CEILING.exists():
                 r["compute"].append(keep(compute_only(workers, params, args.seconds)))
+        floor_params = [int(p) for p in args.floor_params.split(",") if p]
+        floors = [keep(line) for line in loopback_floors([p for p in floor_params if any(p == c[0] for c in cells)],
+                                                         sorted({n for _, n in cells}))]
         cnn: dict = {}
         for workers in [int(n) for n in args.cnn_workers.split(",") if n] if _has_torch() else []:
             r = cnn[workers] = {"syncps": [], "syncps_tcp": [], "ddp": []}
@@ -231,6 +268,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nsyncps vs anchors, steps (rounds) per second, float32; {started}; {machine()}; "
           f"load average at the end {os.getloadavg()[0]:.2f}\n")
     print(table(cells, results, compressions))
+    if floors:
+        print("\nThe floors over loopback TCP (bench.floor: this machine's compute, TCP CPU per byte and arithmetic, "
+              "spread over every core with no overhead), and each system's share of its own\n")
+        print(floor_table(cells, results, floors))
     if cnn:
         print("\nThe cnn task (PyTorch model through syncps.torch) against torch DDP gloo, steps per second\n")
         print(cnn_table(cnn))

@@ -135,6 +135,7 @@ class ParameterServerCore(ModelState):
                      state["optimizer"]["slots"], state["global_step"])
         if live is not None and all(live[k].shape == w.shape and live[k].dtype == w.dtype
                                     for k, w in self.weights.items()) and live.keys() == self.weights.keys():
+            self.before_change()
             for k, w in self.weights.items():  # into the arrays the weights were in (a same-host weights file)
                 np.copyto(live[k], w)
             self.weights = live
@@ -324,7 +325,7 @@ class ParameterServerCore(ModelState):
         rec = r.record(now, reason, lambda w: self.members.by_id[w].name, self.rule.replicas_to_aggregate)
         if rec.aggregated:  # none when every contribution was skipped (NaN/Inf): the step passes without an update
             total, n = r.acc.take_sum()
-            self.optimizer.apply(self.weights, total, consume=True, mean_of=n)
+            self.update(total, consume=True, mean_of=n)
         if rec.loss is not None:
             self.loss_history.append((r.step, rec.loss))
         self.rounds.append(rec)

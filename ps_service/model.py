@@ -9,10 +9,13 @@ Contract:
   same data as plain copies (safe to encode off the event loop).
 - ``version`` bumps on every change a waiting pull may care about (``_changed``); ``tick`` is
   the core's hook to advance time once the model is there.
+- The weights change in place only through :meth:`update` (and a rewind, ``core.rewind``), each of which calls
+  ``before_change`` first: the tensor seam's hook to move them out of a frame an answer may still be sending
+  (:mod:`ps_service.transport.home`).
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -31,6 +34,8 @@ class ModelState:
         self.version = 0
         #: after a restore: how many members the checkpoint had active (start at once when they are back)
         self.resume_expected: int | None = None
+        #: called just before the weights change in place (set by the tensor seam)
+        self.before_change: Callable[[], None] = _nothing
 
     @property
     def initialized(self) -> bool:
@@ -70,6 +75,11 @@ class ModelState:
         self.global_step = int(global_step)
         self._changed()
 
+    def update(self, grads: Mapping[str, np.ndarray], consume: bool = False, mean_of: int = 1) -> None:
+        """One optimizer step of the weights, in place (:meth:`Optimizer.apply`), after ``before_change``."""
+        self.before_change()
+        self.optimizer.apply(self.weights, grads, consume=consume, mean_of=mean_of)
+
     def model_state(self) -> dict[str, Any]:
         """global_step, weights and optimizer (spec, iterations, slots), arrays copied."""
         if not self.initialized:
@@ -88,3 +98,7 @@ class ModelState:
 
     def _changed(self) -> None:
         self.version += 1
+
+
+def _nothing() -> None:
+    pass

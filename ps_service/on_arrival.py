@@ -50,7 +50,7 @@ def take(core, req: PushRequest, v: Verdict, grads: Mapping[str, np.ndarray]) ->
     """Do what the verdict says: one optimizer step with ``grads`` (PS-owned: consumed) if it applies, and
     ``global_step += 1`` if it advances."""
     if v.applies:
-        core.optimizer.apply(core.weights, grads, consume=True)
+        core.update(grads, consume=True)
         core.gradients_applied += 1
         core.examples += req.num_examples or 0
         if req.loss is not None:

@@ -374,3 +374,49 @@ def test_between_hosts_table_is_skipped_without_root_or_tc(monkeypatch):
     monkeypatch.setattr(table.os, "geteuid", lambda: 0)
     monkeypatch.setattr(table.shutil, "which", lambda name: None)
     assert table.between_hosts("syncps,gloo", "10000", "2", "1gbit", 1.0)[0] == []
+
+
+def test_the_floor_adds_this_machines_costs_up_for_both_designs():
+    """bench.floor's sum: compute (time-shared past one worker a core) + the bytes' TCP CPU + the arithmetic, over
+    the cores; a PS moves 2NM bytes a step, a ring 2(N-1)M."""
+    from bench.floor import floor
+
+    m = 4 * actual_params(1_000_000)
+    arith = {"ps_unchecked": 0.001, "checks": 0.0005, "ring": 0.002}
+    f = floor(2, 1_000_000, 2, 0.006, 0.5, arith)  # 6 ms of compute, 0.5 ns a byte, 2 cores
+    assert f["ps_floor_steps_per_s"] == pytest.approx(1 / (0.006 + (0.5e-9 * 4 * m + 0.0015) / 2), rel=1e-3)
+    assert f["ps_floor_unchecked_steps_per_s"] == pytest.approx(1 / (0.006 + (0.5e-9 * 4 * m + 0.001) / 2), rel=1e-3)
+    assert f["ring_floor_steps_per_s"] == pytest.approx(1 / (0.006 + (0.5e-9 * 2 * m + 0.002) / 2), rel=1e-3)
+    assert f["compute_only_steps_per_s"] == pytest.approx(1 / 0.006, rel=1e-3)
+    assert f["ps_over_ring"] == pytest.approx(f["ps_floor_steps_per_s"] / f["ring_floor_steps_per_s"], abs=1e-3)
+    four = floor(4, 1_000_000, 2, 0.006, 0.5, arith)  # two workers a core: compute takes twice as long
+    assert four["compute_only_steps_per_s"] == pytest.approx(1 / 0.012, rel=1e-3)
+    assert four["ring_floor_steps_per_s"] == pytest.approx(1 / (0.012 + (0.5e-9 * 6 * m + 0.002) / 2), rel=1e-3)
+
+
+def test_bench_floor_measures_each_part_on_this_machine():
+    out = subprocess.run([sys.executable, "-m", "bench.floor", "--workers", "2", "4", "--params", "20000", "--steps",
+                          "3", "--bytes", "2e6"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [json.loads(x) for x in out.stdout.splitlines()]
+    assert [(x["workers"], x["params_requested"]) for x in lines] == [(2, 20000), (4, 20000)]
+    for x in lines:
+        assert x["system"] == "floor" and x["params"] == actual_params(20000)
+        assert x["compute_ms"] > 0 and x["ps_arith_ms"] > 0 and x["ring_arith_ms"] > 0 and x["tcp_GB_per_s"] > 0
+        assert x["tcp_ns_per_byte"] == pytest.approx(x["tcp_sender_ns_per_byte"] + x["tcp_receiver_ns_per_byte"],
+                                                     abs=2e-4)
+        assert 0 < x["ps_floor_steps_per_s"] <= x["ps_floor_unchecked_steps_per_s"] < x["compute_only_steps_per_s"]
+        assert 0 < x["ps_floor_over_compute"] < 1
+
+
+def test_the_floor_table_sets_each_system_against_its_own_floor():
+    from bench.table import floor_table
+
+    runs = lambda *v: [{"steps_per_s": x} for x in v]  # noqa: E731
+    floors = [{"params": 1_000_000, "params_requested": 1_000_000, "workers": 2, "ps_floor_steps_per_s": 100.0,
+               "ring_floor_steps_per_s": 125.0}]
+    text = floor_table([(1_000_000, 2), (4, 2)], {(1_000_000, 2): {"syncps_tcp": runs(40.0, 50.0, 60.0),
+                                                                  "torch": runs(80.0)}}, floors)
+    lines = text.splitlines()
+    assert len(lines) == 3  # the cell without a floor has no row
+    assert lines[2] == "| 1,000,000 | 2 | 100 | 125 | 0.80x | 50% | 64% | 1.25x |"

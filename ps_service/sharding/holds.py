@@ -91,7 +91,7 @@ def apply_round(core, holds: Holds, step: int, contributors: Sequence[tuple[int,
             acc.apply(w, rank, holds.get(w, step).tensors)
         total, _ = acc.take_sum()
         if total is not None:  # None: this shard's pieces of the round overflow when summed; nothing applied here
-            core.optimizer.apply(core.weights, total, consume=True, mean_of=mean_of)
+            core.update(total, consume=True, mean_of=mean_of)
     holds.drop_through(step)
     core.global_step += 1
     core.rounds_closed += 1

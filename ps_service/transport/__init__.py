@@ -15,7 +15,8 @@ With ``PS_COMPRESSION`` on, a body push carries its float32 gradients compressed
 the seam decodes them to float32 here (422 ``compression_mismatch`` / ``bad_encoding``), so the core
 validates and applies the decoded arrays (a top-k push whose k values are finite, or a 2-bit one, is finite by
 construction: the core does not read its dense tensors for NaN/Inf again). Same-host pushes are never compressed.
-Weights go back as a float32 frame; in a ``topk`` / ``2bit`` job (``PS_WEIGHT_DELTAS``, one PS process) a body
+Weights go back as a float32 frame: the weights themselves, kept in that frame (:mod:`ps_service.transport.home`,
+copy on write) unless a same-host weights file holds them (then a snapshot copy per step); in a ``topk`` / ``2bit`` job (``PS_WEIGHT_DELTAS``, one PS process) a body
 answer to a worker that holds the previous served step's weights (``since``) carries the tensors that changed
 in few entries as those entries (:mod:`ps_service.transport.deltas`, :mod:`shared.weight_deltas`).
 Whether tensors fit the model (names, exact dtypes, shapes, finite values) is the core's check, made on
@@ -31,6 +32,7 @@ from starlette.responses import Response
 from ps_service.transport.body import read_body
 from ps_service.transport.buffers import POOL
 from ps_service.transport.deltas import WeightDeltas
+from ps_service.transport.home import WeightsHome
 from ps_service.transport.shm import ShmHub
 from shared import compression, frame
 from shared.errors import ProtocolError, bad_request
@@ -54,6 +56,9 @@ class TensorSeam:
         #: exact weight deltas for workers that hold the previous step (None: every body answer is dense)
         self.deltas = (WeightDeltas(self.compression.compresses) if settings.weight_deltas and settings.shards == 1
                        and self.compression.name in ("topk", "2bit") else None)
+        #: the weights kept in the frame of their dense answers (no copy per step), unless a same-host file has them
+        self.home = WeightsHome()
+        core.before_change = self.home.before_change
         self.bytes_in = 0
         self.bytes_out = 0
         #: form ("dense" or "delta") -> (key, the encoded answer)
@@ -147,6 +152,10 @@ class TensorSeam:
             return self._encoded("dense", key, head, core.weights)
 
     def _encoded(self, form: str, key: tuple, head: dict, tensors: dict) -> bytes | memoryview:
+        if form == "dense" and self.shm.weights_name is None:
+            body = self.home.answer(self.core.weights, key, head)
+            if body is not None:
+                return body
         cached = self._bodies.get(form)
         if cached is not None and cached[0] == key:
             return cached[1]

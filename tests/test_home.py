@@ -1,0 +1,174 @@
+"""ps_service/transport/home.py: the weights kept in their answers' frame, copied only when an answer still holds it.
+
+The rule under test: once an answer is handed out, its bytes never change, whatever the optimizer does next; and
+a synchronous job's steps copy nothing."""
+from __future__ import annotations
+
+import socket
+import threading
+
+import numpy as np
+import pytest
+
+from ps_service.transport.home import WeightsHome
+from shared import frame
+from tests.live_ps import live_ps
+
+
+def _weights() -> dict[str, np.ndarray]:
+    return {"b": np.arange(3, dtype=np.float32), "w": np.full((4, 5), 2.0, np.float32)}
+
+
+def _head(step: int, ranks=(0, 1)) -> dict:
+    return {"step": step, "done": False, "ranks": list(ranks)}
+
+
+def test_the_weights_move_into_the_frame_once_and_answers_are_views_of_it():
+    home, weights = WeightsHome(), _weights()
+    body = home.answer(weights, ("k", 0), _head(0))
+    got = frame.decode(body)
+    assert got.meta == _head(0) and set(got.tensors) == {"b", "w"}
+    np.testing.assert_array_equal(got.tensors["w"], np.full((4, 5), 2.0, np.float32))
+    assert home.holds(weights) and home.moves == 1
+    weights["w"] -= 1.0  # the optimizer's in-place update lands in the frame itself
+    assert frame.decode(home.answer(weights, ("k", 0), _head(0))).tensors["w"][0, 0] == 1.0
+    del body, got
+    home.before_change()
+    weights["w"] -= 1.0
+    again = frame.decode(home.answer(weights, ("k", 1), _head(1)))  # a new step: the header rewritten in place
+    assert again.meta["step"] == 1 and again.tensors["w"][0, 0] == 0.0 and home.moves == 1
+
+
+def test_an_answer_in_flight_keeps_its_bytes_when_the_weights_change():
+    home, weights = WeightsHome(), _weights()
+    held = home.answer(weights, ("k", 0), _head(0))  # e.g. still in the server's write queue
+    sent = bytes(held)
+    assert home.in_flight()
+    home.before_change()  # copy on write: the weights leave the frame the answer holds
+    weights["w"] *= 3.0
+    weights["b"] += 1.0
+    assert bytes(held) == sent and home.moves == 2
+    fresh = frame.decode(home.answer(weights, ("k", 1), _head(1)))
+    np.testing.assert_array_equal(fresh.tensors["w"], np.full((4, 5), 6.0, np.float32))
+    np.testing.assert_array_equal(fresh.tensors["b"], np.arange(1, 4, dtype=np.float32))
+    held.release()
+    assert home.in_flight()  # the newest answer's view (``fresh`` holds its tensors) is alive
+
+
+def test_a_new_header_is_written_in_place_only_when_no_answer_holds_the_frame_and_it_fits():
+    home, weights = WeightsHome(), _weights()
+    held = home.answer(weights, ("k", 0), _head(0))
+    before = bytes(held)
+    body = home.answer(weights, ("k", 1), _head(1))  # a new key while ``held`` is alive: a fresh frame
+    assert bytes(held) == before and home.moves == 2 and frame.decode(body).meta["step"] == 1
+    del held, body
+    many = tuple(range(60))  # a header past the next 64-byte boundary: the tensors would move
+    body = home.answer(weights, ("k", 2), _head(2, many))
+    assert frame.decode(body).meta["ranks"] == list(many) and home.moves == 3
+
+
+def test_weights_that_live_elsewhere_are_left_there():
+    """The same-host weights file (its arrays are views of a mapping) or a restore (a new dict)."""
+    home = WeightsHome()
+    backing = np.zeros(32, np.float32)
+    in_a_file = {"w": backing[:16].reshape(4, 4)}
+    assert home.answer(in_a_file, ("k", 0), _head(0)) is None and in_a_file["w"].base is backing
+    weights = _weights()
+    home.answer(weights, ("k", 0), _head(0))
+    restored = _weights()  # ModelState.restore makes a new dict of fresh arrays
+    assert not home.holds(restored)
+    home.answer(restored, ("k", 0), _head(0))
+    assert home.holds(restored) and not home.holds(weights) and home.moves == 2
+    restored["w"] = restored["w"].copy()  # moved out (ShmHub.offer puts views of its file in the same dict)
+    home.before_change()
+    assert home.answer(in_a_file, ("k", 1), _head(1)) is None and not home.in_flight() and home._buf is None
+
+
+def _send_pull(port: int, min_step: int) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)  # a small window: the answer stays queued
+    sock.sendall(f"GET /v1/model?min_step={min_step}&timeout=0 HTTP/1.1\r\nhost: x\r\n\r\n".encode())
+    return sock
+
+
+def _read_answer(sock: socket.socket) -> frame.Frame:
+    data = bytearray()
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, _, rest = bytes(data).partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    body = bytearray(rest)
+    while len(body) < length:
+        chunk = sock.recv(1 << 20)
+        assert chunk, "the PS closed the connection inside the answer"
+        body += chunk
+    return frame.decode(bytes(body))
+
+
+def test_a_slow_reader_gets_the_exact_weights_of_its_step_while_rounds_go_on():
+    """A 40 MB answer to a reader that does not read: uvloop keeps it queued while two workers close 3 rounds;
+    read at last, it is exactly its step's weights (w = -step with gradients 1 and learning rate 1), and the
+    workers' own answers are exact too."""
+    size = 10_000_000
+    with live_ps(min_workers=2, total_num_replicas=2) as ps:
+        clients = [ps.client() for _ in range(2)]
+        ids = [c.register(f"w{i}")["worker_id"] for i, c in enumerate(clients)]
+        clients[0].init_model({"w": np.zeros(size, np.float32)}, {"name": "sgd", "learning_rate": 1.0})
+        ones = np.ones(size, np.float32)
+        slow = _send_pull(ps.port, 0)
+        home = ps.rt.tensors.home
+        try:
+            for step in range(3):
+                answers = [None, None]
+
+                def push(i, step=step):
+                    clients[i].push_wait = 30.0
+                    answers[i] = clients[i].push(ids[i], step, {"w": ones})
+
+                threads = [threading.Thread(target=push, args=(i,)) for i in range(2)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join(60)
+                assert [a["status"] for a in answers] == ["accepted", "accepted"]
+                for c in clients:
+                    pulled = c.pull(step + 1, wait=0.0)
+                    assert pulled.step == step + 1
+                    np.testing.assert_array_equal(pulled.tensors["w"], np.full(size, -(step + 1.0), np.float32))
+            assert home.moves >= 2  # the first step's change found the slow answer in flight: copy on write
+            got = _read_answer(slow)
+            assert got.meta["step"] == 0
+            np.testing.assert_array_equal(got.tensors["w"], np.zeros(size, np.float32))
+        finally:
+            slow.close()
+            for c in clients:
+                c.close()
+
+
+@pytest.mark.parametrize("rounds", [12])
+def test_a_synchronous_job_over_tcp_copies_no_weights_per_step(rounds):
+    """Two workers reading every answer before pushing again: after the first move, the steps change the frame
+    in place (at most a move or two, should a write's completion come late)."""
+    size = 1_000_000
+    with live_ps(min_workers=2, total_num_replicas=2) as ps:
+        clients = [ps.client() for _ in range(2)]
+        ids = [c.register(f"w{i}")["worker_id"] for i, c in enumerate(clients)]
+        clients[0].init_model({"w": np.zeros(size, np.float32)}, {"name": "sgd", "learning_rate": 0.5})
+        grads = [np.full(size, 1.0 + i, np.float32) for i in range(2)]
+
+        def work(i):
+            clients[i].push_wait = 30.0
+            for step in range(rounds):
+                assert clients[i].push(ids[i], step, {"w": grads[i]})["status"] == "accepted"
+                assert clients[i].pull(step + 1, wait=30.0).step == step + 1
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert ps.rt.core.global_step == rounds
+        np.testing.assert_array_equal(ps.rt.core.weights["w"], np.full(size, -0.75 * rounds, np.float32))
+        assert ps.rt.tensors.home.moves <= 1 + rounds // 4
+        for c in clients:
+            c.close()
