@@ -9,8 +9,8 @@ the step's header rewritten in place.
 
 Contract, the one rule that keeps every answer's bytes fixed once it is handed to the server:
 - :meth:`answer` gives each answer its own ``memoryview`` of :attr:`_answer`, so the view's reference count
-  counts the answers not yet written out (the server, uvloop's write queue, holds its view until the kernel has
-  every byte);
+  (against the count it had when no answer existed, measured then) counts the answers not yet written out (the
+  server, uvloop's write queue, holds its view until the kernel has every byte);
 - :meth:`before_change` (the model's hook, called before the weights change in place: an optimizer step, a
   rewind) moves the weights to a fresh buffer first whenever an answer still holds the current one (copy on
   write: the old buffer stays, unchanged, with those answers, and is freed after them); a new header is written
@@ -36,6 +36,7 @@ class WeightsHome:
     def __init__(self) -> None:
         self._buf: np.ndarray | None = None      # the frame's storage
         self._answer: np.ndarray | None = None   # the view every answer's memoryview is made from (its count)
+        self._idle_refs = 0                      # its reference count with no answer alive
         self._layout: frame.Layout | None = None
         self._data_start = 0
         self._key: Hashable = None
@@ -53,7 +54,7 @@ class WeightsHome:
 
     def in_flight(self) -> bool:
         """An answer still holds the frame (a memoryview of :attr:`_answer` is alive)."""
-        return self._answer is not None and sys.getrefcount(self._answer) > 2  # the attribute, the argument
+        return self._answer is not None and sys.getrefcount(self._answer) > self._idle_refs
 
     def answer(self, weights: dict[str, np.ndarray], key: Hashable, head: dict[str, Any]) -> memoryview | None:
         """A frame of ``weights`` with ``head`` (``key`` names the head: the same key, the same bytes), moving the
@@ -93,6 +94,7 @@ class WeightsHome:
         for name, view in views.items():
             weights[name] = view  # the optimizer updates the frame from now on
         self._buf, self._answer, self._dict, self._views = buf, buf[:], weights, views
+        self._idle_refs = sys.getrefcount(self._answer)  # measured, not assumed: the count is CPython's detail
         self.moves += 1
 
     def _forget(self) -> None:
