@@ -26,8 +26,7 @@ checks), ``ps_floor_unchecked_steps_per_s``, ``ring_floor_steps_per_s``, ``ps_ov
 code, beats an ideal ring here; it beats a real one, gloo, only by running closer to its own floor than that ring
 does to its), ``compute_only_steps_per_s`` (``1 / (c * max(1, N/C))``: one worker's compute alone, so faster than
 ``compute_ceiling.py``'s N processes sharing the memory bus at 1e7), ``ps_floor_over_compute`` (against that), and
-the measured parts (``compute_ms``,
-``tcp_ns_per_byte``, ``ps_arith_ms``, ``ring_arith_ms``). Between hosts the budget is the links, not CPU:
+the measured parts (``compute_ms``, ``tcp_ns_per_byte``, ``ps_arith_ms``, ``ring_arith_ms``). Between hosts the budget is the links, not CPU:
 docs/performance.md, "Between hosts".
 """
 from __future__ import annotations
@@ -86,9 +85,9 @@ def arithmetic_s(params: int, workers: int, reps: int) -> dict:
     dot = _median_s(lambda: float(np.dot(g, g)), reps)
     chunk_add = _median_s(lambda: np.add(part, g[: part.size], out=part), reps)
 
-    def sgd() -> None:
+    def sgd() -> None:  # divide, multiply, subtract; multiplied back by N so that repetitions never reach denormals
         np.divide(acc, np.float32(workers), out=acc)
-        np.multiply(acc, np.float32(0.5), out=acc)
+        np.multiply(acc, np.float32(workers), out=acc)
         np.subtract(w, acc, out=w)
     sgd_s = _median_s(sgd, reps)
     return {"ps_unchecked": (workers - 1) * add + sgd_s, "checks": workers * dot,

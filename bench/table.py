@@ -121,13 +121,13 @@ def table(cells: list[tuple[int, int]], results: dict, compressions: tuple[str, 
 
 
 def loopback_floors(params: list[int], workers: list[int]) -> list[dict]:
-    """:mod:`bench.floor`'s lines for these cells (its own process: one BLAS thread, as the PS and the workers)."""
+    """:mod:`bench.floor`'s lines for these cells (its own process: one BLAS thread unless ``OPENBLAS_NUM_THREADS``
+    says otherwise, as for the PS)."""
     if not params:
         return []
     cmd = [sys.executable, "-m", "bench.floor", "--params", *map(str, params), "--workers", *map(str, workers)]
     try:
-        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
-                             env={**os.environ, "OPENBLAS_NUM_THREADS": "1"}).stdout
+        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600).stdout
     except subprocess.TimeoutExpired:
         out = ""
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]

@@ -8,7 +8,6 @@ import socket
 import threading
 
 import numpy as np
-import pytest
 
 from ps_service.transport.home import WeightsHome
 from shared import frame
@@ -145,11 +144,10 @@ def test_a_slow_reader_gets_the_exact_weights_of_its_step_while_rounds_go_on():
                 c.close()
 
 
-@pytest.mark.parametrize("rounds", [12])
-def test_a_synchronous_job_over_tcp_copies_no_weights_per_step(rounds):
+def test_a_synchronous_job_over_tcp_copies_no_weights_per_step():
     """Two workers reading every answer before pushing again: after the first move, the steps change the frame
     in place (at most a move or two, should a write's completion come late)."""
-    size = 1_000_000
+    size, rounds = 1_000_000, 12
     with live_ps(min_workers=2, total_num_replicas=2) as ps:
         clients = [ps.client() for _ in range(2)]
         ids = [c.register(f"w{i}")["worker_id"] for i, c in enumerate(clients)]
