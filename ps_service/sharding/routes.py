@@ -112,7 +112,8 @@ async def init_pieces(request: Request) -> dict:
     """Coordinator -> follower: this follower's pieces of the model, the optimizer spec and the map."""
     rt, role = _role(request, coordinator=False)
     s = rt.settings
-    f = frame.decode(await read_body(request, s.max_body_bytes, frame.MEDIA_TYPE, s.body_idle_timeout_seconds))
+    f = frame.decode(await read_body(request, s.max_body_bytes, frame.MEDIA_TYPE, s.body_idle_timeout_seconds,
+                                     recurring=False))  # once a job: its buffer is not kept
     return rt.run_guarded(lambda: role.init_follower(f, rt.now()))
 
 

@@ -66,9 +66,9 @@ class TensorSeam:
         self._shm_key: tuple | None = None
         self._shm_body = b""
 
-    async def _frame(self, request: Request) -> tuple[frame.Frame, int]:
+    async def _frame(self, request: Request, recurring: bool = True) -> tuple[frame.Frame, int]:
         s = self.settings
-        body = await read_body(request, s.max_body_bytes, frame.MEDIA_TYPE, s.body_idle_timeout_seconds)
+        body = await read_body(request, s.max_body_bytes, frame.MEDIA_TYPE, s.body_idle_timeout_seconds, recurring)
         return frame.decode(body), len(body)
 
     async def receive_push(self, request: Request, members: bool = True) -> Received:
@@ -101,7 +101,7 @@ class TensorSeam:
         self.shm.last_transport[got.push.worker_id] = got.via
 
     async def receive_model(self, request: Request) -> ModelInit:
-        f, size = await self._frame(request)
+        f, size = await self._frame(request, recurring=False)  # once a job: its buffer is not kept
         self.bytes_in += size
         return parse_model_meta(f.meta, f.tensors)
 

@@ -27,8 +27,9 @@ def media_type_of(request: Request) -> str:
 
 
 async def read_body(request: Request, limit: int, media_types: tuple[str, ...] | str,
-                    idle_timeout: float = BODY_IDLE_TIMEOUT) -> memoryview | bytearray:
-    """The request body, refused with 415 for another content type, 413 past ``limit``, 408 if it stalls."""
+                    idle_timeout: float = BODY_IDLE_TIMEOUT, recurring: bool = True) -> memoryview | bytearray:
+    """The request body, refused with 415 for another content type, 413 past ``limit``, 408 if it stalls.
+    ``recurring`` False: bodies of this kind come once (a model's upload): a buffer made for it is not kept."""
     allowed = (media_types,) if isinstance(media_types, str) else media_types
     ctype = media_type_of(request)
     if ctype not in allowed:
@@ -39,7 +40,7 @@ async def read_body(request: Request, limit: int, media_types: tuple[str, ...] |
             raise ProtocolError(400, "bad_content_length", "content-length must be a non-negative integer")
         if int(declared) > limit:
             raise ProtocolError(413, "body_too_large", f"body of {declared} bytes exceeds the limit of {limit}")
-    sink = BodySink(POOL.take(int(declared))) if declared is not None else None
+    sink = BodySink(POOL.take(int(declared), keep=recurring)) if declared is not None else None
     chunks = bytearray() if sink is None else None
     if sink is not None:
         request.scope[SINK_KEY] = sink

@@ -1,11 +1,23 @@
-"""Byte buffers for large request bodies and encoded weights, reused instead of freshly faulted in.
+"""Byte buffers for large request bodies and weights frames, reused instead of freshly faulted in.
 
-On our VMs a fresh 4 MB buffer costs ~2 ms of page faults (more than copying into it), so
-the PS takes its body and snapshot buffers from :data:`POOL`: a buffer is handed out again
-once nothing views it any more (every numpy view or memoryview of it is gone). The pool
-keeps at most :data:`POOL_BYTES` of buffers, each at most :data:`POOL_MAX_BUFFER` (bigger
-ones are faulted in as huge pages, cheaply, and must go back to the kernel at once to keep
-the PS's peak memory bound); the others are plain allocations, freed as usual.
+The kernel zeroes every page of fresh memory at its first write: on our VMs a fresh 4 MB buffer costs ~2 ms of page
+faults (more than copying into it), and at 1e7 parameters over TCP, where every push body is 40 MB, zeroing the
+bodies' pages (``clear_page_erms``, under the socket reads) was 17 % of the PS's CPU (docs/performance.md, "Body
+buffers reused at every size"). So the PS takes its body buffers, its snapshot frames and the frame the weights
+live in (:mod:`ps_service.transport.home`) from :data:`POOL`.
+
+Contract:
+- :meth:`BufferPool.take` gives a writable view of ``n`` bytes that nothing else uses: the smallest kept buffer
+  that fits and that nothing views any more (every numpy view or memoryview of it is gone), else a new one. A kept
+  buffer serves sizes from half its own up (a small body does not hold a model-sized buffer).
+- Sizes from :data:`ROUND_BYTES` up are rounded up to a multiple of it, so a model's bodies and weights frames,
+  whose headers differ by a few bytes, share buffers.
+- A new buffer is kept for reuse while the pool keeps fewer than :data:`KEEP_BUFFERS` and their total stays within
+  :data:`POOL_BYTES`, and unless the caller says its size comes once (``keep=False``: a model's upload, which
+  would otherwise stay idle in a job whose pushes come by same-host files); the others are plain allocations,
+  freed as usual. Since a new buffer is made only when every
+  kept one of its size is in use, what the pool keeps is what the PS had in use at once: it makes the PS's memory
+  stay at its peak, never go past it. Below :data:`POOL_MIN_BUFFER` a plain ``bytearray``.
 """
 from __future__ import annotations
 
@@ -14,30 +26,45 @@ import sys
 import numpy as np
 
 #: most bytes of buffers the pool keeps for reuse
-POOL_BYTES = 64 << 20
-#: largest buffer the pool keeps
-POOL_MAX_BUFFER = 16 << 20
+POOL_BYTES = 2 << 30
+#: most buffers the pool keeps (a round's bodies, the weights' frame and the one an answer still sends, with room)
+KEEP_BUFFERS = 16
 #: smaller buffers are plain bytearrays (not worth a pool slot)
 POOL_MIN_BUFFER = 64 << 10
+#: sizes from this up are rounded up to a multiple of it
+ROUND_BYTES = 1 << 20
 
 
 class BufferPool:
-    def __init__(self, limit: int = POOL_BYTES, max_buffer: int = POOL_MAX_BUFFER) -> None:
+    def __init__(self, limit: int = POOL_BYTES, keep: int = KEEP_BUFFERS) -> None:
         self.limit = limit
-        self.max_buffer = max_buffer
+        self.keep = keep
         self._kept: list[np.ndarray] = []
+        #: buffers made (kept or not): monitoring, tests
+        self.made = 0
 
-    def take(self, n: int) -> memoryview:
-        """A writable view of ``n`` bytes that nothing else uses."""
+    def take(self, n: int, keep: bool = True) -> memoryview:
+        """A writable view of ``n`` bytes that nothing else uses. ``keep`` False: a buffer made for it is not kept
+        (one that comes once: a model's upload), though a kept one that is free may serve it."""
         if n < POOL_MIN_BUFFER:
             return memoryview(bytearray(n))
+        best = None
         for buf in self._kept:
-            if buf.nbytes >= n and sys.getrefcount(buf) <= 3:  # the list, the loop variable, the argument
-                return memoryview(buf)[:n]
-        buf = np.empty(n, np.uint8)
-        if n <= self.max_buffer and sum(b.nbytes for b in self._kept) + n <= self.limit:
+            if n <= buf.nbytes <= 2 * n and (best is None or buf.nbytes < best.nbytes) \
+                    and sys.getrefcount(buf) <= 3:  # the list, the loop variable, the argument
+                best = buf
+        if best is not None:
+            return memoryview(best)[:n]
+        size = -(-n // ROUND_BYTES) * ROUND_BYTES if n >= ROUND_BYTES else n
+        buf = np.empty(size, np.uint8)
+        self.made += 1
+        if keep and len(self._kept) < self.keep and sum(b.nbytes for b in self._kept) + size <= self.limit:
             self._kept.append(buf)
-        return memoryview(buf)
+        return memoryview(buf)[:n]
+
+    @property
+    def kept_bytes(self) -> int:
+        return sum(b.nbytes for b in self._kept)
 
 
 POOL = BufferPool()

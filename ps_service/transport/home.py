@@ -13,8 +13,9 @@ Contract, the one rule that keeps every answer's bytes fixed once it is handed t
   server, uvloop's write queue, holds its view until the kernel has every byte);
 - :meth:`before_change` (the model's hook, called before the weights change in place: an optimizer step, a
   rewind) moves the weights to a fresh buffer first whenever an answer still holds the current one (copy on
-  write: the old buffer stays, unchanged, with those answers, and is freed after them); a new header is written
-  in place only under the same rule, else into a fresh buffer too.
+  write: the old buffer stays, unchanged, with those answers, and goes back to the buffer pool after them,
+  :mod:`ps_service.transport.buffers`); a new header is written in place only under the same rule, else into a
+  fresh buffer too.
 In a synchronous job every worker of the round has read its answer before it can push the next step, so the
 step's change finds no answer in flight and copies nothing; a pull that is slow to read (a monitor, a worker not
 in the round, async/ssp pushes that change the weights at every push) costs one copy, as before.
@@ -29,6 +30,7 @@ from typing import Any, Hashable
 
 import numpy as np
 
+from ps_service.transport.buffers import POOL
 from shared import frame
 
 
@@ -80,11 +82,13 @@ class WeightsHome:
         if not self.holds(self._dict):  # they live elsewhere now (a restore, the same-host file): let the frame go
             self._forget()
         elif self.in_flight():
-            self._adopt(self._buf.copy(), self._dict)
+            buf = _fresh(self._buf.nbytes)
+            np.copyto(buf, self._buf)
+            self._adopt(buf, self._dict)
 
     def _move(self, weights: dict[str, np.ndarray], head: dict[str, Any]) -> None:
         layout = frame.Layout.of(weights, sorted(weights))
-        buf = np.empty(frame.frame_bytes(layout, head), np.uint8)  # the weights' own memory from now on: no pool
+        buf = _fresh(frame.frame_bytes(layout, head))  # the weights' own memory from now on
         frame.write_into(memoryview(buf), weights, head, layout)
         self._layout, self._data_start = layout, buf.nbytes - layout.data_bytes
         self._adopt(buf, weights)
@@ -100,6 +104,11 @@ class WeightsHome:
     def _forget(self) -> None:
         self._buf = self._answer = self._layout = self._dict = self._key = None
         self._views = {}
+
+
+def _fresh(n: int) -> np.ndarray:
+    """``n`` bytes nothing else uses, from the pool: the frame a move leaves serves a body once its answers are out."""
+    return np.frombuffer(POOL.take(n), np.uint8)
 
 
 def _movable(weights: dict[str, np.ndarray]) -> bool:
