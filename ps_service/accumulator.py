@@ -53,6 +53,7 @@ from typing import Callable, Iterable, Mapping
 
 import numpy as np
 
+from ps_service import cores
 from shared.compression import SparseTensor, dense
 from shared.errors import unprocessable
 
@@ -216,6 +217,16 @@ def finite_or_refuse(nonfinite: str | None, nonfinite_policy: str) -> bool:
             raise unprocessable("nonfinite_gradient", f"tensor {nonfinite!r} has NaN or Inf values")
         return False
     return True
+
+
+def _add_into(acc: np.ndarray, g: np.ndarray) -> None:
+    """``acc += g`` over the cores when both are C-contiguous (:func:`ps_service.cores.split`; element-wise: the same
+    bits), else as numpy does it."""
+    if not (acc.flags.c_contiguous and g.flags.c_contiguous and acc.shape == g.shape):
+        np.add(acc, g, out=acc)
+        return
+    af, gf = acc.reshape(-1), g.reshape(-1)
+    cores.split(lambda lo, hi: np.add(af[lo:hi], gf[lo:hi], out=af[lo:hi]), af.size)
 
 
 def _writable(g: np.ndarray | SparseTensor) -> np.ndarray:
@@ -435,7 +446,7 @@ class Accumulator:
                     if not finite:  # k sums, read anyway: checked at once
                         self.spoiled, self.overflow = True, self.overflow or name
                 else:
-                    np.add(acc, dense(g), out=acc)
+                    _add_into(acc, dense(g))
                     self._finite = self._finite and self._bound <= SUM_LIMIT
 
     def _fold_pair(self, first: Key, second: Key) -> None:

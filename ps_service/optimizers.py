@@ -29,7 +29,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ps_service import torch_rules
+from ps_service import cores, torch_rules
 from shared.errors import unprocessable
 
 #: names of tensors that are set to the round's aggregate instead of being stepped
@@ -117,19 +117,19 @@ def _fusable(w: np.ndarray, g: np.ndarray) -> bool:
 
 
 def _sgd_mean(w: np.ndarray, g: np.ndarray, n: int, lr) -> None:
-    """``g /= n; g *= lr; w -= g`` (TF1's SGD on the mean); above :data:`WHOLE_BYTES`, one chunk at a time: one
-    pass over memory."""
-    if w.nbytes <= WHOLE_BYTES:
-        np.divide(g, n, out=g)
-        np.multiply(g, lr, out=g)
-        np.subtract(w, g, out=w)
-        return
+    """``g /= n; g *= lr; w -= g`` (TF1's SGD on the mean), over the cores (:func:`ps_service.cores.split`: the
+    workers wait for this, their cores idle); above :data:`WHOLE_BYTES` a part one chunk at a time: one pass over
+    memory. Element-wise: the same bits however it is cut."""
     wf, gf = w.reshape(-1), g.reshape(-1)
-    for lo in range(0, wf.size, FUSED_CHUNK):
-        gc, wc = gf[lo:lo + FUSED_CHUNK], wf[lo:lo + FUSED_CHUNK]
-        np.divide(gc, n, out=gc)
-        np.multiply(gc, lr, out=gc)
-        np.subtract(wc, gc, out=wc)
+    step = max(1, wf.size) if w.nbytes <= WHOLE_BYTES else FUSED_CHUNK
+
+    def part(lo: int, hi: int) -> None:
+        for at in range(lo, hi, step):
+            gc, wc = gf[at:min(hi, at + step)], wf[at:min(hi, at + step)]
+            np.divide(gc, n, out=gc)
+            np.multiply(gc, lr, out=gc)
+            np.subtract(wc, gc, out=wc)
+    cores.split(part, wf.size)
 
 
 class Optimizer:
