@@ -52,19 +52,38 @@ class LivePS:
         return httpx.Client(base_url=self.url, timeout=10.0, headers=headers)
 
 
-@contextmanager
-def live_ps(port: int | None = None, **settings: Any) -> Iterator[LivePS]:
-    port = port or free_port()
-    ps_settings = PSSettings(host="127.0.0.1", port=port, **settings)
+def _start(ps_settings: PSSettings) -> tuple[Any, uvicorn.Server, threading.Thread]:
     app = create_app(ps_settings)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=ps_settings.port, log_level="warning",
                                            access_log=False, timeout_graceful_shutdown=2,
                                            timeout_keep_alive=ps_settings.http_keepalive_seconds,
                                            http=BufferedSinkProtocol))  # the protocol `python -m ps_service` runs
-    thread = threading.Thread(target=server.run, name=f"ps-{port}", daemon=True)
+    thread = threading.Thread(target=server.run, name=f"ps-{ps_settings.port}", daemon=True)
     thread.start()
+    wait_for(lambda: server.started or not thread.is_alive(), 20, "the in-process PS to start")
+    return app, server, thread
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+@contextmanager
+def live_ps(port: int | None = None, **settings: Any) -> Iterator[LivePS]:
+    given = port is not None
+    port = port or free_port()
+    ps_settings = PSSettings(host="127.0.0.1", port=port, **settings)
+    app, server, thread = _start(ps_settings)
+    if not server.started and given:  # a PS started again on its port: the port can be held a moment longer
+        wait_for(lambda: _bindable(port), 20, f"port {port} to be free again")  # (CI, once: EADDRINUSE)
+        app, server, thread = _start(ps_settings)
     try:
-        wait_for(lambda: server.started or not thread.is_alive(), 20, "the in-process PS to start")
         assert server.started, "uvicorn did not start"
         yield LivePS(f"http://127.0.0.1:{port}", port, app, server)
     finally:
