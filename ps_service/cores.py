@@ -60,7 +60,7 @@ def split(fn: Callable[[int, int], None], size: int) -> None:
     err = np.geterr()
 
     def work() -> None:
-        for i in iter(taken.__next__, None):
+        for i in taken:
             if i >= len(pieces):
                 return
             fn(*pieces[i])

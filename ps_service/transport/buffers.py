@@ -15,9 +15,8 @@ Contract:
 - A new buffer is kept for reuse while the pool keeps fewer than :data:`KEEP_BUFFERS` and their total stays within
   :data:`POOL_BYTES`, and unless the caller says its size comes once (``keep=False``: a model's upload, which
   would otherwise stay idle in a job whose pushes come by same-host files); the others are plain allocations,
-  freed as usual. Since a new buffer is made only when every
-  kept one of its size is in use, what the pool keeps is what the PS had in use at once: it makes the PS's memory
-  stay at its peak, never go past it. Below :data:`POOL_MIN_BUFFER` a plain ``bytearray``.
+  freed as usual. Since a new buffer is made only when every kept one of its size is in use, what the pool keeps is
+  what the PS had in use at once: it makes the PS's memory stay at its peak, never go past it. Below :data:`POOL_MIN_BUFFER` a plain ``bytearray``.
 """
 from __future__ import annotations
 
@@ -40,7 +39,7 @@ class BufferPool:
         self.limit = limit
         self.keep = keep
         self._kept: list[np.ndarray] = []
-        #: buffers made (kept or not): monitoring, tests
+        #: buffers made (kept or not): tests
         self.made = 0
 
     def take(self, n: int, keep: bool = True) -> memoryview:
@@ -58,7 +57,7 @@ class BufferPool:
         size = -(-n // ROUND_BYTES) * ROUND_BYTES if n >= ROUND_BYTES else n
         buf = np.empty(size, np.uint8)
         self.made += 1
-        if keep and len(self._kept) < self.keep and sum(b.nbytes for b in self._kept) + size <= self.limit:
+        if keep and len(self._kept) < self.keep and self.kept_bytes + size <= self.limit:
             self._kept.append(buf)
         return memoryview(buf)[:n]
 
