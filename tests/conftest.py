@@ -16,18 +16,29 @@ their ``python -m cluster`` / benchmark subprocesses) fork their PS and worker p
 imported the stack once (cluster/forkserver.py), instead of paying Python's start-up and imports for each;
 whatever a zygote cannot start exactly as ``python -m`` would is exec'd as before. ``tests/test_install.py``
 unsets it (the real exec path, as users get it); ``SYNCPS_FORK_SERVER=0 make test`` execs every process.
+
+**SIGINT.** A suite started in the background of a non-interactive shell (``make test &``, ``( .ci/run & )``)
+inherits SIGINT *ignored*, and so would every process it starts, since an ignored signal stays ignored across
+``exec``: Python then installs no KeyboardInterrupt handler, a child's Ctrl-C does nothing, and the tests of what a
+process does on SIGINT time out (seen: test_forkserver's ``sigint`` cases, then a zygote kept busy by their
+children). The session gives itself Python's default handler instead, which ``exec`` resets to the default action in
+every child.
 """
 from __future__ import annotations
 
 import os
 import secrets
 import shutil
+import signal
 import tempfile
 from pathlib import Path
 
 import pytest
 
 from cluster import forkserver
+
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # inherited from a background job: see the module's docstring
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 #: check -> what ran instead (or why it did not run), in the order they were reported
 DEGRADED: dict[str, str] = {}
