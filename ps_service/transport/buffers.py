@@ -16,7 +16,8 @@ Contract:
   :data:`POOL_BYTES`, and unless the caller says its size comes once (``keep=False``: a model's upload, which
   would otherwise stay idle in a job whose pushes come by same-host files); the others are plain allocations,
   freed as usual. Since a new buffer is made only when every kept one of its size is in use, what the pool keeps is
-  what the PS had in use at once: it makes the PS's memory stay at its peak, never go past it. Below :data:`POOL_MIN_BUFFER` a plain ``bytearray``.
+  what the PS had in use at once: it makes the PS's memory stay at its peak, never go past it.
+- Below :data:`POOL_MIN_BUFFER` a plain ``bytearray``.
 """
 from __future__ import annotations
 
