@@ -9,7 +9,8 @@ milliseconds per step, when the tree's ``bench.run`` reports them) and, per cell
 median steps/s, its min and max, and the medians of the CPU per step (and of ``cpu_busy``, when the tree's
 ``bench.run`` reports it); each line names its ``side``
 (``before``, ``after``). Cells: ``--cells`` as
-``transport:params:workers`` (default: the eight of ``make bench`` at 1e6 and 1e7).
+``transport:params:workers`` or ``transport:params:workers:compression`` (``--compression`` of ``bench.run``;
+default: the eight of ``make bench`` at 1e6 and 1e7, uncompressed).
 """
 from __future__ import annotations
 
@@ -24,17 +25,20 @@ import time
 DEFAULT_CELLS = [f"{t}:{p}:{n}" for p in (1_000_000, 10_000_000) for n in (2, 4) for t in ("shm", "http")]
 
 
-def one_run(tree: str, transport: str, params: int, workers: int, seconds: float, warmup: float = 2.0) -> dict:
+def one_run(tree: str, transport: str, params: int, workers: int, seconds: float, warmup: float = 2.0,
+            compression: str = "none") -> dict:
     cmd = [sys.executable, "-m", "bench.run", "--workers", str(workers), "--params", str(params),
            "--seconds", str(seconds), "--warmup", str(warmup)]
     cmd += ["--transport", "http"] if transport == "http" else []
+    cmd += ["--compression", compression] if compression != "none" else []
     try:
         out = subprocess.run(cmd, cwd=tree, capture_output=True, text=True, timeout=seconds + 300)
         lines = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
     except subprocess.TimeoutExpired:
         lines = []
     d = lines[-1] if lines else {"error": "no output"}
-    d["tree"], d["cell"] = tree, f"{transport}:{params}:{workers}"
+    d["tree"] = tree
+    d["cell"] = f"{transport}:{params}:{workers}" + (f":{compression}" if compression != "none" else "")
     steps = d.get("steps_per_s", 0) * d.get("window_s", 0)
     for key, name in (("ps_cpu_s", "ps_ms"), ("workers_cpu_s", "workers_ms")):
         if steps and key in d:
@@ -61,16 +65,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=5, help="runs a side per cell")
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--warmup", type=float, default=2.0)
-    ap.add_argument("--cells", default=",".join(DEFAULT_CELLS), help="transport:params:workers,...")
+    ap.add_argument("--cells", default=",".join(DEFAULT_CELLS), help="transport:params:workers[:compression],...")
     args = ap.parse_args(argv)
     trees = [os.path.abspath(args.before), os.path.abspath(args.after)]
     failed = 0
     for cell in args.cells.split(","):
-        transport, params, workers = cell.split(":")
+        transport, params, workers, *compression = cell.split(":")
         results: list[list[dict]] = [[], []]
         for _ in range(args.runs):
             for side, tree in enumerate(trees):
-                d = one_run(tree, transport, int(params), int(workers), args.seconds, args.warmup)
+                d = one_run(tree, transport, int(params), int(workers), args.seconds, args.warmup, *compression)
                 d["side"], d["at"] = ("before", "after")[side], time.strftime("%H:%M:%S", time.gmtime())
                 results[side].append(d)
                 print(json.dumps(d), flush=True)

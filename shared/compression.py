@@ -32,6 +32,7 @@ from typing import Any, Mapping
 import ml_dtypes
 import numpy as np
 
+from shared import scan
 from shared.errors import unprocessable
 
 NAMES = ("none", "bf16", "fp16", "topk", "2bit")
@@ -118,18 +119,19 @@ def top_k(x: np.ndarray, k: int) -> np.ndarray:
         return np.arange(n, dtype=U32)
     if k <= 0:
         return np.empty(0, U32)
+    if n > 8 * _SAMPLE and k * 64 < n:
+        # every entry at or above a magnitude t that at least k entries reach is a candidate; the top k
+        # are among them (exact). t is estimated low from a strided sample; if too few reach it (or the
+        # scan meets a NaN or an Inf), the whole-array pass below.
+        sample = np.sort(np.abs(flat[::n // _SAMPLE]))
+        t = sample[max(0, sample.size - 1 - 2 * math.ceil(k * sample.size / n) - 8)]
+        cand = scan.magnitude_at_least(flat, t)
+        if cand is not None and cand.size >= k:
+            pick = cand[np.argpartition(np.abs(flat[cand]), cand.size - k)[cand.size - k:]]
+            return np.sort(pick).astype(U32)
     mag = np.abs(flat)
     if not np.isfinite(mag.max()):
         mag[~np.isfinite(mag)] = np.inf  # NaN sorts above Inf in numpy; both are sent first
-    elif n > 8 * _SAMPLE and k * 64 < n:
-        # every entry at or above a magnitude t that at least k entries reach is a candidate; the top k
-        # are among them (exact). t is estimated low from a strided sample; if too few reach it, full pass.
-        sample = np.sort(mag[::n // _SAMPLE])
-        t = sample[max(0, sample.size - 1 - 2 * math.ceil(k * sample.size / n) - 8)]
-        cand = np.flatnonzero(mag >= t)
-        if cand.size >= k:
-            pick = cand[np.argpartition(mag[cand], cand.size - k)[cand.size - k:]]
-            return np.sort(pick).astype(U32)
     return np.sort(np.argpartition(mag, n - k)[n - k:]).astype(U32)
 
 

@@ -11,17 +11,25 @@ from __future__ import annotations
 
 import numpy as np
 
+from shared import scan
 from shared.compression import F32, U32, check_topk
 
 
-def changed_indices(old: np.ndarray, new: np.ndarray) -> np.ndarray:
-    """The flat indices (ascending, uint32) where ``new``'s float32 bits differ from ``old``'s."""
-    return np.flatnonzero(old.reshape(-1).view(U32) != new.reshape(-1).view(U32)).astype(U32)
+def changed_indices(old: np.ndarray, new: np.ndarray, limit: int | None = None) -> np.ndarray | None:
+    """The flat indices (ascending, uint32) where ``new``'s float32 bits differ from ``old``'s (both
+    C-contiguous), or None once more than ``limit`` differ."""
+    idx = scan.bits_differ(old.reshape(-1).view(U32), new.reshape(-1).view(U32), limit)
+    return None if idx is None else idx.astype(U32)
 
 
 def worth_sparse(k: int, n: int) -> bool:
     """Whether ``k`` changed entries of ``n`` travel smaller as entries than as the dense tensor."""
     return 2 * k < n
+
+
+def sparse_limit(n: int) -> int:
+    """The most changed entries of ``n`` that are :func:`worth_sparse` (a scan stops past it)."""
+    return (n - 1) // 2
 
 
 def pack(indices: np.ndarray, new: np.ndarray) -> np.ndarray:

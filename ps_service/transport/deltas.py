@@ -4,8 +4,9 @@ since the step whose weights were last served, computed once per step, not per w
 :class:`WeightDeltas` keeps one snapshot of the tracked tensors (float32 tensors the job compresses: at most
 one extra model copy) at ``step``; :meth:`observe`, called with the weights of every body answer, notices a
 new step and compares the weights with the snapshot bit for bit: the tensors with few changed entries
-(``shared.weight_deltas.worth_sparse``) keep them (the answer's sparse tensors), then the snapshot takes the
-new values (only the changed entries are copied). ``base`` is the step the changes are from.
+(``shared.weight_deltas.worth_sparse``; the compare stops once there are more) keep them (the answer's sparse
+tensors), then the snapshot takes the new values (only the changed entries are copied). ``base`` is the step the
+changes are from.
 
 ``lineage`` names this sequence of weights: a worker's weights of step ``s`` are the PS's of step ``s`` only
 if both come from the same lineage. It is random per PS process (a restarted PS, even one restored at the
@@ -50,8 +51,8 @@ class WeightDeltas:
             self.base, self.changes = self.step, {}
             for name, snap in self._snapshot.items():
                 now = weights[name]
-                idx = wd.changed_indices(snap, now)
-                if wd.worth_sparse(idx.size, snap.size):
+                idx = wd.changed_indices(snap, now, limit=wd.sparse_limit(snap.size))
+                if idx is not None:
                     wire = self.changes[name] = wd.pack(idx, now)
                     snap.reshape(-1).view(U32)[idx] = wire[1]  # now the snapshot is ``now``: nothing else changed
                 else:
