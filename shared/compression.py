@@ -182,21 +182,44 @@ def sparse_topk(wire: np.ndarray, shape: tuple[int, ...], name: str) -> SparseTe
 # ---- 2-bit (MXNet) ---------------------------------------------------------------------------------------
 _SHIFTS = np.array([6, 4, 2, 0], np.uint8)
 _CODES = (np.arange(256, dtype=np.uint8)[:, None] >> _SHIFTS) & 3  # [byte, element] -> code
-_INVALID = (_CODES == 1).any(axis=1)
+#: the low bit of every 2-bit code of a word: code 0b01 is a low bit set under a clear high bit
+_LOW_BITS = np.uint32(0x55555555)
+
+
+def _has_code_01(wire: np.ndarray) -> bool:
+    """Whether any 2-bit code of the uint32 words ``wire`` is 0b01 (word-wide bit operations: 0.7 ms at 1e7
+    elements, against 5.7 for a per-byte table)."""
+    t = wire >> 1
+    np.invert(t, out=t)
+    np.bitwise_and(t, wire, out=t)
+    np.bitwise_and(t, _LOW_BITS, out=t)
+    return bool(t.any())
 
 
 def quantize_2bit(acc: np.ndarray, threshold: np.float32) -> np.ndarray:
-    """MXNet's 2-bit codes of ``acc`` (uint32 words); ``acc`` becomes the residual ``acc - sent`` in place."""
+    """MXNet's 2-bit codes of ``acc`` (uint32 words); ``acc`` becomes the residual ``acc - sent`` in place.
+    Element-wise, so done in chunks of :data:`shared.scan.CHUNK` (a multiple of 16: whole words) whose
+    temporaries stay in the cache: the same bits as the whole array at once."""
     flat = acc.reshape(-1)
+    n = flat.size
+    packed = np.empty(-(-n // 16) * 4, np.uint8)
+    for lo in range(0, n, scan.CHUNK):
+        hi = min(n, lo + scan.CHUNK)
+        _quantize_part(flat[lo:hi], threshold, packed[lo // 4:-(-hi // 16) * 4])
+    return packed.view(U32)
+
+
+def _quantize_part(flat: np.ndarray, threshold: np.float32, out: np.ndarray) -> None:
+    """:func:`quantize_2bit` of ``flat`` (which starts on a word) into the bytes ``out``; the last word's
+    codes past ``flat`` are zero."""
     pos, neg = flat >= threshold, flat <= -threshold
-    codes = np.zeros(-(-flat.size // 16) * 16, np.uint8)
+    codes = np.zeros(out.size * 4, np.uint8)
     np.add(pos.view(np.uint8) * np.uint8(3), neg.view(np.uint8) * np.uint8(2), out=codes[:flat.size])
     quads = codes.reshape(-1, 4)
-    packed = (quads[:, 0] << 6) | (quads[:, 1] << 4) | (quads[:, 2] << 2) | quads[:, 3]
+    out[:] = (quads[:, 0] << 6) | (quads[:, 1] << 4) | (quads[:, 2] << 2) | quads[:, 3]
     sent = (pos.view(np.int8) - neg.view(np.int8)).astype(F32)  # +1, -1, 0
     sent *= threshold
     flat -= sent
-    return packed.view(U32)
 
 
 def dequantize_2bit(wire: np.ndarray, shape: tuple[int, ...], threshold: np.float32, name: str) -> np.ndarray:
@@ -204,7 +227,7 @@ def dequantize_2bit(wire: np.ndarray, shape: tuple[int, ...], threshold: np.floa
     if wire.dtype != U32 or wire.shape != (-(-n // 16),):
         raise _bad(name, f"2bit wants uint32 of shape [{-(-n // 16)}]; got {wire.dtype} {list(wire.shape)}")
     octets = wire.view(np.uint8)
-    if _INVALID[octets].any():
+    if _has_code_01(wire):
         raise _bad(name, "2bit code 0b01 is not a value")
     # one 16-byte gather per byte: the byte's 4 float32 values (a table of 256 rows viewed as complex128)
     table = np.array([0, 0, -threshold, threshold], F32)[_CODES].view(np.complex128).reshape(256)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from shared import compression as C, frame
+from shared import compression as C, frame, scan
 from shared.errors import ProtocolError
 from tests.live_ps import live_ps, state_hash
 from tests.wire import push_frame
@@ -104,6 +104,38 @@ def test_mxnet_2bit_layout():
     words = C.quantize_2bit(y.copy(), F32(0.5))
     assert words.dtype == np.uint32 and words.shape == (1,)
     assert bytes(words.view(np.uint8)) == bytes([0b11100011, 0b10000011, 0b10000000, 0])
+
+
+@pytest.mark.parametrize("n", [1, 15, 16, 17, scan.CHUNK - 1, scan.CHUNK, scan.CHUNK + 1, 3 * scan.CHUNK + 7])
+def test_2bit_in_chunks_is_the_whole_array_at_once(n):
+    """quantize_2bit works chunk by chunk: its words and the residual are those of the whole-array formula."""
+    x = np.random.default_rng(n).standard_normal(n).astype(F32)
+    t = F32(0.5)
+    flat = x.copy()
+    pos, neg = flat >= t, flat <= -t
+    codes = np.zeros(-(-n // 16) * 16, np.uint8)
+    codes[:n] = pos.view(np.uint8) * np.uint8(3) + neg.view(np.uint8) * np.uint8(2)
+    q = codes.reshape(-1, 4)
+    want = ((q[:, 0] << 6) | (q[:, 1] << 4) | (q[:, 2] << 2) | q[:, 3]).view(np.uint32)
+    flat -= (pos.view(np.int8) - neg.view(np.int8)).astype(F32) * t
+    residual = x.copy()
+    got = C.quantize_2bit(residual, t)
+    assert got.dtype == np.uint32 and np.array_equal(got, want)
+    assert np.array_equal(residual.view(np.uint32), flat.view(np.uint32))
+
+
+def test_2bit_code_01_is_refused_at_every_place_of_a_word_and_no_other_code_is():
+    t = F32(0.5)
+    for j in range(16):  # element 4 * b + (3 - i) of the word sits in bits 8 * b + 2 * i
+        for code, refused in ((0b01, True), (0b10, False), (0b11, False)):
+            wire = np.array([0xFFFFFFFF, code << (2 * j)], np.uint32)  # word 0 all +t: valid beside it
+            if refused:
+                with pytest.raises(ProtocolError) as e:
+                    C.dequantize_2bit(wire, (32,), t, "w")
+                assert e.value.code == "bad_encoding"
+            else:
+                got = C.dequantize_2bit(wire, (32,), t, "w")
+                assert (got[:16] == t).all() and np.count_nonzero(got[16:]) == 1
 
 
 def test_nonfinite():
