@@ -179,6 +179,39 @@ def sparse_topk(wire: np.ndarray, shape: tuple[int, ...], name: str) -> SparseTe
     return SparseTensor(shape, idx.astype(np.intp), wire[1].view(F32))
 
 
+# ---- bfloat16 ---------------------------------------------------------------------------------------------
+def to_bf16(x: np.ndarray) -> np.ndarray:
+    """``x.astype(bfloat16)`` of a float32 array, bit for bit (round to nearest even), in chunks of
+    :data:`shared.scan.CHUNK` with integer arithmetic on the bits (26 against 16 ms at 1e7 elements on the Xeon
+    VM); a chunk holding a NaN is cast by ml_dtypes (a NaN's payload is its business)."""
+    flat = np.ascontiguousarray(x, F32).reshape(-1)
+    bits, n = flat.view(U32), flat.size
+    out = np.empty(n, np.uint16)
+    up = np.empty(min(n, scan.CHUNK), U32)
+    for lo, hi in ((lo, min(n, lo + scan.CHUNK)) for lo in range(0, n, scan.CHUNK)):
+        b, r = bits[lo:hi], up[:hi - lo]
+        np.right_shift(b, 16, out=r)
+        np.bitwise_and(r, 1, out=r)
+        r += np.uint32(0x7FFF)  # half of the dropped 16 bits' range, and one more to break a tie to even
+        r += b
+        np.right_shift(r, 16, out=r)
+        out[lo:hi] = r
+        if np.isnan(flat[lo:hi]).any():
+            out[lo:hi] = flat[lo:hi].astype(BF16).view(np.uint16)
+    return out.view(BF16).reshape(np.shape(x))
+
+
+def from_bf16(b: np.ndarray) -> np.ndarray:
+    """``b.astype(float32)`` of a bfloat16 array (exact: the bits moved up 16), into fresh memory, in chunks."""
+    src = np.ascontiguousarray(b).reshape(-1).view(np.uint16)
+    out = np.empty(src.size, U32)
+    for lo in range(0, src.size, scan.CHUNK):
+        part = out[lo:lo + scan.CHUNK]
+        part[:] = src[lo:lo + scan.CHUNK]
+        np.left_shift(part, 16, out=part)
+    return out.view(F32).reshape(b.shape)
+
+
 # ---- 2-bit (MXNet) ---------------------------------------------------------------------------------------
 _SHIFTS = np.array([6, 4, 2, 0], np.uint8)
 _CODES = (np.arange(256, dtype=np.uint8)[:, None] >> _SHIFTS) & 3  # [byte, element] -> code
@@ -250,7 +283,7 @@ def decode_tensor(spec: Spec, name: str, shape: tuple[int, ...], wire: np.ndarra
         if wire.dtype != want or wire.shape != shape:
             raise _bad(name, f"{spec.name} wants {want.name} of shape {list(shape)}; "
                              f"got {wire.dtype} {list(wire.shape)}")
-        return wire.astype(F32)
+        return from_bf16(wire) if spec.name == "bf16" else wire.astype(F32)
     if spec.name == "topk":
         return sparse_topk(wire, shape, name)
     return dequantize_2bit(wire, shape, np.float32(spec.threshold), name)
@@ -314,7 +347,7 @@ class Compressor:
     def _one(self, name: str, grad: np.ndarray, step: int) -> np.ndarray:
         spec = self.spec
         if spec.name == "bf16":
-            return grad.astype(BF16)
+            return to_bf16(grad)
         if spec.name == "fp16":
             with np.errstate(over="ignore"):  # beyond +-65504: Inf, which the PS refuses as non-finite
                 return grad.astype(np.float16)
