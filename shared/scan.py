@@ -18,10 +18,10 @@ import numpy as np
 
 #: elements per chunk: 512 KB of float32 and its 128 KB mask stay in a 1 MB L2
 CHUNK = 1 << 17
-_EMPTY = np.empty(0, np.intp)
 
 
-def _ranges(n: int):
+def ranges(n: int):
+    """The chunks of ``range(n)``: ``(lo, hi)`` pairs of :data:`CHUNK` elements (the last one shorter)."""
     for lo in range(0, n, CHUNK):
         yield lo, min(n, lo + CHUNK)
 
@@ -30,12 +30,12 @@ def magnitude_at_least(flat: np.ndarray, t) -> np.ndarray | None:
     """``np.flatnonzero(np.abs(flat) >= t)`` of a 1-D float array, or None if ``flat`` holds a NaN or an Inf."""
     mag, mask = np.empty(min(flat.size, CHUNK), flat.dtype), np.empty(min(flat.size, CHUNK), bool)
     found = []
-    for lo, hi in _ranges(flat.size):
+    for lo, hi in ranges(flat.size):
         m = np.abs(flat[lo:hi], out=mag[:hi - lo])
         if not np.isfinite(m.max()):
             return None
         found.append(np.flatnonzero(np.greater_equal(m, t, out=mask[:hi - lo])) + lo)
-    return np.concatenate(found) if found else _EMPTY
+    return np.concatenate(found) if found else np.empty(0, np.intp)
 
 
 def bits_differ(old: np.ndarray, new: np.ndarray, limit: int | None = None) -> np.ndarray | None:

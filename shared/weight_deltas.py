@@ -16,8 +16,8 @@ from shared.compression import F32, U32, check_topk
 
 
 def changed_indices(old: np.ndarray, new: np.ndarray, limit: int | None = None) -> np.ndarray | None:
-    """The flat indices (ascending, uint32) where ``new``'s float32 bits differ from ``old``'s (both
-    C-contiguous), or None once more than ``limit`` differ."""
+    """The flat indices (ascending, uint32) where ``new``'s float32 bits differ from ``old``'s, or None if more
+    than ``limit`` differ."""
     idx = scan.bits_differ(old.reshape(-1).view(U32), new.reshape(-1).view(U32), limit)
     return None if idx is None else idx.astype(U32)
 
