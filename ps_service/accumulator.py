@@ -37,9 +37,12 @@ Contract:
   pushes' magnitudes (``apply(..., magnitude=)``, from :func:`validate`) prove the sum cannot overflow: every
   element of the sum is at most the sum of their magnitudes, and while that stays below :data:`SUM_LIMIT` (far
   below float32's largest value, 3.4e38) no addition can reach Inf.
-- A top-k push's tensors (:class:`~shared.compression.SparseTensor`: k entries, zero elsewhere) are added to a
-  running sum made only of such pushes in O(k) (:func:`_add_sparse`, which also keeps the sign of zeros the
-  dense sum would give), else made dense: the same bits either way.
+- A top-k push's tensors (:class:`~shared.compression.SparseTensor`: k entries, zero elsewhere) are kept as the
+  running sum's :class:`Terms` while that tensor's sum came only from such pushes, and added at once when the sum is
+  taken (:func:`sparse_sum`: over the union of their indices, the dense sum's bits there, +0.0 elsewhere as the
+  dense sum has it; O(k log k), the sums checked as made); ``take_sum`` then gives that tensor as a
+  :class:`~shared.compression.SparseTensor` (its support: the entries a round can change), ``take`` as an array.
+  A dense push, or a same-host one, makes it dense first.
 - NaN/Inf checks (:func:`magnitude`) are a BLAS dot product of the tensor with itself, chunk by chunk: NaN or Inf
   exactly when an element is (squares are >= 0: nothing cancels), unless the squares overflow (|x| > 1.8e19 in
   float32), where that chunk is checked exactly by a dot product with zeros.
@@ -54,7 +57,7 @@ from typing import Callable, Iterable, Mapping
 import numpy as np
 
 from ps_service import cores
-from shared.compression import SparseTensor, dense
+from shared.compression import F32, SparseTensor, dense
 from shared.errors import unprocessable
 
 Key = tuple[int, str]  # (rank, worker_id): the order of the sum
@@ -236,23 +239,43 @@ def _writable(g: np.ndarray | SparseTensor) -> np.ndarray:
     return g if g.flags.writeable and g.flags.c_contiguous else np.array(g, order="C", copy=True)
 
 
-def _negative_zeros_of(g: np.ndarray | SparseTensor) -> np.ndarray | None:
-    """The flat positions where ``g`` holds -0.0, when cheap to know (sparse: among its values), else None."""
-    if not isinstance(g, SparseTensor):
-        return None
-    v = g.values
-    return g.indices[(v == 0) & np.signbit(v)]
+class Terms(list):
+    """The top-k pushes of one tensor of the running sum, in rank order, not yet added (:func:`sparse_sum` adds
+    them at once when the sum is taken)."""
 
 
-def _add_sparse(acc: np.ndarray, g: SparseTensor, negative_zeros: np.ndarray) -> tuple[np.ndarray, bool]:
-    """``acc += g.dense()`` bit for bit in O(k), given where ``acc`` holds -0.0 (``-0.0 + 0.0`` is ``+0.0``: those
-    ``g`` does not hold become +0.0); (the positions where the result holds -0.0, whether the k sums are finite)."""
-    flat, idx = acc.reshape(-1), g.indices
-    flat[idx] += g.values  # indices strictly increasing: no repeats
-    if negative_zeros.size:
-        flat[negative_zeros[~np.isin(negative_zeros, idx, assume_unique=True)]] = 0.0
-    r = flat[idx]
-    return idx[(r == 0) & np.signbit(r)], bool(np.isfinite(r).all())
+def _owned(g: np.ndarray | SparseTensor) -> np.ndarray | Terms:
+    """The running sum's start from a gradient: a sparse one as the first of its :class:`Terms`, a dense one
+    :func:`_writable`."""
+    return Terms([g]) if isinstance(g, SparseTensor) else _writable(g)
+
+
+def sparse_sum(terms: list[SparseTensor]) -> SparseTensor:
+    """The rank-order sum ``dense(t0) + dense(t1) + ...`` of top-k tensors (indices strictly increasing) as
+    entries, bit for bit: over the union of their indices, each entry's values added in rank order (the same
+    additions as the dense sum's, which adds +0.0 for every term that holds none there: that changes only a -0.0,
+    to +0.0, so an entry not held by every term has +0.0 added at the end); off the union the dense sum is +0.0,
+    which no entry stands for. One stable sort of all their indices (O(k log k) for k entries in all), then a pass
+    per term an entry can hold."""
+    first = terms[0]
+    if len(terms) == 1:
+        return SparseTensor(first.shape, first.indices, np.array(first.values, F32, copy=True))
+    both = np.concatenate([t.indices for t in terms])
+    order = np.argsort(both, kind="stable")  # equal indices stay in rank order
+    where, values = both[order], np.concatenate([t.values for t in terms])[order]
+    if not where.size:
+        return SparseTensor(first.shape, where, values)
+    starts = np.empty(where.size, bool)
+    starts[0] = True
+    np.not_equal(where[1:], where[:-1], out=starts[1:])
+    firsts = np.flatnonzero(starts)
+    held = np.diff(firsts, append=where.size)  # how many terms hold each entry
+    out = values[firsts]
+    for j in range(1, int(held.max())):
+        more = np.flatnonzero(held > j)
+        out[more] += values[firsts[more] + j]
+    out[held < len(terms)] += np.float32(0)
+    return SparseTensor(first.shape, where[firsts], out)
 
 
 @dataclass
@@ -279,9 +302,6 @@ class Accumulator:
     #: (key, the running sum then, its count, running sum + that gradient, checked) made by :meth:`read`: used when
     #: that gradient is folded
     _onward: tuple | None = field(default=None, repr=False)
-    #: per tensor of the running sum, where it holds -0.0 when known (it was only ever summed from
-    #: :class:`~shared.compression.SparseTensor` s): a sparse gradient is then added in O(k) (:func:`_add_sparse`)
-    _negative_zeros: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
     #: the running sum is known finite (made by a checked read or sum, or added to with magnitudes that cannot
     #: overflow); False once something was added to it in place unchecked, and then :meth:`_check_sum` reads it once
     #: when the round ends
@@ -328,7 +348,7 @@ class Accumulator:
                 or key < self.folded[-1]):
             return None
         out = borrowed.buffer()
-        if read_checked(borrowed.views, out, self.acc) is not None:  # exactly _fold_borrowed's sum
+        if read_checked(borrowed.views, out, self._dense_sum()) is not None:  # exactly _fold_borrowed's sum
             return None  # NaN/Inf in the file, or the sum overflows: checked alone, as any other
         return Taken(borrowed, None, onward=(key, self.acc, len(self.folded), out))
 
@@ -373,21 +393,25 @@ class Accumulator:
         """The rank-order sum (mean) of every gradient applied (None if none is left: :attr:`dropped`); the
         accumulator is empty afterwards, but for :attr:`dropped`."""
         out, n = self.take_sum()
-        if out is not None and n > 1:
-            for acc in out.values():
-                acc /= n
+        if out is not None:
+            out = {name: dense(a) for name, a in out.items()}
+            if n > 1:
+                for acc in out.values():
+                    acc /= n
         return out
 
-    def take_sum(self) -> tuple[dict[str, np.ndarray] | None, int]:
+    def take_sum(self) -> tuple[dict[str, np.ndarray | SparseTensor] | None, int]:
         """(the rank-order sum, n): :meth:`take` before its division (``acc / n`` is the mean; n is 1 under
-        ``aggregation="sum"``), for a caller that divides in the same pass as its own update."""
+        ``aggregation="sum"``), for a caller that divides in the same pass as its own update. A tensor summed only
+        from top-k pushes comes as a :class:`~shared.compression.SparseTensor` (+0.0 off its entries; the caller
+        may write into its values)."""
         if not self.keys:
             raise AssertionError("nothing to take")
         self._fold(None)
         self._check_sum()
         out, n = (None, 0) if self.spoiled else (self.acc, len(self.keys) - len(self.dropped))
         self.keys, self.folded, self.acc, self._presum, self._onward = {}, [], None, None, None
-        self._negative_zeros, self._finite, self._magnitudes, self._bound = {}, True, {}, 0.0
+        self._finite, self._magnitudes, self._bound = True, {}, 0.0
         return out, n if self.aggregation == "mean" and n > 1 else 1
 
     def settle(self) -> None:
@@ -399,6 +423,7 @@ class Accumulator:
     def _check_sum(self) -> None:
         """The sum is what gets applied: unless every addition into it was checked as made, read it once for NaN/Inf
         (finite gradients can overflow when added); not finite: :attr:`spoiled`, the round applies nothing."""
+        self._sparse_summed()
         if self.acc is None or self.spoiled or self._finite:
             return
         self._finite = True
@@ -422,32 +447,52 @@ class Accumulator:
             grads, magnitude = waiting.pop(key[1]), self._magnitudes.pop(key[1], math.inf)
             self.folded.append(key)
             if isinstance(grads, Borrowed):
-                self._negative_zeros, self._bound = {}, math.inf
+                self._bound = math.inf
                 self._fold_borrowed(key, grads)
             elif self.acc is None:
-                self.acc, self._finite = {name: _writable(grads[name]) for name in self.names}, True  # validated
+                self.acc, self._finite = {name: _owned(grads[name]) for name in self.names}, True  # validated
                 self._bound = magnitude
-                self._negative_zeros = {name: nz for name in self.names
-                                        if (nz := _negative_zeros_of(grads[name])) is not None}
             else:
                 self._bound += magnitude
                 self._fold_owned(grads)
 
     def _fold_owned(self, grads: Mapping[str, np.ndarray | SparseTensor]) -> None:
-        """``acc += grads`` in place (a sparse tensor in O(k) when where the sum holds -0.0 is known, the k sums
-        checked as made; a dense one unchecked: the whole sum is checked once, :meth:`_check_sum`, unless
-        :attr:`_bound` proves it cannot overflow)."""
-        known = self._negative_zeros
+        """``acc += grads``: a sparse tensor onto a sum of such (:class:`Terms`, added when the sum is taken); else in
+        place, the sum made dense first, unchecked: the whole sum is checked once, :meth:`_check_sum`, unless
+        :attr:`_bound` proves it cannot overflow."""
         with np.errstate(over="ignore", invalid="ignore"):  # an overflowing sum is found by the check, not warned about
             for name, acc in self.acc.items():
-                g, nz = grads[name], known.pop(name, None)
-                if isinstance(g, SparseTensor) and nz is not None:
-                    known[name], finite = _add_sparse(acc, g, nz)
-                    if not finite:  # k sums, read anyway: checked at once
-                        self.spoiled, self.overflow = True, self.overflow or name
+                g = grads[name]
+                if isinstance(acc, Terms) and isinstance(g, SparseTensor):
+                    acc.append(g)
                 else:
+                    acc = self.acc[name] = dense(self._summed(name, acc))
                     _add_into(acc, dense(g))
                     self._finite = self._finite and self._bound <= SUM_LIMIT
+
+    def _summed(self, name: str, acc: np.ndarray | Terms) -> np.ndarray | SparseTensor:
+        """``acc`` with its :class:`Terms` added (:func:`sparse_sum`), their sums checked as made: not finite (finite
+        values can overflow when added), the sum is :attr:`spoiled`."""
+        if not isinstance(acc, Terms):
+            return acc
+        with np.errstate(over="ignore", invalid="ignore"):
+            total = sparse_sum(acc)
+            if not np.isfinite(total.values).all():
+                self.spoiled, self.overflow = True, self.overflow or name
+        return total
+
+    def _sparse_summed(self) -> None:
+        """Every :class:`Terms` of the running sum added (its tensors then arrays or entries)."""
+        if self.acc is not None and any(isinstance(a, Terms) for a in self.acc.values()):
+            self.acc = {name: self._summed(name, a) for name, a in self.acc.items()}
+
+    def _dense_sum(self) -> dict[str, np.ndarray] | None:
+        """The running sum with every tensor an array (entries made dense, in place of them)."""
+        self._sparse_summed()
+        acc = self.acc
+        if acc is not None and any(isinstance(a, SparseTensor) for a in acc.values()):
+            acc = self.acc = {name: dense(a) for name, a in acc.items()}
+        return acc
 
     def _fold_pair(self, first: Key, second: Key) -> None:
         """The running sum's start, ``first + second``, both borrowed: read once from their files into a buffer
@@ -500,7 +545,7 @@ class Accumulator:
             out = borrowed.buffer()
             bad = read_checked(borrowed.views, out)
         else:  # in place: anything wrong spoils the sum anyway, found by the one check of the sum (_check_sum)
-            out, bad = self.acc, None
+            out, bad = self._dense_sum(), None
             with np.errstate(over="ignore", invalid="ignore"):
                 for name, acc in out.items():
                     np.add(acc, borrowed.views[name], out=acc)

@@ -21,15 +21,23 @@ round sets it to the aggregate of what the workers pushed for it (their mean und
 Slots are arrays of the weights' dtype keyed by (slot, tensor), named after the optimizer
 (:data:`SLOT_NAMES`, the checkpoint's layout); ``apply`` updates weights and slots in place, in a
 fixed order, so a run is bit-reproducible.
+
+A gradient may come as its entries (:class:`~shared.compression.SparseTensor`: the round's sum of top-k pushes,
++0.0 elsewhere): TF1's SGD then updates those entries only, the same bits as the dense update (``w - (0 / n) * lr``
+is ``w``), in O(k); every other rule gets it made dense. :attr:`Optimizer.touched` says which entries the last
+apply changed (the weight deltas take them instead of comparing the weights).
 """
 from __future__ import annotations
 
+import itertools
 import math
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import numpy as np
 
 from ps_service import cores, torch_rules
+from shared.compression import SparseTensor
 from shared.errors import unprocessable
 
 #: names of tensors that are set to the round's aggregate instead of being stepped
@@ -132,6 +140,37 @@ def _sgd_mean(w: np.ndarray, g: np.ndarray, n: int, lr) -> None:
     cores.split(part, wf.size)
 
 
+def _sgd_entries(w: np.ndarray, g: SparseTensor, n: int, lr) -> np.ndarray:
+    """TF1's SGD (on the mean of ``n`` when n > 1) of the entries ``g`` holds, writing into its values: ``g /= n;
+    g *= lr; w -= g`` there, as :func:`_sgd_mean` computes each element. Off them ``g`` is +0.0 and the dense
+    update leaves ``w`` as it is (``w - 0.0`` is ``w``, -0.0 included): the same bits in O(k). Returns the flat
+    indices (strictly increasing) whose bits changed."""
+    v, wf, idx = g.values, w.reshape(-1), g.indices
+    if n > 1:
+        np.divide(v, n, out=v)
+    np.multiply(v, lr, out=v)
+    old = wf[idx]
+    new = np.subtract(old, v, out=v)
+    moved = old.view(np.uint32) != new.view(np.uint32)  # float32: a SparseTensor's dtype
+    changed = idx[moved]
+    wf[changed] = new[moved]
+    return changed
+
+
+_SERIALS = itertools.count()
+
+
+@dataclass(frozen=True)
+class Touched:
+    """What one optimizer's apply number ``iterations`` changed: ``entries[name]``, the flat indices (strictly
+    increasing) whose bits it changed, for the tensors it updated as entries (nothing else of them changed; any other
+    tensor may have changed anywhere); ``entries`` None: unknown (no apply yet, or a state loaded). ``serial`` names
+    the optimizer (a restore makes another)."""
+    serial: int
+    iterations: int
+    entries: Mapping[str, np.ndarray] | None = None
+
+
 class Optimizer:
     """One optimizer over a fixed set of weights; ``iterations`` counts applies."""
 
@@ -149,6 +188,9 @@ class Optimizer:
             slot: {k: np.full_like(w, fill) for k, w in weights.items()} for slot in SLOT_NAMES[self.name]
         }
         self._powers: dict[np.dtype, tuple[int, Any, Any]] = {}  # TF1 adam: dtype -> (t, b1^t, b2^t)
+        self.serial = next(_SERIALS)
+        #: the entries the last apply can have changed
+        self.touched = Touched(self.serial, self.iterations)
 
     def apply(self, weights: dict[str, np.ndarray], grads: Mapping[str, np.ndarray], consume: bool = False,
               mean_of: int = 1) -> None:
@@ -159,10 +201,20 @@ class Optimizer:
         overwritten, which saves a model-sized temporary per step; the result is bit-identical.
         ``mean_of`` n > 1 (with ``consume``): each gradient is a sum of n, to divide by n first (the mean, as
         ``g /= n``); SGD does the division and its update chunk by chunk in one pass, the same operations on
-        every element, so the bits are those of dividing first."""
+        every element, so the bits are those of dividing first. A :class:`~shared.compression.SparseTensor`
+        gradient (with ``consume``): TF1's SGD updates its entries only (:func:`_sgd_entries`, recorded in
+        :attr:`touched`); any other rule, or without ``consume``, takes it made dense."""
         self.iterations += 1
+        touched: dict[str, np.ndarray] = {}
+        self.touched = Touched(self.serial, self.iterations, touched)
         for key, w in weights.items():
             g = grads[key]
+            if isinstance(g, SparseTensor):
+                if self.name == "sgd" and not self.torch and consume and not key.startswith(BUFFER_PREFIX) \
+                        and g.dtype == w.dtype and w.flags.c_contiguous:
+                    touched[key] = _sgd_entries(w, g, mean_of, w.dtype.type(self.spec["learning_rate"]))
+                    continue
+                g = g.dense()
             if mean_of > 1 and self.name == "sgd" and not self.torch and consume \
                     and not key.startswith(BUFFER_PREFIX) and _fusable(w, g):
                 _sgd_mean(w, g, mean_of, w.dtype.type(self.spec["learning_rate"]))
@@ -226,6 +278,7 @@ class Optimizer:
 
     def load_state(self, iterations: int, slots: Mapping[str, Mapping[str, np.ndarray]]) -> None:
         self.iterations = int(iterations)
+        self.touched = Touched(self.serial, self.iterations)
         self._powers.clear()
         for slot, tensors in slots.items():
             for key, arr in tensors.items():

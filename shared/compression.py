@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import ml_dtypes
 import numpy as np
@@ -201,10 +201,19 @@ def to_bf16(x: np.ndarray) -> np.ndarray:
     return out.view(BF16).reshape(np.shape(x))
 
 
-def from_bf16(b: np.ndarray) -> np.ndarray:
-    """``b.astype(float32)`` of a bfloat16 array (exact: the bits moved up 16), into fresh memory, in chunks."""
+#: ``alloc(n)``: n writable bytes for a decoded tensor (the PS's pooled buffers: ps_service/transport/buffers.py)
+Alloc = Callable[[int], np.ndarray]
+
+
+def _fresh(n: int) -> np.ndarray:
+    return np.empty(n, np.uint8)
+
+
+def from_bf16(b: np.ndarray, alloc: Alloc = _fresh) -> np.ndarray:
+    """``b.astype(float32)`` of a bfloat16 array (exact: the bits moved up 16), into memory from ``alloc``, in
+    chunks."""
     src = np.ascontiguousarray(b).reshape(-1).view(np.uint16)
-    out = np.empty(src.size, U32)
+    out = alloc(4 * src.size).view(U32)
     for lo, hi in scan.ranges(src.size):
         part = out[lo:hi]
         part[:] = src[lo:hi]
@@ -254,7 +263,10 @@ def _quantize_part(flat: np.ndarray, threshold: np.float32, out: np.ndarray) -> 
     flat -= sent
 
 
-def dequantize_2bit(wire: np.ndarray, shape: tuple[int, ...], threshold: np.float32, name: str) -> np.ndarray:
+def dequantize_2bit(wire: np.ndarray, shape: tuple[int, ...], threshold: np.float32, name: str,
+                    alloc: Alloc = _fresh) -> np.ndarray:
+    """The float32 tensor of 2-bit words (0, +-threshold), into memory from ``alloc``; 422 bad_encoding for code
+    0b01 or nonzero padding codes."""
     n = math.prod(shape)
     if wire.dtype != U32 or wire.shape != (-(-n // 16),):
         raise _bad(name, f"2bit wants uint32 of shape [{-(-n // 16)}]; got {wire.dtype} {list(wire.shape)}")
@@ -263,7 +275,8 @@ def dequantize_2bit(wire: np.ndarray, shape: tuple[int, ...], threshold: np.floa
         raise _bad(name, "2bit code 0b01 is not a value")
     # one 16-byte gather per byte: the byte's 4 float32 values (a table of 256 rows viewed as complex128)
     table = np.array([0, 0, -threshold, threshold], F32)[_CODES].view(np.complex128).reshape(256)
-    values = table[octets].view(F32)
+    out = alloc(16 * octets.size).view(np.complex128)
+    values = np.take(table, octets, out=out, mode="clip").view(F32)  # "clip": not buffered (uint8 < 256 anyway)
     if values[n:].any():
         raise _bad(name, "2bit padding codes (past the tensor's last element) must be zero")
     return values[:n].reshape(shape)
@@ -274,18 +287,23 @@ def _bad(name: str, detail: str):
     return unprocessable("bad_encoding", f"tensor {name!r}: {detail}")
 
 
-def decode_tensor(spec: Spec, name: str, shape: tuple[int, ...], wire: np.ndarray) -> np.ndarray | SparseTensor:
-    """The float32 gradient a compressed tensor stands for (fresh memory; top-k: a :class:`SparseTensor` over the
-    wire's memory), or 422 bad_encoding."""
+def decode_tensor(spec: Spec, name: str, shape: tuple[int, ...], wire: np.ndarray,
+                  alloc: Alloc = _fresh) -> np.ndarray | SparseTensor:
+    """The float32 gradient a compressed tensor stands for (in memory from ``alloc``; top-k: a :class:`SparseTensor`
+    over the wire's memory), or 422 bad_encoding."""
     if spec.name in ("bf16", "fp16"):
         want = BF16 if spec.name == "bf16" else np.dtype("<f2")
         if wire.dtype != want or wire.shape != shape:
             raise _bad(name, f"{spec.name} wants {want.name} of shape {list(shape)}; "
                              f"got {wire.dtype} {list(wire.shape)}")
-        return from_bf16(wire) if spec.name == "bf16" else wire.astype(F32)
+        if spec.name == "bf16":
+            return from_bf16(wire, alloc)
+        out = alloc(4 * wire.size).view(F32).reshape(shape)
+        np.copyto(out, wire)  # float16 to float32: exact
+        return out
     if spec.name == "topk":
         return sparse_topk(wire, shape, name)
-    return dequantize_2bit(wire, shape, np.float32(spec.threshold), name)
+    return dequantize_2bit(wire, shape, np.float32(spec.threshold), name, alloc)
 
 
 def check_declared(spec: Spec, declared: str | None, via_body: bool) -> None:
@@ -297,9 +315,10 @@ def check_declared(spec: Spec, declared: str | None, via_body: bool) -> None:
 
 
 def decode_push(spec: Spec, declared: str | None, tensors: Mapping[str, np.ndarray],
-                model: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray | SparseTensor]:
+                model: Mapping[str, np.ndarray], alloc: Alloc = _fresh) -> Mapping[str, np.ndarray | SparseTensor]:
     """A body push's tensors as the core takes them: the compressed ones decoded to float32 (top-k ones as
-    :class:`SparseTensor`). Tensors the model does not have are left as they are (the core refuses them)."""
+    :class:`SparseTensor`; dense ones into memory from ``alloc``). Tensors the model does not have are left as they
+    are (the core refuses them)."""
     check_declared(spec, declared, via_body=True)
     if not spec.on:
         return tensors
@@ -307,7 +326,7 @@ def decode_push(spec: Spec, declared: str | None, tensors: Mapping[str, np.ndarr
     for name, wire in tensors.items():
         ref = model.get(name)
         if ref is not None and spec.compresses(name, ref.dtype):
-            out[name] = decode_tensor(spec, name, tuple(ref.shape), wire)
+            out[name] = decode_tensor(spec, name, tuple(ref.shape), wire, alloc)
     return out
 
 

@@ -4,6 +4,7 @@ every push (a fresh buffer's pages are zeroed by the kernel: 17 % of the PS's CP
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from ps_service.transport import buffers
 from ps_service.transport.buffers import ROUND_BYTES, BufferPool
@@ -56,6 +57,20 @@ def test_what_the_pool_keeps_is_bounded_in_count_and_bytes():
     del held
 
 
+def ones_rounds(clients, wids, size: int, rounds: int) -> int:
+    """``rounds`` rounds of every client pushing ones; the pool's count of buffers made after the third."""
+    made = 0
+    for step in range(rounds):
+        for c, wid in zip(clients, wids):
+            assert c.push(wid, step, {"w": np.ones(size, np.float32)})["status"] == "accepted"
+        got = clients[0].pull(step + 1, wids[0], wait=10.0)
+        assert got.step == step + 1
+        del got
+        if step == 2:
+            made = buffers.POOL.made
+    return made
+
+
 def test_a_live_ps_makes_its_large_body_buffers_once():
     """20 MB pushes over TCP, two workers, ten rounds: the bodies, the sum and the weights' frame come from buffers
     made in the first rounds (the old pool kept nothing above 16 MB: a fresh buffer per push)."""
@@ -64,17 +79,41 @@ def test_a_live_ps_makes_its_large_body_buffers_once():
         clients = [ps.client(), ps.client()]
         wids = [c.register(f"w{i}")["worker_id"] for i, c in enumerate(clients)]
         clients[0].init_model({"w": np.zeros(size, np.float32)}, {"name": "sgd", "learning_rate": 1.0})
-        made_before = None
-        for step in range(rounds):
-            for c, wid in zip(clients, wids):
-                assert c.push(wid, step, {"w": np.ones(size, np.float32)})["status"] == "accepted"
-            got = clients[0].pull(step + 1, wids[0], wait=10.0)
-            assert got.step == step + 1
-            del got
-            if step == 2:
-                made_before = buffers.POOL.made
+        made_before = ones_rounds(clients, wids, size, rounds)
         np.testing.assert_array_equal(clients[1].pull(rounds, wids[1], wait=10.0).tensors["w"],
                                       np.full(size, -float(rounds), np.float32))
         assert buffers.POOL.made == made_before, f"{buffers.POOL.made - made_before} buffers made in 7 rounds"
+        for c in clients:
+            c.close()
+
+
+@pytest.mark.parametrize("name", ["2bit", "bf16"])
+def test_a_live_ps_decodes_compressed_pushes_into_buffers_made_once(name):
+    """2-bit and bf16 pushes are decoded to float32 (a model-sized array per push) into the pool's buffers, not
+    fresh arrays (whose pages the kernel zeroes at every step): from the third round on, every push's decoded
+    tensor lies in a buffer the pool keeps, and ten rounds of 20 MB tensors make no buffer after the third. The
+    weights are what the decoded pushes give."""
+    size, rounds = 5_000_000, 10
+    with live_ps(compression=name, compression_2bit_threshold=1.0, total_num_replicas=2, lease_seconds=600,
+                 shm_dir="", startup_grace_seconds=0.0) as ps:
+        core, where = ps.rt.core, []
+        push = core.push
+
+        def spy(req, now):
+            where.append(req.tensors["w"].ctypes.data)
+            return push(req, now)
+        core.push = spy
+        clients = [ps.client(), ps.client()]
+        wids = [c.register(f"w{i}")["worker_id"] for i, c in enumerate(clients)]
+        clients[0].init_model({"w": np.zeros(size, np.float32)}, {"name": "sgd", "learning_rate": 1.0})
+        for c, wid in zip(clients, wids):
+            assert c.attach(wid) == f"http+{name}"
+        made_before = ones_rounds(clients, wids, size, rounds)
+        kept = [(b.ctypes.data, b.ctypes.data + b.nbytes) for b in buffers.POOL._kept]
+        assert len(where) == 2 * rounds
+        assert all(any(lo <= at < hi for lo, hi in kept) for at in where[6:]), "a push decoded outside the pool"
+        assert buffers.POOL.made == made_before, f"{buffers.POOL.made - made_before} buffers made in 7 rounds"
+        w = core.weights["w"]
+        assert w[0] == w[-1] == -float(rounds) and np.unique(w).size == 1  # 1.0 sent as 1.0 (2-bit: the threshold)
         for c in clients:
             c.close()

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from ps_service.accumulator import Accumulator, Borrowed
 from ps_service.core import CoreConfig, ParameterServerCore
 from shared.compression import SparseTensor
+from shared.compression import dense as compression_dense
 from shared.errors import ProtocolError
 from shared.protocol import ModelInit, PushRequest, PushStatus
 
@@ -475,6 +476,24 @@ def test_sparse_top_k_gradients_are_summed_in_o_k_with_the_dense_sums_bits(n, ea
     for k in W0:
         expected = rank_order_sum(dense, k)
         assert out[k].tobytes() == expected.tobytes(), (k, out[k], expected)
+    # the same pushes taken by take_sum: a tensor summed only from top-k pushes comes as its entries (the union of
+    # theirs), the dense sum's bits there and +0.0 elsewhere
+    acc, arrived = Accumulator(tuple(W0), "sum"), set()
+    for i in order:
+        arrived.add(i)
+        pending = [(j, f"w{j}") for j in range(n) if j not in arrived] if eager else None
+        grads = {k: SparseTensor(g.shape, g.indices.copy(), g.values.copy()) if isinstance(g, SparseTensor)
+                 else dense[i][k].copy() for k, g in pushes[i].items()}
+        acc.apply(f"w{i}", i, grads, pending)
+    total, _ = acc.take_sum()
+    all_sparse = all(isinstance(p["w"], SparseTensor) for p in pushes)
+    for k in W0:
+        expected = rank_order_sum(dense, k)
+        assert isinstance(total[k], SparseTensor) == all_sparse
+        assert compression_dense(total[k]).tobytes() == expected.tobytes()
+        if all_sparse:
+            union = np.unique(np.concatenate([p[k].indices for p in pushes]))
+            assert total[k].indices.tolist() == union.tolist()
 
 
 def test_a_borrowed_gradient_that_folds_at_once_is_checked_by_the_new_running_sum_and_a_bad_one_changes_nothing():

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from ps_service.optimizers import SLOT_NAMES, Optimizer, normalize_spec
+from shared.compression import SparseTensor
 from shared.errors import ProtocolError
 
 STEPS = 7
@@ -95,6 +96,57 @@ def test_consuming_the_gradient_is_bit_identical():
     for g in grads:
         opt.apply(w, {"w": g.copy()}, consume=True)
     assert w["w"].tobytes() == plain.tobytes()
+
+
+def entries_of(dense: np.ndarray, rng) -> SparseTensor:
+    """``dense`` as entries at a random strictly increasing set holding every nonzero of it (zeros, -0.0
+    included, among the entries too): +0.0 off them."""
+    flat = dense.reshape(-1)
+    idx = np.flatnonzero((flat != 0) | np.signbit(flat) | (rng.random(flat.size) < 0.3))
+    return SparseTensor(dense.shape, idx.astype(np.intp), flat[idx].copy())
+
+
+@pytest.mark.parametrize("spec", [{"name": "sgd", "learning_rate": 0.37},
+                                  {"name": "momentum", "learning_rate": 0.1, "momentum": 0.9},
+                                  {"name": "sgd", "learning_rate": 0.2, "flavor": "torch"}])
+@pytest.mark.parametrize("mean_of", [1, 3])
+def test_a_gradient_given_as_entries_updates_the_weights_bit_for_bit_as_the_dense_one(spec, mean_of):
+    """A round's sum of top-k pushes comes to the optimizer as its entries (SparseTensor, +0.0 elsewhere): TF1 SGD
+    updates those entries only and says which bits changed (``touched``), every other rule takes it made dense; the weights (-0.0,
+    +0.0 and the rest) end bit for bit where the dense gradient takes them, step after step."""
+    rng = np.random.default_rng(5)
+    w0 = rng.choice(np.array([0.0, -0.0, 1.5, -2.0, 1e-30, 3.25], np.float32), (6, 40))
+    dense_w, sparse_w = {"w": w0.copy()}, {"w": w0.copy()}
+    dense_opt, sparse_opt = Optimizer(spec, dense_w), Optimizer(spec, sparse_w)
+    assert sparse_opt.touched.entries is None
+    for step in range(4):
+        g = rng.choice(np.array([0.0, -0.0, 0.5, -1.25, 7.0], np.float32), w0.shape) * (rng.random(w0.shape) < 0.2)
+        g[0, :3] = [-0.0, 0.0, -0.0]
+        before = dense_w["w"].reshape(-1).view(np.uint32).copy()
+        dense_opt.apply(dense_w, {"w": g.copy()}, consume=True, mean_of=mean_of)
+        entries = entries_of(g, rng)
+        sparse_opt.apply(sparse_w, {"w": entries}, consume=True, mean_of=mean_of)
+        assert sparse_w["w"].tobytes() == dense_w["w"].tobytes(), step
+        touched = sparse_opt.touched
+        assert touched.iterations == step + 1 and touched.serial == sparse_opt.serial
+        if spec["name"] == "sgd" and "flavor" not in spec:
+            changed = np.flatnonzero(before != dense_w["w"].reshape(-1).view(np.uint32))
+            assert touched.entries["w"].tolist() == changed.tolist()  # exactly the entries whose bits changed
+        else:
+            assert touched.entries == {}  # changed anywhere
+    for key in SLOT_NAMES[dense_opt.name]:
+        assert sparse_opt.slots[key]["w"].tobytes() == dense_opt.slots[key]["w"].tobytes()
+
+
+def test_entries_not_consumed_are_made_dense_and_the_caller_s_values_kept():
+    w = {"w": np.ones(10, np.float32)}
+    opt = Optimizer({"name": "sgd", "learning_rate": 0.5}, w)
+    g = SparseTensor((10,), np.array([2, 7], np.intp), np.array([1.0, -2.0], np.float32))
+    opt.apply(w, {"w": g})
+    assert w["w"].tolist() == [1, 1, 0.5, 1, 1, 1, 1, 2, 1, 1] and g.values.tolist() == [1.0, -2.0]
+    assert opt.touched.entries == {}
+    opt.load_state(9, {})
+    assert opt.touched.iterations == 9 and opt.touched.entries is None
 
 
 # ---- TF1 Adam, bit for bit (training_ops.cc, ApplyAdamNonCuda) -----------------------------------

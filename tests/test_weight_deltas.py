@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from ps_service.optimizers import Touched
 from ps_service.transport.deltas import WeightDeltas
 from shared import compression as C, frame, weight_deltas as wd
 from shared.errors import ProtocolError
@@ -86,6 +87,41 @@ def test_the_tracker_finds_each_steps_changes_once():
     assert t.lineage != lineage and t.base is None and not t.offers(1)
     t.observe(3, 3, w)
     assert t.base == 2 and t.changes["w"].shape == (2, 0)  # the snapshot took step 2's second weights
+
+
+def test_the_tracker_takes_the_entries_one_sparse_apply_changed_and_compares_everything_otherwise():
+    """After one optimizer apply that updated a tensor as entries (SGD on a round of top-k pushes: ``Touched``,
+    the entries whose bits it changed), the tracker takes those entries without a compare and offers what a full
+    compare finds; a hint that is not of exactly one apply past the snapshot (another optimizer, two applies, a
+    step that moved by two, no entries) is ignored and the whole tensor compared."""
+    rng = np.random.default_rng(3)
+    spec = C.Spec("topk")
+    w = {"w": rng.standard_normal(5000).astype(F32), "b": np.zeros(3, F32)}
+    hinted, full = WeightDeltas(spec.compresses), WeightDeltas(spec.compresses)
+    hinted.observe(0, 0, w, Touched(7, 0))
+    full.observe(0, 0, w)
+    for step in range(1, 4):
+        old = bits(w["w"])
+        moved = np.sort(rng.choice(5000, 150, replace=False))
+        w["w"][moved] += 1.0
+        w["w"][moved[0]] = -0.0 if step == 2 else w["w"][moved[0]]
+        changed = np.flatnonzero(np.frombuffer(old, U32) != w["w"].view(U32))
+        w["b"][step % 3] = step  # a tensor with no entries recorded: compared whole
+        hinted.observe(step, step, w, Touched(7, step, {"w": changed}))
+        full.observe(step, step, w)
+        assert set(hinted.changes) == set(full.changes) == {"w", "b"}
+        for name in ("w", "b"):
+            assert hinted.changes[name].tobytes() == full.changes[name].tobytes()
+    # hints that do not apply: every change is found, even outside the entries they name
+    for step, iterations, touched in [(4, 4, Touched(8, 4, {"w": np.array([1], np.intp)})),  # another optimizer
+                                      (5, 6, Touched(7, 6, {"w": np.array([1], np.intp)})),  # two applies
+                                      (7, 7, Touched(7, 7, {"w": np.array([1], np.intp)})),  # two steps
+                                      (8, 8, Touched(7, 8))]:  # entries unknown
+        w["w"][4000 + step] += 1.0
+        hinted.observe(step, iterations, w, touched)
+        if hinted.base is not None:
+            assert 4000 + step in hinted.changes["w"][0].tolist()
+    assert hinted._snapshot["w"].tobytes() == w["w"].tobytes()
 
 
 # ---- the worker's copy ------------------------------------------------------------------------------------------

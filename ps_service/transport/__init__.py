@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -87,7 +89,7 @@ class TensorSeam:
         declared = f.meta.get("compression")
         if seq is None:
             self.bytes_in += size
-            tensors = compression.decode_push(self.compression, declared, f.tensors, core.weights)
+            tensors = compression.decode_push(self.compression, declared, f.tensors, core.weights, _pooled)
             checked = compression.known_finite(self.compression, f.tensors, core.weights)  # top-k values, 2-bit
             return Received(push.with_tensors(tensors, finite_checked=checked), "http")
         compression.check_declared(self.compression, declared, via_body=False)
@@ -141,7 +143,7 @@ class TensorSeam:
         key = (head["step"], head["done"], tuple(head["ranks"]), core.optimizer.iterations)
         if deltas is None:
             return self._encoded("dense", key, head, core.weights)
-        deltas.observe(core.global_step, core.optimizer.iterations, core.weights)
+        deltas.observe(core.global_step, core.optimizer.iterations, core.weights, core.optimizer.touched)
         head["lineage"] = deltas.lineage
         if not deltas.offers(since):
             return self._encoded("dense", key, head, core.weights)
@@ -172,3 +174,9 @@ class TensorSeam:
 
     def close(self) -> None:
         self.shm.close()
+
+
+def _pooled(n: int) -> np.ndarray:
+    """n bytes of the buffer pool for a decoded gradient (bf16, fp16, 2-bit: a model-sized array per push, whose
+    fresh pages the kernel would zero at each step)."""
+    return np.frombuffer(POOL.take(n), np.uint8)

@@ -6,7 +6,9 @@ one extra model copy) at ``step``; :meth:`observe`, called with the weights of e
 new step and compares the weights with the snapshot bit for bit: the tensors with few changed entries
 (``shared.weight_deltas.worth_sparse``; the compare stops once there are more) keep them (the answer's sparse
 tensors), then the snapshot takes the new values (only the changed entries are copied). ``base`` is the step the
-changes are from.
+changes are from. When the new step is one optimizer apply past the snapshot's and that apply updated a tensor as
+entries (``ps_service.optimizers.Touched``: SGD on a round of top-k pushes), the entries it says it changed are
+taken as they are, with no compare: O(k), the same indices.
 
 ``lineage`` names this sequence of weights: a worker's weights of step ``s`` are the PS's of step ``s`` only
 if both come from the same lineage. It is random per PS process (a restarted PS, even one restored at the
@@ -17,12 +19,15 @@ keeps a delta exact whatever happens.
 from __future__ import annotations
 
 import secrets
-from typing import Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping
 
 import numpy as np
 
 from shared import weight_deltas as wd
 from shared.compression import U32
+
+if TYPE_CHECKING:
+    from ps_service.optimizers import Touched
 
 
 class WeightDeltas:
@@ -32,15 +37,19 @@ class WeightDeltas:
         self.lineage = secrets.token_hex(8)
         self.step: int | None = None
         self._iterations: int | None = None
+        self._serial: int | None = None  # the optimizer the snapshot's iterations count the applies of
         self._snapshot: dict[str, np.ndarray] = {}
         #: the step ``changes`` are from (None: no delta to offer)
         self.base: int | None = None
         #: name -> uint32 [2, k]: the tracked tensors sent as changed entries from ``base`` to ``step``
         self.changes: dict[str, np.ndarray] = {}
 
-    def observe(self, step: int, iterations: int, weights: Mapping[str, np.ndarray]) -> None:
-        """The weights about to be served are those of ``step``: if it is a new step, find what changed."""
-        if step == self.step and iterations == self._iterations:
+    def observe(self, step: int, iterations: int, weights: Mapping[str, np.ndarray],
+                touched: Touched | None = None) -> None:
+        """The weights about to be served are those of ``step`` (after ``iterations`` applies of the optimizer
+        whose last apply could change ``touched``): if it is a new step, find what changed."""
+        serial, self._serial = self._serial, None if touched is None else touched.serial
+        if step == self.step and iterations == self._iterations and serial == self._serial:
             return
         if self.step is None or step <= self.step:  # first sight, or the weights of a step changed
             if self.step is not None:
@@ -49,9 +58,16 @@ class WeightDeltas:
             self.base, self.changes = None, {}
         else:
             self.base, self.changes = self.step, {}
+            one_apply = touched is not None and serial == touched.serial and step == self.step + 1 \
+                and touched.iterations == iterations == self._iterations + 1
+            entries = touched.entries if one_apply else None  # exactly the entries that differ, per tensor
             for name, snap in self._snapshot.items():
                 now = weights[name]
-                idx = wd.changed_indices(snap, now, limit=wd.sparse_limit(snap.size))
+                known = None if entries is None else entries.get(name)
+                if known is None:
+                    idx = wd.changed_indices(snap, now, limit=wd.sparse_limit(snap.size))
+                else:
+                    idx = known.astype(U32) if wd.worth_sparse(known.size, snap.size) else None
                 if idx is not None:
                     wire = self.changes[name] = wd.pack(idx, now)
                     snap.reshape(-1).view(U32)[idx] = wire[1]  # now the snapshot is ``now``: nothing else changed
