@@ -189,7 +189,7 @@ class Optimizer:
         }
         self._powers: dict[np.dtype, tuple[int, Any, Any]] = {}  # TF1 adam: dtype -> (t, b1^t, b2^t)
         self.serial = next(_SERIALS)
-        #: the entries the last apply can have changed
+        #: the entries the last apply changed (:class:`Touched`)
         self.touched = Touched(self.serial, self.iterations)
 
     def apply(self, weights: dict[str, np.ndarray], grads: Mapping[str, np.ndarray], consume: bool = False,
@@ -207,16 +207,16 @@ class Optimizer:
         self.iterations += 1
         touched: dict[str, np.ndarray] = {}
         self.touched = Touched(self.serial, self.iterations, touched)
+        tf1_sgd_in_place = self.name == "sgd" and not self.torch and consume  # the fused and the O(k) updates
         for key, w in weights.items():
             g = grads[key]
+            stepped = tf1_sgd_in_place and not key.startswith(BUFFER_PREFIX)
             if isinstance(g, SparseTensor):
-                if self.name == "sgd" and not self.torch and consume and not key.startswith(BUFFER_PREFIX) \
-                        and g.dtype == w.dtype and w.flags.c_contiguous:
+                if stepped and g.dtype == w.dtype and w.flags.c_contiguous:
                     touched[key] = _sgd_entries(w, g, mean_of, w.dtype.type(self.spec["learning_rate"]))
                     continue
                 g = g.dense()
-            if mean_of > 1 and self.name == "sgd" and not self.torch and consume \
-                    and not key.startswith(BUFFER_PREFIX) and _fusable(w, g):
+            if mean_of > 1 and stepped and _fusable(w, g):
                 _sgd_mean(w, g, mean_of, w.dtype.type(self.spec["learning_rate"]))
                 continue
             if mean_of > 1:
