@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import numpy as np
@@ -140,11 +140,11 @@ def _sgd_mean(w: np.ndarray, g: np.ndarray, n: int, lr) -> None:
     cores.split(part, wf.size)
 
 
-def _sgd_entries(w: np.ndarray, g: SparseTensor, n: int, lr) -> np.ndarray:
+def _sgd_entries(w: np.ndarray, g: SparseTensor, n: int, lr) -> tuple[np.ndarray, np.ndarray]:
     """TF1's SGD (on the mean of ``n`` when n > 1) of the entries ``g`` holds, writing into its values: ``g /= n;
     g *= lr; w -= g`` there, as :func:`_sgd_mean` computes each element. Off them ``g`` is +0.0 and the dense
     update leaves ``w`` as it is (``w - 0.0`` is ``w``, -0.0 included): the same bits in O(k). Returns the flat
-    indices (strictly increasing) whose bits changed."""
+    indices (strictly increasing) whose bits changed and their new values."""
     v, wf, idx = g.values, w.reshape(-1), g.indices
     if n > 1:
         np.divide(v, n, out=v)
@@ -152,9 +152,9 @@ def _sgd_entries(w: np.ndarray, g: SparseTensor, n: int, lr) -> np.ndarray:
     old = wf[idx]
     new = np.subtract(old, v, out=v)
     moved = old.view(np.uint32) != new.view(np.uint32)  # float32: a SparseTensor's dtype
-    changed = idx[moved]
-    wf[changed] = new[moved]
-    return changed
+    changed, values = idx[moved], new[moved]
+    wf[changed] = values
+    return changed, values
 
 
 _SERIALS = itertools.count()
@@ -164,11 +164,12 @@ _SERIALS = itertools.count()
 class Touched:
     """What one optimizer's apply number ``iterations`` changed: ``entries[name]``, the flat indices (strictly
     increasing) whose bits it changed, for the tensors it updated as entries (nothing else of them changed; any other
-    tensor may have changed anywhere); ``entries`` None: unknown (no apply yet, or a state loaded). ``serial`` names
-    the optimizer (a restore makes another)."""
+    tensor may have changed anywhere), and ``values[name]`` what it wrote there; ``entries`` None: unknown (no apply
+    yet, or a state loaded). ``serial`` names the optimizer (a restore makes another)."""
     serial: int
     iterations: int
     entries: Mapping[str, np.ndarray] | None = None
+    values: Mapping[str, np.ndarray] = field(default_factory=dict)
 
 
 class Optimizer:
@@ -206,14 +207,15 @@ class Optimizer:
         :attr:`touched`); any other rule, or without ``consume``, takes it made dense."""
         self.iterations += 1
         touched: dict[str, np.ndarray] = {}
-        self.touched = Touched(self.serial, self.iterations, touched)
+        self.touched = Touched(self.serial, self.iterations, touched, {})
         tf1_sgd_in_place = self.name == "sgd" and not self.torch and consume  # the fused and the O(k) updates
         for key, w in weights.items():
             g = grads[key]
             stepped = tf1_sgd_in_place and not key.startswith(BUFFER_PREFIX)
             if isinstance(g, SparseTensor):
                 if stepped and g.dtype == w.dtype and w.flags.c_contiguous:
-                    touched[key] = _sgd_entries(w, g, mean_of, w.dtype.type(self.spec["learning_rate"]))
+                    touched[key], self.touched.values[key] = _sgd_entries(w, g, mean_of,
+                                                                          w.dtype.type(self.spec["learning_rate"]))
                     continue
                 g = g.dense()
             if mean_of > 1 and stepped and _fusable(w, g):

@@ -32,11 +32,12 @@ def sparse_limit(n: int) -> int:
     return (n - 1) // 2
 
 
-def pack(indices: np.ndarray, new: np.ndarray) -> np.ndarray:
-    """The wire form: uint32 ``[2, k]`` of ``indices`` and ``new``'s bits there."""
+def pack(indices: np.ndarray, new: np.ndarray, values: np.ndarray | None = None) -> np.ndarray:
+    """The wire form: uint32 ``[2, k]`` of ``indices`` and ``new``'s bits there (``values``, float32: those bits,
+    known already: no gather)."""
     out = np.empty((2, indices.size), U32)
     out[0] = indices
-    out[1] = new.reshape(-1).view(U32)[indices]
+    out[1] = new.reshape(-1).view(U32)[indices] if values is None else values.view(U32)
     return out
 
 

@@ -89,11 +89,19 @@ def test_the_tracker_finds_each_steps_changes_once():
     assert t.base == 2 and t.changes["w"].shape == (2, 0)  # the snapshot took step 2's second weights
 
 
-def test_the_tracker_takes_the_entries_one_sparse_apply_changed_and_compares_everything_otherwise():
+def test_the_tracker_takes_the_entries_one_sparse_apply_changed_and_compares_everything_otherwise(monkeypatch):
     """After one optimizer apply that updated a tensor as entries (SGD on a round of top-k pushes: ``Touched``,
     the entries whose bits it changed), the tracker takes those entries without a compare and offers what a full
     compare finds; a hint that is not of exactly one apply past the snapshot (another optimizer, two applies, a
-    step that moved by two, no entries) is ignored and the whole tensor compared."""
+    step that moved by two, no entries) is ignored and the whole tensor compared. Which tensors were compared is
+    counted: a tracker that ignored valid hints would give the same changes, but not the same compares."""
+    compared, compare = [], wd.changed_indices
+
+    def counted(old, new, limit=None):
+        compared.append(old.size)
+        return compare(old, new, limit=limit)
+
+    monkeypatch.setattr(wd, "changed_indices", counted)
     rng = np.random.default_rng(3)
     spec = C.Spec("topk")
     w = {"w": rng.standard_normal(5000).astype(F32), "b": np.zeros(3, F32)}
@@ -107,19 +115,30 @@ def test_the_tracker_takes_the_entries_one_sparse_apply_changed_and_compares_eve
         w["w"][moved[0]] = -0.0 if step == 2 else w["w"][moved[0]]
         changed = np.flatnonzero(np.frombuffer(old, U32) != w["w"].view(U32))
         w["b"][step % 3] = step  # a tensor with no entries recorded: compared whole
-        hinted.observe(step, step, w, Touched(7, step, {"w": changed}))
+        compared.clear()
+        written = {"w": w["w"].reshape(-1)[changed].copy()} if step % 2 else {}  # the values, when the apply gives them
+        hinted.observe(step, step, w, Touched(7, step, {"w": changed}, written))
+        assert compared == [3]  # "b" only: "w"'s entries were taken as they came
+        assert hinted._snapshot["w"] is None  # not needed while every step is such an apply
         full.observe(step, step, w)
+        assert compared == [3, 5000, 3]
         assert set(hinted.changes) == set(full.changes) == {"w", "b"}
         for name in ("w", "b"):
             assert hinted.changes[name].tobytes() == full.changes[name].tobytes()
-    # hints that do not apply: every change is found, even outside the entries they name
-    for step, iterations, touched in [(4, 4, Touched(8, 4, {"w": np.array([1], np.intp)})),  # another optimizer
-                                      (5, 6, Touched(7, 6, {"w": np.array([1], np.intp)})),  # two applies
-                                      (7, 7, Touched(7, 7, {"w": np.array([1], np.intp)})),  # two steps
-                                      (8, 8, Touched(7, 8))]:  # entries unknown
+    # hints that do not apply: every change is found, even outside the entries they name; "w", whose snapshot the
+    # hints let go, is sent dense once (no entries of it offered), then compared whole as any other
+    for i, (step, iterations, touched) in enumerate([(4, 4, Touched(8, 4, {"w": np.array([1], np.intp)})),  # another
+                                                     (5, 6, Touched(7, 6, {"w": np.array([1], np.intp)})),  # 2 applies
+                                                     (7, 7, Touched(7, 7, {"w": np.array([1], np.intp)})),  # 2 steps
+                                                     (8, 8, Touched(7, 8))]):  # entries unknown
         w["w"][4000 + step] += 1.0
+        compared.clear()
         hinted.observe(step, iterations, w, touched)
-        if hinted.base is not None:
+        assert hinted.base == step - 1 - (step == 7)
+        if i == 0:
+            assert compared == [3] and "w" not in hinted.changes
+        else:
+            assert sorted(compared) == [3, 5000]  # every tensor compared whole
             assert 4000 + step in hinted.changes["w"][0].tolist()
     assert hinted._snapshot["w"].tobytes() == w["w"].tobytes()
 

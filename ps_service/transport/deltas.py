@@ -6,9 +6,12 @@ one extra model copy) at ``step``; :meth:`observe`, called with the weights of e
 new step and compares the weights with the snapshot bit for bit: the tensors with few changed entries
 (``shared.weight_deltas.worth_sparse``; the compare stops once there are more) keep them (the answer's sparse
 tensors), then the snapshot takes the new values (only the changed entries are copied). ``base`` is the step the
-changes are from. When the new step is one optimizer apply past the snapshot's and that apply updated a tensor as
-entries (``ps_service.optimizers.Touched``: SGD on a round of top-k pushes), the entries it says it changed are
-taken as they are, with no compare: O(k), the same indices.
+changes are from. When the new step is one optimizer apply past the previous one and that apply updated a tensor
+as entries (``ps_service.optimizers.Touched``: SGD on a round of top-k pushes), the entries it says it changed are
+taken as they are, with the values it wrote there: no compare, no gather, O(k), the same indices and bits. That
+tensor's snapshot is then dropped rather than brought up to date (a scatter into 40 MB at 1e7): as long as every
+step is such an apply none is needed; a step that is not (another optimizer, a restore) sends that tensor dense
+once and takes a new snapshot.
 
 ``lineage`` names this sequence of weights: a worker's weights of step ``s`` are the PS's of step ``s`` only
 if both come from the same lineage. It is random per PS process (a restarted PS, even one restored at the
@@ -38,7 +41,8 @@ class WeightDeltas:
         self.step: int | None = None
         self._iterations: int | None = None
         self._serial: int | None = None  # the optimizer the snapshot's iterations count the applies of
-        self._snapshot: dict[str, np.ndarray] = {}
+        #: the tracked tensors at ``step``; None: dropped (behind by the entries last taken from the optimizer)
+        self._snapshot: dict[str, np.ndarray | None] = {}
         #: the step ``changes`` are from (None: no delta to offer)
         self.base: int | None = None
         #: name -> uint32 [2, k]: the tracked tensors sent as changed entries from ``base`` to ``step``
@@ -64,11 +68,13 @@ class WeightDeltas:
             for name, snap in self._snapshot.items():
                 now = weights[name]
                 known = None if entries is None else entries.get(name)
-                if known is None:
-                    idx = wd.changed_indices(snap, now, limit=wd.sparse_limit(snap.size))
-                else:
-                    idx = known.astype(U32) if wd.worth_sparse(known.size, snap.size) else None
-                if idx is not None:
+                if known is not None:  # no compare, and the snapshot is not needed while every step is such an apply
+                    self._snapshot[name] = None
+                    if wd.worth_sparse(known.size, now.size):
+                        self.changes[name] = wd.pack(known.astype(U32), now, touched.values.get(name))
+                elif snap is None:  # dropped: this tensor goes dense once, and is compared again from now on
+                    self._snapshot[name] = np.array(now, order="C")
+                elif (idx := wd.changed_indices(snap, now, limit=wd.sparse_limit(snap.size))) is not None:
                     wire = self.changes[name] = wd.pack(idx, now)
                     snap.reshape(-1).view(U32)[idx] = wire[1]  # now the snapshot is ``now``: nothing else changed
                 else:
