@@ -4,11 +4,12 @@ A round allocates and frees the same temporaries every step: numpy arrays of a f
 indices, its gathered values, the SGD and weight-delta entries). glibc's malloc gives such blocks back to the
 kernel when they are freed (``munmap`` above its mmap threshold; the heap's top trimmed above its trim threshold),
 and the next round faults every page in again, zeroed: on the 2-core AMD EPYC VM a fresh 3.2 MB array costs
-2-4 ms of page faults before any arithmetic (docs/performance.md, "Freed memory kept for the next round").
+2-3 ms of page faults before any arithmetic (docs/performance.md, "Freed memory kept for the next round").
 
 :func:`keep_freed_memory` sets, once at start-up, glibc's documented tunables (``man 3 mallopt``): blocks up to
 :data:`MMAP_THRESHOLD` come from the heap, and up to :data:`TRIM_THRESHOLD` of free memory stays mapped. The PS's
-peak memory is unchanged (the same blocks, reused); what it holds between rounds is at most that peak. Larger
+peak memory did not move in the runs measured (the same blocks, reused); between rounds it keeps mapped what it
+freed, up to that threshold. Larger
 blocks (a 1e7 model's 40 MB arrays) are mmapped as before, and the PS's own buffers come from its pool
 (``transport/buffers.py``) anyway. Not glibc (musl, macOS): nothing is done. ``MALLOC_MMAP_THRESHOLD_`` or
 ``MALLOC_TRIM_THRESHOLD_`` in the environment (glibc's own variables) win: then this leaves malloc as it is.
