@@ -1,6 +1,6 @@
 """ps_service/heap.py: after :func:`keep_freed_memory`, a round's temporaries reuse the pages the last round freed
-(counted as the process's minor page faults) instead of faulting them in afresh; glibc's own variables win; a real
-PS process starts with it."""
+(counted as the process's minor page faults) instead of faulting them in afresh; glibc's own variables win; the PS's
+``main`` calls it before it serves."""
 from __future__ import annotations
 
 import os
