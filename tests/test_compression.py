@@ -304,22 +304,3 @@ def test_same_host_worker_stays_uncompressed_in_a_compressed_job(tmp_path):
         assert np.allclose(b.tensors.compressor.residuals["w"], -0.05)
         a.close()
         b.close()
-
-
-def test_bf16_conversions_are_ml_dtypes_casts_bit_for_bit():
-    """to_bf16 / from_bf16 (integer arithmetic on the bits, in chunks) give ml_dtypes' casts: every bfloat16
-    pattern back to float32, and float32 patterns (random, ties, the largest finite, subnormals, Inf, NaN) down."""
-    every = np.arange(1 << 16, dtype=np.uint16).view(C.BF16)
-    assert np.array_equal(C.from_bf16(every).view(np.uint32), every.astype(F32).view(np.uint32))
-    rng = np.random.default_rng(3)
-    bits = rng.integers(0, 1 << 32, 3 * scan.CHUNK + 11, dtype=np.uint64).astype(np.uint32)
-    edges = np.array([0x7F7FFFFF, 0x7F7F8000, 0x7F7F7FFF, 0x00008000, 0x00018000, 0x80008000, 0x3F808000,
-                      0x3F818000, 0x3F80FFFF, 0x7F800000, 0xFF800000, 0, 0x80000000, 1, 0x7FFF, 0x7FC00001,
-                      0xFFFFFFFF], np.uint32)
-    for x in (bits.view(F32), edges.view(F32), bits.view(F32)[np.isfinite(bits.view(F32))],
-              rng.standard_normal((7, 1001)).astype(F32)):
-        with np.errstate(invalid="ignore"):  # ml_dtypes warns on a NaN's cast
-            want = x.astype(C.BF16)
-            got = C.to_bf16(x)
-        assert got.dtype == C.BF16 and got.shape == x.shape
-        assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
