@@ -29,17 +29,16 @@ U32 = np.dtype("<u4")
 #: ``alloc(n)``: n writable bytes for a widened tensor (the PS's pooled buffers: ps_service/transport/buffers.py)
 Alloc = Callable[[int], np.ndarray]
 
-#: float32 bit patterns above this one are NaNs
-_INF32 = np.uint32(0x7F800000)
 _ABS = np.uint32(0x7FFFFFFF)
-#: |x| from which float16 overflows to Inf (2**16: larger values make the scaled |x| below Inf itself)
+#: float32's exponent field, and Inf's bits: patterns of |x| above it are NaNs
+_EXP32 = np.uint32(0x7F800000)
+#: |x| >= 2**16: 4 |x| would not overflow, so such a chunk scales by 2**112 (to Inf) and back by 2**-110
 _OVERFLOW16 = np.uint32(0x47800000)
 #: float16's smallest normal, 2**-14, as float32: the least rounding magic (float16's subnormals step as it does)
 _MIN_NORMAL16 = np.float32(2.0 ** -14)
 #: 4 |x| and 2**15 times |x|'s power of two (its exponent field + 15: integer arithmetic, which wraps where the float
 #: would overflow): added, the float32 sum's 23 mantissa bits round |x| to float16's 10
 _TIMES4, _EXP_PLUS15 = np.float32(4.0), np.uint32(15 << 23)
-_EXP32 = np.uint32(0x7F800000)
 #: every float16 pattern's float32 value (256 KB: a gather from it stays in the L2 cache)
 _FP16_TABLE = np.arange(1 << 16, dtype=np.uint16).view(F16).astype(F32)
 
@@ -98,7 +97,7 @@ def to_fp16(x: np.ndarray) -> np.ndarray:
         b, a, e, t = bits[lo:hi], mag[:k], magic[:k], sign[:k]
         np.bitwise_and(b, _ABS, out=a)
         top = a.max()
-        if top > _INF32:  # a NaN
+        if top > _EXP32:  # a NaN
             with np.errstate(over="ignore", invalid="ignore"):
                 out[lo:hi] = flat[lo:hi].astype(F16).view(np.uint16)
             continue
