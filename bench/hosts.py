@@ -10,20 +10,22 @@ downlink). The hosts are always removed (``finally`` and ``atexit``), and so are
 the same prefix when a run starts. A first line measures one TCP stream between two hosts (the shaping works).
 
 Systems (``--systems``, a comma list): ``syncps`` and ``syncps-bf16``, ``syncps-topk``, ``syncps-2bit``
-(``PS_COMPRESSION``) run :func:`bench.run.measure` (the anchors' workload of :mod:`bench.task`, every tensor
-over TCP: ``--transport http``; the window starts and ends as a step completes: a slow link makes few steps) with
-the PS in host 0 and worker k in host k+1. ``--shards`` (a comma list, default 1) runs each syncps system with S PS
-shards (``PS_SHARDS``), shard i in host i and worker k in host S+k; the weights tensor is cut into S slices
-(``PS_SHARD_SPLIT_ELEMENTS``), so each shard's link carries 1/S of the bytes. ``gloo`` runs
+(``PS_COMPRESSION``) run :func:`bench.run.measure` (the anchors' workload of :mod:`bench.task`, every tensor over
+TCP: ``--transport http``; the window starts and ends as a step completes: a slow link makes few steps) with the PS
+in host 0 and worker k in host k+1. ``syncps-colocated`` runs uncompressed with one PS shard per worker, shard k in
+worker k's host (BytePS's co-located servers: each host's link carries 2(N-1)/N*M a round, a ring's bytes, and the
+piece a worker's own shard holds never leaves its host). ``--shards`` (a comma list, default 1) runs each syncps
+system with S PS shards (``PS_SHARDS``), shard i in host i and worker k in host S+k; the weights tensor is cut into
+S slices (``PS_SHARD_SPLIT_ELEMENTS``), so each shard's link carries 1/S of the bytes. ``gloo`` runs
 :mod:`bench.gloo_hosts` (the anchors' torch all-reduce) with rank r in host r+1, in the anchors' torch venv
 (``~/.cache/syncps-anchors/torch``; a clear error line when it is missing). ``--rate none``: no namespaces,
 everything on loopback (to check a runner against its loopback figure).
 
 Output: one JSON line per run (bench.run's fields plus ``rate`` and ``wire_bytes_per_step``: the bytes the PS
-received and sent a step; ``shards`` and ``shard_namespaces``, and with S > 1 bench.run's ``shard_urls`` and
-``shard_wire_bytes_per_step``; gloo: ``ring_bytes_per_host_per_step``), then a Markdown table, rows params x
-workers, a column per system (``syncps S=2``: two shards, when ``--shards`` is not just 1) and the ratio of each
-syncps column to gloo.
+received and sent a step; ``shards``, ``shard_namespaces`` and ``worker_namespaces``, and with S > 1 bench.run's
+``shard_urls`` and ``shard_wire_bytes_per_step``; gloo: ``ring_bytes_per_host_per_step``), then a Markdown table,
+rows params x workers, a column per system (``syncps S=2``: two shards, when ``--shards`` is not just 1) and the
+ratio of each syncps column to gloo.
 """
 from __future__ import annotations
 
@@ -197,25 +199,33 @@ def stream_check(hosts: Hosts, seconds: float = 1.0) -> dict:
             "mbit_per_s": round(got["bytes"] * 8 / 1e6 / max(got["seconds"], 1e-9), 1), **got}
 
 
-def host_of(name: str, shards: int) -> int:
-    """The host of the process whose log is ``name``: shard i (``ps``, ``ps-<i>``) in host i, worker k in host S+k."""
+COLOCATED = "syncps-colocated"
+
+
+def host_of(name: str, shards: int, colocated: bool = False) -> int:
+    """The host of the process whose log is ``name``: shard i (``ps``, ``ps-<i>``) in host i, worker k in host S+k
+    (``colocated``: in host k, beside shard k)."""
     index = int(name.rsplit("-", 1)[1]) if "-" in name else 0
-    return index if name.startswith("ps") else shards + index
+    return index if name.startswith("ps") or colocated else shards + index
 
 
 def syncps(hosts: Hosts | None, system: str, workers: int, params: int, seconds: float, warmup: float,
            shards: int = 1) -> dict:
     """bench.run's line for ``syncps[-compression]`` with ``shards`` PS shards: shard i in host i, worker k in host
-    S+k, tensors over TCP; the weights cut into S slices."""
+    S+k, tensors over TCP; the weights cut into S slices. ``syncps-colocated``: uncompressed, S = ``workers`` shards,
+    worker k in host k beside shard k."""
+    colocated = system == COLOCATED
+    shards = workers if colocated else shards
     options = {} if hosts is None else {"hosts": [hosts.ip(i) for i in range(shards)],
-                                        "prefix": lambda name: hosts.exec_prefix(host_of(name, shards))}
+                                        "prefix": lambda name: hosts.exec_prefix(host_of(name, shards, colocated))}
     d, k = model_dims(params)
     ps_env = {"PS_SHARD_SPLIT_ELEMENTS": -(-d * k // shards)} if shards > 1 else {}
-    compression = system.partition("-")[2] or "none"
+    compression = "none" if colocated else system.partition("-")[2] or "none"
     line = {**measure(workers, params, seconds, warmup, transport="http", compression=compression, ps_env=ps_env,
                       shards=shards, cluster_options=options, step_aligned=True), "system": system, "shards": shards}
     if hosts is not None:
         line["shard_namespaces"] = [hosts.namespace(i) for i in range(shards)]
+        line["worker_namespaces"] = [hosts.namespace(host_of(f"worker-{k}", shards, colocated)) for k in range(workers)]
     if line.get("steps_per_s"):
         line["wire_bytes_per_step"] = round(line["wire_MB_per_s"] * 1e6 / line["steps_per_s"])
     return line
@@ -255,8 +265,10 @@ def gloo(hosts: Hosts | None, workers: int, params: int, seconds: float, warmup:
 
 
 def column(line: dict, label_shards: bool) -> str:
-    """A line's table column: its system, with ``S=<shards>`` when the table compares shard counts."""
-    return f"{line['system']} S={line.get('shards', 1)}" if label_shards and line["system"] != "gloo" else line["system"]
+    """A line's table column: its system, with ``S=<shards>`` when the table compares shard counts (not gloo's, nor
+    ``syncps-colocated``'s: one shard per worker)."""
+    labelled = label_shards and line["system"] not in ("gloo", COLOCATED)
+    return f"{line['system']} S={line.get('shards', 1)}" if labelled else line["system"]
 
 
 def table(lines: list[dict], systems: list[str]) -> str:
@@ -285,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--warmup", type=float, default=2.0)
     ap.add_argument("--systems", default="syncps,gloo",
-                    help="comma list of syncps, syncps-bf16, syncps-fp16, syncps-topk, syncps-2bit, gloo")
+                    help="comma list of syncps, syncps-bf16, syncps-fp16, syncps-topk, syncps-2bit, "
+                         f"{COLOCATED} (one shard per worker, in its host), gloo")
     ap.add_argument("--shards", default="1", help="comma list of PS shard counts S for each syncps system: shard i "
                                                   "in host i, the workers in the hosts after them")
     ap.add_argument("--prefix", default="sph", help="of the namespaces and links (a crashed run's are removed)")
@@ -295,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     workers = [int(w) for w in args.workers.split(",")]
     systems = [s for s in args.systems.split(",") if s]
     shard_counts = [int(s) for s in args.shards.split(",")]
-    runs = [(system, s) for system in systems for s in ([1] if system == "gloo" else shard_counts)]
+    runs = [(system, s) for system in systems for s in ([1] if system in ("gloo", COLOCATED) else shard_counts)]
     columns = [column({"system": system, "shards": s}, shard_counts != [1]) for system, s in runs]
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     lines: list[dict] = []

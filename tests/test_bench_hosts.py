@@ -49,6 +49,7 @@ def test_syncps_runs_between_shaped_hosts_each_shard_in_a_host_of_its_own_and_th
     assert stream["check"] == "tcp_stream" and 300 < stream["mbit_per_s"] < 1100  # shaped at 1 Gbit/s
     assert run["system"] == "syncps" and run["rate"] == "1gbit" and run["transport"] == "http"
     assert run["shards"] == 2 and run["shard_namespaces"] == [f"{PREFIX}-h0", f"{PREFIX}-h1"]
+    assert run["worker_namespaces"] == [f"{PREFIX}-h2", f"{PREFIX}-h3"]  # hosts of their own, after the shards
     # each shard bound the address that only its namespace has: host i is SUBNET.(i+1)
     assert [url.rsplit(":", 1)[0] for url in run["shard_urls"]] == [f"http://{SUBNET}.1", f"http://{SUBNET}.2"]
     assert run["steps_per_s"] > 0 and run["final_loss"] < 1.0
@@ -56,6 +57,19 @@ def test_syncps_runs_between_shaped_hosts_each_shard_in_a_host_of_its_own_and_th
     per_shard = run["shard_wire_bytes_per_step"]  # the weights cut in two: each shard's link carries about half
     assert len(per_shard) == 2 and min(per_shard) > 0.4 * sum(per_shard) and sum(per_shard) > 2 * 2 * 10_000 * 4
     assert "| params | workers | syncps S=2 |" in stdout and "| 10,000 | 2 |" in stdout
+    assert namespaces(PREFIX) == [] and _links() == []
+
+
+def test_colocated_shards_each_sit_in_the_host_of_their_worker():
+    """``syncps-colocated``: one shard per worker, shard k bound in worker k's namespace (BytePS's co-located
+    servers)."""
+    stdout, (stream, run) = _bench_hosts("--seconds", "1", "--warmup", "0.2", "--systems", "syncps-colocated")
+    hosts = [f"{PREFIX}-h0", f"{PREFIX}-h1"]
+    assert run["system"] == "syncps-colocated" and run["shards"] == 2 and run["transport"] == "http"
+    assert run["shard_namespaces"] == hosts and run["worker_namespaces"] == hosts
+    assert [url.rsplit(":", 1)[0] for url in run["shard_urls"]] == [f"http://{SUBNET}.1", f"http://{SUBNET}.2"]
+    assert run["steps_per_s"] > 0 and run["final_loss"] < 1.0
+    assert "| params | workers | syncps-colocated |" in stdout and "| 10,000 | 2 |" in stdout
     assert namespaces(PREFIX) == [] and _links() == []
 
 
