@@ -10,6 +10,8 @@ also called directly by ps_service/hotpath.py.
 """
 from __future__ import annotations
 
+from typing import Awaitable, Callable
+
 from fastapi import APIRouter, Query, Request, Response
 from pydantic import BaseModel, Field
 
@@ -131,13 +133,15 @@ async def push(request: Request, pull: bool = Query(False, description=(
 
 
 async def answer_push(rt, result, step: int, worker_id: str, via: str, pull: bool, timeout: float,
-                      since: int | None = None):
+                      since: int | None = None, before_weights: Callable[[], Awaitable[None]] | None = None):
     """A push's answer: with ``pull``, the next weights once the pushed step's round closed (the status in a
-    header; a delta from ``since`` when offered); else, or when ``timeout`` passes first, JSON
-    ``{"status", "step", "done"}``."""
+    header; a delta from ``since`` when offered; ``before_weights`` awaited first); else, or when ``timeout``
+    passes first, JSON ``{"status", "step", "done"}``."""
     core, via = rt.core, answer_via(rt.core, via)
     ready = lambda: core.done or (core.global_step > step and core.may_pull(worker_id))  # noqa: E731
     if pull and await rt.wait_for(ready, timeout, worker_id):
+        if before_weights is not None:
+            await before_weights()
         return rt.tensors.weights_response(via, {PUSH_STATUS_HEADER: result.status.value}, since)
     return {"status": result.status.value, "step": result.step, "done": core.done}
 

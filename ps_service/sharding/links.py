@@ -4,12 +4,15 @@ Contract:
 - :meth:`Links.init_followers` sends each follower its pieces of the model (``PUT /v1/shard/model``), in
   parallel, retrying lost connections and 5xx for at most ``INIT_DEADLINE_SECONDS``; a follower's 4xx is
   raised as a 409 ``shard_init_failed`` naming it, an unreachable one as 503 ``shard_unreachable``.
-- :meth:`Links.round_closed` queues "apply round s with contributors C" for every follower; one task per
-  follower sends them in step order (``POST /v1/shard/apply``), retrying each (capped backoff) until the
-  follower answers; while a follower's queue is empty its state is probed every ``PROBE_SECONDS``
-  (``GET /v1/shard/state``). A follower that *restarted* (it refuses an apply, 4xx; or answers with another
-  ``boot`` id than before) stops its link (:attr:`Follower.error`, shown in ``/v1/status``) and is reported
-  to :attr:`Links.on_restart` (the coordinator's live rollback, :mod:`.rollback`; without one the job stalls).
+- :meth:`Links.round_closed` queues "apply round s with contributors C" for every follower; one task per follower
+  sends them in step order (``POST /v1/shard/apply``), retrying each (capped backoff) until the follower answers.
+  :meth:`Links.sent` waits (at most the seconds it is given) until every working link has written the apply of a
+  round to its connection: the coordinator's weights answers wait for it, so that the apply leaves before megabytes
+  of weights on the coordinator's network interface (a FIFO queue) and the followers' answers are not late by the
+  time those take on the link. While a follower's queue is empty its state is probed every ``PROBE_SECONDS`` (``GET
+  /v1/shard/state``). A follower that *restarted* (it refuses an apply, 4xx; or answers with another ``boot`` id
+  than before) stops its link (:attr:`Follower.error`, shown in ``/v1/status``) and is reported to
+  :attr:`Links.on_restart` (the coordinator's live rollback, :mod:`.rollback`; without one the job stalls).
   :meth:`stop` stops every sender and empties the queues (:meth:`start` starts them again).
 - :meth:`Links.check_steps` (start-up after a restore) asks each follower its step and checkpoint steps: every
   shard must resume at the coordinator's step; a follower elsewhere that has a checkpoint of it is told to
@@ -48,6 +51,7 @@ class Follower:
     error: str | None = None  # a refusal that stopped the link
     boot: str | None = None  # the follower process's boot id, as it last answered (another one: it restarted)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    sent: int = -1  # the newest round whose apply was written to its connection
 
 
 def common_step(own: set[int], states: dict[int, dict]) -> int | None:
@@ -68,6 +72,7 @@ class Links:
         self.blocked: str | None = None
         #: called with the follower and the reason when it restarted (its link is stopped meanwhile)
         self.on_restart: Callable[[Follower, str], None] | None = None
+        self._moved = asyncio.Event()  # set (and replaced) when a link's ``sent`` or ``error`` changes
 
     def start(self) -> None:
         self.tasks = [asyncio.create_task(self._sender(f)) for f in self.followers]
@@ -77,7 +82,8 @@ class Links:
         starts them again)."""
         await self._cancel()
         for f in self.followers:
-            f.queue, f.error = asyncio.Queue(), None
+            f.queue, f.error, f.sent = asyncio.Queue(), None, -1
+        self._wake()
 
     async def close(self) -> None:
         await self._cancel()
@@ -131,6 +137,29 @@ class Links:
 
         await asyncio.gather(*(one(f) for f in self.followers))
 
+    def _wake(self) -> None:
+        moved, self._moved = self._moved, asyncio.Event()
+        moved.set()
+
+    async def sent(self, step: int, seconds: float) -> None:
+        """Return once every link without an error has written the apply of round ``step`` (or a later one) to its
+        connection, or after ``seconds``, whichever comes first."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + seconds
+        while any(f.error is None and f.sent < step for f in self.followers):
+            moved, left = self._moved, end - loop.time()
+            if left <= 0:
+                return
+            try:
+                await asyncio.wait_for(moved.wait(), left)
+            except asyncio.TimeoutError:
+                return
+
+    def _mark_sent(self, f: Follower, step: int) -> None:
+        if step > f.sent:
+            f.sent = step
+            self._wake()
+
     def round_closed(self, step: int, contributors: list[tuple[int, str]], mean_of: int) -> None:
         msg = {"step": step, "contributors": [list(c) for c in contributors], "mean_of": mean_of}
         for f in self.followers:
@@ -148,7 +177,12 @@ class Links:
                 if msg is None:  # idle: is it still the process we know?
                     resp = await self._exchange(f, "GET", "/shard/state", time.monotonic() + PROBE_SECONDS)
                 else:
-                    resp = await self._exchange(f, "POST", "/shard/apply", float("inf"), json=msg)
+                    async def trace(event: str, info: dict, step: int = msg["step"]) -> None:
+                        if event == "http11.send_request_body.complete":  # httpcore's "trace" request extension
+                            self._mark_sent(f, step)
+                    resp = await self._exchange(f, "POST", "/shard/apply", float("inf"), json=msg,
+                                                extensions={"trace": trace})
+                    self._mark_sent(f, msg["step"])
             except TimeoutError:
                 continue  # a probe that got no answer: the next one asks again
             if resp.status_code >= 400:
@@ -163,6 +197,7 @@ class Links:
 
     def _restarted(self, f: Follower, why: str) -> None:
         f.error = why
+        self._wake()
         if self.on_restart is None:
             log.error("%s: its link is stopped; the job cannot go on consistently (restore every shard from the "
                       "same step)", why)

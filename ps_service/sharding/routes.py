@@ -26,6 +26,9 @@ from shared.protocol import API, FRAME_BODY, JSON, PushStatus, parse_push_meta
 router = APIRouter(prefix=API, tags=["shards"])
 #: a follower's apply names every contributor: room for thousands of workers
 APPLY_BODY_LIMIT = 1 << 22
+#: how long a commit's weights answer waits at most for the followers' applies to be written (Links.sent): a few
+#: loop turns when the links work; bounded for a follower that does not answer (the job waits for it anyway)
+APPLY_FIRST_SECONDS = 1.0
 
 
 def _role(request: Request, coordinator: bool | None = None):
@@ -104,7 +107,9 @@ async def commit(request: Request, pull: bool = Query(False), timeout: float = Q
     tensors = held = None  # the round holds what it needs, and frees it once aggregated
     role.holds.discard(push.worker_id, push.step)
     rt.tensors.shm.last_transport[push.worker_id] = via
-    return await api.answer_push(rt, result, push.step, push.worker_id, via, pull, timeout)
+    # the followers' applies of the rounds these weights come from leave before the weights (links.sent)
+    before = lambda: role.links.sent(core.global_step - 1, APPLY_FIRST_SECONDS)  # noqa: E731
+    return await api.answer_push(rt, result, push.step, push.worker_id, via, pull, timeout, before_weights=before)
 
 
 @router.put("/shard/model", openapi_extra=FRAME_BODY)

@@ -1,0 +1,103 @@
+"""``ps_service.sharding.links.Links.sent``: a coordinator's weights answers wait until the followers' applies are on
+their connections, not until the followers answered them, and never longer than they are told to.
+
+A real socket stands in for a follower: it reads the apply request and holds its answer until the test lets it go,
+so "written" and "answered" are apart in time."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from ps_service.sharding.links import Links
+
+
+class HeldFollower:
+    """An HTTP/1.1 peer that answers an apply only once :attr:`release` is set (until then the request is read)."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.requests: list[bytes] = []
+        self.server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def __aexit__(self, *exc) -> None:
+        self.server.close()
+        await self.server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                body = await reader.readexactly(length)
+                self.requests.append(head + body)
+                if b"/shard/state" not in head:
+                    await self.release.wait()
+                answer = b'{"step": 1, "applied": true, "boot": "b1"}'
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+                             + str(len(answer)).encode() + b"\r\n\r\n" + answer)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+
+async def _until(cond, seconds: float, what: str) -> None:
+    end = time.monotonic() + seconds
+    while not cond():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        await asyncio.sleep(0.005)
+
+
+def test_sent_returns_once_the_apply_is_written_before_the_follower_answers():
+    async def main() -> None:
+        async with (follower := HeldFollower()) as url:
+            links = Links(["http://coordinator.invalid", url], None)
+            links.start()
+            try:
+                f = links.followers[0]
+                assert f.sent == -1
+                links.round_closed(0, [(0, "w0"), (1, "w1")], 2)
+                await asyncio.wait_for(links.sent(0, 30.0), 10.0)  # long before its 30 s bound
+                assert f.sent == 0 and not follower.release.is_set()  # written, not answered
+                await _until(lambda: any(b"POST /v1/shard/apply" in r for r in follower.requests), 10, "the apply")
+                follower.release.set()
+                await _until(lambda: f.step == 1, 10, "the follower's answer")
+                await asyncio.wait_for(links.sent(0, 30.0), 1.0)  # already written: at once
+            finally:
+                await links.close()
+    asyncio.run(main())
+
+
+def test_sent_is_bounded_when_a_follower_cannot_be_reached_and_ends_for_a_stopped_link():
+    async def main() -> None:
+        async with HeldFollower() as url:
+            pass  # the port is closed again: connections to it are refused
+        links = Links(["http://coordinator.invalid", url], None)
+        links.start()
+        try:
+            links.round_closed(3, [(0, "w0")], 1)
+            t = time.monotonic()
+            await links.sent(3, 0.3)
+            assert 0.25 < time.monotonic() - t < 5 and links.followers[0].sent == -1
+            waiting = asyncio.ensure_future(links.sent(3, 30.0))
+            await asyncio.sleep(0)
+            links._restarted(links.followers[0], "refused")  # a stopped link is not waited for
+            await asyncio.wait_for(waiting, 1.0)
+        finally:
+            await links.close()
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("step", [0, 5])
+def test_sent_with_no_followers_or_no_rounds_to_wait_for_returns_at_once(step):
+    async def main() -> None:
+        links = Links(["http://coordinator.invalid"], None)  # a coordinator alone
+        await asyncio.wait_for(links.sent(step, 30.0), 1.0)
+        await links.close()
+    asyncio.run(main())
