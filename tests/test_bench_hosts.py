@@ -1,7 +1,7 @@
-"""``python -m bench.hosts``: emulated hosts (network namespaces, shaped veth links) come up, carry a syncps run
-across their links (two PS shards, each in a host of its own), and are gone afterwards, even after a run
-that did not remove them. Needs root, ``ip`` and ``tc`` (skipped otherwise); its own prefix and subnet, so it
-does not disturb a benchmark running meanwhile."""
+"""``python -m bench.hosts``: emulated hosts (network namespaces, shaped veth links) come up, carry syncps runs
+across their links (two PS shards, each in a host of its own, then one beside each worker), and are gone afterwards,
+even after a run that did not remove them. Needs root, ``ip`` and ``tc`` (skipped otherwise); its own prefix and
+subnet, so it does not disturb a benchmark running meanwhile."""
 from __future__ import annotations
 
 import json
@@ -42,10 +42,12 @@ def _bench_hosts(*args: str) -> tuple[str, list[dict]]:
     return out.stdout, [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
 
 
-def test_syncps_runs_between_shaped_hosts_each_shard_in_a_host_of_its_own_and_the_hosts_are_removed():
-    """One run covers both: the shaped links (a TCP stream at about the rate), and a PS of two shards each bound
-    in a namespace of its own (one PS is the same code with one host)."""
-    stdout, (stream, run) = _bench_hosts("--seconds", "1", "--warmup", "0.2", "--shards", "2")
+def test_syncps_runs_between_shaped_hosts_each_shard_in_a_host_of_its_own_or_beside_its_worker():
+    """One run covers it all: the shaped links (a TCP stream at about the rate), a PS of two shards each bound in a
+    namespace of its own (one PS is the same code with one host), then ``syncps-colocated``: one shard per worker,
+    shard k bound in worker k's namespace (BytePS's co-located servers); and the hosts are gone afterwards."""
+    stdout, (stream, run, colocated) = _bench_hosts("--seconds", "1", "--warmup", "0.2", "--shards", "2",
+                                                    "--systems", "syncps,syncps-colocated")
     assert stream["check"] == "tcp_stream" and 300 < stream["mbit_per_s"] < 1100  # shaped at 1 Gbit/s
     assert run["system"] == "syncps" and run["rate"] == "1gbit" and run["transport"] == "http"
     assert run["shards"] == 2 and run["shard_namespaces"] == [f"{PREFIX}-h0", f"{PREFIX}-h1"]
@@ -56,20 +58,11 @@ def test_syncps_runs_between_shaped_hosts_each_shard_in_a_host_of_its_own_and_th
     assert run["wire_bytes_per_step"] > 2 * 2 * 10_000 * 4  # pushes and weights
     per_shard = run["shard_wire_bytes_per_step"]  # the weights cut in two: each shard's link carries about half
     assert len(per_shard) == 2 and min(per_shard) > 0.4 * sum(per_shard) and sum(per_shard) > 2 * 2 * 10_000 * 4
-    assert "| params | workers | syncps S=2 |" in stdout and "| 10,000 | 2 |" in stdout
-    assert namespaces(PREFIX) == [] and _links() == []
-
-
-def test_colocated_shards_each_sit_in_the_host_of_their_worker():
-    """``syncps-colocated``: one shard per worker, shard k bound in worker k's namespace (BytePS's co-located
-    servers)."""
-    stdout, (stream, run) = _bench_hosts("--seconds", "1", "--warmup", "0.2", "--systems", "syncps-colocated")
-    hosts = [f"{PREFIX}-h0", f"{PREFIX}-h1"]
-    assert run["system"] == "syncps-colocated" and run["shards"] == 2 and run["transport"] == "http"
-    assert run["shard_namespaces"] == hosts and run["worker_namespaces"] == hosts
-    assert [url.rsplit(":", 1)[0] for url in run["shard_urls"]] == [f"http://{SUBNET}.1", f"http://{SUBNET}.2"]
-    assert run["steps_per_s"] > 0 and run["final_loss"] < 1.0
-    assert "| params | workers | syncps-colocated |" in stdout and "| 10,000 | 2 |" in stdout
+    assert colocated["system"] == "syncps-colocated" and colocated["shards"] == 2 and colocated["transport"] == "http"
+    assert colocated["shard_namespaces"] == colocated["worker_namespaces"] == [f"{PREFIX}-h0", f"{PREFIX}-h1"]
+    assert [url.rsplit(":", 1)[0] for url in colocated["shard_urls"]] == [f"http://{SUBNET}.1", f"http://{SUBNET}.2"]
+    assert colocated["steps_per_s"] > 0 and colocated["final_loss"] < 1.0
+    assert "| params | workers | syncps S=2 | syncps-colocated |" in stdout and "| 10,000 | 2 |" in stdout
     assert namespaces(PREFIX) == [] and _links() == []
 
 
