@@ -6,15 +6,17 @@ hosts of their own (``--shards``) carry 2*N*M/S each, over S links in parallel. 
 that on one machine (root, ``ip`` and ``tc``): host ``i`` is a network namespace ``<prefix>-h<i>`` at
 ``<subnet>.<i+1>``, joined to a bridge ``<prefix>br`` (``<subnet>.254``, in the root namespace) by a veth pair
 whose two ends are shaped with ``tc ... tbf rate --rate`` (the host's end: its uplink; the bridge's end: its
-downlink). The hosts are always removed (``finally`` and ``atexit``), and so are a crashed run's leftovers of
-the same prefix when a run starts. A first line measures one TCP stream between two hosts (the shaping works).
+downlink). The hosts (and their same-host directories) are always removed (``finally`` and ``atexit``), and so are
+a crashed run's leftovers of the same prefix when a run starts. A first line measures one TCP stream between two hosts (the shaping works).
 
 Systems (``--systems``, a comma list): ``syncps`` and ``syncps-bf16``, ``syncps-topk``, ``syncps-2bit``
 (``PS_COMPRESSION``) run :func:`bench.run.measure` (the anchors' workload of :mod:`bench.task`, every tensor over
 TCP: ``--transport http``; the window starts and ends as a step completes: a slow link makes few steps) with the PS
 in host 0 and worker k in host k+1. ``syncps-colocated`` runs uncompressed with one PS shard per worker, shard k in
 worker k's host (BytePS's co-located servers: each host's link carries 2(N-1)/N*M a round, a ring's bytes, and the
-piece a worker's own shard holds never leaves its host). ``--shards`` (a comma list, default 1) runs each syncps
+piece a worker's own shard holds never leaves its host); worker k and shard k share host k's same-host directory
+(``/dev/shm/<namespace>``, :meth:`Hosts.shm_dir`: each emulated host its own /dev/shm), so that piece moves by files,
+not through a socket, and every other piece over the links (with ``--rate none``: all over loopback TCP). ``--shards`` (a comma list, default 1) runs each syncps
 system with S PS shards (``PS_SHARDS``), shard i in host i and worker k in host S+k; the weights tensor is cut into
 S slices (``PS_SHARD_SPLIT_ELEMENTS``), so each shard's link carries 1/S of the bytes. ``gloo`` runs
 :mod:`bench.gloo_hosts` (the anchors' torch all-reduce) with rank r in host r+1, in the anchors' torch venv
@@ -51,6 +53,8 @@ from cluster.processes import free_port
 ROOT = Path(__file__).resolve().parent.parent
 GLOO_RUNNER = ROOT / "bench" / "gloo_hosts.py"
 TORCH_PYTHON = Path.home() / ".cache" / "syncps-anchors" / "torch" / "bin" / "python"
+#: where each host's same-host directory is made (``<SHM_ROOT>/<namespace>``: one host's /dev/shm)
+SHM_ROOT = Path("/dev/shm")
 UNITS = {"tbit": 1e12, "gbit": 1e9, "mbit": 1e6, "kbit": 1e3, "bit": 1.0}
 
 
@@ -85,6 +89,8 @@ def remove_hosts(prefix: str) -> None:
             sh("ip", "link", "delete", name, check=False)
     while shutil.which("iptables") and sh("iptables", "-D", *forward_rule(prefix), check=False).returncode == 0:
         pass
+    for d in SHM_ROOT.glob(f"{prefix}-h*"):
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def forward_rule(prefix: str) -> list[str]:
@@ -110,6 +116,12 @@ class Hosts:
 
     def exec_prefix(self, i: int) -> list[str]:
         return ["ip", "netns", "exec", self.namespace(i)]
+
+    def shm_dir(self, i: int) -> Path:
+        """Host ``i``'s same-host directory (its /dev/shm: the processes of other hosts do not look there)."""
+        d = SHM_ROOT / self.namespace(i)
+        d.mkdir(exist_ok=True)
+        return d
 
     def shape(self, device: str, run_in: list[str] | None = None) -> None:
         """A token bucket on ``device``'s egress (``run_in``: the namespace's ``ip netns exec`` prefix)."""
@@ -216,12 +228,19 @@ def syncps(hosts: Hosts | None, system: str, workers: int, params: int, seconds:
     worker k in host k beside shard k."""
     colocated = system == COLOCATED
     shards = workers if colocated else shards
-    options = {} if hosts is None else {"hosts": [hosts.ip(i) for i in range(shards)],
-                                        "prefix": lambda name: hosts.exec_prefix(host_of(name, shards, colocated))}
+
+    def prefix(name: str) -> list[str]:
+        """The process's host; co-located, with that host's same-host directory (a worker's own shard by files)."""
+        h = host_of(name, shards, colocated)
+        shm = [f"PS_SHM_DIR={hosts.shm_dir(h)}", f"WORKER_SHM_DIR={hosts.shm_dir(h)}"] if colocated else []
+        return [*hosts.exec_prefix(h), *(["env", *shm] if shm else [])]
+
+    options = {} if hosts is None else {"hosts": [hosts.ip(i) for i in range(shards)], "prefix": prefix}
     d, k = model_dims(params)
     ps_env = {"PS_SHARD_SPLIT_ELEMENTS": -(-d * k // shards)} if shards > 1 else {}
     compression = "none" if colocated else system.partition("-")[2] or "none"
-    line = {**measure(workers, params, seconds, warmup, transport="http", compression=compression, ps_env=ps_env,
+    transport = "auto" if colocated and hosts is not None else "http"
+    line = {**measure(workers, params, seconds, warmup, transport=transport, compression=compression, ps_env=ps_env,
                       shards=shards, cluster_options=options, step_aligned=True), "system": system, "shards": shards}
     if hosts is not None:
         line["shard_namespaces"] = [hosts.namespace(i) for i in range(shards)]

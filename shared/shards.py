@@ -66,6 +66,11 @@ class ShardMap:
                 "pieces": [[[p.name, p.start, p.stop] for p in ps] for ps in self.pieces]}
         return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
+    @property
+    def split_names(self) -> list[str]:
+        """The tensors cut into pieces on several shards (the others are whole on one shard)."""
+        return sorted({p.name for ps in self.pieces for p in ps if not p.whole})
+
     def bytes_owned(self, index: int) -> int:
         return sum(p.size * np.dtype(self.spec[p.name][1]).itemsize for p in self.pieces[index])
 
@@ -123,9 +128,11 @@ def split(tensors: Mapping[str, np.ndarray], pieces: Sequence[Piece]) -> dict[st
     return out
 
 
-def assemble(m: ShardMap, parts: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+def assemble(m: ShardMap, parts: Sequence[Mapping[str, np.ndarray]],
+             into: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
     """The whole tensors from every shard's pieces (``parts[i]``: shard i's tensors by key). A whole piece is
-    returned as it is (no copy); a split tensor is copied into a new array."""
+    returned as it is (no copy); a split tensor is copied into ``into[name]`` when it has the tensor's shape and
+    dtype (the caller's to reuse: fresh memory costs page faults), else into a new array."""
     out: dict[str, np.ndarray] = {}
     for i, ps in enumerate(m.pieces):
         for p in ps:
@@ -135,6 +142,8 @@ def assemble(m: ShardMap, parts: Sequence[Mapping[str, np.ndarray]]) -> dict[str
                 continue
             shape, dtype = m.spec[p.name]
             if p.name not in out:
-                out[p.name] = np.empty(shape, dtype)
+                given = None if into is None else into.get(p.name)
+                fits = given is not None and given.shape == tuple(shape) and given.dtype == np.dtype(dtype)
+                out[p.name] = given if fits else np.empty(shape, dtype)
             out[p.name].reshape(-1)[p.start:p.stop] = arr.reshape(-1)
     return dict(sorted(out.items()))

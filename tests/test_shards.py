@@ -68,6 +68,44 @@ def test_split_and_assemble_give_back_the_tensors():
     assert all(back[k].tobytes() == tensors[k].tobytes() and back[k].shape == tensors[k].shape for k in tensors)
 
 
+def test_assembled_tensors_reuse_memory_nothing_else_references():
+    """The sharded transport assembles a split tensor into kept memory once nothing outside it views it (fresh
+    memory costs page faults); never into memory the caller still holds."""
+    from worker_service.transport.base import Pulled
+    from worker_service.transport.sharded import ShardedTransport
+
+    class Client:
+        call, transport = None, "http"
+
+        def close(self) -> None:
+            pass
+
+    tensors = {"w": np.zeros((6, 5), np.float32), "b": np.zeros(5, np.float32)}
+    m = shards.plan(shards.spec_of(tensors), 2, 15)
+    assert m.split_names == ["w"]
+    t = ShardedTransport(m, [Client(), Client()], None)
+
+    def joined(value: float) -> dict:
+        whole = {k: np.full_like(v, value) for k, v in tensors.items()}
+        return t._joined([Pulled(4, False, [0], shards.split(whole, ps), 1) for ps in m.pieces]).tensors
+
+    def address(a: np.ndarray) -> int:
+        return a.__array_interface__["data"][0]
+
+    first = joined(1.0)
+    second = joined(2.0)  # the first is still held: other memory
+    assert not np.shares_memory(first["w"], second["w"]) and (first["w"] == 1).all() and (second["w"] == 2).all()
+    held, at = first["w"].reshape(-1)[:3], address(first["w"])  # a view keeps the first's memory in use
+    del first
+    third = joined(3.0)
+    assert address(third["w"]) not in (at, address(second["w"])) and (held == 1).all()
+    del held
+    fourth = joined(4.0)  # the first's memory is free again (second and third are still held): reused
+    assert address(fourth["w"]) == at and (fourth["w"] == 4).all() and (second["w"] == 2).all()
+    assert (third["w"] == 3).all()
+    t.close()
+
+
 # ---- live local clusters: exact, for every S ------------------------------------------------------------
 
 TASK = {"WORKER_DTYPE": "float64", "WORKER_SEED": 7, "WORKER_BATCH_SIZE": 16}
