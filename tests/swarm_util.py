@@ -38,6 +38,8 @@ from shared.tokens import bearer_header
 from tests.compose_util import IMAGE, ROOT, SCRUBBED_PREFIXES, PublishedPS, compose_unavailable, docker
 
 STACK_FILE = ROOT / "docker-stack.yml"
+#: the co-located shards' extra stack file (README: Full precision between hosts)
+COLOCATED_FILE = ROOT / "deploy" / "swarm" / "colocated.yml"
 #: the stack's Docker secrets: the training token, the monitoring token
 TOKEN, MONITOR_TOKEN = "syncps_token", "syncps_monitor_token"
 TWO_NODE_SCRIPT = Path(os.environ.get("SYNCPS_SWARM_2NODE", ROOT.parent / "shared" / "docker" / "swarm-2node.sh"))
@@ -98,6 +100,19 @@ def scrubbed_env(**extra: str) -> dict[str, str]:
     return {**{k: v for k, v in os.environ.items() if not k.startswith(SCRUBBED_PREFIXES)}, **extra}
 
 
+def for_node2(stack_file: Path, into: Path, *services: str) -> Path:
+    """A copy of ``stack_file`` (in the folder ``into``) without the healthchecks of ``services``, for services that run on
+    node 2: its engine cannot exec into its containers ("error executing setns process"), so an exec healthcheck never
+    passes there, and swarm gives a task that is not healthy no DNS name (the others could never reach it). A later
+    stack file cannot remove one: its ``test`` list would be appended to."""
+    stack = yaml.safe_load(stack_file.read_text())
+    for name in services:
+        stack["services"][name].pop("healthcheck", None)
+    path = into / f"{stack_file.stem}-node2.yml"
+    path.write_text(yaml.safe_dump(stack))
+    return path
+
+
 def node2_volume() -> str | None:
     """The volume holding node 2's image store (its container's /var/lib/docker), or None without the container."""
     r = docker("inspect", "-f", "{{json .Mounts}}", NODE2, check=False)
@@ -137,10 +152,12 @@ def remove_node2() -> list[str]:
 
 class Stack(PublishedPS):
     """One deployment of docker-stack.yml: ``ps`` / ``worker`` settings and ``worker_deploy`` (merged into
-    the worker service's ``deploy``) go into a second stack file, as a user adds one to deploy.sh."""
+    the worker service's ``deploy``) go into a last stack file, as a user adds one to deploy.sh; ``files``: stack
+    files to add before it (e.g. :func:`for_node2` of :data:`COLOCATED_FILE`)."""
 
     def __init__(self, swarm: "Swarm", label: str, ps: dict | None = None, worker: dict | None = None,
-                 worker_deploy: dict | None = None) -> None:
+                 worker_deploy: dict | None = None, files: tuple[Path, ...] = ()) -> None:
+        self.files = files
         self.name = f"syncpstest-{label}-{os.getpid()}-{secrets.token_hex(2)}".lower()
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -162,7 +179,8 @@ class Stack(PublishedPS):
 
     def deploy(self, check: bool = True) -> subprocess.CompletedProcess:
         """``deploy/swarm/deploy.sh -c <this test's settings>``, stack name and port from the environment."""
-        return run([str(ROOT / DOCUMENTED["deploy"]), "-c", str(self.settings_file)], cwd=ROOT, env=self.env,
+        extra = [a for f in self.files for a in ("-c", str(f))]
+        return run([str(ROOT / DOCUMENTED["deploy"]), *extra, "-c", str(self.settings_file)], cwd=ROOT, env=self.env,
                    check=check)
 
     def run(self, key: str, timeout: float = 120.0) -> subprocess.CompletedProcess:

@@ -25,8 +25,10 @@ from ps_service.settings import PSSettings
 from tests.compose_util import IMAGE, build_image, docker
 from tests.conftest import degraded
 from tests.reference import train_reference
-from tests.swarm_util import (DOCUMENTED, MONITOR_TOKEN, NODE2, ROOT, STACK_FILE, TOKEN, Stack, Swarm, remove_node2,
-                              run, start_node2, swarm_unavailable, two_nodes_unavailable)
+from shared import shards
+from tests.swarm_util import (COLOCATED_FILE, DOCUMENTED, MONITOR_TOKEN, NODE2, ROOT, STACK_FILE, TOKEN, Stack, Swarm,
+                              for_node2, remove_node2, run, start_node2, swarm_unavailable, two_nodes_unavailable)
+from worker_service.client import PSClient
 from tests.test_compose import assert_linear_solved, final_weights, report
 from worker_service.settings import WorkerSettings
 
@@ -87,7 +89,7 @@ def logs_on_failure(*stacks: Stack):
         yield
     except BaseException:
         for st in stacks:
-            for service in ("ps", "worker"):
+            for service in ("ps", "ps-1", "worker"):
                 print(f"--- docker service logs {st.name}_{service}\n{st.logs(service)}")
         raise
 
@@ -180,12 +182,14 @@ def test_one_node_stack_trains_to_done_over_tcp_then_scales_to_6(swarm, request)
 
 # -- two nodes ----------------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_two_nodes_train_exactly_then_lose_node_2_and_finish(swarm, node2_started, request):
+def test_two_nodes_train_exactly_then_lose_node_2_and_finish(swarm, node2_started, request, tmp_path):
     """PS on the manager, 2 workers on each node (max_replicas_per_node: 2). Job 1 ends bit-identical to one
-    process training on the 4 shards. Job 2: node 2's engine is killed mid-training; its workers' leases
-    expire and the manager's 2 workers finish the job. The two stacks are deployed together (their ~10 s of
-    container start-up overlap); job 2 is paced (~25 rounds/s measured here), so it is still early in its 250 steps
-    when job 1 (60 unpaced steps) is done and node 2 may go."""
+    process training on the 4 shards. Job 3, deployed with deploy/swarm/colocated.yml: shard 0 on the manager,
+    shard 1 on node 2, 2 workers beside each, each reaching its own shard by files (the node's tmpfs volume) and
+    the other over the overlay; its pieces end bit-identical too. Job 2: node 2's engine is killed mid-training;
+    its workers' leases expire and the manager's 2 workers finish the job. The three stacks are deployed together
+    (their container start-up overlaps); job 2 is paced (~25 rounds/s measured here), so it is still early in its
+    400 steps when jobs 1 and 3 (60 unpaced steps) are done and node 2 may go."""
     reason = two_nodes_unavailable()
     if reason:
         skip(request, "two-node swarm test (test_swarm.py)", reason)
@@ -201,16 +205,21 @@ def test_two_nodes_train_exactly_then_lose_node_2_and_finish(swarm, node2_starte
     swarm.create_secrets()
     spread = {"placement": {"max_replicas_per_node": 2}}
     start = {"PS_MIN_WORKERS": 4, "PS_STARTUP_GRACE_SECONDS": 0}
-    steps, lease, fault_steps = 60, 2.0, 250
+    steps, lease, fault_steps = 60, 2.0, 400
     exact = swarm.stack("exact", ps={"PS_MAX_STEPS": steps, **start}, worker={"WORKER_DTYPE": "float64"},
                         worker_deploy=spread)
     fault = swarm.stack("fault", ps={"PS_MAX_STEPS": fault_steps, "PS_LEASE_SECONDS": lease, **start},
                         worker={"WORKER_COMPUTE_DELAY_SECONDS": 0.02}, worker_deploy=spread)
+    colo = swarm.stack("colo", ps={"PS_MAX_STEPS": steps, **start}, worker={"WORKER_DTYPE": "float64"},
+                       files=(for_node2(COLOCATED_FILE, tmp_path, "ps-1"),))
     manager = docker("info", "-f", "{{.Name}}").stdout.strip()
-    with logs_on_failure(exact, fault):
+    for host, node in enumerate((manager, NODE2)):  # as colocated.yml says
+        docker("node", "update", "--label-add", f"syncps.host={host}", node)
+    with logs_on_failure(exact, fault, colo):
         # job 1: exact across two hosts
         t1 = time.monotonic()
         exact.deploy()
+        colo.deploy()
         fault.deploy()
         done = exact.wait_status(lambda s: s["state"] == "done", 180, "job 1 to finish")
         t_exact = time.monotonic() - t1
@@ -225,6 +234,7 @@ def test_two_nodes_train_exactly_then_lose_node_2_and_finish(swarm, node2_starte
         assert got.keys() == ref.keys()
         for k in ref:
             assert got[k].dtype == np.float64 and got[k].tobytes() == ref[k].tobytes(), f"{k}: not bit-identical"
+        t_colo = _colocated_job_checked(colo, swarm, manager, steps, ref, t1)
 
         # job 2: node 2 dies mid-training
         fault.wait_status(lambda s: s["state"] == "training" and s["workers"]["active"] == 4 and s["global_step"] >= 30,
@@ -241,7 +251,8 @@ def test_two_nodes_train_exactly_then_lose_node_2_and_finish(swarm, node2_starte
         done = fault.wait_status(lambda s: s["state"] == "done", 120, "job 2 to finish on the manager's workers")
         report(request, f"[swarm] 2 nodes: node 2 with {IMAGE} copied {how} in {t_node:.1f} s; exact job "
                         f"({steps} steps) "
-                        f"done {t_exact:.1f} s after deploy; job 2: node 2 killed at step >= 30, its workers expired "
+                        f"done {t_exact:.1f} s after deploy, the co-located one {t_colo:.1f} s; job 2: node 2 killed "
+                        f"at step >= 30, its workers expired "
                         f"{t_expired:.1f} s later (lease {lease} s) at step {at}, done ({fault_steps} steps) "
                         f"{time.monotonic() - t1:.1f} s after deploy")
         assert at < fault_steps and done["global_step"] == fault_steps
@@ -253,3 +264,29 @@ def test_two_nodes_train_exactly_then_lose_node_2_and_finish(swarm, node2_starte
         assert expired == set(remote)
         assert_linear_solved(fault, swarm.tokens[TOKEN])
         assert swarm.nodes().get(manager) == "Ready"
+
+
+def _colocated_job_checked(colo: Stack, swarm: Swarm, manager: str, steps: int, ref: dict, deployed: float) -> float:
+    """Job 3 (deploy/swarm/colocated.yml) done: shard 0 on the manager, shard 1 on node 2, both at the last step;
+    2 workers beside each, the manager's reaching shard 0 by files and node 2's over the overlay (as shard 0 sees
+    them); shard 0's pieces bit-identical to one process (shard 1 is reached only inside the overlay). Seconds
+    from ``deployed`` (monotonic) to done."""
+    done = colo.wait_status(lambda s: s["state"] == "done" and all(r["step"] == steps for r in s["shard"]["shards"]),
+                            180, "the co-located job to finish on both shards")
+    assert done["global_step"] == steps and done["pushes"]["accepted"] == 4 * steps
+    assert [t["Node"] for t in colo.tasks("ps")] == [manager] and [t["Node"] for t in colo.tasks("ps-1")] == [NODE2]
+    placed = {f"{colo.name}_worker-{t['Name'].rsplit('.', 1)[1]}": t["Node"] for t in colo.tasks("worker")}
+    assert sorted(placed.values()) == sorted([manager] * 2 + [NODE2] * 2), placed
+    seen = {w["name"]: w["transport"] for w in colo.workers()["workers"]}
+    assert seen == {n: "shm" if node == manager else "http" for n, node in placed.items()}, (seen, placed)
+    client = PSClient(colo.url, timeout=10.0, attempts=3, token=swarm.tokens[TOKEN])
+    try:
+        m = shards.from_wire(client.call_json("GET", "/v1/shards")["map"])
+        own = client.pull(0, wait=5.0).tensors  # the coordinator's pieces
+    finally:
+        client.close()
+    want = shards.split(ref, m.pieces[0])
+    assert own.keys() == want.keys() and own
+    for k in want:
+        assert own[k].tobytes() == np.ascontiguousarray(want[k]).tobytes(), f"{k}: not bit-identical"
+    return time.monotonic() - deployed
