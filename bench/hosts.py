@@ -23,11 +23,12 @@ S slices (``PS_SHARD_SPLIT_ELEMENTS``), so each shard's link carries 1/S of the 
 (``~/.cache/syncps-anchors/torch``; a clear error line when it is missing). ``--rate none``: no namespaces,
 everything on loopback (to check a runner against its loopback figure).
 
-Output: one JSON line per run (bench.run's fields plus ``rate`` and ``wire_bytes_per_step``: the bytes the PS
-received and sent a step; ``shards``, ``shard_namespaces`` and ``worker_namespaces``, and with S > 1 bench.run's
+Output: one JSON line per run (bench.run's fields plus ``rate``, ``pass`` and ``wire_bytes_per_step``: the bytes
+the PS received and sent a step; ``shards``, ``shard_namespaces`` and ``worker_namespaces``, and with S > 1 bench.run's
 ``shard_urls`` and ``shard_wire_bytes_per_step``; gloo: ``ring_bytes_per_host_per_step``), then a Markdown table,
 rows params x workers, a column per system (``syncps S=2``: two shards, when ``--shards`` is not just 1) and the
-ratio of each syncps column to gloo.
+ratio of each syncps column to gloo. ``--repeat K`` runs K passes over each cell, every system once a pass in turn:
+the table then gives each column's median steps/s and the median of the per-pass ratios, with their range.
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ import os
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -292,17 +294,24 @@ def column(line: dict, label_shards: bool) -> str:
 
 def table(lines: list[dict], systems: list[str]) -> str:
     """Rows params x workers, a column per system (steps/s; ``systems``: the lines' :func:`column` names), then each
-    syncps column over gloo."""
+    syncps column over gloo. With repeated passes (lines' ``pass``): the median steps/s of a column, and the median of
+    the ratios of each pass (a syncps run over the gloo run of the same pass) with their range in brackets."""
     labelled = any(" S=" in s for s in systems)
-    rate = {(x["params_requested"], x["workers"], column(x, labelled)): x.get("steps_per_s") for x in lines}
+    rate = {(x["params_requested"], x["workers"], column(x, labelled), x.get("pass", 0)): x.get("steps_per_s")
+            for x in lines}
     ratios = [s for s in systems if s != "gloo"] if "gloo" in systems else []
     head = ["params", "workers", *systems, *(f"{s} / gloo" for s in ratios)]
     rows = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
-    for p, n in sorted({(p, n) for p, n, _ in rate}):
-        cells = [f"{p:,}", str(n), *(f"{v:.3g}" if (v := rate.get((p, n, s))) else "-" for s in systems)]
+    for p, n in sorted({(p, n) for p, n, _, _ in rate}):
+        passes = sorted({i for q, m, _, i in rate if (q, m) == (p, n)})
+        cells = [f"{p:,}", str(n)]
+        for s in systems:
+            got = [v for i in passes if (v := rate.get((p, n, s, i)))]
+            cells.append(f"{statistics.median(got):.3g}" if got else "-")
         for s in ratios:
-            a, b = rate.get((p, n, s)), rate.get((p, n, "gloo"))
-            cells.append(f"{a / b:.2f}x" if a and b else "-")
+            each = [a / b for i in passes if (a := rate.get((p, n, s, i))) and (b := rate.get((p, n, "gloo", i)))]
+            spread = f" [{min(each):.2f}-{max(each):.2f}]" if len(each) > 1 else ""
+            cells.append(f"{statistics.median(each):.2f}x{spread}" if each else "-")
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
@@ -320,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
                          f"{COLOCATED} (one shard per worker, in its host), gloo")
     ap.add_argument("--shards", default="1", help="comma list of PS shard counts S for each syncps system: shard i "
                                                   "in host i, the workers in the hosts after them")
+    ap.add_argument("--repeat", type=int, default=1, help="passes over each params x workers cell, every system run "
+                                                          "once a pass, in turn (this VM's speed swings within minutes)")
     ap.add_argument("--prefix", default="sph", help="of the namespaces and links (a crashed run's are removed)")
     ap.add_argument("--subnet", default="10.88.0", help="the hosts' /24 (host i at .i+1, the bridge at .254)")
     args = ap.parse_args(argv)
@@ -337,12 +348,13 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(stream_check(hosts)), flush=True)
         for params in (int(float(p)) for p in args.params.split(",")):
             for n in workers:
-                for system, shards in runs:
-                    line = (gloo(hosts, n, params, args.seconds, args.warmup) if system == "gloo" else
-                            syncps(hosts, system, n, params, args.seconds, args.warmup, shards))
-                    line["rate"] = args.rate
-                    lines.append(line)
-                    print(json.dumps(line), flush=True)
+                for i in range(max(1, args.repeat)):
+                    for system, shards in runs:
+                        line = (gloo(hosts, n, params, args.seconds, args.warmup) if system == "gloo" else
+                                syncps(hosts, system, n, params, args.seconds, args.warmup, shards))
+                        line["rate"], line["pass"] = args.rate, i
+                        lines.append(line)
+                        print(json.dumps(line), flush=True)
     print(f"\nsteps/s between emulated hosts, link {args.rate} per host; {started}; {machine()}; "
           f"load {os.getloadavg()[0]:.2f}\n")
     print(table(lines, columns))

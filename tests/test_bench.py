@@ -420,3 +420,20 @@ def test_the_floor_table_sets_each_system_against_its_own_floor():
     lines = text.splitlines()
     assert len(lines) == 3  # the cell without a floor has no row
     assert lines[2] == "| 1,000,000 | 2 | 100 | 125 | 0.80x | 50% | 64% | 1.25x |"
+
+
+def test_hosts_table_gives_medians_and_per_pass_ratios_of_repeated_passes():
+    """bench.hosts --repeat: a column's median steps/s, and the median of each pass's ratio to gloo with its range."""
+    from bench.hosts import table
+
+    def line(system: str, steps: float, i: int) -> dict:
+        return {"system": system, "params_requested": 1000, "workers": 2, "steps_per_s": steps, "pass": i}
+
+    lines = [line("syncps", 10.0, 0), line("gloo", 20.0, 0), line("syncps", 9.0, 1), line("gloo", 10.0, 1),
+             line("syncps", 30.0, 2), line("gloo", 25.0, 2)]
+    rows = table(lines, ["syncps", "gloo"]).splitlines()
+    assert rows[0] == "| params | workers | syncps | gloo | syncps / gloo |"
+    # medians 10 and 20; the ratios of the passes 0.5, 0.9 and 1.2 (not 10 / 20)
+    assert rows[2] == "| 1,000 | 2 | 10 | 20 | 0.90x [0.50-1.20] |"
+    once = table(lines[:2], ["syncps", "gloo"]).splitlines()  # one pass: no range
+    assert once[2] == "| 1,000 | 2 | 10 | 20 | 0.50x |"
