@@ -7,7 +7,8 @@ that on one machine (root, ``ip`` and ``tc``): host ``i`` is a network namespace
 ``<subnet>.<i+1>``, joined to a bridge ``<prefix>br`` (``<subnet>.254``, in the root namespace) by a veth pair
 whose two ends are shaped with ``tc ... tbf rate --rate`` (the host's end: its uplink; the bridge's end: its
 downlink). The hosts (and their same-host directories) are always removed (``finally`` and ``atexit``), and so are
-a crashed run's leftovers of the same prefix when a run starts. A first line measures one TCP stream between two hosts (the shaping works).
+a crashed run's leftovers of the same prefix when a run starts. A first line measures one TCP stream between two
+hosts (the shaping works).
 
 Systems (``--systems``, a comma list): ``syncps`` and ``syncps-bf16``, ``syncps-topk``, ``syncps-2bit``
 (``PS_COMPRESSION``) run :func:`bench.run.measure` (the anchors' workload of :mod:`bench.task`, every tensor over
@@ -16,9 +17,10 @@ in host 0 and worker k in host k+1. ``syncps-colocated`` runs uncompressed with 
 worker k's host (BytePS's co-located servers: each host's link carries 2(N-1)/N*M a round, a ring's bytes, and the
 piece a worker's own shard holds never leaves its host); worker k and shard k share host k's same-host directory
 (``/dev/shm/<namespace>``, :meth:`Hosts.shm_dir`: each emulated host its own /dev/shm), so that piece moves by files,
-not through a socket, and every other piece over the links (with ``--rate none``: all over loopback TCP). ``--shards`` (a comma list, default 1) runs each syncps
-system with S PS shards (``PS_SHARDS``), shard i in host i and worker k in host S+k; the weights tensor is cut into
-S slices (``PS_SHARD_SPLIT_ELEMENTS``), so each shard's link carries 1/S of the bytes. ``gloo`` runs
+not through a socket, and every other piece over the links (with ``--rate none``: all over loopback TCP).
+``--shards`` (a comma list, default 1) runs each syncps system with S PS shards (``PS_SHARDS``), shard i in host i
+and worker k in host S+k; the weights tensor is cut into S slices (``PS_SHARD_SPLIT_ELEMENTS``), so each shard's link
+carries 1/S of the bytes. ``gloo`` runs
 :mod:`bench.gloo_hosts` (the anchors' torch all-reduce) with rank r in host r+1, in the anchors' torch venv
 (``~/.cache/syncps-anchors/torch``; a clear error line when it is missing). ``--rate none``: no namespaces,
 everything on loopback (to check a runner against its loopback figure).
@@ -329,8 +331,8 @@ def main(argv: list[str] | None = None) -> int:
                          f"{COLOCATED} (one shard per worker, in its host), gloo")
     ap.add_argument("--shards", default="1", help="comma list of PS shard counts S for each syncps system: shard i "
                                                   "in host i, the workers in the hosts after them")
-    ap.add_argument("--repeat", type=int, default=1, help="passes over each params x workers cell, every system run "
-                                                          "once a pass, in turn (this VM's speed swings within minutes)")
+    ap.add_argument("--repeat", type=int, default=1, help="passes over each params x workers cell, every system "
+                                                          "run once a pass, in turn (a VM's speed can swing)")
     ap.add_argument("--prefix", default="sph", help="of the namespaces and links (a crashed run's are removed)")
     ap.add_argument("--subnet", default="10.88.0", help="the hosts' /24 (host i at .i+1, the bridge at .254)")
     args = ap.parse_args(argv)

@@ -101,10 +101,10 @@ def scrubbed_env(**extra: str) -> dict[str, str]:
 
 
 def for_node2(stack_file: Path, into: Path, *services: str) -> Path:
-    """A copy of ``stack_file`` (in the folder ``into``) without the healthchecks of ``services``, for services that run on
-    node 2: its engine cannot exec into its containers ("error executing setns process"), so an exec healthcheck never
-    passes there, and swarm gives a task that is not healthy no DNS name (the others could never reach it). A later
-    stack file cannot remove one: its ``test`` list would be appended to."""
+    """A copy of ``stack_file`` (in the folder ``into``) without the healthchecks of ``services``, for services that
+    run on node 2: its engine cannot exec into its containers ("error executing setns process"), so an exec healthcheck
+    never passes there, and swarm gives a task that is not healthy no DNS name (the others could never reach it). A
+    later stack file cannot remove one: its ``test`` list would be appended to."""
     stack = yaml.safe_load(stack_file.read_text())
     for name in services:
         stack["services"][name].pop("healthcheck", None)
