@@ -220,6 +220,11 @@ class Stack(PublishedPS):
             pass  # reported below
         for vol in docker("volume", "ls", "-q", "--filter", label, check=False).stdout.split():
             docker("volume", "rm", vol, check=False)
+        try:  # the swarm removes the stack's network on its own schedule, after its containers
+            wait_for(lambda: not docker("network", "ls", "-q", "--filter", label, check=False).stdout.split(), 30,
+                     f"the network of stack {self.name} to go", interval=0.5)
+        except TimeoutError:
+            pass  # reported below
         self.settings_file.unlink(missing_ok=True)
         left = []
         for kind in (["ps", "-a"], ["volume", "ls"], ["network", "ls"], ["service", "ls"]):

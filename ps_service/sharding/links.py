@@ -40,6 +40,8 @@ REQUEST_TIMEOUT_SECONDS = 10.0
 BACKOFF_MAX_SECONDS = 1.0
 #: an idle link asks its follower's state this often (a restart shows as another boot id)
 PROBE_SECONDS = 0.5
+#: how long :meth:`Links.stop` waits for a cancelled sender before it cancels it again
+CANCEL_AGAIN_SECONDS = 0.2
 
 
 @dataclass
@@ -90,13 +92,18 @@ class Links:
         await self.client.aclose()
 
     async def _cancel(self) -> None:
+        """Cancel every sender and wait until it ended. A sender still running after :data:`CANCEL_AGAIN_SECONDS` is
+        cancelled again: Python 3.11's ``asyncio.wait_for`` drops a cancellation that arrives as the future it waits
+        on completes (CPython gh-86296; a round queued as the rollback stops the links), and the sender would go on
+        forever, and the rollback with it."""
         for t in self.tasks:
             t.cancel()
         for t in self.tasks:
-            try:
-                await t
-            except (asyncio.CancelledError, Exception):
-                pass
+            while not t.done():
+                await asyncio.wait({t}, timeout=CANCEL_AGAIN_SECONDS)
+                t.cancel()
+            if not t.cancelled():
+                t.exception()  # retrieved: a sender that failed is not reported as never retrieved
         self.tasks = []
 
     async def _exchange(self, f: Follower, method: str, path: str, deadline: float, **kw) -> httpx.Response:
