@@ -124,8 +124,12 @@ class ShardedTransport(TensorTransport):
         head = parts[0]
         into = self._unused()
         whole = shards.assemble(self.map, [p.tensors for p in parts], into)
-        if into is None and len(self._kept) < 2:
-            self._kept.append({k: whole[k] for k in self.map.split_names})
+        made = {k: whole[k] for k in self.map.split_names}
+        if into is not None:  # what assemble made anew (another shape: a new map) is kept in place of what was
+            into.clear()
+            into.update(made)
+        elif len(self._kept) < 2:
+            self._kept.append(made)
         return Pulled(head.step, head.done, head.ranks, whole, sum(p.nbytes for p in parts))
 
     def _unused(self) -> dict[str, np.ndarray] | None:
