@@ -46,7 +46,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, replace
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -95,6 +95,9 @@ class ParameterServerCore(ModelState):
         self.started_at: float | None = None
         #: live rollbacks to a checkpoint (:meth:`rewind`): waits in flight answer at once when it moves
         self.rewinds = 0
+        #: called with each round's record once it is decided (who contributed), before its update is applied: a
+        #: sharded PS's coordinator sends the followers their apply then, so theirs overlaps its own (sharding)
+        self.on_decided: Callable[[RoundRecord], None] | None = None
 
     @property
     def done(self) -> bool:
@@ -323,6 +326,8 @@ class ParameterServerCore(ModelState):
         r = self.round
         r.acc.settle()  # borrowed gradients changed since they were taken are left out now (the record says so)
         rec = r.record(now, reason, lambda w: self.members.by_id[w].name, self.rule.replicas_to_aggregate)
+        if self.on_decided is not None:
+            self.on_decided(rec)
         if rec.aggregated:  # none when every contribution was skipped (NaN/Inf): the step passes without an update
             total, n = r.acc.take_sum()
             self.update(total, consume=True, mean_of=n)

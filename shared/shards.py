@@ -16,7 +16,8 @@ pieces) lets them check they agree. On a shard a piece is a tensor of its own: a
 name and shape, a slice is the 1-D tensor ``name[start:stop]`` (:attr:`Piece.key`). Every optimizer of
 the PS is elementwise, so stepping the pieces on S shards gives the bits of stepping the whole model on one.
 :func:`split` cuts a worker's tensors into one shard's pieces (views, no copy); :func:`assemble` makes the
-whole tensors from every shard's pieces.
+whole tensors from every shard's pieces (:func:`place` copies one shard's slices in, as its answer arrives;
+:func:`gathered` returns the whole tensors once every shard's are in).
 """
 from __future__ import annotations
 
@@ -128,22 +129,43 @@ def split(tensors: Mapping[str, np.ndarray], pieces: Sequence[Piece]) -> dict[st
     return out
 
 
+def split_memory(m: ShardMap) -> dict[str, np.ndarray]:
+    """New (uninitialised) arrays for the split tensors of ``m``: what :func:`place` fills."""
+    return {name: np.empty(m.spec[name][0], m.spec[name][1]) for name in m.split_names}
+
+
+def fits(m: ShardMap, into: Mapping[str, np.ndarray]) -> bool:
+    """``into`` holds an array of the right shape and dtype for every split tensor of ``m``."""
+    return all(name in into and into[name].shape == tuple(m.spec[name][0])
+               and into[name].dtype == np.dtype(m.spec[name][1]) for name in m.split_names)
+
+
+def place(m: ShardMap, index: int, tensors: Mapping[str, np.ndarray], into: Mapping[str, np.ndarray]) -> None:
+    """Copy shard ``index``'s slices of the split tensors (``tensors``: its pieces by key) into ``into`` (arrays of
+    :func:`fits`). Shards write disjoint ranges: one call per shard may run in its own thread."""
+    for p in m.pieces[index]:
+        if not p.whole:
+            into[p.name].reshape(-1)[p.start:p.stop] = tensors[p.key].reshape(-1)
+
+
+def gathered(m: ShardMap, parts: Sequence[Mapping[str, np.ndarray]],
+             into: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The whole tensors: each whole piece as it is in ``parts`` (no copy), each split tensor ``into``'s (every shard
+    :func:`place`-d there)."""
+    out = {name: into[name] for name in m.split_names}
+    for i, ps in enumerate(m.pieces):
+        for p in ps:
+            if p.whole:
+                out[p.name] = parts[i][p.key]
+    return dict(sorted(out.items()))
+
+
 def assemble(m: ShardMap, parts: Sequence[Mapping[str, np.ndarray]],
              into: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
     """The whole tensors from every shard's pieces (``parts[i]``: shard i's tensors by key). A whole piece is
-    returned as it is (no copy); a split tensor is copied into ``into[name]`` when it has the tensor's shape and
-    dtype (the caller's to reuse: fresh memory costs page faults), else into a new array."""
-    out: dict[str, np.ndarray] = {}
-    for i, ps in enumerate(m.pieces):
-        for p in ps:
-            arr = parts[i][p.key]
-            if p.whole:
-                out[p.name] = arr
-                continue
-            shape, dtype = m.spec[p.name]
-            if p.name not in out:
-                given = None if into is None else into.get(p.name)
-                fits = given is not None and given.shape == tuple(shape) and given.dtype == np.dtype(dtype)
-                out[p.name] = given if fits else np.empty(shape, dtype)
-            out[p.name].reshape(-1)[p.start:p.stop] = arr.reshape(-1)
-    return dict(sorted(out.items()))
+    returned as it is (no copy); a split tensor is copied into ``into[name]`` when ``into`` :func:`fits` (the
+    caller's to reuse: fresh memory costs page faults), else into new arrays."""
+    target = into if into is not None and fits(m, into) else split_memory(m)
+    for i, part in enumerate(parts):
+        place(m, i, part, target)
+    return gathered(m, parts, target)

@@ -6,7 +6,9 @@ so "written" and "answered" are apart in time."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import sys
+import threading
 import time
 
 import pytest
@@ -46,6 +48,53 @@ class HeldFollower:
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
             writer.close()
+
+
+class ThreadFollower:
+    """An HTTP/1.1 peer in a thread of its own (it goes on while the test's event loop is blocked): answers each
+    apply with the next of ``statuses`` (then 200), recording when each request's last byte was read."""
+
+    def __init__(self, statuses: tuple[int, ...] = ()) -> None:
+        self.statuses = list(statuses)
+        self.applies: list[tuple[float, bytes]] = []
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        conn.settimeout(30)
+        data = b""
+        with conn:
+            while True:
+                while b"\r\n\r\n" not in data:
+                    more = conn.recv(65536)
+                    if not more:
+                        return
+                    data += more
+                head, data = data.split(b"\r\n\r\n", 1)
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                while len(data) < length:
+                    data += conn.recv(65536)
+                body, data = data[:length], data[length:]
+                status = 200
+                if b"/shard/apply" in head:
+                    self.applies.append((time.monotonic(), body))
+                    status = self.statuses.pop(0) if self.statuses else 200
+                answer = b'{"step": 1, "applied": true, "boot": "b1"}'
+                conn.sendall(b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
+                             % (status, len(answer)) + answer)
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 async def _until(cond, seconds: float, what: str) -> None:
@@ -137,4 +186,36 @@ def test_stop_ends_a_sender_whose_cancellation_wait_for_dropped():
             assert got == ["round 12"]
         await links.client.aclose()
 
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("statuses", [(), (503,)])
+def test_an_apply_decided_while_the_event_loop_is_busy_reaches_an_idle_follower_at_once(statuses):
+    """``round_closed`` is called as the coordinator decides a round, before it steps its own share in the event loop's
+    thread: an idle link's early writer writes the apply meanwhile, and the sender takes its answer (a 5xx: sent
+    again)."""
+    follower = ThreadFollower(statuses)
+
+    async def main() -> None:
+        links = Links(["http://coordinator.invalid", follower.url], None)
+        links.start()
+        f = links.followers[0]
+        try:
+            await _until(lambda: f.waiting, 10, "an idle sender")
+            links.round_closed(7, [(0, "w0"), (1, "w1")], 2)
+            end = time.monotonic() + 10
+            while not follower.applies and time.monotonic() < end:
+                time.sleep(0.005)  # the coordinator's own step: the event loop does nothing else meanwhile
+            assert follower.applies, "the apply did not leave while the event loop was busy"
+            await asyncio.wait_for(links.sent(7, 30.0), 5.0)
+            await _until(lambda: f.step == 1 and f.sent == 7, 10, "the follower's answer")
+            assert [b for _, b in follower.applies] == [follower.applies[0][1]] * (1 + len(statuses))
+            assert b'"step": 7' in follower.applies[0][1] or b'"step":7' in follower.applies[0][1]
+            links.round_closed(8, [(0, "w0")], 1)  # the next round goes by the early writer again, in order
+            await _until(lambda: f.sent == 8 and len(follower.applies) == 2 + len(statuses), 10, "round 8")
+            await links.stop()
+            assert f.error is None
+        finally:
+            await links.close()
+            follower.close()
     asyncio.run(main())

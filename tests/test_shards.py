@@ -87,7 +87,10 @@ def test_assembled_tensors_reuse_memory_nothing_else_references():
 
     def joined(value: float) -> dict:
         whole = {k: np.full_like(v, value) for k, v in tensors.items()}
-        return t._joined([Pulled(4, False, [0], shards.split(whole, ps), 1) for ps in m.pieces]).tensors
+        into, parts = t._target(), [Pulled(4, False, [0], shards.split(whole, ps), 1) for ps in m.pieces]
+        for i, part in enumerate(parts):  # as each shard's answer arrives (ShardedTransport._pull)
+            shards.place(m, i, part.tensors, into)
+        return t._joined(parts, into).tensors
 
     def address(a: np.ndarray) -> int:
         return a.__array_interface__["data"][0]
@@ -103,6 +106,15 @@ def test_assembled_tensors_reuse_memory_nothing_else_references():
     fourth = joined(4.0)  # the first's memory is free again (second and third are still held): reused
     assert address(fourth["w"]) == at and (fourth["w"] == 4).all() and (second["w"] == 2).all()
     assert (third["w"] == 3).all()
+
+    def fails() -> None:
+        raise ConnectionError("a shard is gone")
+
+    del fourth
+    free = t._target()  # the fourth's memory, free again
+    with pytest.raises(ConnectionError):
+        t._placing(free, [fails])  # a call of that batch may still be writing into it: never handed out again
+    assert all(k is not free for k in t._kept) and t._target() is not free
     t.close()
 
 

@@ -8,8 +8,8 @@ hold pushes; they decide nothing about membership or rounds. Each shard's core h
 
 One round, exact: a worker pushes its pieces to every shard (each holds them: :mod:`.holds`), then
 commits step s to the coordinator; the commit is what the coordinator's barrier counts, with the held
-pieces as the push's gradients. When round s closes with contributors C, the coordinator has applied
-its share and :meth:`ShardRole.observe` queues "apply round s with C" for every follower
+pieces as the push's gradients. When round s closes with contributors C, :meth:`ShardRole.decided` (the core's
+``on_decided`` hook, before the coordinator applies its own share) sends "apply round s with C" to every follower
 (:mod:`.links`), who sum the held pieces of C in rank order and step the same optimizer. The routes are
 :mod:`.routes`. :func:`role` is None on an unsharded PS: nothing here runs then.
 
@@ -68,6 +68,8 @@ class ShardRole:
         self._rolling: asyncio.Task | None = None
         if not self.coordinator:
             core.started = True  # a follower's pulls wait on its step only: it has no membership, no start-up
+        else:
+            core.on_decided = self.decided
 
     @property
     def coordinator(self) -> bool:
@@ -107,8 +109,25 @@ class ShardRole:
             raise ProtocolError(503, "shards_inconsistent", self.links.blocked)
 
     # ---- the coordinator ----------------------------------------------------------------
+    def decided(self, rec) -> None:
+        """The core's hook (``on_decided``): round ``rec.step`` is decided and not yet applied here; its apply goes to
+        the followers now (:meth:`.links.Links.round_closed` writes it at once on an idle link), so theirs runs while
+        the coordinator steps its own share."""
+        try:
+            if rec.step > self._sent_step:
+                self._send(rec)
+        except Exception:  # the round's close goes on; observe() retries the rounds not sent
+            log.exception("queueing the apply of round %d failed", rec.step)
+
+    def _send(self, rec) -> None:
+        contributors = sorted((a.rank, a.worker_id) for a in rec.contributors)
+        n = len(contributors)
+        self.links.round_closed(rec.step, contributors, n if self.aggregation == "mean" and n > 1 else 1)
+        self._sent_step = rec.step
+
     def observe(self) -> None:
-        """Runtime observer (O(1) unless a round closed): queue each newly closed round for the followers."""
+        """Runtime observer (O(1) unless a round closed): queue each newly closed round :meth:`decided` did not send
+        for the followers, and drop what was held for closed rounds."""
         core = self.core
         if core.rounds_closed == self._seen_closed:
             return
@@ -119,10 +138,7 @@ class ShardRole:
                 break
             new.append(rec)
         for rec in reversed(new):
-            contributors = sorted((a.rank, a.worker_id) for a in rec.contributors)
-            n = len(contributors)
-            self.links.round_closed(rec.step, contributors, n if self.aggregation == "mean" and n > 1 else 1)
-            self._sent_step = rec.step
+            self._send(rec)
         self.holds.drop_through(self._sent_step)  # pieces held for a closed round and never committed
 
     async def init_model(self, init: ModelInit) -> ModelInit:

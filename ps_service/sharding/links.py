@@ -6,6 +6,11 @@ Contract:
   raised as a 409 ``shard_init_failed`` naming it, an unreachable one as 503 ``shard_unreachable``.
 - :meth:`Links.round_closed` queues "apply round s with contributors C" for every follower; one task per follower
   sends them in step order (``POST /v1/shard/apply``), retrying each (capped backoff) until the follower answers.
+  It is called as the round is decided, before the coordinator steps its own share (``core.on_decided``), in the
+  event loop's thread, which that step then keeps busy: so a follower whose sender is idle (its queue empty) gets
+  its apply from a thread of its own at once (its *early writer*: one blocking request, whose answer the sender
+  then takes as its own; lost or 5xx, the sender sends it again), and the follower's step overlaps the
+  coordinator's.
   :meth:`Links.sent` waits (at most the seconds it is given) until every working link has written the apply of a
   round to its connection: the coordinator's weights answers wait for it, so that the apply leaves before megabytes
   of weights on the coordinator's network interface (a FIFO queue) and the followers' answers are not late by the
@@ -23,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -54,6 +60,10 @@ class Follower:
     boot: str | None = None  # the follower process's boot id, as it last answered (another one: it restarted)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     sent: int = -1  # the newest round whose apply was written to its connection
+    waiting: bool = False  # its sender waits on its queue: a round decided now may go by its early writer at once
+    writer: ThreadPoolExecutor | None = None  # one thread: applies written while the event loop is busy
+    writer_client: httpx.Client | None = None
+    in_flight: Future | None = None  # the early writer's last request
 
 
 def common_step(own: set[int], states: dict[int, dict]) -> int | None:
@@ -70,6 +80,9 @@ class Links:
         self.followers = [Follower(i, url) for i, url in enumerate(urls) if i > 0]
         self.headers = dict(bearer_header(token))
         self.client = httpx.AsyncClient(timeout=REQUEST_TIMEOUT_SECONDS, headers=self.headers)
+        for f in self.followers:
+            f.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"shard-{f.index}-writer")
+            f.writer_client = httpx.Client(timeout=REQUEST_TIMEOUT_SECONDS, headers=self.headers)
         self.tasks: list[asyncio.Task] = []
         self.blocked: str | None = None
         #: called with the follower and the reason when it restarted (its link is stopped meanwhile)
@@ -80,16 +93,26 @@ class Links:
         self.tasks = [asyncio.create_task(self._sender(f)) for f in self.followers]
 
     async def stop(self) -> None:
-        """Stop every sender (an apply in flight is abandoned), empty the queues, clear the errors (:meth:`start`
-        starts them again)."""
+        """Stop every sender (an apply in flight is abandoned; one its early writer wrote gets its answer first, at most
+        ``REQUEST_TIMEOUT_SECONDS``), empty the queues, clear the errors (:meth:`start` starts them again)."""
         await self._cancel()
+        early = [asyncio.wrap_future(f.in_flight) for f in self.followers if f.in_flight is not None]
+        if early:
+            await asyncio.wait(early, timeout=REQUEST_TIMEOUT_SECONDS)
+            for fut in early:
+                if fut.done() and not fut.cancelled():
+                    fut.exception()  # retrieved: a failed one was the sender's to send again, and it is stopped
         for f in self.followers:
+            f.in_flight = None
             f.queue, f.error, f.sent = asyncio.Queue(), None, -1
         self._wake()
 
     async def close(self) -> None:
         await self._cancel()
         await self.client.aclose()
+        for f in self.followers:
+            f.writer.submit(f.writer_client.close)  # after its request in flight, if any
+            f.writer.shutdown(wait=False)
 
     async def _cancel(self) -> None:
         """Cancel every sender and wait until it ended. A sender still running after :data:`CANCEL_AGAIN_SECONDS` is
@@ -170,25 +193,54 @@ class Links:
     def round_closed(self, step: int, contributors: list[tuple[int, str]], mean_of: int) -> None:
         msg = {"step": step, "contributors": [list(c) for c in contributors], "mean_of": mean_of}
         for f in self.followers:
-            f.queue.put_nowait(msg)
+            early = None
+            if f.waiting and f.error is None and f.queue.empty():  # nothing before it: in order by the early writer
+                early = f.in_flight = f.writer.submit(self._write_early, f, msg, asyncio.get_running_loop())
+            f.queue.put_nowait((msg, early))
+
+    def _write_early(self, f: Follower, msg: dict, loop: asyncio.AbstractEventLoop) -> httpx.Response:
+        """In ``f``'s early writer (a thread): ``POST /v1/shard/apply`` once (its sender takes the answer, or sends it
+        again)."""
+        def trace(event: str, info: dict) -> None:
+            if event == "http11.send_request_body.complete":
+                loop.call_soon_threadsafe(self._mark_sent, f, msg["step"])
+
+        return f.writer_client.post(f"{f.url}{API}/shard/apply", json=msg, extensions={"trace": trace})
+
+    async def _early_answer(self, f: Follower, early: Future) -> httpx.Response | None:
+        """The answer to what ``f``'s early writer sent; None if it got none, or a 5xx (the caller sends it again)."""
+        try:
+            resp = await asyncio.wrap_future(early)
+        except Exception as exc:  # httpx's errors, or anything else: never the sender's end
+            f.reachable = False
+            log.warning("shard %d at %s: POST /shard/apply failed (%s: %s); retrying", f.index, f.url,
+                        type(exc).__name__, exc)
+            return None
+        f.reachable = True
+        return resp if resp.status_code < 500 else None
 
     async def _sender(self, f: Follower) -> None:
         while True:
+            f.waiting = True
             try:
-                msg = await asyncio.wait_for(f.queue.get(), PROBE_SECONDS)
+                msg, early = await asyncio.wait_for(f.queue.get(), PROBE_SECONDS)
             except asyncio.TimeoutError:
-                msg = None
+                msg = early = None
+            finally:
+                f.waiting = False
             if f.error is not None:
                 continue
             try:
                 if msg is None:  # idle: is it still the process we know?
                     resp = await self._exchange(f, "GET", "/shard/state", time.monotonic() + PROBE_SECONDS)
                 else:
-                    async def trace(event: str, info: dict, step: int = msg["step"]) -> None:
-                        if event == "http11.send_request_body.complete":  # httpcore's "trace" request extension
-                            self._mark_sent(f, step)
-                    resp = await self._exchange(f, "POST", "/shard/apply", float("inf"), json=msg,
-                                                extensions={"trace": trace})
+                    resp = None if early is None else await self._early_answer(f, early)
+                    if resp is None:
+                        async def trace(event: str, info: dict, step: int = msg["step"]) -> None:
+                            if event == "http11.send_request_body.complete":  # httpcore's "trace" request extension
+                                self._mark_sent(f, step)
+                        resp = await self._exchange(f, "POST", "/shard/apply", float("inf"), json=msg,
+                                                    extensions={"trace": trace})
                     self._mark_sent(f, msg["step"])
             except TimeoutError:
                 continue  # a probe that got no answer: the next one asks again

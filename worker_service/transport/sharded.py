@@ -13,9 +13,10 @@ else request bodies, compressed as the job says).
   raised and nothing is committed: a push that some shard did not take never counts.
 - :meth:`pull`: every shard in parallel (only the coordinator's names the worker: it holds the lease);
   the answers must all be of one step, else they are asked again for the newest step among them; the
-  whole tensors are reassembled (:func:`shared.shards.assemble`); step, done and ranks are the coordinator's.
-  A split tensor is assembled into one of two kept arrays that nothing else references any more (the weights the
-  caller still computes with are the other): fresh 40 MB cost ~8-18 ms of page faults a step on our VMs.
+  whole tensors are reassembled (:mod:`shared.shards`); step, done and ranks are the coordinator's. Each shard's
+  slices are copied in as soon as its answer arrives (the first answers' copies overlap the wait for the last), into
+  one of two kept sets that nothing else references any more (the weights the caller still computes with are the
+  other): fresh 40 MB cost ~8-18 ms of page faults a step on our VMs.
 """
 from __future__ import annotations
 
@@ -110,44 +111,67 @@ class ShardedTransport(TensorTransport):
         held = {"worker_id": meta["worker_id"], "step": step}
         self._all([lambda i=i, ps=ps: self._hold(i, held, shards.split(grads, ps), timeout)
                    for i, ps in enumerate(self.map.pieces)])
-        answer, *rest = self._all([lambda: self._commit(meta, wait, timeout),
-                                   *(lambda i=i: self.clients[i].tensors.pull(step + 1, None, wait, timeout)
-                                     for i in range(1, len(self.clients)))])
+        into = self._target()
+
+        def commit() -> PushAnswer:
+            answer = self._commit(meta, wait, timeout)
+            if answer.pulled is not None:
+                shards.place(self.map, 0, answer.pulled.tensors, into)
+            return answer
+
+        answer, *rest = self._placing(into, [commit, *(lambda i=i: self._pull(i, step + 1, None, wait, timeout, into)
+                                                       for i in range(1, len(self.clients)))])
         parts = [answer.pulled, *rest]
-        pulled = self._joined(parts) if all(p is not None for p in parts) else None
+        pulled = self._joined(parts, into) if all(p is not None for p in parts) else None
         return PushAnswer(answer.status, answer.step, answer.done, pulled)
 
-    def _joined(self, parts: list[Pulled]) -> Pulled | None:
-        """The whole model from every shard's answer of one step (None: their steps differ)."""
+    def _placing(self, into: dict[str, np.ndarray], calls) -> list:
+        """:meth:`_all` of calls that place their answers ``into``. If one fails, the others may still be running and
+        writing there: that set is dropped, never handed out again."""
+        try:
+            return self._all(calls)
+        except BaseException:
+            self._kept = [k for k in self._kept if k is not into]
+            raise
+
+    def _pull(self, i: int, min_step: int, worker_id: str | None, wait: float, timeout: float,
+              into: dict[str, np.ndarray]) -> Pulled | None:
+        """Shard ``i``'s answer, its slices copied into ``into`` as soon as it arrives (in the thread that got it:
+        the copy of the shard answering first overlaps the wait for the others)."""
+        pulled = self.clients[i].tensors.pull(min_step, worker_id, wait, timeout)
+        if pulled is not None:
+            shards.place(self.map, i, pulled.tensors, into)
+        return pulled
+
+    def _joined(self, parts: list[Pulled], into: dict[str, np.ndarray]) -> Pulled | None:
+        """The whole model from every shard's answer of one step, each placed ``into`` (None: their steps differ)."""
         if len({p.step for p in parts}) != 1:
             return None
         head = parts[0]
-        into = self._unused()
-        whole = shards.assemble(self.map, [p.tensors for p in parts], into)
-        made = {k: whole[k] for k in self.map.split_names}
-        if into is not None:  # what assemble made anew (another shape: a new map) is kept in place of what was
-            into.clear()
-            into.update(made)
-        elif len(self._kept) < 2:
-            self._kept.append(made)
+        whole = shards.gathered(self.map, [p.tensors for p in parts], into)
         return Pulled(head.step, head.done, head.ranks, whole, sum(p.nbytes for p in parts))
 
-    def _unused(self) -> dict[str, np.ndarray] | None:
-        """A kept set of assembled tensors none of whose arrays is referenced outside the set (None: none is)."""
+    def _target(self) -> dict[str, np.ndarray]:
+        """The arrays this step's split tensors are assembled into: a kept set none of whose arrays is referenced
+        outside it (the weights the caller still computes with are another), else new memory, kept while fewer than
+        two sets are."""
         for kept in self._kept:
             if all(sys.getrefcount(a) <= 3 for a in kept.values()):  # the set, the loop variable, the argument
                 return kept
-        return None
+        made = shards.split_memory(self.map)
+        if len(self._kept) < 2:
+            self._kept.append(made)
+        return made
 
     def pull(self, min_step: int, worker_id: str | None, wait: float, timeout: float) -> Pulled | None:
-        end = time.monotonic() + AGREE_SECONDS
+        end, into = time.monotonic() + AGREE_SECONDS, self._target()
         while True:
-            parts = self._all([lambda i=i, s=min_step: self.clients[i].tensors.pull(s, worker_id if i == 0 else None,
-                                                                                    wait, timeout)
-                               for i in range(len(self.clients))])
+            parts = self._placing(into, [lambda i=i, s=min_step: self._pull(i, s, worker_id if i == 0 else None, wait,
+                                                                            timeout, into)
+                                         for i in range(len(self.clients))])
             if any(p is None for p in parts):
                 return None
-            joined = self._joined(parts)
+            joined = self._joined(parts, into)
             if joined is not None or time.monotonic() > end:
                 return joined
             min_step = max(p.step for p in parts)  # a shard was behind: ask every shard for the newest step
