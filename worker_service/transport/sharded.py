@@ -115,8 +115,7 @@ class ShardedTransport(TensorTransport):
 
         def commit() -> PushAnswer:
             answer = self._commit(meta, wait, timeout)
-            if answer.pulled is not None:
-                shards.place(self.map, 0, answer.pulled.tensors, into)
+            self._placed(0, answer.pulled, into)
             return answer
 
         answer, *rest = self._placing(into, [commit, *(lambda i=i: self._pull(i, step + 1, None, wait, timeout, into)
@@ -138,7 +137,10 @@ class ShardedTransport(TensorTransport):
               into: dict[str, np.ndarray]) -> Pulled | None:
         """Shard ``i``'s answer, its slices copied into ``into`` as soon as it arrives (in the thread that got it:
         the copy of the shard answering first overlaps the wait for the others)."""
-        pulled = self.clients[i].tensors.pull(min_step, worker_id, wait, timeout)
+        return self._placed(i, self.clients[i].tensors.pull(min_step, worker_id, wait, timeout), into)
+
+    def _placed(self, i: int, pulled: Pulled | None, into: dict[str, np.ndarray]) -> Pulled | None:
+        """``pulled`` (shard ``i``'s answer, if any), its slices copied ``into``."""
         if pulled is not None:
             shards.place(self.map, i, pulled.tensors, into)
         return pulled
