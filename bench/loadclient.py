@@ -3,7 +3,9 @@ latency samples.
 
 :class:`Conn` is one keep-alive connection (``Content-Length`` bodies only, which is all the PS sends);
 :func:`fresh` makes one exchange on a new connection and closes it, the way a probe, a registration or a
-heartbeat after a keep-alive timeout reaches the PS. Every exchange runs under a timeout and counts its
+heartbeat after a keep-alive timeout reaches the PS. As the worker's own connection does, a :class:`Conn`
+idle for half the PS's announced keep-alive opens a fresh connection instead of racing the PS's close
+(shared/keepalive.py). Every exchange runs under a timeout and counts its
 5xx answers in :class:`Samples`; a latency is recorded in milliseconds under a name.
 """
 from __future__ import annotations
@@ -12,6 +14,8 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass, field
+
+from shared import keepalive
 
 JSON = "application/json"
 
@@ -57,6 +61,7 @@ class Conn:
     def __init__(self, host: str, port: int, samples: Samples) -> None:
         self.host, self.port, self.samples = host, port, samples
         self._streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+        self._idle_since, self._reuse_seconds = 0.0, keepalive.reuse_seconds()
 
     def close(self) -> None:
         if self._streams is not None:
@@ -74,6 +79,8 @@ class Conn:
             raise
 
     async def _exchange(self, method: str, target: str, body: bytes, ctype: str, close: bool) -> Answer:
+        if self._streams is not None and time.monotonic() - self._idle_since >= self._reuse_seconds:
+            self.close()  # the PS may be closing it (its keep-alive runs out)
         if self._streams is None:
             self._streams = await asyncio.open_connection(self.host, self.port)
         reader, writer = self._streams
@@ -86,6 +93,8 @@ class Conn:
         if "content-length" not in headers and status not in (204, 304):
             raise ValueError(f"an answer without content-length: {lines[0]}")
         data = await reader.readexactly(int(headers.get("content-length", 0)))
+        self._idle_since = time.monotonic()
+        self._reuse_seconds = keepalive.reuse_seconds(keepalive.server_seconds(headers))
         if status >= 500:
             self.samples.errors_5xx += 1
         if close or headers.get("connection", "").lower() == "close":

@@ -15,9 +15,8 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import uvicorn
 from pydantic import ValidationError
 
-from ps_service.app import create_app
+from ps_service.app import create_app, server_options
 from ps_service.heap import keep_freed_memory
-from ps_service.transport.bodysink import BufferedSinkProtocol
 from ps_service.settings import PSSettings
 
 
@@ -53,8 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     gc.collect()
     gc.freeze()
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                access_log=False, timeout_graceful_shutdown=5, timeout_keep_alive=settings.http_keepalive_seconds,
-                http=BufferedSinkProtocol, loop=settings.event_loop)
+                timeout_graceful_shutdown=5, loop=settings.event_loop, **server_options(settings))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The PS's FastAPI application: routers, error handlers, the background ticker and checkpoints
-(restored on start, written periodically off the event loop, and a final one on shutdown/SIGTERM)."""
+(restored on start, written periodically off the event loop, and a final one on shutdown/SIGTERM); and the
+uvicorn options it is served with (:func:`server_options`, for ``python -m ps_service`` and the tests' live PS)."""
 from __future__ import annotations
 
 import asyncio
@@ -14,6 +15,17 @@ from ps_service.http import install_error_handlers
 from ps_service.runtime import Runtime
 from ps_service.sharding import routes as shard_routes
 from ps_service.settings import PSSettings
+from ps_service.transport.bodysink import BufferedSinkProtocol
+from shared import keepalive
+
+
+def server_options(settings: PSSettings) -> dict:
+    """uvicorn's options for a PS with ``settings``, beyond host, port, loop and logging: the protocol that reads
+    large bodies straight into the routes' buffers (ps_service/transport/bodysink.py), and the keep-alive timeout,
+    which every answer announces (``keep-alive: timeout=N``: clients stop reusing a connection idle for half of
+    it, shared/keepalive.py)."""
+    return {"access_log": False, "http": BufferedSinkProtocol, "timeout_keep_alive": settings.http_keepalive_seconds,
+            "headers": [(keepalive.HEADER, keepalive.header_value(settings.http_keepalive_seconds))]}
 
 
 def create_app(settings: PSSettings | None = None) -> FastAPI:

@@ -12,9 +12,10 @@ request; this connection does neither:
 Only what the PS speaks is supported: ``Content-Length`` or chunked bodies,
 keep-alive, ``http://`` URLs. Every call has a timeout.
 
-Before a kept-alive socket is reused it is polled (no wait): if the server
-closed it while idle (its keep-alive ran out) it is replaced by a fresh
-connection before a byte is sent. A request is never sent twice from here:
+A kept-alive socket is reused only while it has been idle for less than half
+the server's keep-alive timeout (its ``keep-alive: timeout=N`` answer header;
+shared/keepalive.py says why), and only if a poll (no wait) finds it still
+open; otherwise a fresh connection is made before a byte is sent. A request is never sent twice from here:
 any failure once sending began closes the connection and raises
 :class:`ConnectionLost`, and the client's retry policy decides what next
 (worker_service/retry.py; pushes are idempotent at the PS). An answer the
@@ -26,11 +27,14 @@ import json
 import select
 import socket
 import sys
+import time
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 from urllib.parse import urlsplit
 
 import numpy as np
+
+from shared import keepalive
 
 HEADER_LIMIT = 64 * 1024
 #: bodies smaller than this are plain bytes (a buffer pool is not worth it)
@@ -65,6 +69,9 @@ class RawConnection:
         self.host_header = url.netloc
         self.sock: socket.socket | None = None
         self._pool: list[np.ndarray] = []
+        #: time.monotonic() of the end of the last answer on ``sock``, and how long after it ``sock`` may be reused
+        self._idle_since = 0.0
+        self._reuse_seconds = keepalive.reuse_seconds()
 
     def close(self) -> None:
         if self.sock is not None:
@@ -79,8 +86,9 @@ class RawConnection:
         :class:`ConnectionLost` when the request failed; it is never sent twice from here.
         """
         parts = self._message(method, target, headers, body)
-        if self.sock is not None and _dropped(self.sock):
-            self.close()  # the server closed it while idle (keep-alive ran out): nothing was sent on it
+        idle = time.monotonic() - self._idle_since
+        if self.sock is not None and (idle >= self._reuse_seconds or _dropped(self.sock)):
+            self.close()  # idle for long (the server may be closing it) or closed: nothing was sent on it
         try:
             if self.sock is None:
                 self.sock = socket.create_connection((self.host, self.port), timeout=timeout)
@@ -95,7 +103,10 @@ class RawConnection:
                     raise
                 self.close()  # our request was cut short: the connection is done with
                 return early
-            return self._receive(method)
+            answer = self._receive(method)
+            self._idle_since = time.monotonic()
+            self._reuse_seconds = keepalive.reuse_seconds(keepalive.server_seconds(answer.headers))
+            return answer
         except TimeoutError:
             self.close()
             raise ConnectionLost(f"timed out: no progress for {timeout:g} s") from None

@@ -56,7 +56,8 @@ class ShardRole:
         self.holds = Holds()
         self.map: ShardMap | None = None
         self.initialising = False
-        self.links = Links(self.urls, settings.auth_token) if self.coordinator else None
+        self.links = (Links(self.urls, settings.auth_token, settings.http_keepalive_seconds) if self.coordinator
+                      else None)
         self.sidecar = Path(settings.checkpoint_dir) / SIDECAR if settings.checkpoint_dir else None
         self._seen_closed = 0
         self._sent_step = -1

@@ -34,6 +34,7 @@ from typing import Callable
 
 import httpx
 
+from shared import keepalive
 from shared.errors import ProtocolError
 from shared.frame import MEDIA_TYPE as FRAME
 from shared.protocol import API
@@ -76,13 +77,16 @@ def common_step(own: set[int], states: dict[int, dict]) -> int | None:
 
 
 class Links:
-    def __init__(self, urls: list[str], token) -> None:
+    def __init__(self, urls: list[str], token, keepalive_seconds: float = keepalive.DEFAULT_SERVER_SECONDS) -> None:
+        """``keepalive_seconds``: the followers' ``PS_HTTP_KEEPALIVE_SECONDS`` (every shard takes the same settings);
+        a connection idle for half of it is not reused (shared/keepalive.py)."""
         self.followers = [Follower(i, url) for i, url in enumerate(urls) if i > 0]
         self.headers = dict(bearer_header(token))
-        self.client = httpx.AsyncClient(timeout=REQUEST_TIMEOUT_SECONDS, headers=self.headers)
+        limits = httpx.Limits(keepalive_expiry=keepalive.reuse_seconds(keepalive_seconds))
+        self.client = httpx.AsyncClient(timeout=REQUEST_TIMEOUT_SECONDS, headers=self.headers, limits=limits)
         for f in self.followers:
             f.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"shard-{f.index}-writer")
-            f.writer_client = httpx.Client(timeout=REQUEST_TIMEOUT_SECONDS, headers=self.headers)
+            f.writer_client = httpx.Client(timeout=REQUEST_TIMEOUT_SECONDS, headers=self.headers, limits=limits)
         self.tasks: list[asyncio.Task] = []
         self.blocked: str | None = None
         #: called with the follower and the reason when it restarted (its link is stopped meanwhile)

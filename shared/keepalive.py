@@ -1,0 +1,41 @@
+"""How long a client may reuse an idle kept-alive connection to a PS (docs/protocol.md, Transport).
+
+The PS closes a connection that stayed idle for ``PS_HTTP_KEEPALIVE_SECONDS`` (uvicorn's ``timeout_keep_alive``)
+and says so on every answer: ``keep-alive: timeout=<seconds>``. A request a client sends while that close is on its
+way is lost (the PS never read it): the client sees the connection closed before any answer and has to send it
+again. A client cannot tell from the socket alone that the close is imminent (it polls the socket before reuse, but
+between that poll and its send a busy machine can deschedule it; a PS whose event loop is busy fires the expired
+timer late, while the request already sits unread in its socket). So a client reuses a connection only while it
+has been idle for less than :func:`reuse_seconds` of the PS's timeout (half of it) and opens a fresh one after
+that: a TCP handshake, against an idle time of at least seconds.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+#: the response header that carries the PS's timeout, and uvicorn's default, assumed when an answer does not say
+HEADER = "keep-alive"
+DEFAULT_SERVER_SECONDS = 5.0
+
+
+def header_value(server_seconds: float) -> str:
+    """The ``keep-alive`` value a PS with this timeout sends (e.g. ``timeout=5``)."""
+    return f"timeout={server_seconds:g}"
+
+
+def server_seconds(headers: Mapping[str, str], default: float = DEFAULT_SERVER_SECONDS) -> float:
+    """The timeout an answer's headers (lower-case names) announce, or ``default`` if none is readable."""
+    for part in headers.get(HEADER, "").split(","):
+        name, _, value = part.strip().partition("=")
+        if name.strip().lower() == "timeout":
+            try:
+                seconds = float(value)
+            except ValueError:
+                return default
+            return seconds if seconds > 0 else default
+    return default
+
+
+def reuse_seconds(server_seconds: float = DEFAULT_SERVER_SECONDS) -> float:
+    """For how long after its last answer a client may still send on a connection the PS keeps ``server_seconds``."""
+    return server_seconds / 2
