@@ -72,9 +72,10 @@ class PSSettings(BaseSettings):
     body_idle_timeout_seconds: float = Field(
         30.0, gt=0, description="A request body that stalls this long between two chunks is refused (408).")
     http_keepalive_seconds: float = Field(
-        5.0, gt=0, description="How long the PS keeps an idle HTTP connection open (uvicorn's timeout_keep_alive); "
+        60.0, gt=0, description="How long the PS keeps an idle HTTP connection open (uvicorn's timeout_keep_alive); "
                          "every answer says it (`keep-alive: timeout=N`) and clients reuse a connection idle for "
-                         "less than half of it.")
+                         "less than half of it. Not uvicorn's 5 s: heartbeats (every lease/3) and steps of "
+                         "seconds keep their connections.")
     auth_token: SecretStr | None = Field(
         None, description="Bearer token the training and control routes require (register, leave, heartbeat, "
                           "initialise, pull, push). Unset or empty: those routes are open.")

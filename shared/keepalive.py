@@ -8,6 +8,10 @@ between that poll and its send a busy machine can deschedule it; a PS whose even
 timer late, while the request already sits unread in its socket). So a client reuses a connection only while it
 has been idle for less than :func:`reuse_seconds` of the PS's timeout (half of it) and opens a fresh one after
 that: a TCP handshake, against an idle time of at least seconds.
+
+The PS's default is 60 s, not uvicorn's 5, so that this rule does not make every heartbeat (one each lease/3, 3.3 s
+by default) and every step of a few seconds open a connection: a PS accepts one new connection per event-loop turn
+(uvloop), and a thousand of them at once queue behind the round's work.
 """
 from __future__ import annotations
 
