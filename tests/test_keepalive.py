@@ -19,6 +19,7 @@ from shared import keepalive
 from tests.live_ps import live_ps
 from worker_service import rawhttp
 from worker_service.rawhttp import ConnectionLost, RawConnection
+from worker_service.transport.httpx import HttpxConnection
 
 
 @pytest.mark.parametrize("value, seconds", [("timeout=5", 5.0), ("timeout=0.4", 0.4), ("max=100, timeout=3", 3.0),
@@ -51,6 +52,22 @@ def test_every_answer_of_the_ps_announces_its_keep_alive_and_the_worker_follows_
             now[0] += 1.5  # idle for half of it: a fresh connection, before a byte is sent on the old one
             conn.request("GET", "/v1/status", {}, timeout=10.0)
             assert conn.sock is not first and first.fileno() == -1
+        finally:
+            conn.close()
+
+
+def test_the_httpx_connection_takes_the_announced_timeout_as_its_pools_expiry():
+    """The connection for https:// PS URLs (it speaks http:// too): made again once, at the first announcement."""
+    with live_ps(http_keepalive_seconds=3) as ps:
+        conn = HttpxConnection(ps.url)
+        try:
+            assumed = conn.client
+            assert conn.reuse_seconds == keepalive.reuse_seconds()
+            assert conn.request("GET", "/v1/status", {}, timeout=10.0).status_code == 200
+            assert conn.reuse_seconds == 1.5 and assumed.is_closed and conn.client is not assumed
+            announced = conn.client
+            assert conn.request("GET", "/v1/status", {}, timeout=10.0).status_code == 200
+            assert conn.client is announced and not announced.is_closed  # the same pool from then on
         finally:
             conn.close()
 

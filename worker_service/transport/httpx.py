@@ -1,6 +1,7 @@
 """A :class:`~worker_service.transport.base.Connection` over httpx, for PS URLs the raw connection does
-not speak (``https://``, a PS behind a TLS proxy). Slower (it copies bodies), same contract; a connection idle for
-half the PS's default keep-alive is not reused (shared/keepalive.py: httpx cannot follow each answer's header)."""
+not speak (``https://``, a PS behind a TLS proxy). Slower (it copies bodies), same contract. A connection idle for
+half the keep-alive the answers announce is not reused (shared/keepalive.py): httpx's pool takes that as its
+``keepalive_expiry``, so the client is made again, once, when an answer announces another timeout than assumed."""
 from __future__ import annotations
 
 from typing import Mapping, Sequence
@@ -13,16 +14,27 @@ from worker_service.rawhttp import ConnectionLost
 
 class HttpxConnection:
     def __init__(self, base_url: str) -> None:
-        limits = httpx.Limits(max_keepalive_connections=2, keepalive_expiry=keepalive.reuse_seconds())
-        self.client = httpx.Client(base_url=base_url, limits=limits)
+        self.base_url = base_url
+        self.reuse_seconds = keepalive.reuse_seconds()
+        self.client = self._client()
+
+    def _client(self) -> httpx.Client:
+        limits = httpx.Limits(max_keepalive_connections=2, keepalive_expiry=self.reuse_seconds)
+        return httpx.Client(base_url=self.base_url, limits=limits)
 
     def request(self, method: str, target: str, headers: Mapping[str, str], body: Sequence[bytes | memoryview] = (),
                 timeout: float = 30.0) -> httpx.Response:
         try:
             content = b"".join(bytes(p) if isinstance(p, memoryview) else p for p in body) if body else None
-            return self.client.request(method, target, headers=dict(headers), content=content, timeout=timeout)
+            resp = self.client.request(method, target, headers=dict(headers), content=content, timeout=timeout)
         except httpx.TransportError as exc:
             raise ConnectionLost(f"{type(exc).__name__}: {exc}") from None
+        announced = keepalive.reuse_seconds(keepalive.server_seconds(resp.headers))
+        if announced != self.reuse_seconds:
+            self.reuse_seconds = announced
+            self.client.close()  # the answer was read in full: nothing in flight is lost
+            self.client = self._client()
+        return resp
 
     def close(self) -> None:
         self.client.close()
