@@ -15,8 +15,9 @@ keep-alive, ``http://`` URLs. Every call has a timeout.
 A kept-alive socket is reused only while it has been idle for less than half
 the server's keep-alive timeout (its ``keep-alive: timeout=N`` answer header;
 shared/keepalive.py says why), and only if a poll (no wait) finds it still
-open; otherwise a fresh connection is made before a byte is sent. A request is never sent twice from here:
-any failure once sending began closes the connection and raises
+open; otherwise a fresh connection is made before a byte is sent. A request
+is never sent twice from here: any failure once sending began closes the
+connection and raises
 :class:`ConnectionLost`, and the client's retry policy decides what next
 (worker_service/retry.py; pushes are idempotent at the PS). An answer the
 server sent before it stopped reading (e.g. a 413) is still returned.
