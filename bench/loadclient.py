@@ -61,7 +61,7 @@ class Conn:
     def __init__(self, host: str, port: int, samples: Samples) -> None:
         self.host, self.port, self.samples = host, port, samples
         self._streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
-        self._idle_since, self._reuse_seconds = 0.0, keepalive.reuse_seconds()
+        self._idle = keepalive.IdleClock()
 
     def close(self) -> None:
         if self._streams is not None:
@@ -79,7 +79,7 @@ class Conn:
             raise
 
     async def _exchange(self, method: str, target: str, body: bytes, ctype: str, close: bool) -> Answer:
-        if self._streams is not None and time.monotonic() - self._idle_since >= self._reuse_seconds:
+        if self._streams is not None and self._idle.expired():
             self.close()  # the PS may be closing it (its keep-alive runs out)
         if self._streams is None:
             self._streams = await asyncio.open_connection(self.host, self.port)
@@ -93,8 +93,7 @@ class Conn:
         if "content-length" not in headers and status not in (204, 304):
             raise ValueError(f"an answer without content-length: {lines[0]}")
         data = await reader.readexactly(int(headers.get("content-length", 0)))
-        self._idle_since = time.monotonic()
-        self._reuse_seconds = keepalive.reuse_seconds(keepalive.server_seconds(headers))
+        self._idle.answered(headers)
         if status >= 500:
             self.samples.errors_5xx += 1
         if close or headers.get("connection", "").lower() == "close":

@@ -15,6 +15,7 @@ by default) and every step of a few seconds open a connection: a PS accepts one 
 """
 from __future__ import annotations
 
+import time
 from typing import Mapping
 
 #: the response header that carries the PS's timeout, and uvicorn's default, assumed when an answer does not say
@@ -43,3 +44,17 @@ def server_seconds(headers: Mapping[str, str], default: float = DEFAULT_SERVER_S
 def reuse_seconds(server_seconds: float = DEFAULT_SERVER_SECONDS) -> float:
     """For how long after its last answer a client may still send on a connection the PS keeps ``server_seconds``."""
     return server_seconds / 2
+
+
+class IdleClock:
+    """One connection's clock: when its last answer ended, and whether it has been idle too long to be reused."""
+
+    def __init__(self) -> None:
+        self.since, self.seconds = 0.0, reuse_seconds()
+
+    def expired(self) -> bool:
+        return time.monotonic() - self.since >= self.seconds
+
+    def answered(self, headers: Mapping[str, str]) -> None:
+        """An answer with these headers (lower-case names) was read in full just now."""
+        self.since, self.seconds = time.monotonic(), reuse_seconds(server_seconds(headers))

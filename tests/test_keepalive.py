@@ -17,7 +17,6 @@ import pytest
 from cluster.processes import LocalCluster
 from shared import keepalive
 from tests.live_ps import live_ps
-from worker_service import rawhttp
 from worker_service.rawhttp import ConnectionLost, RawConnection
 from worker_service.transport.httpx import HttpxConnection
 
@@ -37,7 +36,7 @@ def test_a_connection_is_reused_for_half_the_timeout():
 
 def test_every_answer_of_the_ps_announces_its_keep_alive_and_the_worker_follows_it(monkeypatch):
     now = [1000.0]
-    monkeypatch.setattr(rawhttp, "time", SimpleNamespace(monotonic=lambda: now[0]))  # the connection's clock only
+    monkeypatch.setattr(keepalive, "time", SimpleNamespace(monotonic=lambda: now[0]))  # the connections' idle clock
     with live_ps(http_keepalive_seconds=3) as ps:
         conn = RawConnection(ps.url)
         try:
@@ -99,3 +98,15 @@ def test_clients_that_send_just_as_the_ps_closes_their_idle_connections_lose_not
             t.join(60)
         assert not any(t.is_alive() for t in threads)
     assert lost == []
+
+
+def test_an_idle_clock_expires_at_half_the_announced_timeout(monkeypatch):
+    now = [50.0]
+    monkeypatch.setattr(keepalive, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    clock = keepalive.IdleClock()
+    assert clock.expired()  # never answered: nothing to reuse
+    clock.answered({"keep-alive": "timeout=60"})
+    now[0] += 29.9
+    assert not clock.expired()
+    now[0] += 0.1
+    assert clock.expired()

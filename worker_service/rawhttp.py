@@ -28,7 +28,6 @@ import json
 import select
 import socket
 import sys
-import time
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 from urllib.parse import urlsplit
@@ -70,9 +69,7 @@ class RawConnection:
         self.host_header = url.netloc
         self.sock: socket.socket | None = None
         self._pool: list[np.ndarray] = []
-        #: time.monotonic() of the end of the last answer on ``sock``, and how long after it ``sock`` may be reused
-        self._idle_since = 0.0
-        self._reuse_seconds = keepalive.reuse_seconds()
+        self._idle = keepalive.IdleClock()  # of ``sock``
 
     def close(self) -> None:
         if self.sock is not None:
@@ -87,8 +84,7 @@ class RawConnection:
         :class:`ConnectionLost` when the request failed; it is never sent twice from here.
         """
         parts = self._message(method, target, headers, body)
-        idle = time.monotonic() - self._idle_since
-        if self.sock is not None and (idle >= self._reuse_seconds or _dropped(self.sock)):
+        if self.sock is not None and (self._idle.expired() or _dropped(self.sock)):
             self.close()  # idle for long (the server may be closing it) or closed: nothing was sent on it
         try:
             if self.sock is None:
@@ -105,8 +101,7 @@ class RawConnection:
                 self.close()  # our request was cut short: the connection is done with
                 return early
             answer = self._receive(method)
-            self._idle_since = time.monotonic()
-            self._reuse_seconds = keepalive.reuse_seconds(keepalive.server_seconds(answer.headers))
+            self._idle.answered(answer.headers)
             return answer
         except TimeoutError:
             self.close()
