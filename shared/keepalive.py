@@ -1,4 +1,4 @@
-"""How long a client may reuse an idle kept-alive connection to a PS (docs/protocol.md, Transport).
+"""How long a client may reuse an idle kept-alive connection to a PS (docs/protocol.md, "Connections").
 
 The PS closes a connection that stayed idle for ``PS_HTTP_KEEPALIVE_SECONDS`` (uvicorn's ``timeout_keep_alive``)
 and says so on every answer: ``keep-alive: timeout=<seconds>``. A request a client sends while that close is on its
