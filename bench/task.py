@@ -5,7 +5,10 @@ gloo all-reduce): ``y = x @ w + b`` with ``w: [d, k]``, ``b: [k]`` split by
 :func:`model_dims` (``(d + 1) * k ~= P``), ``x ~ randn(32, d)`` drawn fresh by
 each worker each step from its own generator, ``y = x @ w_true + 0.4`` with a
 fixed ``w_true = 0.1 * randn(d, k)``, loss ``mean((x @ w + b - y)^2)``, plain
-SGD with learning rate 0.5, weights starting at zero.
+SGD with learning rate 0.5, weights starting at zero. ``batch`` draws a step's
+``(x, y)`` (its data and labels) from a generator seeded by (seed, shard, step): a
+function of its arguments, so the worker may draw it ahead (WORKER_PREFETCH) while
+the round is out; the anchors draw the same in their step.
 
 Load it in a worker with ``WORKER_TASK=bench.task:params_<P>`` (for example
 ``bench.task:params_1000000``): the module resolves ``params_<P>`` to a factory
@@ -43,7 +46,7 @@ def actual_params(params: int) -> int:
 
 
 class BenchLinearTask:
-    """The anchors' linear regression; one generator per shard, so each worker draws its own x."""
+    """The anchors' linear regression; one generator per (shard, step), so each worker draws its own x."""
 
     def __init__(self, params: int, seed: int = 0, dtype: str = "float32") -> None:
         self.name = f"bench-linear-{params}"
@@ -51,7 +54,6 @@ class BenchLinearTask:
         self.d, self.k = model_dims(params)
         self.seed = seed
         self.w_true = (0.1 * np.random.default_rng([seed, 12]).standard_normal((self.d, self.k))).astype(self.dtype)
-        self._rngs: dict[int, np.random.Generator] = {}
         self._gw = np.empty((self.d, self.k), self.dtype)
         self._gb = np.empty((self.k,), self.dtype)
 
@@ -61,18 +63,20 @@ class BenchLinearTask:
     def optimizer(self) -> dict[str, Any]:
         return {"name": "sgd", "learning_rate": LEARNING_RATE}
 
-    def batch(self, step: int, shard_index: int, shard_count: int, batch_size: int) -> np.ndarray:
-        rng = self._rngs.get(shard_index)
-        if rng is None:
-            rng = self._rngs[shard_index] = np.random.default_rng([self.seed, 1000 + shard_index])
-        return rng.standard_normal((batch_size, self.d), dtype=self.dtype) if self.dtype.itemsize in (4, 8) \
+    def batch(self, step: int, shard_index: int, shard_count: int,
+              batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(x, y)``: ``x ~ randn(batch_size, d)`` from the generator of (seed, shard, step), ``y = x @ w_true + 0.4``."""
+        rng = np.random.default_rng([self.seed, 1000 + shard_index, step])
+        x = rng.standard_normal((batch_size, self.d), dtype=self.dtype) if self.dtype.itemsize in (4, 8) \
             else rng.standard_normal((batch_size, self.d)).astype(self.dtype)
-
-    def loss_and_grads(self, params: Mapping[str, np.ndarray], x: np.ndarray,
-                       out: Mapping[str, np.ndarray] | None = None) -> tuple[float, dict[str, np.ndarray], int]:
-        """``out``: arrays to write the gradients into (the same-host gradient file), else this task's own."""
         y = x @ self.w_true
         y += self.dtype.type(BIAS_TRUE)
+        return x, y
+
+    def loss_and_grads(self, params: Mapping[str, np.ndarray], batch: tuple[np.ndarray, np.ndarray],
+                       out: Mapping[str, np.ndarray] | None = None) -> tuple[float, dict[str, np.ndarray], int]:
+        """``out``: arrays to write the gradients into (the same-host gradient file), else this task's own."""
+        x, y = batch
         err = x @ params["w"]
         err += params["b"]
         err -= y

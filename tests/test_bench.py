@@ -62,12 +62,13 @@ def test_bench_gradient_is_the_loss_derivative():
     task = BenchLinearTask(40, seed=3, dtype="float64")
     rng = np.random.default_rng(0)
     params = {"w": rng.standard_normal((39, 1)), "b": rng.standard_normal(1)}
-    x = task.batch(0, 0, 1, 32)
+    x, y = task.batch(0, 0, 1, 32)
+    assert np.array_equal(y, x @ task.w_true + 0.4)
 
     def loss(p):
-        err = x @ p["w"] + p["b"] - (x @ task.w_true + 0.4)
+        err = x @ p["w"] + p["b"] - y
         return float(np.mean(err * err))
-    _, grads, n = task.loss_and_grads(params, x)
+    _, grads, n = task.loss_and_grads(params, (x, y))
     assert n == 32
     for name, i in (("w", (5, 0)), ("b", (0,))):
         bumped = {k: v.copy() for k, v in params.items()}
@@ -187,10 +188,10 @@ def test_large_gradients_arriving_in_any_order_give_the_reference_weights():
     assert job.exit_codes == [0] * workers and job.status["global_step"] == steps
     task = BenchLinearTask(params, seed=5, dtype="float64")
     weights = task.init_params()
-    for _ in range(steps):
+    for step in range(steps):
         total = None
         for rank in range(workers):
-            _, g, _ = task.loss_and_grads(weights, task.batch(0, rank, workers, 32))
+            _, g, _ = task.loss_and_grads(weights, task.batch(step, rank, workers, 32))
             total = {k: v.copy() for k, v in g.items()} if total is None else {k: total[k] + g[k] for k in g}
         for k in weights:
             weights[k] = weights[k] - np.float64(0.5) * (total[k] / workers)

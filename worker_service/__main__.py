@@ -44,7 +44,8 @@ def main() -> int:
     client = PSClient(s.ps_url, timeout=s.request_timeout_seconds, attempts=s.retry_attempts,
                       retry_timeout=s.retry_timeout_seconds, token=s.auth_token, shm_dir=s.shm_dir, connection=conn)
     client.wait_ready(s.retry_timeout_seconds)
-    summary = train(client, task, s.name, s.batch_size, stop, s.log_every_seconds, s.compute_delay_seconds)
+    summary = train(client, task, s.name, s.batch_size, stop, s.log_every_seconds, s.compute_delay_seconds,
+                    s.prefetch)
     client.close()
     if isinstance(conn, faults.FaultyConnection):
         logging.info("faults injected over %s: %s", type(conn.inner).__name__, conn.counts)

@@ -7,6 +7,9 @@ Contract:
   ``ranks`` list of the pull) out of their count; a pull whose ranks do not hold
   this worker (it joined mid-round) is skipped to the next step.
 - A heartbeat thread keeps the lease while the worker computes.
+- While a push and its round are out, the next step's batch is drawn in a thread (:mod:`worker_service.prefetch`,
+  ``prefetch``: WORKER_PREFETCH), for the same position among the same ranks; a guess that turns out wrong is
+  drawn again, so the batches are those of a worker that does not prefetch.
 - A 404/409 from the PS (it restarted, or the lease expired) means register
   again and carry on from the PS's step.
 - ``stop`` (SIGTERM; a ``StopFlag``, which a signal handler may set) ends the loop
@@ -23,6 +26,7 @@ from typing import Callable
 
 from shared.errors import ProtocolError
 from worker_service.client import PSClient
+from worker_service.prefetch import BatchAhead
 from worker_service.progress import ProgressLog
 from worker_service.stopping import StopFlag
 from worker_service.tasks import Task, writes_into
@@ -43,6 +47,7 @@ class Summary:
     done: bool = False
     last_loss: float | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    prefetched: dict[str, int] = field(default_factory=dict)  # next batches drawn ahead: used, dropped (guess wrong)
 
 
 class Heartbeat(threading.Thread):
@@ -77,7 +82,7 @@ class Heartbeat(threading.Thread):
 
 
 def train(client: PSClient, task: Task, name: str, batch_size: int, stop: StopFlag | threading.Event | None = None,
-          log_every: float = 5.0, compute_delay: float = 0.0) -> Summary:
+          log_every: float = 5.0, compute_delay: float = 0.0, prefetch: bool = True) -> Summary:
     stop = stop if stop is not None else StopFlag()
     summary = Summary(name=name)
     reg = client.register(name)
@@ -96,6 +101,7 @@ def train(client: PSClient, task: Task, name: str, batch_size: int, stop: StopFl
     times = {"fetch": 0.0, "compute": 0.0, "push": 0.0}
     progress = ProgressLog(log, log_every)
     into_buffers = writes_into(task)
+    ahead = BatchAhead(task, batch_size, prefetch)
     params = None
     try:
         while not stop.is_set():
@@ -113,7 +119,8 @@ def train(client: PSClient, task: Task, name: str, batch_size: int, stop: StopFl
                     step = pulled.step + 1  # not in this round (joined mid-round): wait for the next
                     continue
                 t1 = time.monotonic()
-                batch = task.batch(pulled.step, pulled.ranks.index(summary.rank), len(pulled.ranks), batch_size)
+                place = (pulled.ranks.index(summary.rank), len(pulled.ranks))
+                batch = ahead.get(pulled.step, *place)
                 into = client.gradient_buffers() if into_buffers else None  # the same-host file: no copy
                 loss, grads, n = (task.loss_and_grads(pulled.tensors, batch) if into is None
                                   else task.loss_and_grads(pulled.tensors, batch, out=into))
@@ -121,6 +128,7 @@ def train(client: PSClient, task: Task, name: str, batch_size: int, stop: StopFl
                     stop.wait(compute_delay)  # WORKER_COMPUTE_DELAY_SECONDS: a deliberately slow worker
                 t2 = time.monotonic()
                 times = {"fetch": t1 - t0, "compute": t2 - t1, "push": times["push"]}  # push: the previous one's
+                ahead.ahead(pulled.step + 1, *place)  # the next batch, drawn while this push and its round are out
                 res = client.push(worker_id, pulled.step, grads, loss, n, times)
             except ProtocolError as exc:
                 if exc.code not in REJOIN_CODES:
@@ -139,6 +147,8 @@ def train(client: PSClient, task: Task, name: str, batch_size: int, stop: StopFl
             progress.pushed(pulled.step, loss, times, res["status"])
     finally:
         hb.halt.set()
+        ahead.close()
+        summary.prefetched = {"used": ahead.used, "dropped": ahead.dropped}
         if stop.is_set():
             log.info("stop requested (SIGTERM or SIGINT): leaving the cluster")
         try:

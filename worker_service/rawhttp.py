@@ -27,14 +27,13 @@ from __future__ import annotations
 import json
 import select
 import socket
-import sys
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 from urllib.parse import urlsplit
 
 import numpy as np
 
-from shared import keepalive
+from shared import keepalive, refs
 
 HEADER_LIMIT = 64 * 1024
 #: bodies smaller than this are plain bytes (a buffer pool is not worth it)
@@ -207,7 +206,7 @@ class RawConnection:
     def _buffer(self, n: int) -> np.ndarray:
         """A byte array of at least n bytes that no earlier answer's arrays still view."""
         for i, arr in enumerate(self._pool):
-            if sys.getrefcount(arr) <= 3:  # the pool list, the loop variable, the argument
+            if refs.free(arr):
                 if arr.nbytes < n:
                     arr = self._pool[i] = np.empty(n, np.uint8)
                 return arr

@@ -58,6 +58,9 @@ class WorkerSettings(BaseSettings):
                                 "is found there (same host), else tensors go over HTTP. Empty: always HTTP.")
     compute_delay_seconds: float = Field(
         0.0, ge=0, description="Extra seconds added to every compute phase: a deliberately slow worker, for straggler drills.")
+    prefetch: bool = Field(
+        True, description="Draw the next step's batch (the task's batch()) in a thread while a push and its round are out. "
+                          "A task whose batch() is not a function of its arguments opts out with prefetch = False.")
     cpus: str = Field(
         "", description="CPUs the worker runs on, a Linux CPU list (3, or 0-3,6). Empty: wherever the OS puts it. "
                         "python -m cluster gives each worker a CPU of its own when there are no more workers than CPUs.")

@@ -21,9 +21,9 @@ Contract:
 """
 from __future__ import annotations
 
-import sys
-
 import numpy as np
+
+from shared import refs
 
 #: most bytes of buffers the pool keeps for reuse
 POOL_BYTES = 2 << 30
@@ -51,7 +51,7 @@ class BufferPool:
         best = None
         for buf in self._kept:
             if n <= buf.nbytes <= 2 * n and (best is None or buf.nbytes < best.nbytes) \
-                    and sys.getrefcount(buf) <= 3:  # the list, the loop variable, the argument
+                    and refs.free(buf):
                 best = buf
         if best is not None:
             return memoryview(best)[:n]

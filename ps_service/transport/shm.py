@@ -23,12 +23,11 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-import sys
 
 import numpy as np
 
 from ps_service.accumulator import Borrowed
-from shared import frame, shm
+from shared import frame, refs, shm
 from shared.errors import ProtocolError, bad_request
 
 try:
@@ -181,7 +180,7 @@ class ShmHub:
     def _buffer(self) -> np.ndarray:
         """A buffer that no round holds any more, else a fresh one (kept for reuse up to MAX_SPARE + attached)."""
         for buf in self._copies:
-            if sys.getrefcount(buf) <= 3:  # the list, the loop variable, the argument: no view of it is alive
+            if refs.free(buf):  # no view of it is alive
                 return buf
         buf = np.empty(self.layout.data_bytes, np.uint8)
         if len(self._copies) < MAX_SPARE + len(self.attached):

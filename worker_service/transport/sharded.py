@@ -20,14 +20,13 @@ else request bodies, compressed as the job says).
 """
 from __future__ import annotations
 
-import sys
 import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait as wait_all
 from typing import TYPE_CHECKING, Mapping
 
 import numpy as np
 
-from shared import frame, shards
+from shared import frame, refs, shards
 from shared.errors import ProtocolError
 from shared.protocol import API
 from worker_service.transport.base import Pulled, PushAnswer, TensorTransport
@@ -158,7 +157,7 @@ class ShardedTransport(TensorTransport):
         outside it (the weights the caller still computes with are another), else new memory, kept while fewer than
         two sets are."""
         for kept in self._kept:
-            if all(sys.getrefcount(a) <= 3 for a in kept.values()):  # the set, the loop variable, the argument
+            if all(refs.free(a) for a in kept.values()):
                 return kept
         made = shards.split_memory(self.map)
         if len(self._kept) < 2:
