@@ -438,3 +438,15 @@ def test_hosts_table_gives_medians_and_per_pass_ratios_of_repeated_passes():
     assert rows[2] == "| 1,000 | 2 | 10 | 20 | 0.90x [0.50-1.20] |"
     once = table(lines[:2], ["syncps", "gloo"]).splitlines()  # one pass: no range
     assert once[2] == "| 1,000 | 2 | 10 | 20 | 0.50x |"
+
+
+def test_the_prefetch_bench_task_is_the_bench_task_with_a_load_wait():
+    import bench.prefetch as bp
+
+    task = bp.load_0_params_40(seed=3, dtype="float64")
+    assert isinstance(task, bp.LoadingTask) and task.load_seconds == 0 and (task.d, task.k) == (39, 1)
+    ref = BenchLinearTask(40, seed=3, dtype="float64")
+    assert all(np.array_equal(a, b) for a, b in zip(task.batch(2, 1, 2, 8), ref.batch(2, 1, 2, 8)))
+    assert bp.load_25_params_1000().load_seconds == 0.025
+    with pytest.raises(AttributeError):
+        bp.load_x_params_10
