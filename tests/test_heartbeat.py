@@ -34,3 +34,24 @@ def test_heartbeats_keep_a_quiet_worker_and_stay_quiet_while_the_main_loop_renew
             hb.halt.set()
             hb.join(5)
         c.close()
+
+
+def test_a_failed_heartbeat_is_logged_as_a_warning(caplog):
+    """Heartbeats to a PS that is gone fail; each failure is said at warning level with its count, since a lease that
+    runs out while the worker computes starts there (debug level hid it when 27 of 64 workers' leases ran out)."""
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    hb = Heartbeat(url, "w-1", 0.05, 1.0)
+    with caplog.at_level("WARNING", logger="worker"):
+        hb.start()
+        try:
+            wait_for(lambda: hb.failed >= 2, 10.0, "2 failed heartbeats")
+        finally:
+            hb.halt.set()
+            hb.join(5)
+    assert hb.sent == 0
+    said = [r.getMessage() for r in caplog.records if "heartbeat failed" in r.getMessage()]
+    assert said and said[0].startswith("heartbeat failed (1 in a row") and "(2 in a row" in said[1]

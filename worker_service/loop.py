@@ -64,7 +64,7 @@ class Heartbeat(threading.Thread):
         self.period = period
         self.renewed = renewed
         self.halt = threading.Event()
-        self.sent = 0
+        self.sent = self.failed = self.failed_in_a_row = 0
 
     def run(self) -> None:
         last = time.monotonic()
@@ -76,8 +76,13 @@ class Heartbeat(threading.Thread):
             try:
                 self.client.heartbeat(self.worker_id)
                 self.sent += 1
+                self.failed_in_a_row = 0
             except Exception as exc:  # the main loop notices real trouble on its next call
-                log.debug("heartbeat failed: %s", exc)
+                self.failed += 1
+                self.failed_in_a_row += 1
+                # said at warning level: a lease that runs out while the worker computes begins here
+                log.warning("heartbeat failed (%d in a row; the lease runs out if none gets through): %s: %s",
+                            self.failed_in_a_row, type(exc).__name__, exc)
         self.client.close()
 
 
