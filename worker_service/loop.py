@@ -152,14 +152,14 @@ def train(client: PSClient, task: Task, name: str, batch_size: int, stop: StopFl
             progress.pushed(pulled.step, loss, times, res["status"])
     finally:
         hb.halt.set()
-        ahead.close()
-        summary.prefetched = {"used": ahead.used, "dropped": ahead.dropped}
         if stop.is_set():
             log.info("stop requested (SIGTERM or SIGINT): leaving the cluster")
         try:
             client.leave(worker_id)
         except Exception as exc:
             log.warning("could not leave the cluster: %s", exc)
+        ahead.close()  # after leaving: a batch still being drawn delays this process's end, not the barrier
+        summary.prefetched = {"used": ahead.used, "dropped": ahead.dropped}
     if params is not None:
         summary.metrics = task.evaluate(params)
     progress.final(summary.done, summary.final_step, summary.last_loss, summary.metrics)
