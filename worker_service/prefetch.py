@@ -36,8 +36,7 @@ class BatchAhead:
 
     def __init__(self, task: Any, batch_size: int, enabled: bool = True) -> None:
         self.task, self.batch_size = task, batch_size
-        self.enabled = wants_prefetch(task, enabled)
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="prefetch") if self.enabled else None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="prefetch") if wants_prefetch(task, enabled) else None
         self._guess: tuple[Place, Future] | None = None
         self.used = self.dropped = 0  # guesses handed over / drawn again (for logs and tests)
 
