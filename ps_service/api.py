@@ -105,7 +105,8 @@ async def pull(request: Request, min_step: int = Query(0, ge=0), timeout: float 
     core = rt.core
     ready = lambda: core.initialized and (core.done or (  # noqa: E731
         core.started and core.global_step >= min_step and core.may_pull(worker_id)))  # SSP: the bound
-    ok = await rt.wait_for(ready, timeout, worker_id)
+    body = answer_via(core, rt.tensors.via(shm)) == "http"  # answered with the weights in the body: woken first
+    ok = await rt.wait_for(ready, timeout, worker_id, first=body)
     if not core.initialized:
         raise ProtocolError(409, "not_initialized", "the model is not initialised yet (PUT /v1/model)")
     if not ok:
@@ -139,7 +140,7 @@ async def answer_push(rt, result, step: int, worker_id: str, via: str, pull: boo
     passes first, JSON ``{"status", "step", "done"}``."""
     core, via = rt.core, answer_via(rt.core, via)
     ready = lambda: core.done or (core.global_step > step and core.may_pull(worker_id))  # noqa: E731
-    if pull and await rt.wait_for(ready, timeout, worker_id):
+    if pull and await rt.wait_for(ready, timeout, worker_id, first=via == "http"):  # a body answer: woken first
         if before_weights is not None:
             await before_weights()
         return rt.tensors.weights_response(via, {PUSH_STATUS_HEADER: result.status.value}, since)

@@ -1,5 +1,6 @@
 """A fast lane for the two calls every worker makes every step: ``POST /v1/gradients`` and ``GET /v1/model``
-(on a sharded PS: ``POST /v1/shard/gradients`` and ``POST /v1/shard/commit`` too; never on an unsharded one).
+(on a sharded PS: ``POST /v1/shard/gradients`` and ``POST /v1/shard/commit`` too, and the coordinator's
+``POST /v1/shard/apply`` to a follower; never on an unsharded one).
 
 With small models FastAPI's routing, dependency injection and response handling were most of the
 PS's time per request (py-spy, P=4, 2 workers: the endpoint itself ~15 % of the samples, the
@@ -77,6 +78,7 @@ ROUTES: dict[tuple[str, str], tuple[Callable, dict[str, Callable[[str], Any]], d
     ("POST", f"{API}/shard/gradients"): (shard_routes.hold, {"map": _worker_id}, {"map": REQUIRED}),  # <= 64 chars too
     ("POST", f"{API}/shard/commit"): (shard_routes.commit, {"pull": _bool, "timeout": _seconds},
                                       {"pull": False, "timeout": 30.0}),
+    ("POST", f"{API}/shard/apply"): (shard_routes.apply, {}, {}),
     ("GET", f"{API}/model"): (api.pull, {"min_step": _step, "timeout": _seconds, "worker_id": _worker_id, "shm": _bool,
                                          "since": _step},
                               {"min_step": 0, "timeout": 30.0, "worker_id": None, "shm": False, "since": None}),
@@ -108,7 +110,7 @@ def _query(raw: bytes, parsers: dict, defaults: dict) -> dict | None:
     return params if len(out) == len(pairs) and REQUIRED not in params.values() else None
 
 
-SHARDED = frozenset({shard_routes.hold, shard_routes.commit})
+SHARDED = frozenset({shard_routes.hold, shard_routes.commit, shard_routes.apply})
 
 
 def _authorised(rt: Runtime, scope: dict) -> bool:

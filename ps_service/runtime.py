@@ -8,7 +8,9 @@ every weights answer goes out.
 Waking costs nothing per push: a wait (:meth:`Runtime.wait_until`) waits for a condition
 on the *barrier* (:meth:`Runtime.barrier`: the global step and the job state), and
 :meth:`Runtime.notify` wakes the waiters only when the barrier moved (once per round),
-not at every change of the core. The observers (metrics, checkpoints) run at every change
+not at every change of the core. Waits marked ``first`` (those answered with the weights in a body: megabytes
+to write, maybe over a slow link) are woken before the others (a same-host answer is a few hundred bytes), each
+kind in the order it started waiting. The observers (metrics, checkpoints) run at every change
 and must be O(1).
 """
 from __future__ import annotations
@@ -43,8 +45,9 @@ class Runtime:
         self.core = ParameterServerCore(CoreConfig.from_settings(settings))
         self.started_wall = time.time()
         self.started_mono = clock()
-        #: the waits in flight (:meth:`wait_until`), each a future :meth:`notify` resolves when the barrier moves
-        self._waiters: dict[asyncio.Future, None] = {}
+        #: the waits in flight (:meth:`wait_until`), each a future :meth:`notify` resolves when the barrier moves,
+        #: and whether it goes first
+        self._waiters: dict[asyncio.Future, bool] = {}
         self._seen_version = self.core.version
         self._seen_barrier = self.barrier()
         self.tensors = TensorSeam(settings, self.core)
@@ -75,18 +78,19 @@ class Runtime:
             if barrier != self._seen_barrier:
                 self._seen_barrier = barrier
                 waiters, self._waiters = self._waiters, {}
-                for fut in waiters:  # in the order they started waiting
-                    if not fut.done():
-                        fut.set_result(True)
+                for ahead in (True, False):  # the first ones, then the others, in the order they started waiting
+                    for fut, first in waiters.items():
+                        if first is ahead and not fut.done():
+                            fut.set_result(True)
             for observe in self.observers:
                 try:
                     observe()
                 except Exception:  # monitoring must never break training
                     log.exception("observer failed")
 
-    async def wait_until(self, predicate: Callable[[], bool], timeout: float) -> bool:
+    async def wait_until(self, predicate: Callable[[], bool], timeout: float, first: bool = False) -> bool:
         """Wait (at most ``timeout`` s) until ``predicate()``, a function of :meth:`barrier` only (it is
-        checked again when the barrier moves); its final value."""
+        checked again when the barrier moves); its final value. ``first``: woken before the waits that are not."""
         deadline, rewinds = self.clock() + timeout, self.core.rewinds
         while not predicate():
             remaining = deadline - self.clock()
@@ -95,7 +99,7 @@ class Runtime:
             # one future and one timer per wait (asyncio.wait_for would make a task as well)
             loop = asyncio.get_running_loop()
             fut = loop.create_future()
-            self._waiters[fut] = None
+            self._waiters[fut] = first
             timer = loop.call_later(remaining, _time_up, fut)
             try:
                 await fut
@@ -117,15 +121,16 @@ class Runtime:
     def bytes_out(self) -> int:
         return self.tensors.bytes_out
 
-    async def wait_for(self, predicate: Callable[[], bool], timeout: float, worker_id: str | None = None) -> bool:
+    async def wait_for(self, predicate: Callable[[], bool], timeout: float, worker_id: str | None = None,
+                       first: bool = False) -> bool:
         """:meth:`wait_until`, at most ``PS_PULL_TIMEOUT_MAX_SECONDS``; with ``worker_id`` the wait keeps that
         worker's lease (404/409 first if it is unknown or not active, and after a wait that ended unanswered)."""
         timeout = min(timeout, self.settings.pull_timeout_max_seconds)
         if worker_id is None:
-            return await self.wait_until(predicate, timeout)
+            return await self.wait_until(predicate, timeout, first)
         self.core.begin_wait(worker_id, self.now())
         try:
-            ok = await self.wait_until(predicate, timeout)
+            ok = await self.wait_until(predicate, timeout, first)
         finally:
             self.core.end_wait(worker_id, self.now())
         if not ok:  # 409 not_active if a rollback (sharded PS) expired the worker meanwhile: it registers again

@@ -17,7 +17,7 @@ import pytest
 from cluster.processes import LocalCluster
 from shared import keepalive
 from tests.live_ps import live_ps
-from worker_service.rawhttp import ConnectionLost, RawConnection
+from shared.rawhttp import ConnectionLost, RawConnection
 from worker_service.transport.httpx import HttpxConnection
 
 

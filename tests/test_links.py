@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from ps_service.sharding.links import Links
+from ps_service.sharding.links import Follower, Links
 
 
 class HeldFollower:
@@ -102,6 +102,15 @@ async def _until(cond, seconds: float, what: str) -> None:
     while not cond():
         assert time.monotonic() < end, f"timed out waiting for {what}"
         await asyncio.sleep(0.005)
+
+
+async def _idle_link(url: str) -> tuple[Links, Follower]:
+    """Started links to one follower at ``url``, once its sender waits on its queue (an idle link)."""
+    links = Links(["http://coordinator.invalid", url], None)
+    links.start()
+    f = links.followers[0]
+    await _until(lambda: f.waiting, 10, "an idle sender")
+    return links, f
 
 
 def test_sent_returns_once_the_apply_is_written_before_the_follower_answers():
@@ -197,11 +206,8 @@ def test_an_apply_decided_while_the_event_loop_is_busy_reaches_an_idle_follower_
     follower = ThreadFollower(statuses)
 
     async def main() -> None:
-        links = Links(["http://coordinator.invalid", follower.url], None)
-        links.start()
-        f = links.followers[0]
+        links, f = await _idle_link(follower.url)
         try:
-            await _until(lambda: f.waiting, 10, "an idle sender")
             links.round_closed(7, [(0, "w0"), (1, "w1")], 2)
             end = time.monotonic() + 10
             while not follower.applies and time.monotonic() < end:
@@ -218,4 +224,49 @@ def test_an_apply_decided_while_the_event_loop_is_busy_reaches_an_idle_follower_
         finally:
             await links.close()
             follower.close()
+    asyncio.run(main())
+
+
+def test_an_apply_on_a_kept_alive_link_is_written_in_the_event_loops_thread_at_once():
+    """Once the early applies' connection is kept alive, ``round_closed`` writes the apply itself before it returns (no
+    thread to wake: the follower has it even while the link's writer thread is held), and that thread only reads the
+    answer; ``sent`` is marked at once."""
+    follower = ThreadFollower()
+
+    async def main() -> None:
+        links, f = await _idle_link(follower.url)
+        try:
+            links.round_closed(3, [(0, "w0")], 1)  # no connection yet: the writer thread connects and writes
+            await _until(lambda: f.step == 1 and f.sent == 3 and f.waiting, 10, "round 3's answer")
+            assert f.early.sock is not None  # kept alive for the next apply
+            held, release = threading.Event(), threading.Event()
+            f.writer.submit(lambda: (held.set(), release.wait(10)))
+            assert held.wait(10)
+            links.round_closed(4, [(0, "w0")], 1)
+            assert f.sent == 4  # written before round_closed returned
+            end = time.monotonic() + 10
+            while len(follower.applies) < 2 and time.monotonic() < end:
+                time.sleep(0.002)  # the event loop and the writer thread are both held: only a written apply arrives
+            assert len(follower.applies) == 2 and b'"step":4' in follower.applies[1][1]
+            release.set()
+            await _until(lambda: f.queue.empty() and f.waiting, 10, "the sender to take round 4's answer")
+            assert len(follower.applies) == 2 and f.error is None  # answered once: not sent again
+        finally:
+            await links.close()
+            follower.close()
+    asyncio.run(main())
+
+
+def test_a_follower_behind_https_gets_its_applies_from_the_sender_alone():
+    """The raw connection speaks http:// only: a follower URL behind TLS has no early connection, and its applies go by
+    the sender's httpx client (queued, in order)."""
+    async def main() -> None:
+        links = Links(["http://coordinator.invalid", "https://follower.invalid:8443"], None)
+        f = links.followers[0]
+        assert f.early is None
+        f.waiting = True  # as if its sender waited: no early write is tried all the same
+        links.round_closed(0, [(0, "w0")], 1)
+        msg, early = f.queue.get_nowait()
+        assert early is None and msg["step"] == 0
+        await links.close()
     asyncio.run(main())

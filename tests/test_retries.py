@@ -15,7 +15,7 @@ from cluster.processes import LocalCluster
 from tests.clusters import final_weights
 from tests.reference import train_reference
 from worker_service.client import PSClient
-from worker_service.rawhttp import ConnectionLost
+from shared.rawhttp import ConnectionLost
 from worker_service.transport.faults import FaultyConnection
 
 

@@ -371,6 +371,8 @@ def test_the_fast_lane_serves_the_shard_routes_only_on_a_sharded_ps(monkeypatch)
         hc, hf, m, ids = start_job(c, f)
         one_round(hc, hf, m, ids, 0, {"w": np.ones((3, 1)), "b": np.ones(1)})
         assert served.count("/v1/shard/gradients") == 4 and served.count("/v1/shard/commit") == 2
+        wait_for(lambda: f.rt.core.global_step == 1, 10, "shard 1 to apply round 0")
+        assert served.count("/v1/shard/apply") == 1  # the coordinator's apply, in the follower's fast lane
         r = hc.post("/v1/shard/gradients", content=b"")  # no map: FastAPI's own 4xx
         assert r.status_code in (400, 422) and served.count("/v1/shard/gradients") == 4
 

@@ -1,7 +1,7 @@
 """The worker's client of the PS protocol (docs/protocol.md).
 
 Every exchange goes through one :class:`~worker_service.transport.base.Connection` (the lean
-:class:`~worker_service.rawhttp.RawConnection` for ``http://``; httpx for ``https://``; a drill
+:class:`~shared.rawhttp.RawConnection` for ``http://``; httpx for ``https://``; a drill
 wraps either in :class:`~worker_service.transport.faults.FaultyConnection`) and through
 :meth:`PSClient.call`: a timeout on every exchange; connection errors, timeouts and 5xx retried with
 capped exponential backoff and jitter, each retry logged with the request and the error; a 4xx raised
@@ -31,7 +31,7 @@ from shared.errors import ProtocolError
 from shared.protocol import API
 from shared.tokens import bearer_header
 from worker_service import retry
-from worker_service.rawhttp import ConnectionLost, RawConnection
+from shared.rawhttp import ConnectionLost, RawConnection
 from shared.compression import Spec
 from worker_service.transport.base import Connection, Pulled, PushAnswer, Response, TensorTransport
 from worker_service.transport.compressed import body_transport

@@ -8,9 +8,10 @@ Contract:
   sends them in step order (``POST /v1/shard/apply``), retrying each (capped backoff) until the follower answers.
   It is called as the round is decided, before the coordinator steps its own share (``core.on_decided``), in the
   event loop's thread, which that step then keeps busy: so a follower whose sender is idle (its queue empty) gets
-  its apply from a thread of its own at once (its *early writer*: one blocking request, whose answer the sender
-  then takes as its own; lost or 5xx, the sender sends it again), and the follower's step overlaps the
-  coordinator's.
+  its apply at once, *early*: written right there on the link's own kept-alive connection without blocking
+  (:meth:`shared.rawhttp.RawConnection.send_now`), or, when that connection is not ready, by a thread of its own
+  (its *early writer*: one blocking request); that thread reads the answer, which the sender then takes as its
+  own (lost or 5xx: the sender sends it again). The follower's step overlaps the coordinator's.
   :meth:`Links.sent` waits (at most the seconds it is given) until every working link has written the apply of a
   round to its connection: the coordinator's weights answers wait for it, so that the apply leaves before megabytes
   of weights on the coordinator's network interface (a FIFO queue) and the followers' answers are not late by the
@@ -26,6 +27,7 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -35,6 +37,7 @@ from typing import Callable
 import httpx
 
 from shared import keepalive
+from shared.rawhttp import ConnectionLost, RawConnection, RawResponse
 from shared.errors import ProtocolError
 from shared.frame import MEDIA_TYPE as FRAME
 from shared.protocol import API
@@ -62,9 +65,9 @@ class Follower:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     sent: int = -1  # the newest round whose apply was written to its connection
     waiting: bool = False  # its sender waits on its queue: a round decided now may go by its early writer at once
-    writer: ThreadPoolExecutor | None = None  # one thread: applies written while the event loop is busy
-    writer_client: httpx.Client | None = None
-    in_flight: Future | None = None  # the early writer's last request
+    writer: ThreadPoolExecutor | None = None  # one thread: early applies' answers (and their writes, when not at once)
+    early: RawConnection | None = None  # the early applies' connection (the writer's, or idle)
+    in_flight: Future | None = None  # the last early apply's answer
 
 
 def common_step(own: set[int], states: dict[int, dict]) -> int | None:
@@ -86,7 +89,8 @@ class Links:
         self.client = httpx.AsyncClient(timeout=REQUEST_TIMEOUT_SECONDS, headers=self.headers, limits=limits)
         for f in self.followers:
             f.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"shard-{f.index}-writer")
-            f.writer_client = httpx.Client(timeout=REQUEST_TIMEOUT_SECONDS, headers=self.headers, limits=limits)
+            # reused for half the followers' keep-alive at most, as the client's; http:// only (https: by the sender)
+            f.early = RawConnection(f.url) if f.url.startswith("http://") else None
         self.tasks: list[asyncio.Task] = []
         self.blocked: str | None = None
         #: called with the follower and the reason when it restarted (its link is stopped meanwhile)
@@ -115,7 +119,8 @@ class Links:
         await self._cancel()
         await self.client.aclose()
         for f in self.followers:
-            f.writer.submit(f.writer_client.close)  # after its request in flight, if any
+            if f.early is not None:
+                f.writer.submit(f.early.close)  # after its request in flight, if any
             f.writer.shutdown(wait=False)
 
     async def _cancel(self) -> None:
@@ -196,22 +201,30 @@ class Links:
 
     def round_closed(self, step: int, contributors: list[tuple[int, str]], mean_of: int) -> None:
         msg = {"step": step, "contributors": [list(c) for c in contributors], "mean_of": mean_of}
+        body = None
         for f in self.followers:
             early = None
-            if f.waiting and f.error is None and f.queue.empty():  # nothing before it: in order by the early writer
-                early = f.in_flight = f.writer.submit(self._write_early, f, msg, asyncio.get_running_loop())
+            if f.waiting and f.error is None and f.queue.empty() and f.early is not None:  # nothing before it: early
+                # (its sender waits: the last early apply's answer was taken, the connection is idle)
+                body = body or json.dumps(msg, separators=(",", ":")).encode()
+                early = f.in_flight = self._write_early(f, step, body)
             f.queue.put_nowait((msg, early))
 
-    def _write_early(self, f: Follower, msg: dict, loop: asyncio.AbstractEventLoop) -> httpx.Response:
-        """In ``f``'s early writer (a thread): ``POST /v1/shard/apply`` once (its sender takes the answer, or sends it
-        again)."""
-        def trace(event: str, info: dict) -> None:
-            if event == "http11.send_request_body.complete":
-                loop.call_soon_threadsafe(self._mark_sent, f, msg["step"])
+    def _write_early(self, f: Follower, step: int, body: bytes) -> Future:
+        """``POST /v1/shard/apply`` once, early: written now if ``f.early`` can take it at once, else by ``f``'s writer
+        thread; either way that thread reads the answer (the future's; its sender takes it, or sends it again)."""
+        target, headers = f"{API}/shard/apply", {**self.headers, "content-type": "application/json"}
+        try:
+            if f.early.send_now("POST", target, headers, body):
+                self._mark_sent(f, step)
+                return f.writer.submit(f.early.receive, "POST", REQUEST_TIMEOUT_SECONDS)
+        except ConnectionLost as exc:  # the connection broke under the write: the writer makes a fresh one
+            log.info("shard %d at %s: the early apply's connection broke (%s)", f.index, f.url, exc)
+        loop = asyncio.get_running_loop()
+        sent = lambda: loop.call_soon_threadsafe(self._mark_sent, f, step)  # noqa: E731
+        return f.writer.submit(f.early.request, "POST", target, headers, (body,), REQUEST_TIMEOUT_SECONDS, sent)
 
-        return f.writer_client.post(f"{f.url}{API}/shard/apply", json=msg, extensions={"trace": trace})
-
-    async def _early_answer(self, f: Follower, early: Future) -> httpx.Response | None:
+    async def _early_answer(self, f: Follower, early: Future) -> httpx.Response | RawResponse | None:
         """The answer to what ``f``'s early writer sent; None if it got none, or a 5xx (the caller sends it again)."""
         try:
             resp = await asyncio.wrap_future(early)

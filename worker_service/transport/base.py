@@ -2,7 +2,7 @@
 
 Two layers, in the spirit of httpx's ``BaseTransport`` and ps-lite's ``van``:
 
-- a :class:`Connection` moves one HTTP exchange (:class:`worker_service.rawhttp.RawConnection` in
+- a :class:`Connection` moves one HTTP exchange (:class:`shared.rawhttp.RawConnection` in
   production; :class:`worker_service.transport.faults.FaultyConnection` wraps any connection to drop
   or duplicate exchanges in drills);
 - a :class:`TensorTransport` decides where a message's tensors travel: in the request body
@@ -33,7 +33,7 @@ class Response(Protocol):
 
 
 class Connection(Protocol):
-    """One HTTP/1.1 exchange at a time; ConnectionLost (worker_service.rawhttp) when it breaks."""
+    """One HTTP/1.1 exchange at a time; ConnectionLost (shared.rawhttp) when it breaks."""
 
     def request(self, method: str, target: str, headers: Mapping[str, str], body: Sequence[bytes | memoryview] = (),
                 timeout: float = 30.0) -> Response: ...

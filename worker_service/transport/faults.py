@@ -1,6 +1,6 @@
 """A fault-injecting connection: an unreliable network between a worker and the PS, for tests and drills.
 
-:class:`FaultyConnection` wraps the production connection (``worker_service.rawhttp.RawConnection``),
+:class:`FaultyConnection` wraps the production connection (``shared.rawhttp.RawConnection``),
 so a drill runs through the same code as training, whichever tensor transport (request bodies or
 same-host files) the worker uses. Each exchange, independently, with the configured probabilities (a
 seeded ``random.Random``, so a run's fault pattern is reproducible for a given sequence of requests):
@@ -20,7 +20,7 @@ import random
 import threading
 from typing import Mapping, Sequence
 
-from worker_service.rawhttp import ConnectionLost
+from shared.rawhttp import ConnectionLost
 from worker_service.transport.base import Connection, Response
 
 

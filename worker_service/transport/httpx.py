@@ -9,7 +9,7 @@ from typing import Mapping, Sequence
 import httpx
 
 from shared import keepalive
-from worker_service.rawhttp import ConnectionLost
+from shared.rawhttp import ConnectionLost
 
 
 class HttpxConnection:

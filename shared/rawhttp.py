@@ -1,4 +1,4 @@
-"""A lean HTTP/1.1 keep-alive connection for the worker's tensor calls (pull, push).
+"""A lean HTTP/1.1 keep-alive client connection: the worker's tensor calls (pull, push), the coordinator's applies.
 
 What httpx does for a 40 MB body costs several copies and fresh allocations per
 request; this connection does neither:
@@ -21,14 +21,20 @@ connection and raises
 :class:`ConnectionLost`, and the client's retry policy decides what next
 (worker_service/retry.py; pushes are idempotent at the PS). An answer the
 server sent before it stopped reading (e.g. a 413) is still returned.
+
+A request can also go in two halves: :meth:`RawConnection.send_now` writes a
+small one on a kept-alive socket without ever blocking (from an event loop's
+thread: nothing sent, False, when no socket is ready for it), and
+:meth:`RawConnection.receive` reads its answer later, in another thread.
 """
 from __future__ import annotations
 
 import json
 import select
+from contextlib import contextmanager
 import socket
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -76,16 +82,16 @@ class RawConnection:
             self.sock = None
 
     def request(self, method: str, target: str, headers: Mapping[str, str], body: Iterable[bytes | memoryview] = (),
-                timeout: float = 30.0) -> RawResponse:
+                timeout: float = 30.0, on_sent: Callable[[], None] | None = None) -> RawResponse:
         """Send one request (``body``: buffers sent as they are, in order) and read its answer.
 
         ``timeout`` bounds each socket operation (connect, every send, every receive). Raises
-        :class:`ConnectionLost` when the request failed; it is never sent twice from here.
+        :class:`ConnectionLost` when the request failed; it is never sent twice from here. ``on_sent`` is
+        called once the whole request is written, before its answer is read.
         """
         parts = self._message(method, target, headers, body)
-        if self.sock is not None and (self._idle.expired() or _dropped(self.sock)):
-            self.close()  # idle for long (the server may be closing it) or closed: nothing was sent on it
-        try:
+        self._drop_stale()
+        with self._failures(timeout):
             if self.sock is None:
                 self.sock = socket.create_connection((self.host, self.port), timeout=timeout)
                 self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -99,9 +105,54 @@ class RawConnection:
                     raise
                 self.close()  # our request was cut short: the connection is done with
                 return early
-            answer = self._receive(method)
-            self._idle.answered(answer.headers)
-            return answer
+            if on_sent is not None:
+                on_sent()
+            return self._answered(method)
+
+    def send_now(self, method: str, target: str, headers: Mapping[str, str], body: bytes = b"") -> bool:
+        """Write a small request on the kept-alive socket without blocking: False (nothing sent) when there is none
+        ready (none yet, idle too long, closed by the server) or its send buffer cannot take the request at once. True:
+        it is written; :meth:`receive` reads the answer. Raises :class:`ConnectionLost` when the socket failed."""
+        self._drop_stale()
+        if self.sock is None:
+            return False
+        message = b"".join(bytes(p) for p in self._message(method, target, headers, (body,)))
+        with self._failures(0.0):
+            self.sock.setblocking(False)
+            try:
+                sent = self.sock.send(message)
+            except BlockingIOError:
+                sent = 0
+            if sent == 0:
+                return False
+            if sent < len(message):  # never for a few hundred bytes on an idle socket: the rest goes blocking
+                self.sock.settimeout(1.0)
+                self.sock.sendall(message[sent:])
+        return True
+
+    def receive(self, method: str, timeout: float = 30.0) -> RawResponse:
+        """The answer to the request :meth:`send_now` wrote (``timeout`` bounds every receive)."""
+        if self.sock is None:
+            raise ConnectionLost("no request is waiting for an answer on this connection")
+        with self._failures(timeout):
+            self.sock.settimeout(timeout)
+            return self._answered(method)
+
+    def _drop_stale(self) -> None:
+        """Close a kept-alive socket idle for long (the server may be closing it) or closed: nothing was sent on it."""
+        if self.sock is not None and (self._idle.expired() or _dropped(self.sock)):
+            self.close()
+
+    def _answered(self, method: str) -> RawResponse:
+        answer = self._receive(method)
+        self._idle.answered(answer.headers)
+        return answer
+
+    @contextmanager
+    def _failures(self, timeout: float):
+        """Every failure of the socket as :class:`ConnectionLost`, the connection closed."""
+        try:
+            yield
         except TimeoutError:
             self.close()
             raise ConnectionLost(f"timed out: no progress for {timeout:g} s") from None
