@@ -44,6 +44,8 @@ from shared import keepalive, refs
 HEADER_LIMIT = 64 * 1024
 #: bodies smaller than this are plain bytes (a buffer pool is not worth it)
 POOL_MIN_BYTES = 64 * 1024
+#: :meth:`RawConnection.send_now`: how long the rest of a request its first send cut short may take, blocking
+REST_SECONDS = 1.0
 
 
 class ConnectionLost(Exception):
@@ -117,7 +119,7 @@ class RawConnection:
         if self.sock is None:
             return False
         message = b"".join(bytes(p) for p in self._message(method, target, headers, (body,)))
-        with self._failures(0.0):
+        with self._failures(REST_SECONDS):
             self.sock.setblocking(False)
             try:
                 sent = self.sock.send(message)
@@ -126,7 +128,7 @@ class RawConnection:
             if sent == 0:
                 return False
             if sent < len(message):  # never for a few hundred bytes on an idle socket: the rest goes blocking
-                self.sock.settimeout(1.0)
+                self.sock.settimeout(REST_SECONDS)
                 self.sock.sendall(message[sent:])
         return True
 
