@@ -57,6 +57,7 @@ class ThreadFollower:
     def __init__(self, statuses: tuple[int, ...] = ()) -> None:
         self.statuses = list(statuses)
         self.applies: list[tuple[float, bytes]] = []
+        self.heads: list[bytes] = []  # of the applies
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         threading.Thread(target=self._accept, daemon=True).start()
@@ -87,6 +88,7 @@ class ThreadFollower:
                 body, data = data[:length], data[length:]
                 status = 200
                 if b"/shard/apply" in head:
+                    self.heads.append(head)
                     self.applies.append((time.monotonic(), body))
                     status = self.statuses.pop(0) if self.statuses else 200
                 answer = b'{"step": 1, "applied": true, "boot": "b1"}'
@@ -269,4 +271,31 @@ def test_a_follower_behind_https_gets_its_applies_from_the_sender_alone():
         msg, early = f.queue.get_nowait()
         assert early is None and msg["step"] == 0
         await links.close()
+    asyncio.run(main())
+
+
+def test_every_apply_presents_the_training_token_whichever_way_it_goes():
+    """The early applies (by the writer thread, then written in the event loop's thread) and the sender's carry the
+    coordinator's bearer token: a follower that requires it never refuses them (a 401 would stop the link)."""
+    from pydantic import SecretStr
+
+    follower = ThreadFollower()
+
+    async def main() -> None:
+        links = Links(["http://coordinator.invalid", follower.url], SecretStr("s3cret"))
+        links.start()
+        f = links.followers[0]
+        try:
+            for step in (0, 1):  # the first connects by the writer thread; the second is written at once
+                await _until(lambda: f.waiting and f.queue.empty(), 10, "an idle sender")
+                links.round_closed(step, [(0, "w0")], 1)
+                await _until(lambda: f.sent == step and f.queue.empty() and f.waiting, 10, f"round {step}")
+            assert f.early.sock is not None
+            f.waiting = False  # as if the sender were busy: the next apply goes by the sender's httpx client
+            links.round_closed(2, [(0, "w0")], 1)
+            await _until(lambda: f.sent == 2 and len(follower.heads) == 3, 10, "round 2")
+            assert all(b"authorization: bearer s3cret" in h.lower() for h in follower.heads), follower.heads
+        finally:
+            await links.close()
+            follower.close()
     asyncio.run(main())
