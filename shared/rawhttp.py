@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import json
 import select
-from contextlib import contextmanager
 import socket
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 from urllib.parse import urlsplit

@@ -29,9 +29,9 @@ from pydantic import SecretStr
 from shared import frame
 from shared.errors import ProtocolError
 from shared.protocol import API
+from shared.rawhttp import ConnectionLost, RawConnection
 from shared.tokens import bearer_header
 from worker_service import retry
-from shared.rawhttp import ConnectionLost, RawConnection
 from shared.compression import Spec
 from worker_service.transport.base import Connection, Pulled, PushAnswer, Response, TensorTransport
 from worker_service.transport.compressed import body_transport

@@ -37,10 +37,10 @@ from typing import Callable
 import httpx
 
 from shared import keepalive
-from shared.rawhttp import ConnectionLost, RawConnection, RawResponse
 from shared.errors import ProtocolError
 from shared.frame import MEDIA_TYPE as FRAME
 from shared.protocol import API
+from shared.rawhttp import ConnectionLost, RawConnection, RawResponse
 from shared.tokens import bearer_header
 
 log = logging.getLogger("ps_service")
@@ -64,7 +64,7 @@ class Follower:
     boot: str | None = None  # the follower process's boot id, as it last answered (another one: it restarted)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     sent: int = -1  # the newest round whose apply was written to its connection
-    waiting: bool = False  # its sender waits on its queue: a round decided now may go by its early writer at once
+    waiting: bool = False  # its sender waits on its queue: a round decided now may go early, at once
     writer: ThreadPoolExecutor | None = None  # one thread: early applies' answers (and their writes, when not at once)
     early: RawConnection | None = None  # the early applies' connection (the writer's, or idle)
     in_flight: Future | None = None  # the last early apply's answer
@@ -85,6 +85,7 @@ class Links:
         a connection idle for half of it is not reused (shared/keepalive.py)."""
         self.followers = [Follower(i, url) for i, url in enumerate(urls) if i > 0]
         self.headers = dict(bearer_header(token))
+        self._apply_headers = {**self.headers, "content-type": "application/json"}  # of an early apply
         limits = httpx.Limits(keepalive_expiry=keepalive.reuse_seconds(keepalive_seconds))
         self.client = httpx.AsyncClient(timeout=REQUEST_TIMEOUT_SECONDS, headers=self.headers, limits=limits)
         for f in self.followers:
@@ -213,7 +214,7 @@ class Links:
     def _write_early(self, f: Follower, step: int, body: bytes) -> Future:
         """``POST /v1/shard/apply`` once, early: written now if ``f.early`` can take it at once, else by ``f``'s writer
         thread; either way that thread reads the answer (the future's; its sender takes it, or sends it again)."""
-        target, headers = f"{API}/shard/apply", {**self.headers, "content-type": "application/json"}
+        target, headers = f"{API}/shard/apply", self._apply_headers
         try:
             if f.early.send_now("POST", target, headers, body):
                 self._mark_sent(f, step)
@@ -225,7 +226,7 @@ class Links:
         return f.writer.submit(f.early.request, "POST", target, headers, (body,), REQUEST_TIMEOUT_SECONDS, sent)
 
     async def _early_answer(self, f: Follower, early: Future) -> httpx.Response | RawResponse | None:
-        """The answer to what ``f``'s early writer sent; None if it got none, or a 5xx (the caller sends it again)."""
+        """The answer to ``f``'s early apply; None if it got none, or a 5xx (the caller sends it again)."""
         try:
             resp = await asyncio.wrap_future(early)
         except Exception as exc:  # httpx's errors, or anything else: never the sender's end
