@@ -19,6 +19,7 @@ needed SIGKILL to stop. A folder the caller gave is never removed.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -36,10 +37,49 @@ from cluster import forkserver
 from shared.tokens import bearer_header
 
 
+_PORTS_FROM = 20000  # the low end of the ports free_port hands out, when the ephemeral range starts above it
+_handed_out: set[int] = set()
+_port_choice = random.Random(os.urandom(16))  # not the `random` module's state: a test's seed must not repeat ports
+
+
+def _ephemeral_range() -> tuple[int, int] | None:
+    try:
+        low, high = (int(v) for v in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        return None
+    return low, high
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def free_port() -> int:
+    """A loopback TCP port that nothing holds now and that this process has not handed out before.
+
+    Taken below the kernel's ephemeral range when it can be read (Linux): a port from that range (what binding
+    port 0 gives) can be taken, between this call and a server's bind, as the local port of any outgoing
+    connection, including a connect to that very port while nothing listens there yet (TCP self-connect: the
+    socket connects to itself and holds the port), so a server started, or started again, on it fails with
+    EADDRINUSE. Elsewhere, the port binding port 0 gives.
+    """
+    ephemeral = _ephemeral_range()
+    if ephemeral is not None and ephemeral[0] - _PORTS_FROM >= 1000:
+        for _ in range(200):
+            port = _port_choice.randrange(_PORTS_FROM, ephemeral[0])
+            if port not in _handed_out and _bindable(port):
+                _handed_out.add(port)
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port = s.getsockname()[1]
+    _handed_out.add(port)
+    return port
 
 
 def wait_for(predicate, deadline: float, what: str, interval: float = 0.05):

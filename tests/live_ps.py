@@ -79,7 +79,8 @@ def live_ps(port: int | None = None, **settings: Any) -> Iterator[LivePS]:
     ps_settings = PSSettings(host="127.0.0.1", port=port, **settings)
     app, server, thread = _start(ps_settings)
     if not server.started and given:  # a PS started again on its port: the port can be held a moment longer
-        wait_for(lambda: _bindable(port), 20, f"port {port} to be free again")  # (CI, once: EADDRINUSE)
+        # (CI, twice: EADDRINUSE, with ports from the ephemeral range; free_port now hands out ports below it)
+        wait_for(lambda: _bindable(port), 20, f"port {port} to be free again")
         app, server, thread = _start(ps_settings)
     try:
         assert server.started, "uvicorn did not start"
