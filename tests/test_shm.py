@@ -137,6 +137,60 @@ def test_same_host_worker_moves_no_tensor_bytes(shm_dir):
     assert os.listdir(shm_dir) == []  # the weights file goes with the PS
 
 
+def test_with_body_answers_the_weights_live_in_their_frame_and_the_file_gets_a_copy_per_step(shm_dir):
+    """A sync job that answers a same-host worker and one over HTTP (a co-located shard's case): the body answers
+    copy no weights (they live in their frame), the file gets one copy per step and holds exactly that step's
+    weights for the same-host worker; once two steps pass with no body answer the file holds them again (no copy
+    at all), and a body answer takes them back out."""
+    with live_ps(shm_dir=shm_dir, min_workers=2, startup_grace_seconds=0, lease_seconds=600) as ps:
+        a, b = ps.client(shm_dir=shm_dir), ps.client()
+        wa, wb = a.register("a")["worker_id"], b.register("b")["worker_id"]
+        assert a.init_model(W0, {"name": "sgd", "learning_rate": 0.5}) and a.attach(wa) == "shm"
+        core, hub, home, channel = ps.rt.core, ps.rt.shm, ps.rt.tensors.home, a.tensors.channel
+        region = hub._weights  # the file's mapping (its marker: the step of the weights it holds)
+
+        def round_(step: int, body_pull: bool) -> None:
+            order = [(a, wa, 1.0), (b, wb, 3.0)]
+            for c, w, g in order if body_pull else order[::-1]:  # the push that closes a round is answered the
+                assert c.push(w, step, grads(g))["status"] == "accepted"  # new weights at once: b's not, here
+            want = W0["w"] - np.float32(step + 1)  # the mean gradient 2 at learning rate 0.5, each step
+            if body_pull:  # the body answer first, as a co-located shard wakes them
+                np.testing.assert_array_equal(b.pull(step + 1, wb, wait=5.0).tensors["w"], want)
+            assert a.pull(step + 1, wa, wait=5.0).step == step + 1
+            np.testing.assert_array_equal(channel.weights["w"], want)
+            assert region.marker == step + 1
+
+        for step in range(6):
+            round_(step, body_pull=True)
+            assert home.holds(core.weights) and not hub.holds(core.weights)
+        # one copy a step into the file (not step 1's: the optimizer made it there, the body answer then moved
+        # the weights out); the body answers copy none
+        assert hub.mirrored == 5 and home.moves <= 3
+        for step in range(6, 10):
+            round_(step, body_pull=False)
+        # steps 7 (a body answer at 6) and 8 copied; then the file holds the weights again: no copy
+        assert hub.holds(core.weights) and hub.mirrored == 7
+        round_(10, body_pull=True)
+        assert home.holds(core.weights) and not hub.holds(core.weights) and hub.mirrored == 7
+        a.close(), b.close()
+
+
+def test_an_async_job_answers_from_the_frame_and_leaves_the_file_alone(shm_dir):
+    """async/ssp answer every pull in a body (the weights change at every push: api.answer_via): the weights move
+    into the frame of those answers at the first one, as with no file, and the file never gets a copy."""
+    with live_ps(shm_dir=shm_dir, mode="async", min_workers=1, startup_grace_seconds=0, lease_seconds=600) as ps:
+        a = ps.client(shm_dir=shm_dir)
+        wa = a.register("a")["worker_id"]
+        assert a.init_model(W0, {"name": "sgd", "learning_rate": 0.5}) and a.attach(wa) == "shm"
+        for step in range(3):
+            assert a.push(wa, step, grads(1.0))["status"] == "accepted"
+            pulled = a.pull(step + 1, wa, wait=5.0)
+            np.testing.assert_array_equal(pulled.tensors["w"], W0["w"] - np.float32(0.5 * (step + 1)))
+            assert pulled.tensors is not a.tensors.channel.weights  # a body answer
+            assert ps.rt.tensors.home.holds(ps.rt.core.weights) and ps.rt.shm.mirrored == 0
+        a.close()
+
+
 def shm_push(h, worker_id: str, step: int, seq):
     """A push whose tensors are said to be in the worker's gradient file."""
     body = frame.encode_bytes({}, {"worker_id": worker_id, "step": step, "shm_seq": seq})

@@ -16,7 +16,10 @@ the seam decodes them to float32 here (422 ``compression_mismatch`` / ``bad_enco
 validates and applies the decoded arrays (a top-k push whose k values are finite, or a 2-bit one, is finite by
 construction: the core does not read its dense tensors for NaN/Inf again). Same-host pushes are never compressed.
 Weights go back as a float32 frame: the weights themselves, kept in that frame (:mod:`ps_service.transport.home`,
-copy on write) unless a same-host weights file holds them (then a snapshot copy per step); in a ``topk`` / ``2bit`` job (``PS_WEIGHT_DELTAS``, one PS process) a body
+copy on write), moved there out of the same-host weights file at the first body answer; that file then gets a
+copy once per step, before the step's first same-host answer, and takes the weights back (no copy per step at
+all) once two steps pass with no body answer (:meth:`TensorSeam._file_current`): a body answer, maybe megabytes
+over a slow link, never waits for a copy. In a ``topk`` / ``2bit`` job (``PS_WEIGHT_DELTAS``, one PS process) a body
 answer to a worker that holds the previous served step's weights (``since``) carries the tensors that changed
 in few entries as those entries (:mod:`ps_service.transport.deltas`, :mod:`shared.weight_deltas`).
 Whether tensors fit the model (names, exact dtypes, shapes, finite values) is the core's check, made on
@@ -60,7 +63,12 @@ class TensorSeam:
                        and self.compression.name in ("topk", "2bit") else None)
         #: the weights kept in the frame of their dense answers (no copy per step), unless a same-host file has them
         self.home = WeightsHome()
-        core.before_change = self.home.before_change
+        core.before_change = self._before_change
+        #: the weights' changes in place so far, and (the weights dict, that count) when the file last got a copy
+        self._changes = 0
+        self._mirrored: tuple | None = None
+        #: the last step a dense body answer was made for (where a sync job's weights live: _file_current)
+        self._body_step = -2
         self.bytes_in = 0
         self.bytes_out = 0
         #: form ("dense" or "delta") -> (key, the encoded answer)
@@ -117,7 +125,7 @@ class TensorSeam:
         weights the worker holds (a delta from it when one is offered, else dense)."""
         core = self.core
         if via == "shm":
-            self.shm.published(core.global_step)
+            self._file_current()
             head = self._head()
             key = (head["step"], head["done"], head["ranks"])
             if key != self._shm_key:  # the same small frame for every same-host worker of a step
@@ -128,6 +136,26 @@ class TensorSeam:
             self.bytes_out += len(body)
         return Response(body, media_type=frame.MEDIA_TYPE,
                         headers={STEP_HEADER: str(core.global_step), **(headers or {})})
+
+    def _before_change(self) -> None:
+        self._changes += 1
+        self.home.before_change()
+
+    def _file_current(self) -> None:
+        """Make the same-host weights file hold the current weights. In a job that also answers over HTTP (a
+        co-located shard: a worker of another host; async/ssp answer every pull so), the weights live in the frame of the body answers,
+        which go on the wire at once, and the file gets a copy once per step, at its first same-host answer
+        (which waits for it: the body answers go first, ps_service.runtime); the file takes them back (no copy
+        at all per step) once no body answer was made for this step or the one before."""
+        core, hub = self.core, self.shm
+        if not hub.holds(core.weights):
+            mark = (id(core.weights), self._changes)
+            if mark != self._mirrored:
+                hub.mirror(core.weights, core.global_step)
+                self._mirrored = mark
+            if self._body_step < core.global_step - 1:
+                hub.adopt(core.weights, copy=False)
+        hub.published(core.global_step)
 
     def _head(self) -> dict:
         core = self.core
@@ -154,9 +182,14 @@ class TensorSeam:
             return self._encoded("dense", key, head, core.weights)
 
     def _encoded(self, form: str, key: tuple, head: dict, tensors: dict) -> bytes | memoryview:
-        if form == "dense" and self.shm.weights_name is None:
-            body = self.home.answer(tensors, key, head)  # the core's weights dict itself
+        if form == "dense":
+            # the core's weights dict itself, moved out of the same-host file if there (see _file_current)
+            claim = self.shm.holds(tensors)
+            body = self.home.answer(tensors, key, head, claim=claim)
+            if claim:  # the file keeps the values the frame now has
+                self._mirrored = (id(tensors), self._changes)
             if body is not None:
+                self._body_step = self.core.global_step
                 return body
         cached = self._bodies.get(form)
         if cached is not None and cached[0] == key:

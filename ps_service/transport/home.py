@@ -20,8 +20,10 @@ In a synchronous job every worker of the round has read its answer before it can
 step's change finds no answer in flight and copies nothing; a pull that is slow to read (a monitor, a worker not
 in the round, async/ssp pushes that change the weights at every push) costs one copy, as before.
 
-:meth:`answer` gives None when the weights cannot live here: not this home's and not plain arrays the PS owns
-(the same-host weights file holds them, ``ShmHub.offer``): the seam copies them into a snapshot then.
+:meth:`answer` gives None when the weights cannot live here: not this home's and not plain arrays the PS owns;
+the seam copies them into a snapshot then. The same-host weights file's arrays are not plain, but the seam
+``claim``s them: a job that answers over HTTP too keeps its weights here, and the file gets a copy per step
+(``TensorSeam._file_current``).
 """
 from __future__ import annotations
 
@@ -58,11 +60,13 @@ class WeightsHome:
         """An answer still holds the frame (a memoryview of :attr:`_answer` is alive)."""
         return self._answer is not None and sys.getrefcount(self._answer) > self._idle_refs
 
-    def answer(self, weights: dict[str, np.ndarray], key: Hashable, head: dict[str, Any]) -> memoryview | None:
+    def answer(self, weights: dict[str, np.ndarray], key: Hashable, head: dict[str, Any],
+               claim: bool = False) -> memoryview | None:
         """A frame of ``weights`` with ``head`` (``key`` names the head: the same key, the same bytes), moving the
-        weights in first; None when they live elsewhere (see the module's contract)."""
+        weights in first; None when they live elsewhere (see the module's contract). ``claim``: move them in even
+        from elsewhere (the same-host file, whose arrays the caller knows they are: it keeps a copy from then on)."""
         if not self.holds(weights):
-            if not _movable(weights):
+            if not (claim or _movable(weights)):
                 self._forget()
                 return None
             self._move(weights, head)

@@ -5,6 +5,10 @@ Contract:
   ``PS_SHM_DIR``, kind ``W``): from then on the optimizer updates them there, in place, and every
   same-host worker maps them read-only. It returns the file's name, nonce and size; a worker that maps
   it and reads the same nonce is on this host. :meth:`published` writes the global step into its marker.
+  The weights may move out again (the frame of the body answers, ``transport/home.py``): then
+  :meth:`mirror` copies a step's weights into the file (marker -1 meanwhile, then the step), and
+  :meth:`adopt` makes the file's arrays the core's again; :meth:`holds` says where they are
+  (the policy is the seam's: ``TensorSeam._file_current``).
 - :meth:`ShmHub.attach` (``POST /v1/workers/{id}/shm``) maps the gradient file the worker made (name
   pattern, regular file of this user with one link, no symlink, kind ``G``, exact size, matching nonce,
   the model's frame header), and never the PS's own weights file. The worker then unlinks it.
@@ -59,6 +63,7 @@ class ShmHub:
         self.layout: frame.Layout | None = None
         self.weights_name: str | None = None
         self._weights: shm.Region | None = None
+        self._views: dict[str, np.ndarray] = {}  # the file's tensors (the core's weights while the file holds them)
         self._weights_id: tuple[int, int] | None = None  # (st_dev, st_ino) of the weights file
         self._nonce = secrets.token_bytes(shm.NONCE_BYTES)
         #: an open descriptor of the weights file holding an exclusive flock: "this file's PS is alive"
@@ -70,6 +75,8 @@ class ShmHub:
         #: worker_id -> the transport of its last accepted push ("shm" or "http"), for monitoring
         self.last_transport: dict[str, str] = {}
         self.bytes_in = 0
+        #: copies of the weights into the file made by :meth:`mirror` (monitoring, tests)
+        self.mirrored = 0
         if self.directory:
             self._sweep()
 
@@ -110,11 +117,10 @@ class ShmHub:
             except OSError as exc:  # e.g. a full tmpfs
                 raise unavailable(f"cannot make the weights file: {exc}") from exc
             st = os.fstat(self._lock_fd)
-            for key, view in region.views().items():
-                np.copyto(view, weights[key])
-                weights[key] = view  # the optimizer now updates the file
             self.layout, self.weights_name, self._weights = layout, name, region
+            self._views = region.views()
             self._weights_id = (st.st_dev, st.st_ino)
+            self.adopt(weights)  # the optimizer now updates the file
         return {"weights_file": self.weights_name, "nonce": self._nonce.hex(),
                 "region_bytes": shm.region_bytes(self.layout)}
 
@@ -122,6 +128,31 @@ class ShmHub:
         """The weights in the file are those of ``step`` (its marker, for readers)."""
         if self._weights is not None and self._weights.marker != step:
             self._weights.marker = step
+
+    def holds(self, weights: dict[str, np.ndarray] | None) -> bool:
+        """The core's weights are the file's arrays (the optimizer updates them there)."""
+        if not self._views or not weights or len(weights) != len(self._views):
+            return False
+        first = next(iter(self._views))
+        return weights.get(first) is self._views[first]
+
+    def adopt(self, weights: dict[str, np.ndarray], copy: bool = True) -> None:
+        """Make the file's arrays the core's (the optimizer updates the file from now on), copying the weights in
+        first unless the file already holds their values (``copy`` False: :meth:`mirror` just wrote them)."""
+        for key, view in self._views.items():
+            if weights[key] is not view:
+                if copy:
+                    np.copyto(view, weights[key])
+                weights[key] = view
+
+    def mirror(self, weights: dict[str, np.ndarray], step: int) -> None:
+        """Copy the core's weights, kept elsewhere (the frame of the body answers), into the file as ``step``'s:
+        its marker says "writing" meanwhile (the core's arrays stay where they are)."""
+        self._weights.marker = shm.WRITING
+        for key, view in self._views.items():
+            np.copyto(view, weights[key])
+        self._weights.marker = step
+        self.mirrored += 1
 
     def attach(self, worker_id: str, name: object, nonce: object) -> None:
         if not isinstance(name, str) or not shm.GRADIENT_FILE.fullmatch(name):
