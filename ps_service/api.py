@@ -111,7 +111,10 @@ async def pull(request: Request, min_step: int = Query(0, ge=0), timeout: float 
         raise ProtocolError(409, "not_initialized", "the model is not initialised yet (PUT /v1/model)")
     if not ok:
         return Response(status_code=204, headers={STEP_HEADER: str(core.global_step)})
-    return rt.tensors.weights_response(answer_via(core, rt.tensors.via(shm)), since=since)
+    via = answer_via(core, rt.tensors.via(shm))
+    if via == "shm":
+        await rt.body_answers_first()
+    return rt.tensors.weights_response(via, since=since)
 
 
 @router.post("/gradients", responses={200: {"description": '{"status": accepted|stale|duplicate|late|skipped, "step", "done"}'}},
@@ -143,6 +146,8 @@ async def answer_push(rt, result, step: int, worker_id: str, via: str, pull: boo
     if pull and await rt.wait_for(ready, timeout, worker_id, first=via == "http"):  # a body answer: woken first
         if before_weights is not None:
             await before_weights()
+        if via == "shm":
+            await rt.body_answers_first()
         return rt.tensors.weights_response(via, {PUSH_STATUS_HEADER: result.status.value}, since)
     return {"status": result.status.value, "step": result.step, "done": core.done}
 

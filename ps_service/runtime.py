@@ -10,7 +10,8 @@ on the *barrier* (:meth:`Runtime.barrier`: the global step and the job state), a
 :meth:`Runtime.notify` wakes the waiters only when the barrier moved (once per round),
 not at every change of the core. Waits marked ``first`` (those answered with the weights in a body: megabytes
 to write, maybe over a slow link) are woken before the others (a same-host answer is a few hundred bytes), each
-kind in the order it started waiting. The observers (metrics, checkpoints) run at every change
+kind in the order it started waiting; a same-host answer that must first copy the step's weights into the weights
+file yields until those woken first have resumed (:meth:`Runtime.body_answers_first`). The observers (metrics, checkpoints) run at every change
 and must be O(1).
 """
 from __future__ import annotations
@@ -48,6 +49,8 @@ class Runtime:
         #: the waits in flight (:meth:`wait_until`), each a future :meth:`notify` resolves when the barrier moves,
         #: and whether it goes first
         self._waiters: dict[asyncio.Future, bool] = {}
+        #: waits marked first that notify woke and that have not resumed yet (:meth:`body_answers_first`)
+        self._first_woken = 0
         self._seen_version = self.core.version
         self._seen_barrier = self.barrier()
         self.tensors = TensorSeam(settings, self.core)
@@ -82,6 +85,7 @@ class Runtime:
                     for fut, first in waiters.items():
                         if first is ahead and not fut.done():
                             fut.set_result(True)
+                            self._first_woken += first
             for observe in self.observers:
                 try:
                     observe()
@@ -106,7 +110,19 @@ class Runtime:
             finally:
                 timer.cancel()
                 self._waiters.pop(fut, None)
+                if first and fut.done() and not fut.cancelled() and fut.result():  # woken by notify (counted)
+                    self._first_woken -= 1
         return True
+
+    async def body_answers_first(self, turns: int = 16) -> None:
+        """A same-host answer about to copy the step's weights into the weights file
+        (:meth:`TensorSeam.file_behind`) lets the body answers just woken go first: it yields to the event loop
+        until each has resumed (its answer is written in the same loop turn), at most ``turns`` times. A same-host
+        answer made by the request that closed the round was not a wait: it would otherwise copy first."""
+        for _ in range(turns):
+            if self._first_woken <= 0 or not self.tensors.file_behind():
+                return
+            await asyncio.sleep(0)
 
     @property
     def shm(self):

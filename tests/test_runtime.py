@@ -1,6 +1,8 @@
 """``ps_service.runtime.Runtime``'s waits: when the barrier moves, the waits marked ``first`` (answered with the
 weights in a body: megabytes to write, maybe over a slow link) resume before the others, each kind in the order it
-started waiting (a same-host answer is a few hundred bytes: written after them, it delays them no more)."""
+started waiting (a same-host answer is a few hundred bytes: written after them, it delays them no more); a same-host
+answer that first copies the step's weights into the weights file yields to them, even the one the request that
+closed the round makes."""
 from __future__ import annotations
 
 import asyncio
@@ -39,3 +41,40 @@ async def _resume_order() -> list[str]:
 
 def test_waits_answered_with_a_body_resume_first_each_kind_in_the_order_it_waited():
     assert asyncio.run(_resume_order()) == ["body-1", "body-2", "shm-1", "shm-2", "shm-3"]
+
+
+async def _closer_and_waits(shm_dir: str, body_answered_before: bool) -> list[str]:
+    rt = Runtime(PSSettings(min_workers=1, startup_grace_seconds=0.0, shm_dir=shm_dir))
+    core = rt.core
+    core.init_model(ModelInit({"w": np.zeros(4, np.float32)}, {}), rt.now())
+    wid = core.register("w0", rt.now())[0].worker_id
+    rt.notify()
+    rt.tensors.shm.offer(core.weights, core.global_step)  # the weights in the same-host file
+    if body_answered_before:
+        rt.tensors.weights_response("http")  # they move into the body answers' frame: the file gets copies
+    resumed: list[str] = []
+
+    async def wait(name: str) -> None:
+        assert await rt.wait_for(lambda: core.global_step > 0, 30.0, first=True)
+        resumed.append(name)
+        rt.tensors.weights_response("http")
+
+    tasks = [asyncio.create_task(wait(f"body-{i}")) for i in (1, 2)]
+    for _ in range(3):
+        await asyncio.sleep(0)
+    # the request that closes the round answers its same-host worker without waiting
+    rt.run_guarded(lambda: core.push(PushRequest(wid, 0, {"w": np.ones(4, np.float32)}), rt.now()))
+    assert rt.tensors.file_behind() == body_answered_before
+    await rt.body_answers_first()
+    resumed.append("shm")
+    rt.tensors.weights_response("shm")
+    assert not rt.tensors.file_behind() and rt.tensors.shm._weights.marker == 1
+    await asyncio.wait_for(asyncio.gather(*tasks), 10.0)
+    rt.tensors.close()
+    return resumed
+
+
+def test_a_same_host_answer_that_copies_into_the_file_lets_the_woken_body_answers_go_first(tmp_path):
+    """Even the one the round-closing request makes (it was never a wait); with no copy to make it goes at once."""
+    assert asyncio.run(_closer_and_waits(str(tmp_path), True)) == ["body-1", "body-2", "shm"]
+    assert asyncio.run(_closer_and_waits(str(tmp_path), False)) == ["shm", "body-1", "body-2"]

@@ -141,6 +141,10 @@ class TensorSeam:
         self._changes += 1
         self.home.before_change()
 
+    def file_behind(self) -> bool:
+        """The next same-host answer copies the weights into the file first (:meth:`_file_current`)."""
+        return not self.shm.holds(self.core.weights) and (id(self.core.weights), self._changes) != self._mirrored
+
     def _file_current(self) -> None:
         """Make the same-host weights file hold the current weights. In a job that also answers over HTTP (a
         co-located shard: a worker of another host; async/ssp answer every pull so), the weights live in the frame of the body answers,
