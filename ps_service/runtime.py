@@ -11,8 +11,8 @@ on the *barrier* (:meth:`Runtime.barrier`: the global step and the job state), a
 not at every change of the core. Waits marked ``first`` (those answered with the weights in a body: megabytes
 to write, maybe over a slow link) are woken before the others (a same-host answer is a few hundred bytes), each
 kind in the order it started waiting; a same-host answer that must first copy the step's weights into the weights
-file yields until those woken first have resumed (:meth:`Runtime.body_answers_first`). The observers (metrics, checkpoints) run at every change
-and must be O(1).
+file yields until those woken first have resumed (:meth:`Runtime.body_answers_first`). The observers (metrics,
+checkpoints) run at every change and must be O(1).
 """
 from __future__ import annotations
 

@@ -35,6 +35,7 @@ async def _resume_order() -> list[str]:
     assert len(rt._waiters) == len(order)
     rt.run_guarded(lambda: core.push(PushRequest(wid, 0, {"w": np.ones(4, np.float32)}), rt.now()))
     await asyncio.wait_for(asyncio.gather(*tasks), 10.0)
+    assert not rt.tensors.file_behind()  # no same-host file: never a copy to make
     rt.tensors.close()
     return resumed
 

@@ -61,13 +61,13 @@ class TensorSeam:
         #: exact weight deltas for workers that hold the previous step (None: every body answer is dense)
         self.deltas = (WeightDeltas(self.compression.compresses) if settings.weight_deltas and settings.shards == 1
                        and self.compression.name in ("topk", "2bit") else None)
-        #: the weights kept in the frame of their dense answers (no copy per step), unless a same-host file has them
+        #: the weights kept in the frame of their dense answers (no copy per step; out of a same-host file at the first)
         self.home = WeightsHome()
         core.before_change = self._before_change
         #: the weights' changes in place so far, and (the weights dict, that count) when the file last got a copy
         self._changes = 0
         self._mirrored: tuple | None = None
-        #: the last step a dense body answer was made for (where a sync job's weights live: _file_current)
+        #: the last step a dense body answer was made for (where the weights live: :meth:`_file_current`)
         self._body_step = -2
         self.bytes_in = 0
         self.bytes_out = 0
@@ -143,14 +143,16 @@ class TensorSeam:
 
     def file_behind(self) -> bool:
         """The next same-host answer copies the weights into the file first (:meth:`_file_current`)."""
-        return not self.shm.holds(self.core.weights) and (id(self.core.weights), self._changes) != self._mirrored
+        core = self.core
+        return (self.shm.weights_name is not None and not self.shm.holds(core.weights)
+                and (id(core.weights), self._changes) != self._mirrored)
 
     def _file_current(self) -> None:
         """Make the same-host weights file hold the current weights. In a job that also answers over HTTP (a
-        co-located shard: a worker of another host; async/ssp answer every pull so), the weights live in the frame of the body answers,
-        which go on the wire at once, and the file gets a copy once per step, at its first same-host answer
-        (which waits for it: the body answers go first, ps_service.runtime); the file takes them back (no copy
-        at all per step) once no body answer was made for this step or the one before."""
+        co-located shard: a worker of another host; async/ssp answer every pull so), the weights live in the frame
+        of the body answers, which go on the wire at once, and the file gets a copy once per step, at its first
+        same-host answer (which waits for it: the body answers go first, ps_service.runtime); the file takes them
+        back (no copy at all per step) once no body answer was made for this step or the one before."""
         core, hub = self.core, self.shm
         if not hub.holds(core.weights):
             mark = (id(core.weights), self._changes)
