@@ -96,6 +96,8 @@ class StateCollector:
         yield _counter("ps_sent_bytes", "Bytes of weight response bodies sent.", rt.bytes_out)
         yield _counter("ps_shm_received_bytes", "Gradient bytes read from same-host workers' files.", rt.shm.bytes_in)
         yield _gauge("ps_shm_workers", "Workers whose tensors go through the same-host transport.", len(rt.shm.attached))
+        yield _counter("ps_shm_weights_copies", "Copies of a step's weights into the same-host weights file (made while "
+                       "the weights live in the frame of the answers sent over HTTP).", rt.shm.mirrored)
         yield _counter("ps_auth_failures", "Requests refused for a missing or wrong token.", rt.auth_failures)
         r = core.round
         yield _gauge("ps_round_open_seconds", "How long the open round has been open (absent: none open).",

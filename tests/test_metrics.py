@@ -135,6 +135,7 @@ def test_values_match_the_job(job):
     assert s[("ps_received_bytes_total", ())] == st["bytes_received"] > 0
     assert s[("ps_sent_bytes_total", ())] == st["bytes_sent"]  # 0 here: the workers share the PS's host
     assert s[("ps_shm_received_bytes_total", ())] == st["shm_bytes_received"] > 0
+    assert s[("ps_shm_weights_copies_total", ())] == 0  # every answer a same-host one: the file holds the weights
     assert s[("ps_workers", (("state", "left"),))] == WORKERS and s[("ps_workers", (("state", "active"),))] == 0
     assert s[("ps_membership_changes_total", ())] == 2 * WORKERS  # joined + left
     assert s[("ps_job_state", (("state", "done"),))] == 1 and s[("ps_job_state", (("state", "training"),))] == 0

@@ -172,6 +172,7 @@ def test_with_body_answers_the_weights_live_in_their_frame_and_the_file_gets_a_c
         assert hub.holds(core.weights) and hub.mirrored == 7
         round_(10, body_pull=True)
         assert home.holds(core.weights) and not hub.holds(core.weights) and hub.mirrored == 7
+        assert "\nps_shm_weights_copies_total 7.0" in ps.http().get("/metrics").text
         a.close(), b.close()
 
 
