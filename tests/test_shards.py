@@ -340,6 +340,11 @@ def test_a_bad_push_to_one_shard_gets_the_one_ps_refusal_and_changes_nothing():
         r = post_frame(hc, "/v1/shard/gradients", shards.split(good, m.pieces[0]), {"worker_id": "w-nobody", "step": 0},
                        map=m.digest)
         assert r.status_code == 404
+        # membership is the coordinator's: a follower refuses registration; every shard refuses a plain push
+        r = hf.post("/v1/workers", json={"name": "w9"})
+        assert (r.status_code, r.json()["error"]) == (409, "not_coordinator") and "shard 0" in r.json()["detail"]
+        r = post_frame(hf, "/v1/gradients", good, {"worker_id": a, "step": 0})
+        assert (r.status_code, r.json()["error"]) == (409, "sharded")
         assert len(f.rt.shards.holds) == 0 and (state_hash(f.rt), state_hash(c.rt)) == before
 
 

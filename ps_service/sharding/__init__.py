@@ -105,7 +105,11 @@ class ShardRole:
             self.sidecar.write_text(json.dumps(m.to_wire()))
 
     def admit(self) -> None:
-        """Registration is refused (503, retried by workers) while the shards are not consistent."""
+        """Registration is the coordinator's (409 ``not_coordinator`` on a follower: membership lives on shard 0), and
+        refused there (503, retried by workers) while the shards are not consistent."""
+        if not self.coordinator:
+            raise ProtocolError(409, "not_coordinator", f"this is shard {self.index} of {self.count}: workers register "
+                                                        "with shard 0, the coordinator")
         if self.links is not None and self.links.blocked:
             raise ProtocolError(503, "shards_inconsistent", self.links.blocked)
 
