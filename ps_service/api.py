@@ -33,7 +33,7 @@ async def json_body(request: Request, model):
 
 
 class Registration(BaseModel):
-    name: str = Field(min_length=1, max_length=128, pattern=r"^[^\x00-\x1f\x7f]+$",
+    name: str = Field(min_length=1, max_length=128, pattern=r"^[^\x00-\x1f\x7f-\x9f]+$",  # no C0 or C1 control
                       description="Stable worker name (a container's hostname); no control characters.")
 
 

@@ -262,8 +262,9 @@ def decode_tensor(spec: Spec, name: str, shape: tuple[int, ...], wire: np.ndarra
 def check_declared(spec: Spec, declared: str | None, via_body: bool) -> None:
     """422 compression_mismatch unless a push declares the job's encoding (same-host pushes: none)."""
     expected = spec.name if via_body else "none"
-    if (declared or "none") != expected:
-        raise unprocessable("compression_mismatch", f"this push declares compression {declared or 'none'!r}; the "
+    declared = "none" if declared is None else declared  # absent is none; "" is not a name
+    if declared != expected:
+        raise unprocessable("compression_mismatch", f"this push declares compression {declared!r}; the "
                                                     f"job's is {expected!r} (GET /v1/status, the registration answer)")
 
 

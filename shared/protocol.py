@@ -169,7 +169,8 @@ def _parse_push_checked(meta: dict) -> tuple[PushRequest, int | None]:
     n = meta.get("num_examples")
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_NUM_EXAMPLES):
         raise bad_request("bad_field", f"push: num_examples must be an int in [0, {MAX_NUM_EXAMPLES}]")
-    raw = meta.get("timings") or {}
+    raw = meta.get("timings")
+    raw = {} if raw is None else raw  # nil is absent; any other value that is not a map is refused below
     if not isinstance(raw, dict):
         raise bad_request("bad_field", "push: timings must be a map of phase -> seconds")
     _only(raw, _PHASE_SET, "push timings")
@@ -190,7 +191,8 @@ def parse_model_meta(meta: dict, tensors: dict[str, np.ndarray]) -> ModelInit:
     _only(meta, MODEL_FIELDS, what)
     if not tensors:
         raise unprocessable("empty_model", "a model needs at least one tensor")
-    optimizer = meta.get("optimizer") or {}
+    optimizer = meta.get("optimizer")
+    optimizer = {} if optimizer is None else optimizer  # nil is absent; 0, false, "" are not maps
     if not isinstance(optimizer, dict) or not all(isinstance(k, str) for k in optimizer):
         raise bad_request("bad_field", "model init: optimizer must be a map")
     return ModelInit(tensors, optimizer)
