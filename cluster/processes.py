@@ -50,8 +50,12 @@ def _ephemeral_range() -> tuple[int, int] | None:
     return low, high
 
 
-def _bindable(port: int) -> bool:
+def bindable(port: int, reuse_address: bool = False) -> bool:
+    """Can a listener bind 127.0.0.1:``port`` now? ``reuse_address``: as uvicorn binds (SO_REUSEADDR: a port whose
+    old connections linger in TIME_WAIT counts as free)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        if reuse_address:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
@@ -72,7 +76,7 @@ def free_port() -> int:
     if ephemeral is not None and ephemeral[0] - _PORTS_FROM >= 1000:
         for _ in range(200):
             port = _port_choice.randrange(_PORTS_FROM, ephemeral[0])
-            if port not in _handed_out and _bindable(port):
+            if port not in _handed_out and bindable(port):
                 _handed_out.add(port)
                 return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

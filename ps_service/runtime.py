@@ -85,7 +85,8 @@ class Runtime:
                     for fut, first in waiters.items():
                         if first is ahead and not fut.done():
                             fut.set_result(True)
-                            self._first_woken += first
+                            if first:
+                                self._first_woken += 1
             for observe in self.observers:
                 try:
                     observe()

@@ -22,7 +22,7 @@ import httpx
 import numpy as np
 import uvicorn
 
-from cluster.processes import free_port, wait_for
+from cluster.processes import bindable, free_port, wait_for
 from ps_service.app import create_app, server_options
 from ps_service.runtime import Runtime
 from ps_service.settings import PSSettings
@@ -62,16 +62,6 @@ def _start(ps_settings: PSSettings) -> tuple[Any, uvicorn.Server, threading.Thre
     return app, server, thread
 
 
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 @contextmanager
 def live_ps(port: int | None = None, **settings: Any) -> Iterator[LivePS]:
     given = port is not None
@@ -80,7 +70,7 @@ def live_ps(port: int | None = None, **settings: Any) -> Iterator[LivePS]:
     app, server, thread = _start(ps_settings)
     if not server.started and given:  # a PS started again on its port: the port can be held a moment longer
         # (CI, twice: EADDRINUSE, with ports from the ephemeral range; free_port now hands out ports below it)
-        wait_for(lambda: _bindable(port), 20, f"port {port} to be free again")
+        wait_for(lambda: bindable(port, reuse_address=True), 20, f"port {port} to be free again")
         app, server, thread = _start(ps_settings)
     try:
         assert server.started, "uvicorn did not start"

@@ -143,9 +143,13 @@ class TensorSeam:
 
     def file_behind(self) -> bool:
         """The next same-host answer copies the weights into the file first (:meth:`_file_current`)."""
-        core = self.core
-        return (self.shm.weights_name is not None and not self.shm.holds(core.weights)
-                and (id(core.weights), self._changes) != self._mirrored)
+        weights = self.core.weights
+        return (self.shm.weights_name is not None and not self.shm.holds(weights)
+                and self._mark(weights) != self._mirrored)
+
+    def _mark(self, weights: dict) -> tuple:
+        """What names the weights' values: the dict (a restore makes a new one) and its changes in place so far."""
+        return id(weights), self._changes
 
     def _file_current(self) -> None:
         """Make the same-host weights file hold the current weights. In a job that also answers over HTTP (a
@@ -155,7 +159,7 @@ class TensorSeam:
         back (no copy at all per step) once no body answer was made for this step or the one before."""
         core, hub = self.core, self.shm
         if not hub.holds(core.weights):
-            mark = (id(core.weights), self._changes)
+            mark = self._mark(core.weights)
             if mark != self._mirrored:
                 hub.mirror(core.weights, core.global_step)
                 self._mirrored = mark
@@ -193,7 +197,7 @@ class TensorSeam:
             claim = self.shm.holds(tensors)
             body = self.home.answer(tensors, key, head, claim=claim)
             if claim:  # the file keeps the values the frame now has
-                self._mirrored = (id(tensors), self._changes)
+                self._mirrored = self._mark(tensors)
             if body is not None:
                 self._body_step = self.core.global_step
                 return body
