@@ -214,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cnn-steps", type=int, default=200, help="DDP steps per CNN run")
     ap.add_argument("--hosts", default="syncps,syncps-colocated,syncps-topk,gloo",
                     help="bench.hosts systems of the between-hosts table (root, ip and tc; '' for none)")
-    ap.add_argument("--hosts-params", default="10000000", help="params of the between-hosts table (comma list)")
+    ap.add_argument("--hosts-params", default="1000000,10000000",
+                    help="params of the between-hosts table (comma list)")
     ap.add_argument("--hosts-rate", default="1gbit", help="each emulated host's link (tc units)")
     ap.add_argument("--floor-params", default="1000000,10000000",
                     help="params of the cells whose loopback floors are measured (bench.floor; '' for none)")

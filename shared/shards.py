@@ -26,6 +26,7 @@ import heapq
 import json
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -60,8 +61,9 @@ class ShardMap:
     split_elements: int
     pieces: tuple[tuple[Piece, ...], ...]  # per shard, sorted by key
 
-    @property
+    @cached_property
     def digest(self) -> str:
+        """sha256 of the map's canonical JSON (computed once: every hold names it, every shard checks it)."""
         body = {"spec": {k: [list(s), d] for k, (s, d) in sorted(self.spec.items())}, "shards": self.shards,
                 "split_elements": self.split_elements,
                 "pieces": [[[p.name, p.start, p.stop] for p in ps] for ps in self.pieces]}

@@ -198,10 +198,14 @@ class PSClient:
         return got
 
     def push(self, worker_id: str, step: int, grads: Mapping[str, np.ndarray], loss: float | None = None,
-             num_examples: int | None = None, timings: Mapping[str, float] | None = None) -> dict:
+             num_examples: int | None = None, timings: Mapping[str, float] | None = None,
+             on_way: Callable[[], None] | None = None) -> dict:
+        """``on_way``: called at most once, as the push is under way (:meth:`TensorTransport.push`)."""
         meta = {"worker_id": worker_id, "step": step, "loss": loss, "num_examples": num_examples,
                 "timings": dict(timings or {})}
-        answer = self.with_transport(worker_id, lambda t: t.push(meta, grads, self.push_wait, self.timeout))
+        once = [on_way] if on_way is not None else []  # a push sent again (with_transport) does not call it again
+        answer = self.with_transport(worker_id, lambda t: t.push(meta, grads, self.push_wait, self.timeout,
+                                                                 once.pop() if once else None))
         self.lease_renewed = time.monotonic()
         self._prefetched = answer.pulled
         return {"status": answer.status, "step": answer.step, "done": answer.done}

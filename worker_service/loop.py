@@ -133,8 +133,9 @@ def train(client: PSClient, task: Task, name: str, batch_size: int, stop: StopFl
                     stop.wait(compute_delay)  # WORKER_COMPUTE_DELAY_SECONDS: a deliberately slow worker
                 t2 = time.monotonic()
                 times = {"fetch": t1 - t0, "compute": t2 - t1, "push": times["push"]}  # push: the previous one's
-                ahead.ahead(pulled.step + 1, *place)  # the next batch, drawn while this push and its round are out
-                res = client.push(worker_id, pulled.step, grads, loss, n, times)
+                # the next batch, drawn while this push and its round are out
+                res = client.push(worker_id, pulled.step, grads, loss, n, times,
+                                  on_way=lambda s=pulled.step + 1, at=place: ahead.ahead(s, *at))
             except ProtocolError as exc:
                 if exc.code not in REJOIN_CODES:
                     raise

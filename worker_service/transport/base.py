@@ -101,8 +101,15 @@ class TensorTransport(ABC):
         m = f.meta
         return None if tensors is None else Pulled(m["step"], m["done"], list(m.get("ranks", [])), tensors, nbytes)
 
-    def push(self, meta: dict, grads: Mapping[str, np.ndarray], wait: float, timeout: float) -> PushAnswer:
-        """Push, and wait at most ``wait`` s for the round to close and its weights to come back."""
+    def push(self, meta: dict, grads: Mapping[str, np.ndarray], wait: float, timeout: float,
+             on_way: Callable[[], None] | None = None) -> PushAnswer:
+        """Push, and wait at most ``wait`` s for the round to close and its weights to come back.
+
+        ``on_way`` (the worker's next batch, :mod:`worker_service.prefetch`) is called once, when this thread has
+        started the push and its work can overlap the rest: here at once (one request, which this thread sends), on a
+        sharded PS once the pieces are handed to the threads that send them."""
+        if on_way is not None:
+            on_way()
         resp = self.call("POST", f"{API}/gradients", params={"pull": 1, "timeout": wait, **self.answer_params()},
                          body=self.push_body(meta, grads), headers={"content-type": frame.MEDIA_TYPE},
                          timeout=timeout + wait, what=f"POST {API}/gradients (step {meta['step']})")

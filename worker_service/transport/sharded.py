@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait as wait_all
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping
 
 import numpy as np
 
@@ -78,11 +78,13 @@ class ShardedTransport(TensorTransport):
     def weights(self, answer):
         raise NotImplementedError
 
-    def _all(self, calls) -> list:
+    def _all(self, calls, started: Callable[[], None] | None = None) -> list:
         """Run the calls in parallel; their results in order, or an error as soon as one fails (e.g. 409
         ``not_active`` from the coordinator after a rollback, while a follower's long-poll pull still waits: it is
-        left to end by itself)."""
+        left to end by itself). ``started`` is called once every call is handed to a thread."""
         futures = [self.pool.submit(c) for c in calls]
+        if started is not None:
+            started()
         wait_all(futures, return_when=FIRST_EXCEPTION)
         for f in futures:
             if f.done() and f.exception() is not None:
@@ -105,11 +107,14 @@ class ShardedTransport(TensorTransport):
                       what=f"commit (step {meta['step']})")
         return c.tensors.push_answer(resp)
 
-    def push(self, meta: dict, grads: Mapping[str, np.ndarray], wait: float, timeout: float) -> PushAnswer:
+    def push(self, meta: dict, grads: Mapping[str, np.ndarray], wait: float, timeout: float,
+             on_way: Callable[[], None] | None = None) -> PushAnswer:
         step = meta["step"]
         held = {"worker_id": meta["worker_id"], "step": step}
+        # on_way once the holds are with their threads: woken before, its thread took this one's core for 1.5-2 ms
+        # just as the push was to start (docs/performance.md, "The next batch drawn once the holds are out")
         self._all([lambda i=i, ps=ps: self._hold(i, held, shards.split(grads, ps), timeout)
-                   for i, ps in enumerate(self.map.pieces)])
+                   for i, ps in enumerate(self.map.pieces)], on_way)
         into = self._target()
 
         def commit() -> PushAnswer:
