@@ -3,8 +3,9 @@
 Contract: after a worker computed step ``s`` it calls :meth:`BatchAhead.ahead` with its guess of the next step's
 place (step ``s + 1``, the same position among the same number of ranks) as its push gets under way (the push's
 ``on_way``: on a sharded PS once the holds are with their threads, so that the draw's thread, woken on the worker's
-core, does not take it just as the push is to start); the batch is drawn in one background thread meanwhile, while the worker waits for the round, its answer and the next weights (data loading
-overlapped with the wire, as a DataLoader's workers do for DDP). :meth:`BatchAhead.get` hands it over when the step
+core, does not take it just as the push is to start); the batch is drawn in one background thread meanwhile, while
+the worker waits for the round, its answer and the next weights (data loading overlapped with the wire, as a
+DataLoader's workers do for DDP). :meth:`BatchAhead.get` hands it over when the step
 the worker is about to compute is the one guessed; otherwise (the ranks changed, a rejoin, a skipped round) the
 guess is dropped and the batch is drawn again for the real place, so a task sees exactly the batches it would see
 without prefetching.

@@ -112,7 +112,7 @@ class ShardedTransport(TensorTransport):
         step = meta["step"]
         held = {"worker_id": meta["worker_id"], "step": step}
         # on_way once the holds are with their threads: woken before, its thread took this one's core for 1.5-2 ms
-        # just as the push was to start (docs/performance.md, "The next batch drawn once the holds are out")
+        # just as the push was to start (docs/performance.md, twenty-fourth session)
         self._all([lambda i=i, ps=ps: self._hold(i, held, shards.split(grads, ps), timeout)
                    for i, ps in enumerate(self.map.pieces)], on_way)
         into = self._target()
