@@ -1,4 +1,4 @@
-"""``python -m bench.hosts``: syncps and torch gloo between emulated hosts, each behind a link of its own.
+"""``python -m bench.hosts``: syncps, torch gloo and TensorFlow between emulated hosts, each behind a link of its own.
 
 On loopback bytes cost only CPU; between hosts each host has one NIC of bandwidth B: the PS's NIC carries
 2*N*M bytes a round (uncompressed), a ring all-reduce 2*(N-1)/N*M on every host's NIC at once; S PS shards on
@@ -22,15 +22,22 @@ not through a socket, and every other piece over the links (with ``--rate none``
 and worker k in host S+k; the weights tensor is cut into S slices (``PS_SHARD_SPLIT_ELEMENTS``), so each shard's link
 carries 1/S of the bytes. ``gloo`` runs
 :mod:`bench.gloo_hosts` (the anchors' torch all-reduce) with rank r in host r+1, in the anchors' torch venv
-(``~/.cache/syncps-anchors/torch``; a clear error line when it is missing). ``--rate none``: no namespaces,
-everything on loopback (to check a runner against its loopback figure).
+(``~/.cache/syncps-anchors/torch``; a clear error line when it is missing). ``tf`` runs :mod:`bench.tf_hosts` (the
+anchors' TensorFlow SyncReplicasOptimizer, gRPC) with its one ``ps`` task in host 0 (where syncps's one PS runs) and
+worker t in host t+1; ``tf-colocated`` with a ps task beside each worker (ps task t and worker t in host t, as
+``syncps-colocated``; the weights cut into one partition per ps task by ``fixed_size_partitioner``, TF1's way to spread a
+large variable); both in the anchors' TensorFlow venv (``~/.cache/syncps-anchors/tf``, made by
+``../shared/bench/compare.sh``; a clear error line when it is missing). ``--rate none``: no namespaces, everything on
+loopback (to check a runner against its loopback figure).
 
 Output: one JSON line per run (bench.run's fields plus ``rate``, ``pass`` and ``wire_bytes_per_step``: the bytes
 the PS received and sent a step; ``shards``, ``shard_namespaces`` and ``worker_namespaces``, and with S > 1 bench.run's
-``shard_urls`` and ``shard_wire_bytes_per_step``; gloo: ``ring_bytes_per_host_per_step``), then a Markdown table,
+``shard_urls`` and ``shard_wire_bytes_per_step``; gloo: ``ring_bytes_per_host_per_step``; tf, tf-colocated: the
+anchor's fields plus ``ps_tasks``, ``ps_namespaces`` and ``worker_namespaces``), then a Markdown table,
 rows params x workers, a column per system (``syncps S=2``: two shards, when ``--shards`` is not just 1) and the
-ratio of each syncps column to gloo. ``--repeat K`` runs K passes over each cell, every system once a pass in turn:
-the table then gives each column's median steps/s and the median of the per-pass ratios, with their range.
+ratio of each syncps column to each anchor that ran (gloo, tf, tf-colocated). ``--repeat K`` runs K passes over each
+cell, every system once a pass in turn: the table then gives each column's median steps/s and the median of the
+per-pass ratios, with their range.
 """
 from __future__ import annotations
 
@@ -56,7 +63,13 @@ from cluster.processes import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 GLOO_RUNNER = ROOT / "bench" / "gloo_hosts.py"
-TORCH_PYTHON = Path.home() / ".cache" / "syncps-anchors" / "torch" / "bin" / "python"
+TF_RUNNER = ROOT / "bench" / "tf_hosts.py"
+ANCHOR_VENVS = Path.home() / ".cache" / "syncps-anchors"
+TORCH_PYTHON = ANCHOR_VENVS / "torch" / "bin" / "python"
+TF_PYTHON = ANCHOR_VENVS / "tf" / "bin" / "python"
+#: the anchors: each run by its own runner, compared with every syncps column
+ANCHORS = ("gloo", "tf", "tf-colocated")
+TF_COLOCATED = "tf-colocated"
 #: where each host's same-host directory is made (``<SHM_ROOT>/<namespace>``: one host's /dev/shm)
 SHM_ROOT = Path("/dev/shm")
 UNITS = {"tbit": 1e12, "gbit": 1e9, "mbit": 1e6, "kbit": 1e3, "bit": 1.0}
@@ -254,6 +267,29 @@ def syncps(hosts: Hosts | None, system: str, workers: int, params: int, seconds:
     return line
 
 
+def anchor_line(base: dict, commands: list[tuple[list[str], dict]], reporter: int, timeout: float) -> dict:
+    """Start an anchor's processes (each command with its environment), read the JSON line the ``reporter``-th prints,
+    then kill them all: that line, or ``base`` with the error (and ``steps_per_s`` None)."""
+    procs = []
+    with tempfile.TemporaryFile("w+") as errors:
+        try:
+            for i, (cmd, env) in enumerate(commands):
+                procs.append(subprocess.Popen(cmd, env=env, stderr=errors, text=True,
+                                              stdout=subprocess.PIPE if i == reporter else subprocess.DEVNULL))
+            out = procs[reporter].communicate(timeout=timeout)[0]
+            lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+            if not lines:
+                errors.seek(0)
+                return {**base, "steps_per_s": None, "error": "no result line: " + errors.read()[-1000:]}
+        except subprocess.TimeoutExpired:
+            return {**base, "steps_per_s": None, "error": "timed out"}
+        finally:
+            for proc in procs:
+                proc.kill()
+                proc.wait()
+    return {**lines[-1], **base}
+
+
 def gloo(hosts: Hosts | None, workers: int, params: int, seconds: float, warmup: float) -> dict:
     """The anchors' gloo all-reduce, rank r in host r+1 (:mod:`bench.gloo_hosts`): rank 0's line."""
     base = {"system": "gloo", "workers": workers, "params_requested": params}
@@ -262,35 +298,48 @@ def gloo(hosts: Hosts | None, workers: int, params: int, seconds: float, warmup:
     port, master = free_port(), "127.0.0.1" if hosts is None else hosts.ip(1)
     args = ["--master", master, "--port", str(port), "--workers", str(workers), "--params", str(params),
             "--seconds", str(seconds), "--warmup", str(warmup)]
-    procs = []
-    with tempfile.TemporaryFile("w+") as errors:
-        try:
-            for rank in range(workers):
-                run_in = [] if hosts is None else hosts.exec_prefix(rank + 1)
-                env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo" if hosts is None else hosts.device(rank + 1)}
-                procs.append(subprocess.Popen([*run_in, str(TORCH_PYTHON), str(GLOO_RUNNER), "--rank", str(rank), *args],
-                                              env=env, stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL,
-                                              stderr=errors, text=True))
-            out = procs[0].communicate(timeout=120 + warmup + 3 * seconds)[0]
-            lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-            if not lines:
-                errors.seek(0)
-                return {**base, "steps_per_s": None, "error": "no line from rank 0: " + errors.read()[-1000:]}
-        except subprocess.TimeoutExpired:
-            return {**base, "steps_per_s": None, "error": "timed out"}
-        finally:
-            for proc in procs:
-                proc.kill()
-                proc.wait()
-    line = {**lines[-1], "system": "gloo"}
-    line["ring_bytes_per_host_per_step"] = round(2 * (workers - 1) / workers * line["params"] * 4)
+    line = anchor_line(base, [([*([] if hosts is None else hosts.exec_prefix(rank + 1)), str(TORCH_PYTHON),
+                                 str(GLOO_RUNNER), "--rank", str(rank), *args],
+                                {**os.environ, "GLOO_SOCKET_IFNAME": "lo" if hosts is None else hosts.device(rank + 1)})
+                               for rank in range(workers)], 0, 120 + warmup + 3 * seconds)
+    if line.get("steps_per_s"):
+        line["ring_bytes_per_host_per_step"] = round(2 * (workers - 1) / workers * line["params"] * 4)
+    return line
+
+
+def tf(hosts: Hosts | None, system: str, workers: int, params: int, seconds: float, warmup: float) -> dict:
+    """The anchors' TensorFlow SyncReplicasOptimizer (:mod:`bench.tf_hosts`), the chief's line. ``tf``: its one
+    ``ps`` task in host 0 (where syncps's one PS runs), worker t in host t+1 (gloo's rank t's host). ``tf-colocated``:
+    a ps task per worker, ps task t beside worker t in host t (as ``syncps-colocated``), the weights cut into one
+    partition per ps task."""
+    base = {"system": system, "workers": workers, "params_requested": params}
+    if not TF_PYTHON.exists():
+        return {**base, "steps_per_s": None, "error": f"skipped: no TensorFlow venv at {TF_PYTHON}"}
+    ps_hosts = list(range(workers)) if system == TF_COLOCATED else [0]
+    tasks = [("ps", t, h) for t, h in enumerate(ps_hosts)]
+    tasks += [("worker", t, t if system == TF_COLOCATED else t + 1) for t in range(workers)]
+    ports = [free_port() for _ in tasks]
+    at = [("127.0.0.1" if hosts is None else hosts.ip(h)) + f":{port}" for (_, _, h), port in zip(tasks, ports)]
+    env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}  # gRPC would honour a proxy
+    env.update(TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
+    with tempfile.TemporaryDirectory() as logdir:  # the tasks meet through its files (the anchor's progress, "go")
+        args = ["--ps-addresses", ",".join(at[:len(ps_hosts)]), "--worker-addresses", ",".join(at[len(ps_hosts):]),
+                "--ports", ",".join(map(str, ports)), "--logdir", logdir, "--workers", str(workers),
+                "--params", str(params), "--seconds", str(seconds), "--warmup", str(warmup)]
+        line = anchor_line(base, [([*([] if hosts is None else hosts.exec_prefix(host)), str(TF_PYTHON), str(TF_RUNNER),
+                                    "--role", role, "--task", str(task), *args], env) for role, task, host in tasks],
+                           len(ps_hosts), 180 + warmup + 3 * seconds)  # the chief: worker 0
+    line["ps_tasks"] = len(ps_hosts)
+    if hosts is not None:
+        line["ps_namespaces"] = [hosts.namespace(h) for h in ps_hosts]
+        line["worker_namespaces"] = [hosts.namespace(h) for _, _, h in tasks[len(ps_hosts):]]
     return line
 
 
 def column(line: dict, label_shards: bool) -> str:
     """A line's table column: its system, with ``S=<shards>`` when the table compares shard counts (not gloo's, nor
     ``syncps-colocated``'s: one shard per worker)."""
-    labelled = label_shards and line["system"] not in ("gloo", COLOCATED)
+    labelled = label_shards and line["system"] not in (*ANCHORS, COLOCATED)
     return f"{line['system']} S={line.get('shards', 1)}" if labelled else line["system"]
 
 
@@ -301,8 +350,8 @@ def table(lines: list[dict], systems: list[str]) -> str:
     labelled = any(" S=" in s for s in systems)
     rate = {(x["params_requested"], x["workers"], column(x, labelled), x.get("pass", 0)): x.get("steps_per_s")
             for x in lines}
-    ratios = [s for s in systems if s != "gloo"] if "gloo" in systems else []
-    head = ["params", "workers", *systems, *(f"{s} / gloo" for s in ratios)]
+    ratios = [(s, a) for a in ANCHORS if a in systems for s in systems if s not in ANCHORS]
+    head = ["params", "workers", *systems, *(f"{s} / {a}" for s, a in ratios)]
     rows = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
     for p, n in sorted({(p, n) for p, n, _, _ in rate}):
         passes = sorted({i for q, m, _, i in rate if (q, m) == (p, n)})
@@ -310,8 +359,8 @@ def table(lines: list[dict], systems: list[str]) -> str:
         for s in systems:
             got = [v for i in passes if (v := rate.get((p, n, s, i)))]
             cells.append(f"{statistics.median(got):.3g}" if got else "-")
-        for s in ratios:
-            each = [a / b for i in passes if (a := rate.get((p, n, s, i))) and (b := rate.get((p, n, "gloo", i)))]
+        for s, anchor in ratios:
+            each = [a / b for i in passes if (a := rate.get((p, n, s, i))) and (b := rate.get((p, n, anchor, i)))]
             spread = f" [{min(each):.2f}-{max(each):.2f}]" if len(each) > 1 else ""
             cells.append(f"{statistics.median(each):.2f}x{spread}" if each else "-")
         rows.append("| " + " | ".join(cells) + " |")
@@ -328,7 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=float, default=2.0)
     ap.add_argument("--systems", default="syncps,gloo",
                     help="comma list of syncps, syncps-bf16, syncps-fp16, syncps-topk, syncps-2bit, "
-                         f"{COLOCATED} (one shard per worker, in its host), gloo")
+                         f"{COLOCATED} (one shard per worker, in its host), gloo, tf, {TF_COLOCATED} (a TensorFlow "
+                         "ps task per worker, in its host)")
     ap.add_argument("--shards", default="1", help="comma list of PS shard counts S for each syncps system: shard i "
                                                   "in host i, the workers in the hosts after them")
     ap.add_argument("--repeat", type=int, default=1, help="passes over each params x workers cell, every system "
@@ -340,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     workers = [int(w) for w in args.workers.split(",")]
     systems = [s for s in args.systems.split(",") if s]
     shard_counts = [int(s) for s in args.shards.split(",")]
-    runs = [(system, s) for system in systems for s in ([1] if system in ("gloo", COLOCATED) else shard_counts)]
+    runs = [(system, s) for system in systems for s in ([1] if system in (*ANCHORS, COLOCATED) else shard_counts)]
     columns = [column({"system": system, "shards": s}, shard_counts != [1]) for system, s in runs]
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     lines: list[dict] = []
@@ -353,6 +403,8 @@ def main(argv: list[str] | None = None) -> int:
                 for i in range(max(1, args.repeat)):
                     for system, shards in runs:
                         line = (gloo(hosts, n, params, args.seconds, args.warmup) if system == "gloo" else
+                                tf(hosts, system, n, params, args.seconds, args.warmup) if system.startswith("tf")
+                                else
                                 syncps(hosts, system, n, params, args.seconds, args.warmup, shards))
                         line["rate"], line["pass"] = args.rate, i
                         lines.append(line)

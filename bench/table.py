@@ -22,7 +22,8 @@ next to torch DistributedDataParallel with gloo (:mod:`bench.ddp_cnn`, ``--cnn-s
 Last, when run as root with ``ip`` and ``tc`` (a network namespace per host), the same workload between emulated hosts
 (:mod:`bench.hosts`: each host behind a ``--hosts-rate`` link, 1 Gb/s by default) for the systems of ``--hosts``
 (default: syncps uncompressed with one PS and with one shard beside each worker (``syncps-colocated``), top-k over
-TCP, torch gloo's float32 all-reduce) at ``--hosts-params``: a third table, steps/s and each syncps column over gloo.
+TCP, torch gloo's float32 all-reduce, TensorFlow's SyncReplicasOptimizer with its one ps task and with a ps task beside
+each worker (``tf-colocated``)) at ``--hosts-params``: a third table, steps/s and each syncps column over each anchor.
 On loopback a byte costs only CPU; this is where compression and co-located shards pay.
 """
 from __future__ import annotations
@@ -212,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--anchors", default="tf,torch", help="anchor systems to run ('' for none)")
     ap.add_argument("--cnn-workers", default="4", help="worker counts of the CNN table ('' for none; needs torch)")
     ap.add_argument("--cnn-steps", type=int, default=200, help="DDP steps per CNN run")
-    ap.add_argument("--hosts", default="syncps,syncps-colocated,syncps-topk,gloo",
+    ap.add_argument("--hosts", default="syncps,syncps-colocated,syncps-topk,gloo,tf,tf-colocated",
                     help="bench.hosts systems of the between-hosts table (root, ip and tc; '' for none)")
     ap.add_argument("--hosts-params", default="1000000,10000000",
                     help="params of the between-hosts table (comma list)")
@@ -279,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
         print(cnn_table(cnn))
     if hosts_text:
         print(f"\nBetween emulated hosts (bench.hosts, a {args.hosts_rate} link per host; syncps over TCP; "
-              f"colocated: a PS shard beside each worker; top-k at its steady-state ratio, no warm-up)\n")
+              f"colocated: a PS shard, or TensorFlow ps task, beside each worker; top-k at its steady-state ratio, "
+              f"no warm-up)\n")
         print(hosts_text)
     ok = all(median_of(results[c]["syncps"], "steps_per_s") for c in cells)
     return 0 if ok else 1

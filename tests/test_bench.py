@@ -440,6 +440,57 @@ def test_hosts_table_gives_medians_and_per_pass_ratios_of_repeated_passes():
     assert once[2] == "| 1,000 | 2 | 10 | 20 | 0.50x |"
 
 
+def test_hosts_table_gives_each_syncps_column_over_each_anchor_that_ran():
+    from bench.hosts import table
+
+    def line(system: str, steps: float) -> dict:
+        return {"system": system, "params_requested": 1000, "workers": 2, "steps_per_s": steps}
+
+    lines = [line("syncps", 8.0), line("syncps-colocated", 24.0), line("tf", 8.0), line("tf-colocated", 20.0),
+             line("gloo", 25.0)]
+    rows = table(lines, ["syncps", "syncps-colocated", "tf", "tf-colocated", "gloo"]).splitlines()
+    assert rows[0] == ("| params | workers | syncps | syncps-colocated | tf | tf-colocated | gloo | syncps / gloo | "
+                       "syncps-colocated / gloo | syncps / tf | syncps-colocated / tf | syncps / tf-colocated | "
+                       "syncps-colocated / tf-colocated |")
+    assert rows[2] == "| 1,000 | 2 | 8 | 24 | 8 | 20 | 25 | 0.32x | 0.96x | 1.00x | 3.00x | 0.40x | 1.20x |"
+    assert table(lines[:3], ["syncps", "syncps-colocated", "tf"]).splitlines()[0].endswith(
+        "| syncps / tf | syncps-colocated / tf |")  # no gloo run: no column over it
+
+
+def test_tf_between_hosts_says_so_without_the_anchors_venv(monkeypatch, tmp_path):
+    import bench.hosts as hosts
+
+    monkeypatch.setattr(hosts, "TF_PYTHON", tmp_path / "no-venv" / "bin" / "python")
+    for system in ("tf", "tf-colocated"):
+        got = hosts.tf(None, system, 2, 1000, 1.0, 0.5)
+        assert got["system"] == system and got["steps_per_s"] is None and "no TensorFlow venv" in got["error"]
+
+
+def test_tf_colocated_cuts_only_the_weights_into_one_partition_per_ps_task():
+    """bench.tf_hosts.partition, against a stand-in for ``tf.compat.v1`` (the anchors' TensorFlow is not in .venv):
+    ``w`` gets ``fixed_size_partitioner(S)`` and the anchor gets the parts' concatenation; ``b`` is left alone."""
+    from types import SimpleNamespace
+
+    from bench.tf_hosts import partition
+
+    made = []
+
+    class Partitioned:
+        def as_tensor(self):
+            return "concat(w parts)"
+
+    def get_variable(name, *args, **kwargs):
+        made.append((name, args, kwargs))
+        return Partitioned() if "partitioner" in kwargs else f"variable {name}"
+
+    v1 = SimpleNamespace(get_variable=get_variable, fixed_size_partitioner=lambda n: f"fixed_size_partitioner({n})")
+    partition(v1, 4)
+    assert v1.get_variable("w", [999, 1000], dtype="float32") == "concat(w parts)"
+    assert v1.get_variable("b", [1000]) == "variable b"
+    assert made == [("w", ([999, 1000],), {"dtype": "float32", "partitioner": "fixed_size_partitioner(4)"}),
+                    ("b", ([1000],), {})]
+
+
 def test_the_prefetch_bench_task_is_the_bench_task_with_a_load_wait():
     import bench.prefetch as bp
 
