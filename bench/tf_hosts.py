@@ -1,14 +1,14 @@
 """One task of the anchors' TensorFlow SyncReplicasOptimizer cluster per process, so each can run on a host of its own.
 
-``../shared/bench/tf_sync_replicas.py`` starts its ``ps`` task and its workers itself, all on 127.0.0.1. This runs
-that script's own ``run_ps`` or ``run_worker`` (the same graph: variables on the one ``ps`` task by
-``replica_device_setter``, ``SyncReplicasOptimizer(replicas_to_aggregate=N)``, gRPC; the same warm-up, window and
-progress files) as task ``--task`` of role ``--role``, in a cluster whose addresses are ``--ps-address`` and
-``--worker-addresses`` (``host:port``, comma list) instead. Worker 0, the chief, prints the anchor's JSON line; the
-tasks meet through the files of ``--logdir`` (one file system: the emulated hosts are network namespaces). Run it
-with the anchors' TensorFlow venv::
+``../shared/bench/tf_sync_replicas.py`` starts its one ``ps`` task and its workers itself, all on 127.0.0.1. This
+runs that script's own ``run_worker`` (the same graph: variables on the ps tasks by ``replica_device_setter``,
+``SyncReplicasOptimizer(replicas_to_aggregate=N)``, gRPC; the same warm-up, window and progress files), or a ps
+task's server as ``run_ps`` makes it, as task ``--task`` of role ``--role``, in a cluster whose addresses are
+``--ps-addresses`` and ``--worker-addresses`` (``host:port``, comma lists) instead. Worker 0, the chief, prints the
+anchor's JSON line; the tasks meet through the files of ``--logdir`` (one file system: the emulated hosts are network
+namespaces). Run it with the anchors' TensorFlow venv::
 
-    ~/.cache/syncps-anchors/tf/bin/python bench/tf_hosts.py --role worker --task 0 --ps-address 10.88.0.1:2222 \\
+    ~/.cache/syncps-anchors/tf/bin/python bench/tf_hosts.py --role worker --task 0 --ps-addresses 10.88.0.1:2222 \\
         --worker-addresses 10.88.0.2:2223,10.88.0.3:2224 --ports 2222,2223,2224 --logdir /tmp/x \\
         --workers 2 --params 1000000 --seconds 5
 
