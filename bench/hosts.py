@@ -67,9 +67,9 @@ TF_RUNNER = ROOT / "bench" / "tf_hosts.py"
 ANCHOR_VENVS = Path.home() / ".cache" / "syncps-anchors"
 TORCH_PYTHON = ANCHOR_VENVS / "torch" / "bin" / "python"
 TF_PYTHON = ANCHOR_VENVS / "tf" / "bin" / "python"
-#: the anchors: each run by its own runner, compared with every syncps column
-ANCHORS = ("gloo", "tf", "tf-colocated")
 TF_COLOCATED = "tf-colocated"
+#: the anchors: each run by its own runner, compared with every syncps column
+ANCHORS = ("gloo", "tf", TF_COLOCATED)
 #: where each host's same-host directory is made (``<SHM_ROOT>/<namespace>``: one host's /dev/shm)
 SHM_ROOT = Path("/dev/shm")
 UNITS = {"tbit": 1e12, "gbit": 1e9, "mbit": 1e6, "kbit": 1e3, "bit": 1.0}
@@ -337,8 +337,8 @@ def tf(hosts: Hosts | None, system: str, workers: int, params: int, seconds: flo
 
 
 def column(line: dict, label_shards: bool) -> str:
-    """A line's table column: its system, with ``S=<shards>`` when the table compares shard counts (not gloo's, nor
-    ``syncps-colocated``'s: one shard per worker)."""
+    """A line's table column: its system, with ``S=<shards>`` when the table compares shard counts (not an anchor's,
+    nor ``syncps-colocated``'s: one shard per worker)."""
     labelled = label_shards and line["system"] not in (*ANCHORS, COLOCATED)
     return f"{line['system']} S={line.get('shards', 1)}" if labelled else line["system"]
 
@@ -403,8 +403,7 @@ def main(argv: list[str] | None = None) -> int:
                 for i in range(max(1, args.repeat)):
                     for system, shards in runs:
                         line = (gloo(hosts, n, params, args.seconds, args.warmup) if system == "gloo" else
-                                tf(hosts, system, n, params, args.seconds, args.warmup) if system.startswith("tf")
-                                else
+                                tf(hosts, system, n, params, args.seconds, args.warmup) if system in ANCHORS else
                                 syncps(hosts, system, n, params, args.seconds, args.warmup, shards))
                         line["rate"], line["pass"] = args.rate, i
                         lines.append(line)
