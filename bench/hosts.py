@@ -110,6 +110,16 @@ def remove_hosts(prefix: str) -> None:
         shutil.rmtree(d, ignore_errors=True)
 
 
+def available(prefix: str) -> bool:
+    """Can hosts be emulated here (root, ``ip``, ``tc``, network namespaces)? Tried with a namespace of ``prefix``."""
+    if os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("tc")):
+        return False
+    probe = f"{prefix}-probe"
+    ok = sh("ip", "netns", "add", probe, check=False).returncode == 0
+    sh("ip", "netns", "delete", probe, check=False)
+    return ok
+
+
 def forward_rule(prefix: str) -> list[str]:
     """Bridged frames pass iptables' FORWARD chain when br_netfilter is loaded (Docker's policy: DROP)."""
     return ["FORWARD", "-i", f"{prefix}br", "-o", f"{prefix}br", "-j", "ACCEPT"]
@@ -145,6 +155,19 @@ class Hosts:
         burst = max(64 * 1024, int(rate_bits(self.rate) / 8 / 1000))  # 1 ms of traffic, at least one GSO packet
         sh(*(run_in or []), "tc", "qdisc", "add", "dev", device, "root", "tbf", "rate", self.rate,
            "burst", str(burst), "latency", "20ms")
+
+    @contextlib.contextmanager
+    def cut_off(self, i: int):
+        """Host ``i``'s traffic silently dropped both ways while inside (a cable pulled further along: no reset, no
+        error, the packets are gone; ``iptables`` in the host's namespace)."""
+        rules = [["INPUT", "-i", self.device(i), "-j", "DROP"], ["OUTPUT", "-o", self.device(i), "-j", "DROP"]]
+        for rule in rules:
+            sh(*self.exec_prefix(i), "iptables", "-w", "-I", *rule)
+        try:
+            yield
+        finally:
+            for rule in rules:
+                sh(*self.exec_prefix(i), "iptables", "-w", "-D", *rule, check=False)
 
     def __enter__(self) -> Hosts:
         remove_hosts(self.prefix)
@@ -238,6 +261,16 @@ def host_of(name: str, shards: int, colocated: bool = False) -> int:
     return index if name.startswith("ps") or colocated else shards + index
 
 
+def placement(hosts: Hosts, shards: int, colocated: bool) -> dict:
+    """:class:`LocalCluster` options that run shard i in host i and worker k in host S+k (``colocated``: in host k,
+    beside shard k, both with that host's same-host directory: a worker's own shard by files)."""
+    def prefix(name: str) -> list[str]:
+        h = host_of(name, shards, colocated)
+        shm = [f"PS_SHM_DIR={hosts.shm_dir(h)}", f"WORKER_SHM_DIR={hosts.shm_dir(h)}"] if colocated else []
+        return [*hosts.exec_prefix(h), *(["env", *shm] if shm else [])]
+    return {"hosts": [hosts.ip(i) for i in range(shards)], "prefix": prefix}
+
+
 def syncps(hosts: Hosts | None, system: str, workers: int, params: int, seconds: float, warmup: float,
            shards: int = 1) -> dict:
     """bench.run's line for ``syncps[-compression]`` with ``shards`` PS shards: shard i in host i, worker k in host
@@ -245,14 +278,7 @@ def syncps(hosts: Hosts | None, system: str, workers: int, params: int, seconds:
     worker k in host k beside shard k."""
     colocated = system == COLOCATED
     shards = workers if colocated else shards
-
-    def prefix(name: str) -> list[str]:
-        """The process's host; co-located, with that host's same-host directory (a worker's own shard by files)."""
-        h = host_of(name, shards, colocated)
-        shm = [f"PS_SHM_DIR={hosts.shm_dir(h)}", f"WORKER_SHM_DIR={hosts.shm_dir(h)}"] if colocated else []
-        return [*hosts.exec_prefix(h), *(["env", *shm] if shm else [])]
-
-    options = {} if hosts is None else {"hosts": [hosts.ip(i) for i in range(shards)], "prefix": prefix}
+    options = {} if hosts is None else placement(hosts, shards, colocated)
     d, k = model_dims(params)
     ps_env = {"PS_SHARD_SPLIT_ELEMENTS": -(-d * k // shards)} if shards > 1 else {}
     compression = "none" if colocated else system.partition("-")[2] or "none"

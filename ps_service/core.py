@@ -281,6 +281,14 @@ class ParameterServerCore(ModelState):
         return (f"waiting for {p.needed} more gradient(s)" + (f" from {', '.join(names)}" if names else "")
                 + (f" (R={want} is out of reach: the round closes with what they bring)" if p.unreachable else ""))
 
+    def hold_leases(self, held: bool, now: float) -> None:
+        """While ``held`` no member's lease runs out (:meth:`Membership.hold`); released, every active member's
+        lease lasts at least ``lease_seconds`` from ``now``."""
+        if held:
+            self.members.hold(now)
+        else:
+            self.members.release(now)
+
     def tick(self, now: float) -> bool:
         """Advance time: leases, start-up, round closing rule. True if anything changed."""
         gone = self.members.expire(now)

@@ -13,6 +13,9 @@ Contract:
   waits: ``begin_wait`` renews its lease and counts one wait in flight, ``expire``
   never expires a member with a wait in flight, ``end_wait`` ends one and renews
   the lease from then. Waits are counted per member, so overlapping ones nest.
+- Leases can be *held* (:meth:`hold`: a sharded PS whose follower does not answer, when no round can be applied
+  anyway): ``expire`` then expires nobody, and :meth:`release` gives every active member a lease from then (one
+  walk over the active members per hold).
 - Every change is appended to ``events`` (bounded) with its time.
 
 Cost: no call scans the members. ``expire`` pops a heap of lease ends (one entry per member, renewing
@@ -112,6 +115,8 @@ class Membership:
         self._free: list[int] = []
         self._top = 0  # every rank from here on is free
         self._order: dict[str, int] = {}  # worker_id -> position in by_id (registration order)
+        #: since when leases are held (:meth:`hold`), or None
+        self.held_since: float | None = None
 
     def _event(self, now: float, kind: str, m: Member) -> None:
         self.changes += 1
@@ -227,9 +232,26 @@ class Membership:
             self._event(now, "left", m)
         return m
 
+    def hold(self, now: float) -> None:
+        """No lease runs out from now until :meth:`release`."""
+        if self.held_since is None:
+            self.held_since = now
+
+    def release(self, now: float) -> None:
+        """Leases run again: every active member's lease lasts at least ``lease_seconds`` from ``now``."""
+        if self.held_since is None:
+            return
+        self.held_since = None
+        for m in self.active_by_id.values():
+            if m.lease_until < now + self.lease_seconds:
+                m.lease_until = now + self.lease_seconds
+
     def expire(self, now: float) -> list[Member]:
         """Expire the active members whose lease ended before ``now`` and that wait on nothing (in
-        registration order); those that renewed are scheduled again, waiting ones when the wait ends."""
+        registration order); those that renewed are scheduled again, waiting ones when the wait ends. None while
+        leases are held."""
+        if self.held_since is not None:
+            return []
         gone = []
         for wid in list(self.leases.pop_before(now)):
             m = self.by_id[wid]

@@ -158,6 +158,8 @@ class Runtime:
         """Background task: leases, start-up grace, round deadlines."""
         while True:
             await asyncio.sleep(self.settings.tick_seconds)
+            if self.shards is not None:
+                self.shards.hold_leases(self.now())  # a coordinator whose follower does not answer
             self.core.tick(self.now())
             self.notify()
             if self.shm.attached and (self.shards is None or self.shards.coordinator):  # followers have no members

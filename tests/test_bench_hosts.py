@@ -5,28 +5,17 @@ subnet, so it does not disturb a benchmark running meanwhile."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 import sys
 
 import pytest
 
-from bench.hosts import Hosts, namespaces, sh
+from bench.hosts import Hosts, available, namespaces, sh
 
 PREFIX, SUBNET = "sphtest", "10.88.201"
 
 
-def _can_emulate() -> bool:
-    if os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("tc")):
-        return False
-    probe = f"{PREFIX}-probe"
-    ok = sh("ip", "netns", "add", probe, check=False).returncode == 0
-    sh("ip", "netns", "delete", probe, check=False)
-    return ok
-
-
-pytestmark = pytest.mark.skipif(not _can_emulate(), reason="needs root with ip, tc and network namespaces")
+pytestmark = pytest.mark.skipif(not available(PREFIX), reason="needs root with ip, tc and network namespaces")
 
 
 def _links() -> list[str]:

@@ -1,5 +1,6 @@
 """``ps_service.sharding.links.Links.sent``: a coordinator's weights answers wait until the followers' applies are on
-their connections, not until the followers answered them, and never longer than they are told to.
+their connections, not until the followers answered them, and never longer than they are told to. ``Links.silent``: a
+follower whose apply waits too long for its answer, or whose probe got none, does not answer.
 
 A real socket stands in for a follower: it reads the apply request and holds its answer until the test lets it go,
 so "written" and "answered" are apart in time."""
@@ -13,7 +14,7 @@ import time
 
 import pytest
 
-from ps_service.sharding.links import Follower, Links
+from ps_service.sharding.links import PROBE_SECONDS, PROBE_TIMEOUT_SECONDS, SILENT_SECONDS, Follower, Links
 
 
 class HeldFollower:
@@ -158,6 +159,40 @@ def test_sent_is_bounded_when_a_follower_cannot_be_reached_and_ends_for_a_stoppe
             await asyncio.wait_for(waiting, 1.0)
         finally:
             await links.close()
+    asyncio.run(main())
+
+
+def test_a_follower_is_silent_while_an_apply_waits_too_long_for_its_answer_and_answers_again_once_answered():
+    async def main() -> None:
+        async with (follower := HeldFollower()) as url:
+            links, f = await _idle_link(url)
+            try:
+                assert links.silent() == []
+                links.round_closed(0, [(0, "w0")], 1)
+                queued = time.monotonic()
+                assert links.silent(queued + SILENT_SECONDS / 2) == []
+                assert links.silent(queued + SILENT_SECONDS + 0.1) == [f]
+                follower.release.set()
+                await _until(lambda: f.step == 1 and f.unanswered_since is None, 10, "the follower's answer")
+                assert links.silent(time.monotonic() + 60) == []
+            finally:
+                await links.close()
+    asyncio.run(main())
+
+
+def test_a_follower_whose_probe_gets_no_answer_is_silent_until_one_does():
+    async def main() -> None:
+        listener = socket.create_server(("127.0.0.1", 0))  # accepts (the backlog), never answers: a host cut off
+        try:
+            links = Links(["http://coordinator.invalid", f"http://127.0.0.1:{listener.getsockname()[1]}"], None)
+            links.start()
+            f = links.followers[0]
+            t = time.monotonic()
+            await _until(lambda: links.silent() == [f], PROBE_SECONDS + PROBE_TIMEOUT_SECONDS + 5, "a silent follower")
+            assert time.monotonic() - t >= PROBE_TIMEOUT_SECONDS - 0.1 and f.reachable is False
+            await links.close()
+        finally:
+            listener.close()
     asyncio.run(main())
 
 

@@ -37,6 +37,23 @@ def test_simultaneous_expiries_come_in_registration_order_and_waits_hold_the_lea
     assert ms.expire(51.0) == [] and [m.name for m in ms.expire(51.01)] == ["x"]
 
 
+def test_held_leases_run_out_for_nobody_and_run_whole_from_the_release():
+    ms = Membership(lease_seconds=10.0)
+    ms.register("a", 0.0)
+    ms.register("b", 5.0)
+    ms.hold(8.0)
+    ms.hold(9.0)  # held since 8: holding again changes nothing
+    assert ms.held_since == 8.0 and ms.expire(100.0) == []
+    ms.release(100.0)
+    assert ms.held_since is None and ms.expire(109.9) == []
+    assert [m.name for m in ms.expire(110.1)] == ["a", "b"]
+    ms.release(200.0)  # not held: nothing renewed
+    ms.register("c", 200.0)
+    ms.hold(201.0)
+    ms.release(201.5)
+    assert ms.expire(211.4) == [] and [m.name for m in ms.expire(211.6)] == ["c"]
+
+
 def test_a_lease_set_earlier_by_hand_is_honoured():
     ms = Membership(lease_seconds=100.0)
     m, _ = ms.register("a", 0.0)

@@ -265,11 +265,21 @@ class ShardRole:
             self._rolling = asyncio.create_task(rollback.roll_back(self, why))
 
     # ---- monitoring ---------------------------------------------------------------------
+    def hold_leases(self, now: float) -> None:
+        """The coordinator's tick: while a follower does not answer (:meth:`.links.Links.silent`), no round can be
+        applied on it, so no worker's lease runs out (expiring one would change the job and gain nothing: a host that
+        drops off the network for longer than a lease keeps its worker's place); once every follower answers again,
+        every worker has a whole lease from then (:meth:`ps_service.core.ParameterServerCore.hold_leases`)."""
+        if self.links is not None:
+            self.core.hold_leases(bool(self.links.silent()), now)
+
     def wait_reason(self, now: float) -> str | None:
         """What this shard waits for: the coordinator's reason (or why it admits no worker); a follower's rounds."""
         core = self.core
         if self.coordinator:
-            return self.links.blocked or core.wait_reason(now)
+            silent = ", ".join(f"shard {f.index} at {f.url}" for f in self.links.silent())
+            return self.links.blocked or (silent and f"{silent} does not answer: no round can be applied without it "
+                                          "(no worker's lease runs out meanwhile)") or core.wait_reason(now)
         if not core.initialized:
             return "follower: waiting for the coordinator to give it its pieces of the model"
         return None if core.done else f"follower: waiting for the coordinator to close round {core.global_step}"
@@ -289,5 +299,6 @@ class ShardRole:
                              "bytes_owned": None if self.map is None else self.map.bytes_owned(f.index),
                              "error": f.error, "rounds_queued": f.queue.qsize()})
             out["shards"], out["blocked"] = rows, self.links.blocked
+            out["leases_held"] = core.members.held_since is not None
             out["rollbacks"], out["last_rollback"] = self.rollbacks, self.last_rollback
         return out

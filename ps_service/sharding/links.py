@@ -20,6 +20,10 @@ Contract:
   than before) stops its link (:attr:`Follower.error`, shown in ``/v1/status``) and is reported to
   :attr:`Links.on_restart` (the coordinator's live rollback, :mod:`.rollback`; without one the job stalls).
   :meth:`stop` stops every sender and empties the queues (:meth:`start` starts them again).
+- :meth:`Links.silent` names the followers that do not answer now: the last exchange failed (a probe gets
+  ``PROBE_TIMEOUT_SECONDS``), or an apply has waited for its answer more than ``SILENT_SECONDS``. While one is, no
+  round can be applied on it and the job cannot go on: the coordinator holds every worker's lease meanwhile
+  (:meth:`ShardRole.hold_leases`).
 - :meth:`Links.check_steps` (start-up after a restore) asks each follower its step and checkpoint steps: every
   shard must resume at the coordinator's step; a follower elsewhere that has a checkpoint of it is told to
   restore it (``POST /v1/shard/restore``), else :attr:`Links.blocked` says which differs (workers cannot register).
@@ -48,8 +52,11 @@ log = logging.getLogger("ps_service")
 INIT_DEADLINE_SECONDS = 30.0
 REQUEST_TIMEOUT_SECONDS = 10.0
 BACKOFF_MAX_SECONDS = 1.0
-#: an idle link asks its follower's state this often (a restart shows as another boot id)
+#: an idle link asks its follower's state this often (a restart shows as another boot id), waiting this long for it
 PROBE_SECONDS = 0.5
+PROBE_TIMEOUT_SECONDS = 2.0
+#: an apply unanswered this long makes its follower silent (:meth:`Links.silent`)
+SILENT_SECONDS = 1.0
 #: how long :meth:`Links.stop` waits for a cancelled sender before it cancels it again
 CANCEL_AGAIN_SECONDS = 0.2
 
@@ -68,6 +75,7 @@ class Follower:
     writer: ThreadPoolExecutor | None = None  # one thread: early applies' answers (and their writes, when not at once)
     early: RawConnection | None = None  # the early applies' connection (the writer's, or idle)
     in_flight: Future | None = None  # the last early apply's answer
+    unanswered_since: float | None = None  # when the oldest apply still unanswered was queued (monotonic)
 
 
 def common_step(own: set[int], states: dict[int, dict]) -> int | None:
@@ -112,7 +120,7 @@ class Links:
                 if fut.done() and not fut.cancelled():
                     fut.exception()  # retrieved: a failed one was the sender's to send again, and it is stopped
         for f in self.followers:
-            f.in_flight = None
+            f.in_flight = f.unanswered_since = None
             f.queue, f.error, f.sent = asyncio.Queue(), None, -1
         self._wake()
 
@@ -210,6 +218,15 @@ class Links:
                 body = body or json.dumps(msg, separators=(",", ":")).encode()
                 early = f.in_flight = self._write_early(f, step, body)
             f.queue.put_nowait((msg, early))
+            if f.unanswered_since is None:
+                f.unanswered_since = time.monotonic()
+
+    def silent(self, now: float | None = None) -> list[Follower]:
+        """The followers that do not answer now (their link not stopped by a restart: :mod:`.rollback` handles
+        those): the last exchange got no answer, or an apply has waited more than ``SILENT_SECONDS`` for one."""
+        now = time.monotonic() if now is None else now
+        return [f for f in self.followers if f.error is None and (
+            f.reachable is False or (f.unanswered_since is not None and now - f.unanswered_since > SILENT_SECONDS))]
 
     def _write_early(self, f: Follower, step: int, body: bytes) -> Future:
         """``POST /v1/shard/apply`` once, early: written now if ``f.early`` can take it at once, else by ``f``'s writer
@@ -250,7 +267,8 @@ class Links:
                 continue
             try:
                 if msg is None:  # idle: is it still the process we know?
-                    resp = await self._exchange(f, "GET", "/shard/state", time.monotonic() + PROBE_SECONDS)
+                    resp = await self._exchange(f, "GET", "/shard/state", time.monotonic() + PROBE_SECONDS,
+                                                timeout=PROBE_TIMEOUT_SECONDS)
                 else:
                     resp = None if early is None else await self._early_answer(f, early)
                     if resp is None:
@@ -266,6 +284,8 @@ class Links:
                 what = "its state" if msg is None else f"round {msg['step']}"
                 self._restarted(f, f"shard {f.index} refused {what}: {resp.status_code} {resp.text[:300]}")
                 continue
+            if msg is not None and f.queue.empty():
+                f.unanswered_since = None  # every apply queued so far is answered
             answer = resp.json()
             boot, f.step = answer.get("boot"), answer.get("step") if answer.get("initialized", True) else None
             if f.boot is not None and boot != f.boot:

@@ -1,0 +1,100 @@
+"""A host cut off the network for seconds, mid-job, between emulated hosts (:class:`bench.hosts.Hosts`: network
+namespaces behind shaped links; ``Hosts.cut_off`` drops the host's packets both ways, no reset, no error).
+
+- Shards beside their workers (BytePS's layout, ``syncps-colocated``): the cut-off host holds a shard, so no round can
+  be applied until it is back; the coordinator holds every lease meanwhile (``shard.leases_held``), so an outage
+  longer than a lease costs the job nothing but the time: it ends with the bits of the one-process replay.
+- One PS: the job does not wait for a worker whose host is cut off longer than its lease (it is expired, the rounds
+  close without it) and takes it back when its host returns.
+
+Needs root with ``ip``, ``tc``, ``iptables`` and network namespaces (skipped otherwise)."""
+from __future__ import annotations
+
+import shutil
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from bench.hosts import Hosts, available, placement
+from cluster.processes import LocalCluster, wait_for
+from tests.clusters import final_weights
+from tests.reference import train_reference
+
+PREFIX, SUBNET = "spcut", "10.88.202"
+LEASE = 6.0
+OUTAGE = 2 * LEASE
+WORKERS = 3
+
+pytestmark = pytest.mark.skipif(not (available(PREFIX) and shutil.which("iptables")),
+                                reason="needs root with ip, tc, iptables and network namespaces")
+
+
+def _cluster(hosts: Hosts, colocated: bool, steps: int) -> LocalCluster:
+    shards = WORKERS if colocated else 1
+    ps_env = {"PS_MAX_STEPS": steps, "PS_TOTAL_NUM_REPLICAS": WORKERS, "PS_LEASE_SECONDS": LEASE}
+    if colocated:  # w1 (64 x 64) cut in three, one piece a shard
+        ps_env["PS_SHARD_SPLIT_ELEMENTS"] = 1400
+    # the mlp in float64: its weights move at every step (the linear task's stop moving after ~30 steps, which would
+    # hide a lost gradient); steps slowed so that the outage falls mid-job
+    worker_env = {"WORKER_TASK": "mlp", "WORKER_DTYPE": "float64", "WORKER_COMPUTE_DELAY_SECONDS": 0.03,
+                  **({} if colocated else {"WORKER_SHM_DIR": ""})}
+    return LocalCluster(WORKERS, ps_env=ps_env, worker_env=worker_env, shards=shards,
+                        **placement(hosts, shards, colocated))
+
+
+def _step(c: LocalCluster) -> int:
+    return c.status()["global_step"]
+
+
+def _expired(c: LocalCluster) -> list[str]:
+    return [e["name"] for e in c.get("/v1/workers").json()["events"] if e["event"] == "expired"]
+
+
+def test_a_host_with_a_shard_cut_off_longer_than_a_lease_keeps_its_workers_place_and_the_job_stays_exact():
+    steps, victim = 150, 2  # host 2: worker 2 and shard 2
+    with Hosts(WORKERS, "1gbit", PREFIX, SUBNET) as hosts, _cluster(hosts, True, steps) as c:
+        try:
+            wait_for(lambda: _step(c) >= 30, 60, "step 30")
+            with hosts.cut_off(victim):
+                cut_at = time.monotonic()
+                st = wait_for(lambda: (s := c.status())["shard"]["leases_held"] and s, LEASE, "the leases held")
+                assert f"shard {victim} at http://{hosts.ip(victim)}" in st["wait_reason"], st["wait_reason"]
+                stalled = _step(c)
+                wait_for(lambda: time.monotonic() - cut_at >= OUTAGE, OUTAGE + 1, "the outage's end", interval=0.2)
+                assert _step(c) <= stalled + 1  # nothing applied without the shard
+                assert c.status()["shard"]["leases_held"] and _expired(c) == []
+            wait_for(lambda: _step(c) > stalled + 3, 60, "the job to go on once the host is back")
+            assert not c.status()["shard"]["leases_held"]
+            assert c.wait_workers(120) == [0] * WORKERS
+            st = c.status()
+            assert st["state"] == "done" and st["global_step"] == steps
+            assert st["pushes"]["accepted"] == WORKERS * steps and _expired(c) == []
+            got = final_weights(c)
+        except Exception as exc:
+            raise AssertionError(f"{exc}\n{c.logs()}") from exc
+    _, ref = train_reference("mlp", WORKERS, steps)
+    assert got.keys() == ref.keys()
+    for k in ref:
+        assert got[k].tobytes() == ref[k].tobytes(), f"{k}: not bit-identical (max diff {np.abs(got[k] - ref[k]).max()})"
+
+
+def test_one_ps_goes_on_without_a_worker_cut_off_longer_than_its_lease_and_takes_it_back():
+    steps, victim = 600, 3  # the PS in host 0, worker k in host k + 1: worker 2
+    with Hosts(WORKERS + 1, "1gbit", PREFIX, SUBNET) as hosts, _cluster(hosts, False, steps) as c:
+        try:
+            wait_for(lambda: _step(c) >= 30, 60, "step 30")
+            with hosts.cut_off(victim):
+                wait_for(lambda: "worker-2" in _expired(c), 3 * LEASE, "worker 2 expired")
+                expired_at = _step(c)
+                wait_for(lambda: _step(c) >= expired_at + 20, 30, "rounds without worker 2")
+            assert c.status()["workers"]["active"] == WORKERS - 1
+            wait_for(lambda: c.status()["workers"]["active"] == WORKERS or c.status()["state"] == "done", 60,
+                     "worker 2 back")
+            assert c.wait_workers(120) == [0] * WORKERS
+            st = c.status()
+            assert st["state"] == "done" and st["global_step"] == steps
+            assert WORKERS * 30 <= st["pushes"]["accepted"] < WORKERS * steps
+        except Exception as exc:
+            raise AssertionError(f"{exc}\n{c.logs()}") from exc
