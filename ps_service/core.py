@@ -224,7 +224,8 @@ class ParameterServerCore(ModelState):
         return self.config.total_num_replicas or self.config.replicas_to_aggregate
 
     def _progress(self, r: Round, now: float | None = None, but: str | None = None) -> Progress:
-        return self.rule.progress(r, now, but)
+        held = self.members.held_since is not None  # held leases hold the round's deadline too
+        return self.rule.progress(r, None if held else now, but)
 
     def may_pull(self, worker_id: str | None) -> bool:
         """May this worker get weights for its next iteration now? Only SSP ever says no (the bound); a pull
@@ -274,20 +275,23 @@ class ParameterServerCore(ModelState):
             return (f"R={want} is out of reach: {got} gradient(s) in, below min_replicas {quorum}: "
                     "waiting for a worker to (re)register")
         timeout = self.rule.round_timeout
-        if timeout is not None and now - r.opened_at >= timeout and got < quorum:
-            return (f"round deadline passed {now - r.opened_at - timeout:.1f} s ago but below the quorum: "
+        if timeout is not None and now - r.deadline_from >= timeout and got < quorum:
+            return (f"round deadline passed {now - r.deadline_from - timeout:.1f} s ago but below the quorum: "
                     f"{got} of min_replicas {quorum} gradients")
         names = [self.members.by_id[w].name for w in p.awaited]
         return (f"waiting for {p.needed} more gradient(s)" + (f" from {', '.join(names)}" if names else "")
                 + (f" (R={want} is out of reach: the round closes with what they bring)" if p.unreachable else ""))
 
     def hold_leases(self, held: bool, now: float) -> None:
-        """While ``held`` no member's lease runs out (:meth:`Membership.hold`); released, every active member's
-        lease lasts at least ``lease_seconds`` from ``now``."""
+        """While ``held`` no member's lease runs out (:meth:`Membership.hold`) and no round closes by its deadline;
+        released, every active member's lease lasts at least ``lease_seconds`` from ``now``, and the open round's
+        deadline counts from ``now`` if it opened earlier."""
         if held:
             self.members.hold(now)
-        else:
+        elif self.members.held_since is not None:
             self.members.release(now)
+            if self.round is not None:
+                self.round.deadline_from = max(self.round.deadline_from, now)
 
     def tick(self, now: float) -> bool:
         """Advance time: leases, start-up, round closing rule. True if anything changed."""

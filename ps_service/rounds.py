@@ -117,6 +117,8 @@ class Round:
     gone: set[str] = field(default_factory=set)  # came back mid-round: not waited for
     skipped: set[str] = field(default_factory=set)  # NaN/Inf under policy skip: done, nothing applied
     examples: int = 0
+    #: the round timeout counts from here: its opening, or when held leases were released (a silent shard)
+    deadline_from: float = field(default=0.0, init=False)
     live: int = field(default=0, init=False)  # counted members alive
     waiting: int = field(default=0, init=False)  # of them, those with no contribution yet
     #: the eligible keys in sum order, and the index before which every key has contributed
@@ -125,6 +127,7 @@ class Round:
     _ranks: tuple[int, ...] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        self.deadline_from = self.opened_at
         self.order = sorted((rank, w) for w, rank in self.eligible.items())
         for w in self.eligible:
             self._count(w, (False, False))
@@ -276,6 +279,6 @@ class CloseRule:
             if not waiting and done:
                 reason = "full" if got == len(r.eligible) else "membership"
         if reason is None and now is not None and self.round_timeout is not None \
-                and now - r.opened_at >= self.round_timeout and got >= self.quorum:
+                and now - r.deadline_from >= self.round_timeout and got >= self.quorum:
             reason = "deadline"
         return Progress(waiting, needed, unreachable, reason, effective, r, but)

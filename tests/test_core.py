@@ -156,6 +156,27 @@ def test_round_deadline_needs_the_quorum():
     assert push(core, ids[2], 0, now=3.3).status is PushStatus.LATE
 
 
+def test_held_leases_hold_the_lease_and_the_deadline_and_release_gives_both_afresh():
+    """A sharded coordinator whose follower does not answer holds the leases (no round could be applied anyway):
+    nobody expires and no round closes by its deadline meanwhile; released, both count from the release."""
+    core, ids = make(3, replicas_to_aggregate=3, round_timeout_seconds=2.0, min_replicas=2, lease_seconds=5.0)
+    push(core, ids[0], 0, now=0.5)
+    push(core, ids[1], 0, now=0.6)
+    core.hold_leases(True, 1.0)
+    core.tick(30.0)
+    assert core.global_step == 0 and core.members.active_count == 3  # neither the deadline nor the lease ran out
+    core.hold_leases(False, 30.0)
+    core.tick(31.9)
+    assert core.global_step == 0
+    core.tick(32.1)  # the deadline, 2 s from the release
+    assert core.global_step == 1 and core.rounds[-1].reason == "deadline"
+    assert core.members.active_count == 3
+    for wid in ids[:2]:
+        core.heartbeat(wid, 34.0)
+    core.tick(35.1)  # the silent worker's lease: 5 s from the release
+    assert core.members.active_count == 2 and not core.members.get(ids[2]).active
+
+
 def test_start_waits_for_min_workers_then_grace():
     core = ParameterServerCore(CoreConfig(min_workers=2, startup_grace_seconds=3.0, lease_seconds=100.0))
     core.init_model(ModelInit(dict(W0), {}), 0.0)
