@@ -264,15 +264,15 @@ class ShardRole:
         if self._rolling is None or self._rolling.done():
             self._rolling = asyncio.create_task(rollback.roll_back(self, why))
 
-    # ---- monitoring ---------------------------------------------------------------------
     def hold_leases(self, now: float) -> None:
         """The coordinator's tick: while a follower does not answer (:meth:`.links.Links.silent`), no round can be
-        applied on it, so no worker's lease runs out (expiring one would change the job and gain nothing: a host that
-        drops off the network for longer than a lease keeps its worker's place); once every follower answers again,
-        every worker has a whole lease from then (:meth:`ps_service.core.ParameterServerCore.hold_leases`)."""
+        applied on it, so no worker's lease runs out and no round closes by its deadline (either would change the job and
+        gain nothing: a host that drops off the network for longer than a lease keeps its worker's place); once every
+        follower answers again, every worker has a whole lease from then (:meth:`ps_service.core.ParameterServerCore.hold_leases`)."""
         if self.links is not None:
             self.core.hold_leases(bool(self.links.silent()), now)
 
+    # ---- monitoring ---------------------------------------------------------------------
     def wait_reason(self, now: float) -> str | None:
         """What this shard waits for: the coordinator's reason (or why it admits no worker); a follower's rounds."""
         core = self.core
