@@ -5,8 +5,8 @@ namespaces behind shaped links; ``Hosts.cut_off`` drops the host's packets both 
   the coordinator), so no round can be applied until it is back; the coordinator holds every lease meanwhile
   (``shard.leases_held``), so an outage longer than a lease costs the job nothing but the time: it ends with the bits
   of the one-process replay.
-- One PS: the job does not wait for a worker whose host is cut off longer than its lease (it is expired, the rounds
-  close without it) and takes it back when its host returns.
+- One PS: a worker's host cut off for less than a lease costs the job only the time (it ends exactly); cut off longer,
+  the job does not wait for it (it is expired, the rounds close without it) and takes it back when its host returns.
 
 Needs root with ``ip``, ``tc``, ``iptables`` and network namespaces (skipped otherwise)."""
 from __future__ import annotations
@@ -105,3 +105,23 @@ def test_one_ps_goes_on_without_a_worker_cut_off_longer_than_its_lease_and_takes
             assert WORKERS * 30 <= st["pushes"]["accepted"] < WORKERS * steps
         except Exception as exc:
             raise AssertionError(f"{exc}\n{c.logs()}") from exc
+
+
+def test_one_ps_rides_out_a_workers_host_cut_off_for_less_than_a_lease_exactly():
+    steps, victim = 150, 3  # worker 2's host
+    with Hosts(WORKERS + 1, "1gbit", PREFIX, SUBNET) as hosts, _cluster(hosts, False, steps) as c:
+        try:
+            wait_for(lambda: _step(c) >= 30, 60, "step 30")
+            with hosts.cut_off(victim):
+                cut_at = time.monotonic()
+                stalled = _step(c)
+                wait_for(lambda: time.monotonic() - cut_at >= LEASE / 2, LEASE, "half a lease", interval=0.2)
+                assert _step(c) <= stalled + 1  # the round waits for worker 2
+            assert c.wait_workers(120) == [0] * WORKERS
+            st = c.status()
+            assert st["state"] == "done" and st["pushes"]["accepted"] == WORKERS * steps and _expired(c) == []
+            got = final_weights(c)
+        except Exception as exc:
+            raise AssertionError(f"{exc}\n{c.logs()}") from exc
+    _, ref = train_reference("mlp", WORKERS, steps)
+    assert all(got[k].tobytes() == ref[k].tobytes() for k in ref)
