@@ -133,9 +133,9 @@ class PSSettings(BaseSettings):
         1_000_000, ge=1, description="Tensors with more elements are cut into contiguous slices of at most this "
                                      "many (MXNet's MXNET_KVSTORE_BIGARRAY_BOUND); slices are spread by bytes. "
                                      "Each slice is a tensor of its own in every hold and pull: keep them large (at "
-                                     "1, the mlp's ~4,800 one-element slices made a push take 250-290 ms on "
-                                     "loopback, 2 and 3 shards, 3 workers, 2026-12-05, against 4.5 ms with whole "
-                                     "tensors on 3 shards).")
+                                     "1, the mlp's ~4,800 one-element slices made a push take 292 ms (2 shards) "
+                                     "and 272 ms (3 shards) over loopback TCP, 3 workers, the 2-core AMD EPYC VM, "
+                                     "2026-12-05, against 4.5 ms with whole tensors on 3 shards).")
 
     @model_validator(mode="after")
     def _token_required(self) -> "PSSettings":
