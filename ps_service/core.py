@@ -14,11 +14,14 @@ Barrier semantics (TensorFlow's SyncReplicasOptimizer, done right; docs/protocol
 
 - A round ``g`` is open while ``global_step == g``. Its *eligible* set is the active members
   when it opens. Joins take effect at the next boundary, unless the open round is *stuck*
-  (its own members cannot close it): then a member that registers joins it at once. A member
+  (its own members cannot close it): then a member that registers joins it at once, and the members that
+  registered earlier for the next round (which would never come) are *recalled*: expired at once, so that
+  each registers again and joins it. A member
   that expired or left and registers again under its name keeps its id and rank and counts as
   a join: the round it dropped out of does not wait for it again.
 - Leases: a member silent for ``lease_seconds`` is expired by ``tick`` and stops being waited
-  for at once, unless it waits on the barrier (``begin_wait`` .. ``end_wait``: a long-poll pull).
+  for at once, unless it waits on the barrier (``begin_wait`` .. ``end_wait``: a long-poll pull), or the PS
+  has heard from no worker at all for half a lease (it was cut off or paused: :mod:`ps_service.membership`).
 - A round closes by :class:`ps_service.rounds.CloseRule`: elastic, when every live eligible
   member pushed; fixed R, at the first R, or, R out of reach, with what the live members bring
   (at least ``min_replicas``); at ``round_timeout`` with ``min_replicas``. Its gradients are
@@ -95,6 +98,8 @@ class ParameterServerCore(ModelState):
         self.started_at: float | None = None
         #: live rollbacks to a checkpoint (:meth:`rewind`): waits in flight answer at once when it moves
         self.rewinds = 0
+        #: members recalled into a stuck round (:meth:`tick`): waits in flight look again when it moves
+        self.recalls = 0
         #: called with each round's record once it is decided (who contributed), before its update is applied: a
         #: sharded PS's coordinator sends the followers their apply then, so theirs overlaps its own (sharding)
         self.on_decided: Callable[[RoundRecord], None] | None = None
@@ -224,8 +229,9 @@ class ParameterServerCore(ModelState):
         return self.config.total_num_replicas or self.config.replicas_to_aggregate
 
     def _progress(self, r: Round, now: float | None = None, but: str | None = None) -> Progress:
-        held = self.members.held_since is not None  # held leases hold the round's deadline too
-        return self.rule.progress(r, None if held else now, but)
+        if r.deadline_from < self.members.released_at:  # held leases held the round's deadline too
+            r.deadline_from = self.members.released_at
+        return self.rule.progress(r, None if self.members.held else now, but)
 
     def may_pull(self, worker_id: str | None) -> bool:
         """May this worker get weights for its next iteration now? Only SSP ever says no (the bound); a pull
@@ -265,6 +271,10 @@ class ParameterServerCore(ModelState):
             if active < want:
                 return f"waiting for workers: {active} of min_workers {want} registered"
             return "start-up grace: waiting for more workers before step 0"
+        silent = self.members.silent_since
+        if silent is not None:
+            return (f"no worker heard from for {now - silent:.1f} s (every worker stopped, or this PS was cut off from "
+                    "them or paused): no lease runs out and no round closes by its deadline until one is")
         if self.modes is not None:
             return on_arrival.wait_reason(self, now)
         r, p = self.round, self._progress(self.round)
@@ -274,9 +284,9 @@ class ParameterServerCore(ModelState):
         if p.stuck:
             return (f"R={want} is out of reach: {got} gradient(s) in, below min_replicas {quorum}: "
                     "waiting for a worker to (re)register")
-        timeout = self.rule.round_timeout
-        if timeout is not None and now - r.deadline_from >= timeout and got < quorum:
-            return (f"round deadline passed {now - r.deadline_from - timeout:.1f} s ago but below the quorum: "
+        timeout, since = self.rule.round_timeout, max(r.deadline_from, self.members.released_at)
+        if timeout is not None and now - since >= timeout and got < quorum:
+            return (f"round deadline passed {now - since - timeout:.1f} s ago but below the quorum: "
                     f"{got} of min_replicas {quorum} gradients")
         names = [self.members.by_id[w].name for w in p.awaited]
         return (f"waiting for {p.needed} more gradient(s)" + (f" from {', '.join(names)}" if names else "")
@@ -285,17 +295,15 @@ class ParameterServerCore(ModelState):
     def hold_leases(self, held: bool, now: float) -> None:
         """While ``held`` no member's lease runs out (:meth:`Membership.hold`) and no round closes by its deadline;
         released, every active member's lease lasts at least ``lease_seconds`` from ``now``, and the open round's
-        deadline counts from ``now`` if it opened earlier."""
+        deadline counts from ``now`` if it opened earlier (as after a silence: :class:`Membership`)."""
         if held:
             self.members.hold(now)
-        elif self.members.held_since is not None:
+        else:
             self.members.release(now)
-            if self.round is not None:
-                self.round.deadline_from = max(self.round.deadline_from, now)
 
     def tick(self, now: float) -> bool:
         """Advance time: leases, start-up, round closing rule. True if anything changed."""
-        gone = self.members.expire(now)
+        gone = self.members.expire(now, watch_silence=self.started and not self.done)
         for m in gone:
             if self.round is not None:
                 self.round.member_changed(m.worker_id, True, False)
@@ -316,15 +324,30 @@ class ParameterServerCore(ModelState):
             else:
                 self._ready_since = None
         if self.round is not None:
-            reason = self._progress(self.round, now).reason
-            if reason is not None:
-                self._close(now, reason)
+            p = self._progress(self.round, now)
+            if p.reason is not None:
+                self._close(now, p.reason)
                 changed = True
+            elif p.stuck and self.members.active_count > self.round.live:
+                changed |= self._recall(now)
         if self.started:
             self.rates.sample(now, (self.rounds_closed, self.examples, self.gradients_applied))
         if changed:
             self._changed()
         return changed
+
+    def _recall(self, now: float) -> bool:
+        """The open round is stuck while active members it does not count (they registered after it opened, or came
+        back during it) wait for the next round, which cannot come: each is recalled (expired at once, its wait
+        answered: 409 ``not_active``), registers again and joins this round as a worker registering now would.
+        O(K), only while a round is stuck with such members."""
+        r = self.round
+        recalled = [m for m in self.members.active() if not r.counts(m.worker_id)]
+        for m in recalled:
+            self.members.recall(m, now)
+            r.member_changed(m.worker_id, True, False)
+        self.recalls += bool(recalled)
+        return bool(recalled)
 
     def _open_round(self, now: float) -> None:
         if self.done:

@@ -16,6 +16,15 @@ Contract:
 - Leases can be *held* (:meth:`hold`: a sharded PS whose follower does not answer, when no round can be applied
   anyway): ``expire`` then expires nobody, and :meth:`release` gives every active member a lease from then (one
   walk over the active members per hold).
+- Leases are held too while the PS hears from no worker at all (*silence*: no registration, heartbeat, pull, push
+  or leave for :data:`SILENCE_LEASES` of a lease while members are active and none waits on the barrier; or
+  :meth:`stalled`: the PS itself did not run). A live stock worker is heard from at least every lease/3, so a
+  silence that long means the PS was cut off or paused (its host's network dropped, its process or VM stopped) or
+  every worker stopped at once, which the PS cannot tell apart: ``expire`` expires nobody from then, and the first
+  worker heard from again ends the silence, every active member getting a lease from then, as :meth:`release`
+  does. Without it, an outage of the PS longer than a lease would expire every worker and lose the gradients of
+  the open round; with it, the last members standing expire only a lease after another worker is heard from. (A
+  PS ending a wait is not hearing from its worker: the lease that renews is not a sign of life.)
 - Every change is appended to ``events`` (bounded) with its time.
 
 Cost: no call scans the members. ``expire`` pops a heap of lease ends (one entry per member, renewing
@@ -36,6 +45,9 @@ from shared.errors import ProtocolError
 
 ACTIVE, EXPIRED, LEFT = "active", "expired", "left"
 MAX_NAME_LEN = 128
+#: a silence of this many leases (no worker heard from) holds the leases: above the lease/3 in which every live
+#: worker renews, below the lease/3 .. lease a member's lease has left when the PS goes silent
+SILENCE_LEASES = 0.5
 
 
 @dataclass
@@ -117,10 +129,21 @@ class Membership:
         self._order: dict[str, int] = {}  # worker_id -> position in by_id (registration order)
         #: since when leases are held (:meth:`hold`), or None
         self.held_since: float | None = None
+        #: when a worker's request last renewed a lease (None: never), and since when the PS has heard from no
+        #: worker while leases are held for that silence (None: not silent)
+        self.heard_at: float | None = None
+        self.silent_since: float | None = None
+        #: when leases last ran again after a hold or a silence (a round's deadline counts from then at the earliest)
+        self.released_at = float("-inf")
 
     def _event(self, now: float, kind: str, m: Member) -> None:
         self.changes += 1
         self.events.append({"time": now, "event": kind, "worker_id": m.worker_id, "name": m.name, "rank": m.rank})
+
+    @property
+    def held(self) -> bool:
+        """No lease runs out now: held (:meth:`hold`) or silence (no worker heard from)."""
+        return self.held_since is not None or self.silent_since is not None
 
     @property
     def active_count(self) -> int:
@@ -182,6 +205,7 @@ class Membership:
             m = Member(secrets.token_hex(8), name, self._free_rank(), ACTIVE, now, now, now + self.lease_seconds)
             self._add(m)
             self._event(now, "joined", m)
+            self._heard(now)
             return m, False
         if m.state == LEFT and self._is_taken(m.rank):
             m.rank = self._free_rank()
@@ -199,15 +223,51 @@ class Membership:
 
     def touch(self, worker_id: str, now: float) -> Member:
         """Renew the lease of an active member; a non-active one must register again (409)."""
-        m = self.get(worker_id)
-        if m.state != ACTIVE:
-            raise ProtocolError(409, "not_active", f"worker {m.name!r} is {m.state}; register again (POST /v1/workers)")
+        m = self.active_member(worker_id)
         self.renew(m, now)
         return m
 
+    def active_member(self, worker_id: str) -> Member:
+        """The member, if active: 404 ``unknown_worker``, 409 ``not_active`` (it must register again) otherwise."""
+        m = self.get(worker_id)
+        if m.state != ACTIVE:
+            raise ProtocolError(409, "not_active", f"worker {m.name!r} is {m.state}; register again (POST /v1/workers)")
+        return m
+
     def renew(self, m: Member, now: float) -> None:
-        """Renew the lease of ``m``, an active member (as :meth:`touch`, for a caller that holds it, checked)."""
+        """Renew the lease of ``m``, an active member (as :meth:`touch`, for a caller that holds it, checked): the PS
+        heard from it."""
         m.last_seen, m.lease_until = now, now + self.lease_seconds
+        self._heard(now)
+
+    def _silent(self, now: float) -> bool:
+        """Has no worker been heard from for :data:`SILENCE_LEASES` of a lease while members are active and none
+        waits on the barrier? (A wait is a worker alive as far as the PS can tell: a client may wait longer than a
+        lease without a heartbeat, docs/protocol.md; the stock worker's waits end within half a lease.)"""
+        return (self.heard_at is not None and bool(self.active_by_id) and not self.waits
+                and now - self.heard_at >= SILENCE_LEASES * self.lease_seconds)
+
+    def _held_at(self, now: float, watch_silence: bool) -> bool:
+        """:attr:`held` at ``now``, a silence noticed first (for :meth:`expire`)."""
+        if not watch_silence:
+            self.silent_since = None
+        elif self.silent_since is None and self._silent(now):
+            self.silent_since = self.heard_at
+        return self.held
+
+    def _heard(self, now: float) -> None:
+        self.heard_at = now
+        if self.silent_since is not None:  # the silence ends
+            self.silent_since = None
+            if self.held_since is None:
+                self._leases_run(now)
+
+    def stalled(self, since: float) -> None:
+        """The PS itself did not run from ``since`` until now (its process stopped, its host paused, its event loop
+        blocked): it heard nobody meanwhile, whatever it reads first, so that is a silence from ``since`` (if
+        members are active), ended by the next worker heard from. For the ticker, before :meth:`expire`."""
+        if self.active_by_id and self.silent_since is None:
+            self.silent_since = since
 
     def begin_wait(self, worker_id: str, now: float) -> Member:
         """A wait on the barrier starts: renew the lease (as :meth:`touch`, 404/409) and hold it while waiting."""
@@ -222,7 +282,7 @@ class Membership:
             self.waits[worker_id] = n
         m = self.by_id.get(worker_id)
         if m is not None and m.state == ACTIVE:
-            self.renew(m, now)
+            m.last_seen, m.lease_until = now, now + self.lease_seconds  # not heard: the PS ended the wait
 
     def leave(self, worker_id: str, now: float) -> Member:
         m = self.get(worker_id)
@@ -230,6 +290,7 @@ class Membership:
             self._set_state(m, LEFT)
             m.last_seen = now
             self._event(now, "left", m)
+        self._heard(now)
         return m
 
     def hold(self, now: float) -> None:
@@ -242,15 +303,22 @@ class Membership:
         if self.held_since is None:
             return
         self.held_since = None
+        if self.silent_since is None:
+            self._leases_run(now)
+
+    def _leases_run(self, now: float) -> None:
+        """After a hold or a silence: every active member's lease lasts at least ``lease_seconds`` from ``now``."""
+        self.released_at = now
         for m in self.active_by_id.values():
             if m.lease_until < now + self.lease_seconds:
                 m.lease_until = now + self.lease_seconds
 
-    def expire(self, now: float) -> list[Member]:
+    def expire(self, now: float, watch_silence: bool = True) -> list[Member]:
         """Expire the active members whose lease ended before ``now`` and that wait on nothing (in
         registration order); those that renewed are scheduled again, waiting ones when the wait ends. None while
-        leases are held."""
-        if self.held_since is not None:
+        leases are held, or once no worker has been heard from for :data:`SILENCE_LEASES` of a lease
+        (``watch_silence``: the caller's choice, e.g. only while a job trains; off, a silence ends unheard)."""
+        if self._held_at(now, watch_silence):
             return []
         gone = []
         for wid in list(self.leases.pop_before(now)):
@@ -266,6 +334,12 @@ class Membership:
             self._set_state(m, EXPIRED)
             self._event(now, "expired", m)
         return gone
+
+    def recall(self, m: Member, now: float) -> None:
+        """Expire an active member at once, waiting or not (event ``recalled``): a stuck round needs it to register
+        again (:meth:`ps_service.core.ParameterServerCore.tick`)."""
+        self._set_state(m, EXPIRED)
+        self._event(now, "recalled", m)
 
     def expire_all(self, now: float) -> list[Member]:
         """Expire every active member at once, waiting or not (a live rollback: each must register again)."""

@@ -73,7 +73,10 @@ class WorkerCounts(BaseModel):
     expired: int
     left: int
     registered: int = Field(description="Every name ever registered.")
-    membership_changes: int = Field(description="Joins, rejoins, leaves and expiries since start.")
+    membership_changes: int = Field(description="Joins, rejoins, leaves, expiries and recalls since start.")
+    leases_held: bool = Field(description="No lease runs out now: the PS has heard from no worker for half a lease "
+                                          "(it was cut off or paused, or every worker stopped), or a sharded PS's "
+                                          "follower does not answer (docs/protocol.md, register).")
 
 
 class CheckpointInfo(BaseModel):
@@ -185,7 +188,8 @@ class Worker(BaseModel):
 
 class MembershipEvent(BaseModel):
     time: float
-    event: str = Field(description="joined | rejoined | left | expired")
+    event: str = Field(description="joined | rejoined | left | expired | recalled (expired at once: a stuck round "
+                                   "needs it to register again)")
     worker_id: str
     name: str
     rank: int

@@ -26,6 +26,9 @@ from ps_service.core import CoreConfig, ParameterServerCore
 from ps_service.settings import PSSettings
 from ps_service.transport import TensorSeam
 
+#: a tick this much later than due means the process did not run meanwhile (stopped, paused, its loop blocked)
+STALL_SECONDS = 1.0
+
 log = logging.getLogger("ps_service")
 
 
@@ -70,8 +73,9 @@ class Runtime:
 
     def barrier(self) -> tuple:
         """What waits wait on: (global step, job state, the SSP floor: a leave or expiry can release a pull, the
-        count of live rollbacks: a sharded PS that went back to a checkpoint answers every wait at once)."""
-        return self.core.global_step, self.core.state(), self.core.pull_floor, self.core.rewinds
+        count of live rollbacks: a sharded PS that went back to a checkpoint answers every wait at once, the count of
+        recalls into a stuck round: a recalled worker's wait ends)."""
+        return self.core.global_step, self.core.state(), self.core.pull_floor, self.core.rewinds, self.core.recalls
 
     def notify(self) -> None:
         """If the core changed since the last call: run the observers, and wake every waiter if the barrier moved."""
@@ -141,26 +145,33 @@ class Runtime:
     async def wait_for(self, predicate: Callable[[], bool], timeout: float, worker_id: str | None = None,
                        first: bool = False) -> bool:
         """:meth:`wait_until`, at most ``PS_PULL_TIMEOUT_MAX_SECONDS``; with ``worker_id`` the wait keeps that
-        worker's lease (404/409 first if it is unknown or not active, and after a wait that ended unanswered)."""
+        worker's lease (404/409 first if it is unknown or not active) and ends with 409 ``not_active`` if the
+        worker was expired meanwhile (a rollback of a sharded PS, a recall into a stuck round)."""
         timeout = min(timeout, self.settings.pull_timeout_max_seconds)
         if worker_id is None:
             return await self.wait_until(predicate, timeout, first)
+        members = self.core.members
         self.core.begin_wait(worker_id, self.now())
         try:
-            ok = await self.wait_until(predicate, timeout, first)
+            ok = await self.wait_until(lambda: predicate() or not members.is_active(worker_id), timeout, first)
         finally:
             self.core.end_wait(worker_id, self.now())
-        if not ok:  # 409 not_active if a rollback (sharded PS) expired the worker meanwhile: it registers again
-            self.core.heartbeat(worker_id, self.now())
+        members.active_member(worker_id)  # (not a heartbeat: the PS ending a wait has not heard from its worker)
         return ok
 
     async def ticker(self) -> None:
-        """Background task: leases, start-up grace, round deadlines."""
+        """Background task: leases, start-up grace, round deadlines. A tick that comes :data:`STALL_SECONDS` late
+        tells the core that this process did not run meanwhile (:meth:`Membership.stalled`)."""
+        last = self.now()
         while True:
             await asyncio.sleep(self.settings.tick_seconds)
+            now = self.now()
+            if now - last >= STALL_SECONDS + self.settings.tick_seconds:
+                self.core.members.stalled(last)
+            last = now
             if self.shards is not None:
-                self.shards.hold_leases(self.now())  # a coordinator whose follower does not answer
-            self.core.tick(self.now())
+                self.shards.hold_leases(now)  # a coordinator whose follower does not answer
+            self.core.tick(now)
             self.notify()
             if self.shm.attached and (self.shards is None or self.shards.coordinator):  # followers have no members
                 self.shm.prune(self.core.members.active_by_id.keys())

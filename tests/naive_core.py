@@ -12,7 +12,9 @@ from ps_service.rounds import Progress, Round
 
 
 class NaiveMembership(Membership):
-    def expire(self, now: float) -> list[Member]:
+    def expire(self, now: float, watch_silence: bool = True) -> list[Member]:
+        if self._held_at(now, watch_silence):
+            return []
         gone = [m for m in self.by_id.values()
                 if m.state == ACTIVE and m.lease_until < now and m.worker_id not in self.waits]
         for m in gone:
@@ -47,8 +49,9 @@ class NaiveRound(Round):
                    default=None)
 
 
-def naive_progress(rule, r: Round, alive, now: float | None = None) -> Progress:
-    """CloseRule.progress before issue 17: lists the live and awaited members on every call."""
+def naive_progress(rule, r: Round, alive, now: float | None = None, deadline_from: float | None = None) -> Progress:
+    """CloseRule.progress before issue 17: lists the live and awaited members on every call (the deadline counts
+    from ``deadline_from``, by default the round's opening)."""
     live = [w for w in r.eligible if r.counts(w) and alive(w)]
     awaited = tuple(sorted((w for w in live if w not in r.acc and w not in r.skipped), key=r.key))
     got = len(r.acc)
@@ -66,7 +69,8 @@ def naive_progress(rule, r: Round, alive, now: float | None = None) -> Progress:
         if not awaited and done:
             reason = "full" if got == len(r.eligible) else "membership"
     if reason is None and now is not None and rule.round_timeout is not None \
-            and now - r.opened_at >= rule.round_timeout and got >= rule.quorum:
+            and now - (r.opened_at if deadline_from is None else deadline_from) >= rule.round_timeout \
+            and got >= rule.quorum:
         reason = "deadline"
     p = Progress(len(awaited), needed, unreachable, reason, effective)
     p.__dict__["awaited"] = awaited  # the cached property, filled in
@@ -79,8 +83,9 @@ class NaiveCore(ParameterServerCore):
         self.members = NaiveMembership(config.lease_seconds)
 
     def _progress(self, r: Round, now: float | None = None, but: str | None = None) -> Progress:
-        by_id = self.members.by_id
-        return naive_progress(self.rule, r, lambda w: w != but and by_id[w].state == ACTIVE, now)
+        by_id, ms = self.members.by_id, self.members
+        return naive_progress(self.rule, r, lambda w: w != but and by_id[w].state == ACTIVE,
+                              None if ms.held else now, max(r.opened_at, ms.released_at))
 
     def _open_round(self, now: float) -> None:
         super()._open_round(now)

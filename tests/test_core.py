@@ -166,6 +166,7 @@ def test_held_leases_hold_the_lease_and_the_deadline_and_release_gives_both_afre
     core.tick(30.0)
     assert core.global_step == 0 and core.members.active_count == 3  # neither the deadline nor the lease ran out
     core.hold_leases(False, 30.0)
+    core.heartbeat(ids[0], 30.0)  # nor had the coordinator heard from any worker: that silence ends too
     core.tick(31.9)
     assert core.global_step == 0
     core.tick(32.1)  # the deadline, 2 s from the release
@@ -363,7 +364,7 @@ def test_a_newcomer_reusing_a_leavers_rank_in_an_orphaned_round():
     for name in ("fresh", "another"):
         core, ids = make(2, lease_seconds=5.0, replicas_to_aggregate=2, min_replicas=2)
         push(core, ids[0], 0, grad(1), now=1.0)
-        core.leave(ids[0], 1.5)
+        core.leave(ids[0], 4.0)  # heard from w0 at 4: w1's silence is its own, not the PS's
         core.tick(6.0)  # ids[1] expires; R = 2 still needs a gradient
         assert core.global_step == 0
         m, start = core.register(name, 6.5)
@@ -756,11 +757,53 @@ def test_fixed_r_out_of_reach_below_min_replicas_waits_for_a_worker_who_joins_at
 
 def test_fixed_r_with_no_gradient_in_waits_for_a_rejoining_worker():
     core, ids = make(2, replicas_to_aggregate=2, lease_seconds=5.0)
-    core.tick(6.0)  # both expired before anything came in
+    core.heartbeat(ids[0], 4.0)
+    core.leave(ids[0], 4.5)  # w0 leaves, w1 died at 0 (the PS heard w0 meanwhile: w1 is expired on time)
+    core.tick(6.0)
     assert core.global_step == 0 and core.progress().stuck
     assert core.wait_reason(6.0) == "no live member in this round: waiting for a worker to (re)register"
     _, start = core.register("w1", 7.0)
     assert start == 0 and push(core, ids[1], 0, now=7.5).closed and core.rounds[-1].reason == "unreachable"
+
+
+def test_every_worker_silent_is_held_and_the_round_closes_once_one_is_back():
+    """Both stop at once: the PS cannot tell that from its own outage, so nobody expires (no gradient of the open
+    round is lost if it was the PS); the first back ends the silence and the other expires a lease later."""
+    core, ids = make(2, replicas_to_aggregate=2, lease_seconds=5.0)
+    push(core, ids[0], 0, now=0.5)
+    core.tick(60.0)
+    assert core.members.active_count == 2 and core.members.silent_since == 0.5
+    assert core.wait_reason(60.0).startswith("no worker heard from for 59.5 s")
+    push(core, ids[1], 0, now=61.0)  # w1 was cut off, not dead: the round closes exactly as without the outage
+    assert core.global_step == 1 and core.rounds[-1].reason == "full" and core.rounds[-1].aggregated == 2
+    core.heartbeat(ids[1], 64.0)
+    core.tick(66.1)  # w0 never came back: a lease after w1 was heard
+    assert not core.members.get(ids[0]).active and core.members.get(ids[1]).active
+
+
+def test_a_stuck_round_recalls_the_workers_registered_for_the_next_one():
+    """A worker that joined while round 0 had live members waits for round 1; when every member of round 0 dies
+    before pushing, round 0 is stuck: it recalls the joiner (409 on its next call), which registers again and
+    joins it, instead of both waiting for each other for ever."""
+    for cfg in ({}, {"replicas_to_aggregate": 2}, {"replicas_to_aggregate": 2, "min_replicas": 2}):
+        core, ids = make(2, lease_seconds=5.0, **cfg)
+        if cfg.get("min_replicas"):
+            push(core, ids[0], 0, grad(1), now=0.5)
+            core.leave(ids[0], 0.6)
+        m, start = core.register("fresh", 1.0)
+        assert start == 1 and not core.round.counts(m.worker_id)
+        for t in (2.5, 4.0):
+            core.heartbeat(m.worker_id, t)
+        recalls = core.recalls
+        core.tick(5.1)  # w1 (and w0) expire: round 0 cannot close with its own members
+        assert core.recalls == recalls + 1 and core.members.by_id[m.worker_id].state == "expired"
+        assert [e["event"] for e in core.members.events][-1] == "recalled"
+        with pytest.raises(ProtocolError) as err:
+            core.heartbeat(m.worker_id, 5.2)
+        assert err.value.code == "not_active"
+        m, start = core.register("fresh", 5.3)
+        assert start == 0 and core.round.counts(m.worker_id)
+        assert push(core, m.worker_id, 0, grad(2), now=5.4).closed and core.global_step == 1, cfg
 
 
 def test_the_core_config_comes_from_the_settings_in_one_mapping():

@@ -127,7 +127,9 @@ def check_counts(core: ParameterServerCore, now: float) -> None:
     live = [w for w in r.eligible if r.counts(w) and core.members.by_id[w].active]
     awaited = [w for w in live if w not in r.acc and w not in r.skipped]
     assert (r.live, r.waiting) == (len(live), len(awaited))
-    naive = naive_progress(core.rule, r, lambda w: core.members.by_id[w].active, now)
+    ms = core.members
+    naive = naive_progress(core.rule, r, lambda w: ms.by_id[w].active, None if ms.held else now,
+                           max(r.opened_at, ms.released_at))
     fast = core.progress(now)
     assert (fast.waiting, fast.needed, fast.unreachable, fast.reason, fast.effective, fast.awaited) == \
         (naive.waiting, naive.needed, naive.unreachable, naive.reason, naive.effective, naive.awaited)

@@ -38,6 +38,7 @@ def test_an_expired_worker_leaves_the_round_at_once_and_the_record_says_membersh
 def test_a_restarted_worker_rejoins_at_the_next_boundary_with_its_rank():
     core, ids = make()
     push(core, ids[0], 0, 1.0)
+    core.heartbeat(ids[0], 4.0)
     core.tick(5.5)  # w1 and w2 expired: round 0 closes with w0 alone
     push(core, ids[0], 1, 5.6)  # round 1: w0 only -> closes
     push(core, ids[0], 2, 5.7)
@@ -63,10 +64,19 @@ def test_a_worker_back_in_the_round_it_died_in_is_not_waited_for_again():
 
 
 def test_a_comeback_joins_the_open_round_when_nobody_else_is_alive():
-    core, ids = make(n=1)
+    core, ids = make(n=2)
+    core.leave(ids[1], 4.0)  # w1 leaves (heard), w0 died at 0
     core.tick(6.0)
     assert core.wait_reason(6.0).startswith("no live member")
     m, start = core.register("w0", 7.0)
+    assert start == 0 and push(core, ids[0], 0, 7.1) is PushStatus.ACCEPTED and core.global_step == 1
+
+
+def test_the_last_worker_standing_is_held_until_another_is_heard_from():
+    core, ids = make(n=1)
+    core.tick(6.0)  # silent since 0: the PS cannot tell a dead worker from its own outage
+    assert core.members.get(ids[0]).active and core.wait_reason(6.0).startswith("no worker heard from for 6.0 s")
+    m, start = core.register("w0", 7.0)  # back (a restart under its name, or the network): the same member
     assert start == 0 and push(core, ids[0], 0, 7.1) is PushStatus.ACCEPTED and core.global_step == 1
 
 
@@ -142,6 +152,7 @@ def test_a_member_waiting_on_the_barrier_keeps_its_lease():
     assert core.members.by_id[ids[0]].lease_until == 12.0
     core.tick(11.9)
     assert core.members.by_id[ids[0]].state == "active" and push(core, ids[0], 1, 11.9) is PushStatus.ACCEPTED
+    core.register("w9", 13.5)  # another worker heard from: w0's silence is its own
     core.tick(14.0)  # not waiting, silent for 2.1 s
     assert core.members.by_id[ids[0]].state == "expired"
 
@@ -154,6 +165,7 @@ def test_waits_nest_and_ending_one_never_raises():
     core.tick(5.0)
     assert core.members.by_id[ids[0]].state == "active"  # one wait still holds it
     core.end_wait(ids[0], 5.0)
+    core.register("w9", 7.0)  # another worker heard from: w0's silence is its own
     core.tick(7.5)
     assert core.members.by_id[ids[0]].state == "expired"
     core.end_wait(ids[0], 8.0)  # unmatched, on an expired member, and an unknown id: no effect

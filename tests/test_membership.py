@@ -22,8 +22,8 @@ def test_renewing_a_lease_costs_no_heap_entry_and_a_lease_ends_on_time():
     for t in range(1, 50):
         ms.touch(a.worker_id, t * 0.1)
     assert len(ms.leases.heap) == 2  # one entry per member, whatever the renewals
-    assert ms.expire(2.0) == [] and ms.expire(2.01) == [b]  # b's lease is [0, 2]
-    assert ms.expire(6.9) == [] and ms.expire(6.91) == [a]  # a's last renewal at 4.9
+    assert ms.expire(2.0, False) == [] and ms.expire(2.01, False) == [b]  # b's lease is [0, 2]
+    assert ms.expire(6.9, False) == [] and ms.expire(6.91, False) == [a]  # a's last renewal at 4.9
     assert (a.state, b.state, ms.active_count, ms.leases.heap) == (EXPIRED, EXPIRED, 0, [])
 
 
@@ -31,10 +31,10 @@ def test_simultaneous_expiries_come_in_registration_order_and_waits_hold_the_lea
     ms = Membership(lease_seconds=1.0)
     members = [ms.register(name, t)[0] for name, t in (("z", 0.5), ("y", 0.0), ("x", 0.2))]
     ms.begin_wait(members[2].worker_id, 0.9)  # x waits on the barrier
-    assert [m.name for m in ms.expire(5.0)] == ["z", "y"]
-    assert ms.expire(50.0) == [] and members[2].active
+    assert [m.name for m in ms.expire(5.0, False)] == ["z", "y"]
+    assert ms.expire(50.0, False) == [] and members[2].active
     ms.end_wait(members[2].worker_id, 50.0)  # its lease runs from the end of the wait
-    assert ms.expire(51.0) == [] and [m.name for m in ms.expire(51.01)] == ["x"]
+    assert ms.expire(51.0, False) == [] and [m.name for m in ms.expire(51.01, False)] == ["x"]
 
 
 def test_held_leases_run_out_for_nobody_and_run_whole_from_the_release():
@@ -43,22 +43,22 @@ def test_held_leases_run_out_for_nobody_and_run_whole_from_the_release():
     ms.register("b", 5.0)
     ms.hold(8.0)
     ms.hold(9.0)  # held since 8: holding again changes nothing
-    assert ms.held_since == 8.0 and ms.expire(100.0) == []
+    assert ms.held_since == 8.0 and ms.expire(100.0, False) == []
     ms.release(100.0)
-    assert ms.held_since is None and ms.expire(109.9) == []
-    assert [m.name for m in ms.expire(110.1)] == ["a", "b"]
+    assert ms.held_since is None and ms.expire(109.9, False) == []
+    assert [m.name for m in ms.expire(110.1, False)] == ["a", "b"]
     ms.release(200.0)  # not held: nothing renewed
     ms.register("c", 200.0)
     ms.hold(201.0)
     ms.release(201.5)
-    assert ms.expire(211.4) == [] and [m.name for m in ms.expire(211.6)] == ["c"]
+    assert ms.expire(211.4, False) == [] and [m.name for m in ms.expire(211.6, False)] == ["c"]
 
 
 def test_a_lease_set_earlier_by_hand_is_honoured():
     ms = Membership(lease_seconds=100.0)
     m, _ = ms.register("a", 0.0)
     m.lease_until = 1.0
-    assert ms.expire(1.5) == [m]
+    assert ms.expire(1.5, False) == [m]
 
 
 def test_free_ranks_are_the_lowest_ones_not_held_by_a_present_member():
@@ -72,6 +72,73 @@ def test_free_ranks_are_the_lowest_ones_not_held_by_a_present_member():
     assert ms.register("e", 2.0)[0].rank == 0
     assert ms.register("q", 2.0)[0].rank == 1  # q's old rank was free again: it gets it back
     assert ms.register("b", 2.0)[0].rank == 5  # b's rank 1 is q's now
+
+
+def test_a_silence_of_every_worker_expires_nobody_and_the_first_heard_gives_each_a_whole_lease():
+    """No worker heard from for half a lease (the PS cut off, or paused): nobody expires, whatever the leases;
+    the first worker heard from ends the silence and every other gets a lease from then."""
+    ms = Membership(lease_seconds=10.0)
+    a, b, c = (ms.register(n, 0.0)[0] for n in "abc")
+    for t in (3.0, 6.0):
+        for m in (a, b, c):
+            ms.touch(m.worker_id, t)
+    assert ms.expire(10.9) == [] and ms.silent_since is None  # heard 4.9 s ago: not silent
+    assert ms.expire(11.0) == [] and (ms.silent_since, ms.held) == (6.0, True)
+    assert ms.expire(60.0) == [] and all(m.active for m in (a, b, c))
+    ms.touch(b.worker_id, 60.0)  # the first one back
+    assert (ms.silent_since, ms.held, ms.released_at) == (None, False, 60.0)
+    ms.touch(a.worker_id, 63.0)  # each heard within half a lease of the last: no silence
+    ms.touch(b.worker_id, 67.0)
+    assert ms.expire(69.9) == [] and ms.expire(70.1) == [c]  # c never came back: a whole lease from 60, then out
+    assert a.active and b.active
+
+
+def test_a_stalled_ps_expires_nobody_until_it_hears_from_a_worker_again():
+    """A PS that did not run (stopped, paused) may read its requests before its ticker runs: whoever it hears from
+    first, the stall is a silence, ended by the next worker heard from."""
+    ms = Membership(lease_seconds=10.0)
+    a, b = (ms.register(n, 0.0)[0] for n in "ab")
+    ms.touch(a.worker_id, 30.0)  # read before the tick: nothing is silent yet
+    ms.stalled(1.0)  # the ticker: the process did not run from 1 s to now
+    assert ms.silent_since == 1.0 and ms.expire(30.1) == []
+    ms.touch(a.worker_id, 31.0)
+    assert ms.released_at == 31.0 and b.lease_until == 41.0
+    ms.touch(a.worker_id, 35.0)
+    ms.touch(a.worker_id, 39.0)
+    assert ms.expire(40.9) == [] and ms.expire(41.1) == [b]
+    ms.leave(a.worker_id, 42.0)
+    ms.stalled(43.0)  # nobody active: nothing to hold
+    assert ms.silent_since is None
+
+
+def test_one_worker_silent_among_live_ones_expires_on_time():
+    ms = Membership(lease_seconds=10.0)
+    a, b = (ms.register(n, 0.0)[0] for n in "ab")
+    for t in range(1, 12):
+        ms.touch(a.worker_id, float(t))
+        ms.expire(float(t) + 0.5)
+    assert not b.active and b.state == EXPIRED and ms.silent_since is None
+
+
+def test_a_hold_and_a_silence_both_end_before_leases_run_again():
+    ms = Membership(lease_seconds=10.0)
+    a, _ = ms.register("a", 0.0)
+    ms.hold(1.0)
+    assert ms.expire(20.0) == [] and ms.silent_since == 0.0
+    ms.release(20.0)  # the follower answers again, but no worker has been heard from
+    assert ms.held and ms.expire(50.0) == [] and a.lease_until == 10.0
+    ms.touch(a.worker_id, 50.0)
+    assert not ms.held and ms.released_at == 50.0
+    ms.hold(51.0)
+    ms.touch(a.worker_id, 52.0)  # heard while held: the hold still holds
+    assert ms.held and ms.expire(100.0) == []
+
+
+def test_silence_is_not_watched_when_the_caller_says_so():
+    ms = Membership(lease_seconds=10.0)
+    a, _ = ms.register("a", 0.0)
+    assert ms.expire(8.0) == [] and ms.silent_since == 0.0
+    assert ms.expire(10.1, watch_silence=False) == [a] and ms.silent_since is None
 
 
 names = st.sampled_from("abcdef")
@@ -112,7 +179,7 @@ def test_a_member_back_in_a_stuck_round_under_another_rank_is_counted_under_it()
                                           replicas_to_aggregate=3, min_replicas=2))
     core.init_model(ModelInit({"w": np.zeros(3, np.float32)}, {"name": "sgd", "learning_rate": 1.0}), 0.0)
     ids = [core.register(f"w{i}", 0.0)[0].worker_id for i in range(3)]
-    core.leave(ids[0], 1.0)
+    core.leave(ids[0], 4.0)  # heard from w0 at 4: the others' silence is theirs, not the PS's
     core.tick(6.0)  # w1 and w2 expire: nobody left in round 0
     new, start = core.register("new", 6.5)
     assert (new.rank, start, core.round.ranks) == (0, 0, (0, 0, 1, 2))

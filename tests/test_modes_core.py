@@ -94,7 +94,7 @@ def test_ssp_gates_pulls_and_leave_or_expiry_releases_the_bound():
     assert core.pull_floor == 1 and core.may_pull(a)
     push(core, a, core.global_step, grad(8), now=1.6)  # a at 3: waits for b
     assert not core.may_pull(a)
-    core.heartbeat(a, 3.0)
+    core.heartbeat(a, 3.5)
     core.tick(4.0)  # b's lease (last seen 1.0) ran out: the bound is released
     assert core.members.by_id[b].state == "expired" and core.may_pull(a) and core.pull_floor == 3
     core.register("w1", 4.1)  # b comes back at max(its clock, floor) = 3: nobody waits

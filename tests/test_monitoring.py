@@ -88,7 +88,8 @@ def test_status_numbers_after_the_job(job):
     assert st["examples"] == 3 * STEPS * BATCH
     assert st["mode"] == "elastic" and st["replicas_to_aggregate"] is None and st["round"] is None
     assert st["optimizer"] == {"name": "sgd", "learning_rate": 0.5}
-    assert st["workers"] == {"active": 0, "expired": 0, "left": 3, "registered": 3, "membership_changes": 6}
+    assert st["workers"] == {"active": 0, "expired": 0, "left": 3, "registered": 3, "membership_changes": 6,
+                             "leases_held": False}
     assert st["loss"]["last"] == job["loss"]["loss"][-1]
     assert st["loss"]["moving_average"] == pytest.approx(np.mean(job["loss"]["loss"][-16:]))
     # local workers share the PS's host: gradients come through their files, weights through the PS's

@@ -7,6 +7,8 @@ namespaces behind shaped links; ``Hosts.cut_off`` drops the host's packets both 
   of the one-process replay.
 - One PS: a worker's host cut off for less than a lease costs the job only the time (it ends exactly); cut off longer,
   the job does not wait for it (it is expired, the rounds close without it) and takes it back when its host returns.
+  The PS's own host cut off for longer than a lease: it hears from no worker at all, so it expires nobody (it cannot
+  tell that from its own outage), and the job ends exactly.
 
 Needs root with ``ip``, ``tc``, ``iptables`` and network namespaces (skipped otherwise)."""
 from __future__ import annotations
@@ -107,16 +109,22 @@ def test_one_ps_goes_on_without_a_worker_cut_off_longer_than_its_lease_and_takes
             raise AssertionError(f"{exc}\n{c.logs()}") from exc
 
 
-def test_one_ps_rides_out_a_workers_host_cut_off_for_less_than_a_lease_exactly():
-    steps, victim = 150, 3  # worker 2's host
+@pytest.mark.parametrize("victim, seconds", [(3, LEASE / 2), (0, OUTAGE)],
+                         ids=["a-workers-host-for-half-a-lease", "the-ps-host-for-two-leases"])
+def test_one_ps_rides_out_a_host_cut_off_exactly(victim, seconds):
+    """Worker 2's host (3) for less than a lease: the round waits for it. The PS's own host (0) for longer than a
+    lease: it hears from no worker, so it expires nobody; the test cannot ask it anything meanwhile, so the job's
+    end says what happened."""
+    steps = 150
     with Hosts(WORKERS + 1, "1gbit", PREFIX, SUBNET) as hosts, _cluster(hosts, False, steps) as c:
         try:
             wait_for(lambda: _step(c) >= 30, 60, "step 30")
             with hosts.cut_off(victim):
                 cut_at = time.monotonic()
-                stalled = _step(c)
-                wait_for(lambda: time.monotonic() - cut_at >= LEASE / 2, LEASE, "half a lease", interval=0.2)
-                assert _step(c) <= stalled + 1  # the round waits for worker 2
+                stalled = _step(c) if victim else None
+                wait_for(lambda: time.monotonic() - cut_at >= seconds, seconds + 1, "the outage's end", interval=0.2)
+                if victim:
+                    assert _step(c) <= stalled + 1  # the round waits for worker 2
             assert c.wait_workers(120) == [0] * WORKERS
             st = c.status()
             assert st["state"] == "done" and st["pushes"]["accepted"] == WORKERS * steps and _expired(c) == []

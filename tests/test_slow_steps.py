@@ -65,5 +65,9 @@ def test_a_worker_waiting_longer_than_its_lease_stays_active():
             push = frame.encode_bytes({"w": np.ones(3, np.float32)}, {"worker_id": wid, "step": 0})
             r = h.post("/v1/gradients", content=push, headers={"content-type": frame.MEDIA_TYPE})
             assert r.status_code == 200 and r.json()["status"] == "accepted", r.text
-            # the lease runs again from the end of the wait: silent now, the worker expires
-            wait_for(lambda: h.get("/v1/workers").json()["workers"][0]["state"] == "expired", 5, "the lease to run out")
+            # the lease runs again from the end of the wait: silent now, the worker expires (while the PS hears from
+            # another worker: a PS that hears from none holds every lease)
+            def expired() -> bool:  # (b registers again and again: its round 1 gets stuck once a expires, and
+                assert h.post("/v1/workers", json={"name": "b"}).status_code == 200  # recalls it)
+                return h.get("/v1/workers").json()["workers"][0]["state"] == "expired"
+            wait_for(expired, 5, "the lease to run out")

@@ -1,0 +1,75 @@
+"""A PS that hears from no worker (real PS and worker processes on loopback; docs/protocol.md, "Leases").
+
+- The PS paused (``SIGSTOP``: a stopped container, a VM paused or migrated) for several leases mid-job: it expires
+  nobody for a silence it caused itself, so the job ends with the bits of the one-process replay and every push
+  accepted (before, every worker was expired on resume and the open round's gradients were lost).
+- Every member of the open round killed while another worker waits for the next round: the round cannot close with
+  its own members, so it recalls that worker (409 ``not_active``), which registers again, joins it, and the job
+  goes on (before, the round and the worker waited for each other for ever).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+
+from cluster.processes import LocalCluster, wait_for
+from tests.clusters import closed_rounds, final_weights
+from tests.reference import train_reference
+
+LEASE = 2.0
+
+
+def _events(c: LocalCluster, kind: str) -> list[str]:
+    return [e["name"] for e in c.get("/v1/workers").json()["events"] if e["event"] == kind]
+
+
+def test_a_ps_paused_for_longer_than_a_lease_loses_no_gradient():
+    workers, steps, pause = 3, 150, 3 * LEASE
+    ps_env = {"PS_MAX_STEPS": steps, "PS_TOTAL_NUM_REPLICAS": workers, "PS_LEASE_SECONDS": LEASE}
+    # the mlp in float64 (its weights move at every step: a lost gradient shows); steps slowed so that the pause
+    # falls mid-job
+    worker_env = {"WORKER_TASK": "mlp", "WORKER_DTYPE": "float64", "WORKER_COMPUTE_DELAY_SECONDS": 0.03}
+    with LocalCluster(workers, ps_env=ps_env, worker_env=worker_env) as c:
+        try:
+            wait_for(lambda: c.status()["global_step"] >= 30, 60, "step 30")
+            os.kill(c.ps.pid, signal.SIGSTOP)
+            try:
+                stopped = time.monotonic()
+                wait_for(lambda: time.monotonic() - stopped >= pause, pause + 1, "the pause's end", interval=0.2)
+            finally:
+                os.kill(c.ps.pid, signal.SIGCONT)
+            assert c.wait_workers(120) == [0] * workers
+            st = c.status()
+            assert st["state"] == "done" and st["global_step"] == steps
+            assert st["pushes"]["accepted"] == workers * steps and _events(c, "expired") == []
+            got = final_weights(c)
+        except Exception as exc:
+            raise AssertionError(f"{exc}\n{c.logs()}") from exc
+    _, ref = train_reference("mlp", workers, steps)
+    for k in ref:
+        assert got[k].tobytes() == ref[k].tobytes(), f"{k}: not bit-identical (max diff {np.abs(got[k] - ref[k]).max()})"
+
+
+def test_every_member_of_a_round_killed_recalls_the_worker_waiting_for_the_next():
+    steps = 20
+    ps_env = {"PS_MAX_STEPS": steps, "PS_MIN_WORKERS": 2, "PS_TOTAL_NUM_REPLICAS": 2, "PS_LEASE_SECONDS": LEASE}
+    # workers 0 and 1 take round 0 and never finish computing it (they heartbeat meanwhile)
+    with LocalCluster(2, ps_env=ps_env, worker_env={"WORKER_COMPUTE_DELAY_SECONDS": 3600}) as c:
+        try:
+            wait_for(lambda: (s := c.status())["state"] == "training" and s["round"]["step"] == 0
+                     and len(s["round"]["awaited"]) == 2, 30, "round 0 waiting for workers 0 and 1")
+            joiner = c.start_worker(2, env={"WORKER_COMPUTE_DELAY_SECONDS": 0})
+            wait_for(lambda: c.status()["workers"]["active"] == 3, 30, "worker 2 registered (for round 1)")
+            for w in c.workers[:2]:
+                c.kill(w)
+            assert joiner.wait(60) == 0
+            st = c.status()
+            assert st["state"] == "done" and st["global_step"] == steps
+            assert _events(c, "expired") == ["worker-0", "worker-1"] and _events(c, "recalled") == ["worker-2"]
+            first = closed_rounds(c, steps)[0]
+            assert first["step"] == 0 and [a["name"] for a in first["contributors"]] == ["worker-2"]
+        except Exception as exc:
+            raise AssertionError(f"{exc}\n{c.logs()}") from exc
