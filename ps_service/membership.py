@@ -18,7 +18,7 @@ Contract:
   walk over the active members per hold).
 - Leases are held too while the PS hears from no worker at all (*silence*: no registration, heartbeat, pull, push
   or leave for :data:`SILENCE_LEASES` of a lease while members are active and none waits on the barrier; or
-  :meth:`stalled`: the PS itself did not run). A live stock worker is heard from at least every lease/3, so a
+  :meth:`stalled`: the PS itself did not run that long). A live stock worker is heard from at least every lease/3, so a
   silence that long means the PS was cut off or paused (its host's network dropped, its process or VM stopped) or
   every worker stopped at once, which the PS cannot tell apart: ``expire`` expires nobody from then, and the first
   worker heard from again ends the silence, every active member getting a lease from then, as :meth:`release`
@@ -262,11 +262,13 @@ class Membership:
             if self.held_since is None:
                 self._leases_run(now)
 
-    def stalled(self, since: float) -> None:
-        """The PS itself did not run from ``since`` until now (its process stopped, its host paused, its event loop
-        blocked): it heard nobody meanwhile, whatever it reads first, so that is a silence from ``since`` (if
-        members are active), ended by the next worker heard from. For the ticker, before :meth:`expire`."""
-        if self.active_by_id and self.silent_since is None:
+    def stalled(self, since: float, now: float) -> None:
+        """The PS itself did not run from ``since`` to ``now`` (two readings of its clock, which its ticker reads
+        every tick: its process stopped, its host paused, its event loop blocked): it heard nobody meanwhile,
+        whatever it reads first, so a stall of :data:`SILENCE_LEASES` of a lease or more is a silence from ``since``
+        (if members are active), ended by the next worker heard from. For the runtime's clock, before any request
+        read since reaches the core."""
+        if now - since >= SILENCE_LEASES * self.lease_seconds and self.active_by_id and self.silent_since is None:
             self.silent_since = since
 
     def begin_wait(self, worker_id: str, now: float) -> Member:

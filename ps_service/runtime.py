@@ -26,9 +26,6 @@ from ps_service.core import CoreConfig, ParameterServerCore
 from ps_service.settings import PSSettings
 from ps_service.transport import TensorSeam
 
-#: a tick this much later than due means the process did not run meanwhile (stopped, paused, its loop blocked)
-STALL_SECONDS = 1.0
-
 log = logging.getLogger("ps_service")
 
 
@@ -48,7 +45,7 @@ class Runtime:
         self.clock = clock
         self.core = ParameterServerCore(CoreConfig.from_settings(settings))
         self.started_wall = time.time()
-        self.started_mono = clock()
+        self.started_mono = self._read_at = clock()
         #: the waits in flight (:meth:`wait_until`), each a future :meth:`notify` resolves when the barrier moves,
         #: and whether it goes first
         self._waiters: dict[asyncio.Future, bool] = {}
@@ -69,7 +66,13 @@ class Runtime:
             self.observers.append(self.shards.observe)  # closed rounds go to the followers
 
     def now(self) -> float:
-        return self.clock()
+        """The core's clock. The ticker reads it every ``PS_TICK_SECONDS``: a reading long after the one before means
+        this process did not run meanwhile (stopped, paused), which the membership hears of before any request read
+        since gets to the core (:meth:`Membership.stalled`)."""
+        t = self.clock()
+        self.core.members.stalled(self._read_at, t)
+        self._read_at = t
+        return t
 
     def barrier(self) -> tuple:
         """What waits wait on: (global step, job state, the SSP floor: a leave or expiry can release a pull, the
@@ -160,15 +163,11 @@ class Runtime:
         return ok
 
     async def ticker(self) -> None:
-        """Background task: leases, start-up grace, round deadlines. A tick that comes :data:`STALL_SECONDS` late
-        tells the core that this process did not run meanwhile (:meth:`Membership.stalled`)."""
-        last = self.now()
+        """Background task: leases, start-up grace, round deadlines (and a reading of the clock at least every
+        ``PS_TICK_SECONDS``: :meth:`now`)."""
         while True:
             await asyncio.sleep(self.settings.tick_seconds)
             now = self.now()
-            if now - last >= STALL_SECONDS + self.settings.tick_seconds:
-                self.core.members.stalled(last)
-            last = now
             if self.shards is not None:
                 self.shards.hold_leases(now)  # a coordinator whose follower does not answer
             self.core.tick(now)

@@ -99,7 +99,9 @@ def test_a_stalled_ps_expires_nobody_until_it_hears_from_a_worker_again():
     ms = Membership(lease_seconds=10.0)
     a, b = (ms.register(n, 0.0)[0] for n in "ab")
     ms.touch(a.worker_id, 30.0)  # read before the tick: nothing is silent yet
-    ms.stalled(1.0)  # the ticker: the process did not run from 1 s to now
+    ms.stalled(29.0, 30.0)  # a tick 1 s after the last one: not half a lease
+    assert ms.silent_since is None
+    ms.stalled(1.0, 30.0)  # the ticker: the process did not run from 1 s to now
     assert ms.silent_since == 1.0 and ms.expire(30.1) == []
     ms.touch(a.worker_id, 31.0)
     assert ms.released_at == 31.0 and b.lease_until == 41.0
@@ -107,7 +109,7 @@ def test_a_stalled_ps_expires_nobody_until_it_hears_from_a_worker_again():
     ms.touch(a.worker_id, 39.0)
     assert ms.expire(40.9) == [] and ms.expire(41.1) == [b]
     ms.leave(a.worker_id, 42.0)
-    ms.stalled(43.0)  # nobody active: nothing to hold
+    ms.stalled(43.0, 60.0)  # nobody active: nothing to hold
     assert ms.silent_since is None
 
 
