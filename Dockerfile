@@ -19,13 +19,21 @@ WORKDIR /build
 # wheels/*.whl, if any (`wheels*`: the build works without the directory; .dockerignore lets in nothing
 # else of it): wheels pip may take instead of downloading them (--find-links), e.g. torch's CPU wheel
 # where TORCH_INDEX_URL is out of reach; with a torch-*.whl there, that index is not asked at all.
+# torch comes first and alone, from wheels/ or from TORCH_INDEX_URL only: where neither has it the build
+# stops and says so, rather than take PyPI's CUDA build (a 5.4 GB image; measured when that index was out
+# of reach). TORCH_INDEX_URL=https://pypi.org/simple takes that build on purpose.
 COPY pyproject.toml wheels* ./
 RUN python -c "import os, tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
 extras = os.environ.get('EXTRAS', '').replace(',', ' ').split(); \
 print('\n'.join(p['dependencies'] + [d for e in extras for d in p['optional-dependencies'][e]]))" \
       > requirements.txt \
- && case ",$EXTRAS," in *,torch,*) ls torch-*.whl >/dev/null 2>&1 || set -- --extra-index-url "$TORCH_INDEX_URL" ;; esac \
- && pip --python /opt/venv/bin/python install --find-links . "$@" -r requirements.txt
+ && case ",$EXTRAS," in *,torch,*) \
+      if ls torch-*.whl >/dev/null 2>&1; then where=--no-index; else where="--index-url=$TORCH_INDEX_URL"; fi; \
+      pip --python /opt/venv/bin/python install --no-deps --find-links . "$where" "$(grep '^torch' requirements.txt)" \
+      || { echo "syncps: no torch CPU wheel in wheels/ nor at $TORCH_INDEX_URL: put the wheel in wheels/" \
+                "(docs/torch.md, Image) or set TORCH_INDEX_URL" >&2; exit 1; } ;; \
+    esac \
+ && pip --python /opt/venv/bin/python install --find-links . -r requirements.txt
 
 FROM python:3.11-slim
 

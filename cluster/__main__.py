@@ -25,15 +25,18 @@ from cluster.processes import LocalCluster
 from worker_service.client import PSClient
 
 #: what a built-in task needs beyond the base install, and the install that brings it
-TASK_EXTRAS = {"mlp": ("sklearn", "pip install -e '.[mlp]'  (scikit-learn)"),
-               "cnn": ("torch", "pip install -e '.[torch,mlp]'  (PyTorch and scikit-learn)")}
+TASK_EXTRAS = {"mlp": (("sklearn",), "pip install -e '.[mlp]'  (scikit-learn)"),
+               "cnn": (("torch", "sklearn"), "pip install -e '.[torch,mlp]'  (PyTorch, and scikit-learn: its data)")}
+#: lines of a failed worker's log shown when the job ends without it
+LOG_TAIL_LINES = 20
 
 
 def missing_extra(task: str) -> str | None:
     """Why ``task`` cannot run in this environment (a missing optional dependency), or None."""
-    module, install = TASK_EXTRAS.get(task, (None, None))
-    if module and importlib.util.find_spec(module) is None:
-        return f"the {task} task needs {module}, which is not installed: {install}"
+    modules, install = TASK_EXTRAS.get(task, ((), None))
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        return f"the {task} task needs {' and '.join(missing)}, not installed: {install}"
     return None
 
 
@@ -130,6 +133,17 @@ def main(argv: list[str] | None = None) -> int:
             codes = cluster.wait_workers(60)
             wall = time.monotonic() - t_launch
             st = cluster.status()
+            if st["state"] != "done":  # every worker exited before the end (e.g. a task that cannot import)
+                cluster.mark_failed()
+                for i, code in enumerate(codes):
+                    if code != 0:
+                        tail = "\n".join(cluster.log(f"worker-{i}").splitlines()[-LOG_TAIL_LINES:])
+                        console.print(f"worker-{i} exited with code {code}; the end of its log:\n{tail}", style="red",
+                                      markup=False)
+                console.print(f"failed: the job is {st['state']} at step {st['global_step']}, and no worker is left",
+                              style="red", markup=False)
+                where_logs()
+                return 1
             span = training_span(cluster, st)
             workers = cluster.get("/v1/workers").json()
             client = PSClient(cluster.url)

@@ -18,13 +18,7 @@ from pydantic import ValidationError
 from ps_service.app import create_app, server_options
 from ps_service.heap import keep_freed_memory
 from ps_service.settings import PSSettings
-
-
-def settings_errors(exc: ValidationError) -> list[str]:
-    """One line per invalid setting, named by its variable; never pydantic's own text, which echoes the
-    inputs (tokens among them)."""
-    return [f"{''.join(f'PS_{str(p).upper()}: ' for p in e['loc'][:1])}{e['msg'].removeprefix('Value error, ')}"
-            for e in exc.errors(include_input=False)]
+from shared.settings_errors import settings_errors
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -36,7 +30,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         settings = PSSettings(**overrides)
     except ValidationError as exc:
-        sys.exit("".join(f"{ap.prog}: {line}\n" for line in settings_errors(exc)))
+        sys.exit("".join(f"{ap.prog}: {line}\n" for line in settings_errors(exc, "PS_")))
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s ps %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a shard's links log their own failures, not every request
     keep_freed_memory()  # a round's temporaries are not faulted in afresh each step (ps_service/heap.py)

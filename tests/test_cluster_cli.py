@@ -97,7 +97,23 @@ def test_mlp_without_scikit_learn_says_how_to_install_it(monkeypatch):
     from cluster import __main__ as cli_main
 
     monkeypatch.setattr(cli_main.importlib.util, "find_spec", lambda name: None)
-    assert cli_main.missing_extra("mlp") == ("the mlp task needs sklearn, which is not installed: "
+    assert cli_main.missing_extra("mlp") == ("the mlp task needs sklearn, not installed: "
                                              "pip install -e '.[mlp]'  (scikit-learn)")
     assert cli_main.missing_extra("linear") is None
     assert cli_main.main(["--task", "mlp"]) == 2
+    monkeypatch.setattr(cli_main.importlib.util, "find_spec", lambda name: None if name == "sklearn" else object())
+    assert cli_main.missing_extra("cnn") == ("the cnn task needs sklearn, not installed: "
+                                             "pip install -e '.[torch,mlp]'  (PyTorch, and scikit-learn: its data)")
+
+
+def test_workers_that_all_fail_show_why_not_a_traceback():
+    """Every worker exits 1 before the model exists: the end of each one's log, not the PS's 409 to a pull."""
+    out = subprocess.run([sys.executable, "-m", "cluster", "--workers", "2", "--steps", "10", "--deadline", "60"],
+                         capture_output=True, text=True, timeout=90, cwd=ROOT,
+                         env={**os.environ, "COLUMNS": "160", "WORKER_BATCH_SIZE": "-1"})
+    text = out.stdout + out.stderr
+    assert out.returncode == 1 and "not_initialized" not in text, text[-3000:]  # (the workers' own tracebacks show)
+    assert "worker-0 exited with code 1; the end of its log:" in text, text[-3000:]
+    assert "python -m worker_service: WORKER_BATCH_SIZE: Input should be greater than or equal to 1" in text
+    assert "Traceback" not in text and "-1" not in text.split("WORKER_BATCH_SIZE: ")[1].splitlines()[0]  # no input
+    assert "failed: the job is waiting_for_model at step 0, and no worker is left" in text, text[-3000:]

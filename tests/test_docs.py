@@ -23,7 +23,7 @@ README = (ROOT / "README.md").read_text()
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 CLASSES = {"ps": (PSSettings, "PS_"), "worker": (WorkerSettings, "WORKER_")}
 ROW = re.compile(r"^\| `((?:PS|WORKER)_[A-Z0-9_]+)` \| `([^`]*)` \| (.*) \|$", re.M)
-COMPOSE_ONLY = ("SYNCPS_PORT", "SYNCPS_BIND", "SYNCPS_IMAGE", "SYNCPS_EXTRAS")
+COMPOSE_ONLY = ("SYNCPS_PORT", "SYNCPS_BIND", "SYNCPS_IMAGE", "SYNCPS_EXTRAS", "SYNCPS_TORCH_INDEX_URL")
 
 
 def env_names(service: str) -> list[str]:
@@ -111,7 +111,9 @@ def test_compose_file_defaults_that_keep_a_job_steady():
     # a plain `docker compose up -d` keeps (or restores) 4 workers, never drops a job to 1
     assert worker.get("scale") == 4 or worker.get("deploy", {}).get("replicas") == 4
     # the image is built here, never pulled from a registry
-    assert ps["build"] == {"context": ".", "args": {"EXTRAS": "${SYNCPS_EXTRAS:-mlp}"}} and ps["pull_policy"] in ("never", "build") and worker["pull_policy"] == "never"
+    assert ps["build"] == {"context": ".", "args": {"EXTRAS": "${SYNCPS_EXTRAS:-mlp}", "TORCH_INDEX_URL":
+                                                      "${SYNCPS_TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}"}}
+    assert ps["pull_policy"] in ("never", "build") and worker["pull_policy"] == "never"
     assert ps["image"] == worker["image"]
 
 

@@ -8,6 +8,9 @@ import os
 import signal
 import sys
 
+from pydantic import ValidationError
+
+from shared.settings_errors import settings_errors
 from worker_service.client import PSClient, connect
 from worker_service.transport import faults
 from worker_service.loop import train
@@ -31,7 +34,10 @@ def pin(cpus: frozenset[int]) -> None:
 
 
 def main() -> int:
-    s = WorkerSettings()
+    try:
+        s = WorkerSettings()
+    except ValidationError as exc:
+        sys.exit("".join(f"python -m worker_service: {line}\n" for line in settings_errors(exc, "WORKER_")))
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker {s.name} %(levelname)s %(message)s")
     if s.cpus:
         pin(cpu_list(s.cpus))
