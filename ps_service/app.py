@@ -8,6 +8,7 @@ import contextlib
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from fastapi_offline import FastAPIOffline
 
 from ps_service import api, auth, checkpoint, dashboard, metrics, monitoring, probes
 from ps_service.hotpath import HotPath
@@ -53,11 +54,15 @@ def create_app(settings: PSSettings | None = None) -> FastAPI:
             if rt.shards is not None and rt.shards.links is not None:
                 await rt.shards.links.close()
 
-    docs = {} if not settings.production else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    # /docs and /redoc from assets in the package (fastapi-offline), not FastAPI's CDN (a blank page offline);
+    # none of them, nor /openapi.json, in production
+    make, docs = FastAPIOffline, {}
+    if settings.production:
+        make, docs = FastAPI, {"docs_url": None, "redoc_url": None, "openapi_url": None}
     # FastAPI >= 0.16x asks OpenTelemetry for its providers on every request (reading the environment each time:
     # ~0.2 ms per request in the PS's profile); syncps exports Prometheus metrics, not OpenTelemetry: off (an older
     # FastAPI keeps the unknown keyword in app.extra)
-    app = FastAPI(title="syncps parameter server", version="0.1.0", lifespan=lifespan, **docs,
+    app = make(title="syncps parameter server", version="0.1.0", lifespan=lifespan, **docs,
                   telemetry={"tracing": False, "metrics": False, "logs": False},
                   description="Synchronous parameter server (SyncReplicasOptimizer semantics). See docs/protocol.md.")
     install_error_handlers(app)
