@@ -29,6 +29,7 @@ thread: nothing sent, False, when no socket is ready for it), and
 """
 from __future__ import annotations
 
+import errno
 import json
 import select
 import socket
@@ -39,7 +40,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from shared import keepalive, refs
+from shared import keepalive, liveness, refs
 
 HEADER_LIMIT = 64 * 1024
 #: bodies smaller than this are plain bytes (a buffer pool is not worth it)
@@ -95,7 +96,7 @@ class RawConnection:
         self._drop_stale()
         with self._failures(timeout):
             if self.sock is None:
-                self.sock = socket.create_connection((self.host, self.port), timeout=timeout)
+                self.sock = liveness.connect(self.host, self.port, timeout)  # a silent peer host noticed in seconds
                 self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             else:
                 self.sock.settimeout(timeout)
@@ -155,8 +156,11 @@ class RawConnection:
         """Every failure of the socket as :class:`ConnectionLost`, the connection closed."""
         try:
             yield
-        except TimeoutError:
+        except TimeoutError as exc:
             self.close()
+            if exc.errno == errno.ETIMEDOUT:  # TCP_USER_TIMEOUT or keep-alive probes (shared/liveness.py)
+                raise ConnectionLost(f"the peer's host acknowledged nothing for {liveness.USER_TIMEOUT_SECONDS:g} s "
+                                     "(a network outage, or the host is gone)") from None
             raise ConnectionLost(f"timed out: no progress for {timeout:g} s") from None
         except _Closed as exc:
             self.close()

@@ -40,7 +40,7 @@ from typing import Callable
 
 import httpx
 
-from shared import keepalive
+from shared import keepalive, liveness
 from shared.errors import ProtocolError
 from shared.frame import MEDIA_TYPE as FRAME
 from shared.protocol import API
@@ -95,7 +95,8 @@ class Links:
         self.headers = dict(bearer_header(token))
         self._apply_headers = {**self.headers, "content-type": "application/json"}  # of an early apply
         limits = httpx.Limits(keepalive_expiry=keepalive.reuse_seconds(keepalive_seconds))
-        self.client = httpx.AsyncClient(timeout=REQUEST_TIMEOUT_SECONDS, headers=self.headers, limits=limits)
+        transport = httpx.AsyncHTTPTransport(limits=limits, socket_options=liveness.socket_options())  # liveness.py
+        self.client = httpx.AsyncClient(timeout=REQUEST_TIMEOUT_SECONDS, headers=self.headers, transport=transport)
         for f in self.followers:
             f.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"shard-{f.index}-writer")
             # reused for half the followers' keep-alive at most, as the client's; http:// only (https: by the sender)

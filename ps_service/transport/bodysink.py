@@ -37,6 +37,7 @@ import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from ps_service.transport.onewrite import KEY as ONE_WRITE_KEY, OneWriteTransport
+from shared import liveness
 
 #: bytes per socket read outside a sink. Small on purpose: the read that brings a push's headers also
 #: brings the start of its body, which goes through the parser (and two more copies) before the route has
@@ -195,6 +196,9 @@ class BufferedSinkProtocol(asyncio.BufferedProtocol):
         self.buffer_updated = self.inner.buffer_updated
 
     def connection_made(self, transport) -> None:
+        sock = transport.get_extra_info("socket")
+        if sock is not None:  # a worker's host gone silent ends its connections in seconds (shared/liveness.py)
+            liveness.apply(sock)
         self.inner.connection_made(OneWriteTransport(transport))  # the fast lane's answers: one write each
 
     def connection_lost(self, exc) -> None:

@@ -8,7 +8,7 @@ from typing import Mapping, Sequence
 
 import httpx
 
-from shared import keepalive
+from shared import keepalive, liveness
 from shared.rawhttp import ConnectionLost
 
 
@@ -20,7 +20,9 @@ class HttpxConnection:
 
     def _client(self) -> httpx.Client:
         limits = httpx.Limits(max_keepalive_connections=2, keepalive_expiry=self.reuse_seconds)
-        return httpx.Client(base_url=self.base_url, limits=limits)
+        # TCP options that notice a silent PS host in seconds (shared/liveness.py)
+        transport = httpx.HTTPTransport(limits=limits, socket_options=liveness.socket_options())
+        return httpx.Client(base_url=self.base_url, transport=transport)
 
     def request(self, method: str, target: str, headers: Mapping[str, str], body: Sequence[bytes | memoryview] = (),
                 timeout: float = 30.0) -> httpx.Response:

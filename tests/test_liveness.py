@@ -1,0 +1,137 @@
+"""A connection whose peer host goes silent ends in seconds, not after its request's timeout (shared/liveness.py).
+
+Every socket between a worker and a PS carries the options (the worker's, the PS's accepted ones, a shard's links);
+between emulated hosts (:class:`bench.hosts.Hosts`, ``cut_off``: packets dropped both ways, no reset), a request
+waiting for its answer, a request sent into the silence and a connect into it each fail within about the user
+timeout, where TCP's defaults took the whole 30 s request timeout (or its doubling retransmission backoff)."""
+from __future__ import annotations
+
+import fcntl
+import shutil
+import socket
+import subprocess
+import struct
+import sys
+import termios
+import threading
+import time
+
+import pytest
+
+from bench.hosts import Hosts, available
+from cluster.processes import LocalCluster, wait_for
+from shared import liveness
+from shared.rawhttp import ConnectionLost, RawConnection
+
+PREFIX, SUBNET = "splive", "10.88.203"
+PORT = 18090
+REQUEST_TIMEOUT = 30.0
+#: a silence noticed within this: the user timeout, plus keep-alive's idle time and a probe interval, plus slack
+NOTICED = liveness.USER_TIMEOUT_SECONDS + liveness.IDLE_SECONDS + liveness.INTERVAL_SECONDS + 2.0
+#: a server that accepts, reads, and never answers (a PS whose answer is a long poll's)
+MUTE_SERVER = f"""
+import socket, threading
+s = socket.create_server(("0.0.0.0", {PORT}))
+print("listening", flush=True)
+def drain(c):
+    while c.recv(65536):
+        pass
+while True:
+    threading.Thread(target=drain, args=(s.accept()[0],), daemon=True).start()
+"""
+
+needs_hosts = pytest.mark.skipif(not (available(PREFIX) and shutil.which("iptables")),
+                                 reason="needs root with ip, tc, iptables and network namespaces")
+
+
+def _options(sock) -> dict:
+    return {"keepalive": sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE),
+            "user_timeout_ms": sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT)}
+
+
+def test_the_workers_connection_carries_the_options():
+    srv = socket.create_server(("127.0.0.1", 0))
+    try:
+        conn = RawConnection(f"http://127.0.0.1:{srv.getsockname()[1]}")
+        conn.sock = liveness.connect("127.0.0.1", srv.getsockname()[1], REQUEST_TIMEOUT)
+        assert _options(conn.sock) == {"keepalive": 1, "user_timeout_ms": int(liveness.USER_TIMEOUT_SECONDS * 1000)}
+        assert conn.sock.gettimeout() == REQUEST_TIMEOUT
+        conn.close()
+    finally:
+        srv.close()
+
+
+@pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2)")
+def test_the_ps_sets_them_on_the_connections_it_accepts():
+    c = LocalCluster(1)
+    try:
+        c.start_ps()
+        port = int(c.url.rsplit(":", 1)[1])
+        client = socket.create_connection(("127.0.0.1", port), timeout=10)
+        mine = client.getsockname()[1]
+
+        def ps_side() -> str:  # the PS's end of this connection: ss shows its keep-alive timer
+            out = subprocess.run(["ss", "-tnoH", "state", "established", f"( sport = :{port} and dport = :{mine} )"],
+                                 capture_output=True, text=True, timeout=10).stdout
+            return out if "keepalive" in out else ""
+        wait_for(ps_side, 10, "the PS's end with its keep-alive timer")
+        client.close()
+    finally:
+        c.stop()
+
+
+@pytest.fixture(scope="module")
+def mute_host():
+    """Host 0 runs :data:`MUTE_SERVER`; the test (outside every emulated host) is its client."""
+    with Hosts(1, "1gbit", PREFIX, SUBNET) as hosts:
+        server = subprocess.Popen([*hosts.exec_prefix(0), sys.executable, "-c", MUTE_SERVER],
+                                  stdout=subprocess.PIPE, text=True)
+        try:
+            assert server.stdout.readline().strip() == "listening"
+            yield hosts
+        finally:
+            server.kill()
+            server.wait(10)
+
+
+def _unacknowledged(sock) -> int:
+    """Bytes of ``sock``'s send queue not yet acknowledged (``SIOCOUTQ``)."""
+    return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
+
+
+def _request(conn: RawConnection, body: bytes = b"") -> tuple[float, str]:
+    """Seconds until the request failed, and why."""
+    start = time.monotonic()
+    with pytest.raises(ConnectionLost) as err:
+        conn.request("POST", "/v1/gradients", {"content-type": "application/octet-stream"}, [body],
+                     timeout=REQUEST_TIMEOUT)
+    return time.monotonic() - start, str(err.value)
+
+
+@needs_hosts
+def test_a_request_waiting_for_its_answer_notices_the_hosts_silence(mute_host):
+    conn = RawConnection(f"http://{mute_host.ip(0)}:{PORT}")
+    got: dict = {}
+    waiting = threading.Thread(target=lambda: got.update(r=_request(conn)))
+    waiting.start()
+    # the request sent and acknowledged: the connection is idle in its wait, as in a long poll
+    wait_for(lambda: conn.sock is not None and _unacknowledged(conn.sock) == 0, 10, "the request acknowledged")
+    with mute_host.cut_off(0):
+        waiting.join(REQUEST_TIMEOUT + 5)
+    seconds, why = got["r"]
+    assert seconds < NOTICED, (seconds, why)
+    assert "acknowledged nothing" in why
+
+
+@needs_hosts
+def test_a_request_sent_into_the_silence_and_a_connect_fail_in_seconds(mute_host):
+    conn = RawConnection(f"http://{mute_host.ip(0)}:{PORT}")
+    conn.sock = liveness.connect(mute_host.ip(0), PORT, REQUEST_TIMEOUT)
+    conn._idle.since = time.monotonic()  # a kept-alive connection, just used
+    with mute_host.cut_off(0):
+        seconds, why = _request(conn, b"x" * (1 << 20))
+        assert seconds < liveness.USER_TIMEOUT_SECONDS + 2.0, (seconds, why)
+        start = time.monotonic()
+        with pytest.raises(ConnectionLost):
+            RawConnection(f"http://{mute_host.ip(0)}:{PORT}").request("GET", "/v1/status", {}, timeout=REQUEST_TIMEOUT)
+        assert time.monotonic() - start < liveness.connect_timeout(REQUEST_TIMEOUT) + 1.0
