@@ -3,13 +3,13 @@
 
 A host cut off the network sends no reset and no error: packets just stop. Left to TCP's defaults, a request in
 flight is retransmitted with a doubling backoff (0.2 s, 0.4 s, ... 13 s, 26 s, ...), so the job moved again 6.5 s
-after a 20 s outage and 10.5 s after a 60 s one (measured between emulated hosts, tests/test_outage.py's harness),
+after a 20 s outage and 10.5 s after a 60 s one (measured between emulated hosts of bench/hosts.py),
 and a connection idle in a long poll notices nothing until the request's whole timeout (30 s plus the wait) ran out.
 
 Both ends therefore set, on every connection (Linux; elsewhere what the platform has):
 
 - ``TCP_USER_TIMEOUT`` of :data:`USER_TIMEOUT_SECONDS`: data sent and not acknowledged that long ends the
-  connection (and a connect that long unanswered fails);
+  connection; a connect waits no longer than that either (:func:`connect_timeout`, given to every client's connect);
 - keep-alive probes after :data:`IDLE_SECONDS` with nothing received, every :data:`INTERVAL_SECONDS`: a long
   poll whose PS host vanished ends after about the user timeout, not after its request timeout.
 

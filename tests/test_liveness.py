@@ -51,12 +51,22 @@ def _options(sock) -> dict:
 
 def test_the_workers_connection_carries_the_options():
     srv = socket.create_server(("127.0.0.1", 0))
+
+    def answer_once():  # reads one request, answers it, keeps the connection
+        peer = srv.accept()[0]
+        peer.settimeout(10)
+        while b"\r\n\r\n" not in peer.recv(65536):
+            pass
+        peer.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+    server = threading.Thread(target=answer_once, daemon=True)
+    server.start()
     try:
-        conn = RawConnection(f"http://127.0.0.1:{srv.getsockname()[1]}")
-        conn.sock = liveness.connect("127.0.0.1", srv.getsockname()[1], REQUEST_TIMEOUT)
+        conn = RawConnection(f"http://127.0.0.1:{srv.getsockname()[1]}")  # connects by itself
+        assert conn.request("GET", "/v1/status", {}, timeout=REQUEST_TIMEOUT).status_code == 200
         assert _options(conn.sock) == {"keepalive": 1, "user_timeout_ms": int(liveness.USER_TIMEOUT_SECONDS * 1000)}
         assert conn.sock.gettimeout() == REQUEST_TIMEOUT
         conn.close()
+        server.join(10)
     finally:
         srv.close()
 

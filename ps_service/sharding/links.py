@@ -96,7 +96,8 @@ class Links:
         self._apply_headers = {**self.headers, "content-type": "application/json"}  # of an early apply
         limits = httpx.Limits(keepalive_expiry=keepalive.reuse_seconds(keepalive_seconds))
         transport = httpx.AsyncHTTPTransport(limits=limits, socket_options=liveness.socket_options())  # liveness.py
-        self.client = httpx.AsyncClient(timeout=REQUEST_TIMEOUT_SECONDS, headers=self.headers, transport=transport)
+        timeout = httpx.Timeout(REQUEST_TIMEOUT_SECONDS, connect=liveness.connect_timeout(REQUEST_TIMEOUT_SECONDS))
+        self.client = httpx.AsyncClient(timeout=timeout, headers=self.headers, transport=transport)
         for f in self.followers:
             f.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"shard-{f.index}-writer")
             # reused for half the followers' keep-alive at most, as the client's; http:// only (https: by the sender)

@@ -28,7 +28,8 @@ class HttpxConnection:
                 timeout: float = 30.0) -> httpx.Response:
         try:
             content = b"".join(bytes(p) if isinstance(p, memoryview) else p for p in body) if body else None
-            resp = self.client.request(method, target, headers=dict(headers), content=content, timeout=timeout)
+            resp = self.client.request(method, target, headers=dict(headers), content=content,
+                                       timeout=httpx.Timeout(timeout, connect=liveness.connect_timeout(timeout)))
         except httpx.TransportError as exc:
             raise ConnectionLost(f"{type(exc).__name__}: {exc}") from None
         announced = keepalive.reuse_seconds(keepalive.server_seconds(resp.headers))
