@@ -14,10 +14,16 @@ Both ends therefore set, on every connection (Linux; elsewhere what the platform
   poll whose PS host vanished ends after about the user timeout, not after its request timeout.
 
 Acknowledgements and probe answers come from the peer's kernel, not from its program: a PS busy for seconds (a
-thousand workers, a large model to encode) or paused answers them all the same, so a slow peer is never taken for a
-gone one; only a silent network (or host) is. The client then retries on a fresh connection (a push again is answered
-``duplicate``), each attempt's connect bounded by :func:`connect_timeout`, so the job moves again within a few seconds
-of the network's return, whatever the outage's length.
+thousand workers, a large model to encode) or paused keeps every idle or waiting connection, so a slow peer is not
+taken for a gone one while nothing waits to be sent. Data that waits is another matter: on current Linux (measured
+on 6.18; the kernel change "tcp: fix TCP_USER_TIMEOUT with zero window", 2021) the user timeout also ends a
+connection whose peer kept its receive window shut that long, i.e. read nothing while its buffers were full. So a
+push larger than the socket buffers (a few MB), sent to a PS stopped for more than 5 s (``SIGSTOP``, a paused
+container or VM), ends in ``ETIMEDOUT`` just like one sent into a silent network, and so does a large answer to a
+client that reads nothing for 5 s. Either way the client retries on a fresh connection (a push whose body had
+arrived whole is answered ``duplicate``; a partial one was never counted), each attempt's connect bounded by
+:func:`connect_timeout`, so the job moves again within a second or so of the network's (or the PS's) return,
+whatever the outage's length (tests/test_liveness.py, tests/test_pause.py).
 """
 from __future__ import annotations
 

@@ -159,8 +159,9 @@ class RawConnection:
         except TimeoutError as exc:
             self.close()
             if exc.errno == errno.ETIMEDOUT:  # TCP_USER_TIMEOUT or keep-alive probes (shared/liveness.py)
-                raise ConnectionLost(f"the peer's host acknowledged nothing for {liveness.USER_TIMEOUT_SECONDS:g} s "
-                                     "(a network outage, or the host is gone)") from None
+                raise ConnectionLost(f"the peer's host acknowledged nothing, or the peer read nothing, for "
+                                     f"{liveness.USER_TIMEOUT_SECONDS:g} s (a network outage, the host gone, or "
+                                     "the peer paused)") from None
             raise ConnectionLost(f"timed out: no progress for {timeout:g} s") from None
         except _Closed as exc:
             self.close()

@@ -3,7 +3,8 @@
 Every socket between a worker and a PS carries the options (the worker's, the PS's accepted ones, a shard's links);
 between emulated hosts (:class:`bench.hosts.Hosts`, ``cut_off``: packets dropped both ways, no reset), a request
 waiting for its answer, a request sent into the silence and a connect into it each fail within about the user
-timeout, where TCP's defaults took the whole 30 s request timeout (or its doubling retransmission backoff)."""
+timeout, where TCP's defaults took the whole 30 s request timeout (or its doubling retransmission backoff). On
+loopback: a peer that reads nothing (its window shut) ends a large request after the user timeout as well."""
 from __future__ import annotations
 
 import fcntl
@@ -69,6 +70,24 @@ def test_the_workers_connection_carries_the_options():
         server.join(10)
     finally:
         srv.close()
+
+
+def test_a_peer_that_reads_nothing_for_the_user_timeout_ends_a_large_request():
+    """The kernel's half of a paused PS: its host acknowledges everything its buffers take, then keeps the window shut.
+    Since Linux's "tcp: fix TCP_USER_TIMEOUT with zero window" (2021) the user timeout ends that connection too, so
+    a push larger than the buffers into a stopped PS is retried (tests/test_pause.py), and the message says so."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    accepted: list = []
+    threading.Thread(target=lambda: accepted.append(srv.accept()[0]), daemon=True).start()  # never reads
+    try:
+        conn = RawConnection(f"http://127.0.0.1:{srv.getsockname()[1]}")
+        seconds, why = _request(conn, b"x" * (64 << 20))  # more than any loopback buffers (tcp_rmem/wmem's maxima)
+        assert liveness.USER_TIMEOUT_SECONDS - 0.5 < seconds < liveness.USER_TIMEOUT_SECONDS + 3.0, (seconds, why)
+        assert "read nothing" in why and "paused" in why, why
+    finally:
+        srv.close()
+        for peer in accepted:
+            peer.close()
 
 
 @pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2)")

@@ -6,6 +6,8 @@
 - Every member of the open round killed while another worker waits for the next round: the round cannot close with
   its own members, so it recalls that worker (409 ``not_active``), which registers again, joins it, and the job
   goes on (before, the round and the worker waited for each other for ever).
+- The PS paused with pushes larger than the socket buffers on their way: they are ended by the user timeout and sent
+  again (shared/liveness.py), each counted once.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import time
 import numpy as np
 
 from cluster.processes import LocalCluster, wait_for
+from shared import liveness
 from tests.clusters import closed_rounds, final_weights
 from tests.reference import train_reference
 
@@ -51,6 +54,36 @@ def test_a_ps_paused_for_longer_than_a_lease_loses_no_gradient():
     _, ref = train_reference("mlp", workers, steps)
     for k in ref:
         assert got[k].tobytes() == ref[k].tobytes(), f"{k}: not bit-identical (max diff {np.abs(got[k] - ref[k]).max()})"
+
+
+def test_pushes_larger_than_the_socket_buffers_into_a_paused_ps_are_sent_again():
+    """A stopped PS reads nothing: a 40 MB push fills its buffers, and its host keeps the window shut until the
+    connection's user timeout ends it (shared/liveness.py). The worker retries on a fresh connection until the PS is
+    back: the job ends with every push accepted once, and the worker's log names the cause."""
+    workers, steps, pause = 2, 6, liveness.USER_TIMEOUT_SECONDS + 4.0
+    ps_env = {"PS_MAX_STEPS": steps, "PS_TOTAL_NUM_REPLICAS": workers, "PS_LEASE_SECONDS": 30}
+    # 1e7 float32 parameters over TCP: each push 40 MB, more than loopback's socket buffers take; a second's compute,
+    # so the PS can be stopped between the answers (written within ~50 ms of a round's close) and the next pushes
+    worker_env = {"WORKER_TASK": "bench.task:params_10000000", "WORKER_SHM_DIR": "", "WORKER_COMPUTE_DELAY_SECONDS": 1.0}
+    with LocalCluster(workers, ps_env=ps_env, worker_env=worker_env) as c:
+        try:
+            wait_for(lambda: (r := c.status()["round"]) is not None and r["step"] >= 2 and len(r["awaited"]) == workers
+                     and r["open_for_seconds"] >= 0.3, 120, "a round answered and its pushes still computing")
+            os.kill(c.ps.pid, signal.SIGSTOP)
+            try:
+                stopped = time.monotonic()
+                wait_for(lambda: time.monotonic() - stopped >= pause, pause + 1, "the pause's end", interval=0.2)
+            finally:
+                os.kill(c.ps.pid, signal.SIGCONT)
+            assert c.wait_workers(120) == [0] * workers
+            st = c.status()
+            assert st["state"] == "done" and st["global_step"] == steps
+            assert st["pushes"] == {"accepted": workers * steps, "stale": 0, "late": 0, "duplicate": 0, "skipped": 0}
+            assert [len(r["contributors"]) for r in closed_rounds(c, steps)] == [workers] * steps
+            for i in range(workers):
+                assert "the peer read nothing" in c.log(f"worker-{i}"), f"worker-{i} sent no push again"
+        except Exception as exc:
+            raise AssertionError(f"{exc}\n{c.logs()}") from exc
 
 
 def test_every_member_of_a_round_killed_recalls_the_worker_waiting_for_the_next():
