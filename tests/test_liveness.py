@@ -7,6 +7,8 @@ timeout, where TCP's defaults took the whole 30 s request timeout (or its doubli
 loopback: a peer that reads nothing (its window shut) ends a large request after the user timeout as well."""
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import fcntl
 import shutil
 import socket
@@ -22,7 +24,9 @@ import pytest
 from bench.hosts import Hosts, available
 from cluster.processes import LocalCluster, wait_for
 from shared import liveness
+from ps_service.sharding.links import Links
 from shared.rawhttp import ConnectionLost, RawConnection
+from worker_service.transport.httpx import HttpxConnection
 
 PREFIX, SUBNET = "splive", "10.88.203"
 PORT = 18090
@@ -68,6 +72,54 @@ def test_the_workers_connection_carries_the_options():
         assert conn.sock.gettimeout() == REQUEST_TIMEOUT
         conn.close()
         server.join(10)
+    finally:
+        srv.close()
+
+
+def _answering_server() -> socket.socket:
+    """A local server that answers every request on a connection with an empty 200, and keeps the connection."""
+    srv = socket.create_server(("127.0.0.1", 0))
+
+    def serve(peer):
+        peer.settimeout(10)
+        with peer:
+            data = b""
+            while chunk := peer.recv(65536):
+                data += chunk
+                while b"\r\n\r\n" in data:
+                    data = data.split(b"\r\n\r\n", 1)[1]
+                    peer.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+
+    def accept():
+        with contextlib.suppress(OSError):
+            while True:
+                threading.Thread(target=serve, args=(srv.accept()[0],), daemon=True).start()
+    threading.Thread(target=accept, daemon=True).start()
+    return srv
+
+
+def test_the_httpx_clients_carry_the_options_too():
+    """The worker's https transport (:class:`HttpxConnection`) and the coordinator's links to its followers
+    (:class:`Links`) build their sockets through httpx: the options reach those sockets as well."""
+    srv = _answering_server()
+    url = f"http://127.0.0.1:{srv.getsockname()[1]}"
+    want = {"keepalive": 1, "user_timeout_ms": int(liveness.USER_TIMEOUT_SECONDS * 1000)}
+    try:
+        conn = HttpxConnection(url)
+        try:
+            resp = conn.request("GET", "/v1/status", {}, timeout=REQUEST_TIMEOUT)
+            assert _options(resp.extensions["network_stream"].get_extra_info("socket")) == want
+        finally:
+            conn.close()
+
+        async def through_links() -> dict:
+            links = Links([url, url], None)
+            try:
+                resp = await links.client.get(f"{url}/v1/shard/state")
+                return _options(resp.extensions["network_stream"].get_extra_info("socket"))
+            finally:
+                await links.close()
+        assert asyncio.run(through_links()) == want
     finally:
         srv.close()
 
