@@ -22,7 +22,7 @@ push larger than the socket buffers (a few MB), sent to a PS stopped for more th
 container or VM), ends in ``ETIMEDOUT`` just like one sent into a silent network, and so does a large answer to a
 client that reads nothing for 5 s. Either way the client retries on a fresh connection (a push whose body had
 arrived whole is answered ``duplicate``; a partial one was never counted), each attempt's connect bounded by
-:func:`connect_timeout`, so the job moves again within a second or so of the network's (or the PS's) return,
+:func:`connect_timeout`, so the job moves again within a second or two of the network's (or the PS's) return,
 whatever the outage's length (tests/test_liveness.py, tests/test_pause.py).
 """
 from __future__ import annotations
