@@ -4,12 +4,14 @@ Every socket between a worker and a PS carries the options (the worker's, the PS
 between emulated hosts (:class:`bench.hosts.Hosts`, ``cut_off``: packets dropped both ways, no reset), a request
 waiting for its answer, a request sent into the silence and a connect into it each fail within about the user
 timeout, where TCP's defaults took the whole 30 s request timeout (or its doubling retransmission backoff). On
-loopback: a peer that reads nothing (its window shut) ends a large request after the user timeout as well."""
+loopback: a peer that reads nothing (its window shut) ends a large request after the user timeout as well, and the
+PS ends a connection whose client leaves a large answer unread that long."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import fcntl
+import re
 import shutil
 import socket
 import subprocess
@@ -140,6 +142,45 @@ def test_a_peer_that_reads_nothing_for_the_user_timeout_ends_a_large_request():
         srv.close()
         for peer in accepted:
             peer.close()
+
+
+def _model_answer_after(host: str, port: int, unread: float) -> tuple[int, str | None]:
+    """``GET /v1/model`` on a fresh connection with a small receive buffer, nothing read for ``unread`` s, then read
+    until the body's announced length: the body bytes received, and the error that ended the connection, if any."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+    sock.settimeout(REQUEST_TIMEOUT)
+    with sock:
+        sock.connect((host, port))
+        sock.sendall(b"GET /v1/model HTTP/1.1\r\nhost: ps\r\n\r\n")
+        start = time.monotonic()
+        wait_for(lambda: time.monotonic() - start >= unread, unread + 1, "the unread time", interval=0.1)
+        data, length = b"", None
+        try:
+            while length is None or len(data) < length:
+                chunk = sock.recv(1 << 20)
+                if not chunk:
+                    return len(data), "closed"
+                data += chunk
+                if length is None and b"\r\n\r\n" in data:
+                    head, data = data.split(b"\r\n\r\n", 1)
+                    length = int(re.search(rb"(?im)^content-length:\s*(\d+)", head).group(1))
+        except ConnectionError as exc:
+            return len(data), type(exc).__name__
+        return len(data), None
+
+
+def test_the_ps_ends_a_connection_whose_client_leaves_a_large_answer_unread():
+    """docs/protocol.md, Connections: an answer left unread for the user timeout once the buffers are full is not
+    delivered (the PS's kernel ends the connection); read sooner, it arrives whole."""
+    worker_env = {"WORKER_TASK": "bench.task:params_4000000", "WORKER_SHM_DIR": "", "WORKER_COMPUTE_DELAY_SECONDS": 0.5}
+    with LocalCluster(1, ps_env={"PS_MAX_STEPS": 100000}, worker_env=worker_env) as c:
+        wait_for(lambda: c.status()["global_step"] >= 1, 60, "the model and a first step")
+        host, port = c.url.split("//")[1].rsplit(":", 1)
+        got, error = _model_answer_after(host, int(port), 1.0)
+        assert got > 16_000_000 and error is None, (got, error)  # 4e6 float32 weights, whole
+        got, error = _model_answer_after(host, int(port), liveness.USER_TIMEOUT_SECONDS + 3.0)
+        assert error == "ConnectionResetError" and got < 16_000_000, (got, error)
 
 
 @pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2)")
