@@ -29,6 +29,20 @@ def _events(c: LocalCluster, kind: str) -> list[str]:
     return [e["name"] for e in c.get("/v1/workers").json()["events"] if e["event"] == kind]
 
 
+def _pause_the_ps_then_finish(c: LocalCluster, pause: float, workers: int, steps: int) -> dict:
+    """Stop the PS (``SIGSTOP``) for ``pause`` s, let it go on, wait for the workers; the final status (checked done)."""
+    os.kill(c.ps.pid, signal.SIGSTOP)
+    try:
+        stopped = time.monotonic()
+        wait_for(lambda: time.monotonic() - stopped >= pause, pause + 1, "the pause's end", interval=0.2)
+    finally:
+        os.kill(c.ps.pid, signal.SIGCONT)
+    assert c.wait_workers(120) == [0] * workers
+    st = c.status()
+    assert st["state"] == "done" and st["global_step"] == steps
+    return st
+
+
 def test_a_ps_paused_for_longer_than_a_lease_loses_no_gradient():
     workers, steps, pause = 3, 150, 3 * LEASE
     ps_env = {"PS_MAX_STEPS": steps, "PS_TOTAL_NUM_REPLICAS": workers, "PS_LEASE_SECONDS": LEASE}
@@ -38,15 +52,7 @@ def test_a_ps_paused_for_longer_than_a_lease_loses_no_gradient():
     with LocalCluster(workers, ps_env=ps_env, worker_env=worker_env) as c:
         try:
             wait_for(lambda: c.status()["global_step"] >= 30, 60, "step 30")
-            os.kill(c.ps.pid, signal.SIGSTOP)
-            try:
-                stopped = time.monotonic()
-                wait_for(lambda: time.monotonic() - stopped >= pause, pause + 1, "the pause's end", interval=0.2)
-            finally:
-                os.kill(c.ps.pid, signal.SIGCONT)
-            assert c.wait_workers(120) == [0] * workers
-            st = c.status()
-            assert st["state"] == "done" and st["global_step"] == steps
+            st = _pause_the_ps_then_finish(c, pause, workers, steps)
             assert st["pushes"]["accepted"] == workers * steps and _events(c, "expired") == []
             got = final_weights(c)
         except Exception as exc:
@@ -69,15 +75,7 @@ def test_pushes_larger_than_the_socket_buffers_into_a_paused_ps_are_sent_again()
         try:
             wait_for(lambda: (r := c.status()["round"]) is not None and r["step"] >= 2 and len(r["awaited"]) == workers
                      and r["open_for_seconds"] >= 0.3, 120, "a round answered and its pushes still computing")
-            os.kill(c.ps.pid, signal.SIGSTOP)
-            try:
-                stopped = time.monotonic()
-                wait_for(lambda: time.monotonic() - stopped >= pause, pause + 1, "the pause's end", interval=0.2)
-            finally:
-                os.kill(c.ps.pid, signal.SIGCONT)
-            assert c.wait_workers(120) == [0] * workers
-            st = c.status()
-            assert st["state"] == "done" and st["global_step"] == steps
+            st = _pause_the_ps_then_finish(c, pause, workers, steps)
             assert st["pushes"] == {"accepted": workers * steps, "stale": 0, "late": 0, "duplicate": 0, "skipped": 0}
             assert [len(r["contributors"]) for r in closed_rounds(c, steps)] == [workers] * steps
             for i in range(workers):
