@@ -25,8 +25,8 @@ import pytest
 
 from bench.hosts import Hosts, available
 from cluster.processes import LocalCluster, wait_for
-from shared import liveness
 from ps_service.sharding.links import Links
+from shared import liveness
 from shared.rawhttp import ConnectionLost, RawConnection
 from worker_service.transport.httpx import HttpxConnection
 
@@ -51,31 +51,13 @@ needs_hosts = pytest.mark.skipif(not (available(PREFIX) and shutil.which("iptabl
                                  reason="needs root with ip, tc, iptables and network namespaces")
 
 
+#: what :func:`_options` reads on a socket that carries the liveness options
+OPTIONS = {"keepalive": 1, "user_timeout_ms": int(liveness.USER_TIMEOUT_SECONDS * 1000)}
+
+
 def _options(sock) -> dict:
     return {"keepalive": sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE),
             "user_timeout_ms": sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT)}
-
-
-def test_the_workers_connection_carries_the_options():
-    srv = socket.create_server(("127.0.0.1", 0))
-
-    def answer_once():  # reads one request, answers it, keeps the connection
-        peer = srv.accept()[0]
-        peer.settimeout(10)
-        while b"\r\n\r\n" not in peer.recv(65536):
-            pass
-        peer.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
-    server = threading.Thread(target=answer_once, daemon=True)
-    server.start()
-    try:
-        conn = RawConnection(f"http://127.0.0.1:{srv.getsockname()[1]}")  # connects by itself
-        assert conn.request("GET", "/v1/status", {}, timeout=REQUEST_TIMEOUT).status_code == 200
-        assert _options(conn.sock) == {"keepalive": 1, "user_timeout_ms": int(liveness.USER_TIMEOUT_SECONDS * 1000)}
-        assert conn.sock.gettimeout() == REQUEST_TIMEOUT
-        conn.close()
-        server.join(10)
-    finally:
-        srv.close()
 
 
 def _answering_server() -> socket.socket:
@@ -84,7 +66,7 @@ def _answering_server() -> socket.socket:
 
     def serve(peer):
         peer.settimeout(10)
-        with peer:
+        with peer, contextlib.suppress(OSError):  # the client gone, or idle 10 s: this connection is done
             data = b""
             while chunk := peer.recv(65536):
                 data += chunk
@@ -100,17 +82,28 @@ def _answering_server() -> socket.socket:
     return srv
 
 
+def test_the_workers_connection_carries_the_options():
+    srv = _answering_server()
+    try:
+        conn = RawConnection(f"http://127.0.0.1:{srv.getsockname()[1]}")  # connects by itself
+        assert conn.request("GET", "/v1/status", {}, timeout=REQUEST_TIMEOUT).status_code == 200
+        assert _options(conn.sock) == OPTIONS
+        assert conn.sock.gettimeout() == REQUEST_TIMEOUT
+        conn.close()
+    finally:
+        srv.close()
+
+
 def test_the_httpx_clients_carry_the_options_too():
     """The worker's https transport (:class:`HttpxConnection`) and the coordinator's links to its followers
     (:class:`Links`) build their sockets through httpx: the options reach those sockets as well."""
     srv = _answering_server()
     url = f"http://127.0.0.1:{srv.getsockname()[1]}"
-    want = {"keepalive": 1, "user_timeout_ms": int(liveness.USER_TIMEOUT_SECONDS * 1000)}
     try:
         conn = HttpxConnection(url)
         try:
             resp = conn.request("GET", "/v1/status", {}, timeout=REQUEST_TIMEOUT)
-            assert _options(resp.extensions["network_stream"].get_extra_info("socket")) == want
+            assert _options(resp.extensions["network_stream"].get_extra_info("socket")) == OPTIONS
         finally:
             conn.close()
 
@@ -121,7 +114,7 @@ def test_the_httpx_clients_carry_the_options_too():
                 return _options(resp.extensions["network_stream"].get_extra_info("socket"))
             finally:
                 await links.close()
-        assert asyncio.run(through_links()) == want
+        assert asyncio.run(through_links()) == OPTIONS
     finally:
         srv.close()
 
