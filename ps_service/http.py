@@ -45,10 +45,15 @@ def _object(pairs: list) -> dict:
     return out
 
 
+def _not_json(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
 def parse_json(body: bytes | bytearray | memoryview, model: type[M]) -> M:
-    """Validate a JSON body against ``model``; malformed JSON, a repeated key, missing or mistyped fields: 400."""
+    """Validate a JSON body against ``model``; malformed JSON (``NaN``/``Infinity`` included: not JSON, RFC 8259),
+    a repeated key, missing or mistyped fields: 400."""
     try:
-        obj = json.loads(bytes(body), object_pairs_hook=_object)
+        obj = json.loads(bytes(body), object_pairs_hook=_object, parse_constant=_not_json)
     except (ValueError, RecursionError):
         raise ProtocolError(400, "bad_request", "body: the body is not valid JSON (or nested too deeply)") from None
     try:

@@ -250,6 +250,10 @@ CASES = [
     Case("step-negative", 422, "bad_step", body=lambda c: push(c, step=-1)),
     # JSON registration: 400
     Case("register-malformed-json", 400, "bad_request", path="/v1/workers", ctype=JSON, body=lambda c: b'{"name": '),
+    Case("register-nan-json", 400, "bad_request", path="/v1/workers", ctype=JSON,
+         body=lambda c: b'{"name": "a", "x": NaN}'),
+    Case("register-infinity-json", 400, "bad_request", path="/v1/workers", ctype=JSON,
+         body=lambda c: b'{"name": "a", "x": -Infinity}'),
     Case("register-deep-json", 400, "bad_request", path="/v1/workers", ctype=JSON, body=lambda c: b"[" * 60000),
     Case("register-name-twice", 400, "duplicate_key", path="/v1/workers", ctype=JSON,
          body=lambda c: b'{"name": "a", "name": "b"}'),
