@@ -17,6 +17,7 @@ from ps_service.runtime import Runtime
 from ps_service.sharding import routes as shard_routes
 from ps_service.settings import PSSettings
 from ps_service.transport.bodysink import BufferedSinkProtocol
+from ps_service.transport.unread import CloseUnread
 from shared import keepalive
 
 
@@ -67,6 +68,7 @@ def create_app(settings: PSSettings | None = None) -> FastAPI:
                   description="Synchronous parameter server (SyncReplicasOptimizer semantics). See docs/protocol.md.")
     install_error_handlers(app)
     app.add_middleware(HotPath)  # the per-step push and pull skip FastAPI's routing when plainly well-formed
+    app.add_middleware(CloseUnread)  # outermost: an answer sent before its body arrived whole closes the connection
     # access control (ps_service/auth.py): every router but health and the static dashboard needs a token when one is configured
     app.include_router(api.router, dependencies=auth.TRAINING)
     if settings.shards > 1:  # a sharded PS's routes (ps_service/sharding/routes.py)

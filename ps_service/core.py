@@ -385,8 +385,8 @@ class ParameterServerCore(ModelState):
             raise ProtocolError(409, "not_active", f"worker {m.name!r} is {m.state}; register again (POST /v1/workers)")
         if req.step > self.global_step:
             raise unprocessable("future_step", f"step {req.step} is ahead of the global step {self.global_step}")
-        if self.modes is None and req.step == self.global_step and self.round is None:
-            raise ProtocolError(409, "not_started", "no round is open (waiting for workers, or done)")
+        if self.modes is None and req.step == self.global_step and self.round is None and not self.done:
+            raise ProtocolError(409, "not_started", "training has not started (waiting for workers)")
         policy, borrowed = self.config.nonfinite_policy, req.borrowed
         magnitude = validate(self.weights, req.tensors, policy,  # every check first
                              check_finite=borrowed is None and not req.finite_checked)
@@ -428,6 +428,8 @@ class ParameterServerCore(ModelState):
         g, wid = self.global_step, m.worker_id
         if step in m.recent:
             return PushStatus.DUPLICATE
+        if step == g and self.done:  # PS_MAX_STEPS reached: no round will take it
+            return PushStatus.STALE
         if not finite:
             return PushStatus.SKIPPED
         if step == g and self.round.counts(wid):

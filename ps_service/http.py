@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -45,7 +45,7 @@ def _object(pairs: list) -> dict:
     return out
 
 
-def _not_json(name: str) -> None:
+def _not_json(name: str) -> NoReturn:
     raise ValueError(f"{name} is not JSON")
 
 

@@ -25,6 +25,17 @@ from shared.errors import ProtocolError, unprocessable
 from shared.protocol import ModelInit
 
 
+
+def check_weights(tensors: Mapping[str, np.ndarray]) -> None:
+    """A brought model's tensors, each floating point (else 422 ``bad_dtype``) and finite: a NaN or Inf weight
+    would make every update of it NaN (else 422 ``nonfinite_weights``)."""
+    for name, arr in tensors.items():
+        if dtype_name(arr.dtype) not in FLOAT_DTYPES:
+            raise unprocessable("bad_dtype", f"tensor {name!r}: model weights must be floating point")
+    for name, arr in tensors.items():
+        if not np.isfinite(arr).all():
+            raise unprocessable("nonfinite_weights", f"tensor {name!r}: initial weights must be finite (no NaN or Inf)")
+
 class ModelState:
     def __init__(self, optimizer_overrides: Mapping[str, Any]) -> None:
         self.optimizer_overrides = dict(optimizer_overrides)
@@ -56,9 +67,7 @@ class ModelState:
         """First caller wins; later ones get 409 and must pull."""
         if self.initialized:
             raise ProtocolError(409, "already_initialized", f"the model is initialised (global step {self.global_step}); pull it")
-        for name, arr in init.tensors.items():
-            if dtype_name(arr.dtype) not in FLOAT_DTYPES:
-                raise unprocessable("bad_dtype", f"tensor {name!r}: model weights must be floating point")
+        check_weights(init.tensors)
         spec = self.optimizer_spec(init.optimizer)
         weights = {k: np.array(v, copy=True) for k, v in sorted(init.tensors.items())}
         self.optimizer = Optimizer(spec, weights)

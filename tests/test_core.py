@@ -208,6 +208,29 @@ def test_max_steps_marks_done_and_closes_no_more_rounds():
     assert push(core, ids[0], 1).status is PushStatus.DUPLICATE
 
 
+@pytest.mark.parametrize("policy", ["reject", "skip"])
+def test_a_push_for_the_final_step_once_done_is_stale_and_says_done(policy):
+    """protocol.md, push: no round opens at PS_MAX_STEPS, so a push computed on the final weights is answered
+    ``stale`` (counted, never applied), as in async; a retry of it is ``duplicate``. It used to be 409
+    ``not_started``, which a client would wait on as if training had not begun."""
+    core, ids = make(2, max_steps=1, nonfinite_policy=policy)
+    push(core, ids[0], 0)
+    push(core, ids[1], 0)
+    assert core.done
+    before = {k: v.copy() for k, v in core.weights.items()}
+    res = push(core, ids[0], 1)
+    assert (res.status, res.step) == (PushStatus.STALE, 1) and core.push_counts["stale"] == 1
+    assert push(core, ids[0], 1).status is PushStatus.DUPLICATE
+    nan = {k: np.full_like(v, np.nan) for k, v in W0.items()}
+    if policy == "skip":
+        assert push(core, ids[1], 1, nan).status is PushStatus.STALE  # no round to skip it in
+    else:
+        with pytest.raises(ProtocolError) as e:
+            push(core, ids[1], 1, nan)
+        assert e.value.code == "nonfinite_gradient"
+    assert all(np.array_equal(before[k], core.weights[k]) for k in before) and core.global_step == 1
+
+
 @pytest.mark.parametrize("sparse", [False, True])
 def test_finite_gradients_whose_sum_overflows_never_reach_the_weights(sparse):
     """Two finite float32 pushes of 3e38 sum to inf: the round closes, applies nothing (its record: no gradient

@@ -347,6 +347,10 @@ def init(tensors: dict | None = None, **meta) -> Callable[[Ctx], bytes]:
 INIT_CASES = [
     Case("init-int-weights", 422, "bad_dtype", "PUT", "/v1/model", body=init({"w": np.zeros(3, np.int64)})),
     Case("init-empty-model", 422, "empty_model", "PUT", "/v1/model", body=init({})),
+    Case("init-nan-weight", 422, "nonfinite_weights", "PUT", "/v1/model",
+         body=init({**W0, "b": np.array([0.5, np.nan], np.float32)}), detail="'b'"),
+    Case("init-inf-weight", 422, "nonfinite_weights", "PUT", "/v1/model",
+         body=init({"w": np.array([-np.inf], np.float64)})),
     Case("init-unknown-optimizer", 422, "bad_optimizer", "PUT", "/v1/model", body=init(optimizer={"name": "pickle"})),
     Case("init-learning-rate-text", 422, "bad_optimizer", "PUT", "/v1/model",
          body=init(optimizer={"name": "sgd", "learning_rate": "fast"})),
@@ -438,6 +442,47 @@ def test_stalled_body_times_out_with_408(ps, unchanged):
     assert IDLE <= time.monotonic() - t0 < IDLE + 10
 
 
+def _answer_then_eof(s: socket.socket) -> tuple[int | None, str, bytes]:
+    """One response (status, head, body), then what follows on the connection until it closes (10 s at most)."""
+    buf, s_deadline = b"", time.monotonic() + 10
+    s.settimeout(10)
+    while time.monotonic() < s_deadline:
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        buf += chunk
+    else:
+        raise AssertionError(f"the PS kept the connection open after {buf[:200]!r}")
+    head, _, rest = buf.partition(b"\r\n\r\n")
+    return int(head.split()[1]), head.decode("latin-1").lower(), rest
+
+
+@pytest.mark.parametrize("req,status,code", [
+    (lambda c: head(extra="Content-Length: 100\r\n") + push(c)[:10], 408, "body_timeout"),
+    (lambda c: head(extra="Content-Length: 1073741824\r\n"), 413, "body_too_large"),
+    (lambda c: head(extra="Content-Length: 100\r\n", ctype="text/plain"), 415, "unsupported_media_type"),
+    (lambda c: head("/v1/workers", "Content-Length: 100\r\n", "application/json") + b'{"na', 408, "body_timeout"),
+], ids=["408-stalled", "413-declared", "415-before-the-body", "408-json"])
+def test_a_refusal_before_the_whole_body_closes_the_connection(ps, unchanged, req, status, code):
+    """protocol.md, Errors: the rest of the body may still come, so the connection cannot carry another request:
+    the answer says ``connection: close`` and the PS closes it (a request sent after it is never answered)."""
+    with socket.create_connection(("127.0.0.1", ps.port), timeout=10) as s:
+        s.sendall(req(ps.ctx))
+        got, head_text, rest = _answer_then_eof(s)
+    assert got == status and code.encode() in rest and "\r\nconnection: close" in head_text, head_text
+
+
+def test_a_refusal_after_the_whole_body_keeps_the_connection(ps, unchanged):
+    """A refused push whose body was read whole leaves the connection reusable: the next request is answered."""
+    body = push(ps.ctx, step=10 ** 6)
+    with socket.create_connection(("127.0.0.1", ps.port), timeout=10) as s:
+        s.sendall(head(extra=f"Content-Length: {len(body)}\r\n") + body)
+        status, reply = read_response(s)
+        assert status == 422 and b"future_step" in reply
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: ps\r\n\r\n")
+        assert read_response(s)[0] == 200
+
+
 @pytest.mark.parametrize("extra", ["Content-Length: -1\r\n", "Content-Length: abc\r\n",
                                    "Content-Length: 3\r\nTransfer-Encoding: chunked\r\n"])
 def test_malformed_framing_is_refused_by_the_http_layer(ps, unchanged, extra):
@@ -516,3 +561,49 @@ def test_two_finite_pushes_whose_sum_overflows_change_no_weight_over_http():
         finally:
             for c in clients:
                 c.close()
+
+
+# ---- what protocol.md says of the edges a client writer asks about -----------------------------------------
+def test_a_sync_push_once_done_is_stale_with_done_and_a_pull_push_gets_the_final_weights():
+    """protocol.md, push, "Once the job is done": the final step's push is ``stale`` with ``done: true`` (it was 409
+    ``not_started``, which a client would wait on), its retry ``duplicate``; ``?pull=1`` answers the final
+    weights at once; the weights never change."""
+    with live_ps(total_num_replicas=1, max_steps=1, lease_seconds=600, startup_grace_seconds=0) as ps:
+        c = ps.client()
+        wid = c.register("a")["worker_id"]
+        assert c.init_model(W0, {"name": "sgd", "learning_rate": 0.1})
+        assert c.push(wid, 0, grads(1.0))["step"] == 1
+        final = state_hash(ps.rt)
+        with ps.http() as h:
+            post = lambda **params: h.post("/v1/gradients", content=push_frame(wid, 1, grads(2.0)),  # noqa: E731
+                                            headers={"content-type": FRAME}, params=params)
+            r = post()
+            assert (r.status_code, r.json()) == (200, {"status": "stale", "step": 1, "done": True})
+            assert post().json()["status"] == "duplicate"
+            t0 = time.monotonic()
+            r = post(pull=1, timeout=20)
+            assert r.status_code == 200 and r.headers["x-syncps-push-status"] == "duplicate"
+            assert time.monotonic() - t0 < 5
+            got = frame.decode(r.content)
+            assert got.meta["done"] is True and got.meta["step"] == 1
+            np.testing.assert_array_equal(got.tensors["b"], W0["b"] - np.float32(0.1))
+        assert ps.rt.core.push_counts["stale"] == 1
+        assert ps.rt.core.weights["b"].tobytes() == got.tensors["b"].tobytes()
+        c.close()
+
+
+def test_leave_twice_query_rules_and_the_loss_floor(ps):
+    """protocol.md: a repeated leave gets the same answer; an undeclared query parameter is ignored and a repeated
+    one counts with its last value; ``GET /v1/loss`` takes ``since`` >= -1 (-1: every point); HEAD is 405."""
+    with ps.http() as h:
+        for _ in range(2):
+            r = h.delete(f"/v1/workers/{ps.ctx.gone}")
+            assert (r.status_code, r.json()) == (200, {"worker_id": ps.ctx.gone, "state": "left"})
+        assert h.delete("/v1/workers/nobody").json()["error"] == "unknown_worker"
+        assert h.get("/v1/rounds", params=[("limit", "5000"), ("limit", "1")]).status_code == 200
+        assert_refused(h.get("/v1/rounds", params=[("limit", "1"), ("limit", "5000")]), 400, "bad_request")
+        assert len(h.get("/v1/rounds", params={"limit": 1, "bogus": "x"}).json()["rounds"]) == 1
+        assert h.get("/v1/loss", params={"since": -1}).json() == h.get("/v1/loss").json()
+        assert_refused(h.get("/v1/loss", params={"since": -2}), 400, "bad_request")
+        r = h.head("/v1/status")
+        assert r.status_code == 405 and r.content == b""

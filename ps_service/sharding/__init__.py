@@ -29,11 +29,11 @@ from pathlib import Path
 import numpy as np
 
 from ps_service.checkpoint import NAME_RE, CheckpointError, checkpoint_name, decode, list_checkpoints
+from ps_service.model import check_weights
 from ps_service.sharding import rollback
 from ps_service.sharding.holds import Holds
 from ps_service.sharding.links import Links
 from shared import frame
-from shared.codec import FLOAT_DTYPES, dtype_name
 from shared.errors import ProtocolError, unprocessable
 from shared.protocol import ModelInit
 from shared.shards import ShardMap, from_wire, plan, spec_of, split
@@ -152,9 +152,7 @@ class ShardRole:
         core = self.core
         if self.initialising or core.initialized:
             raise ProtocolError(409, "already_initialized", "the model is initialised (or being initialised); pull it")
-        for name, arr in init.tensors.items():
-            if dtype_name(arr.dtype) not in FLOAT_DTYPES:
-                raise unprocessable("bad_dtype", f"tensor {name!r}: model weights must be floating point")
+        check_weights(init.tensors)
         try:
             m = plan(spec_of(init.tensors), self.count, self.split_elements)
         except ValueError as exc:
