@@ -1,28 +1,38 @@
 # The two commands a fresh machine needs: `make run` and `make test`.
+# make run installs the base package only (`-e .`: all python -m cluster --task linear imports); make test,
+# make bench and make venv install the test extras (`-e '.[test]'`: pytest, torch, playwright, ...).
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+BASE_STAMP := $(VENV)/.installed-base
+TEST_STAMP := $(VENV)/.installed-test
 
 .PHONY: run test bench venv clean
 
-$(STAMP): pyproject.toml
+$(PY):
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
-	touch $(STAMP)
 
-venv: $(STAMP)
+$(BASE_STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install -q -e .
+	touch $(BASE_STAMP)
+
+# the test install includes the base: after it, make run installs nothing more
+$(TEST_STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(TEST_STAMP) $(BASE_STAMP)
+
+venv: $(TEST_STAMP)
 
 # RUN_ARGS: more options of python -m cluster, e.g. make run RUN_ARGS=--keep-logs
-run: $(STAMP)
+run: $(BASE_STAMP)
 	$(PY) -m cluster --workers 4 --task linear $(RUN_ARGS)
 
 # The last section of the output, "degraded checks", lists what ran degraded or was skipped for want of
 # promtool, Chromium or Docker (tests/conftest.py).
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-bench: $(STAMP)
+bench: $(TEST_STAMP)
 	$(PY) -m bench.table
 
 clean:

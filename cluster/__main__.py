@@ -67,6 +67,15 @@ def training_span(cluster: LocalCluster, st: dict) -> float | None:
         return None
 
 
+def make_console(file=None) -> Console:
+    """rich's console for the output. Not a terminal (``make run | tee log``): rich would cut every line at 80
+    columns (or $COLUMNS) and split the URLs and summary lines; soft wrap prints each one whole."""
+    console = Console(file=file)
+    if not console.is_terminal:
+        console.soft_wrap = True
+    return console
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m cluster", description=__doc__.split("\n\n")[0])
     ap.add_argument("--workers", type=int, default=4)
@@ -83,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep-logs", action="store_true",
                     help="keep the processes' log folder after a clean run (it is always kept after a failure)")
     args = ap.parse_args(argv)
-    console = Console()
+    console = make_console()
     if args.workers < 1 or args.steps < 1 or args.shards < 1:
         ap.error("--workers, --steps and --shards must be at least 1")
     missing = missing_extra(args.task)
@@ -186,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         table.add_row(str(w["rank"]), name, w["state"], w["transport"] or "-", *(str(p[k]) for k in ("accepted", "stale", "late", "duplicate")),
                       *(f"{1e3 * t[k]:.2f}" for k in ("fetch", "compute", "push")), str(w["straggler_rounds"]),
                       f"{w['straggler_seconds']:.3f}")
-    console.print(table)
+    console.print(table, soft_wrap=False)  # a table lays itself out in the width
     console.print("via: how tensors travelled (shm: same-host files, http: request bodies); "
                   "strag: rounds (of the last 100) the worker slowed, and the seconds it cost them")
     if workers["straggler"]:

@@ -83,14 +83,43 @@ def test_a_clean_cluster_removes_its_logs_a_failed_one_keeps_them(log_root, monk
 def test_cli_failure_keeps_the_logs_and_says_where(log_root):
     """A PS that cannot start (an invalid setting in the environment): exit 1, the reason, no traceback, and
     the log folder kept and named."""
+    # no COLUMNS and a pipe for stdout, as in `make run | tee log`: the URL lines come out whole
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
     out = subprocess.run([sys.executable, "-m", "cluster", "--workers", "1", "--steps", "10", "--deadline", "60"],
-                         capture_output=True, text=True, timeout=60, cwd=ROOT,
-                         env={**os.environ, "COLUMNS": "160", "PS_LEASE_SECONDS": "-1"})
+                         capture_output=True, text=True, timeout=60, cwd=ROOT, env={**env, "PS_LEASE_SECONDS": "-1"})
     text = out.stdout + out.stderr
     assert out.returncode == 1 and "failed: PS exited with 1" in text and "PS_LEASE_SECONDS: " in text, text[-3000:]
+    assert re.search(r"^dashboard http://127\.0\.0\.1:(\d+)/  metrics http://127\.0\.0\.1:\1/metrics  "
+                     r"API docs http://127\.0\.0\.1:\1/docs$", out.stdout, re.M), out.stdout[:1000]
     assert "Traceback (most recent call last)" not in text.split("failed: PS exited")[0]
     (kept,) = re.findall(r"logs of the PS and the workers: (\S+)", text)
     assert Path(kept).parent == log_root and "PS_LEASE_SECONDS: " in (Path(kept) / "ps.log").read_text()
+
+
+def test_output_to_a_pipe_keeps_long_lines_whole(monkeypatch):
+    """Not a terminal (`make run | tee log`): rich would cut lines at 80 columns, splitting the URLs."""
+    import io
+
+    from rich.table import Table
+
+    from cluster.__main__ import make_console
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    out = io.StringIO()
+    console = make_console(out)
+    assert not console.is_terminal and console.width == 80
+    url = "http://127.0.0.1:39307"
+    line = f"dashboard {url}/  metrics {url}/metrics  API docs {url}/docs"
+    assert len(line) > 100
+    console.print(line)
+    console.print("[green]done: every worker exited 0")
+    table = Table("rank", "name", title="workers")
+    table.add_row("0", "worker-0")
+    console.print(table, soft_wrap=False)
+    lines = out.getvalue().splitlines()
+    assert lines[:2] == [line, "done: every worker exited 0"], lines
+    assert "workers" in lines[2] and lines[2].strip() == "workers"  # the table as before, within the width
+    assert max(map(len, lines[2:])) <= 80
 
 
 def test_mlp_without_scikit_learn_says_how_to_install_it(monkeypatch):

@@ -5,10 +5,15 @@
   docker-compose.yml; neither lists a setting that does not exist. A new field fails here until both do.
 - The compose commands the compose tests run (``tests/compose_util.DOCUMENTED``) are written in the
   README exactly so, and the install commands the README gives bring what the commands import.
+- The Makefile installs what the README says: `make run` the base (`-e .`), `make test` / `bench` / `venv` the test
+  extras (`-e '.[test]'`), each once per venv.
 """
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -133,3 +138,40 @@ def test_readme_install_commands_bring_what_the_commands_import():
     assert "pip install -e ." in README and "pip install -e '.[mlp]'" in README
     assert "python -m cluster --workers 4 --task linear" in README  # what make run calls
     assert "$(PY) -m cluster --workers 4 --task linear" in (ROOT / "Makefile").read_text()
+
+
+def make(venv: Path, *args: str) -> str:
+    # not an outer make's variables (`make test PYTEST_ARGS=...` passes them down in MAKEFLAGS) nor the caller's
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "VENV", "RUN_ARGS", "PYTEST_ARGS")}
+    out = subprocess.run(["make", "--no-print-directory", f"VENV={venv}", *args], capture_output=True, text=True,
+                         timeout=60, cwd=ROOT, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
+@pytest.mark.skipif(not shutil.which("make"), reason="no make")
+def test_make_run_installs_the_base_make_test_the_test_extras(tmp_path):
+    """`make run` installs `-e .` only (the base brings all that python -m cluster --task linear imports; torch and
+    the other test extras are not downloaded for the demo); `make test`, `make bench` and `make venv` install
+    `-e '.[test]'`. Two stamps in the venv: run then test adds the extras, test then run installs nothing more."""
+    venv = tmp_path / "venv"
+    install = re.compile(r"-m pip install -q -e (\S+)")
+    run = make(venv, "-n", "run")
+    assert f"python3 -m venv {venv}" in run and install.findall(run) == ["."], run
+    for target in ("test", "bench", "venv"):
+        out = make(venv, "-n", target)
+        assert f"python3 -m venv {venv}" in out and install.findall(out) == ["'.[test]'"], (target, out)
+    # the real sequence, with a stand-in python that only says what it was asked
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text('#!/bin/sh\necho "python $*"\n')
+    (venv / "bin" / "python").chmod(0o755)
+    calls = lambda *targets: re.findall(r"^python (.*)$", make(venv, *targets), re.M)  # noqa: E731
+    assert calls("run") == ["-m pip install -q -e .", "-m cluster --workers 4 --task linear"]
+    assert calls("run") == ["-m cluster --workers 4 --task linear"]
+    assert calls("test") == ["-m pip install -q -e .[test]", "-m pytest"]
+    assert calls("run", "test") == ["-m cluster --workers 4 --task linear", "-m pytest"]
+    for stamp in venv.glob(".installed-*"):
+        stamp.unlink()
+    assert calls("test") == ["-m pip install -q -e .[test]", "-m pytest"]
+    assert calls("run") == ["-m cluster --workers 4 --task linear"]  # the test install includes the base

@@ -462,21 +462,35 @@ def _answer_then_eof(s: socket.socket) -> tuple[int | None, str, bytes]:
     (lambda c: head(extra="Content-Length: 1073741824\r\n"), 413, "body_too_large"),
     (lambda c: head(extra="Content-Length: 100\r\n", ctype="text/plain"), 415, "unsupported_media_type"),
     (lambda c: head("/v1/workers", "Content-Length: 100\r\n", "application/json") + b'{"na', 408, "body_timeout"),
-], ids=["408-stalled", "413-declared", "415-before-the-body", "408-json"])
+    (lambda c: b"GET /v1/status HTTP/1.1\r\nHost: ps\r\nContent-Length: 5\r\n\r\nhello", 200, "global_step"),
+    (lambda c: head("/v1/nowhere", "Content-Length: 5\r\n") + b"hello", 404, "not_found"),
+], ids=["408-stalled", "413-declared", "415-before-the-body", "408-json", "200-status-with-a-body", "404-with-a-body"])
 def test_a_refusal_before_the_whole_body_closes_the_connection(ps, unchanged, req, status, code):
-    """protocol.md, Errors: the rest of the body may still come, so the connection cannot carry another request:
-    the answer says ``connection: close`` and the PS closes it (a request sent after it is never answered)."""
+    """protocol.md, Errors: an answer sent before the request's body was read whole (a refusal, or a route that takes
+    no body) says ``connection: close`` and the PS closes the connection: the rest of the body may still come."""
     with socket.create_connection(("127.0.0.1", ps.port), timeout=10) as s:
         s.sendall(req(ps.ctx))
         got, head_text, rest = _answer_then_eof(s)
     assert got == status and code.encode() in rest and "\r\nconnection: close" in head_text, head_text
 
 
-def test_a_refusal_after_the_whole_body_keeps_the_connection(ps, unchanged):
-    """A refused push whose body was read whole leaves the connection reusable: the next request is answered."""
-    body = push(ps.ctx, step=10 ** 6)
+def test_a_client_that_sends_its_whole_body_before_reading_gets_the_413(ps, unchanged):
+    """A client that writes a too-large body to the end before it reads (a blocking one) still reads the 413: the
+    PS half-closes and drops the rest, rather than closing at once, whose reset would fail the client's send."""
+    body = b"\0" * (4 * LIMIT)
     with socket.create_connection(("127.0.0.1", ps.port), timeout=10) as s:
         s.sendall(head(extra=f"Content-Length: {len(body)}\r\n") + body)
+        got, head_text, rest = _answer_then_eof(s)
+    assert got == 413 and b"body_too_large" in rest and "\r\nconnection: close" in head_text
+
+
+@pytest.mark.parametrize("pad", ["", " ", "\t"], ids=["plain", "trailing-space", "trailing-tab"])
+def test_a_refusal_after_the_whole_body_keeps_the_connection(ps, unchanged, pad):
+    """A refused push whose body was read whole leaves the connection reusable: the next request is answered.
+    Whitespace after the Content-Length's digits is allowed (RFC 9110 5.5); it was 400 bad_content_length."""
+    body = push(ps.ctx, step=10 ** 6)
+    with socket.create_connection(("127.0.0.1", ps.port), timeout=10) as s:
+        s.sendall(head(extra=f"Content-Length: {len(body)}{pad}\r\n") + body)
         status, reply = read_response(s)
         assert status == 422 and b"future_step" in reply
         s.sendall(b"GET /healthz HTTP/1.1\r\nHost: ps\r\n\r\n")

@@ -36,6 +36,7 @@ async def read_body(request: Request, limit: int, media_types: tuple[str, ...] |
         raise ProtocolError(415, "unsupported_media_type", f"send {' or '.join(allowed)}, not {ctype[:64] or 'nothing'!r}")
     declared = request.headers.get("content-length")
     if declared is not None:
+        declared = declared.strip(" \t")  # optional whitespace around a field value (RFC 9110 5.5)
         if not (declared.isascii() and declared.isdigit()):
             raise ProtocolError(400, "bad_content_length", "content-length must be a non-negative integer")
         if int(declared) > limit:

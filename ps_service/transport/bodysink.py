@@ -37,6 +37,7 @@ import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from ps_service.transport.onewrite import KEY as ONE_WRITE_KEY, OneWriteTransport
+from ps_service.transport.unread import LingeringTransport
 from shared import liveness
 
 #: bytes per socket read outside a sink. Small on purpose: the read that brings a push's headers also
@@ -91,7 +92,7 @@ def scratch() -> memoryview:
 
 def _content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
     """The body length of a plain ``Content-Length`` request (None if chunked, absent or odd)."""
-    lengths = [v for k, v in headers if k == b"content-length"]
+    lengths = [v.strip(b" \t") for k, v in headers if k == b"content-length"]
     if len(lengths) != 1 or not lengths[0].isdigit() or any(k == b"transfer-encoding" for k, _ in headers):
         return None
     return int(lengths[0])
@@ -101,7 +102,7 @@ class SinkHttpToolsProtocol(HttpToolsProtocol):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         #: where the bytes of the pending read go: a sink, "discard" (a bypassed body nobody reads any
-        #: more), or None (the scratch buffer, then the parser)
+        #: more), "linger" (the connection is closing: dropped), or None (the scratch buffer, then the parser)
         self._reading_into: BodySink | str | None = None
         #: bytes of the current request's body not yet received (None: not a Content-Length body)
         self._body_left: int | None = None
@@ -142,7 +143,14 @@ class SinkHttpToolsProtocol(HttpToolsProtocol):
             cycle.body = bytearray()
         return sink
 
+    def body_pending(self) -> bool:
+        """The request being served has not sent its whole body yet."""
+        return self.cycle is not None and self.cycle.more_body
+
     def get_buffer(self, sizehint: int) -> memoryview:
+        if getattr(self.transport, "lingering", False):  # answered and half-closed mid-body: what still comes is dropped unread
+            self._reading_into = "linger"
+            return scratch()
         sink = self._direct_sink()
         if sink is not None:
             self._reading_into, self._bypassing = sink, True
@@ -157,6 +165,8 @@ class SinkHttpToolsProtocol(HttpToolsProtocol):
         into, self._reading_into = self._reading_into, None
         if into is None:
             return self.data_received(bytes(scratch()[:nbytes]))
+        if into == "linger":
+            return
         self._unset_keepalive_if_required()
         self._body_left -= nbytes
         if isinstance(into, BodySink):
@@ -199,7 +209,8 @@ class BufferedSinkProtocol(asyncio.BufferedProtocol):
         sock = transport.get_extra_info("socket")
         if sock is not None:  # a worker's host gone silent ends its connections in seconds (shared/liveness.py)
             liveness.apply(sock)
-        self.inner.connection_made(OneWriteTransport(transport))  # the fast lane's answers: one write each
+        # the fast lane's answers in one write each; a close mid-body lingers (ps_service/transport/unread.py)
+        self.inner.connection_made(LingeringTransport(transport, self.inner.body_pending))
 
     def connection_lost(self, exc) -> None:
         self.inner.connection_lost(exc)

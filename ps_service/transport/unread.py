@@ -7,12 +7,24 @@ as the old body's. :class:`CloseUnread` (the outermost ASGI middleware) watches 
 starts while the request's body is not complete, adds ``connection: close`` to it; the server then closes the
 connection once the response is written (uvicorn does on that header), and an HTTP client knows not to reuse it.
 A request with no body (no ``Content-Length``, or 0, and not chunked) is complete from the start.
+
+Closing a socket while the peer's bytes arrive makes the kernel answer them with a reset, which can reach the client
+before it read the answer (a client still sending its body gets "connection reset" and never sees the 413).
+:class:`LingeringTransport` (the PS's connection transport, :mod:`ps_service.transport.bodysink`) therefore closes
+such a connection in two stages, as HTTP servers do (RFC 9112 9.6): the answer goes out followed by a FIN, the
+protocol reads and drops whatever still arrives, and the socket closes when the peer closes its side, or after
+:data:`LINGER_SECONDS`.
 """
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Awaitable, Callable
 
+from ps_service.transport.onewrite import OneWriteTransport
+
 CLOSE = (b"connection", b"close")
+#: how long a connection closed mid-body keeps reading (and dropping) the peer's bytes after its FIN
+LINGER_SECONDS = 2.0
 
 
 def has_body(headers: list[tuple[bytes, bytes]]) -> bool:
@@ -46,3 +58,24 @@ class CloseUnread:
             await send(message)
 
         await self.app(scope, receiver, sender)
+
+
+class LingeringTransport(OneWriteTransport):
+    """The connection's transport: :meth:`close` while ``body_pending()`` (the request being answered has not sent its
+    whole body) half-closes and lingers (:attr:`lingering`: the protocol drops what arrives) instead of closing."""
+
+    def __init__(self, inner: Any, body_pending: Callable[[], bool]) -> None:
+        super().__init__(inner)
+        self.body_pending = body_pending
+        self.lingering = False
+
+    def close(self) -> None:
+        if self.lingering:
+            return
+        if self.inner.is_closing() or not self.body_pending() or not self.inner.can_write_eof():
+            return super().close()
+        self.hold = False
+        self.flush()
+        self.lingering = True
+        self.inner.write_eof()  # after what is buffered: the answer, then the FIN
+        asyncio.get_running_loop().call_later(LINGER_SECONDS, self.inner.close)  # the peer's EOF closes it sooner
