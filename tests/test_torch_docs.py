@@ -26,5 +26,6 @@ def test_the_documented_script_trains_with_two_workers():
         assert [p.exitcode for p in procs] == [0, 0], out
         with ps.http() as http:
             assert http.get("/v1/status").json()["state"] == "done"
+        assert ps.rt.core.examples >= 2 * STEPS  # the script passes num_examples: /v1/status shows examples/s
     assert out.count(f"done at global step {STEPS}, last loss") == 2, out
     assert "rank 0, the round's ranks (0, 1)" in out and "rank 1, the round's ranks (0, 1)" in out, out

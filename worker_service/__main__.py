@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from shared.settings_errors import settings_errors
 from worker_service.client import PSClient, connect
 from worker_service.transport import faults
-from worker_service.loop import train
+from worker_service.loop import WrongModel, train
 from worker_service.settings import WorkerSettings, cpu_list
 from worker_service.stopping import StopFlag
 from worker_service.tasks import load_task
@@ -50,8 +50,12 @@ def main() -> int:
     client = PSClient(s.ps_url, timeout=s.request_timeout_seconds, attempts=s.retry_attempts,
                       retry_timeout=s.retry_timeout_seconds, token=s.auth_token, shm_dir=s.shm_dir, connection=conn)
     client.wait_ready(s.retry_timeout_seconds)
-    summary = train(client, task, s.name, s.batch_size, stop, s.log_every_seconds, s.compute_delay_seconds,
-                    s.prefetch)
+    try:
+        summary = train(client, task, s.name, s.batch_size, stop, s.log_every_seconds, s.compute_delay_seconds,
+                        s.prefetch)
+    except WrongModel as exc:
+        logging.error("WORKER_TASK=%s: %s", s.task, exc)
+        return 3
     client.close()
     if isinstance(conn, faults.FaultyConnection):
         logging.info("faults injected over %s: %s", type(conn.inner).__name__, conn.counts)

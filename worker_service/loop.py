@@ -12,6 +12,9 @@ Contract:
   drawn again, so the batches are those of a worker that does not prefetch.
 - A 404/409 from the PS (it restarted, or the lease expired) means register
   again and carry on from the PS's step.
+- The first weights pulled after each registration must be the task's model (the same tensor names and
+  shapes): a PS initialised, or restored from a checkpoint, for another model raises :class:`WrongModel`
+  (retrying cannot help), before any gradient is computed or the weights evaluated.
 - ``stop`` (SIGTERM; a ``StopFlag``, which a signal handler may set) ends the loop
   between two calls; the worker then leaves the cluster so the barrier stops
   waiting for it. Returns a summary.
@@ -22,7 +25,9 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Mapping
+
+import numpy as np
 
 from shared.errors import ProtocolError
 from worker_service.client import PSClient
@@ -35,6 +40,29 @@ log = logging.getLogger("worker")
 #: PS answers that mean "register again and carry on" (it restarted, or our lease expired; shard_behind: a
 #: shard of a sharded PS restarted and the job goes back to a checkpoint)
 REJOIN_CODES = frozenset({"unknown_worker", "not_active", "not_initialized", "not_started", "shard_behind"})
+
+
+class WrongModel(RuntimeError):
+    """The PS holds another model than this worker's task computes gradients for."""
+
+
+def model_shapes(tensors: Mapping[str, np.ndarray]) -> dict[str, tuple[int, ...]]:
+    return {k: tuple(np.shape(v)) for k, v in tensors.items()}
+
+
+def check_model(pulled: Mapping[str, np.ndarray], expected: Mapping[str, tuple[int, ...]]) -> None:
+    """Raise :class:`WrongModel` unless ``pulled`` has exactly the tensor names and shapes of ``expected``."""
+    got = model_shapes(pulled)
+    if got == expected:
+        return
+    missing, extra = sorted(expected.keys() - got.keys()), sorted(got.keys() - expected.keys())
+    other = sorted(f"{k} {got[k]} (the task's: {expected[k]})" for k in expected.keys() & got.keys()
+                   if got[k] != expected[k])
+    raise WrongModel(
+        "the PS's model is not this task's model (tensors missing: %s; not the task's: %s; other shapes: %s). The "
+        "PS was initialised, or restored from its checkpoint, for another model (another WORKER_TASK?): start the "
+        "job afresh with no checkpoint (Docker Compose: `docker compose down -v` deletes the checkpoints volume), "
+        "or run the task that model belongs to." % (missing[:5] or "none", extra[:5] or "none", other[:3] or "none"))
 
 
 @dataclass
@@ -91,9 +119,12 @@ def train(client: PSClient, task: Task, name: str, batch_size: int, stop: StopFl
     stop = stop if stop is not None else StopFlag()
     summary = Summary(name=name)
     reg = client.register(name)
+    initial = task.init_params()
+    expected = model_shapes(initial)
     if not reg["model_initialized"]:
-        if client.init_model(task.init_params(), task.optimizer()):
+        if client.init_model(initial, task.optimizer()):
             log.info("initialised the model on the PS")
+    del initial
     worker_id, rank, step = reg["worker_id"], reg["rank"], reg["start_step"]
     summary.rank = rank
     client.attach(worker_id)
@@ -108,6 +139,7 @@ def train(client: PSClient, task: Task, name: str, batch_size: int, stop: StopFl
     into_buffers = writes_into(task)
     ahead = BatchAhead(task, batch_size, prefetch)
     params = None
+    checked = False  # the pulled model is the task's: checked once after each registration
     try:
         while not stop.is_set():
             t0 = time.monotonic()
@@ -115,6 +147,9 @@ def train(client: PSClient, task: Task, name: str, batch_size: int, stop: StopFl
                 pulled = client.pull(step, worker_id, wait)
                 if pulled is None:
                     continue
+                if not checked:
+                    check_model(pulled.tensors, expected)
+                    checked = True
                 params = pulled.tensors
                 summary.final_step = pulled.step
                 if pulled.done:
@@ -141,6 +176,7 @@ def train(client: PSClient, task: Task, name: str, batch_size: int, stop: StopFl
                     raise
                 reg = _rejoin(client, task, name, exc, step)
                 worker_id, step, summary.rank = reg["worker_id"], reg["start_step"], reg["rank"]
+                checked = False
                 hb.worker_id = worker_id
                 client.attach(worker_id)
                 continue

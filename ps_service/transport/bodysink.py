@@ -148,7 +148,7 @@ class SinkHttpToolsProtocol(HttpToolsProtocol):
         return self.cycle is not None and self.cycle.more_body
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        if getattr(self.transport, "lingering", False):  # answered and half-closed mid-body: what still comes is dropped unread
+        if getattr(self.transport, "lingering", False):  # answered and half-closed mid-body: the rest is dropped
             self._reading_into = "linger"
             return scratch()
         sink = self._direct_sink()

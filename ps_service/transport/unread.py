@@ -1,4 +1,4 @@
-"""A refusal answered before its request's body arrived whole closes the connection.
+"""An answer sent before its request's body arrived whole closes the connection, without a reset.
 
 The PS answers some requests without reading their body to the end: 401 (checked before the body), 413 from
 the ``Content-Length``, 415, 408 (the body stalled), and any error a route raises before it reads. The rest of
