@@ -32,6 +32,17 @@ def test_a_worker_on_another_models_ps_stops_with_what_to_do(max_steps):
         c.close()
 
 
+def test_another_dtype_is_another_model():
+    """WORKER_DTYPE changed on an old checkpoint: the same names and shapes in float64 are not a float32 task's."""
+    with live_ps(lease_seconds=600, startup_grace_seconds=0) as ps:
+        c = ps.client()
+        assert c.init_model(load_task("linear", dtype="float64").init_params(), {"name": "sgd"})
+        with pytest.raises(WrongModel) as err:
+            train(ps.client(), load_task("linear", dtype="float32"), "w", 8)
+        assert "float64 (the task's: " in str(err.value) and "float32)" in str(err.value), err.value
+        c.close()
+
+
 def test_the_worker_process_exits_3_and_says_so():
     with live_ps(lease_seconds=600, startup_grace_seconds=0) as ps:
         c = ps.client()

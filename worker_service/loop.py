@@ -12,8 +12,8 @@ Contract:
   drawn again, so the batches are those of a worker that does not prefetch.
 - A 404/409 from the PS (it restarted, or the lease expired) means register
   again and carry on from the PS's step.
-- The first weights pulled after each registration must be the task's model (the same tensor names and
-  shapes): a PS initialised, or restored from a checkpoint, for another model raises :class:`WrongModel`
+- The first weights pulled after each registration must be the task's model (the same tensor names,
+  shapes and dtypes): a PS initialised, or restored from a checkpoint, for another model raises :class:`WrongModel`
   (retrying cannot help), before any gradient is computed or the weights evaluated.
 - ``stop`` (SIGTERM; a ``StopFlag``, which a signal handler may set) ends the loop
   between two calls; the worker then leaves the cluster so the barrier stops
@@ -46,23 +46,26 @@ class WrongModel(RuntimeError):
     """The PS holds another model than this worker's task computes gradients for."""
 
 
-def model_shapes(tensors: Mapping[str, np.ndarray]) -> dict[str, tuple[int, ...]]:
-    return {k: tuple(np.shape(v)) for k, v in tensors.items()}
+def model_layout(tensors: Mapping[str, np.ndarray]) -> dict[str, str]:
+    """Each tensor's shape and dtype, as text: ``"(3, 2) float32"``."""
+    return {k: f"{tuple(np.shape(v))} {np.asarray(v).dtype}" for k, v in tensors.items()}
 
 
-def check_model(pulled: Mapping[str, np.ndarray], expected: Mapping[str, tuple[int, ...]]) -> None:
-    """Raise :class:`WrongModel` unless ``pulled`` has exactly the tensor names and shapes of ``expected``."""
-    got = model_shapes(pulled)
+def check_model(pulled: Mapping[str, np.ndarray], expected: Mapping[str, str]) -> None:
+    """Raise :class:`WrongModel` unless ``pulled`` has exactly the tensor names, shapes and dtypes of ``expected``
+    (:func:`model_layout`)."""
+    got = model_layout(pulled)
     if got == expected:
         return
     missing, extra = sorted(expected.keys() - got.keys()), sorted(got.keys() - expected.keys())
     other = sorted(f"{k} {got[k]} (the task's: {expected[k]})" for k in expected.keys() & got.keys()
                    if got[k] != expected[k])
     raise WrongModel(
-        "the PS's model is not this task's model (tensors missing: %s; not the task's: %s; other shapes: %s). The "
-        "PS was initialised, or restored from its checkpoint, for another model (another WORKER_TASK?): start the "
-        "job afresh with no checkpoint (Docker Compose: `docker compose down -v` deletes the checkpoints volume), "
-        "or run the task that model belongs to." % (missing[:5] or "none", extra[:5] or "none", other[:3] or "none"))
+        "the PS's model is not this task's model (tensors missing: %s; not the task's: %s; other shapes or "
+        "dtypes: %s). The PS was initialised, or restored from its checkpoint, for another model (another "
+        "WORKER_TASK or WORKER_DTYPE?): start the job afresh with no checkpoint (Docker Compose: `docker compose "
+        "down -v` deletes the checkpoints volume), or run the task that model belongs to."
+        % (missing[:5] or "none", extra[:5] or "none", other[:3] or "none"))
 
 
 @dataclass
@@ -120,7 +123,7 @@ def train(client: PSClient, task: Task, name: str, batch_size: int, stop: StopFl
     summary = Summary(name=name)
     reg = client.register(name)
     initial = task.init_params()
-    expected = model_shapes(initial)
+    expected = model_layout(initial)
     if not reg["model_initialized"]:
         if client.init_model(initial, task.optimizer()):
             log.info("initialised the model on the PS")
