@@ -25,7 +25,6 @@ from shared.errors import ProtocolError, unprocessable
 from shared.protocol import ModelInit
 
 
-
 def check_weights(tensors: Mapping[str, np.ndarray]) -> None:
     """A brought model's tensors, each floating point (else 422 ``bad_dtype``) and finite: a NaN or Inf weight
     would make every update of it NaN (else 422 ``nonfinite_weights``)."""
@@ -35,6 +34,7 @@ def check_weights(tensors: Mapping[str, np.ndarray]) -> None:
     for name, arr in tensors.items():
         if not np.isfinite(arr).all():
             raise unprocessable("nonfinite_weights", f"tensor {name!r}: initial weights must be finite (no NaN or Inf)")
+
 
 class ModelState:
     def __init__(self, optimizer_overrides: Mapping[str, Any]) -> None:

@@ -1,5 +1,6 @@
 """``python -m worker_service``: one worker (settings: WORKER_* env). Exits 0 when training is done
-or when stopped with SIGTERM/SIGINT (after leaving the cluster)."""
+or when stopped with SIGTERM/SIGINT (after leaving the cluster); 3 when the PS holds another model than
+the task's (:class:`worker_service.loop.WrongModel`: retrying cannot help)."""
 from __future__ import annotations
 
 import json
