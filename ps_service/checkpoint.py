@@ -21,7 +21,7 @@ Contract (the format is documented in docs/checkpoint.md, with a plain-script re
   shapes, weights floating point and finite, members well-formed). A corrupt,
   truncated or invalid file is logged with its reason and skipped for the previous one.
 - :class:`Checkpointer` decides when (every N steps and/or T seconds, only when
-  the step moved), takes the snapshot on the caller's thread (the event loop:
+  the step moved; and at once when the job is done, if either interval is on), takes the snapshot on the caller's thread (the event loop:
   consistent, a memcpy) and encodes/writes it on its own single thread, one
   write at a time (one more snapshot may wait for the running write; beyond
   that a due checkpoint is taken once the disk caught up).
@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import time
@@ -39,8 +40,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
-
-import math
 
 from ps_service.membership import ACTIVE, EXPIRED, LEFT
 from ps_service.optimizers import SLOT_NAMES, normalize_spec
@@ -297,7 +296,13 @@ class Checkpointer:
         return len(self._queue) >= 2
 
     def due(self, core, now: float) -> bool:
-        if not core.initialized or core.global_step == self.last_step or self.busy():
+        if not core.initialized or core.global_step == self.last_step:
+            return False
+        if core.done and (self.every_steps or self.every_seconds):
+            # the job's last step, at once and whatever is queued: a PS that crashed after it must not come
+            # back to rounds that its workers, exited when the job was done, will never run
+            return True
+        if self.busy():
             return False
         if self.every_steps and (self.last_step is None or core.global_step - self.last_step >= self.every_steps):
             return True
@@ -309,11 +314,13 @@ class Checkpointer:
             return None
         snapshot = core.export_state()
         self.last_step, self.last_time = core.global_step, now
-        future = self._pool.submit(self._write, snapshot)
+        future = self._pool.submit(self._write, snapshot, "the job is done" if core.done else None)
         self._queue.append(future)
         return future
 
-    def _write(self, snapshot: dict[str, Any]) -> dict | None:
+    def _write(self, snapshot: dict[str, Any], why: str | None = None) -> dict | None:
+        """Write one snapshot; ``why`` (the job done, shutdown) makes it a log line (periodic writes are in
+        ``/v1/status`` and the metrics only)."""
         t0 = time.monotonic()
         try:
             entry = write_checkpoint(self.dir, snapshot, self.keep)
@@ -325,6 +332,9 @@ class Checkpointer:
         info = {"step": entry["step"], "path": str(self.dir / entry["file"]), "time": entry["written_at"],
                 "duration_seconds": time.monotonic() - t0, "count": self.count}
         self.on_info(info)
+        if why:
+            log.info("checkpoint at global step %d (%s): %s, %.3f s", info["step"], why, info["path"],
+                     info["duration_seconds"])
         return info
 
     def rewound(self, step: int) -> list[Future]:
@@ -341,7 +351,9 @@ class Checkpointer:
         info = None
         if core.initialized and core.global_step != self.written_step:
             self.last_step = core.global_step
-            info = self._write(core.export_state())
+            info = self._write(core.export_state(), "shutdown")
+        elif core.initialized:
+            log.info("shutdown: global step %d is already in %s", core.global_step, self.dir)
         self._pool.shutdown(wait=True)
         return info
 

@@ -6,13 +6,14 @@ import hashlib
 import re
 import subprocess
 import sys
+from concurrent.futures import Future
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 
-from cluster.processes import LocalCluster
+from cluster.processes import LocalCluster, wait_for
 from ps_service import checkpoint
 from ps_service.core import CoreConfig, ParameterServerCore
 from shared import frame
@@ -184,6 +185,43 @@ def test_the_time_policy_needs_the_step_to_move(tmp_path):
     train(core, ids, 1)
     assert not ck.due(core, 5.0) and ck.due(core, 10.0)
     ck.finish(core)
+
+
+def test_the_step_that_ends_the_job_is_written_at_once(tmp_path, caplog):
+    core, ids = make_core(max_steps=5)
+    ck = checkpoint.Checkpointer(tmp_path, every_steps=100, every_seconds=60.0, keep=3)
+    ck.last_step, ck.last_time = 0, 0.0
+    train(core, ids, 4)
+    assert not ck.due(core, 1.0)  # neither interval reached
+    ck._queue = [Future(), Future()]  # two writes outstanding (a slow disk): periodic checkpoints wait ...
+    assert ck.busy() and not ck.due(core, 61.0)
+    train(core, ids, 1)
+    assert core.done and ck.due(core, 1.0)  # ... not the last step's
+    ck._queue = []
+    with caplog.at_level("INFO", logger="ps_service.checkpoint"):
+        assert ck.maybe_save(core, 1.0).result()["step"] == 5
+        assert ck.finish(core) is None  # nothing moved since: no second file
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["ckpt-0000000005.msgpack"]
+    assert "checkpoint at global step 5 (the job is done): " in caplog.text
+    assert f"shutdown: global step 5 is already in {tmp_path}" in caplog.text
+    off = checkpoint.Checkpointer(tmp_path / "off", every_steps=0, every_seconds=0, keep=3)
+    assert not off.due(core, 1.0)  # both intervals off: only the final one on SIGTERM
+    off.finish(core)
+
+
+def test_a_ps_killed_after_the_job_is_done_comes_back_done(tmp_path):
+    ps_env = {"PS_MAX_STEPS": 30, "PS_CHECKPOINT_DIR": tmp_path, "PS_CHECKPOINT_EVERY_STEPS": 1000}
+    with LocalCluster(2, ps_env=ps_env, worker_env={"WORKER_TASK": "linear"}) as c:
+        assert c.wait_workers(60) == [0, 0]
+        # written when the job was done, not 60 s later (PS_CHECKPOINT_EVERY_SECONDS) nor at shutdown
+        wait_for(lambda: [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["ckpt-0000000030.msgpack",
+                                                                                  "ckpt-0000000000.msgpack"], 30,
+                 "the checkpoint of the last step (and of the first)")
+        assert "checkpoint at global step 30 (the job is done)" in c.log("ps")
+        c.kill()  # kill -9: no final checkpoint on the way out
+        c.start_ps()
+        st = c.status()
+        assert (st["state"], st["global_step"], st["checkpoint"]["step"]) == ("done", 30, 30)
 
 
 def test_the_documented_plain_script_reads_a_checkpoint(tmp_path):
