@@ -10,12 +10,12 @@ also called directly by ps_service/hotpath.py.
 """
 from __future__ import annotations
 
-from typing import Awaitable, Callable
+from typing import Annotated, Awaitable, Callable
 
 from fastapi import APIRouter, Query, Request, Response
 from pydantic import BaseModel, Field
 
-from ps_service.http import JSON_BODY_LIMIT, parse_json
+from ps_service.http import JSON_BODY_LIMIT, DecimalInt, parse_json
 from ps_service.runtime import runtime
 from ps_service.transport.body import read_body
 from shared.errors import ProtocolError
@@ -68,9 +68,17 @@ async def register(request: Request) -> Registered:
                       shards=rt.settings.shards)
 
 
+def coordinator_only(rt, what: str) -> None:
+    """409 ``not_coordinator`` on a sharded PS's follower: membership and the model's init are shard 0's."""
+    if rt.shards is not None and not rt.shards.coordinator:
+        raise ProtocolError(409, "not_coordinator", f"this is shard {rt.shards.index} of {rt.shards.count}: {what} "
+                                                    "to shard 0, the coordinator")
+
+
 @router.delete("/workers/{worker_id}")
 async def leave(worker_id: str, request: Request) -> dict:
     rt = runtime(request)
+    coordinator_only(rt, "leaves go")
     m = rt.run_guarded(lambda: rt.core.leave(worker_id, rt.now()))
     return {"worker_id": m.worker_id, "state": m.state}
 
@@ -78,6 +86,7 @@ async def leave(worker_id: str, request: Request) -> dict:
 @router.post("/workers/{worker_id}/heartbeat")
 async def heartbeat(worker_id: str, request: Request) -> dict:
     rt = runtime(request)
+    coordinator_only(rt, "heartbeats go")
     m = rt.core.heartbeat(worker_id, rt.now())
     return {"worker_id": m.worker_id, "state": m.state, "global_step": rt.core.global_step}
 
@@ -86,6 +95,7 @@ async def heartbeat(worker_id: str, request: Request) -> dict:
             openapi_extra=FRAME_BODY)
 async def init_model(request: Request) -> dict:
     rt = runtime(request)
+    coordinator_only(rt, "the model goes")  # before the body: a follower gets its pieces from shard 0
     init = await rt.tensors.receive_model(request)
     if rt.shards is not None:  # plan the shard map, give every follower its pieces; keep ours
         init = await rt.shards.init_model(init)
@@ -96,11 +106,12 @@ async def init_model(request: Request) -> dict:
 @router.get("/model", response_class=Response, responses={
     200: {"content": {FRAME: {}}, "description": 'a frame; meta {"step", "done", "ranks"} (and "shm": true)'},
     204: {"description": "timeout: global_step did not reach min_step in time"}})
-async def pull(request: Request, min_step: int = Query(0, ge=0), timeout: float = Query(30.0, ge=0, allow_inf_nan=False),
+async def pull(request: Request, min_step: Annotated[DecimalInt, Query(ge=0)] = 0,
+               timeout: float = Query(30.0, ge=0, allow_inf_nan=False),
                worker_id: str | None = Query(None, max_length=64),
                shm: bool = Query(False, description="Same-host transport: answer without tensors (meta `\"shm\": true`); "
                                                     "the weights are in the weights file (GET /v1/shm)."),
-               since: int | None = Query(None, ge=0, description=SINCE)) -> Response:
+               since: Annotated[DecimalInt | None, Query(ge=0, description=SINCE)] = None) -> Response:
     rt = runtime(request)
     core = rt.core
     ready = lambda: core.initialized and (core.done or (  # noqa: E731
@@ -123,7 +134,7 @@ async def push(request: Request, pull: bool = Query(False, description=(
                    "Answer with the next weights (a frame, as GET /model) once global_step passes the pushed step, "
                    f"the push's status in {PUSH_STATUS_HEADER}; JSON as without it if `timeout` passes first.")),
                timeout: float = Query(30.0, ge=0, allow_inf_nan=False),
-               since: int | None = Query(None, ge=0, description=SINCE)) -> dict:
+               since: Annotated[DecimalInt | None, Query(ge=0, description=SINCE)] = None) -> dict:
     rt = runtime(request)
     if rt.shards is not None:
         raise ProtocolError(409, "sharded", f"this PS is shard 0 of {rt.shards.count}: push pieces to every shard "

@@ -445,7 +445,7 @@ class ParameterServerCore(ModelState):
                      magnitude=math.inf if magnitude is None else magnitude)
             self.examples += req.num_examples or 0
         elif status is PushStatus.SKIPPED and req.step == self.global_step and wid in r.eligible and wid not in r.acc:
-            r.skip(wid)  # its part in the round is over: do not wait for it
+            r.skip(at)  # its part in the round is over: do not wait for it
         else:
             if status is PushStatus.LATE and req.step == self.global_step:
                 r.late.append(at)

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import asdict
+from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 
 from ps_service.core import ParameterServerCore
+from ps_service.http import DecimalInt
 from ps_service.membership import ACTIVE, EXPIRED, LEFT
 from ps_service.monitoring_models import LossCurve, Rounds, RoundRecord as RoundModel, Status, Workers
 from ps_service.rounds import Arrival, RoundRecord
@@ -62,7 +64,8 @@ def round_record(rt: Runtime, rec: RoundRecord) -> dict:
         "step": rec.step, "opened_at": wall(rt, rec.opened_at), "closed_at": wall(rt, rec.closed_at),
         "duration_seconds": rec.duration, "reason": rec.reason, "aggregated": rec.aggregated,
         "eligible": rec.eligible, "contributors": arrivals_view(rec.contributors, rec.opened_at),
-        "late": arrivals_view(rec.late, rec.opened_at), "missing": list(rec.missing),
+        "late": arrivals_view(rec.late, rec.opened_at), "skipped": arrivals_view(rec.skipped, rec.opened_at),
+        "missing": list(rec.missing),
         "straggler": None if rec.straggler is None else asdict(rec.straggler), "loss": rec.loss,
         "examples": rec.examples, "replicas_to_aggregate": rec.replicas_to_aggregate,
     }
@@ -217,7 +220,9 @@ async def workers(request: Request) -> dict:
 
 
 @router.get(f"{API}/rounds", response_model=Rounds)
-async def rounds(request: Request, limit: int = Query(20, ge=1, le=1000, description="How many of the last rounds.")) -> dict:
+async def rounds(request: Request,
+                 limit: Annotated[DecimalInt, Query(ge=1, le=1000, description="How many of the last rounds.")] = 20
+                 ) -> dict:
     """The last ``limit`` closed rounds (newest first): contributors in arrival order, late pushes, missing
     members, the straggler and what it cost; plus the open round and per-straggler totals."""
     rt = runtime(request)
@@ -228,7 +233,7 @@ async def rounds(request: Request, limit: int = Query(20, ge=1, le=1000, descrip
 
 @router.get(f"{API}/rounds/{{step}}", response_model=RoundModel,
             responses={404: {"description": "no such round kept (not closed yet, or older than the last 1000)"}})
-async def one_round(step: int, request: Request) -> dict:
+async def one_round(step: DecimalInt, request: Request) -> dict:
     """One closed round: who slowed round ``step`` and by how much."""
     rt = runtime(request)
     kept = rt.core.rounds
@@ -240,7 +245,8 @@ async def one_round(step: int, request: Request) -> dict:
 
 
 @router.get(f"{API}/loss", response_model=LossCurve)
-async def loss(request: Request, since: int = Query(-1, ge=-1, description="Only rounds with step > since.")) -> dict:
+async def loss(request: Request,
+               since: Annotated[DecimalInt, Query(ge=-1, description="Only rounds with step > since.")] = -1) -> dict:
     """The loss curve (one point per closed round, the last 10000): what the dashboard plots."""
     core = runtime(request).core
     points: deque = deque()

@@ -234,7 +234,10 @@ class RoundRecord(BaseModel):
     eligible: int = Field(description="Members the round counted.")
     contributors: list[Contributor] = Field(description="Accepted pushes in arrival order.")
     late: list[Contributor] = Field(description="Late pushes for this round (after_seconds may exceed duration).")
-    missing: list[str] = Field(description="Eligible members that never pushed (awaited but never came, or dropped backups).")
+    skipped: list[Contributor] = Field(description="Pushes skipped for NaN/Inf (PS_NONFINITE_POLICY=skip), in arrival "
+                                                   "order: not applied, and the round no longer waited for them.")
+    missing: list[str] = Field(description="Eligible members that never pushed (awaited but never came, or dropped "
+                                           "backups); a skipped push is not missing.")
     straggler: Straggler | None = Field(description="Who slowed the round and by how much (null: one contributor).")
     loss: float | None
     examples: int

@@ -65,12 +65,13 @@ class RoundRecord:
     aggregated: int  # gradients applied
     eligible: int  # members the round counted
     contributors: tuple[Arrival, ...]  # accepted pushes, arrival order
-    missing: tuple[str, ...]  # names of eligible members whose gradient is not in
+    missing: tuple[str, ...]  # names of eligible members whose gradient is not in (and whose push was not skipped)
     straggler: Straggler | None
     loss: float | None  # example-weighted mean of the reported losses
     examples: int
     late: tuple[Arrival, ...] = ()  # late pushes for this round (they may come after the close)
     replicas_to_aggregate: int | None = None  # the R it aimed at (None: elastic)
+    skipped: tuple[Arrival, ...] = ()  # pushes skipped (NaN/Inf, PS_NONFINITE_POLICY=skip), arrival order
 
     @property
     def duration(self) -> float:
@@ -116,6 +117,7 @@ class Round:
     losses: list[tuple[float, int]] = field(default_factory=list)  # (loss, examples)
     gone: set[str] = field(default_factory=set)  # came back mid-round: not waited for
     skipped: set[str] = field(default_factory=set)  # NaN/Inf under policy skip: done, nothing applied
+    skips: list[Arrival] = field(default_factory=list)  # those pushes, in arrival order
     examples: int = 0
     #: the round timeout counts from here: its opening, or when held leases were released (a silent shard)
     deadline_from: float = field(default=0.0, init=False)
@@ -202,11 +204,12 @@ class Round:
             self.losses.append((loss, examples or 1))
         self.examples += examples or 0
 
-    def skip(self, worker_id: str) -> None:
+    def skip(self, arrival: Arrival) -> None:
         """A NaN/Inf push under policy skip: its part in the round is over (not waited for)."""
-        before = self.standing(worker_id)
-        self.skipped.add(worker_id)
-        self._count(worker_id, before)
+        before = self.standing(arrival.worker_id)
+        self.skipped.add(arrival.worker_id)
+        self.skips.append(arrival)
+        self._count(arrival.worker_id, before)
 
     def drop(self, worker_id: str) -> None:
         """An eligible member came back mid-round: the round does not wait for it again."""
@@ -239,12 +242,13 @@ class Round:
     def record(self, now: float, reason: str, name_of: Callable[[str], str], replicas: int | None) -> RoundRecord:
         acc = self.acc  # borrowed gradients found changed when summed are not applied (a spoiled sum: none is)
         applied = (lambda w: False) if acc.spoiled else (lambda w: w in acc.keys and w not in acc.dropped)
-        missing = [(name_of(w), rank) for w, rank in self.eligible.items() if not applied(w)]
+        missing = [(name_of(w), rank) for w, rank in self.eligible.items() if not applied(w) and w not in self.skipped]
+        came = sorted([*self.arrivals, *self.skips], key=lambda a: a.at) if self.skips else self.arrivals
         return RoundRecord(
             self.step, self.opened_at, now, reason, sum(1 for w in acc.keys if applied(w)), len(self.eligible),
             tuple(a for a in self.arrivals if applied(a.worker_id)),
-            tuple(n for n, _ in missing), straggler(self.opened_at, now, self.arrivals, missing),
-            self.mean_loss(), self.examples, tuple(self.late), replicas)
+            tuple(n for n, _ in missing), straggler(self.opened_at, now, came, missing),
+            self.mean_loss(), self.examples, tuple(self.late), replicas, tuple(self.skips))
 
 
 @dataclass(frozen=True)

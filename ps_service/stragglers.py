@@ -3,7 +3,8 @@
 Definition (used by ``/v1/rounds``, ``/metrics``, the dashboard and ``make run``):
 
 - If the push that closed the round was the last one it waited for (the close
-  time equals the last arrival), the straggler is that **last contributor**
+  time equals the last arrival: an accepted push, or one skipped for NaN/Inf), the
+  straggler is that **last contributor**
   (``kind="last_arrival"``). ``waited_seconds`` is what that member alone cost
   the round: its arrival minus the previous arrival (the barrier would have
   closed that much earlier without it).

@@ -355,6 +355,25 @@ def test_nonfinite_skip_policy_counts_and_does_not_apply():
     assert core.push_counts["skipped"] == 1 and len(core.round.acc) == 0
 
 
+def test_a_skipped_push_is_in_its_round_record_as_skipped_not_missing():
+    """A NaN push under policy skip arrived: it can be the straggler that closed the round (last_arrival), never a
+    member that ``never_arrived`` (a black-box check from the README found both, and the pusher in ``missing``)."""
+    bad = grad(1)
+    bad["w"][0, 0] = np.nan
+    core, ids = make(2, nonfinite_policy="skip")  # elastic: the round waits for both
+    push(core, ids[0], 0, now=1.0)
+    assert push(core, ids[1], 0, bad, now=3.0).status is PushStatus.SKIPPED
+    rec = core.rounds[-1]
+    assert (rec.aggregated, [a.name for a in rec.contributors], [a.name for a in rec.skipped], rec.missing) == \
+        (1, ["w0"], ["w1"], ())
+    assert (rec.straggler.name, rec.straggler.kind, rec.straggler.waited_seconds) == ("w1", "last_arrival", 2.0)
+    core, ids = make(2, nonfinite_policy="skip", replicas_to_aggregate=1, total_num_replicas=2)
+    assert push(core, ids[0], 0, bad, now=0.5).status is PushStatus.SKIPPED  # closes round 0 (R = 1)
+    rec = core.rounds[-1]
+    assert (rec.aggregated, rec.contributors, [a.name for a in rec.skipped], rec.missing, rec.straggler) == \
+        (0, (), ["w0"], ("w1",), None)  # w1 a backup the round did not need: no straggler, as with an accepted push
+
+
 def test_init_first_caller_wins_and_ps_settings_take_precedence():
     core = ParameterServerCore(CoreConfig(optimizer_overrides={"name": "sgd", "learning_rate": 0.25}))
     core.init_model(ModelInit(dict(W0), {"name": "adam", "learning_rate": 0.001, "beta1": 0.5}), 0.0)

@@ -279,6 +279,14 @@ CASES = [
     Case("pull-worker-id-too-long", 400, "bad_request", "GET", "/v1/model", ctype=None, params={"worker_id": "x" * 65}),
     Case("rounds-limit-zero", 400, "bad_request", "GET", "/v1/rounds", ctype=None, params={"limit": 0}),
     Case("rounds-limit-huge", 400, "bad_request", "GET", "/v1/rounds", ctype=None, params={"limit": 10**9}),
+    # an integer is decimal digits (protocol.md, "Query parameters"), not what Python's int() takes
+    *[Case(f"rounds-limit-{name}", 400, "bad_request", "GET", "/v1/rounds", ctype=None, params={"limit": value})
+      for name, value in [("underscore", "1_0"), ("plus", "+5"), ("space", " 5"), ("tab", "5\t"), ("dot", "5."),
+                          ("exponent", "1e3")]],
+    Case("pull-min-step-minus-zero", 400, "bad_request", "GET", "/v1/model", ctype=None, params={"min_step": "-0"}),
+    Case("pull-since-plus", 400, "bad_request", "GET", "/v1/model", ctype=None, params={"since": "+1"}),
+    Case("round-step-underscore", 400, "bad_request", "GET", "/v1/rounds/1_000", ctype=None),
+    Case("pull-yes-no-two", 400, "bad_request", "GET", "/v1/model", ctype=None, params={"shm": "2"}),
     # routing
     Case("wrong-method", 405, "method_not_allowed", "PATCH", "/v1/model", ctype=None),
     Case("unknown-path", 404, "not_found", "GET", "/v1/pickle", ctype=None),
@@ -617,6 +625,8 @@ def test_leave_twice_query_rules_and_the_loss_floor(ps):
         assert h.get("/v1/rounds", params=[("limit", "5000"), ("limit", "1")]).status_code == 200
         assert_refused(h.get("/v1/rounds", params=[("limit", "1"), ("limit", "5000")]), 400, "bad_request")
         assert len(h.get("/v1/rounds", params={"limit": 1, "bogus": "x"}).json()["rounds"]) == 1
+        assert len(h.get("/v1/rounds", params={"limit": "01.00"}).json()["rounds"]) == 1  # digits, a zero fraction
+        assert h.get("/v1/loss", params={"since": "-01"}).json() == h.get("/v1/loss").json()
         assert h.get("/v1/loss", params={"since": -1}).json() == h.get("/v1/loss").json()
         assert_refused(h.get("/v1/loss", params={"since": -2}), 400, "bad_request")
         r = h.head("/v1/status")

@@ -16,7 +16,8 @@ W0 = {"w": np.arange(4, dtype=np.float32)}
 
 def test_defaults_are_the_routes_defaults():
     for endpoint, parsers, defaults in hotpath.ROUTES.values():
-        declared = {k: p.default.default for k, p in inspect.signature(endpoint).parameters.items() if k != "request"}
+        declared = {k: getattr(p.default, "default", p.default)  # Query(default) or Annotated[..., Query()] = default
+                    for k, p in inspect.signature(endpoint).parameters.items() if k != "request"}
         assert declared == defaults and parsers.keys() == declared.keys()
 
 

@@ -87,8 +87,11 @@ async def commit(request: Request, pull: bool = Query(False), timeout: float = Q
     rt, role = _role(request, coordinator=True)
     f = frame.decode(await read_body(request, JSON_BODY_LIMIT, frame.MEDIA_TYPE, rt.settings.body_idle_timeout_seconds))
     push, seq = parse_push_meta(f.meta)
-    if f.tensors or seq is not None or f.meta.get("compression") not in (None, "none"):
-        raise bad_request("bad_field", "a commit is a frame with no tensors (its pieces are held by every shard)")
+    if f.tensors or seq is not None:
+        raise bad_request("bad_field", "a commit is a frame with no tensors and no shm_seq (its pieces are held by "
+                                       "every shard)")
+    if f.meta.get("compression") not in (None, "none"):
+        raise bad_request("bad_field", "a commit has no compression field (the holds carried the pieces)")
     core = rt.core
     _initialized(core)
     m = core.members.get(push.worker_id)  # 404 unknown_worker
