@@ -47,7 +47,7 @@ _NUMBER = frozenset("0123456789.eE+-")
 
 
 def _seconds(v: str) -> float:
-    if not v or not _NUMBER.issuperset(v):  # float() alone would take " 5" and "5_0", which the route refuses
+    if not v or not _NUMBER.issuperset(v):  # " 5", "5_0": float() forms the route takes too; rare, so FastAPI decides
         raise ValueError(v)
     x = float(v)
     if not (math.isfinite(x) and x >= 0):

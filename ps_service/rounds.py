@@ -12,7 +12,8 @@ counted members that have contributed nothing yet.
 Closing rule (:meth:`CloseRule.progress`), checked after every change:
 
 - elastic (R unset): when nobody is awaited and something came in. Reason ``full`` when every
-  eligible member's gradient is in, else ``membership`` (one expired, left or came back).
+  eligible member pushed (its gradient is in, or was skipped for NaN/Inf), else ``membership`` (one
+  expired, left or came back).
 - fixed R, reachable (contributions + awaited >= R): at the R-th contribution, reason ``full``.
 - fixed R, **unreachable** (contributions + awaited < R: members left or expired): R can no
   longer be met, so the round waits for the members still awaited and then closes with what it
@@ -281,7 +282,7 @@ class CloseRule:
         else:
             needed, effective = waiting, live
             if not waiting and done:
-                reason = "full" if got == len(r.eligible) else "membership"
+                reason = "full" if done == len(r.eligible) else "membership"  # skipped pushes came too
         if reason is None and now is not None and self.round_timeout is not None \
                 and now - r.deadline_from >= self.round_timeout and got >= self.quorum:
             reason = "deadline"

@@ -67,7 +67,7 @@ def naive_progress(rule, r: Round, alive, now: float | None = None, deadline_fro
     else:
         needed, effective = len(awaited), len(live)
         if not awaited and done:
-            reason = "full" if got == len(r.eligible) else "membership"
+            reason = "full" if done == len(r.eligible) else "membership"  # skipped pushes came too
     if reason is None and now is not None and rule.round_timeout is not None \
             and now - (r.opened_at if deadline_from is None else deadline_from) >= rule.round_timeout \
             and got >= rule.quorum:

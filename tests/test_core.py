@@ -364,8 +364,8 @@ def test_a_skipped_push_is_in_its_round_record_as_skipped_not_missing():
     push(core, ids[0], 0, now=1.0)
     assert push(core, ids[1], 0, bad, now=3.0).status is PushStatus.SKIPPED
     rec = core.rounds[-1]
-    assert (rec.aggregated, [a.name for a in rec.contributors], [a.name for a in rec.skipped], rec.missing) == \
-        (1, ["w0"], ["w1"], ())
+    assert (rec.reason, rec.aggregated, [a.name for a in rec.contributors], [a.name for a in rec.skipped],
+            rec.missing) == ("full", 1, ["w0"], ["w1"], ())  # everyone pushed: full, not membership
     assert (rec.straggler.name, rec.straggler.kind, rec.straggler.waited_seconds) == ("w1", "last_arrival", 2.0)
     core, ids = make(2, nonfinite_policy="skip", replicas_to_aggregate=1, total_num_replicas=2)
     assert push(core, ids[0], 0, bad, now=0.5).status is PushStatus.SKIPPED  # closes round 0 (R = 1)

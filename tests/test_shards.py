@@ -394,7 +394,7 @@ def test_a_bad_push_to_one_shard_gets_the_one_ps_refusal_and_changes_nothing():
         for r in (hf.post(f"/v1/workers/{a}/heartbeat"), hf.delete(f"/v1/workers/{a}")):  # was 404 "register again"
             assert (r.status_code, r.json()["error"]) == (409, "not_coordinator") and "shard 0" in r.json()["detail"]
         r = post_frame(hf, "/v1/gradients", good, {"worker_id": a, "step": 0})
-        assert (r.status_code, r.json()["error"]) == (409, "sharded")
+        assert (r.status_code, r.json()["error"]) == (409, "sharded") and "shard 1 of 2" in r.json()["detail"]
         assert len(f.rt.shards.holds) == 0 and (state_hash(f.rt), state_hash(c.rt)) == before
 
 
