@@ -6,7 +6,8 @@ Shows a progress bar of the global step, then prints the final weights, loss, ro
 training itself: from round 0 opening to the last round closing, start-up not counted), the task's
 evaluation of the final weights (``task.evaluate``: held-out accuracy for ``mlp``) and a per-worker
 table; exits 0 when every worker exited 0. The processes' logs go to a ``syncps-*`` temporary folder
-that is removed after a clean run, kept (and named) with ``--keep-logs`` or when something failed.
+that is removed after a clean run, kept (and named) with ``--keep-logs`` or when something failed. Ctrl-C stops
+the processes, keeps the logs and exits 130; a PS that stops answering mid-job ends it with exit code 1, one line.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import os
 import sys
 import time
 
+import httpx
 from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -170,6 +172,14 @@ def main(argv: list[str] | None = None) -> int:
                 cluster.mark_failed()
     except (RuntimeError, TimeoutError) as exc:  # the PS did not start, or stopped answering
         console.print(f"failed: {exc}", style="red", markup=False)
+        where_logs()
+        return 1
+    except KeyboardInterrupt:  # Ctrl-C: the processes are stopped (LocalCluster.stop), the logs kept
+        console.print("interrupted: the PS and the workers are stopped", style="yellow", markup=False)
+        where_logs()
+        return 130
+    except httpx.TransportError as exc:  # the PS went away mid-job (a Ctrl-C that reached it first, a crash)
+        console.print(f"failed: the PS stopped answering ({type(exc).__name__}: {exc})", style="red", markup=False)
         where_logs()
         return 1
     except BaseException:

@@ -15,7 +15,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from shared.tokens import resolve_token
 
 #: what the PS says when PS_REQUIRE_AUTH=true finds no token: how to make one, and where it is mounted
-MAKE_A_TOKEN = ("Make one as a secret and point PS_AUTH_TOKEN_FILE at it: Docker Swarm: "
+MAKE_A_TOKEN = ("Make one as a secret and point PS_AUTH_TOKEN_FILE at it (or, with Docker Compose on one host, set "
+                "PS_AUTH_TOKEN in .env: README, Security): Docker Swarm: "
                 "`openssl rand -hex 32 | docker secret create syncps_token -` (mounted at /run/secrets/syncps_token); "
                 "Kubernetes: `kubectl create secret generic syncps-token --from-literal=token=$(openssl rand -hex 32)` "
                 "(deploy/k8s mounts it at /run/secrets/syncps/token).")
@@ -146,6 +147,8 @@ class PSSettings(BaseSettings):
         try:
             token = resolve_token(self.auth_token, self.auth_token_file, "PS_AUTH_TOKEN")
         except ValueError as exc:
+            if self.auth_token is not None and self.auth_token_file is not None:  # two tokens: not a missing one
+                raise ValueError(f"PS_REQUIRE_AUTH=true: {exc}") from None
             raise ValueError(f"{refusal} ({exc}). {MAKE_A_TOKEN}") from None
         if token is None:
             raise ValueError(f"{refusal}, and neither PS_AUTH_TOKEN nor PS_AUTH_TOKEN_FILE is set. {MAKE_A_TOKEN}")

@@ -49,11 +49,13 @@ def test_a_job_shorter_than_a_second_logs_only_the_final_line(caplog):
     caplog.set_level(logging.INFO)
     clock = Clock()
     log = ProgressLog(logging.getLogger("t"), every=5.0, clock=clock)
-    run(log, clock, range(0, 8), 0.125)
+    clock.t += 2.0  # registered, then waited 2 s for the job to start (a PS's start-up grace)
+    run(log, clock, range(0, 8), 0.125)  # the first push answered at +2.125 s, the last at +3.0 s
     log.final(True, 8, 0.5, {"accuracy": 0.96})
     assert lines(caplog) == []
     final = caplog.records[-1].getMessage()
-    assert final.startswith("FINISHED: training done at global step 8 ") and "evaluation accuracy=0.96" in final
+    assert final.startswith("FINISHED: training done at global step 8 after 3.0 s: 8 pushes (accepted 8), "
+                            "9.1 rounds/s, ") and "evaluation accuracy=0.96" in final, final  # 8 rounds in 0.875 s
 
 
 def test_a_short_interval_is_the_first_line_too_and_no_line_without_a_new_step(caplog):

@@ -17,6 +17,7 @@ def test_the_documented_script_trains_with_two_workers():
     script = re.search(r"## A training script.*?```python\n(.*?)```", DOC.read_text(), re.S).group(1)
     assert 15 <= len(script.strip().splitlines()) <= 25
     with tempfile.TemporaryDirectory(prefix="syncps-doc-") as tmp, \
+            tempfile.TemporaryDirectory(prefix="syncps-doc-late-") as late, \
             live_ps(min_workers=2, max_steps=STEPS, startup_grace_seconds=0) as ps:
         path = Path(tmp) / "train.py"
         path.write_text(script)
@@ -27,5 +28,11 @@ def test_the_documented_script_trains_with_two_workers():
         with ps.http() as http:
             assert http.get("/v1/status").json()["state"] == "done"
         assert ps.rt.core.examples >= 2 * STEPS  # the script passes num_examples: /v1/status shows examples/s
-    assert out.count(f"done at global step {STEPS}, last loss") == 2, out
+        # a copy started once the job is done ends at once with the final weights (it raised NameError: no loss)
+        proc = start_workers(1, ps.url, {"WORKER_NAME": "latecomer"}, Path(late), script=str(path))[0]
+        wait_for(lambda: proc.exitcode is not None, 60, "the late script to end", 0.1)
+        late_out = logs(Path(late))
+        assert proc.exitcode == 0, late_out
+    finals = re.findall(rf"done at global step {STEPS}, loss on all the data (\S+)", out + late_out)
+    assert len(finals) == 3 and len(set(finals)) == 1, out + late_out  # the same final weights in all three
     assert "rank 0, the round's ranks (0, 1)" in out and "rank 1, the round's ranks (0, 1)" in out, out

@@ -41,6 +41,8 @@ from worker_service.transport.sharded import ShardedTransport
 from worker_service.transport.shm import ShmChannel, ShmTransport
 
 log = logging.getLogger("worker")
+#: how often :meth:`PSClient.wait_ready` says it still waits for the PS
+WAIT_LOG_SECONDS = 10.0
 #: PS answers to a same-host push that mean "attach the gradient file again" (e.g. the PS restarted)
 SHM_AGAIN = frozenset({"shm_not_attached", "shm_torn"})
 
@@ -236,15 +238,23 @@ class PSClient:
     # ---- lifecycle ----------------------------------------------------------------------
     def wait_ready(self, deadline_seconds: float = 60.0) -> None:
         """Poll /healthz until the PS answers (start-up ordering: the PS may not be up yet)."""
-        end = time.monotonic() + deadline_seconds
+        start = time.monotonic()
+        end, said = start + deadline_seconds, None
         while True:
             try:
                 if self.conn.request("GET", "/healthz", {}, (), 2.0).status_code == 200:
+                    if said is not None:
+                        log.info("the PS at %s answers (after %.1f s)", self.base_url, time.monotonic() - start)
                     return
             except ConnectionLost:
                 pass
-            if time.monotonic() > end:
-                raise TimeoutError(f"PS at {self.base_url} did not answer within {deadline_seconds} s")
+            now = time.monotonic()
+            if now > end:
+                raise TimeoutError(f"the PS at {self.base_url} did not answer within {deadline_seconds:g} s")
+            if said is None or now - said >= WAIT_LOG_SECONDS:  # say so at once, then every 10 s
+                log.info("waiting for the PS at %s to answer (%.0f s so far, giving up after %g s)", self.base_url,
+                         now - start, deadline_seconds)
+                said = now
             time.sleep(0.1)
 
     def close(self) -> None:

@@ -11,7 +11,9 @@ wait at the barrier is in fetch or, when a push waits for the next weights, in
 push). The first line comes ``first`` seconds (1 s, or ``every`` if that is shorter) after this
 worker's first push, so even a short job shows each worker's pace once; a job shorter than that
 logs only the final line. The final line starts with ``FINISHED``
-(training done) or ``STOPPED`` (signal or error) and sums up the whole run.
+(training done) or ``STOPPED`` (signal or error) and sums up the whole run: ``after`` counts from the worker's
+start (registration and the wait for the job to start included), its ``rounds/s`` from the answer to its first
+push, as the progress lines do (so a PS's start-up grace does not dilute it).
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ class ProgressLog:
         self.log, self.every, self.clock = log, every, clock
         self.first = min(first, every)
         self.t_start = self.t_last = clock()
+        self.t_first: float | None = None  # when the first push was answered
         self.lines = 0
         self.step_start: int | None = None
         self.step_last: int | None = None
@@ -43,7 +46,7 @@ class ProgressLog:
         """Account one push of ``step``; log a line when ``every`` seconds passed since the last one."""
         if self.step_start is None:
             self.step_start = self.step_last = step
-            self.t_last = self.clock()  # the first line's interval starts at the first push
+            self.t_last = self.t_first = self.clock()  # the first line's interval starts at the first push
         self.pushes += 1
         self.n += 1
         self.statuses[status] = self.statuses.get(status, 0) + 1
@@ -61,12 +64,14 @@ class ProgressLog:
         self.sums = dict.fromkeys(PHASES, 0.0)
 
     def final(self, done: bool, step: int, loss: float | None, metrics: dict) -> None:
-        elapsed = self.clock() - self.t_start
+        now = self.clock()
+        elapsed = now - self.t_start
         rounds = step - self.step_start if self.step_start is not None else 0
+        span = now - self.t_first if self.t_first is not None else 0.0
         self.log.info("%s at global step %d after %.1f s: %d pushes (%s), %.1f rounds/s, own mean %s, "
                       "last loss %s, evaluation %s",
                       "FINISHED: training done" if done else "STOPPED before the end", step, elapsed, self.pushes,
-                      _counts(self.statuses) or "none", rounds / elapsed if elapsed > 0 else 0.0,
+                      _counts(self.statuses) or "none", rounds / span if span > 0 else 0.0,
                       _phases(self.totals, self.pushes), _num(loss),
                       ", ".join(f"{k}={_num(v)}" for k, v in metrics.items()) or "none")
 

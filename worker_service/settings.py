@@ -29,7 +29,7 @@ class WorkerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="WORKER_", extra="ignore")
 
     ps_url: str = Field("http://localhost:8000", description="Base URL of the PS.")
-    task: str = Field("linear", description="Built-in task (linear, mlp) or 'package.module:factory' of your own.")
+    task: str = Field("linear", description="Built-in task (linear, mlp, cnn) or 'package.module:factory' of your own.")
     batch_size: int = Field(32, ge=1, description="Examples per worker per step.")
     seed: int = Field(0, description="Seed of the task's data and initial weights (same on every worker).")
     dtype: Literal["float32", "float64"] = Field("float32", description="dtype of weights and gradients.")
