@@ -62,6 +62,9 @@ def take(core, req: PushRequest, v: Verdict, grads: Mapping[str, np.ndarray]) ->
 def wait_reason(core, now: float) -> str:
     """Async: no barrier. SSP: the first blocked worker, the clock it needs and the stragglers holding it."""
     modes = core.modes
+    if not core.members.active_by_id and not core.done:  # every worker gone: nothing will move until one comes
+        return (f"{'async' if modes.bound is None else 'ssp'}: no active worker (of {len(core.members.by_id)} "
+                "registered): training resumes when one registers")
     if modes.bound is None:
         return "async: no barrier, each gradient is applied when it arrives"
     name = lambda w: core.members.by_id[w].name if w in core.members.by_id else w  # noqa: E731

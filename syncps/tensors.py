@@ -14,8 +14,9 @@ Contract:
   tensors; a copy otherwise), valid until the next backward pass; a missing ``.grad`` is left out
   (the PS then answers that the tensor is missing) unless ``allow_unused``, which sends zeros.
 - :meth:`ModelTensors.load` copies PS tensors into the module in place (``torch.no_grad``), casting
-  nothing silently but dtype (the PS refuses a gradient of another dtype at the next push); a shape
-  that differs raises :class:`ModelMismatch` naming the tensor.
+  nothing silently but dtype (the PS refuses a gradient of another dtype at the next push); a shape that
+  differs raises :class:`ModelMismatch` naming the tensor. :meth:`ModelTensors.check`: a whole pulled model
+  with other tensor names than the module's raises it too (the bridge checks each pull after it registers).
 """
 from __future__ import annotations
 
@@ -73,6 +74,15 @@ class ModelTensors:
         for name, b in self.buffers.items():
             out[name] = as_numpy(b)
         return out
+
+    def check(self, tensors: Mapping[str, np.ndarray]) -> None:
+        """:class:`ModelMismatch` unless ``tensors`` (a whole model pulled from the PS) are this module's, by name."""
+        if tensors.keys() != self.all.keys():  # a PS initialised (or restored) for another model
+            lacks, extra = sorted(self.all.keys() - tensors.keys()), sorted(tensors.keys() - self.all.keys())
+            raise ModelMismatch(
+                f"the PS holds another model than this module (it lacks {lacks[:5] or 'none'}; it holds "
+                f"{extra[:5] or 'none'}, which this module lacks): it was initialised, or restored from its "
+                "checkpoint, for another model. Start the job afresh (no checkpoint), or connect the model it holds.")
 
     def load(self, tensors: Mapping[str, np.ndarray]) -> None:
         """Copy the PS's tensors into the module's parameters and buffers, in place."""

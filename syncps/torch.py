@@ -196,6 +196,7 @@ class DistributedOptimizer:
             pulled = self.client.pull(min_step, self.worker_id, self._wait)
             if pulled is None:
                 continue
+            self.tensors.check(pulled.tensors)  # just registered: a PS restored for another model stops us here
             self._step, self._ranks, self._done = pulled.step, tuple(pulled.ranks), pulled.done
             if pulled.done or self.rank in self._ranks:
                 self.tensors.load(pulled.tensors)

@@ -68,6 +68,9 @@ def test_async_applies_each_gradient_on_arrival_and_records_staleness():
     assert core.examples == 4 and list(core.loss_history) == [(0, 1.5)]
     assert push(core, b, 0, gb).status is PushStatus.DUPLICATE and core.global_step == 2
     assert core.may_pull(a) and core.may_pull(b) and core.wait_reason(0.0).startswith("async")
+    core.leave(a, 1.0)
+    core.leave(b, 1.0)  # every worker gone (they crashed, say): the status says so, not "no barrier"
+    assert core.wait_reason(1.0) == "async: no active worker (of 2 registered): training resumes when one registers"
 
 
 def test_max_staleness_refuses_old_gradients():

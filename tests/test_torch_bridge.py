@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from cluster.processes import LocalCluster
 from shared.errors import ProtocolError
 from syncps.tensors import ModelTensors
-from syncps.torch import DistributedOptimizer, GradientRejected, connect
+from syncps.torch import DistributedOptimizer, GradientRejected, ModelMismatch, connect
 from tests.live_ps import live_ps, state_hash
 from tests.torch_tasks import SEEDING, batchnorm
 from worker_service.client import PSClient
@@ -207,6 +207,22 @@ def test_an_optimizer_that_misses_parameters_is_refused_before_connecting():
     model = linear(0)
     with pytest.raises(ValueError, match="does not cover"):
         DistributedOptimizer(model, torch.optim.SGD(model.out.parameters(), lr=0.1), url="http://127.0.0.1:9")
+
+
+def test_connecting_to_a_ps_that_holds_another_model_fails_at_once_saying_so():
+    """It connected, and the first push was refused (a README walk: a PS restored for the linear task)."""
+    with live_ps(min_workers=1, startup_grace_seconds=0) as ps:
+        c = ps.client()
+        assert c.init_model({"w": np.zeros((3, 1), np.float32), "b": np.zeros(1, np.float32)}, {"name": "sgd"})
+        c.close()
+        model = linear(0)
+        weights = {k: v.copy() for k, v in ps.rt.core.weights.items()}
+        with pytest.raises(ModelMismatch, match=r"the PS holds another model than this module \(it lacks "
+                                                r"\['fc.bias', 'fc.weight', 'out.bias', 'out.weight'\]; it holds "
+                                                r"\['b', 'w'\]"):
+            connect(model, torch.optim.SGD(model.parameters(), lr=0.1), url=ps.url, name="w0")
+        assert all(ps.rt.core.weights[k].tobytes() == v.tobytes() for k, v in weights.items())
+        assert [m.state for m in ps.rt.core.members.by_id.values()] == ["left"]  # it left: no one waits for it
 
 
 def test_a_worker_rejoins_after_the_ps_restarts_and_leaves_on_sigterm():

@@ -49,7 +49,8 @@ def usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    """``argv``: the command line's arguments (``python -m worker_service`` passes them; a caller, none)."""
+    argv = argv or []
     if argv:
         if argv[0] in ("-h", "--help"):
             print(usage())
@@ -99,4 +100,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))
