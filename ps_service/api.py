@@ -19,7 +19,7 @@ from ps_service.http import JSON_BODY_LIMIT, DecimalInt, parse_json
 from ps_service.runtime import runtime
 from ps_service.transport.body import read_body
 from shared.errors import ProtocolError
-from shared.protocol import API, FRAME, FRAME_BODY, JSON, PUSH_STATUS_HEADER, STEP_HEADER
+from shared.protocol import API, FRAME, FRAME_BODY, JSON, PUSH_STATUS_HEADER, STEP_HEADER, PushStatus
 
 router = APIRouter(prefix=API, tags=["training"])
 SINCE = ("The step whose weights this worker holds, as a previous answer of this PS gave them (meta `lineage`): "
@@ -147,6 +147,10 @@ async def push(request: Request, pull: bool = Query(False, description=(
     return await answer_push(rt, result, step, worker_id, via, pull, timeout, since)
 
 
+#: push statuses that count: the round (or, in async/ssp, the model) takes the push
+COUNTED = frozenset({PushStatus.ACCEPTED, PushStatus.SKIPPED})
+
+
 async def answer_push(rt, result, step: int, worker_id: str, via: str, pull: bool, timeout: float,
                       since: int | None = None, before_weights: Callable[[], Awaitable[None]] | None = None):
     """A push's answer: with ``pull``, the next weights once the pushed step's round closed (the status in a
@@ -154,7 +158,13 @@ async def answer_push(rt, result, step: int, worker_id: str, via: str, pull: boo
     passes first, JSON ``{"status", "step", "done"}``."""
     core, via = rt.core, answer_via(rt.core, via)
     ready = lambda: core.done or (core.global_step > step and core.may_pull(worker_id))  # noqa: E731
-    if pull and await rt.wait_for(ready, timeout, worker_id, first=via == "http"):  # a body answer: woken first
+    try:
+        woke = pull and await rt.wait_for(ready, timeout, worker_id, first=via == "http")  # a body answer: first
+    except ProtocolError:  # the worker left, or was expired, while its push waited
+        if result.status not in COUNTED:
+            raise
+        woke = False  # its push counted (the round uses it): say so, not a refusal
+    if woke:
         if before_weights is not None:
             await before_weights()
         if via == "shm":

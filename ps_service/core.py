@@ -100,6 +100,7 @@ class ParameterServerCore(ModelState):
         self.rewinds = 0
         #: members recalled into a stuck round (:meth:`tick`): waits in flight look again when it moves
         self.recalls = 0
+        self.leaves = 0  # graceful leaves since start (a waiting long poll of the leaver ends at once)
         #: called with each round's record once it is decided (who contributed), before its update is applied: a
         #: sharded PS's coordinator sends the followers their apply then, so theirs overlaps its own (sharding)
         self.on_decided: Callable[[RoundRecord], None] | None = None
@@ -186,6 +187,8 @@ class ParameterServerCore(ModelState):
             elif returning or not r.counts(wid):
                 if self._progress(r, now, but=wid).stuck:  # nobody else can close it: join it now
                     r.join(wid, m.rank)
+                    if wid not in r.skipped:  # a push it made for this round before joining it was not counted
+                        m.recent.pop(start, None)
                 else:  # joins at the next round boundary; this round does not wait for it
                     if wid in r.eligible:
                         r.drop(wid)
@@ -197,6 +200,7 @@ class ParameterServerCore(ModelState):
     def leave(self, worker_id: str, now: float) -> Member:
         was_alive = self.members.is_active(worker_id)
         m = self.members.leave(worker_id, now)
+        self.leaves += 1  # the runtime's barrier: the worker's own long poll ends now
         if self.modes is not None:
             self.modes.drop(m.worker_id, now)
         if self.round is not None:
@@ -430,10 +434,8 @@ class ParameterServerCore(ModelState):
             return PushStatus.DUPLICATE
         if step == g and self.done:  # PS_MAX_STEPS reached: no round will take it
             return PushStatus.STALE
-        if not finite:
-            return PushStatus.SKIPPED
-        if step == g and self.round.counts(wid):
-            return PushStatus.ACCEPTED
+        if step == g and self.round.counts(wid):  # NaN/Inf under policy skip: skipped, for this round only
+            return PushStatus.ACCEPTED if finite else PushStatus.SKIPPED
         if step == g or (step == g - 1 and self.last_round is not None and wid in self.last_round.eligible):
             return PushStatus.LATE
         return PushStatus.STALE

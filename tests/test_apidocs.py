@@ -50,4 +50,7 @@ def test_swagger_ui_and_redoc_render_offline(chromium):  # noqa: F811
     finally:
         c.stop()
     redoc_logo = "https://cdn.redoc.ly/redoc/logo-mini.svg"
-    assert [e for e in errors if redoc_logo not in e and "Failed to load resource" not in e] == [], errors
+    # net::ERR_ABORTED: the browser dropped a request of /docs (its favicon, once in CI) when the test went on to
+    # /redoc; a request the PS failed is another error
+    assert [e for e in errors if redoc_logo not in e and "Failed to load resource" not in e
+            and not e.endswith("net::ERR_ABORTED")] == [], errors

@@ -374,6 +374,19 @@ def test_a_skipped_push_is_in_its_round_record_as_skipped_not_missing():
         (0, (), ["w0"], ("w1",), None)  # w1 a backup the round did not need: no straggler, as with an accepted push
 
 
+def test_a_nonfinite_push_for_a_closed_round_is_late_not_skipped():
+    """Policy skip: `skipped` is for the open round by a member it counts; a NaN backup that lost the race is
+    `late` as a finite one would be (it was `skipped` and counted as one)."""
+    bad = grad(1)
+    bad["w"][0, 0] = np.nan
+    core, (a, b, c) = make(3, nonfinite_policy="skip", replicas_to_aggregate=2, total_num_replicas=3)
+    push(core, a, 0)
+    push(core, b, 0)  # round 0 closes with a and b
+    assert push(core, c, 0, bad).status is PushStatus.LATE and core.push_counts["skipped"] == 0
+    assert [x.name for x in core.rounds[-1].late] == ["w2"] and core.rounds[-1].skipped == ()
+    assert push(core, c, 1, bad).status is PushStatus.SKIPPED and core.push_counts["skipped"] == 1
+
+
 def test_init_first_caller_wins_and_ps_settings_take_precedence():
     core = ParameterServerCore(CoreConfig(optimizer_overrides={"name": "sgd", "learning_rate": 0.25}))
     core.init_model(ModelInit(dict(W0), {"name": "adam", "learning_rate": 0.001, "beta1": 0.5}), 0.0)
@@ -834,6 +847,8 @@ def test_a_stuck_round_recalls_the_workers_registered_for_the_next_one():
             core.leave(ids[0], 0.6)
         m, start = core.register("fresh", 1.0)
         assert start == 1 and not core.round.counts(m.worker_id)
+        # a client that pushes for the open round anyway: late (not counted)
+        assert push(core, m.worker_id, 0, grad(3), now=1.5).status is PushStatus.LATE
         for t in (2.5, 4.0):
             core.heartbeat(m.worker_id, t)
         recalls = core.recalls
@@ -845,7 +860,9 @@ def test_a_stuck_round_recalls_the_workers_registered_for_the_next_one():
         assert err.value.code == "not_active"
         m, start = core.register("fresh", 5.3)
         assert start == 0 and core.round.counts(m.worker_id)
-        assert push(core, m.worker_id, 0, grad(2), now=5.4).closed and core.global_step == 1, cfg
+        # its late push is forgotten: this one counts (it was `duplicate`, and the round stuck for good)
+        res = push(core, m.worker_id, 0, grad(2), now=5.4)
+        assert res.status is PushStatus.ACCEPTED and res.closed and core.global_step == 1, cfg
 
 
 def test_the_core_config_comes_from_the_settings_in_one_mapping():

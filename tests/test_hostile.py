@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import select
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -17,6 +18,7 @@ import msgpack
 import numpy as np
 import pytest
 
+from cluster.processes import wait_for
 from shared import frame
 from shared.protocol import MSGPACK
 from tests.live_ps import live_ps, raw_exchange, read_response, state_hash
@@ -631,3 +633,52 @@ def test_leave_twice_query_rules_and_the_loss_floor(ps):
         assert_refused(h.get("/v1/loss", params={"since": -2}), 400, "bad_request")
         r = h.head("/v1/status")
         assert r.status_code == 405 and r.content == b""
+
+
+def test_a_worker_that_leaves_while_its_counted_push_waits_gets_its_status_at_once():
+    """A ?pull=1 push counted, then its worker left: the answer was a 409 not_active at the wait's timeout while
+    the round used the gradient (found by a black-box check); now the plain JSON of the push, at once. A pull
+    naming a worker that leaves mid-wait ends at once too, with 409."""
+    with live_ps(lease_seconds=600, min_workers=2, startup_grace_seconds=0) as ps:
+        c = ps.client()
+        a, b = (c.register(n)["worker_id"] for n in ("a", "b"))
+        assert c.init_model(W0, {"name": "sgd", "learning_rate": 0.5})
+        answers: dict[str, Any] = {}
+
+        def waiting_push() -> None:
+            with ps.http() as h:
+                t0 = time.monotonic()
+                r = h.post("/v1/gradients", params={"pull": 1, "timeout": 30}, content=push_frame(a, 0, grads(2.0)),
+                           headers={"content-type": FRAME})
+                answers["push"] = (r, time.monotonic() - t0)
+
+        t = threading.Thread(target=waiting_push)
+        t.start()
+        wait_for(lambda: ps.rt.core.push_counts["accepted"] == 1, 10, "a's push in the round (its answer waits)")
+        with ps.http() as h:
+            assert h.delete(f"/v1/workers/{a}").json()["state"] == "left"
+        t.join(10)
+        r, took = answers["push"]
+        assert (r.status_code, r.json()) == (200, {"status": "accepted", "step": 0, "done": False}) and took < 5
+        with ps.http() as h:  # the round uses a's gradient: b's closes it with the mean of both
+            assert h.post("/v1/gradients", content=push_frame(b, 0, grads(4.0)),
+                          headers={"content-type": FRAME}).json()["status"] == "accepted"
+        np.testing.assert_array_equal(ps.rt.core.weights["b"], W0["b"] - np.float32(0.5) * np.float32(3.0))
+        assert [x.name for x in ps.rt.core.rounds[-1].contributors] == ["a", "b"]
+
+        # a pull naming b, waiting for step 5: b leaves: 409 at once, not at the timeout
+        def waiting_pull() -> None:
+            with ps.http() as h:
+                t0 = time.monotonic()
+                r = h.get("/v1/model", params={"min_step": 5, "timeout": 30, "worker_id": b})
+                answers["pull"] = (r, time.monotonic() - t0)
+
+        t = threading.Thread(target=waiting_pull)
+        t.start()
+        wait_for(lambda: ps.rt._waiters, 10, "the pull to wait")
+        with ps.http() as h:
+            assert h.delete(f"/v1/workers/{b}").json()["state"] == "left"
+        t.join(10)
+        r, took = answers["pull"]
+        assert (r.status_code, r.json()["error"]) == (409, "not_active") and took < 5
+        c.close()
