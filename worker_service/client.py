@@ -174,7 +174,9 @@ class PSClient:
             return self.transport
         channel.unlink()  # the PS holds it mapped: it vanishes with the last mapping
         self.tensors = ShmTransport(self.call, channel)
-        log.info("tensors through %s (same host as the PS)", self.shm_dir)
+        log.info("tensors through %s (same host as the PS)%s", self.shm_dir,
+                 f": float32, not compressed (the job's compression {self.compression.name} applies to request "
+                 "bodies; WORKER_SHM_DIR= sends this worker's over HTTP)" if self.compression.on else "")
         return self.transport
 
     # ---- tensors ------------------------------------------------------------------------
