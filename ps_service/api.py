@@ -137,7 +137,8 @@ async def push(request: Request, pull: bool = Query(False, description=(
                since: Annotated[DecimalInt | None, Query(ge=0, description=SINCE)] = None) -> dict:
     rt = runtime(request)
     if rt.shards is not None:
-        raise ProtocolError(409, "sharded", f"this PS is shard {rt.shards.index} of {rt.shards.count}: push pieces to every shard "
+        raise ProtocolError(409, "sharded", f"this PS is shard {rt.shards.index} of {rt.shards.count}: push pieces "
+                                            "to every shard "
                                             "(POST /v1/shard/gradients), then commit (POST /v1/shard/commit)")
     got = await rt.tensors.receive_push(request)
     result = rt.run_guarded(lambda: rt.core.push(got.push, rt.now()))

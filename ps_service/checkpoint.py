@@ -21,7 +21,8 @@ Contract (the format is documented in docs/checkpoint.md, with a plain-script re
   shapes, weights floating point and finite, members well-formed). A corrupt,
   truncated or invalid file is logged with its reason and skipped for the previous one.
 - :class:`Checkpointer` decides when (every N steps and/or T seconds, only when
-  the step moved; and at once when the job is done, if either interval is on), takes the snapshot on the caller's thread (the event loop:
+  the step moved; and at once when the job is done, if either interval is on),
+  takes the snapshot on the caller's thread (the event loop:
   consistent, a memcpy) and encodes/writes it on its own single thread, one
   write at a time (one more snapshot may wait for the running write; beyond
   that a due checkpoint is taken once the disk caught up).

@@ -83,7 +83,8 @@ class StateCollector:
             pushes.add_metric([k], core.push_counts.get(k, 0))
         yield pushes
         yield _counter("ps_examples", "Examples behind the accepted gradients.", core.examples)
-        yield _counter("ps_gradients_applied", "Gradients applied since start (sync: every gradient a round summed into its one update).",
+        yield _counter("ps_gradients_applied",
+                       "Gradients applied since start (sync: every gradient a round summed into its one update).",
                        core.gradients_applied)
         modes = core.modes
         if modes is not None:

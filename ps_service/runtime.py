@@ -77,7 +77,8 @@ class Runtime:
     def barrier(self) -> tuple:
         """What waits wait on: (global step, job state, the SSP floor: a leave or expiry can release a pull, the
         count of live rollbacks: a sharded PS that went back to a checkpoint answers every wait at once, the count of
-        recalls into a stuck round: a recalled worker's wait ends, and of leaves: so does the wait of a worker that left)."""
+        recalls into a stuck round: a recalled worker's wait ends, and of leaves: so does the wait of a worker that
+        left)."""
         core = self.core
         return core.global_step, core.state(), core.pull_floor, core.rewinds, core.recalls, core.leaves
 

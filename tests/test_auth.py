@@ -99,7 +99,7 @@ TRAINING = [("POST", "/v1/workers", "json"), ("POST", "/v1/workers/{wid}/heartbe
             ("PUT", "/v1/model", "init"), ("POST", "/v1/gradients", "push")]
 MONITORING = [("GET", p, None) for p in ("/v1/status", "/v1/workers", "/v1/rounds", "/v1/loss", "/metrics")]
 HEALTH = [("GET", "/healthz", None), ("GET", "/readyz", None), ("GET", "/", None), ("GET", "/dashboard.js", None),
-          ("GET", "/docs", None), ("GET", "/redoc", None), ("GET", "/openapi.json", None)]  # no data: open as documented
+          ("GET", "/docs", None), ("GET", "/redoc", None), ("GET", "/openapi.json", None)]  # no data: open
 BAD = {"none": None, "wrong": f"Bearer {TOKEN[:-1]}X", "monitor": f"Bearer {MONITOR}", "empty": "Bearer",
        "basic": "Basic dXNlcjpwdw==", "prefix": f"Bearer {TOKEN[:8]}"}  # Authorization header values
 

@@ -221,7 +221,8 @@ def test_require_auth_names_an_empty_token_file(tmp_path):
     with pytest.raises(ValidationError, match=f"PS_REQUIRE_AUTH=true.*'{re.escape(str(empty))}' is empty"):
         PSSettings(require_auth=True, auth_token_file=empty)
     assert PSSettings(require_auth=True, auth_token=TOKEN).auth_token.get_secret_value() == TOKEN
-    with pytest.raises(ValidationError, match="PS_REQUIRE_AUTH=true: set PS_AUTH_TOKEN or PS_AUTH_TOKEN_FILE, not both"):
+    with pytest.raises(ValidationError,
+                       match="PS_REQUIRE_AUTH=true: set PS_AUTH_TOKEN or PS_AUTH_TOKEN_FILE, not both"):
         PSSettings(require_auth=True, auth_token=TOKEN, auth_token_file=empty)  # two tokens: not "without a token"
     assert PSSettings().require_auth is False  # off by default: a local PS stays open
 

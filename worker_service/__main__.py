@@ -41,7 +41,8 @@ def pin(cpus: frozenset[int]) -> None:
 
 def usage() -> str:
     """``--help``: what the worker does and its settings (environment variables, README "Configuration")."""
-    lines = [re.sub(r":\w+:`([^`]*)`", r"\1", __doc__).replace("``", "").strip(), "", "settings (environment variables):"]
+    text = re.sub(r":\w+:`([^`]*)`", r"\1", __doc__).replace("``", "").strip()
+    lines = [text, "", "settings (environment variables):"]
     for name, field in WorkerSettings.model_fields.items():
         default = "unset" if field.default is None else repr(field.default)
         lines.append(f"  WORKER_{name.upper():<28} {default:<24} {(field.description or '').strip()}")
