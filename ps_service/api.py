@@ -15,7 +15,7 @@ from typing import Annotated, Awaitable, Callable
 from fastapi import APIRouter, Query, Request, Response
 from pydantic import BaseModel, Field
 
-from ps_service.http import JSON_BODY_LIMIT, DecimalInt, parse_json
+from ps_service.http import JSON_BODY_LIMIT, REFUSALS, DecimalInt, parse_json
 from ps_service.runtime import runtime
 from ps_service.transport.body import read_body
 from shared.errors import ProtocolError
@@ -161,7 +161,7 @@ async def answer_push(rt, result, step: int, worker_id: str, via: str, pull: boo
     ready = lambda: core.done or (core.global_step > step and core.may_pull(worker_id))  # noqa: E731
     try:
         woke = pull and await rt.wait_for(ready, timeout, worker_id, first=via == "http")  # a body answer: first
-    except ProtocolError:  # the worker left, or was expired, while its push waited
+    except REFUSALS:  # the worker left, or was expired, while its push waited
         if result.status not in COUNTED:
             raise
         woke = False  # its push counted (the round uses it): say so, not a refusal

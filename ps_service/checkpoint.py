@@ -8,7 +8,7 @@ Contract (the format is documented in docs/checkpoint.md, with a plain-script re
   frame (:mod:`shared.frame`) of :meth:`ps_service.core.ParameterServerCore.export_state`:
   tensors ``weights/<name>`` and ``slots/<slot>/<name>``, everything else in its
   ``meta``, plus ``written_at``. In ``PS_MODE=async|ssp`` the meta also has ``staleness``
-  (``{"floor", "clocks": {worker_id: clock}}``: ps_service/staleness.py); older files lack it. No pickle anywhere.
+  (``{"floor", "clocks": {worker_id: clock}}``: ps_service/core/staleness.py); older files lack it. No pickle anywhere.
 - A write goes to a hidden temp file, is fsynced, renamed over the final name
   and the directory fsynced: a reader sees the old file or the new one, never
   half of one. Then only the newest ``keep`` checkpoints are kept and
@@ -42,10 +42,11 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ps_service.membership import ACTIVE, EXPIRED, LEFT
-from ps_service.optimizers import SLOT_NAMES, normalize_spec
+from ps_service.core.membership import ACTIVE, EXPIRED, LEFT
+from ps_service.core.optimizers import SLOT_NAMES, normalize_spec
 from shared import frame
 from shared.codec import FLOAT_DTYPES, dtype_name, pack, unpack
+from ps_service.core.errors import CoreError
 from shared.errors import ProtocolError
 
 log = logging.getLogger("ps_service.checkpoint")
@@ -105,7 +106,7 @@ def decode(data: bytes) -> dict[str, Any]:
             raise CheckpointError("checksum mismatch")
         f = frame.decode(payload)
         return _validated(f.meta, f.tensors)
-    except ProtocolError as exc:
+    except (ProtocolError, CoreError) as exc:
         raise CheckpointError(f"{exc.code}: {exc.detail}") from None
     except CheckpointError:
         raise
@@ -125,7 +126,7 @@ def _validated(meta: dict, tensors: dict[str, np.ndarray]) -> dict[str, Any]:
         raise CheckpointError("optimizer must be {spec, iterations}")
     try:
         spec = normalize_spec(opt["spec"])
-    except ProtocolError as exc:
+    except CoreError as exc:
         raise CheckpointError(f"optimizer spec: {exc.detail}") from None
     if spec != opt["spec"]:
         raise CheckpointError("optimizer spec is not complete")

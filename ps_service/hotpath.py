@@ -9,8 +9,8 @@ framework around it ~65 %). This ASGI middleware calls the very same endpoint fu
 query parameters it parses exactly as the route declares them, and a valid bearer token when
 ``PS_AUTH_TOKEN`` is set. Anything else (an unknown or repeated parameter, a value out of range, a
 missing or wrong token) goes down the ordinary FastAPI stack untouched, so errors, 401 counting and
-the OpenAPI contract stay FastAPI's. A :class:`~shared.errors.ProtocolError` the endpoint raises is
-answered with the same JSON body as the app's handler (:func:`ps_service.http.error_response`);
+the OpenAPI contract stay FastAPI's. A refusal the endpoint raises (:data:`ps_service.http.REFUSALS`) is
+answered with the same JSON body as the app's handler (:func:`ps_service.http.refusal_response`);
 anything unexpected propagates to the app's 500 handler.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ from starlette.responses import JSONResponse, Response
 
 from ps_service import api
 from ps_service.auth import token_matches
-from ps_service.http import error_response
+from ps_service.http import REFUSALS, refusal_response
 from ps_service.runtime import Runtime
 from ps_service.transport.onewrite import one_write_send
 from ps_service.sharding import routes as shard_routes
@@ -136,8 +136,8 @@ class HotPath:
             return await self.app(scope, receive, send)
         try:
             result = await route[0](Request(scope, receive), **params)
-        except ProtocolError as exc:
-            result = error_response(exc.status, exc.code, exc.detail, getattr(exc, "headers", None))
+        except REFUSALS as exc:
+            result = refusal_response(exc)
         if not isinstance(result, Response):
             result = JSONResponse(result)
         await result(scope, receive, one_write_send(scope, send))  # head and body in one write

@@ -1,7 +1,8 @@
 """HTTP plumbing shared by the PS's routes: bounded body reading and JSON error bodies.
 
 Every refusal leaves as ``{"error": code, "detail": text}`` with a 4xx status
-(see :class:`shared.errors.ProtocolError`); FastAPI's own validation and
+(:class:`shared.errors.ProtocolError` carries its status; the core's
+:class:`ps_service.core.errors.CoreError` carries none: :data:`STATUS` maps its code); FastAPI's own validation and
 routing errors are mapped to the same shape (400: a malformed or mistyped
 request), and an unexpected exception to a 500 of that shape (logged, never
 echoing internals).
@@ -26,6 +27,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, BeforeValidator, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ps_service.core.errors import CoreError
 from shared.errors import ProtocolError
 
 log = logging.getLogger("ps_service")
@@ -54,6 +56,31 @@ DecimalInt = Annotated[int, BeforeValidator(_decimal)]
 
 def error_response(status: int, code: str, detail: str, headers: dict | None = None) -> JSONResponse:
     return JSONResponse({"error": code, "detail": detail}, status_code=status, headers=headers)
+
+
+#: the HTTP status of each code the core refuses with (:class:`CoreError`): 400 a malformed request, 404 a worker
+#: the PS does not know, 409 a request that does not fit the job's state now (register, initialise or wait
+#: first), 422 a well-formed request whose content the model or the optimizer cannot take
+STATUS = {
+    "bad_name": 400,
+    "unknown_worker": 404,
+    "not_initialized": 409, "already_initialized": 409, "not_active": 409, "not_started": 409,
+    "future_step": 422, "tensor_mismatch": 422, "nonfinite_gradient": 422, "bad_dtype": 422,
+    "nonfinite_weights": 422, "bad_optimizer": 422,
+}
+
+#: what a route may refuse with: its own errors and the core's
+REFUSALS = (ProtocolError, CoreError)
+
+
+def status_of(exc: ProtocolError | CoreError) -> int:
+    """A refusal's HTTP status (a core code missing from :data:`STATUS` is a bug: KeyError, a 500)."""
+    return exc.status if isinstance(exc, ProtocolError) else STATUS[exc.code]
+
+
+def refusal_response(exc: ProtocolError | CoreError) -> JSONResponse:
+    """The JSON error answer of a refusal."""
+    return error_response(status_of(exc), exc.code, exc.detail, getattr(exc, "headers", None))
 
 
 def _object(pairs: list) -> dict:
@@ -90,8 +117,9 @@ def _first_error(errors: list) -> str:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ProtocolError)
-    async def _protocol(_: Request, exc: ProtocolError) -> JSONResponse:
-        return error_response(exc.status, exc.code, exc.detail, getattr(exc, "headers", None))
+    @app.exception_handler(CoreError)
+    async def _protocol(_: Request, exc: ProtocolError | CoreError) -> JSONResponse:
+        return refusal_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:

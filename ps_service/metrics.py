@@ -19,9 +19,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import choose_encoder
 
-from ps_service.membership import ACTIVE, EXPIRED, LEFT
+from ps_service.core.membership import ACTIVE, EXPIRED, LEFT
 from ps_service.monitoring import PUSH_KINDS
-from ps_service.rounds import CLOSE_REASONS
+from ps_service.core.rounds import CLOSE_REASONS
 from ps_service.runtime import Runtime
 from shared.protocol import JobState
 

@@ -3,7 +3,7 @@
 Read-only views of the core; nothing here changes training state. The
 response shapes (and their documentation in ``/docs``) are in
 :mod:`ps_service.monitoring_models`; the straggler definition is in
-:mod:`ps_service.stragglers`. Routes are ``async`` so they read the core on the
+:mod:`ps_service.core.stragglers`. Routes are ``async`` so they read the core on the
 event loop, never concurrently with a push.
 """
 from __future__ import annotations
@@ -17,9 +17,9 @@ from fastapi.responses import JSONResponse
 
 from ps_service.core import ParameterServerCore
 from ps_service.http import DecimalInt
-from ps_service.membership import ACTIVE, EXPIRED, LEFT
+from ps_service.core.membership import ACTIVE, EXPIRED, LEFT
 from ps_service.monitoring_models import LossCurve, Rounds, RoundRecord as RoundModel, Status, Workers
-from ps_service.rounds import Arrival, RoundRecord
+from ps_service.core.rounds import Arrival, RoundRecord
 from ps_service.runtime import Runtime, runtime
 from shared.errors import ProtocolError
 from shared.protocol import API

@@ -70,7 +70,7 @@ class PushRequest:
     loss: float | None = None
     num_examples: int | None = None
     timings: PhaseTimes = field(default_factory=PhaseTimes)
-    #: a ps_service.accumulator.Borrowed when ``tensors`` are views of memory the sender may still rewrite (a
+    #: a ps_service.core.accumulator.Borrowed when ``tensors`` are views of memory the sender may still rewrite (a
     #: same-host file): read once, checked as read, when the core takes the push; None: they are the PS's own
     borrowed: Any = None
     #: the values were checked for NaN/Inf already, in memory nobody else writes (a shard's held pieces): the

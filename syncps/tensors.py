@@ -8,7 +8,7 @@ Contract:
 - **Buffers** (``buffers="mean"``, the default): every persistent floating-point buffer (BatchNorm's
   ``running_mean`` / ``running_var``) is a PS tensor named ``"buffer:" + name``. A worker pushes the
   buffer's value after its forward pass where a parameter pushes its gradient; the PS sets the buffer
-  to the mean of the round's values (``ps_service.optimizers.BUFFER_PREFIX``). Integer buffers
+  to the mean of the round's values (``ps_service.core.optimizers.BUFFER_PREFIX``). Integer buffers
   (``num_batches_tracked``) and non-persistent ones stay local. ``buffers="local"``: none goes to the PS.
 - :meth:`ModelTensors.grads` gives numpy **views** of the gradients (no copy for contiguous CPU
   tensors; a copy otherwise), valid until the next backward pass; a missing ``.grad`` is left out
@@ -26,7 +26,7 @@ from typing import Mapping
 import numpy as np
 import torch
 
-BUFFER_PREFIX = "buffer:"  # ps_service.optimizers.BUFFER_PREFIX (the PS is not imported here)
+BUFFER_PREFIX = "buffer:"  # ps_service.core.optimizers.BUFFER_PREFIX (the PS is not imported here)
 BUFFER_RULES = ("mean", "local")
 
 

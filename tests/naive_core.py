@@ -7,8 +7,8 @@ the pending keys. tests/test_core_oracle.py drives both with the same random seq
 from __future__ import annotations
 
 from ps_service.core import ParameterServerCore
-from ps_service.membership import ACTIVE, EXPIRED, LEFT, Member, Membership
-from ps_service.rounds import Progress, Round
+from ps_service.core.membership import ACTIVE, EXPIRED, LEFT, Member, Membership
+from ps_service.core.rounds import Progress, Round
 
 
 class NaiveMembership(Membership):

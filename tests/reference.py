@@ -12,7 +12,7 @@ import functools
 
 import numpy as np
 
-from ps_service.optimizers import Optimizer
+from ps_service.core.optimizers import Optimizer
 from worker_service.tasks import load_task
 
 

@@ -19,6 +19,7 @@ from ps_service.core import CoreConfig, ParameterServerCore
 from shared import frame
 from shared.codec import pack, unpack
 from shared.errors import ProtocolError
+from ps_service.http import REFUSALS, status_of
 from shared.protocol import ModelInit, PushRequest
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "checkpoint.md"
@@ -59,9 +60,9 @@ def test_round_trip_restores_weights_optimizer_step_and_members(tmp_path):
             np.testing.assert_array_equal(back.optimizer.slots[slot][k], core.optimizer.slots[slot][k])
     assert [(m.worker_id, m.name, m.rank, m.state) for m in back.members.all()] == [
         (m.worker_id, m.name, m.rank, "expired") for m in core.members.all()]
-    with pytest.raises(ProtocolError) as exc:  # restored means initialised: workers pull, not PUT
+    with pytest.raises(REFUSALS) as exc:  # restored means initialised: workers pull, not PUT
         back.init_model(ModelInit(dict(W0), {}), 100.0)
-    assert exc.value.status == 409
+    assert status_of(exc.value) == 409
     # members come back under their names with their ids and ranks; training goes on bit for bit
     assert [back.register(f"w{i}", 100.0)[0].worker_id for i in range(2)] == ids
     assert back.started and back.round.step == 5

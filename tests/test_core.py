@@ -6,11 +6,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ps_service.accumulator import Accumulator, Borrowed
+from ps_service.core.accumulator import Accumulator, Borrowed
 from ps_service.core import CoreConfig, ParameterServerCore
 from shared.compression import SparseTensor
 from shared.compression import dense as compression_dense
 from shared.errors import ProtocolError
+from ps_service.http import REFUSALS, status_of
 from shared.protocol import ModelInit, PushRequest, PushStatus
 
 W0 = {"w": np.zeros((3, 2), np.float32), "b": np.zeros((2,), np.float32)}
@@ -225,7 +226,7 @@ def test_a_push_for_the_final_step_once_done_is_stale_and_says_done(policy):
     if policy == "skip":
         assert push(core, ids[1], 1, nan).status is PushStatus.STALE  # no round to skip it in
     else:
-        with pytest.raises(ProtocolError) as e:
+        with pytest.raises(REFUSALS) as e:
             push(core, ids[1], 1, nan)
         assert e.value.code == "nonfinite_gradient"
     assert all(np.array_equal(before[k], core.weights[k]) for k in before) and core.global_step == 1
@@ -265,7 +266,7 @@ def test_the_sum_is_read_for_overflow_only_when_the_pushes_magnitudes_do_not_rul
     while the sum of the round's bounds stays below SUM_LIMIT no element of the sum can reach Inf, and the sum is
     not read again when the round ends (one read of the model's size fewer per round). Otherwise it is read once,
     and an overflow still keeps the round from applying anything."""
-    import ps_service.accumulator as accumulator
+    import ps_service.core.accumulator as accumulator
     reads = []
     real = accumulator._all_finite
     monkeypatch.setattr(accumulator, "_all_finite", lambda g: reads.append(g.shape) or real(g))
@@ -285,10 +286,10 @@ def test_the_sum_is_read_for_overflow_only_when_the_pushes_magnitudes_do_not_rul
 
 
 def test_magnitude_bounds_every_element_and_is_none_on_nan_or_inf():
-    """ps_service.accumulator.magnitude: >= every element's magnitude (over chunks, with huge and tiny values
+    """ps_service.core.accumulator.magnitude: >= every element's magnitude (over chunks, with huge and tiny values
     mixed), math.inf when the squares overflow, None exactly when an element is NaN or Inf."""
     import math
-    from ps_service.accumulator import FINITE_CHUNK, magnitude
+    from ps_service.core.accumulator import FINITE_CHUNK, magnitude
     rng = np.random.default_rng(3)
     with np.errstate(over="ignore", invalid="ignore"):
         for dtype in (np.float32, np.float64):
@@ -340,9 +341,9 @@ def test_refused_pushes_change_nothing(case, status, code):
         g["b"] = np.zeros(2, np.int32)
     elif case == "float64":  # finite as float64, -inf weights once cast to the model's float32: never cast
         g["b"] = np.array([1e300, 0], np.float64)
-    with pytest.raises(ProtocolError) as err:
+    with pytest.raises(REFUSALS) as err:
         push(core, wid, step, g)
-    assert (err.value.status, err.value.code) == (status, code)
+    assert (status_of(err.value), err.value.code) == (status, code)
     assert (core.version, core.global_step, len(core.round.acc), dict(core.push_counts)) == before
 
 
@@ -391,9 +392,9 @@ def test_init_first_caller_wins_and_ps_settings_take_precedence():
     core = ParameterServerCore(CoreConfig(optimizer_overrides={"name": "sgd", "learning_rate": 0.25}))
     core.init_model(ModelInit(dict(W0), {"name": "adam", "learning_rate": 0.001, "beta1": 0.5}), 0.0)
     assert core.optimizer.spec == {"name": "sgd", "learning_rate": 0.25}
-    with pytest.raises(ProtocolError) as err:
+    with pytest.raises(REFUSALS) as err:
         core.init_model(ModelInit(dict(W0), {}), 0.0)
-    assert err.value.status == 409
+    assert status_of(err.value) == 409
     core2 = ParameterServerCore(CoreConfig(optimizer_overrides={"learning_rate": 0.2}))
     core2.init_model(ModelInit(dict(W0), {"name": "adam", "learning_rate": 0.001, "beta1": 0.5}), 0.0)
     assert core2.optimizer.spec["name"] == "adam" and core2.optimizer.spec["learning_rate"] == 0.2
@@ -432,7 +433,7 @@ def test_a_newcomer_reusing_a_leavers_rank_in_an_orphaned_round():
 def test_a_gradient_of_another_dtype_is_named_in_the_refusal():
     core, ids = make(1)
     g = grad(1, np.float64)
-    with pytest.raises(ProtocolError) as err:
+    with pytest.raises(REFUSALS) as err:
         core.push(PushRequest(ids[0], 0, g), 0.0)
     assert err.value.code == "tensor_mismatch"
     assert "'b' is float64, the model's is float32" in err.value.detail
@@ -738,7 +739,7 @@ def test_a_torn_or_nonfinite_borrowed_push_changes_nothing_in_the_core():
     for views, confirm, code in ((grad(2), torn, "shm_torn"), (nan, lambda: None, "nonfinite_gradient")):
         b = Borrowed(views, lambda: {k: np.empty_like(v) for k, v in W0.items()}, confirm)
         version, counts = core.version, dict(core.push_counts)
-        with pytest.raises(ProtocolError) as exc:
+        with pytest.raises(REFUSALS) as exc:
             core.push(PushRequest(ids[1], 0, views, borrowed=b), 1.0)
         assert exc.value.code == code and core.version == version and core.push_counts == counts
         assert core.global_step == 0 and ids[1] not in core.round.acc
@@ -855,7 +856,7 @@ def test_a_stuck_round_recalls_the_workers_registered_for_the_next_one():
         core.tick(5.1)  # w1 (and w0) expire: round 0 cannot close with its own members
         assert core.recalls == recalls + 1 and core.members.by_id[m.worker_id].state == "expired"
         assert [e["event"] for e in core.members.events][-1] == "recalled"
-        with pytest.raises(ProtocolError) as err:
+        with pytest.raises(REFUSALS) as err:
             core.heartbeat(m.worker_id, 5.2)
         assert err.value.code == "not_active"
         m, start = core.register("fresh", 5.3)
@@ -878,9 +879,9 @@ def test_the_core_config_comes_from_the_settings_in_one_mapping():
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
 def test_the_finiteness_check_finds_every_nan_and_inf_wherever_it_sits(dtype):
-    """ps_service.accumulator._all_finite (a BLAS dot product with zeros, chunk by chunk): any NaN, +Inf or -Inf
+    """ps_service.core.accumulator._all_finite (a BLAS dot product with zeros, chunk by chunk): any NaN, +Inf or -Inf
     at the start, inside, at a chunk's edge or in the last partial chunk is found; huge finite values are not."""
-    from ps_service.accumulator import CHUNK_ELEMENTS, _all_finite
+    from ps_service.core.accumulator import CHUNK_ELEMENTS, _all_finite
     n = 2 * CHUNK_ELEMENTS + 77
     big = np.finfo(dtype).max
     g = np.full(n, big, dtype)

@@ -10,10 +10,11 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ps_service import membership
+from ps_service.core import membership
 from ps_service.core import CoreConfig, ParameterServerCore, PushResult
-from ps_service.membership import Member
+from ps_service.core.membership import Member
 from shared.errors import ProtocolError
+from ps_service.http import REFUSALS, status_of
 from shared.protocol import ModelInit, PushRequest
 from tests.naive_core import NaiveCore, naive_progress
 
@@ -65,8 +66,8 @@ def call(core, ids: Ids, fn):
     saved, membership.secrets = membership.secrets, ids
     try:
         return "ok", summary(fn(core))
-    except ProtocolError as e:
-        return "error", e.status, e.code
+    except REFUSALS as e:
+        return "error", status_of(e), e.code
     finally:
         membership.secrets = saved
 

@@ -1,4 +1,4 @@
-"""Element-wise work split over the cores (ps_service/cores.py): every element exactly once, the same bits as one
+"""Element-wise work split over the cores (ps_service/core/cores.py): every element exactly once, the same bits as one
 numpy call, the caller's error state in every part, errors raised once every part is over, and a part no helper
 could start done by the caller (a busy machine never waits for a core)."""
 from __future__ import annotations
@@ -8,9 +8,9 @@ import threading
 import numpy as np
 import pytest
 
-from ps_service import cores
-from ps_service.accumulator import _add_into
-from ps_service.optimizers import WHOLE_BYTES, _sgd_mean
+from ps_service.core import cores
+from ps_service.core.accumulator import _add_into
+from ps_service.core.optimizers import WHOLE_BYTES, _sgd_mean
 
 
 @pytest.fixture(autouse=True)

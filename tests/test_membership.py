@@ -9,8 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ps_service.core import CoreConfig, ParameterServerCore
-from ps_service.membership import EXPIRED, LEFT, Membership
+from ps_service.core.membership import EXPIRED, LEFT, Membership
 from shared.errors import ProtocolError
+from ps_service.http import REFUSALS, status_of
 from shared.protocol import ModelInit, PushRequest
 from tests.naive_core import NaiveMembership
 
@@ -167,7 +168,7 @@ def test_membership_answers_as_the_scans(calls):
                 else:
                     r = getattr(ms, kind)(wid, now)
                     r = None if r is None else (r.name, r.rank, r.state)
-            except ProtocolError as e:
+            except REFUSALS as e:
                 r = e.code
             out.append((r, [(x.name, x.rank, x.state, x.lease_until) for x in ms.all()],
                         [m.name for m in ms.active()], ms.active_count, ms._free_rank()))
@@ -199,7 +200,7 @@ def test_an_unknown_worker_leaving_changes_nothing():
     core = ParameterServerCore(CoreConfig(min_workers=1, startup_grace_seconds=0.0))
     core.init_model(ModelInit({"w": np.zeros(1, np.float32)}, {}), 0.0)
     core.register("a", 0.0)
-    with pytest.raises(ProtocolError):
+    with pytest.raises(REFUSALS):
         core.leave("nope", 1.0)
     assert (core.round.live, core.round.waiting, core.members.active_count) == (1, 1, 1)
     assert core.members.by_name["a"].state != LEFT

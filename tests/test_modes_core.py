@@ -13,11 +13,12 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from ps_service import checkpoint
-from ps_service.accumulator import Borrowed
-from ps_service.config import CoreConfig
+from ps_service.core.accumulator import Borrowed
+from ps_service.core.config import CoreConfig
 from ps_service.core import ParameterServerCore
 from ps_service.settings import PSSettings
 from shared.errors import ProtocolError
+from ps_service.http import REFUSALS, status_of
 from shared.protocol import ModelInit, PushRequest, PushStatus
 
 W0 = {"b": np.zeros(2, np.float32), "w": np.zeros((3, 2), np.float32)}
@@ -124,7 +125,7 @@ def test_borrowed_push_is_read_once_before_any_change_and_bad_input_changes_noth
     ]
     for call, code in refusals:
         before = snapshot(core)
-        with pytest.raises(ProtocolError) as exc:
+        with pytest.raises(REFUSALS) as exc:
             call()
         assert exc.value.code == code and snapshot(core) == before
     b_ = borrowed(g)
@@ -134,7 +135,7 @@ def test_borrowed_push_is_read_once_before_any_change_and_bad_input_changes_noth
     for k in W0:
         np.testing.assert_array_equal(core.weights[k], W0[k] - np.float32(LR) * g[k])
     core.leave(b, 2.0)
-    with pytest.raises(ProtocolError) as exc:
+    with pytest.raises(REFUSALS) as exc:
         push(core, b, 1, g)
     assert exc.value.code == "not_active"
 
@@ -156,7 +157,7 @@ def test_a_push_before_the_start_is_refused():
     core = ParameterServerCore(CoreConfig(mode="async", min_workers=2, startup_grace_seconds=0.0))
     core.init_model(ModelInit({k: v.copy() for k, v in W0.items()}, {"name": "sgd", "learning_rate": LR}), 0.0)
     a = core.register("w0", 0.0)[0].worker_id
-    with pytest.raises(ProtocolError) as exc:
+    with pytest.raises(REFUSALS) as exc:
         push(core, a, 0, grad(1))
     assert exc.value.code == "not_started" and core.global_step == 0
 
@@ -183,7 +184,7 @@ def test_checkpoint_keeps_the_clocks_and_a_restore_is_sound():
     restored = ParameterServerCore(CoreConfig(mode="ssp", ssp_staleness=1, min_workers=2, startup_grace_seconds=0))
     restored.import_state(state, 10.0)
     assert restored.global_step == 3 and restored.modes.live_count() == 0
-    with pytest.raises(ProtocolError) as exc:  # a push from before the restart: register first
+    with pytest.raises(REFUSALS) as exc:  # a push from before the restart: register first
         push(restored, a, 2, grad(6), now=10.0)
     assert exc.value.code == "not_active"
     assert restored.register("w1", 10.0)[0].worker_id == b and restored.modes.workers[b].clock == 1

@@ -15,8 +15,8 @@ import pytest
 from cluster.processes import LocalCluster, wait_for
 from ps_service.core import CoreConfig, ParameterServerCore
 from ps_service.monitoring import current_round, throughput
-from ps_service.rounds import Arrival
-from ps_service.stragglers import straggler
+from ps_service.core.rounds import Arrival
+from ps_service.core.stragglers import straggler
 from shared.protocol import ModelInit, PushRequest
 
 STEPS = 16

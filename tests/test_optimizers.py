@@ -7,9 +7,10 @@ import math
 import numpy as np
 import pytest
 
-from ps_service.optimizers import SLOT_NAMES, Optimizer, normalize_spec
+from ps_service.core.optimizers import SLOT_NAMES, Optimizer, normalize_spec
 from shared.compression import SparseTensor
 from shared.errors import ProtocolError
+from ps_service.http import REFUSALS, status_of
 
 STEPS = 7
 
@@ -82,9 +83,9 @@ def test_matches_published_formula(spec, dtype, rtol):
     {"name": "adagrad", "initial_accumulator_value": 0.0},
 ])
 def test_bad_specs_are_422(spec):
-    with pytest.raises(ProtocolError) as err:
+    with pytest.raises(REFUSALS) as err:
         normalize_spec(spec)
-    assert err.value.status == 422 and err.value.code == "bad_optimizer"
+    assert status_of(err.value) == 422 and err.value.code == "bad_optimizer"
 
 
 def test_consuming_the_gradient_is_bit_identical():
@@ -225,7 +226,7 @@ def test_tf1_adam_restored_mid_run_continues_bit_identically_in_float32():
     ({"name": "adagrad", "flavor": "torch"}, "adagrad"),
 ])
 def test_torch_specs_take_torchs_defaults_and_are_named_by_their_slots(spec, name):
-    from ps_service.torch_rules import HYPERPARAMS as TORCH
+    from ps_service.core.torch_rules import HYPERPARAMS as TORCH
 
     out = normalize_spec(spec)
     assert out["name"] == name and out["flavor"] == "torch"
@@ -248,9 +249,9 @@ def test_tf1_specs_are_unchanged_by_the_flavours():
     {"name": "sgd", "flavor": "torch", "weight_decay": float("inf")},
 ])
 def test_bad_torch_specs_are_422(spec):
-    with pytest.raises(ProtocolError) as err:
+    with pytest.raises(REFUSALS) as err:
         normalize_spec(spec)
-    assert err.value.status == 422 and err.value.code == "bad_optimizer"
+    assert status_of(err.value) == 422 and err.value.code == "bad_optimizer"
 
 
 @pytest.mark.parametrize("spec", [{"name": "adam", "learning_rate": 0.01},
@@ -290,6 +291,6 @@ def test_a_restored_optimizer_continues_bit_identically(spec, dtype):
 
 
 def test_the_torch_flavour_refuses_float16_weights():
-    with pytest.raises(ProtocolError) as err:
+    with pytest.raises(REFUSALS) as err:
         Optimizer({"name": "adam", "flavor": "torch"}, {"w": np.zeros(3, np.float16)})
-    assert err.value.status == 422 and "float16" in err.value.detail
+    assert status_of(err.value) == 422 and "float16" in err.value.detail

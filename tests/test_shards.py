@@ -21,7 +21,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from cluster.processes import LocalCluster, free_port, wait_for
-from ps_service.optimizers import Optimizer
+from ps_service.core.optimizers import Optimizer
 from shared import frame, shards
 from tests.clusters import closed_rounds, final_weights, run_job
 from tests.live_ps import live_ps, state_hash

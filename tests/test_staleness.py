@@ -1,4 +1,4 @@
-"""The async and SSP modes' state machine (ps_service/staleness.py), driven by simulation with an injected clock.
+"""The async and SSP modes' state machine (ps_service/core/staleness.py), driven by simulation with an injected clock.
 
 :class:`PS` below is the push path phase 2 puts in the core, in miniature: classify, then apply an accepted
 gradient on arrival with the PS's optimizer and bump the global step.
@@ -13,9 +13,9 @@ import pytest
 from hypothesis import given, settings, target
 from hypothesis import strategies as st
 
-from ps_service.model import ModelState
-from ps_service.optimizers import Optimizer
-from ps_service.staleness import BoundedStaleness
+from ps_service.core.model import ModelState
+from ps_service.core.optimizers import Optimizer
+from ps_service.core.staleness import BoundedStaleness
 from shared.protocol import ModelInit, PushStatus
 
 W0 = {"b": np.zeros((2,), np.float32), "w": np.linspace(-1, 1, 6, dtype=np.float32).reshape(3, 2)}

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from ps_service import torch_rules
-from ps_service.fma import fma
-from ps_service.optimizers import Optimizer
+from ps_service.core import torch_rules
+from ps_service.core.fma import fma
+from ps_service.core.optimizers import Optimizer
 from syncps.spec import optimizer_spec
 
 STEPS = 12

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from ps_service.optimizers import Touched
+from ps_service.core.optimizers import Touched
 from ps_service.transport.deltas import WeightDeltas
 from shared import compression as C, frame, weight_deltas as wd
 from shared.errors import ProtocolError

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from ps_service.checkpoint import NAME_RE, CheckpointError, checkpoint_name, decode, list_checkpoints
-from ps_service.model import check_weights
+from ps_service.core.model import check_weights
 from ps_service.sharding import rollback
 from ps_service.sharding.holds import Holds
 from ps_service.sharding.links import Links

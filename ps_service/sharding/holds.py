@@ -4,12 +4,12 @@ No I/O, no clock. Contract:
 
 - :func:`hold_tensors` checks a push's pieces exactly as the core checks a push (names, exact dtypes,
   shapes: 422 ``tensor_mismatch``; NaN/Inf: 422 ``nonfinite_gradient``) before anything changes, and
-  returns arrays the shard owns: a same-host push (:class:`~ps_service.accumulator.Borrowed`) is read once
+  returns arrays the shard owns: a same-host push (:class:`~ps_service.core.accumulator.Borrowed`) is read once
   into a buffer of the PS's own, checked as read, then its file's marker is checked again.
 - :class:`Holds` keeps one held push per worker (the newest: a later push replaces it).
 - :func:`apply_round` (a follower, told by the coordinator "apply round s with contributors C") sums the
   held pieces of C in (rank, worker_id) order exactly as the coordinator's round does
-  (:class:`~ps_service.accumulator.Accumulator`), steps the same optimizer once with the coordinator's
+  (:class:`~ps_service.core.accumulator.Accumulator`), steps the same optimizer once with the coordinator's
   ``mean_of``, bumps the global step, and drops every hold of step <= s. An apply of a round already applied
   is answered as done (the coordinator retries); one ahead of the shard, or naming a gradient the shard does
   not hold, is refused (409) and changes nothing: the shard never mixes steps.
@@ -21,7 +21,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from ps_service.accumulator import Accumulator, Borrowed, finite_or_refuse, read_checked, validate
+from ps_service.core.accumulator import Accumulator, Borrowed, finite_or_refuse, read_checked, validate
 from shared.errors import ProtocolError
 from shared.protocol import PushRequest
 

@@ -7,7 +7,7 @@ new step and compares the weights with the snapshot bit for bit: the tensors wit
 (``shared.weight_deltas.worth_sparse``; the compare stops once there are more) keep them (the answer's sparse
 tensors), then the snapshot takes the new values (only the changed entries are copied). ``base`` is the step the
 changes are from. When the new step is one optimizer apply past the previous one and that apply updated a tensor
-as entries (``ps_service.optimizers.Touched``: SGD on a round of top-k pushes), the entries it says it changed are
+as entries (``ps_service.core.optimizers.Touched``: SGD on a round of top-k pushes), the entries it says it changed are
 taken as they are, with the values it wrote there: no compare, no gather, O(k), the same indices and bits. That
 tensor's snapshot is then dropped rather than brought up to date (a scatter into 40 MB at 1e7): as long as every
 step is such an apply none is needed; a step that is not (another optimizer, a restore) sends that tensor dense
@@ -30,7 +30,7 @@ from shared import weight_deltas as wd
 from shared.compression import U32
 
 if TYPE_CHECKING:
-    from ps_service.optimizers import Touched
+    from ps_service.core.optimizers import Touched
 
 
 class WeightDeltas:

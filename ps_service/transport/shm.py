@@ -13,9 +13,9 @@ Contract:
   pattern, regular file of this user with one link, no symlink, kind ``G``, exact size, matching nonce,
   the model's frame header), and never the PS's own weights file. The worker then unlinks it.
 - :meth:`ShmHub.gradients` checks the worker's file holds the push (its marker) and hands it to the core
-  as a :class:`ps_service.accumulator.Borrowed`: read-only views of the file (mapped at attach), a source
+  as a :class:`ps_service.core.accumulator.Borrowed`: read-only views of the file (mapped at attach), a source
   of pooled buffers of the PS's own, and the marker re-check. The core reads it exactly once, checking what
-  it reads (ps_service/accumulator.py), so what it applies is what it checked, whatever the worker writes
+  it reads (ps_service/core/accumulator.py), so what it applies is what it checked, whatever the worker writes
   into its file; buffers are reused once no round holds them (a fresh 40 MB one costs page faults).
 - Refusals: 409 ``shm_unavailable`` (the worker then uses plain HTTP), 409 ``shm_not_attached`` /
   ``shm_torn`` (attach again, or push over HTTP), 400 for malformed names.
@@ -30,7 +30,7 @@ import secrets
 
 import numpy as np
 
-from ps_service.accumulator import Borrowed
+from ps_service.core.accumulator import Borrowed
 from shared import frame, refs, shm
 from shared.errors import ProtocolError, bad_request
 
@@ -192,7 +192,7 @@ class ShmHub:
 
     def gradients(self, worker_id: str, seq: object) -> Borrowed:
         """One push's gradients, still in the worker's file: the core reads them once, when it takes the push,
-        into buffers of the PS's own (:class:`ps_service.accumulator.Borrowed`), and checks what it read."""
+        into buffers of the PS's own (:class:`ps_service.core.accumulator.Borrowed`), and checks what it read."""
         region = self.attached.get(worker_id)
         if region is None or self.layout is None:
             raise ProtocolError(409, "shm_not_attached", "this worker has no gradient file here: attach again")

@@ -41,7 +41,7 @@ import secrets
 from collections import deque
 from dataclasses import dataclass, field
 
-from shared.errors import ProtocolError
+from ps_service.core.errors import CoreError
 
 ACTIVE, EXPIRED, LEFT = "active", "expired", "left"
 MAX_NAME_LEN = 128
@@ -199,7 +199,7 @@ class Membership:
     def register(self, name: str, now: float) -> tuple[Member, bool]:
         """(member, rejoined): the member for ``name``, now active with a fresh lease."""
         if not isinstance(name, str) or not name.strip() or len(name) > MAX_NAME_LEN:
-            raise ProtocolError(400, "bad_name", f"worker name must be a non-empty string of at most {MAX_NAME_LEN} chars")
+            raise CoreError("bad_name", f"worker name must be a non-empty string of at most {MAX_NAME_LEN} chars")
         m = self.by_name.get(name)
         if m is None:
             m = Member(secrets.token_hex(8), name, self._free_rank(), ACTIVE, now, now, now + self.lease_seconds)
@@ -218,7 +218,7 @@ class Membership:
     def get(self, worker_id: str) -> Member:
         m = self.by_id.get(worker_id) if isinstance(worker_id, str) else None
         if m is None:
-            raise ProtocolError(404, "unknown_worker", "no worker with this id; register again (POST /v1/workers)")
+            raise CoreError("unknown_worker", "no worker with this id; register again (POST /v1/workers)")
         return m
 
     def touch(self, worker_id: str, now: float) -> Member:
@@ -231,7 +231,7 @@ class Membership:
         """The member, if active: 404 ``unknown_worker``, 409 ``not_active`` (it must register again) otherwise."""
         m = self.get(worker_id)
         if m.state != ACTIVE:
-            raise ProtocolError(409, "not_active", f"worker {m.name!r} is {m.state}; register again (POST /v1/workers)")
+            raise CoreError("not_active", f"worker {m.name!r} is {m.state}; register again (POST /v1/workers)")
         return m
 
     def renew(self, m: Member, now: float) -> None:

@@ -56,9 +56,9 @@ from typing import Callable, Iterable, Mapping
 
 import numpy as np
 
-from ps_service import cores
+from ps_service.core import cores
 from shared.compression import F32, SparseTensor, dense
-from shared.errors import unprocessable
+from ps_service.core.errors import CoreError
 
 Key = tuple[int, str]  # (rank, worker_id): the order of the sum
 _TOP: Key = (float("inf"), "")  # after every key
@@ -190,15 +190,15 @@ def validate(weights: Mapping[str, np.ndarray], grads: Mapping[str, np.ndarray],
     missing, extra = weights.keys() - grads.keys(), grads.keys() - weights.keys()
     if missing or extra:
         name = sorted(missing or extra)[0]
-        raise unprocessable("tensor_mismatch", f"tensor {name!r} is {'missing' if missing else 'not in the model'}")
+        raise CoreError("tensor_mismatch", f"tensor {name!r} is {'missing' if missing else 'not in the model'}")
     for name, w in weights.items():
         g = grads[name]
         if not isinstance(g, (np.ndarray, SparseTensor)) or g.dtype != w.dtype:
             got = _dtype(g.dtype) if isinstance(g, (np.ndarray, SparseTensor)) else type(g).__name__
-            raise unprocessable("tensor_mismatch", f"tensor {name!r} is {got}, the model's is {_dtype(w.dtype)}: "
+            raise CoreError("tensor_mismatch", f"tensor {name!r} is {got}, the model's is {_dtype(w.dtype)}: "
                                                    "a gradient must have its weight's dtype")
         if g.shape != w.shape:
-            raise unprocessable("tensor_mismatch",
+            raise CoreError("tensor_mismatch",
                                 f"tensor {name!r} has shape {list(g.shape)}, the model has {list(w.shape)}")
     if not check_finite:
         return math.inf
@@ -217,13 +217,13 @@ def finite_or_refuse(nonfinite: str | None, nonfinite_policy: str) -> bool:
     """True if ``nonfinite`` is None (no tensor has NaN/Inf); else 422 under policy ``reject``, False under ``skip``."""
     if nonfinite is not None:
         if nonfinite_policy == "reject":
-            raise unprocessable("nonfinite_gradient", f"tensor {nonfinite!r} has NaN or Inf values")
+            raise CoreError("nonfinite_gradient", f"tensor {nonfinite!r} has NaN or Inf values")
         return False
     return True
 
 
 def _add_into(acc: np.ndarray, g: np.ndarray) -> None:
-    """``acc += g`` over the cores when both are C-contiguous (:func:`ps_service.cores.split`; element-wise: the same
+    """``acc += g`` over the cores when both are C-contiguous (:func:`ps_service.core.cores.split`; element-wise: the same
     bits), else as numpy does it."""
     if not (acc.flags.c_contiguous and g.flags.c_contiguous and acc.shape == g.shape):
         np.add(acc, g, out=acc)

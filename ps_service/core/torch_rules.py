@@ -26,7 +26,7 @@ torch runs for CPU tensors), operation by operation, in the weight's dtype:
       a = fma(g, g, a);  w = w + (-clr * g) / (sqrt(a) + eps)
 
 Scalars are computed as torch computes them (Python floats) and then rounded to the weight's dtype,
-as torch's kernels do; ``fma`` is a fused multiply-add (:mod:`ps_service.fma`), which torch's CPU
+as torch's kernels do; ``fma`` is a fused multiply-add (:mod:`ps_service.core.fma`), which torch's CPU
 kernels use for ``add(alpha=)``, ``lerp`` and ``addcmul``. SGD is therefore bit-identical to torch.
 ``sqrt`` is correctly rounded here, while torch's CPU ``sqrt`` is MKL's VML (high-accuracy mode, not
 correctly rounded): Adam and Adagrad differ from torch by about one ulp per step where they differ.
@@ -37,7 +37,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ps_service.fma import fma
+from ps_service.core.fma import fma
 
 #: the square root the rules use (correctly rounded; a test swaps in torch's to show it is the only difference)
 sqrt = np.sqrt

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
-from ps_service.rounds import CloseRule
+from ps_service.core.rounds import CloseRule
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class CoreConfig:
     #: "reject" (422) or "skip" (counted, not applied) for NaN/Inf gradients
     nonfinite_policy: str = "reject"
     max_rounds_kept: int = 1000
-    #: "sync" (the barrier), "async" or "ssp" (each gradient applied on arrival: ps_service/staleness.py)
+    #: "sync" (the barrier), "async" or "ssp" (each gradient applied on arrival: ps_service/core/staleness.py)
     mode: str = "sync"
     #: ssp's bound s (per-worker clocks)
     ssp_staleness: int = 3

@@ -2,9 +2,9 @@
 
 Nothing here does I/O or reads a clock: every entry point takes ``now`` (seconds, monotonic)
 and returns what happened; the routes are thin drivers and the tests drive it by simulation.
-The parts: :mod:`ps_service.membership` (names, ranks, leases, waits), :mod:`ps_service.rounds`
-(the open round, its closing rule, the round record), :mod:`ps_service.accumulator` (gradient
-validation, the rank-order sum), :mod:`ps_service.model` (weights, optimizer, global step).
+The parts: :mod:`ps_service.core.membership` (names, ranks, leases, waits), :mod:`ps_service.core.rounds`
+(the open round, its closing rule, the round record), :mod:`ps_service.core.accumulator` (gradient
+validation, the rank-order sum), :mod:`ps_service.core.model` (weights, optimizer, global step).
 Cost (issue 17), K members: a push, heartbeat or wait does amortised O(log K) work, a tick
 O(log K) per lease that ended or was renewed (the parts keep their counts, heaps and orders up
 to date at each change); only opening and closing a round (once per round), a newcomer joining
@@ -21,8 +21,8 @@ Barrier semantics (TensorFlow's SyncReplicasOptimizer, done right; docs/protocol
   a join: the round it dropped out of does not wait for it again.
 - Leases: a member silent for ``lease_seconds`` is expired by ``tick`` and stops being waited
   for at once, unless it waits on the barrier (``begin_wait`` .. ``end_wait``: a long-poll pull), or the PS
-  has heard from no worker at all for half a lease (it was cut off or paused: :mod:`ps_service.membership`).
-- A round closes by :class:`ps_service.rounds.CloseRule`: elastic, when every live eligible
+  has heard from no worker at all for half a lease (it was cut off or paused: :mod:`ps_service.core.membership`).
+- A round closes by :class:`ps_service.core.rounds.CloseRule`: elastic, when every live eligible
   member pushed; fixed R, at the first R, or, R out of reach, with what the live members bring
   (at least ``min_replicas``); at ``round_timeout`` with ``min_replicas``. Its gradients are
   summed in rank order, averaged (``aggregation="mean"``) or not, one optimizer step,
@@ -40,8 +40,8 @@ Barrier semantics (TensorFlow's SyncReplicasOptimizer, done right; docs/protocol
   are active). ``max_steps``: at that step the job is done.
 
 Modes (``config.mode``): the above is ``sync``. In ``async`` and ``ssp`` no round ever opens: each accepted
-gradient is applied on arrival (:mod:`ps_service.on_arrival`), the clocks, the SSP bound and the staleness
-records are ``self.modes`` (:class:`ps_service.staleness.BoundedStaleness`), fed every join, leave and
+gradient is applied on arrival (:mod:`ps_service.core.on_arrival`), the clocks, the SSP bound and the staleness
+records are ``self.modes`` (:class:`ps_service.core.staleness.BoundedStaleness`), fed every join, leave and
 expiry; :meth:`may_pull` is the SSP gate of a worker's pull.
 """
 from __future__ import annotations
@@ -53,15 +53,15 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from ps_service import on_arrival
-from ps_service.accumulator import Accumulator, finite_or_refuse, validate
-from ps_service.config import CoreConfig
-from ps_service.membership import ACTIVE, Member, Membership
-from ps_service.model import ModelState
-from ps_service.rates import RateMeter
-from ps_service.rounds import Arrival, Progress, Round, RoundRecord
-from ps_service.staleness import BoundedStaleness
-from shared.errors import ProtocolError, unprocessable
+from ps_service.core import on_arrival
+from ps_service.core.accumulator import Accumulator, finite_or_refuse, validate
+from ps_service.core.config import CoreConfig
+from ps_service.core.membership import ACTIVE, Member, Membership
+from ps_service.core.model import ModelState
+from ps_service.core.rates import RateMeter
+from ps_service.core.rounds import Arrival, Progress, Round, RoundRecord
+from ps_service.core.staleness import BoundedStaleness
+from ps_service.core.errors import CoreError
 from shared.protocol import JobState, PushRequest, PushStatus
 
 RECENT_STEPS = 16  # per-worker memory of pushed steps, for duplicate detection
@@ -383,14 +383,14 @@ class ParameterServerCore(ModelState):
     def push(self, req: PushRequest, now: float) -> PushResult:
         """Check, classify, count and (if accepted) take a push; its tensors are the core's from now on."""
         if not self.initialized:
-            raise ProtocolError(409, "not_initialized", "the model is not initialised yet (PUT /v1/model)")
+            raise CoreError("not_initialized", "the model is not initialised yet (PUT /v1/model)")
         m = self.members.get(req.worker_id)
         if m.state != ACTIVE:
-            raise ProtocolError(409, "not_active", f"worker {m.name!r} is {m.state}; register again (POST /v1/workers)")
+            raise CoreError("not_active", f"worker {m.name!r} is {m.state}; register again (POST /v1/workers)")
         if req.step > self.global_step:
-            raise unprocessable("future_step", f"step {req.step} is ahead of the global step {self.global_step}")
+            raise CoreError("future_step", f"step {req.step} is ahead of the global step {self.global_step}")
         if self.modes is None and req.step == self.global_step and self.round is None and not self.done:
-            raise ProtocolError(409, "not_started", "training has not started (waiting for workers)")
+            raise CoreError("not_started", "training has not started (waiting for workers)")
         policy, borrowed = self.config.nonfinite_policy, req.borrowed
         magnitude = validate(self.weights, req.tensors, policy,  # every check first
                              check_finite=borrowed is None and not req.finite_checked)

@@ -1,11 +1,11 @@
 """The push path of ``PS_MODE=async|ssp``: each accepted gradient is applied when it arrives. Pure, no I/O.
 
 :class:`ps_service.core.ParameterServerCore` calls these after its common checks (model initialised, member
-active, no future step, the gradient's layout); :class:`ps_service.staleness.BoundedStaleness` (``core.modes``)
+active, no future step, the gradient's layout); :class:`ps_service.core.staleness.BoundedStaleness` (``core.modes``)
 decides. Contract:
 
 - :func:`classify`: refuses a push before the start (409 ``not_started``); reads a borrowed (same-host)
-  gradient once into the PS's memory (:func:`ps_service.accumulator.read_checked`), checking what it reads,
+  gradient once into the PS's memory (:func:`ps_service.core.accumulator.read_checked`), checking what it reads,
   then confirms the file still held that push (409 ``shm_torn``) and applies the NaN/Inf policy (422 under
   ``reject``): every refusal comes before any state changes. Then the machine classifies (``duplicate``,
   ``skipped``, ``stale``, ``accepted``). Once the job is done a push is ``stale``: nothing applied, its
@@ -21,11 +21,11 @@ from typing import Mapping
 
 import numpy as np
 
-from ps_service.accumulator import finite_or_refuse, read_checked
-from ps_service.membership import Member
-from ps_service.staleness import Verdict
+from ps_service.core.accumulator import finite_or_refuse, read_checked
+from ps_service.core.membership import Member
+from ps_service.core.staleness import Verdict
 from shared import compression
-from shared.errors import ProtocolError
+from ps_service.core.errors import CoreError
 from shared.protocol import PushRequest, PushStatus
 
 
@@ -33,7 +33,7 @@ def classify(core, m: Member, req: PushRequest, finite: bool, now: float) -> tup
     """The machine's verdict on a push whose layout is valid (``finite``: its values were checked finite, or
     it is borrowed and is checked here), and the gradient the PS owns."""
     if not core.started:
-        raise ProtocolError(409, "not_started", "training has not started (waiting for workers)")
+        raise CoreError("not_started", "training has not started (waiting for workers)")
     grads, borrowed = {k: compression.dense(g) for k, g in req.tensors.items()}, req.borrowed
     if borrowed is not None:
         grads = borrowed.buffer()

@@ -5,7 +5,7 @@ Pure, no I/O, no clock: who is alive and what time it is are arguments.
 The open :class:`Round` ``g`` has a fixed *eligible* set (worker_id -> rank, chosen when it opens;
 it grows only when the round cannot close without a newcomer). An eligible member counts unless it
 came back mid-round (``gone``: it registered again; the round does not wait for it again). Its
-*contributions* are the accepted gradients (in its :class:`~ps_service.accumulator.Accumulator`)
+*contributions* are the accepted gradients (in its :class:`~ps_service.core.accumulator.Accumulator`)
 plus the pushes skipped for NaN/Inf (``skipped``: done, nothing applied). *Awaited* are the live
 counted members that have contributed nothing yet.
 
@@ -41,8 +41,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Callable
 
-from ps_service.accumulator import Accumulator, Borrowed, Key, Taken
-from ps_service.stragglers import Straggler, straggler
+from ps_service.core.accumulator import Accumulator, Borrowed, Key, Taken
+from ps_service.core.stragglers import Straggler, straggler
 
 CLOSE_REASONS = ("full", "membership", "deadline", "unreachable")
 
@@ -195,7 +195,7 @@ class Round:
                magnitude: float = math.inf) -> None:
         """An accepted gradient (or what :meth:`read` made of it, just before); ``eager``: every eligible member
         may still push (elastic), so the sum can start on the lowest ranks before they all are in. ``magnitude``:
-        the bound :func:`~ps_service.accumulator.validate` gave (:meth:`Accumulator.apply`)."""
+        the bound :func:`~ps_service.core.accumulator.validate` gave (:meth:`Accumulator.apply`)."""
         wid = arrival.worker_id
         before = self.standing(wid)
         self.acc.apply(wid, self.eligible[wid], grads, self._pending(wid, eager), magnitude)

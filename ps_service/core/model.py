@@ -19,9 +19,9 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from ps_service.optimizers import HYPERPARAMS, TORCH_HYPERPARAMS, Optimizer, normalize_spec
+from ps_service.core.optimizers import HYPERPARAMS, TORCH_HYPERPARAMS, Optimizer, normalize_spec
 from shared.codec import FLOAT_DTYPES, dtype_name
-from shared.errors import ProtocolError, unprocessable
+from ps_service.core.errors import CoreError
 from shared.protocol import ModelInit
 
 
@@ -30,10 +30,10 @@ def check_weights(tensors: Mapping[str, np.ndarray]) -> None:
     would make every update of it NaN (else 422 ``nonfinite_weights``)."""
     for name, arr in tensors.items():
         if dtype_name(arr.dtype) not in FLOAT_DTYPES:
-            raise unprocessable("bad_dtype", f"tensor {name!r}: model weights must be floating point")
+            raise CoreError("bad_dtype", f"tensor {name!r}: model weights must be floating point")
     for name, arr in tensors.items():
         if not np.isfinite(arr).all():
-            raise unprocessable("nonfinite_weights", f"tensor {name!r}: initial weights must be finite (no NaN or Inf)")
+            raise CoreError("nonfinite_weights", f"tensor {name!r}: initial weights must be finite (no NaN or Inf)")
 
 
 class ModelState:
@@ -66,7 +66,7 @@ class ModelState:
     def init_model(self, init: ModelInit, now: float) -> None:
         """First caller wins; later ones get 409 and must pull."""
         if self.initialized:
-            raise ProtocolError(409, "already_initialized", f"the model is initialised (global step {self.global_step}); pull it")
+            raise CoreError("already_initialized", f"the model is initialised (global step {self.global_step}); pull it")
         check_weights(init.tensors)
         spec = self.optimizer_spec(init.optimizer)
         weights = {k: np.array(v, copy=True) for k, v in sorted(init.tensors.items())}
@@ -92,7 +92,7 @@ class ModelState:
     def model_state(self) -> dict[str, Any]:
         """global_step, weights and optimizer (spec, iterations, slots), arrays copied."""
         if not self.initialized:
-            raise ProtocolError(409, "not_initialized", "nothing to checkpoint before the model is initialised")
+            raise CoreError("not_initialized", "nothing to checkpoint before the model is initialised")
         opt = self.optimizer
         return {
             "global_step": self.global_step,

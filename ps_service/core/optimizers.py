@@ -1,7 +1,7 @@
 """Optimizers that live on the PS, in two flavours: TensorFlow 1.x's (the default) and torch.optim's.
 
 A spec is ``{"name", "learning_rate", <hyper-parameters>}``, plus ``"flavor": "torch"`` for
-torch's formulas (:mod:`ps_service.torch_rules`). docs/protocol.md's optimizer table and docs/torch.md
+torch's formulas (:mod:`ps_service.core.torch_rules`). docs/protocol.md's optimizer table and docs/torch.md
 list every formula; the TF1 ones (``tf.compat.v1.train``, kernels of ``training_ops.cc``):
 
 - ``sgd``:      w -= g * lr
@@ -36,9 +36,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ps_service import cores, torch_rules
+from ps_service.core import cores, torch_rules
 from shared.compression import SparseTensor
-from shared.errors import unprocessable
+from ps_service.core.errors import CoreError
 
 #: names of tensors that are set to the round's aggregate instead of being stepped
 BUFFER_PREFIX = "buffer:"
@@ -58,7 +58,7 @@ FLAVORS = ("tf1", "torch")
 
 def _number(name: str, key: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise unprocessable("bad_optimizer", f"{name}.{key} must be a finite number >= 0")
+        raise CoreError("bad_optimizer", f"{name}.{key} must be a finite number >= 0")
     return float(value)
 
 
@@ -67,11 +67,11 @@ def normalize_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
     only when it is torch). Idempotent."""
     flavor = spec.get("flavor", "tf1")
     if flavor not in FLAVORS:
-        raise unprocessable("bad_optimizer", f"flavor {str(flavor)[:32]!r} is not one of {list(FLAVORS)}")
+        raise CoreError("bad_optimizer", f"flavor {str(flavor)[:32]!r} is not one of {list(FLAVORS)}")
     table = TORCH_HYPERPARAMS if flavor == "torch" else HYPERPARAMS
     name = spec.get("name", "sgd")
     if name not in table:
-        raise unprocessable("bad_optimizer", f"optimizer {str(name)[:32]!r} is not one of {sorted(table)}"
+        raise CoreError("bad_optimizer", f"optimizer {str(name)[:32]!r} is not one of {sorted(table)}"
                                              f" (flavor {flavor})")
     if flavor == "torch" and name in ("sgd", "momentum"):  # one torch optimizer, named after its slots as in TF1
         momentum = spec.get("momentum", 0.0)
@@ -80,11 +80,11 @@ def normalize_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
     defaults = table[name]
     unknown = set(spec) - {"name", "learning_rate", "flavor"} - set(defaults)
     if unknown:
-        raise unprocessable("bad_optimizer", f"optimizer {name} ({flavor}) has no settings {sorted(map(str, unknown))}")
+        raise CoreError("bad_optimizer", f"optimizer {name} ({flavor}) has no settings {sorted(map(str, unknown))}")
     out: dict[str, Any] = {"name": name, **({"flavor": "torch"} if flavor == "torch" else {})}
     lr = spec.get("learning_rate", defaults.get("learning_rate", 0.01))
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
-        raise unprocessable("bad_optimizer", "learning_rate must be a finite number > 0")
+        raise CoreError("bad_optimizer", "learning_rate must be a finite number > 0")
     out["learning_rate"] = float(lr)
     for key, default in defaults.items():
         if key == "learning_rate":
@@ -92,7 +92,7 @@ def normalize_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
         value = spec.get(key, default)
         if isinstance(default, bool):
             if not isinstance(value, bool):
-                raise unprocessable("bad_optimizer", f"{name}.{key} must be a boolean")
+                raise CoreError("bad_optimizer", f"{name}.{key} must be a boolean")
             out[key] = value
         else:
             out[key] = _number(name, key, value)
@@ -103,13 +103,13 @@ def normalize_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
 def _check(s: dict[str, Any]) -> None:
     name = s["name"]
     if name in ("adam", "adamw") and not (s["beta1"] < 1 and s["beta2"] < 1):
-        raise unprocessable("bad_optimizer", f"{name} needs beta1, beta2 < 1")
+        raise CoreError("bad_optimizer", f"{name} needs beta1, beta2 < 1")
     if name == "adam" and "flavor" not in s and s["epsilon"] <= 0:
-        raise unprocessable("bad_optimizer", "adam needs epsilon > 0")
+        raise CoreError("bad_optimizer", "adam needs epsilon > 0")
     if name == "adagrad" and "flavor" not in s and s["initial_accumulator_value"] <= 0:
-        raise unprocessable("bad_optimizer", "adagrad needs initial_accumulator_value > 0")
+        raise CoreError("bad_optimizer", "adagrad needs initial_accumulator_value > 0")
     if "flavor" in s and s.get("nesterov") and (s["momentum"] <= 0 or s["dampening"] != 0):
-        raise unprocessable("bad_optimizer", "nesterov needs a momentum > 0 and dampening 0 (as torch.optim.SGD)")
+        raise CoreError("bad_optimizer", "nesterov needs a momentum > 0 and dampening 0 (as torch.optim.SGD)")
 
 
 #: elements per chunk of the fused mean-and-SGD pass (three arrays' chunks stay in the cache)
@@ -125,7 +125,7 @@ def _fusable(w: np.ndarray, g: np.ndarray) -> bool:
 
 
 def _sgd_mean(w: np.ndarray, g: np.ndarray, n: int, lr) -> None:
-    """``g /= n; g *= lr; w -= g`` (TF1's SGD on the mean), over the cores (:func:`ps_service.cores.split`: the
+    """``g /= n; g *= lr; w -= g`` (TF1's SGD on the mean), over the cores (:func:`ps_service.core.cores.split`: the
     workers wait for this, their cores idle); above :data:`WHOLE_BYTES` a part one chunk at a time: one pass over
     memory. Element-wise: the same bits however it is cut."""
     wf, gf = w.reshape(-1), g.reshape(-1)
@@ -181,7 +181,7 @@ class Optimizer:
         self.torch = self.spec.get("flavor") == "torch"
         odd = [k for k, w in weights.items() if self.torch and w.dtype not in (np.float32, np.float64)]
         if odd:
-            raise unprocessable("bad_optimizer", f"torch's formulas run on float32 and float64 tensors, "
+            raise CoreError("bad_optimizer", f"torch's formulas run on float32 and float64 tensors, "
                                                  f"not {weights[odd[0]].dtype} ({odd[0]!r})")
         self.iterations = 0
         fill = self.spec.get("initial_accumulator_value", 0.0) if self.name == "adagrad" else 0.0
