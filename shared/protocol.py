@@ -70,16 +70,12 @@ class PushRequest:
     loss: float | None = None
     num_examples: int | None = None
     timings: PhaseTimes = field(default_factory=PhaseTimes)
-    #: a ps_service.core.accumulator.Borrowed when ``tensors`` are views of memory the sender may still rewrite (a
-    #: same-host file): read once, checked as read, when the core takes the push; None: they are the PS's own
-    borrowed: Any = None
-    #: the values were checked for NaN/Inf already, in memory nobody else writes (a shard's held pieces): the
-    #: core checks only their layout
+    #: the values were checked for NaN/Inf already, in memory nobody else writes (a same-host push copied and
+    #: checked as read, a top-k push's finite values, a shard's held pieces): the core checks only their layout
     finite_checked: bool = False
 
-    def with_tensors(self, tensors: Mapping[str, np.ndarray], borrowed: Any = None,
-                     finite_checked: bool = False) -> "PushRequest":
-        return PushRequest(self.worker_id, self.step, tensors, self.loss, self.num_examples, self.timings, borrowed,
+    def with_tensors(self, tensors: Mapping[str, np.ndarray], finite_checked: bool = False) -> "PushRequest":
+        return PushRequest(self.worker_id, self.step, tensors, self.loss, self.num_examples, self.timings,
                            finite_checked)  # every field: a test fails if one is added and not passed on
 
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ps_service.core.accumulator import Accumulator, Borrowed
+from ps_service.core.accumulator import Accumulator
 from ps_service.core import CoreConfig, ParameterServerCore
 from shared.compression import SparseTensor
 from shared.compression import dense as compression_dense
@@ -481,39 +481,6 @@ def rank_order_sum(grads: list[dict], name: str) -> np.ndarray:
     return out
 
 
-@settings(max_examples=60, deadline=None)
-@given(n=st.integers(1, 6), eager=st.booleans(), data=st.data())
-def test_borrowed_gradients_read_once_give_the_same_bits(n, eager, data):
-    """Gradients in memory their sender may rewrite (same-host files) are checked where they are when taken, then
-    summed from there in rank order, the sum checked as made (the first two together, out of their files, when
-    both are borrowed). Any arrival order, any mix with owned gradients: the sum is bit-identical to the
-    rank-order sum."""
-    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
-    g = [{k: rng.standard_normal(v.shape).astype(np.float32) * np.float32(10.0 ** rng.integers(-3, 3))
-          for k, v in W0.items()} for _ in range(n)]
-    order = data.draw(st.permutations(range(n)))
-    borrowed = data.draw(st.lists(st.booleans(), min_size=n, max_size=n))
-    acc, arrived = Accumulator(tuple(W0), "mean"), set()
-    for i in order:
-        arrived.add(i)
-        pending = [(j, f"w{j}") for j in range(n) if j not in arrived] if eager else None
-        src = {k: v.copy() for k, v in g[i].items()}
-        if borrowed[i]:
-            b = Borrowed({k: v for k, v in src.items()}, lambda: {k: np.empty_like(v) for k, v in W0.items()},
-                         lambda: None)
-            taken = acc.read(b, (i, f"w{i}"), pending) if i % 4 != 3 else acc.read(b)  # with its key: maybe a sum
-            assert taken.nonfinite is None
-            acc.apply(f"w{i}", i, taken, pending)
-        else:
-            acc.apply(f"w{i}", i, src, pending)
-    out = acc.take()
-    for k in W0:
-        expected = rank_order_sum(g, k)
-        if n > 1:
-            expected /= n
-        assert out[k].tobytes() == expected.tobytes()
-
-
 @settings(max_examples=80, deadline=None)
 @given(n=st.integers(1, 5), eager=st.booleans(), data=st.data())
 def test_sparse_top_k_gradients_are_summed_in_o_k_with_the_dense_sums_bits(n, eager, data):
@@ -540,16 +507,11 @@ def test_sparse_top_k_gradients_are_summed_in_o_k_with_the_dense_sums_bits(n, ea
         pushes.append(p)
         dense.append(d)
     order = data.draw(st.permutations(range(n)))
-    same_host = data.draw(st.lists(st.booleans(), min_size=n, max_size=n))  # a dense push from a same-host file
     acc, arrived = Accumulator(tuple(W0), "sum"), set()
     for i in order:
         arrived.add(i)
         pending = [(j, f"w{j}") for j in range(n) if j not in arrived] if eager else None
-        grads = pushes[i]
-        if same_host[i] and not isinstance(grads["w"], SparseTensor):
-            b = Borrowed(grads, lambda: {k: np.empty_like(v) for k, v in W0.items()}, lambda: None)
-            grads = acc.read(b, (i, f"w{i}"), pending)
-        acc.apply(f"w{i}", i, grads, pending)
+        acc.apply(f"w{i}", i, pushes[i], pending)
     out = acc.take()
     for k in W0:
         expected = rank_order_sum(dense, k)
@@ -572,181 +534,6 @@ def test_sparse_top_k_gradients_are_summed_in_o_k_with_the_dense_sums_bits(n, ea
         if all_sparse:
             union = np.unique(np.concatenate([p[k].indices for p in pushes]))
             assert total[k].indices.tolist() == union.tolist()
-
-
-def test_a_borrowed_gradient_that_folds_at_once_is_checked_by_the_new_running_sum_and_a_bad_one_changes_nothing():
-    """A borrowed gradient that will be folded as soon as it is taken (no lower rank still possible) is checked by
-    the new running sum, made out of the running sum and its file into another buffer: its file is read once. NaN in
-    it, or a sum that overflows: the running sum is untouched (checked alone then, as any other). A file changed
-    after that read changes nothing: what was checked is what is summed."""
-    g = [grad(i) for i in range(3)]
-    acc = Accumulator(tuple(W0), "mean")
-    acc.apply("a", 0, {k: v.copy() for k, v in g[0].items()}, pending=[])
-    before = {k: v.copy() for k, v in acc.acc.items()}
-    for bad in (np.nan, np.inf):
-        src = {k: v.copy() for k, v in g[1].items()}
-        src["b"][1] = bad
-        b = Borrowed(src, lambda: {k: np.empty_like(v) for k, v in W0.items()}, lambda: None)
-        taken = acc.read(b, (1, "b"), pending=[])
-        assert taken.nonfinite == "b" and taken.onward is None
-        assert all(acc.acc[k].tobytes() == before[k].tobytes() for k in W0)
-    src = {k: v.copy() for k, v in g[1].items()}
-    b = Borrowed(src, lambda: {k: np.empty_like(v) for k, v in W0.items()}, lambda: None)
-    taken = acc.read(b, (1, "b"), pending=[])
-    assert taken.onward is not None and all(acc.acc[k].tobytes() == before[k].tobytes() for k in W0)
-    acc.apply("b", 1, taken, pending=[])
-    src["w"][0, 0] = np.nan  # too late: the sum was made and checked when it was taken
-    acc.apply("c", 2, {k: v.copy() for k, v in g[2].items()}, pending=[])
-    out = acc.take()
-    expected = {k: (g[0][k] + g[1][k] + g[2][k]) / np.float32(3) for k in W0}
-    assert all(out[k].tobytes() == expected[k].tobytes() for k in W0) and not acc.dropped
-    acc = Accumulator(tuple(W0), "mean")  # an overflowing new sum: not the check; the in-place fold finds it
-    acc.apply("a", 0, {k: np.full_like(v, 3e38) for k, v in W0.items()}, pending=[])
-    b = Borrowed({k: np.full_like(v, 3e38) for k, v in W0.items()},
-                 lambda: {k: np.empty_like(v) for k, v in W0.items()}, lambda: None)
-    taken = acc.read(b, (1, "b"), pending=[])
-    assert taken.nonfinite is None and taken.onward is None
-    acc.apply("b", 1, taken, pending=[])
-    assert acc.take() is None and acc.spoiled and acc.overflow == "w" and not acc.dropped  # found in the final sum
-
-
-def test_a_borrowed_gradient_with_nan_or_an_overflowing_sum_is_found():
-    """NaN/Inf in a borrowed gradient is found when the core takes it, before any change; a sum that overflows
-    is found in the final sum: that sum is spoiled and the round applies nothing (never an Inf)."""
-    acc = Accumulator(tuple(W0), "mean")
-    acc.apply("a", 0, {k: np.full_like(v, 3e38) for k, v in W0.items()}, pending=[])
-    before = {k: v.copy() for k, v in acc.acc.items()}
-    for bad in (np.nan, -np.inf):
-        src = {k: np.ones_like(v) for k, v in W0.items()}
-        src["w"][2, 1] = bad
-        b = Borrowed(src, lambda: {k: np.empty_like(v) for k, v in W0.items()}, lambda: None)
-        assert acc.read(b).nonfinite == "w"
-    assert len(acc) == 1 and all(acc.acc[k].tobytes() == before[k].tobytes() for k in W0)
-    src = {k: np.full_like(v, 3e38) for k, v in W0.items()}
-    b = Borrowed(src, lambda: {k: np.empty_like(v) for k, v in W0.items()}, lambda: None)
-    taken = acc.read(b)
-    assert taken.nonfinite is None
-    acc.apply("b", 1, taken, pending=[])
-    acc.settle()
-    assert acc.spoiled and acc.overflow == "w" and not acc.dropped and acc.take() is None
-
-
-def test_a_borrowed_gradient_changed_before_it_is_summed_spoils_nothing_it_did_not_reach():
-    """A borrowed gradient that waits for a lower rank is summed later, in place, read once, the whole sum checked at
-    the end. Changed meanwhile: rewritten (the transport says so), it is dropped; either way (NaN too), once it has
-    reached the running sum, that sum is spoiled and the round applies nothing; if it was the first, it is simply
-    left out."""
-    for change in ("nan", "torn"):
-        acc = Accumulator(tuple(W0), "mean")
-        g = [grad(i) for i in range(3)]
-        src = {k: v.copy() for k, v in g[1].items()}
-        torn = []
-
-        def confirm():
-            if torn:
-                raise ProtocolError(409, "shm_torn", "rewritten")
-
-        b = Borrowed(src, lambda: {k: np.empty_like(v) for k, v in W0.items()}, confirm)
-        taken = acc.read(b)
-        assert taken.nonfinite is None
-        acc.apply("b", 1, taken, pending=[(0, "a")])
-        if change == "nan":
-            src["w"][0, 0] = np.nan
-        else:
-            torn.append(True)
-        acc.apply("a", 0, {k: v.copy() for k, v in g[0].items()}, pending=[(2, "c")])
-        acc.apply("c", 2, {k: v.copy() for k, v in g[2].items()}, pending=[])
-        acc.settle()
-        assert list(acc.dropped) == (["b"] if change == "torn" else []) and acc.spoiled and len(acc) == 3
-        assert acc.take() is None and (acc.overflow == "w") == (change == "nan")
-    # the first in rank order is read into a buffer of ours when summed: found changed, it alone is left out
-    acc = Accumulator(tuple(W0), "mean")
-    src = {k: v.copy() for k, v in g[0].items()}
-    b = Borrowed(src, lambda: {k: np.empty_like(v) for k, v in W0.items()}, lambda: None)
-    acc.apply("a", 0, acc.read(b), pending=None)
-    src["b"][1] = np.inf
-    acc.apply("c", 2, {k: v.copy() for k, v in g[2].items()}, pending=None)
-    out = acc.take()
-    assert list(acc.dropped) == ["a"] and not acc.spoiled
-    assert all(out[k].tobytes() == g[2][k].tobytes() for k in W0)
-
-
-def test_the_first_two_borrowed_gradients_are_summed_together_and_a_changed_one_is_left_out():
-    """The first two in rank order, both borrowed, are summed at once out of their files (the first waits for the
-    second). One changed since it was taken (NaN, or rewritten): it alone is left out, the other is summed, nothing
-    is spoiled. Neither changed but their sum overflows: the round applies nothing."""
-    g = [grad(i) for i in range(3)]
-
-    def borrowed(i, torn=None):
-        src = {k: v.copy() for k, v in g[i].items()}
-
-        def confirm():
-            if torn:
-                raise ProtocolError(409, "shm_torn", "rewritten")
-        return src, Borrowed(src, lambda: {k: np.empty_like(v) for k, v in W0.items()}, confirm)
-
-    for change in (None, "nan", "torn"):
-        for who in (0, 1):
-            torn = []
-            acc = Accumulator(tuple(W0), "mean")
-            srcs, bs = zip(*(borrowed(i, torn if i == who else None) for i in range(2)))
-            acc.apply("a", 0, acc.read(bs[0]), pending=[(1, "b")])
-            assert acc.acc is None  # waits for its partner
-            acc.apply("b", 1, acc.read(bs[1]), pending=[(2, "c")])
-            if change is None:
-                assert acc.acc is not None and not acc.waiting
-            acc.apply("c", 2, {k: v.copy() for k, v in g[2].items()}, pending=[])
-            if change == "nan":  # changed after the pair was summed: too late to matter
-                srcs[who]["w"][0, 0] = np.nan
-            out = acc.take()
-            expected = {k: (g[0][k] + g[1][k] + g[2][k]) / np.float32(3) for k in W0}
-            assert all(out[k].tobytes() == expected[k].tobytes() for k in W0) and not acc.dropped
-    for change in ("nan", "torn"):
-        for who in (0, 1):
-            torn = []
-            acc = Accumulator(tuple(W0), "mean")
-            srcs, bs = zip(*(borrowed(i, torn if i == who else None) for i in range(2)))
-            acc.apply("a", 0, acc.read(bs[0]), pending=None)
-            acc.apply("b", 1, acc.read(bs[1]), pending=None)
-            if change == "nan":
-                srcs[who]["b"][1] = np.inf
-            else:
-                torn.append(True)
-            out = acc.take()
-            other = g[1 - who]
-            assert list(acc.dropped) == ["ab"[who]] and not acc.spoiled
-            assert all(out[k].tobytes() == other[k].tobytes() for k in W0)
-    big = {k: np.full_like(v, 3e38) for k, v in W0.items()}
-    acc = Accumulator(tuple(W0), "mean")
-    for i, wid in enumerate("ab"):
-        b = Borrowed({k: v.copy() for k, v in big.items()}, lambda: {k: np.empty_like(v) for k, v in W0.items()},
-                     lambda: None)
-        acc.apply(wid, i, acc.read(b), pending=None)
-    assert acc.take() is None and acc.spoiled and list(acc.dropped) == ["b"]
-
-
-def test_a_torn_or_nonfinite_borrowed_push_changes_nothing_in_the_core():
-    """The core reads a borrowed push before any change: a NaN in it is a 422 (reject) and a rewrite while it was
-    read (the transport's confirm raises) is that error; either way the core's state is untouched."""
-    core, ids = make(2)
-    push(core, ids[0], 0, grad(1))
-
-    def torn():
-        raise ProtocolError(409, "shm_torn", "rewritten")
-
-    nan = grad(2)
-    nan["b"][0] = np.nan
-    for views, confirm, code in ((grad(2), torn, "shm_torn"), (nan, lambda: None, "nonfinite_gradient")):
-        b = Borrowed(views, lambda: {k: np.empty_like(v) for k, v in W0.items()}, confirm)
-        version, counts = core.version, dict(core.push_counts)
-        with pytest.raises(REFUSALS) as exc:
-            core.push(PushRequest(ids[1], 0, views, borrowed=b), 1.0)
-        assert exc.value.code == code and core.version == version and core.push_counts == counts
-        assert core.global_step == 0 and ids[1] not in core.round.acc
-    ok = grad(2)
-    b = Borrowed(ok, lambda: {k: np.empty_like(v) for k, v in W0.items()}, lambda: None)
-    assert core.push(PushRequest(ids[1], 0, ok, borrowed=b), 1.0).status is PushStatus.ACCEPTED
-    assert core.global_step == 1
 
 
 def unreachable_round(**cfg):
@@ -894,56 +681,3 @@ def test_the_finiteness_check_finds_every_nan_and_inf_wherever_it_sits(dtype):
             assert not _all_finite(h) and not _all_finite(h[at:at + 1])
 
 
-def test_the_second_of_the_first_two_borrowed_is_checked_by_their_sum_and_that_sum_is_used():
-    """Taken with its key as the second of the first two in rank order (the first borrowed and waiting), a borrowed
-    gradient is checked by summing the pair out of both files (one read of its file): that checked sum is the
-    pair's fold, bit-identical to the rank-order sum, whatever either file holds afterwards. With a NaN in it, it
-    is found as alone; a lower rank arriving later makes the pair another one: that sum is not used."""
-    g = [grad(i) for i in range(3)]
-
-    def borrowed(i):
-        src = {k: v.copy() for k, v in g[i].items()}
-        return src, Borrowed(src, lambda: {k: np.empty_like(v) for k, v in W0.items()}, lambda: None)
-
-    expected = {k: (g[1][k] + g[2][k]) / np.float32(2) for k in W0}
-    acc = Accumulator(tuple(W0), "mean")
-    s1, b1 = borrowed(1)
-    acc.apply("b", 1, acc.read(b1, (1, "b")), pending=None)
-    s2, b2 = borrowed(2)
-    taken = acc.read(b2, (2, "c"))
-    assert taken.nonfinite is None and taken.presum is not None and taken.presum[:2] == ((1, "b"), (2, "c"))
-    acc.apply("c", 2, taken, pending=None)
-    for src in (s1, s2):  # rewritten after the pair was checked: what is applied is what was checked
-        src["w"][0, 0] = np.nan
-    out = acc.take()
-    assert not acc.dropped and all(out[k].tobytes() == expected[k].tobytes() for k in W0)
-    # a NaN in the second: found as when checked alone, nothing changes
-    acc = Accumulator(tuple(W0), "mean")
-    s1, b1 = borrowed(1)
-    acc.apply("b", 1, acc.read(b1, (1, "b")), pending=None)
-    s2, b2 = borrowed(2)
-    s2["b"][0] = np.inf
-    taken = acc.read(b2, (2, "c"))
-    assert taken.nonfinite == "b" and taken.presum is None and len(acc) == 1
-    # arrived in the other order: the same pair, the same sum
-    acc = Accumulator(tuple(W0), "mean")
-    _, b2 = borrowed(2)
-    acc.apply("c", 2, acc.read(b2, (2, "c")), pending=None)
-    _, b1 = borrowed(1)
-    taken = acc.read(b1, (1, "b"))
-    assert taken.presum is not None and taken.presum[:2] == ((1, "b"), (2, "c"))
-    acc.apply("b", 1, taken, pending=None)
-    out = acc.take()
-    expected = {k: (g[1][k] + g[2][k]) / np.float32(2) for k in W0}
-    assert all(out[k].tobytes() == expected[k].tobytes() for k in W0)
-    # a lower rank arrives after the pair was summed: the first two are now (0, 1), summed as usual
-    acc = Accumulator(tuple(W0), "mean")
-    _, b1 = borrowed(1)
-    acc.apply("b", 1, acc.read(b1, (1, "b")), pending=None)
-    _, b2 = borrowed(2)
-    acc.apply("c", 2, acc.read(b2, (2, "c")), pending=None)
-    _, b0 = borrowed(0)
-    acc.apply("a", 0, acc.read(b0, (0, "a")), pending=None)
-    out = acc.take()
-    expected = {k: (g[0][k] + g[1][k] + g[2][k]) / np.float32(3) for k in W0}
-    assert all(out[k].tobytes() == expected[k].tobytes() for k in W0)

@@ -1,7 +1,7 @@
 """PS_MODE=async|ssp in the sans-IO core, by simulation: gradients applied on arrival, the SSP gate of pulls,
 membership releasing it, bad input, the end of the job, checkpoints, ranks, and the settings that go with it.
 
-The hypothesis property drives the real core (body and borrowed same-host pushes, NaN under policy skip,
+The hypothesis property drives the real core (body and same-host pushes, copied and checked as the seam hands them over, NaN under policy skip,
 retries, leaves, rejoins, lease expiries) and checks after every action that a granted pull never breaks
 the bound, and at the end that no (worker, step) was applied twice and that the weights equal a numpy float32
 SGD replay of the applied gradients in arrival order, bit for bit."""
@@ -13,7 +13,6 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from ps_service import checkpoint
-from ps_service.core.accumulator import Borrowed
 from ps_service.core.config import CoreConfig
 from ps_service.core import ParameterServerCore
 from ps_service.settings import PSSettings
@@ -39,15 +38,11 @@ def grad(seed):
     return {k: rng.standard_normal(v.shape).astype(np.float32) for k, v in W0.items()}
 
 
-def borrowed(g, confirm=lambda: None):
-    return Borrowed({k: v.copy() for k, v in g.items()}, lambda: {k: np.empty_like(v) for k, v in W0.items()}, confirm)
-
-
 def push(core, wid, step, g, now=0.0, shm=False, **kw):
-    if shm:
-        b = borrowed(g)
-        return core.push(PushRequest(wid, step, b.views, borrowed=b, **kw), now)
-    return core.push(PushRequest(wid, step, {k: v.copy() for k, v in g.items()}, **kw), now)
+    """A push as the seam hands it over: a same-host one (``shm``) copied and checked as read (finite_checked when
+    it is finite), a body one checked by the core."""
+    checked = shm and all(np.isfinite(v).all() for v in g.values())
+    return core.push(PushRequest(wid, step, {k: v.copy() for k, v in g.items()}, finite_checked=checked, **kw), now)
 
 
 def snapshot(core):
@@ -105,18 +100,14 @@ def test_ssp_gates_pulls_and_leave_or_expiry_releases_the_bound():
     assert core.modes.workers[b].clock == 3 and core.may_pull(a) and core.may_pull(b)
 
 
-def test_borrowed_push_is_read_once_before_any_change_and_bad_input_changes_nothing():
+def test_bad_input_changes_nothing():
     core, (a, b) = make(2, mode="ssp", ssp_staleness=2)
     g = grad(3)
-
-    def torn():
-        raise ProtocolError(409, "shm_torn", "rewritten")
 
     nan = grad(4)
     nan["w"][1, 1] = np.nan
     bad_shape = {"b": np.zeros(2, np.float32), "w": np.zeros((2, 3), np.float32)}
     refusals = [
-        (lambda: core.push(PushRequest(a, 0, borrowed(g, torn).views, borrowed=borrowed(g, torn)), 1.0), "shm_torn"),
         (lambda: push(core, a, 0, nan, shm=True), "nonfinite_gradient"),
         (lambda: push(core, a, 0, nan), "nonfinite_gradient"),
         (lambda: push(core, a, 0, bad_shape), "tensor_mismatch"),
@@ -128,10 +119,7 @@ def test_borrowed_push_is_read_once_before_any_change_and_bad_input_changes_noth
         with pytest.raises(REFUSALS) as exc:
             call()
         assert exc.value.code == code and snapshot(core) == before
-    b_ = borrowed(g)
-    assert core.push(PushRequest(a, 0, b_.views, borrowed=b_), 1.0).status is PushStatus.ACCEPTED
-    for v in b_.views.values():
-        v[...] = np.nan  # the worker rewrites its file afterwards: the PS applied its own copy
+    assert push(core, a, 0, g, 1.0, shm=True).status is PushStatus.ACCEPTED
     for k in W0:
         np.testing.assert_array_equal(core.weights[k], W0[k] - np.float32(LR) * g[k])
     core.leave(b, 2.0)

@@ -11,8 +11,8 @@ from shared.protocol import PhaseTimes, PushRequest
 def test_with_tensors_keeps_every_field_but_the_tensors_it_replaces():
     push = PushRequest("w1", 7, {}, 0.5, 32, PhaseTimes(0.1, 0.2, 0.3))
     grads = {"w": np.ones(3, np.float32)}
-    out = push.with_tensors(grads, borrowed="file", finite_checked=True)
-    changed = {"tensors": grads, "borrowed": "file", "finite_checked": True}
+    out = push.with_tensors(grads, finite_checked=True)
+    changed = {"tensors": grads, "finite_checked": True}
     for f in dataclasses.fields(PushRequest):  # a field added to PushRequest must be passed on by with_tensors
         assert getattr(out, f.name) is changed.get(f.name, getattr(push, f.name)), f.name
 

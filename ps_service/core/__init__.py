@@ -54,7 +54,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from ps_service.core import on_arrival
-from ps_service.core.accumulator import Accumulator, finite_or_refuse, validate
+from ps_service.core.accumulator import Accumulator, validate
 from ps_service.core.config import CoreConfig
 from ps_service.core.membership import ACTIVE, Member, Membership
 from ps_service.core.model import ModelState
@@ -363,7 +363,7 @@ class ParameterServerCore(ModelState):
 
     def _close(self, now: float, reason: str) -> None:
         r = self.round
-        r.acc.settle()  # borrowed gradients changed since they were taken are left out now (the record says so)
+        r.acc.settle()  # the sum checked: one that overflows applies nothing (the record says so)
         rec = r.record(now, reason, lambda w: self.members.by_id[w].name, self.rule.replicas_to_aggregate)
         if self.on_decided is not None:
             self.on_decided(rec)
@@ -391,20 +391,14 @@ class ParameterServerCore(ModelState):
             raise CoreError("future_step", f"step {req.step} is ahead of the global step {self.global_step}")
         if self.modes is None and req.step == self.global_step and self.round is None and not self.done:
             raise CoreError("not_started", "training has not started (waiting for workers)")
-        policy, borrowed = self.config.nonfinite_policy, req.borrowed
-        magnitude = validate(self.weights, req.tensors, policy,  # every check first
-                             check_finite=borrowed is None and not req.finite_checked)
+        magnitude = validate(self.weights, req.tensors, self.config.nonfinite_policy,  # every check first
+                             check_finite=not req.finite_checked)
         finite = magnitude is not None
-        if self.modes is not None:  # async/ssp: read (if borrowed) and classify; applied below
+        if self.modes is not None:  # async/ssp: classify; applied below
             verdict, grads = on_arrival.classify(self, m, req, finite, now)
             status = verdict.status
         else:
             status, grads = self._classify(m, req.step, finite), req.tensors
-            if borrowed is not None and status is PushStatus.ACCEPTED:  # checked where it is; summed later
-                grads = self.round.read(borrowed, m.worker_id, eager=not self.rule.replicas_to_aggregate)
-                borrowed.confirm()
-                if not finite_or_refuse(grads.nonfinite, policy):
-                    status = PushStatus.SKIPPED
         self.members.renew(m, now)  # active: checked above
         m.phase_reports += 1
         sums, t = m.phase_sums, req.timings

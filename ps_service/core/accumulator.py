@@ -19,20 +19,11 @@ Contract:
   gradient still possible (``pending``) sorts before it. When that is not known (``pending=None``:
   fixed R, whose first R arrivals win) everything waits for ``take()``. Folding early or late
   gives the same bits. The gradients not summed yet wait in a heap by key: O(log K) per gradient.
-- A :class:`Borrowed` gradient (a same-host worker's file, which its worker could rewrite) is checked where it
-  is by :meth:`Accumulator.read` before the core changes anything (its push's status), then summed from the
-  file when its turn comes, read once: the first two in rank order, both borrowed, together into a buffer of ours
-  (the first waits for the second), checked as made (:func:`read_checked`), any later one into the running sum in
-  place, checked with the whole sum at the end. When it can, the check at the push is itself the sum it is about to be part of, which
-  the fold then takes (its file read once): the pair's sum, or the running sum plus it into another buffer (the
-  running sum untouched until the push is taken). What is applied is what was checked. A gradient found changed then (NaN/Inf
-  or the file rewritten: a sender that broke the protocol) is :attr:`~Accumulator.dropped` (left out of the
-  sum and of the mean's count); if it had reached the running sum in place, or the sum overflows, the sum
-  is :attr:`~Accumulator.spoiled`: ``take()`` gives None, the round applies nothing. Same bits as owned
-  gradients otherwise.
-- **What is applied is finite.** Every sum that was added to in place unchecked (dense owned gradients, borrowed
-  ones after the first two) is read once for NaN/Inf when the round ends (:meth:`Accumulator.settle`, ``take``):
-  finite gradients can overflow when added (two float32 3e38 make inf). Not finite: :attr:`~Accumulator.spoiled`
+- One gradient type: owned arrays (dense, or a top-k push's :class:`~shared.compression.SparseTensor`). Whatever
+  carried them (a body, a same-host file: its transport copied and checked it into a buffer of the PS's own,
+  ps_service/transport/shm.py), the accumulator owns them once they are applied and never reads a sender's memory.
+- **What is applied is finite.** Every sum that was added to in place unchecked is read once for NaN/Inf when the
+  round ends (:meth:`Accumulator.settle`, ``take``): finite gradients can overflow when added (two float32 3e38 make inf). Not finite: :attr:`~Accumulator.spoiled`
   (:attr:`~Accumulator.overflow` names the tensor), the round applies nothing. That read is skipped when the
   pushes' magnitudes (``apply(..., magnitude=)``, from :func:`validate`) prove the sum cannot overflow: every
   element of the sum is at most the sum of their magnitudes, and while that stays below :data:`SUM_LIMIT` (far
@@ -52,7 +43,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping
+from typing import Iterable, Mapping
 
 import numpy as np
 
@@ -153,30 +144,6 @@ def _read_checked(src, out, base) -> str | None:
     return None
 
 
-@dataclass(frozen=True)
-class Borrowed:
-    """A gradient in memory its sender may rewrite at any time (a same-host worker's file). The accumulator
-    reads it exactly once, when it takes it (:meth:`Accumulator.read`), checking what it reads; the core
-    never keeps it. ``views``: its tensors (read-only arrays over that memory); ``buffer()``: fresh arrays of
-    the PS's own laid out alike (pooled); ``confirm()``: raises if that memory no longer held this push while
-    it was read (the transport's check)."""
-    views: Mapping[str, np.ndarray]
-    buffer: Callable[[], dict[str, np.ndarray]]
-    confirm: Callable[[], None]
-
-
-@dataclass(frozen=True)
-class Taken:
-    """What :meth:`Accumulator.read` made of a borrowed gradient: the :class:`Borrowed` itself, checked where it
-    is. ``nonfinite``: the first tensor with NaN/Inf in what was checked, None if all finite. ``presum``: (the
-    first's key, this one's key, their sum, checked) when the check was that sum; ``onward``: (this one's key, the
-    running sum it was added to, how many were in it, the new running sum, checked) when the check was that (:meth:`Accumulator.read`)."""
-    arrays: Borrowed
-    nonfinite: str | None
-    presum: tuple | None = None
-    onward: tuple | None = None
-
-
 def _dtype(dt: np.dtype) -> str:
     return dt.name if dt.isnative else dt.str
 
@@ -185,8 +152,8 @@ def validate(weights: Mapping[str, np.ndarray], grads: Mapping[str, np.ndarray],
              nonfinite_policy: str = "reject", check_finite: bool = True) -> float | None:
     """Raise 422 unless ``grads`` fits ``weights`` (names, shapes, dtypes); None if it has NaN/Inf under
     policy ``skip``, else its :func:`magnitude` (the largest of its tensors'). Reads only. ``check_finite`` False:
-    the values are checked later, as they are read (:class:`Borrowed`), or were already: only the layout is
-    checked here, and the magnitude is unknown (``math.inf``)."""
+    the values were checked already (by the transport that read them: ``PushRequest.finite_checked``): only the
+    layout is checked here, and the magnitude is unknown (``math.inf``)."""
     missing, extra = weights.keys() - grads.keys(), grads.keys() - weights.keys()
     if missing or extra:
         name = sorted(missing or extra)[0]
@@ -285,28 +252,19 @@ class Accumulator:
     #: every contributor's sort key, in arrival order
     keys: dict[str, Key] = field(default_factory=dict)
     #: gradients not summed yet, by worker id, and their keys as a heap (the next one to sum first)
-    waiting: dict[str, Mapping[str, np.ndarray]] = field(default_factory=dict)
+    waiting: dict[str, Mapping[str, np.ndarray | SparseTensor]] = field(default_factory=dict)
     queue: list[Key] = field(default_factory=list)
     #: the rank-order prefix of ``keys`` already summed into ``acc``
     folded: list[Key] = field(default_factory=list)
-    acc: dict[str, np.ndarray] | None = None
-    #: borrowed gradients found changed when summed (NaN/Inf, or rewritten: :class:`Borrowed`), by worker id:
-    #: left out of the sum and of the mean's count
-    dropped: dict[str, str] = field(default_factory=dict)
-    #: a dropped gradient had reached the running sum (in place), or the sum is not finite: the sum is not applied
+    acc: dict[str, np.ndarray | Terms] | None = None
+    #: the sum is not finite (finite gradients that overflow when added): it is not applied
     spoiled: bool = False
-    #: the first tensor of the final sum found not finite (finite gradients whose sum overflows), None if none
+    #: the first tensor of the final sum found not finite, None if none
     overflow: str | None = None
-    #: (first key, second key, their checked sum) made by :meth:`read`: the pair's sum if they are still the first two
-    _presum: tuple | None = field(default=None, repr=False)
-    #: (key, the running sum then, its count, running sum + that gradient, checked) made by :meth:`read`: used when
-    #: that gradient is folded
-    _onward: tuple | None = field(default=None, repr=False)
-    #: the running sum is known finite (made by a checked read or sum, or added to with magnitudes that cannot
-    #: overflow); False once something was added to it in place unchecked, and then :meth:`_check_sum` reads it once
-    #: when the round ends
+    #: the running sum is known finite (its additions' magnitudes cannot overflow); False once something was added
+    #: that might, and then :meth:`_check_sum` reads it once when the round ends
     _finite: bool = field(default=True, repr=False)
-    #: the magnitudes given to :meth:`apply` of the owned gradients still waiting, by worker id
+    #: the magnitudes given to :meth:`apply` of the gradients still waiting, by worker id
     _magnitudes: dict[str, float] = field(default_factory=dict, repr=False)
     #: a bound on the magnitude of every element of the running sum (the sum of its gradients' magnitudes; inf:
     #: none known)
@@ -318,80 +276,24 @@ class Accumulator:
     def __contains__(self, worker_id: object) -> bool:
         return worker_id in self.keys
 
-    def read(self, borrowed: Borrowed, key: Key | None = None, pending: Iterable[Key] | None = None) -> Taken:
-        """Check a borrowed gradient before the core takes it, where it is; nothing changes (pass the result to
-        :meth:`apply` at once, with the same ``pending``, or drop it). Alone (no ``key``), it stays borrowed: the
-        sum reads it again when its turn comes and checks what it makes (:meth:`_fold`). With ``key`` (its sort
-        key) and ``pending`` (as :meth:`apply`'s; None: unknown), the check is, when it can be, a sum this gradient
-        is about to be part of, made out of the file into a buffer of ours and checked (a finite sum has finite
-        terms), so the file is read once, not twice:
-
-        - the pair: nothing summed yet, and this one and the lowest waiting one (borrowed) are the two lowest keys so
-          far and, if ``pending`` is known, of the round: their sum, which :meth:`_fold_pair` takes if they are
-          still the first two then;
-        - onward: a running sum exists and, ``pending`` known, nothing that is waiting or still possible sorts
-          before this one (:meth:`apply` folds it at once): running sum + this one, into another buffer (the running
-          sum is not written), which :meth:`_fold_borrowed` takes.
-
-        A sum that is not finite (this one has NaN/Inf, the other changed, or they overflow): this one is checked
-        alone."""
-        if key is not None:
-            bound = None if pending is None else min(pending, default=_TOP)
-            made = self._onward_with(borrowed, key, bound) or self._presum_with(borrowed, key, bound)
-            if made is not None:
-                return made
-        return Taken(borrowed, next((n for n, g in borrowed.views.items() if not _all_finite(g)), None))
-
-    def _onward_with(self, borrowed: Borrowed, key: Key, bound: Key | None) -> Taken | None:
-        queue = self.queue
-        if (bound is None or not key < bound or self.acc is None or self.spoiled or (queue and queue[0] < key)
-                or key < self.folded[-1]):
-            return None
-        out = borrowed.buffer()
-        if read_checked(borrowed.views, out, self._dense_sum()) is not None:  # exactly _fold_borrowed's sum
-            return None  # NaN/Inf in the file, or the sum overflows: checked alone, as any other
-        return Taken(borrowed, None, onward=(key, self.acc, len(self.folded), out))
-
-    def _presum_with(self, borrowed: Borrowed, key: Key, bound: Key | None) -> Taken | None:
-        queue = self.queue
-        if self.acc is not None or self.folded or not queue or min(queue[1:3], default=_TOP) < key:
-            return None  # something is summed, nothing waits, or two waiting sort before this one
-        other_key = queue[0]
-        other = self.waiting[other_key[1]]
-        (k1, b1), (k2, b2) = sorted(((other_key, other), (key, borrowed)), key=lambda kb: kb[0])
-        if not isinstance(other, Borrowed) or (bound is not None and bound < k2):
-            return None  # a lower gradient still to come would make this sum useless
-        out = b1.buffer()
-        if read_checked(b2.views, out, b1.views) is not None:  # exactly _fold_pair's sum
-            return None
-        try:
-            other.confirm()
-        except Exception:  # the other was rewritten: the pair is summed (and that found) at its turn
-            return None
-        return Taken(borrowed, None, (k1, k2, out))
-
-    def apply(self, worker_id: str, rank: int, grads: Mapping[str, np.ndarray] | Taken,
+    def apply(self, worker_id: str, rank: int, grads: Mapping[str, np.ndarray | SparseTensor],
               pending: Iterable[Key] | None = None, magnitude: float = math.inf) -> None:
-        """Take ``worker_id``'s validated gradient (or what :meth:`read` made of it, just before); fold in what
+        """Take ``worker_id``'s validated gradient (its arrays are the accumulator's from now on); fold in what
         sorts before every key in ``pending`` (the gradients still possible; None: unknown, fold nothing yet).
         ``magnitude``: a bound on its elements' magnitude (:func:`validate`'s), which can spare the sum's check."""
         key = (rank, worker_id)
         if worker_id in self.keys or (self.folded and key < self.folded[-1]):
             raise AssertionError(f"gradient {key} is a repeat or sorts before the summed prefix {self.folded}")
         self.keys[worker_id] = key
-        self.waiting[worker_id] = grads.arrays if isinstance(grads, Taken) else grads
+        self.waiting[worker_id] = grads
         self._magnitudes[worker_id] = magnitude
-        if isinstance(grads, Taken) and grads.presum is not None:
-            self._presum = grads.presum
-        if isinstance(grads, Taken) and grads.onward is not None:
-            self._onward = grads.onward
         heapq.heappush(self.queue, key)
         if pending is not None:
             self._fold(min(pending, default=None))
 
     def take(self) -> dict[str, np.ndarray] | None:
-        """The rank-order sum (mean) of every gradient applied (None if none is left: :attr:`dropped`); the
-        accumulator is empty afterwards, but for :attr:`dropped`."""
+        """The rank-order sum (mean) of every gradient applied (None if the sum is :attr:`spoiled`); the
+        accumulator is empty afterwards."""
         out, n = self.take_sum()
         if out is not None:
             out = {name: dense(a) for name, a in out.items()}
@@ -407,22 +309,21 @@ class Accumulator:
         may write into its values)."""
         if not self.keys:
             raise AssertionError("nothing to take")
-        self._fold(None)
-        self._check_sum()
-        out, n = (None, 0) if self.spoiled else (self.acc, len(self.keys) - len(self.dropped))
-        self.keys, self.folded, self.acc, self._presum, self._onward = {}, [], None, None, None
+        self.settle()
+        out, n = (None, 0) if self.spoiled else (self.acc, len(self.keys))
+        self.keys, self.folded, self.acc = {}, [], None
         self._finite, self._magnitudes, self._bound = True, {}, 0.0
         return out, n if self.aggregation == "mean" and n > 1 else 1
 
     def settle(self) -> None:
-        """Sum every gradient still waiting and check the sum (what :meth:`take` does first): :attr:`dropped` and
-        :attr:`spoiled` are then final."""
+        """Sum every gradient still waiting and check the sum (what :meth:`take` does first): :attr:`spoiled` is
+        then final."""
         self._fold(None)
         self._check_sum()
 
     def _check_sum(self) -> None:
-        """The sum is what gets applied: unless every addition into it was checked as made, read it once for NaN/Inf
-        (finite gradients can overflow when added); not finite: :attr:`spoiled`, the round applies nothing."""
+        """The sum is what gets applied: unless its magnitudes prove it finite, read it once for NaN/Inf (finite
+        gradients can overflow when added); not finite: :attr:`spoiled`, the round applies nothing."""
         self._sparse_summed()
         if self.acc is None or self.spoiled or self._finite:
             return
@@ -431,27 +332,15 @@ class Accumulator:
         self.spoiled = self.overflow is not None
 
     def _fold(self, bound: Key | None) -> None:
-        """Sum the waiting gradients in key order, up to (not including) ``bound``. The first two, when both are
-        borrowed, are summed together out of their files into a buffer of ours (:meth:`_fold_pair`): the first
-        waits for the second when it is still to come."""
+        """Sum the waiting gradients in key order, up to (not including) ``bound``."""
         queue, waiting = self.queue, self.waiting
         while queue and (bound is None or queue[0] < bound):
-            if self.acc is None and isinstance(waiting[queue[0][1]], Borrowed):
-                nxt = min(queue[1:3], default=None)
-                if nxt is not None and (bound is None or nxt < bound) and isinstance(waiting[nxt[1]], Borrowed):
-                    self._fold_pair(heapq.heappop(queue), heapq.heappop(queue))
-                    continue
-                if bound is not None and (nxt is None or not nxt < bound):
-                    return  # the second in order is still to come: the two are summed at once then
             key = heapq.heappop(queue)
             grads, magnitude = waiting.pop(key[1]), self._magnitudes.pop(key[1], math.inf)
             self.folded.append(key)
-            if isinstance(grads, Borrowed):
-                self._bound = math.inf
-                self._fold_borrowed(key, grads)
-            elif self.acc is None:
-                self.acc, self._finite = {name: _owned(grads[name]) for name in self.names}, True  # validated
-                self._bound = magnitude
+            if self.acc is None:
+                self.acc = {name: _owned(grads[name]) for name in self.names}  # validated: finite
+                self._finite, self._bound = True, magnitude
             else:
                 self._bound += magnitude
                 self._fold_owned(grads)
@@ -485,78 +374,3 @@ class Accumulator:
         """Every :class:`Terms` of the running sum added (its tensors then arrays or entries)."""
         if self.acc is not None and any(isinstance(a, Terms) for a in self.acc.values()):
             self.acc = {name: self._summed(name, a) for name, a in self.acc.items()}
-
-    def _dense_sum(self) -> dict[str, np.ndarray] | None:
-        """The running sum with every tensor an array (entries made dense, in place of them)."""
-        self._sparse_summed()
-        acc = self.acc
-        if acc is not None and any(isinstance(a, SparseTensor) for a in acc.values()):
-            acc = self.acc = {name: dense(a) for name, a in acc.items()}
-        return acc
-
-    def _fold_pair(self, first: Key, second: Key) -> None:
-        """The running sum's start, ``first + second``, both borrowed: read once from their files into a buffer
-        of ours, checked as made. Not finite, or a file rewritten: each one that changed since it was checked is
-        :attr:`dropped` and the other read alone; if neither changed (the two overflow), the second is dropped
-        and the round applies nothing (:attr:`spoiled`), as for any overflowing sum."""
-        b1, b2 = self.waiting.pop(first[1]), self.waiting.pop(second[1])
-        self.folded += [first, second]
-        pre, self._presum = self._presum, None
-        if pre is not None and pre[:2] == (first, second):  # summed and checked when the second was taken
-            self.acc, self._finite = pre[2], True
-            return
-        out = b1.buffer()
-        bad = read_checked(b2.views, out, b1.views)
-        changed = {}
-        for key, b in ((first, b1), (second, b2)):
-            try:
-                b.confirm()
-            except Exception as exc:  # the transport's "rewritten while read" (ProtocolError)
-                changed[key[1]] = str(exc)
-            else:
-                if bad is not None and not all(_all_finite(g) for g in b.views.values()):
-                    changed[key[1]] = f"NaN/Inf in {bad}"
-        if bad is None and not changed:
-            self.acc, self._finite = out, True
-            return
-        if not changed:
-            self.dropped[second[1]] = f"changed after it was taken (its sum overflows in {bad})"
-            self.spoiled = True
-            return
-        for wid, why in changed.items():
-            self.dropped[wid] = f"changed after it was taken ({why})"
-        for key, b in ((first, b1), (second, b2)):
-            if key[1] not in changed:
-                self._fold_borrowed(key, b)
-
-    def _fold_borrowed(self, key: Key, borrowed: Borrowed) -> None:
-        """Sum a borrowed gradient (checked when the core took it) into the running sum in place, reading it once
-        (the first one: copied into a buffer of ours, checked as copied). If what it read is not what was checked
-        (rewritten: a sender that broke the protocol), it is in :attr:`dropped`; if it had reached the running sum,
-        the sum is :attr:`spoiled`: the round applies nothing rather than a value nobody checked. NaN/Inf added in
-        place is found by the one check of the final sum (:meth:`_check_sum`), which spoils it likewise. If
-        :meth:`read` made this very sum (``_onward``), it is taken."""
-        pre, self._onward = self._onward, None
-        if pre is not None and pre[0] == key and pre[1] is self.acc and pre[2] + 1 == len(self.folded):
-            self.acc, self._finite = pre[3], True  # made from this very running sum (nothing added in place since), checked
-            return
-        worker_id, first = key[1], self.acc is None
-        if first:  # into a buffer of ours, checked: a changed file is left out and the round goes on without it
-            out = borrowed.buffer()
-            bad = read_checked(borrowed.views, out)
-        else:  # in place: anything wrong spoils the sum anyway, found by the one check of the sum (_check_sum)
-            out, bad = self._dense_sum(), None
-            with np.errstate(over="ignore", invalid="ignore"):
-                for name, acc in out.items():
-                    np.add(acc, borrowed.views[name], out=acc)
-            self._finite = False
-        try:
-            borrowed.confirm()
-        except Exception as exc:  # the transport's "rewritten while read" (ProtocolError)
-            bad = bad or str(exc)
-        if bad is None:
-            self.acc = out
-            self._finite = self._finite or first  # the first was checked as copied; in place: checked at the end
-            return
-        self.dropped[worker_id] = f"changed after it was taken ({bad})"
-        self.spoiled = self.spoiled or not first

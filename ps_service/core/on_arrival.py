@@ -4,10 +4,8 @@
 active, no future step, the gradient's layout); :class:`ps_service.core.staleness.BoundedStaleness` (``core.modes``)
 decides. Contract:
 
-- :func:`classify`: refuses a push before the start (409 ``not_started``); reads a borrowed (same-host)
-  gradient once into the PS's memory (:func:`ps_service.core.accumulator.read_checked`), checking what it reads,
-  then confirms the file still held that push (409 ``shm_torn``) and applies the NaN/Inf policy (422 under
-  ``reject``): every refusal comes before any state changes. Then the machine classifies (``duplicate``,
+- :func:`classify`: refuses a push before the start (``not_started``): every refusal comes before any state
+  changes. Then the machine classifies (``duplicate``,
   ``skipped``, ``stale``, ``accepted``). Once the job is done a push is ``stale``: nothing applied, its
   clock unchanged (as sync answers a push for a round that closed without it).
 - :func:`take`: an ``accepted`` gradient is one optimizer step (the mean of one gradient is itself), counted
@@ -21,7 +19,6 @@ from typing import Mapping
 
 import numpy as np
 
-from ps_service.core.accumulator import finite_or_refuse, read_checked
 from ps_service.core.membership import Member
 from ps_service.core.staleness import Verdict
 from shared import compression
@@ -30,16 +27,11 @@ from shared.protocol import PushRequest, PushStatus
 
 
 def classify(core, m: Member, req: PushRequest, finite: bool, now: float) -> tuple[Verdict, Mapping[str, np.ndarray]]:
-    """The machine's verdict on a push whose layout is valid (``finite``: its values were checked finite, or
-    it is borrowed and is checked here), and the gradient the PS owns."""
+    """The machine's verdict on a push whose layout is valid (``finite``: its values were checked finite), and the
+    gradient the PS owns (dense)."""
     if not core.started:
         raise CoreError("not_started", "training has not started (waiting for workers)")
-    grads, borrowed = {k: compression.dense(g) for k, g in req.tensors.items()}, req.borrowed
-    if borrowed is not None:
-        grads = borrowed.buffer()
-        bad = read_checked(borrowed.views, grads)
-        borrowed.confirm()
-        finite = finite_or_refuse(bad, core.config.nonfinite_policy)
+    grads = {k: compression.dense(g) for k, g in req.tensors.items()}
     modes = core.modes
     if core.done:
         return Verdict(PushStatus.STALE, core.global_step - req.step, modes.workers[m.worker_id].clock), grads

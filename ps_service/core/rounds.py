@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Callable
 
-from ps_service.core.accumulator import Accumulator, Borrowed, Key, Taken
+from ps_service.core.accumulator import Accumulator, Key
 from ps_service.core.stragglers import Straggler, straggler
 
 CLOSE_REASONS = ("full", "membership", "deadline", "unreachable")
@@ -186,14 +186,9 @@ class Round:
         first = self._first_pending(worker_id, move)
         return () if first is None else (first,)
 
-    def read(self, borrowed: Borrowed, worker_id: str, eager: bool) -> Taken:
-        """``worker_id``'s borrowed gradient checked where it is (:meth:`Accumulator.read`); nothing changes: pass
-        it to :meth:`accept` at once (with the same ``eager``), or drop it."""
-        return self.acc.read(borrowed, self.key(worker_id), self._pending(worker_id, eager, move=False))
-
     def accept(self, arrival: Arrival, grads, loss: float | None, examples: int | None, eager: bool,
                magnitude: float = math.inf) -> None:
-        """An accepted gradient (or what :meth:`read` made of it, just before); ``eager``: every eligible member
+        """An accepted gradient; ``eager``: every eligible member
         may still push (elastic), so the sum can start on the lowest ranks before they all are in. ``magnitude``:
         the bound :func:`~ps_service.core.accumulator.validate` gave (:meth:`Accumulator.apply`)."""
         wid = arrival.worker_id
@@ -241,8 +236,8 @@ class Round:
         return loss if loss is not None and math.isfinite(loss) else None  # huge losses can overflow the mean
 
     def record(self, now: float, reason: str, name_of: Callable[[str], str], replicas: int | None) -> RoundRecord:
-        acc = self.acc  # borrowed gradients found changed when summed are not applied (a spoiled sum: none is)
-        applied = (lambda w: False) if acc.spoiled else (lambda w: w in acc.keys and w not in acc.dropped)
+        acc = self.acc  # a spoiled sum (it overflows) applies none of them
+        applied = (lambda w: False) if acc.spoiled else (lambda w: w in acc.keys)
         missing = [(name_of(w), rank) for w, rank in self.eligible.items() if not applied(w) and w not in self.skipped]
         came = sorted([*self.arrivals, *self.skips], key=lambda a: a.at) if self.skips else self.arrivals
         return RoundRecord(

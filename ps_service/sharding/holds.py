@@ -4,8 +4,7 @@ No I/O, no clock. Contract:
 
 - :func:`hold_tensors` checks a push's pieces exactly as the core checks a push (names, exact dtypes,
   shapes: 422 ``tensor_mismatch``; NaN/Inf: 422 ``nonfinite_gradient``) before anything changes, and
-  returns arrays the shard owns: a same-host push (:class:`~ps_service.core.accumulator.Borrowed`) is read once
-  into a buffer of the PS's own, checked as read, then its file's marker is checked again.
+  returns them: the seam handed them over in memory the shard owns, whatever carried them.
 - :class:`Holds` keeps one held push per worker (the newest: a later push replaces it).
 - :func:`apply_round` (a follower, told by the coordinator "apply round s with contributors C") sums the
   held pieces of C in (rank, worker_id) order exactly as the coordinator's round does
@@ -21,7 +20,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from ps_service.core.accumulator import Accumulator, Borrowed, finite_or_refuse, read_checked, validate
+from ps_service.core.accumulator import Accumulator, validate
 from shared.errors import ProtocolError
 from shared.protocol import PushRequest
 
@@ -35,15 +34,8 @@ class Held:
 
 def hold_tensors(weights: Mapping[str, np.ndarray], push: PushRequest) -> Mapping[str, np.ndarray]:
     """The push's pieces, checked, in memory the shard owns (refusals before any change)."""
-    borrowed: Borrowed | None = push.borrowed
-    validate(weights, push.tensors, "reject", check_finite=borrowed is None)
-    if borrowed is None:
-        return push.tensors
-    out = borrowed.buffer()
-    bad = read_checked(borrowed.views, out)
-    borrowed.confirm()  # 409 shm_torn: rewritten while read
-    finite_or_refuse(bad, "reject")
-    return out
+    validate(weights, push.tensors, "reject", check_finite=not push.finite_checked)
+    return push.tensors
 
 
 class Holds:

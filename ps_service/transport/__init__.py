@@ -103,8 +103,8 @@ class TensorSeam:
         compression.check_declared(self.compression, declared, via_body=False)
         if f.tensors:
             raise bad_request("bad_field", "a push with shm_seq carries no tensors in its body")
-        borrowed = self.shm.gradients(push.worker_id, seq)
-        return Received(push.with_tensors(borrowed.views, borrowed), "shm")
+        tensors, finite = self.shm.gradients(push.worker_id, seq)
+        return Received(push.with_tensors(tensors, finite_checked=finite), "shm")
 
     def delivered(self, got: Received) -> None:
         """The core took the push: remember how this worker's tensors travel (monitoring)."""

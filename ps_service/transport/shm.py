@@ -12,11 +12,11 @@ Contract:
 - :meth:`ShmHub.attach` (``POST /v1/workers/{id}/shm``) maps the gradient file the worker made (name
   pattern, regular file of this user with one link, no symlink, kind ``G``, exact size, matching nonce,
   the model's frame header), and never the PS's own weights file. The worker then unlinks it.
-- :meth:`ShmHub.gradients` checks the worker's file holds the push (its marker) and hands it to the core
-  as a :class:`ps_service.core.accumulator.Borrowed`: read-only views of the file (mapped at attach), a source
-  of pooled buffers of the PS's own, and the marker re-check. The core reads it exactly once, checking what
-  it reads (ps_service/core/accumulator.py), so what it applies is what it checked, whatever the worker writes
-  into its file; buffers are reused once no round holds them (a fresh 40 MB one costs page faults).
+- :meth:`ShmHub.gradients` checks the worker's file holds the push (its marker), copies it once into a pooled
+  buffer of the PS's own, checking for NaN/Inf as it copies (:func:`ps_service.core.accumulator.read_checked`,
+  chunks in the cache), then checks the marker again (409 ``shm_torn``: rewritten while read). The core gets
+  arrays it owns, as from a body: what it applies is what was checked, whatever the worker writes into its file
+  afterwards; buffers are reused once no round holds them (a fresh 40 MB one costs page faults).
 - Refusals: 409 ``shm_unavailable`` (the worker then uses plain HTTP), 409 ``shm_not_attached`` /
   ``shm_torn`` (attach again, or push over HTTP), 400 for malformed names.
 The weights file is unlinked on shutdown; files left by a PS that was killed (no flock held on them)
@@ -30,7 +30,7 @@ import secrets
 
 import numpy as np
 
-from ps_service.core.accumulator import Borrowed
+from ps_service.core.accumulator import read_checked
 from shared import frame, refs, shm
 from shared.errors import ProtocolError, bad_request
 
@@ -42,9 +42,9 @@ except ImportError:  # not a POSIX system: no same-host transport
 log = logging.getLogger("ps_service")
 
 
-#: buffers kept for reuse, beyond one per attached worker: a push is summed from its file into a new running
-#: sum (the old one is then free), so a round needs two, and one more while the previous round's sum is
-#: applied; a fresh buffer costs page faults (~10 ms for 40 MB here), so the pool grows with the workers
+#: buffers kept for reuse, beyond one per attached worker (each push is copied into one, held until it is summed):
+#: the running sum, and the previous round's while it is applied; a fresh buffer costs page faults (~10 ms for
+#: 40 MB here), so the pool grows with the workers
 MAX_SPARE = 2
 
 
@@ -70,7 +70,7 @@ class ShmHub:
         self._lock_fd: int | None = None
         #: worker_id -> its gradient file, mapped read-only
         self.attached: dict[str, shm.PeerRegion] = {}
-        #: buffers of running sums, reused once no round holds them (at most MAX_SPARE + one per attached worker)
+        #: buffers of copied pushes and running sums, reused once no round holds them (at most MAX_SPARE + one per attached worker)
         self._copies: list[np.ndarray] = []
         #: worker_id -> the transport of its last accepted push ("shm" or "http"), for monitoring
         self.last_transport: dict[str, str] = {}
@@ -190,9 +190,9 @@ class ShmHub:
         for worker_id in [w for w in self.attached if w not in keep]:
             self.detach(worker_id)
 
-    def gradients(self, worker_id: str, seq: object) -> Borrowed:
-        """One push's gradients, still in the worker's file: the core reads them once, when it takes the push,
-        into buffers of the PS's own (:class:`ps_service.core.accumulator.Borrowed`), and checks what it read."""
+    def gradients(self, worker_id: str, seq: object) -> tuple[dict[str, np.ndarray], bool]:
+        """One push's gradients, copied out of the worker's file into a buffer of the PS's own, and whether they
+        are finite (checked as copied; not finite: the core's own check then refuses or skips the push)."""
         region = self.attached.get(worker_id)
         if region is None or self.layout is None:
             raise ProtocolError(409, "shm_not_attached", "this worker has no gradient file here: attach again")
@@ -201,12 +201,12 @@ class ShmHub:
         if region.marker != seq:
             raise ProtocolError(409, "shm_torn", "the gradient file does not hold that push (rewritten?)")
 
-        def confirm() -> None:
-            if region.marker != seq:  # rewritten while the core read it: what it read may mix two pushes
-                raise ProtocolError(409, "shm_torn", "the gradient file was rewritten during the push")
-
+        out = self.layout.views(self._buffer())
+        bad = read_checked(region.views(), out)
+        if region.marker != seq:  # rewritten while it was read: what was read may mix two pushes
+            raise ProtocolError(409, "shm_torn", "the gradient file was rewritten during the push")
         self.bytes_in += self.layout.data_bytes
-        return Borrowed(region.views(), lambda: self.layout.views(self._buffer()), confirm)
+        return out, bad is None
 
     def _buffer(self) -> np.ndarray:
         """A buffer that no round holds any more, else a fresh one (kept for reuse up to MAX_SPARE + attached)."""
