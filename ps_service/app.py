@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from fastapi_offline import FastAPIOffline
 
-from ps_service import api, auth, checkpoint, dashboard, metrics, monitoring, probes
+from ps_service import api, auth, checkpoint, dashboard, metrics, monitoring, probes, sharding
 from ps_service.hotpath import HotPath
 from ps_service.http import install_error_handlers
 from ps_service.runtime import Runtime
@@ -36,6 +36,7 @@ def create_app(settings: PSSettings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         rt = Runtime(settings)
+        rt.shard(sharding.role(settings, rt.core))  # None: one PS
         app.state.runtime = rt
         checkpointer = checkpoint.attach(rt)  # restores the newest valid checkpoint first
         app.state.metrics = metrics.attach(rt)

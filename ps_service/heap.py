@@ -11,7 +11,7 @@ and the next round faults every page in again, zeroed: on the 2-core AMD EPYC VM
 peak memory did not move in the runs measured (the same blocks, reused); between rounds it keeps mapped what it
 freed, up to that threshold. Larger
 blocks (a 1e7 model's 40 MB arrays) are mmapped as before, and the PS's own buffers come from its pool
-(``transport/buffers.py``) anyway. Not glibc (musl, macOS): nothing is done. ``MALLOC_MMAP_THRESHOLD_`` or
+(``core/buffers.py``) anyway. Not glibc (musl, macOS): nothing is done. ``MALLOC_MMAP_THRESHOLD_`` or
 ``MALLOC_TRIM_THRESHOLD_`` in the environment (glibc's own variables) win: then this leaves malloc as it is.
 """
 from __future__ import annotations

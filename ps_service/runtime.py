@@ -21,7 +21,6 @@ import logging
 import time
 from typing import Callable
 
-from ps_service import sharding
 from ps_service.core import CoreConfig, ParameterServerCore
 from ps_service.settings import PSSettings
 from ps_service.transport import TensorSeam
@@ -60,10 +59,15 @@ class Runtime:
         self.checkpoint_info: dict | None = None
         #: called with no argument after each change of the core (e.g. metrics observing closed rounds)
         self.observers: list[Callable[[], None]] = []
-        #: this process's part in a sharded PS (PS_SHARDS > 1; None: one PS): ps_service/sharding
-        self.shards = sharding.role(settings, self.core)
-        if self.shards is not None and self.shards.coordinator:
-            self.observers.append(self.shards.observe)  # closed rounds go to the followers
+        #: this process's part in a sharded PS (PS_SHARDS > 1; None: one PS): ps_service/sharding, a layer above the
+        #: core that the app gives the runtime (:meth:`shard`)
+        self.shards = None
+
+    def shard(self, role) -> None:
+        """Take this process's part in a sharded PS (``ps_service.sharding.role``; None: one PS)."""
+        self.shards = role
+        if role is not None and role.coordinator:
+            self.observers.append(role.observe)  # closed rounds go to the followers
 
     def now(self) -> float:
         """The core's clock. The ticker reads it every ``PS_TICK_SECONDS``: a reading long after the one before means

@@ -26,7 +26,7 @@ F16 = np.dtype("<f2")
 F32 = np.dtype("<f4")
 U32 = np.dtype("<u4")
 
-#: ``alloc(n)``: n writable bytes for a widened tensor (the PS's pooled buffers: ps_service/transport/buffers.py)
+#: ``alloc(n)``: n writable bytes for a widened tensor (the PS's pooled buffers: ps_service/core/buffers.py)
 Alloc = Callable[[int], np.ndarray]
 
 _ABS = np.uint32(0x7FFFFFFF)

@@ -23,7 +23,7 @@ import numpy as np
 import uvicorn
 
 from cluster.processes import bindable, free_port, wait_for
-from ps_service.app import create_app, server_options
+from cluster.inprocess import serve_in_thread
 from ps_service.runtime import Runtime
 from ps_service.settings import PSSettings
 from worker_service.client import PSClient
@@ -52,14 +52,7 @@ class LivePS:
 
 
 def _start(ps_settings: PSSettings) -> tuple[Any, uvicorn.Server, threading.Thread]:
-    app = create_app(ps_settings)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=ps_settings.port, log_level="warning",
-                                           timeout_graceful_shutdown=2,
-                                           **server_options(ps_settings)))  # as `python -m ps_service` runs it
-    thread = threading.Thread(target=server.run, name=f"ps-{ps_settings.port}", daemon=True)
-    thread.start()
-    wait_for(lambda: server.started or not thread.is_alive(), 20, "the in-process PS to start")
-    return app, server, thread
+    return serve_in_thread(ps_settings)
 
 
 @contextmanager

@@ -1,4 +1,4 @@
-"""The PS's buffer pool (ps_service/transport/buffers.py): a buffer comes back once nothing views it, at any size
+"""The PS's buffer pool (ps_service/core/buffers.py): a buffer comes back once nothing views it, at any size
 up to the pool's bounds; one in use never does; and a live PS over TCP makes its large body buffers once, not at
 every push (a fresh buffer's pages are zeroed by the kernel: 17 % of the PS's CPU at 1e7 parameters)."""
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ps_service.transport import buffers
-from ps_service.transport.buffers import ROUND_BYTES, BufferPool
+from ps_service.core import buffers
+from ps_service.core.buffers import ROUND_BYTES, BufferPool
 from tests.live_ps import live_ps
 
 

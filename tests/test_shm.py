@@ -146,7 +146,7 @@ def test_with_body_answers_the_weights_live_in_their_frame_and_the_file_gets_a_c
         a, b = ps.client(shm_dir=shm_dir), ps.client()
         wa, wb = a.register("a")["worker_id"], b.register("b")["worker_id"]
         assert a.init_model(W0, {"name": "sgd", "learning_rate": 0.5}) and a.attach(wa) == "shm"
-        core, hub, home, channel = ps.rt.core, ps.rt.shm, ps.rt.tensors.home, a.tensors.channel
+        core, hub, store, channel = ps.rt.core, ps.rt.shm, ps.rt.core.store, a.tensors.channel
         region = hub._weights  # the file's mapping (its marker: the step of the weights it holds)
 
         def round_(step: int, body_pull: bool) -> None:
@@ -162,16 +162,16 @@ def test_with_body_answers_the_weights_live_in_their_frame_and_the_file_gets_a_c
 
         for step in range(6):
             round_(step, body_pull=True)
-            assert home.holds(core.weights) and not hub.holds(core.weights)
+            assert store.holds(core.weights) and not hub.holds(core.weights)
         # one copy a step into the file (not step 1's: the optimizer made it there, the body answer then moved
         # the weights out); the body answers copy none
-        assert hub.mirrored == 5 and home.moves <= 3
+        assert hub.mirrored == 5 and store.moves <= 3
         for step in range(6, 10):
             round_(step, body_pull=False)
         # steps 7 (a body answer at 6) and 8 copied; then the file holds the weights again: no copy
         assert hub.holds(core.weights) and hub.mirrored == 7
         round_(10, body_pull=True)
-        assert home.holds(core.weights) and not hub.holds(core.weights) and hub.mirrored == 7
+        assert store.holds(core.weights) and not hub.holds(core.weights) and hub.mirrored == 7
         assert "\nps_shm_weights_copies_total 7.0" in ps.http().get("/metrics").text
         a.close(), b.close()
 
@@ -188,7 +188,7 @@ def test_an_async_job_answers_from_the_frame_and_leaves_the_file_alone(shm_dir):
             pulled = a.pull(step + 1, wa, wait=5.0)
             np.testing.assert_array_equal(pulled.tensors["w"], W0["w"] - np.float32(0.5 * (step + 1)))
             assert pulled.tensors is not a.tensors.channel.weights  # a body answer
-            assert ps.rt.tensors.home.holds(ps.rt.core.weights) and ps.rt.shm.mirrored == 0
+            assert ps.rt.core.store.holds(ps.rt.core.weights) and ps.rt.shm.mirrored == 0
         a.close()
 
 

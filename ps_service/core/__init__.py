@@ -380,13 +380,23 @@ class ParameterServerCore(ModelState):
         self._open_round(now)
 
     # ---- pushes ------------------------------------------------------------------------
-    def push(self, req: PushRequest, now: float) -> PushResult:
-        """Check, classify, count and (if accepted) take a push; its tensors are the core's from now on."""
+    def admit(self, worker_id: str | None) -> Member | None:
+        """The refusals a push meets before its tensors are read (docs/protocol.md's order): the model must be
+        initialised (``not_initialized``), the worker known (``unknown_worker``) and active (``not_active``);
+        ``worker_id`` None: the model only (a sharded PS's held pieces). The transports ask this first, so a push
+        they cannot decode without the model, or from a worker that must register, is refused as the core would."""
         if not self.initialized:
             raise CoreError("not_initialized", "the model is not initialised yet (PUT /v1/model)")
-        m = self.members.get(req.worker_id)
+        if worker_id is None:
+            return None
+        m = self.members.get(worker_id)
         if m.state != ACTIVE:
             raise CoreError("not_active", f"worker {m.name!r} is {m.state}; register again (POST /v1/workers)")
+        return m
+
+    def push(self, req: PushRequest, now: float) -> PushResult:
+        """Check, classify, count and (if accepted) take a push; its tensors are the core's from now on."""
+        m = self.admit(req.worker_id)
         if req.step > self.global_step:
             raise CoreError("future_step", f"step {req.step} is ahead of the global step {self.global_step}")
         if self.modes is None and req.step == self.global_step and self.round is None and not self.done:
@@ -398,7 +408,7 @@ class ParameterServerCore(ModelState):
             verdict, grads = on_arrival.classify(self, m, req, finite, now)
             status = verdict.status
         else:
-            status, grads = self._classify(m, req.step, finite), req.tensors
+            status, grads = self.classify(m, req.step, finite), req.tensors
         self.members.renew(m, now)  # active: checked above
         m.phase_reports += 1
         sums, t = m.phase_sums, req.timings
@@ -422,7 +432,9 @@ class ParameterServerCore(ModelState):
         self._changed()
         return PushResult(status, self.global_step, self.global_step != before)
 
-    def _classify(self, m: Member, step: int, finite: bool) -> PushStatus:
+    def classify(self, m: Member, step: int, finite: bool) -> PushStatus:
+        """What a push of ``step`` by active member ``m`` would be now (sync; ``finite``: its values are), changing
+        nothing: ``duplicate``, ``stale``, ``accepted``, ``skipped`` or ``late``."""
         g, wid = self.global_step, m.worker_id
         if step in m.recent:
             return PushStatus.DUPLICATE
@@ -433,6 +445,22 @@ class ParameterServerCore(ModelState):
         if step == g or (step == g - 1 and self.last_round is not None and wid in self.last_round.eligible):
             return PushStatus.LATE
         return PushStatus.STALE
+
+    def apply_round(self, total: Mapping[str, np.ndarray] | None, mean_of: int, contributors: int) -> None:
+        """Apply a round decided elsewhere (a sharded PS's follower, told by its coordinator): one optimizer step with
+        the rank-order sum ``total`` (None: it overflowed, nothing applied) divided by ``mean_of``, then
+        ``global_step += 1`` and the counters, as a closed round of this core's own."""
+        if total is not None:
+            self.update(total, consume=True, mean_of=mean_of)
+        self.global_step += 1
+        self.rounds_closed += 1
+        self.gradients_applied += contributors
+        self._changed()
+
+    def follow(self) -> None:
+        """This core follows another's decisions (a sharded PS's follower): it has no membership and no start-up;
+        its pulls wait on its step only."""
+        self.started = True
 
     def _take(self, m: Member, req: PushRequest, status: PushStatus, now: float, grads, magnitude: float | None) -> None:
         r, wid, at = self.round, m.worker_id, Arrival(m.worker_id, m.name, m.rank, now)

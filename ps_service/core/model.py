@@ -9,16 +9,19 @@ Contract:
   same data as plain copies (safe to encode off the event loop).
 - ``version`` bumps on every change a waiting pull may care about (``_changed``); ``tick`` is
   the core's hook to advance time once the model is there.
-- The weights change in place only through :meth:`update` (and a rewind, ``core.rewind``), each of which calls
-  ``before_change`` first: the tensor seam's hook to move them out of a frame an answer may still be sending
-  (:mod:`ps_service.transport.home`).
+- The weights live in the model's :class:`~ps_service.core.store.WeightsStore` once an answer was made of them
+  (the frame of the dense answers). They change in place only through :meth:`update` (and a rewind,
+  ``core.rewind``), each of which calls :meth:`before_change` first: the store moves them out of a frame an answer
+  may still be sending (copy on write) and counts the change (``store.changes``). The core calls nothing outside
+  its package for it: the transports read the store, never the other way.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
+from ps_service.core.store import WeightsStore
 from ps_service.core.optimizers import HYPERPARAMS, TORCH_HYPERPARAMS, Optimizer, normalize_spec
 from shared.codec import FLOAT_DTYPES, dtype_name
 from ps_service.core.errors import CoreError
@@ -45,8 +48,8 @@ class ModelState:
         self.version = 0
         #: after a restore: how many members the checkpoint had active (start at once when they are back)
         self.resume_expected: int | None = None
-        #: called just before the weights change in place (set by the tensor seam)
-        self.before_change: Callable[[], None] = _nothing
+        #: where the weights live for their answers (copy on write while an answer still sends them)
+        self.store = WeightsStore()
 
     @property
     def initialized(self) -> bool:
@@ -84,6 +87,10 @@ class ModelState:
         self.global_step = int(global_step)
         self._changed()
 
+    def before_change(self) -> None:
+        """The weights are about to change in place (:meth:`update`, a rewind)."""
+        self.store.before_change()
+
     def update(self, grads: Mapping[str, np.ndarray], consume: bool = False, mean_of: int = 1) -> None:
         """One optimizer step of the weights, in place (:meth:`Optimizer.apply`), after ``before_change``."""
         self.before_change()
@@ -108,6 +115,3 @@ class ModelState:
     def _changed(self) -> None:
         self.version += 1
 
-
-def _nothing() -> None:
-    pass

@@ -68,7 +68,7 @@ class ShardRole:
         self.last_rollback: str | None = None  # the last one: from which step to which, and why
         self._rolling: asyncio.Task | None = None
         if not self.coordinator:
-            core.started = True  # a follower's pulls wait on its step only: it has no membership, no start-up
+            core.follow()
         else:
             core.on_decided = self.decided
 
@@ -229,7 +229,7 @@ class ShardRole:
         if self.coordinator:  # the rounds closed from now on go to the followers
             self._seen_closed, self._sent_step = self.core.rounds_closed, step - 1
         else:
-            self.core.started = True  # a follower's pulls wait on its step only
+            self.core.follow()
         if self.rt is not None:
             self.rt.tensors.drop_body()  # the weights answer encoded for the step left behind
             self.rt.notify()  # waits in flight answer now (the barrier counts rewinds)

@@ -77,16 +77,12 @@ def apply_round(core, holds: Holds, step: int, contributors: Sequence[tuple[int,
                                                      "shard restarted since they pushed?)")
     if mean_of < 1:
         raise ProtocolError(400, "bad_field", "mean_of must be >= 1")
+    total = None
     if contributors:
         acc = Accumulator(tuple(core.weights), "sum")
         for rank, w in contributors:
             acc.apply(w, rank, holds.get(w, step).tensors)
-        total, _ = acc.take_sum()
-        if total is not None:  # None: this shard's pieces of the round overflow when summed; nothing applied here
-            core.update(total, consume=True, mean_of=mean_of)
+        total, _ = acc.take_sum()  # None: this shard's pieces of the round overflow when summed; nothing applied
     holds.drop_through(step)
-    core.global_step += 1
-    core.rounds_closed += 1
-    core.gradients_applied += len(contributors)
-    core._changed()
+    core.apply_round(total, mean_of, len(contributors))
     return True

@@ -98,7 +98,7 @@ async def commit(request: Request, pull: bool = Query(False), timeout: float = Q
     held = role.holds.get(push.worker_id, push.step)
     if held is None:  # nothing held: fine for a push the core will not count (a retry: duplicate; late; stale)
         if m.active and core.round is not None and push.step == core.global_step \
-                and core._classify(m, push.step, True) is PushStatus.ACCEPTED:
+                and core.classify(m, push.step, True) is PushStatus.ACCEPTED:
             raise ProtocolError(409, "not_held", f"no pieces of step {push.step} held here: push them to every "
                                                  "shard (POST /v1/shard/gradients) before the commit")
         # the core only classifies it (never accepted: checked above): zeros of the model's layout, no memory

@@ -15,7 +15,7 @@ With ``PS_COMPRESSION`` on, a body push carries its float32 gradients compressed
 the seam decodes them to float32 here (422 ``compression_mismatch`` / ``bad_encoding``), so the core
 validates and applies the decoded arrays (a top-k push whose k values are finite, or a 2-bit one, is finite by
 construction: the core does not read its dense tensors for NaN/Inf again). Same-host pushes are never compressed.
-Weights go back as a float32 frame: the weights themselves, kept in that frame (:mod:`ps_service.transport.home`,
+Weights go back as a float32 frame: the weights themselves, kept in that frame (:mod:`ps_service.core.store`,
 copy on write), moved there out of the same-host weights file at the first body answer; that file then gets a
 copy once per step, before the step's first same-host answer, and takes the weights back (no copy per step at
 all) once two steps pass with no body answer (:meth:`TensorSeam._file_current`): a body answer, maybe megabytes
@@ -35,9 +35,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ps_service.transport.body import read_body
-from ps_service.transport.buffers import POOL
+from ps_service.core.buffers import POOL
 from ps_service.transport.deltas import WeightDeltas
-from ps_service.transport.home import WeightsHome
 from ps_service.transport.shm import ShmHub
 from shared import compression, frame
 from shared.errors import ProtocolError, bad_request
@@ -61,11 +60,7 @@ class TensorSeam:
         #: exact weight deltas for workers that hold the previous step (None: every body answer is dense)
         self.deltas = (WeightDeltas(self.compression.compresses) if settings.weight_deltas and settings.shards == 1
                        and self.compression.name in ("topk", "2bit") else None)
-        #: the weights kept in the frame of their dense answers (no copy per step; out of a same-host file at the first)
-        self.home = WeightsHome()
-        core.before_change = self._before_change
-        #: the weights' changes in place so far, and (the weights dict, that count) when the file last got a copy
-        self._changes = 0
+        #: (the weights dict, its changes in place) when the same-host file last got a copy
         self._mirrored: tuple | None = None
         #: the last step a dense body answer was made for (where the weights live: :meth:`_file_current`)
         self._body_step = -2
@@ -88,12 +83,7 @@ class TensorSeam:
         f, size = await self._frame(request)
         push, seq = parse_push_meta(f.meta)
         core = self.core
-        if not core.initialized:
-            raise ProtocolError(409, "not_initialized", "the model is not initialised yet (PUT /v1/model)")
-        member = core.members.get(push.worker_id) if members else None  # 404 unknown_worker (a restarted PS)
-        if member is not None and not member.active:
-            raise ProtocolError(409, "not_active", f"worker {member.name!r} is {member.state}; register again "
-                                                   "(POST /v1/workers)")
+        core.admit(push.worker_id if members else None)  # the core's refusals come before the tensors are read
         declared = f.meta.get("compression")
         if seq is None:
             self.bytes_in += size
@@ -137,10 +127,6 @@ class TensorSeam:
         return Response(body, media_type=frame.MEDIA_TYPE,
                         headers={STEP_HEADER: str(core.global_step), **(headers or {})})
 
-    def _before_change(self) -> None:
-        self._changes += 1
-        self.home.before_change()
-
     def file_behind(self) -> bool:
         """The next same-host answer copies the weights into the file first (:meth:`_file_current`)."""
         weights = self.core.weights
@@ -149,7 +135,7 @@ class TensorSeam:
 
     def _mark(self, weights: dict) -> tuple:
         """What names the weights' values: the dict (a restore makes a new one) and its changes in place so far."""
-        return id(weights), self._changes
+        return id(weights), self.core.store.changes
 
     def _file_current(self) -> None:
         """Make the same-host weights file hold the current weights. In a job that also answers over HTTP (a
@@ -195,7 +181,7 @@ class TensorSeam:
         if form == "dense":
             # the core's weights dict itself, moved out of the same-host file if there (see _file_current)
             claim = self.shm.holds(tensors)
-            body = self.home.answer(tensors, key, head, claim=claim)
+            body = self.core.store.answer(tensors, key, head, claim=claim)
             if claim:  # the file keeps the values the frame now has
                 self._mirrored = self._mark(tensors)
             if body is not None:

@@ -4,7 +4,7 @@
 ran: content type checked first (415), size checked while streaming (413), a stalled body cut off
 (408), a client that vanished mid-body answered 400 without a traceback, a body longer than its
 Content-Length refused (400). The result is always writable memory that nothing else uses: a body
-with a Content-Length lands in one buffer of :data:`ps_service.transport.buffers.POOL` (written by
+with a Content-Length lands in one buffer of :data:`ps_service.core.buffers.POOL` (written by
 the HTTP protocol itself where it can, :mod:`ps_service.transport.bodysink`), a chunked one in a
 ``bytearray``. Arrays the receive seam makes over it are the core's to keep and sum into.
 """
@@ -15,7 +15,7 @@ import asyncio
 from starlette.requests import ClientDisconnect, Request
 
 from ps_service.transport.bodysink import SINK_KEY, BodySink
-from ps_service.transport.buffers import POOL
+from ps_service.core.buffers import POOL
 from shared.errors import ProtocolError
 
 #: default idle timeout of a body (the routes pass PS_BODY_IDLE_TIMEOUT_SECONDS)

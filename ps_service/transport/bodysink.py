@@ -21,7 +21,7 @@ the sink exists) goes through a scratch buffer to uvicorn's parser as before. Th
 thread's, shared by every connection its event loop serves (:func:`scratch`): the loop reads into it and
 hands the bytes on (``buffer_updated``) before it reads any other connection, so an idle connection holds
 no buffer at all, and only a connection sending a large body holds one (its sink, from the bounded pool
-of :mod:`ps_service.transport.buffers`).
+of :mod:`ps_service.core.buffers`).
 
 Under another server (or uvicorn's stock protocol) nothing writes to the sink and
 ``read_body`` gets the chunks as usual: the sink is an optimisation, never a contract.

@@ -4,7 +4,7 @@ The kernel zeroes every page of fresh memory at its first write: on our VMs a fr
 faults (more than copying into it), and at 1e7 parameters over TCP, where every push body is 40 MB, zeroing the
 bodies' pages (``clear_page_erms``, under the socket reads) was 17 % of the PS's CPU (docs/performance.md, "Body
 buffers reused at every size"). So the PS takes its body buffers, its snapshot frames and the frame the weights
-live in (:mod:`ps_service.transport.home`) from :data:`POOL`.
+live in (:mod:`ps_service.core.store`) from :data:`POOL`.
 
 Contract:
 - :meth:`BufferPool.take` gives a writable view of ``n`` bytes that nothing else uses: the smallest kept buffer

@@ -1,9 +1,11 @@
-"""The weights kept inside the frame their answers carry: a weights answer over TCP copies nothing.
+"""The model's weights store: the weights kept inside the frame their answers carry (a weights answer over TCP
+copies nothing). Memory only, no I/O: the core writes to it (``ModelState.before_change``), the transports read
+answers out of it (``TensorSeam``); it calls nobody.
 
-Before, each new step's weights were copied into a snapshot frame (one model-sized copy per step, on the round's
-critical path: ~6 % of the PS's CPU at 1e6 parameters, docs/performance.md), because the optimizer changes the
-weights in place while an answer may still be sending the old ones. Here the weights *are* that frame's tensors:
-:class:`WeightsHome` moves the core's arrays into one frame buffer (as the same-host weights file does,
+Without it each new step's weights would be copied into a snapshot frame (one model-sized copy per step, on the
+round's critical path: ~6 % of the PS's CPU at 1e6 parameters, docs/performance.md), because the optimizer changes
+the weights in place while an answer may still be sending the old ones. Here the weights *are* that frame's tensors:
+:class:`WeightsStore` moves the core's arrays into one frame buffer (as the same-host weights file does,
 :mod:`ps_service.transport.shm`), the optimizer updates them there, and an answer is a view of the buffer with
 the step's header rewritten in place.
 
@@ -14,13 +16,13 @@ Contract, the one rule that keeps every answer's bytes fixed once it is handed t
 - :meth:`before_change` (the model's hook, called before the weights change in place: an optimizer step, a
   rewind) moves the weights to a fresh buffer first whenever an answer still holds the current one (copy on
   write: the old buffer stays, unchanged, with those answers, and goes back to the buffer pool after them,
-  :mod:`ps_service.transport.buffers`); a new header is written in place only under the same rule, else into a
+  :mod:`ps_service.core.buffers`); a new header is written in place only under the same rule, else into a
   fresh buffer too.
 In a synchronous job every worker of the round has read its answer before it can push the next step, so the
 step's change finds no answer in flight and copies nothing; a pull that is slow to read (a monitor, a worker not
 in the round, async/ssp pushes that change the weights at every push) costs one copy, as before.
 
-:meth:`answer` gives None when the weights cannot live here: not this home's and not plain arrays the PS owns;
+:meth:`answer` gives None when the weights cannot live here: not this store's and not plain arrays the PS owns;
 the seam copies them into a snapshot then. The same-host weights file's arrays are not plain, but the seam
 ``claim``s them: a job that answers over HTTP too keeps its weights here, and the file gets a copy per step
 (``TensorSeam._file_current``).
@@ -32,11 +34,11 @@ from typing import Any, Hashable
 
 import numpy as np
 
-from ps_service.transport.buffers import POOL
+from ps_service.core.buffers import POOL
 from shared import frame
 
 
-class WeightsHome:
+class WeightsStore:
     def __init__(self) -> None:
         self._buf: np.ndarray | None = None      # the frame's storage
         self._answer: np.ndarray | None = None   # the view every answer's memoryview is made from (its count)
@@ -48,6 +50,8 @@ class WeightsHome:
         self._views: dict[str, np.ndarray] = {}          # ... these arrays of the frame
         #: weights moved into a fresh frame (the first answer, a new layout, or copy on write): monitoring, tests
         self.moves = 0
+        #: changes of the weights in place so far (:meth:`before_change`): what names their values, with the dict
+        self.changes = 0
 
     def holds(self, weights: dict[str, np.ndarray] | None) -> bool:
         """The core's weights are this frame's arrays (a restore replaces the dict, the same-host file its arrays)."""
@@ -81,6 +85,7 @@ class WeightsHome:
 
     def before_change(self) -> None:
         """The weights are about to change in place: out of the frame first if an answer still sends it."""
+        self.changes += 1
         if self._answer is None:
             return
         if not self.holds(self._dict):  # they live elsewhere now (a restore, the same-host file): let the frame go

@@ -1,4 +1,4 @@
-"""ps_service/transport/home.py: the weights kept in their answers' frame, copied only when an answer still holds it.
+"""ps_service/core/store.py: the weights kept in their answers' frame, copied only when an answer still holds it.
 
 The rule under test: once an answer is handed out, its bytes never change, whatever the optimizer does next; and
 a synchronous job's steps copy nothing."""
@@ -9,7 +9,7 @@ import threading
 
 import numpy as np
 
-from ps_service.transport.home import WeightsHome
+from ps_service.core.store import WeightsStore
 from shared import frame
 from tests.live_ps import live_ps
 
@@ -23,64 +23,64 @@ def _head(step: int, ranks=(0, 1)) -> dict:
 
 
 def test_the_weights_move_into_the_frame_once_and_answers_are_views_of_it():
-    home, weights = WeightsHome(), _weights()
-    body = home.answer(weights, ("k", 0), _head(0))
+    store, weights = WeightsStore(), _weights()
+    body = store.answer(weights, ("k", 0), _head(0))
     got = frame.decode(body)
     assert got.meta == _head(0) and set(got.tensors) == {"b", "w"}
     np.testing.assert_array_equal(got.tensors["w"], np.full((4, 5), 2.0, np.float32))
-    assert home.holds(weights) and home.moves == 1
+    assert store.holds(weights) and store.moves == 1
     weights["w"] -= 1.0  # the optimizer's in-place update lands in the frame itself
-    assert frame.decode(home.answer(weights, ("k", 0), _head(0))).tensors["w"][0, 0] == 1.0
+    assert frame.decode(store.answer(weights, ("k", 0), _head(0))).tensors["w"][0, 0] == 1.0
     del body, got
-    home.before_change()
+    store.before_change()
     weights["w"] -= 1.0
-    again = frame.decode(home.answer(weights, ("k", 1), _head(1)))  # a new step: the header rewritten in place
-    assert again.meta["step"] == 1 and again.tensors["w"][0, 0] == 0.0 and home.moves == 1
+    again = frame.decode(store.answer(weights, ("k", 1), _head(1)))  # a new step: the header rewritten in place
+    assert again.meta["step"] == 1 and again.tensors["w"][0, 0] == 0.0 and store.moves == 1
 
 
 def test_an_answer_in_flight_keeps_its_bytes_when_the_weights_change():
-    home, weights = WeightsHome(), _weights()
-    held = home.answer(weights, ("k", 0), _head(0))  # e.g. still in the server's write queue
+    store, weights = WeightsStore(), _weights()
+    held = store.answer(weights, ("k", 0), _head(0))  # e.g. still in the server's write queue
     sent = bytes(held)
-    assert home.in_flight()
-    home.before_change()  # copy on write: the weights leave the frame the answer holds
+    assert store.in_flight()
+    store.before_change()  # copy on write: the weights leave the frame the answer holds
     weights["w"] *= 3.0
     weights["b"] += 1.0
-    assert bytes(held) == sent and home.moves == 2
-    fresh = frame.decode(home.answer(weights, ("k", 1), _head(1)))
+    assert bytes(held) == sent and store.moves == 2
+    fresh = frame.decode(store.answer(weights, ("k", 1), _head(1)))
     np.testing.assert_array_equal(fresh.tensors["w"], np.full((4, 5), 6.0, np.float32))
     np.testing.assert_array_equal(fresh.tensors["b"], np.arange(1, 4, dtype=np.float32))
     held.release()
-    assert home.in_flight()  # the newest answer's view (``fresh`` holds its tensors) is alive
+    assert store.in_flight()  # the newest answer's view (``fresh`` holds its tensors) is alive
 
 
 def test_a_new_header_is_written_in_place_only_when_no_answer_holds_the_frame_and_it_fits():
-    home, weights = WeightsHome(), _weights()
-    held = home.answer(weights, ("k", 0), _head(0))
+    store, weights = WeightsStore(), _weights()
+    held = store.answer(weights, ("k", 0), _head(0))
     before = bytes(held)
-    body = home.answer(weights, ("k", 1), _head(1))  # a new key while ``held`` is alive: a fresh frame
-    assert bytes(held) == before and home.moves == 2 and frame.decode(body).meta["step"] == 1
+    body = store.answer(weights, ("k", 1), _head(1))  # a new key while ``held`` is alive: a fresh frame
+    assert bytes(held) == before and store.moves == 2 and frame.decode(body).meta["step"] == 1
     del held, body
     many = tuple(range(60))  # a header past the next 64-byte boundary: the tensors would move
-    body = home.answer(weights, ("k", 2), _head(2, many))
-    assert frame.decode(body).meta["ranks"] == list(many) and home.moves == 3
+    body = store.answer(weights, ("k", 2), _head(2, many))
+    assert frame.decode(body).meta["ranks"] == list(many) and store.moves == 3
 
 
 def test_weights_that_live_elsewhere_are_left_there():
     """The same-host weights file (its arrays are views of a mapping) or a restore (a new dict)."""
-    home = WeightsHome()
+    store = WeightsStore()
     backing = np.zeros(32, np.float32)
     in_a_file = {"w": backing[:16].reshape(4, 4)}
-    assert home.answer(in_a_file, ("k", 0), _head(0)) is None and in_a_file["w"].base is backing
+    assert store.answer(in_a_file, ("k", 0), _head(0)) is None and in_a_file["w"].base is backing
     weights = _weights()
-    home.answer(weights, ("k", 0), _head(0))
+    store.answer(weights, ("k", 0), _head(0))
     restored = _weights()  # ModelState.restore makes a new dict of fresh arrays
-    assert not home.holds(restored)
-    home.answer(restored, ("k", 0), _head(0))
-    assert home.holds(restored) and not home.holds(weights) and home.moves == 2
+    assert not store.holds(restored)
+    store.answer(restored, ("k", 0), _head(0))
+    assert store.holds(restored) and not store.holds(weights) and store.moves == 2
     restored["w"] = restored["w"].copy()  # moved out (ShmHub.offer puts views of its file in the same dict)
-    home.before_change()
-    assert home.answer(in_a_file, ("k", 1), _head(1)) is None and not home.in_flight() and home._buf is None
+    store.before_change()
+    assert store.answer(in_a_file, ("k", 1), _head(1)) is None and not store.in_flight() and store._buf is None
 
 
 def _send_pull(port: int, min_step: int) -> socket.socket:
@@ -115,7 +115,7 @@ def test_a_slow_reader_gets_the_exact_weights_of_its_step_while_rounds_go_on():
         clients[0].init_model({"w": np.zeros(size, np.float32)}, {"name": "sgd", "learning_rate": 1.0})
         ones = np.ones(size, np.float32)
         slow = _send_pull(ps.port, 0)
-        home = ps.rt.tensors.home
+        store = ps.rt.core.store
         try:
             for step in range(3):
                 answers = [None, None]
@@ -134,7 +134,7 @@ def test_a_slow_reader_gets_the_exact_weights_of_its_step_while_rounds_go_on():
                     pulled = c.pull(step + 1, wait=0.0)
                     assert pulled.step == step + 1
                     np.testing.assert_array_equal(pulled.tensors["w"], np.full(size, -(step + 1.0), np.float32))
-            assert home.moves >= 2  # the first step's change found the slow answer in flight: copy on write
+            assert store.moves >= 2  # the first step's change found the slow answer in flight: copy on write
             got = _read_answer(slow)
             assert got.meta["step"] == 0
             np.testing.assert_array_equal(got.tensors["w"], np.zeros(size, np.float32))
@@ -167,6 +167,6 @@ def test_a_synchronous_job_over_tcp_copies_no_weights_per_step():
             t.join(120)
         assert ps.rt.core.global_step == rounds
         np.testing.assert_array_equal(ps.rt.core.weights["w"], np.full(size, -0.75 * rounds, np.float32))
-        assert ps.rt.tensors.home.moves <= 1 + rounds // 4
+        assert ps.rt.core.store.moves <= 1 + rounds // 4
         for c in clients:
             c.close()
