@@ -96,6 +96,9 @@ def summarise(events: list) -> dict:
     files, moves, current, calls_out = set(), 0, None, []
     segment, route_moves = None, None
     for event, rel, name, after, caller in events:
+        if after is not None and after != current:
+            moves += current is not None
+            current = after
         if event == "call":
             files.add(rel)
             if caller is not None and caller.startswith(CORE) and rel.startswith(OUTER):
@@ -104,9 +107,6 @@ def summarise(events: list) -> dict:
                 segment = moves
             if segment is not None and route_moves is None and (rel, name) == OPTIMIZER:
                 route_moves = moves - segment
-        if after is not None and after != current:
-            moves += current is not None
-            current = after
     return {"files": len(files), "moves": moves, "route_to_optimizer": route_moves,
             "core_calls_out": len(calls_out), "calls_out": sorted(set(calls_out)), "file_list": sorted(files)}
 

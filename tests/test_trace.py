@@ -1,0 +1,40 @@
+"""bench/trace.py: one push and one pull per transport through real in-process PS servers, traced. The seam is
+one-way: no call goes from the core (ps_service/core/) into the transport or HTTP layers, on any transport."""
+from __future__ import annotations
+
+import pytest
+
+from bench import trace
+
+
+@pytest.mark.parametrize("scenario", trace.SCENARIOS)
+def test_the_core_never_calls_the_transport_or_http_layers(scenario):
+    lines = trace.trace(scenario)
+    assert [line["request"] for line in lines] == ["push", "pull"]
+    push, pull = lines
+    # the push closed its round: the route reached the optimizer, through the core
+    assert push["route_to_optimizer"] is not None and "ps_service/core/optimizers.py" in push["file_list"]
+    for line in lines:
+        outer = [c for c in line["calls_out"] if "/sharding/" not in c]
+        assert outer == [], outer
+        assert line["files"] > 0 and line["moves"] > 0
+    # the one call that leaves the core: a sharded coordinator's observer of decided rounds (docs/architecture.md)
+    decided = [c for c in push["calls_out"] if "/sharding/" in c]
+    assert decided == (["ps_service/core/__init__.py -> ps_service/sharding/__init__.py:decided"]
+                       if scenario == "sharded" else [])
+    assert pull["route_to_optimizer"] is None  # a pull applies nothing
+
+
+def test_moves_are_counted_between_project_files_only():
+    events = [("call", "ps_service/api.py", "push", "ps_service/api.py", None),
+              ("call", "ps_service/core/__init__.py", "push", "ps_service/core/__init__.py", "ps_service/api.py"),
+              ("call", "ps_service/core/optimizers.py", "apply", "ps_service/core/optimizers.py",
+               "ps_service/core/__init__.py"),
+              ("return", "ps_service/core/optimizers.py", "apply", "ps_service/core/__init__.py", None),
+              ("return", "ps_service/core/__init__.py", "push", "ps_service/api.py", None)]
+    out = trace.summarise(events)
+    assert (out["files"], out["moves"], out["route_to_optimizer"], out["core_calls_out"]) == (3, 4, 2, 0)
+    out = trace.summarise([("call", "ps_service/core/model.py", "update", "ps_service/core/model.py", None),
+                           ("call", "ps_service/transport/shm.py", "x", "ps_service/transport/shm.py",
+                            "ps_service/core/model.py")])
+    assert out["calls_out"] == ["ps_service/core/model.py -> ps_service/transport/shm.py:x"]
