@@ -27,6 +27,7 @@ import time
 import numpy as np
 
 from ps_service.core import CoreConfig, ParameterServerCore
+from ps_service.settings import PSSettings
 from shared.protocol import ModelInit, PushRequest
 
 PARAMS = 1000
@@ -55,7 +56,8 @@ def _summary(part: str, core: ParameterServerCore, k: int, rounds: int, cpu: flo
 
 
 def run_core(k: int, rounds: int, seed: int = 0) -> dict:
-    core = ParameterServerCore(CoreConfig(min_workers=k, startup_grace_seconds=0.0, lease_seconds=LEASE_SECONDS))
+    core = ParameterServerCore(CoreConfig.from_settings(PSSettings(min_workers=k, startup_grace_seconds=0.0,
+                                                                  lease_seconds=LEASE_SECONDS)))
     now = 0.0
     core.init_model(_init(), now)
     ids = [core.register(f"w{i}", now)[0].worker_id for i in range(k)]

@@ -15,6 +15,7 @@ anything unexpected propagates to the app's 500 handler.
 """
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any, Callable
 from urllib.parse import parse_qsl
@@ -29,7 +30,6 @@ from ps_service.http import REFUSALS, refusal_response
 from ps_service.runtime import Runtime
 from ps_service.transport.onewrite import one_write_send
 from ps_service.sharding import routes as shard_routes
-from shared.errors import ProtocolError
 from shared.protocol import API
 
 _TRUE, _FALSE = frozenset({"1", "true"}), frozenset({"0", "false"})
@@ -70,18 +70,29 @@ def _worker_id(v: str) -> str:
 #: a parameter the route requires (FastAPI's marker): with none given, FastAPI answers
 REQUIRED = PydanticUndefined
 
+
+def _defaults(endpoint: Callable) -> dict[str, Any]:
+    """The endpoint's query defaults, read off its signature (``Query(default)`` or a plain default; :data:`REQUIRED`
+    if none): the route is the one source of each default."""
+    params = inspect.signature(endpoint).parameters
+    return {name: getattr(p.default, "default", p.default) for name, p in params.items() if name != "request"}
+
+
+def _route(endpoint: Callable, parsers: dict[str, Callable[[str], Any]]) -> tuple:
+    defaults = _defaults(endpoint)
+    assert parsers.keys() == defaults.keys(), (endpoint.__name__, sorted(defaults))  # every query parameter parsed
+    return endpoint, parsers, defaults
+
+
 #: (method, path) -> (endpoint, {query parameter: parser}, the route's defaults, :data:`REQUIRED` if none)
 ROUTES: dict[tuple[str, str], tuple[Callable, dict[str, Callable[[str], Any]], dict[str, Any]]] = {
-    ("POST", f"{API}/gradients"): (api.push, {"pull": _bool, "timeout": _seconds, "since": _step},
-                                   {"pull": False, "timeout": 30.0, "since": None}),
+    ("POST", f"{API}/gradients"): _route(api.push, {"pull": _bool, "timeout": _seconds, "since": _step}),
     # a sharded PS's per-step calls (served only when PS_SHARDS > 1: :data:`SHARDED`)
-    ("POST", f"{API}/shard/gradients"): (shard_routes.hold, {"map": _worker_id}, {"map": REQUIRED}),  # <= 64 chars too
-    ("POST", f"{API}/shard/commit"): (shard_routes.commit, {"pull": _bool, "timeout": _seconds},
-                                      {"pull": False, "timeout": 30.0}),
-    ("POST", f"{API}/shard/apply"): (shard_routes.apply, {}, {}),
-    ("GET", f"{API}/model"): (api.pull, {"min_step": _step, "timeout": _seconds, "worker_id": _worker_id, "shm": _bool,
-                                         "since": _step},
-                              {"min_step": 0, "timeout": 30.0, "worker_id": None, "shm": False, "since": None}),
+    ("POST", f"{API}/shard/gradients"): _route(shard_routes.hold, {"map": _worker_id}),  # <= 64 chars too
+    ("POST", f"{API}/shard/commit"): _route(shard_routes.commit, {"pull": _bool, "timeout": _seconds}),
+    ("POST", f"{API}/shard/apply"): _route(shard_routes.apply, {}),
+    ("GET", f"{API}/model"): _route(api.pull, {"min_step": _step, "timeout": _seconds, "worker_id": _worker_id,
+                                               "shm": _bool, "since": _step}),
 }
 
 

@@ -15,10 +15,10 @@ import pytest
 
 from cluster.processes import LocalCluster, wait_for
 from ps_service import checkpoint
-from ps_service.core import CoreConfig, ParameterServerCore
+from ps_service.core import ParameterServerCore
+from tests.configs import core_config
 from shared import frame
 from shared.codec import pack, unpack
-from shared.errors import ProtocolError
 from ps_service.http import REFUSALS, status_of
 from shared.protocol import ModelInit, PushRequest
 
@@ -27,7 +27,7 @@ W0 = {"w": np.zeros((3, 2), np.float32), "b": np.zeros((2,), np.float32)}
 
 
 def make_core(n=2, **cfg) -> tuple[ParameterServerCore, list[str]]:
-    core = ParameterServerCore(CoreConfig(min_workers=n, startup_grace_seconds=0.0, **cfg))
+    core = ParameterServerCore(core_config(min_workers=n, startup_grace_seconds=0.0, **cfg))
     core.init_model(ModelInit({k: v.copy() for k, v in W0.items()}, {"name": "adam", "learning_rate": 0.1}), 0.0)
     return core, [core.register(f"w{i}", 0.0)[0].worker_id for i in range(n)]
 
@@ -51,7 +51,7 @@ def test_round_trip_restores_weights_optimizer_step_and_members(tmp_path):
     write(core, tmp_path)
     state, path = checkpoint.load_latest(tmp_path)
     assert path.name == "ckpt-0000000005.msgpack"
-    back = ParameterServerCore(CoreConfig(min_workers=2, startup_grace_seconds=0.0))
+    back = ParameterServerCore(core_config(min_workers=2, startup_grace_seconds=0.0))
     back.import_state(state, 100.0)
     assert back.global_step == 5 and back.optimizer.iterations == 5 and back.optimizer.spec == core.optimizer.spec
     for k in W0:

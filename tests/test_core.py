@@ -7,10 +7,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ps_service.core.accumulator import Accumulator
-from ps_service.core import CoreConfig, ParameterServerCore
+from ps_service.core import ParameterServerCore
+from tests.configs import core_config
 from shared.compression import SparseTensor
 from shared.compression import dense as compression_dense
-from shared.errors import ProtocolError
 from ps_service.http import REFUSALS, status_of
 from shared.protocol import ModelInit, PushRequest, PushStatus
 
@@ -20,7 +20,7 @@ W0 = {"w": np.zeros((3, 2), np.float32), "b": np.zeros((2,), np.float32)}
 def make(n_workers=2, now=0.0, spec=None, **cfg):
     cfg.setdefault("min_workers", n_workers)
     cfg.setdefault("startup_grace_seconds", 0.0)
-    core = ParameterServerCore(CoreConfig(**cfg))
+    core = ParameterServerCore(core_config(**cfg))
     core.init_model(ModelInit({k: v.copy() for k, v in W0.items()}, spec or {"name": "sgd", "learning_rate": 0.5}), now)
     ids = [core.register(f"w{i}", now)[0].worker_id for i in range(n_workers)]
     return core, ids
@@ -180,7 +180,7 @@ def test_held_leases_hold_the_lease_and_the_deadline_and_release_gives_both_afre
 
 
 def test_start_waits_for_min_workers_then_grace():
-    core = ParameterServerCore(CoreConfig(min_workers=2, startup_grace_seconds=3.0, lease_seconds=100.0))
+    core = ParameterServerCore(core_config(min_workers=2, startup_grace_seconds=3.0, lease_seconds=100.0))
     core.init_model(ModelInit(dict(W0), {}), 0.0)
     core.register("a", 0.0)
     core.tick(10.0)
@@ -193,7 +193,7 @@ def test_start_waits_for_min_workers_then_grace():
 
 
 def test_start_is_immediate_when_the_expected_count_is_reached():
-    core = ParameterServerCore(CoreConfig(total_num_replicas=2, startup_grace_seconds=60.0))
+    core = ParameterServerCore(core_config(total_num_replicas=2, startup_grace_seconds=60.0))
     core.init_model(ModelInit(dict(W0), {}), 0.0)
     core.register("a", 0.0)
     assert not core.started
@@ -270,7 +270,7 @@ def test_the_sum_is_read_for_overflow_only_when_the_pushes_magnitudes_do_not_rul
     reads = []
     real = accumulator._all_finite
     monkeypatch.setattr(accumulator, "_all_finite", lambda g: reads.append(g.shape) or real(g))
-    core = ParameterServerCore(CoreConfig(min_workers=2, startup_grace_seconds=0.0))
+    core = ParameterServerCore(core_config(min_workers=2, startup_grace_seconds=0.0))
     w0 = {k: v.astype(dtype) for k, v in W0.items()}
     core.init_model(ModelInit({k: v.copy() for k, v in w0.items()}, {"name": "sgd", "learning_rate": 0.5}), 0.0)
     ids = [core.register(f"w{i}", 0.0)[0].worker_id for i in range(2)]
@@ -389,13 +389,13 @@ def test_a_nonfinite_push_for_a_closed_round_is_late_not_skipped():
 
 
 def test_init_first_caller_wins_and_ps_settings_take_precedence():
-    core = ParameterServerCore(CoreConfig(optimizer_overrides={"name": "sgd", "learning_rate": 0.25}))
+    core = ParameterServerCore(core_config(optimizer_overrides={"name": "sgd", "learning_rate": 0.25}))
     core.init_model(ModelInit(dict(W0), {"name": "adam", "learning_rate": 0.001, "beta1": 0.5}), 0.0)
     assert core.optimizer.spec == {"name": "sgd", "learning_rate": 0.25}
     with pytest.raises(REFUSALS) as err:
         core.init_model(ModelInit(dict(W0), {}), 0.0)
     assert status_of(err.value) == 409
-    core2 = ParameterServerCore(CoreConfig(optimizer_overrides={"learning_rate": 0.2}))
+    core2 = ParameterServerCore(core_config(optimizer_overrides={"learning_rate": 0.2}))
     core2.init_model(ModelInit(dict(W0), {"name": "adam", "learning_rate": 0.001, "beta1": 0.5}), 0.0)
     assert core2.optimizer.spec["name"] == "adam" and core2.optimizer.spec["learning_rate"] == 0.2
     assert core2.optimizer.spec["beta1"] == 0.5
@@ -654,6 +654,9 @@ def test_a_stuck_round_recalls_the_workers_registered_for_the_next_one():
 
 
 def test_the_core_config_comes_from_the_settings_in_one_mapping():
+    from dataclasses import fields
+
+    from ps_service.core.config import CoreConfig
     from ps_service.settings import PSSettings
     s = PSSettings(replicas_to_aggregate=3, total_num_replicas=4, min_workers=2, max_steps=9, lease_seconds=3.0,
                    round_timeout_seconds=7.0, min_replicas=2, nonfinite_policy="skip", aggregation="sum",
@@ -661,7 +664,11 @@ def test_the_core_config_comes_from_the_settings_in_one_mapping():
     cfg = CoreConfig.from_settings(s)
     assert cfg == CoreConfig(replicas_to_aggregate=3, total_num_replicas=4, min_workers=2, max_steps=9, lease_seconds=3.0,
                              round_timeout_seconds=7.0, min_replicas=2, nonfinite_policy="skip", aggregation="sum",
-                             startup_grace_seconds=1.5, optimizer_overrides={"name": "adam", "learning_rate": 0.01})
+                             startup_grace_seconds=1.5, mode="sync", ssp_staleness=3, max_staleness=None,
+                             optimizer_overrides={"name": "adam", "learning_rate": 0.01})
+    # CoreConfig has no defaults of its own: every field but the fixed count is a setting of the same name
+    assert {f.name for f in fields(CoreConfig)} - set(PSSettings.model_fields) == {"optimizer_overrides",
+                                                                                  "max_rounds_kept"}
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])

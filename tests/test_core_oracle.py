@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ps_service.core import membership
-from ps_service.core import CoreConfig, ParameterServerCore, PushResult
+from ps_service.core import ParameterServerCore, PushResult
+from tests.configs import core_config
 from ps_service.core.membership import Member
-from shared.errors import ProtocolError
 from ps_service.http import REFUSALS, status_of
 from shared.protocol import ModelInit, PushRequest
 from tests.naive_core import NaiveCore, naive_progress
@@ -141,7 +141,7 @@ def check_counts(core: ParameterServerCore, now: float) -> None:
 @given(cfg=configs, first=st.lists(names, min_size=1, max_size=5, unique=True),
        script=st.lists(ops, min_size=10, max_size=120))
 def test_the_incremental_core_decides_exactly_as_the_scans(cfg, first, script):
-    cores = [ParameterServerCore(CoreConfig(**cfg)), NaiveCore(CoreConfig(**cfg))]
+    cores = [ParameterServerCore(core_config(**cfg)), NaiveCore(core_config(**cfg))]
     ids = [Ids(), Ids()]
     now = 0.0
     for core in cores:

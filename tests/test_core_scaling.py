@@ -10,7 +10,8 @@ import sys
 
 import numpy as np
 
-from ps_service.core import CoreConfig, ParameterServerCore
+from ps_service.core import ParameterServerCore
+from tests.configs import core_config
 from ps_service.runtime import Runtime
 from ps_service.settings import PSSettings
 from shared.protocol import ModelInit, PushRequest
@@ -19,7 +20,7 @@ PARAMS = 8
 
 
 def job(k: int) -> tuple[ParameterServerCore, list[str]]:
-    core = ParameterServerCore(CoreConfig(min_workers=k, startup_grace_seconds=0.0, lease_seconds=10.0))
+    core = ParameterServerCore(core_config(min_workers=k, startup_grace_seconds=0.0, lease_seconds=10.0))
     core.init_model(ModelInit({"w": np.zeros(PARAMS, np.float32)}, {"name": "sgd", "learning_rate": 0.1}), 0.0)
     return core, [core.register(f"w{i}", 0.0)[0].worker_id for i in range(k)]
 

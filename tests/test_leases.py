@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ps_service.core import CoreConfig, ParameterServerCore
-from shared.errors import ProtocolError
+from ps_service.core import ParameterServerCore
+from tests.configs import core_config
 from ps_service.http import REFUSALS, status_of
 from shared.protocol import ModelInit, PushRequest, PushStatus
 
@@ -16,7 +16,7 @@ W0 = {"w": np.zeros((2,), np.float32)}
 
 def make(n=3, **cfg):
     cfg = {"min_workers": n, "startup_grace_seconds": 0.0, "lease_seconds": 5.0, **cfg}
-    core = ParameterServerCore(CoreConfig(**cfg))
+    core = ParameterServerCore(core_config(**cfg))
     core.init_model(ModelInit({"w": W0["w"].copy()}, {"name": "sgd", "learning_rate": 1.0}), 0.0)
     return core, [core.register(f"w{i}", 0.0)[0].worker_id for i in range(n)]
 
@@ -103,7 +103,7 @@ def test_below_the_quorum_after_the_deadline_the_status_says_why():
 
 
 def test_the_status_says_what_start_up_waits_for():
-    core = ParameterServerCore(CoreConfig(min_workers=2, startup_grace_seconds=5.0))
+    core = ParameterServerCore(core_config(min_workers=2, startup_grace_seconds=5.0))
     assert core.wait_reason(0.0) == "waiting for a worker to initialise the model"
     core.init_model(ModelInit({"w": W0["w"].copy()}, {}), 0.0)
     core.register("a", 0.0)

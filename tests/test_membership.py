@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ps_service.core import CoreConfig, ParameterServerCore
+from ps_service.core import ParameterServerCore
+from tests.configs import core_config
 from ps_service.core.membership import EXPIRED, LEFT, Membership
-from shared.errors import ProtocolError
-from ps_service.http import REFUSALS, status_of
+from ps_service.http import REFUSALS
 from shared.protocol import ModelInit, PushRequest
 from tests.naive_core import NaiveMembership
 
@@ -178,7 +178,7 @@ def test_membership_answers_as_the_scans(calls):
 def test_a_member_back_in_a_stuck_round_under_another_rank_is_counted_under_it():
     """Fixed R = 3, min_replicas 2: w0 leaves, the others die; a newcomer takes rank 0 and joins the stuck
     round; w0 comes back, its rank is taken: it joins under rank 3, and the round closes with both."""
-    core = ParameterServerCore(CoreConfig(min_workers=3, startup_grace_seconds=0.0, lease_seconds=5.0,
+    core = ParameterServerCore(core_config(min_workers=3, startup_grace_seconds=0.0, lease_seconds=5.0,
                                           replicas_to_aggregate=3, min_replicas=2))
     core.init_model(ModelInit({"w": np.zeros(3, np.float32)}, {"name": "sgd", "learning_rate": 1.0}), 0.0)
     ids = [core.register(f"w{i}", 0.0)[0].worker_id for i in range(3)]
@@ -197,7 +197,7 @@ def test_a_member_back_in_a_stuck_round_under_another_rank_is_counted_under_it()
 
 
 def test_an_unknown_worker_leaving_changes_nothing():
-    core = ParameterServerCore(CoreConfig(min_workers=1, startup_grace_seconds=0.0))
+    core = ParameterServerCore(core_config(min_workers=1, startup_grace_seconds=0.0))
     core.init_model(ModelInit({"w": np.zeros(1, np.float32)}, {}), 0.0)
     core.register("a", 0.0)
     with pytest.raises(REFUSALS):

@@ -13,11 +13,10 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from ps_service import checkpoint
-from ps_service.core.config import CoreConfig
-from ps_service.core import ParameterServerCore
+from tests.configs import core_config
+from ps_service.core import CoreConfig, ParameterServerCore
 from ps_service.settings import PSSettings
-from shared.errors import ProtocolError
-from ps_service.http import REFUSALS, status_of
+from ps_service.http import REFUSALS
 from shared.protocol import ModelInit, PushRequest, PushStatus
 
 W0 = {"b": np.zeros(2, np.float32), "w": np.zeros((3, 2), np.float32)}
@@ -27,7 +26,7 @@ LR = 0.25
 def make(n=2, mode="async", now=0.0, **cfg):
     cfg.setdefault("min_workers", n)
     cfg.setdefault("startup_grace_seconds", 0.0)
-    core = ParameterServerCore(CoreConfig(mode=mode, **cfg))
+    core = ParameterServerCore(core_config(mode=mode, **cfg))
     core.init_model(ModelInit({k: v.copy() for k, v in W0.items()}, {"name": "sgd", "learning_rate": LR}), now)
     ids = [core.register(f"w{i}", now)[0].worker_id for i in range(n)]
     return core, ids
@@ -142,7 +141,7 @@ def test_nonfinite_skip_advances_without_an_update_and_the_end_of_the_job():
 
 
 def test_a_push_before_the_start_is_refused():
-    core = ParameterServerCore(CoreConfig(mode="async", min_workers=2, startup_grace_seconds=0.0))
+    core = ParameterServerCore(core_config(mode="async", min_workers=2, startup_grace_seconds=0.0))
     core.init_model(ModelInit({k: v.copy() for k, v in W0.items()}, {"name": "sgd", "learning_rate": LR}), 0.0)
     a = core.register("w0", 0.0)[0].worker_id
     with pytest.raises(REFUSALS) as exc:
@@ -169,7 +168,7 @@ def test_checkpoint_keeps_the_clocks_and_a_restore_is_sound():
     push(core, b, 0, grad(5))  # clocks a=2, b=1; floor 1
     state = checkpoint.decode(checkpoint.encode(core.export_state(), 0.0)[0])
     assert state["staleness"] == {"floor": 1, "clocks": {a: 2, b: 1}}
-    restored = ParameterServerCore(CoreConfig(mode="ssp", ssp_staleness=1, min_workers=2, startup_grace_seconds=0))
+    restored = ParameterServerCore(core_config(mode="ssp", ssp_staleness=1, min_workers=2, startup_grace_seconds=0))
     restored.import_state(state, 10.0)
     assert restored.global_step == 3 and restored.modes.live_count() == 0
     with pytest.raises(REFUSALS) as exc:  # a push from before the restart: register first

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from cluster.processes import LocalCluster, wait_for
-from ps_service.core import CoreConfig, ParameterServerCore
+from ps_service.core import ParameterServerCore
+from tests.configs import core_config
 from ps_service.monitoring import current_round, throughput
 from ps_service.core.rounds import Arrival
 from ps_service.core.stragglers import straggler
@@ -186,7 +187,7 @@ def test_straggler_definition():
 
 def test_round_deadline_records_the_member_that_never_came():
     """Sans-IO: a round that closes at its deadline names the missing member and the wait it caused."""
-    core = ParameterServerCore(CoreConfig(min_workers=2, startup_grace_seconds=0, round_timeout_seconds=2.0))
+    core = ParameterServerCore(core_config(min_workers=2, startup_grace_seconds=0, round_timeout_seconds=2.0))
     core.init_model(ModelInit({"w": np.zeros(2, np.float32)}, {"name": "sgd", "learning_rate": 0.1}), 0.0)
     ids = [core.register(f"w{i}", 0.0)[0].worker_id for i in range(2)]
     core.push(PushRequest(ids[0], 0, {"w": np.ones(2, np.float32)}), 0.5)
@@ -200,7 +201,7 @@ def test_round_deadline_records_the_member_that_never_came():
 def test_throughput_is_not_capped_by_the_kept_rounds():
     """Sans-IO, simulated clock: 2500 rounds/s for 6 s (15000 rounds, the core keeps 1000 records);
     the rates come from counters over a sliding window."""
-    core = ParameterServerCore(CoreConfig(min_workers=1, startup_grace_seconds=0, lease_seconds=100.0))
+    core = ParameterServerCore(core_config(min_workers=1, startup_grace_seconds=0, lease_seconds=100.0))
     core.init_model(ModelInit({"w": np.zeros(2, np.float32)}, {"name": "sgd", "learning_rate": 0.1}), 0.0)
     wid = core.register("w0", 0.0)[0].worker_id
     assert throughput(core, 0.0)["rounds_per_second"] == 0
@@ -223,7 +224,7 @@ def test_throughput_is_not_capped_by_the_kept_rounds():
 
 def test_the_open_round_shows_an_unreachable_r():
     """Sans-IO: fixed R = 3, w2 leaves after w0 pushed: /v1/status's round says R is out of reach."""
-    core = ParameterServerCore(CoreConfig(min_workers=3, startup_grace_seconds=0, replicas_to_aggregate=3))
+    core = ParameterServerCore(core_config(min_workers=3, startup_grace_seconds=0, replicas_to_aggregate=3))
     core.init_model(ModelInit({"w": np.zeros(2, np.float32)}, {"name": "sgd", "learning_rate": 0.1}), 0.0)
     ids = [core.register(f"w{i}", 0.0)[0].worker_id for i in range(3)]
     core.push(PushRequest(ids[0], 0, {"w": np.ones(2, np.float32)}), 0.5)

@@ -9,7 +9,6 @@ import pytest
 
 from ps_service.core.optimizers import SLOT_NAMES, Optimizer, normalize_spec
 from shared.compression import SparseTensor
-from shared.errors import ProtocolError
 from ps_service.http import REFUSALS, status_of
 
 STEPS = 7

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from cluster.processes import LocalCluster, wait_for
-from ps_service.core import CoreConfig, ParameterServerCore
-from shared.errors import ProtocolError
+from ps_service.core import ParameterServerCore
+from tests.configs import core_config
 from ps_service.http import REFUSALS, status_of
 from shared.protocol import ModelInit, PushRequest, PushStatus
 from tests.clusters import closed_rounds, final_weights
@@ -38,7 +38,7 @@ def one_round(core, ids, now):
 
 
 def test_the_core_goes_back_live_to_a_checkpoint_and_every_worker_rejoins_there():
-    core = ParameterServerCore(CoreConfig(min_workers=2, startup_grace_seconds=0.0))
+    core = ParameterServerCore(core_config(min_workers=2, startup_grace_seconds=0.0))
     core.init_model(ModelInit({k: v.copy() for k, v in W0.items()}, {"name": "momentum", "learning_rate": 0.1}), 0.0)
     ids = [core.register(f"w{i}", 0.0)[0].worker_id for i in range(2)]
     for t in range(3):

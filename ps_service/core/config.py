@@ -15,26 +15,29 @@ from ps_service.core.rounds import CloseRule
 
 @dataclass(frozen=True)
 class CoreConfig:
-    replicas_to_aggregate: int | None = None
-    total_num_replicas: int | None = None
-    min_workers: int = 1
-    startup_grace_seconds: float = 2.0
-    max_steps: int | None = None
-    aggregation: str = "mean"
-    lease_seconds: float = 10.0
-    round_timeout_seconds: float | None = None
-    min_replicas: int = 1
+    """Every field but the last two is the PS setting of its name, with no default here: the settings class is the
+    one source (:meth:`from_settings`; tests build theirs the same way, tests/configs.py)."""
+    replicas_to_aggregate: int | None
+    total_num_replicas: int | None
+    min_workers: int
+    startup_grace_seconds: float
+    max_steps: int | None
+    aggregation: str
+    lease_seconds: float
+    round_timeout_seconds: float | None
+    min_replicas: int
+    #: "reject" (422) or "skip" (counted, not applied) for NaN/Inf gradients
+    nonfinite_policy: str
+    #: "sync" (the barrier), "async" or "ssp" (each gradient applied on arrival: ps_service/core/staleness.py)
+    mode: str
+    #: ssp's bound s (per-worker clocks)
+    ssp_staleness: int
+    #: async/ssp: gradients older than this many global steps are refused stale (None: no limit)
+    max_staleness: int | None
     #: optimizer settings given to the PS; they win over what the model's initialiser brings
     optimizer_overrides: Mapping[str, Any] = field(default_factory=dict)
-    #: "reject" (422) or "skip" (counted, not applied) for NaN/Inf gradients
-    nonfinite_policy: str = "reject"
+    #: closed rounds kept for /v1/rounds (a fixed count, not a setting)
     max_rounds_kept: int = 1000
-    #: "sync" (the barrier), "async" or "ssp" (each gradient applied on arrival: ps_service/core/staleness.py)
-    mode: str = "sync"
-    #: ssp's bound s (per-worker clocks)
-    ssp_staleness: int = 3
-    #: async/ssp: gradients older than this many global steps are refused stale (None: no limit)
-    max_staleness: int | None = None
 
     @classmethod
     def from_settings(cls, settings) -> "CoreConfig":

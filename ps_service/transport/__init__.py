@@ -39,7 +39,7 @@ from ps_service.core.buffers import POOL
 from ps_service.transport.deltas import WeightDeltas
 from ps_service.transport.shm import ShmHub
 from shared import compression, frame
-from shared.errors import ProtocolError, bad_request
+from shared.errors import bad_request
 from shared.protocol import STEP_HEADER, ModelInit, PushRequest, parse_model_meta, parse_push_meta
 
 
