@@ -498,6 +498,8 @@ def test_a_follower_restarted_with_nothing_to_go_back_to_leaves_registration_ref
             assert "shard 1 restarted" in r.json()["detail"] and "set PS_CHECKPOINT_DIR on every shard" in r.json()["detail"]
             st = hc.get("/v1/status").json()
             assert st["shard"]["blocked"] == r.json()["detail"] and st["shard"]["rollbacks"] == 1
+            # it was null after a rollback that failed (issue 49): it says what happened
+            assert st["shard"]["last_rollback"] == f"from step 1: failed, registration refused: {r.json()['detail']}"
             assert "ps_shard_rollbacks_total 1.0" in hc.get("/metrics").text
             r = hc.get("/v1/model", params={"worker_id": ids[1], "min_step": 1, "timeout": 0})
             assert (r.status_code, r.json()["error"]) == (409, "not_active")  # nothing goes on: every worker is out

@@ -7,7 +7,8 @@ restarting anything else. Contract of :func:`roll_back` (one at a time; :class:`
 starts it when :attr:`.links.Links.on_restart` reports a restart):
 
 1. Registration is refused (503 ``shards_inconsistent``, retried by workers) with the reason in ``/v1/status``
-   (``shard.blocked``); the links to the followers stop (applies in flight abandoned).
+   (``shard.blocked``; ``shard.last_rollback`` says it is under way); the links to the followers stop (applies in
+   flight abandoned).
 2. Each follower's step and checkpoint steps (``GET /v1/shard/state``, asked until it answers). The step is the
    newest in every shard's checkpoint steps (or its live step: a shard at that step keeps its model).
 3. Each follower goes back to it (``POST /v1/shard/restore``), then the coordinator itself
@@ -18,7 +19,8 @@ starts it when :attr:`.links.Links.on_restart` reports a restart):
    and why, ``shard.rollbacks`` in ``/v1/status`` (and ``ps_shard_rollbacks_total``) counts it.
 
 No common step (no ``PS_CHECKPOINT_DIR``, or no step shared), or a follower refusing the restore: registration
-stays refused with a reason saying what the operator must do; nothing mixes steps.
+stays refused with a reason saying what the operator must do (``shard.blocked``, and ``shard.last_rollback`` says the
+rollback failed); nothing mixes steps.
 """
 from __future__ import annotations
 
@@ -49,19 +51,27 @@ async def _states(role) -> dict[int, dict]:
 
 
 async def roll_back(role, why: str) -> None:
-    """Roll the job back live (the module's contract); any failure leaves registration refused, saying why."""
+    """Roll the job back live (the module's contract); any failure leaves registration refused, saying why (in
+    ``shard.blocked`` and ``shard.last_rollback``)."""
+    was = role.core.global_step
     try:
-        await _roll_back(role, why)
+        await _roll_back(role, why, was)
     except Exception as exc:
-        role.links.blocked = (f"{why}; the rollback failed ({type(exc).__name__}: {exc}): restart every shard from "
-                              "checkpoints of one step")
-        log.exception("%s", role.links.blocked)
+        _failed(role, was, f"{why}; the rollback failed ({type(exc).__name__}: {exc}): restart every shard from "
+                           "checkpoints of one step", exc_info=True)
 
 
-async def _roll_back(role, why: str) -> None:
+def _failed(role, was: int, reason: str, exc_info: bool = False) -> None:
+    """Registration stays refused with ``reason``; ``last_rollback`` says the rollback from step ``was`` failed."""
+    role.links.blocked = reason
+    role.last_rollback = f"from step {was}: failed, registration refused: {reason}"
+    log.error("%s", reason, exc_info=exc_info)
+
+
+async def _roll_back(role, why: str, was: int) -> None:
     links, core, rt = role.links, role.core, role.rt
-    was = core.global_step
     role.rollbacks += 1
+    role.last_rollback = f"from step {was}: under way: {why}"
     links.blocked = f"rolling back to the newest checkpoint every shard has: {why}"
     log.info("%s: rolling the job back (registration refused meanwhile)", why)
     await links.stop()  # no apply of an abandoned round reaches a restored follower
@@ -69,19 +79,17 @@ async def _roll_back(role, why: str) -> None:
     states = await _states(role)
     step = common_step(set(role.checkpoint_steps()) | {was}, states)
     if step is None:
-        links.blocked = (f"{why}, and no step is in every shard's checkpoints (the coordinator is at step {was}; "
-                         + "; ".join(f"shard {i} at {st.get('step')}, checkpoints {st.get('checkpoints')}"
-                                     for i, st in states.items())
-                         + "): set PS_CHECKPOINT_DIR on every shard, or restart every shard from checkpoints of one "
-                           "step, or all fresh")
-        log.error("%s", links.blocked)
+        _failed(role, was, f"{why}, and no step is in every shard's checkpoints (the coordinator is at step {was}; "
+                           + "; ".join(f"shard {i} at {st.get('step')}, checkpoints {st.get('checkpoints')}"
+                                       for i, st in states.items())
+                           + "): set PS_CHECKPOINT_DIR on every shard, or restart every shard from checkpoints of one "
+                             "step, or all fresh")
         return
     for f in links.followers:
         resp = await links.ask(f, "POST", "/shard/restore", json={"step": step})
         if resp.status_code != 200:
-            links.blocked = (f"{why}; rolling back to step {step}, shard {f.index} refused: {resp.status_code} "
-                             f"{resp.text[:300]}: restart every shard from checkpoints of step {step}")
-            log.error("%s", links.blocked)
+            _failed(role, was, f"{why}; rolling back to step {step}, shard {f.index} refused: {resp.status_code} "
+                               f"{resp.text[:300]}: restart every shard from checkpoints of step {step}")
             return
         f.step, f.boot = step, resp.json().get("boot", f.boot)
     state = await asyncio.to_thread(role.step_state, step)
