@@ -22,7 +22,9 @@ from hypothesis import given, settings, strategies as st
 
 from cluster.processes import LocalCluster, free_port, wait_for
 from ps_service.core.optimizers import Optimizer
+from ps_service.sharding import receipts
 from shared import frame, shards
+from shared.errors import ProtocolError
 from tests.clusters import closed_rounds, final_weights, run_job
 from tests.live_ps import live_ps, state_hash
 from tests.reference import train_reference
@@ -299,6 +301,20 @@ def hold(http, m, i, wid, step, grads):
                       map=m.digest)
 
 
+def commit(hc, wid, step, receipts=None) -> httpx.Response:
+    """``POST /v1/shard/commit`` of (wid, step), with ``receipts`` (shard 1's) if given."""
+    return post_frame(hc, "/v1/shard/commit", {}, {"worker_id": wid, "step": step,
+                                                   **({} if receipts is None else {"receipts": receipts})})
+
+
+def push_pieces(hc, hf, m, wid, step, grads) -> httpx.Response:
+    """What a worker does: hold on both shards, then commit with shard 1's receipt (the commit's answer)."""
+    assert hold(hc, m, 0, wid, step, grads).status_code == 200
+    r = hold(hf, m, 1, wid, step, grads)
+    assert r.status_code == 200 and r.json()["status"] == "held", r.text
+    return commit(hc, wid, step, [r.json()["receipt"]])
+
+
 def test_pieces_held_on_one_shard_without_a_commit_never_count():
     with two_shards() as (c, f):
         hc, hf, m, (a, b) = start_job(c, f)
@@ -307,10 +323,8 @@ def test_pieces_held_on_one_shard_without_a_commit_never_count():
         before = state_hash(f.rt)
         assert hold(hf, m, 1, a, 0, ga).json()["status"] == "held"  # a reaches shard 1 only, never commits
         assert state_hash(f.rt) == before and a not in c.rt.core.round.acc
-        assert post_frame(hc, "/v1/shard/commit", {}, {"worker_id": a, "step": 0}).json()["error"] == "not_held"
-        for i, http in enumerate((hc, hf)):
-            assert hold(http, m, i, b, 0, gb).status_code == 200
-        assert post_frame(hc, "/v1/shard/commit", {}, {"worker_id": b, "step": 0}).json()["status"] == "accepted"
+        assert commit(hc, a, 0).json()["error"] == "not_held"
+        assert push_pieces(hc, hf, m, b, 0, gb).json()["status"] == "accepted"
         assert hc.delete(f"/v1/workers/{a}").status_code == 200  # the round closes with b alone
         wait_for(lambda: f.rt.core.global_step == 1, 10, "shard 1 to apply round 0")
         want = {k: W0[k] - gb[k] * 0.5 for k in W0}
@@ -328,11 +342,8 @@ def test_pieces_held_on_one_shard_without_a_commit_never_count():
 
 
 def one_round(hc, hf, m, ids, step, grads):
-    for i, http in enumerate((hc, hf)):
-        for w in ids:
-            assert hold(http, m, i, w, step, grads).status_code == 200
     for w in ids:
-        assert post_frame(hc, "/v1/shard/commit", {}, {"worker_id": w, "step": step}).status_code == 200
+        assert push_pieces(hc, hf, m, w, step, grads).status_code == 200
 
 
 def test_a_restore_never_mixes_steps(tmp_path):
@@ -342,6 +353,10 @@ def test_a_restore_never_mixes_steps(tmp_path):
         one_round(hc, hf, m, ids, 0, {"w": np.ones((3, 1)), "b": np.ones(1)})
         wait_for(lambda: f.rt.core.global_step == 1, 10, "shard 1 to apply round 0")
         before = shards.assemble(m, [dict(c.rt.core.weights), dict(f.rt.core.weights)])
+    with live_ps(port=ports[1], shard_index=1, **shard_settings(ports), **dirs[1]) as f:  # the follower alone
+        assert f.rt.core.global_step == 1  # restored, but no coordinator gave it a receipt key: it holds nothing
+        r = hold(f.http(), m, 1, ids[0], 1, {"w": np.ones((3, 1)), "b": np.ones(1)})
+        assert (r.status_code, r.json()["error"]) == (409, "shard_behind") and len(f.rt.shards.holds) == 0
     with two_shards(ports, dirs) as (c, f):  # both restored step 1: workers come back, training goes on
         wait_for(lambda: c.rt.shards.links.blocked is None, 20, "the coordinator's check of the followers")
         hc, hf = c.http(), f.http()
@@ -359,6 +374,65 @@ def test_a_restore_never_mixes_steps(tmp_path):
         assert r.status_code == 503 and r.json()["error"] == "shards_inconsistent"
         assert "restored step 2 but shard 1 is at step none" in r.json()["detail"]
         assert c.http().get("/v1/status").json()["shard"]["blocked"] == r.json()["detail"]
+
+
+def scripted_job(bad_at: int | None, steps: int = 4) -> tuple[dict, list, dict]:
+    """Two workers on two in-process shards, ``steps`` rounds of seeded gradients: worker a (rank 0) through the
+    stock sharded transport (``PSClient``), b through raw holds and commits. At step ``bad_at`` a's gradient has a
+    NaN in shard 1's pieces first, and a client commits for a anyway, in every wrong way. (The whole model after
+    the job, the rounds' contributors, the coordinator's ``/v1/status`` ``shard`` block.)"""
+    with two_shards() as (c, f):
+        hc, hf, m, (a, b) = start_job(c, f)
+        worker = c.client()
+        worker.attach_reader()
+        worker.attach(a)
+        rng = np.random.default_rng(11)
+        first = None
+        for step in range(steps):
+            ga, gb = ({k: rng.standard_normal(v.shape) for k, v in W0.items()} for _ in range(2))
+            assert push_pieces(hc, hf, m, b, step, gb).json()["status"] == "accepted"
+            if step == bad_at:
+                nan = {k: v.copy() for k, v in ga.items()}
+                nan[next(iter(shards.split(nan, m.pieces[1])))].flat[0] = np.nan  # one of shard 1's pieces
+                with pytest.raises(ProtocolError) as refused:  # shard 1 refuses the hold: nothing is committed
+                    worker.push(a, step, nan)
+                assert (refused.value.status, refused.value.code) == (422, "nonfinite_gradient")
+                wait_for(lambda: c.rt.shards.holds.get(a, step) is not None, 10, "shard 0's hold of a's pieces")
+                before = state_hash(c.rt), state_hash(f.rt)
+                # a client commits for a all the same: the coordinator counts nothing a follower does not hold
+                for wrong in (None, [None], ["0" * 64], [first], ["not hex"]):  # first: a's receipt of step 0
+                    r = commit(hc, a, step, wrong)
+                    assert (r.status_code, r.json()["error"]) == (409, "not_held"), (wrong, r.text)
+                    assert "shard(s) [1]" in r.json()["detail"]
+                for wrong in ("x", [], [None, None], [1]):  # not a list of one receipt per follower
+                    r = commit(hc, a, step, wrong)
+                    assert (r.status_code, r.json()["error"]) == (400, "bad_field"), (wrong, r.text)
+                assert (state_hash(c.rt), state_hash(f.rt)) == before and a not in c.rt.core.round.acc
+                assert c.rt.core.global_step == f.rt.core.global_step == step  # the round waits for a
+            answer = worker.push(a, step, ga)  # the round closes with both
+            assert answer["status"] == "accepted"
+            if step == 0:  # the receipt shard 1 gave a's hold of step 0
+                first = receipts.receipt(f.rt.shards.receipt_key, 1, a, 0)
+            wait_for(lambda: f.rt.core.global_step == step + 1, 10, f"shard 1 to apply round {step}")
+        whole = shards.assemble(m, [dict(c.rt.core.weights), dict(f.rt.core.weights)])
+        rounds = [sorted(x["rank"] for x in r["contributors"]) for r in hc.get("/v1/rounds").json()["rounds"]]
+        def heard() -> dict | None:  # the coordinator's view of shard 1 is as its link last heard
+            st = hc.get("/v1/status").json()["shard"]
+            return st if [r["step"] for r in st["shards"]] == [steps, steps] else None
+        st = wait_for(heard, 10, "the coordinator to hear shard 1's step")
+        worker.close()
+    return whole, rounds, st
+
+
+def test_a_commit_without_every_followers_hold_is_refused_and_the_job_goes_on_as_without_it():
+    """Issue 49, 1: shard 1 refused a NaN hold, yet the coordinator accepted the commit; shard 1 then refused the
+    apply (409 missing_gradient) and the job rolled back (wedged for ever without checkpoints)."""
+    got, rounds, st = scripted_job(bad_at=1)
+    want, want_rounds, _ = scripted_job(bad_at=None)
+    assert rounds == want_rounds == [[0, 1]] * 4
+    assert all(got[k].tobytes() == want[k].tobytes() for k in W0), "not bit-identical to the job without the bad push"
+    assert (st["rollbacks"], st["last_rollback"], st["blocked"]) == (0, None, None)
+    assert [r["error"] for r in st["shards"]] == [None, None]
 
 
 def test_a_bad_push_to_one_shard_gets_the_one_ps_refusal_and_changes_nothing():
@@ -409,6 +483,9 @@ def test_the_model_put_to_a_follower_is_refused_before_its_body_and_changes_noth
                 assert (r.status_code, r.json()["error"]) == (409, "not_coordinator")
                 assert "shard 0" in r.json()["detail"]
                 assert r.headers["connection"] == "close"  # answered before the body was read
+            with f.http() as hf:  # the coordinator's route, without the hold receipt key it brings
+                r = hf.put("/v1/shard/model", content=body, headers={"content-type": frame.MEDIA_TYPE})
+                assert (r.status_code, r.json()["error"]) == (400, "bad_field") and "receipt_key" in r.json()["detail"]
             if not f.rt.core.initialized:
                 assert c.rt.core.global_step == 0 and not c.rt.core.initialized
                 hc, hf, m, _ = start_job(c, f)
@@ -473,8 +550,10 @@ def test_a_coordinator_restored_behind_a_follower_has_it_restore_the_same_step(t
         hc = c.http()
         r = post_frame(f.http(), "/v1/shard/restore", {}, {})  # a frame, not the JSON body the route takes
         assert r.status_code in (400, 415)
-        r = f.http().post("/v1/shard/restore", json={"step": 7})
+        r = f.http().post("/v1/shard/restore", json={"step": 7, "receipt_key": "0" * 64})
         assert (r.status_code, r.json()["error"]) == (404, "unknown_checkpoint")
+        r = f.http().post("/v1/shard/restore", json={"step": 1})  # the coordinator's key comes with every restore
+        assert (r.status_code, r.json()["error"]) == (400, "bad_request") and "receipt_key" in r.json()["detail"]
         r = hc.post("/v1/shard/restore", json={"step": 1})
         assert (r.status_code, r.json()["error"]) == (409, "not_follower")
         ids = [hc.post("/v1/workers", json={"name": f"w{i}"}).json()["worker_id"] for i in range(2)]

@@ -7,8 +7,11 @@ hold pushes; they decide nothing about membership or rounds. Each shard's core h
 (:mod:`shared.shards`) as its model.
 
 One round, exact: a worker pushes its pieces to every shard (each holds them: :mod:`.holds`), then
-commits step s to the coordinator; the commit is what the coordinator's barrier counts, with the held
-pieces as the push's gradients. When round s closes with contributors C, :meth:`ShardRole.decided` (the core's
+commits step s to the coordinator with each follower's receipt of its hold (:mod:`.receipts`); the commit is what
+the coordinator's barrier counts, with the held pieces as the push's gradients, and it counts only if the coordinator
+holds that worker's pieces of step s and every follower's receipt is good (409 ``not_held`` otherwise): so no round
+names a contributor a follower cannot apply.
+When round s closes with contributors C, :meth:`ShardRole.decided` (the core's
 ``on_decided`` hook, before the coordinator applies its own share) sends "apply round s with C" to every follower
 (:mod:`.links`), who sum the held pieces of C in rank order and step the same optimizer. The routes are
 :mod:`.routes`. :func:`role` is None on an unsharded PS: nothing here runs then.
@@ -30,7 +33,7 @@ import numpy as np
 
 from ps_service.checkpoint import NAME_RE, CheckpointError, checkpoint_name, decode, list_checkpoints
 from ps_service.core.model import check_weights
-from ps_service.sharding import rollback
+from ps_service.sharding import receipts, rollback
 from ps_service.sharding.holds import Holds
 from ps_service.sharding.links import Links
 from shared import frame
@@ -65,7 +68,9 @@ class ShardRole:
         self.rt = None  # the runtime (set by start): its clock and notify, for a live rollback
         self.checkpointer = None  # this shard's checkpoint writer (ps_service/checkpoint.py), if any
         self.rollbacks = 0  # live rollbacks the coordinator made (a follower restarted)
-        self.last_rollback: str | None = None  # the last one: from which step to which, and why
+        self.last_rollback: str | None = None  # the last one: from which step to which, and why (or how it failed)
+        # the hold receipts' key (.receipts): the coordinator's own; a follower's as the coordinator last gave it
+        self.receipt_key: bytes | None = receipts.new_key() if self.coordinator else None
         self._rolling: asyncio.Task | None = None
         if not self.coordinator:
             core.follow()
@@ -95,8 +100,8 @@ class ShardRole:
         self.links.start()
         if core.initialized:  # restored: registration waits (503) until every follower says it is at our step
             self.links.blocked = "checking that every shard restored the same step"
-            self.links.tasks.append(asyncio.create_task(self.links.check_steps(core.global_step,
-                                                                                self.checkpoint_steps())))
+            self.links.tasks.append(asyncio.create_task(self.links.check_steps(
+                core.global_step, self.checkpoint_steps(), self.restore_body(core.global_step))))
 
     def _keep_map(self, m: ShardMap) -> None:
         self.map = m
@@ -160,8 +165,8 @@ class ShardRole:
         spec = core.optimizer_spec(init.optimizer)
         self.initialising = True
         try:
-            bodies = {i: b"".join(bytes(p) for p in frame.encode(split(init.tensors, m.pieces[i]),
-                                                                 {"optimizer": spec, "map": m.to_wire()}))
+            meta = {"optimizer": spec, "map": m.to_wire(), "receipt_key": self.receipt_key.hex()}
+            bodies = {i: b"".join(bytes(p) for p in frame.encode(split(init.tensors, m.pieces[i]), meta))
                       for i in range(1, self.count)}
             await self.links.init_followers(bodies)
         finally:
@@ -169,10 +174,40 @@ class ShardRole:
         self._keep_map(m)
         return ModelInit(split(init.tensors, m.pieces[0]), spec)
 
+    # ---- hold receipts (.receipts) ----------------------------------------------------------
+    def new_receipt_key(self) -> None:
+        """The coordinator: a new key (a rollback: no receipt given before is good any more)."""
+        self.receipt_key = receipts.new_key()
+
+    def restore_body(self, step: int) -> dict:
+        """The coordinator's ``POST /v1/shard/restore`` body: go back to ``step``, with the current receipt key."""
+        return {"step": step, "receipt_key": self.receipt_key.hex()}
+
+    def receipt(self, worker_id: str, step: int) -> str:
+        """A follower's receipt of the hold of (worker, step) it keeps. 409 ``shard_behind`` while it has no key: it
+        restarted and the coordinator has not restored it yet (the worker registers again, as for a restart)."""
+        if self.receipt_key is None:
+            raise ProtocolError(409, "shard_behind", f"shard {self.index} restarted and the coordinator has not "
+                                                     "restored it yet: register again")
+        return receipts.receipt(self.receipt_key, self.index, worker_id, step)
+
+    def check_receipts(self, worker_id: str, step: int, got) -> None:
+        """The coordinator, before it counts a commit of (worker, step): 409 ``not_held`` unless every follower's
+        receipt in ``got`` is good (it holds the worker's pieces of that step)."""
+        bad = receipts.refused(self.receipt_key, self.count, worker_id, step, got)
+        if bad:
+            raise ProtocolError(409, "not_held", f"shard(s) {bad} gave no receipt of pieces of step {step} held for "
+                                                 "this worker: hold them on every shard (POST /v1/shard/gradients) and "
+                                                 "commit with each follower's receipt")
+
     # ---- a follower ---------------------------------------------------------------------
     def init_follower(self, f: frame.Frame, now: float) -> dict:
-        """``PUT /v1/shard/model``: this follower's pieces from the coordinator (a repeat of the same map: 200)."""
+        """``PUT /v1/shard/model``: this follower's pieces and the receipt key from the coordinator (a repeat of the
+        same map at step 0: 200, with the key it brings)."""
         core = self.core
+        key = receipts.parse_key(f.meta.get("receipt_key"))
+        if key is None:
+            raise ProtocolError(400, "bad_field", "receipt_key must be 64 hex digits")
         try:
             m = from_wire(f.meta["map"])
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
@@ -186,6 +221,7 @@ class ShardRole:
             raise ProtocolError(409, "shard_map_mismatch", f"the pieces sent are not shard {self.index}'s")
         if core.initialized:
             if self.digest == m.digest and core.global_step == 0:
+                self.receipt_key = key  # a coordinator started afresh: its key
                 return {"step": core.global_step, "digest": m.digest}
             raise ProtocolError(409, "already_initialized", f"shard {self.index} holds a model at step "
                                                             f"{core.global_step} (map {self.digest})")
@@ -195,6 +231,7 @@ class ShardRole:
         core.optimizer_overrides = {}  # the coordinator resolved the spec with its settings
         core.init_model(ModelInit(dict(f.tensors), optimizer), now)
         self._keep_map(m)
+        self.receipt_key = key
         return {"step": core.global_step, "digest": m.digest}
 
     # ---- checkpoints (the coordinator's choice of one step for every shard) --------------------
@@ -241,13 +278,14 @@ class ShardRole:
                 if int(NAME_RE.match(newer.name).group(1)) > step:
                     newer.unlink(missing_ok=True)
 
-    async def restore_step(self, step: int, now: float) -> dict:
+    async def restore_step(self, step: int, key: bytes, now: float) -> dict:
         """``POST /v1/shard/restore``: a follower goes back live to its checkpoint of ``step`` (the coordinator
         chose it: the newest every shard has; with no file of it, a follower at that step keeps its model),
-        drops every held push and deletes its checkpoints of later steps. 404 ``unknown_checkpoint`` if it has
-        none."""
+        drops every held push, deletes its checkpoints of later steps and takes the coordinator's receipt ``key``.
+        404 ``unknown_checkpoint`` if it has none (nothing done)."""
         state = self.step_state(step)
         await self.go_back(state, now)
+        self.receipt_key = key
         if self.sidecar is not None and self.sidecar.exists():
             self.map = from_wire(json.loads(self.sidecar.read_text()))
         log.warning("shard %d: back at step %d at the coordinator's request", self.index, step)

@@ -25,8 +25,9 @@ Contract:
   round can be applied on it and the job cannot go on: the coordinator holds every worker's lease meanwhile
   (:meth:`ShardRole.hold_leases`).
 - :meth:`Links.check_steps` (start-up after a restore) asks each follower its step and checkpoint steps: every
-  shard must resume at the coordinator's step; a follower elsewhere that has a checkpoint of it is told to
-  restore it (``POST /v1/shard/restore``), else :attr:`Links.blocked` says which differs (workers cannot register).
+  shard must resume at the coordinator's step; a follower at it, or elsewhere with a checkpoint of it, is told to
+  restore it (``POST /v1/shard/restore``, which brings it the coordinator's hold receipt key), else
+  :attr:`Links.blocked` says which differs (workers cannot register).
 """
 from __future__ import annotations
 
@@ -303,10 +304,11 @@ class Links:
             return
         self.on_restart(f, why)
 
-    async def check_steps(self, step: int, own: list[int]) -> None:
+    async def check_steps(self, step: int, own: list[int], restore: dict) -> None:
         """After the coordinator restored step ``step`` (``own``: the steps of its checkpoints): every follower must
-        resume at that step. One that is at another step but has a checkpoint of it is told to restore it
-        (``POST /v1/shard/restore``); else registration stays refused, naming the newest step every shard has."""
+        resume at that step. One that is at it, or at another step but has a checkpoint of it, is told to restore it
+        (``POST /v1/shard/restore`` with the body ``restore``: the step and the receipt key); else registration stays
+        refused, naming the newest step every shard has."""
         bad, states = [], {}
         for f in self.followers:
             try:
@@ -316,11 +318,14 @@ class Links:
                 continue
             f.step = st.get("step") if st.get("initialized") else None
             f.boot = st.get("boot")
-            if f.step != step and step in (st.get("checkpoints") or []):
-                resp = await self.ask(f, "POST", "/shard/restore", json={"step": step})
-                if resp.status_code == 200:
+            if f.step == step or step in (st.get("checkpoints") or []):
+                resp = await self.ask(f, "POST", "/shard/restore", json=restore)
+                if resp.status_code != 200:
+                    bad.append(f"shard {f.index} refused to restore step {step}: {resp.status_code} {resp.text[:200]}")
+                    continue
+                if f.step != step:
                     log.warning("shard %d was at step %s: it restored step %d, the coordinator's", f.index, f.step, step)
-                    f.step = step
+                f.step = step
             if f.step != step:
                 bad.append(f"shard {f.index} is at step {'none (no model)' if f.step is None else f.step}")
         self.blocked = None

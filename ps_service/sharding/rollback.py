@@ -11,7 +11,8 @@ starts it when :attr:`.links.Links.on_restart` reports a restart):
    flight abandoned).
 2. Each follower's step and checkpoint steps (``GET /v1/shard/state``, asked until it answers). The step is the
    newest in every shard's checkpoint steps (or its live step: a shard at that step keeps its model).
-3. Each follower goes back to it (``POST /v1/shard/restore``), then the coordinator itself
+3. Each follower goes back to it (``POST /v1/shard/restore``, with a new hold receipt key: :mod:`.receipts`), then
+   the coordinator itself
    (:meth:`~ps_service.core.ParameterServerCore.rewind`): every member is expired, so each worker's next
    request gets 409 ``not_active`` and it registers again and pulls the restored weights; the round records of
    the abandoned steps are dropped. Checkpoints of later steps are deleted on every shard.
@@ -76,6 +77,7 @@ async def _roll_back(role, why: str, was: int) -> None:
     log.info("%s: rolling the job back (registration refused meanwhile)", why)
     await links.stop()  # no apply of an abandoned round reaches a restored follower
     await role.go_back(core.model_state(), rt.now())  # the job stops here: every worker out, no round open
+    role.new_receipt_key()  # no receipt of the abandoned steps is good again (every member is out by now)
     states = await _states(role)
     step = common_step(set(role.checkpoint_steps()) | {was}, states)
     if step is None:
@@ -86,7 +88,7 @@ async def _roll_back(role, why: str, was: int) -> None:
                              "step, or all fresh")
         return
     for f in links.followers:
-        resp = await links.ask(f, "POST", "/shard/restore", json={"step": step})
+        resp = await links.ask(f, "POST", "/shard/restore", json=role.restore_body(step))
         if resp.status_code != 200:
             _failed(role, was, f"{why}; rolling back to step {step}, shard {f.index} refused: {resp.status_code} "
                                f"{resp.text[:300]}: restart every shard from checkpoints of step {step}")

@@ -60,7 +60,8 @@ async def shards(request: Request, timeout: float = Query(0.0, ge=0, allow_inf_n
 @router.post("/shard/gradients", openapi_extra=FRAME_BODY)
 async def hold(request: Request, map: str = Query(..., max_length=64, description=(
         "The digest of the worker's shard map (GET /v1/shards): 409 shard_map_mismatch if it is not this shard's."))) -> dict:
-    """Hold this worker's pieces for ``step`` (checked as a push is; nothing counted until the commit)."""
+    """Hold this worker's pieces for ``step`` (checked as a push is; nothing counted until the commit); a follower
+    answers with its receipt of the hold, which the commit carries."""
     rt, role = _role(request)
     _initialized(rt.core)
     if map != role.digest:
@@ -76,16 +77,25 @@ async def hold(request: Request, map: str = Query(..., max_length=64, descriptio
     tensors = hold_tensors(rt.core.weights, got.push)
     if step < g:  # its round is over here: nothing to keep (the commit says late or stale)
         return {"status": "late", "step": step, "shard": role.index, "global_step": g}
+    answer = {"status": "held", "step": step, "shard": role.index, "global_step": g}
+    if not role.coordinator:  # 409 shard_behind before anything is kept, if it has no key (it restarted)
+        answer["receipt"] = role.receipt(got.push.worker_id, step)
     role.holds.put(got.push.worker_id, Held(step, tensors, got.via))
     rt.tensors.delivered(got)
-    return {"status": "held", "step": step, "shard": role.index, "global_step": g}
+    return answer
 
 
 @router.post("/shard/commit", openapi_extra=FRAME_BODY)
 async def commit(request: Request, pull: bool = Query(False), timeout: float = Query(30.0, ge=0, allow_inf_nan=False)):
-    """Count the push of (worker, step) whose pieces every shard holds: answered as ``POST /v1/gradients``."""
+    """Count the push of (worker, step) whose pieces every shard holds (the coordinator's hold, and each follower's
+    receipt in ``receipts``): answered as ``POST /v1/gradients``."""
     rt, role = _role(request, coordinator=True)
     f = frame.decode(await read_body(request, JSON_BODY_LIMIT, frame.MEDIA_TYPE, rt.settings.body_idle_timeout_seconds))
+    got = f.meta.pop("receipts", None)
+    if got is not None and not (isinstance(got, list) and len(got) == role.count - 1
+                                and all(r is None or isinstance(r, str) for r in got)):
+        raise bad_request("bad_field", f"receipts must be a list of {role.count - 1} receipts (a string, or null for "
+                                       "a shard that answered late), one per follower in shard order")
     push, seq = parse_push_meta(f.meta)
     if f.tensors or seq is not None:
         raise bad_request("bad_field", "a commit is a frame with no tensors and no shm_seq (its pieces are held by "
@@ -96,11 +106,14 @@ async def commit(request: Request, pull: bool = Query(False), timeout: float = Q
     _initialized(core)
     m = core.members.get(push.worker_id)  # 404 unknown_worker
     held = role.holds.get(push.worker_id, push.step)
-    if held is None:  # nothing held: fine for a push the core will not count (a retry: duplicate; late; stale)
-        if m.active and core.round is not None and push.step == core.global_step \
-                and core.classify(m, push.step, True) is PushStatus.ACCEPTED:
+    # what is held matters only for a push the core would count (not a retry: duplicate; late; stale)
+    if m.active and core.round is not None and push.step == core.global_step \
+            and core.classify(m, push.step, True) is PushStatus.ACCEPTED:
+        if held is None:
             raise ProtocolError(409, "not_held", f"no pieces of step {push.step} held here: push them to every "
                                                  "shard (POST /v1/shard/gradients) before the commit")
+        role.check_receipts(push.worker_id, push.step, got)  # 409 not_held unless every follower holds them
+    if held is None:
         # the core only classifies it (never accepted: checked above): zeros of the model's layout, no memory
         tensors, via = {k: np.broadcast_to(np.zeros((), w.dtype), w.shape) for k, w in core.weights.items()}, "http"
     else:
@@ -162,6 +175,7 @@ async def state(request: Request) -> dict:
 
 class RestoreStep(BaseModel):
     step: int = Field(ge=0)
+    receipt_key: str = Field(pattern="^[0-9a-f]{64}$", description="The coordinator's hold receipt key, 64 hex digits.")
 
 
 @router.post("/shard/restore", openapi_extra=_json_body(RestoreStep))
@@ -169,6 +183,6 @@ async def restore(request: Request) -> dict:
     """Coordinator -> follower: go back live to your checkpoint of ``step`` (the step the coordinator chose)."""
     rt, role, msg = await _from_coordinator(request, RestoreStep, JSON_BODY_LIMIT)
     try:
-        return await role.restore_step(msg.step, rt.now())
+        return await role.restore_step(msg.step, bytes.fromhex(msg.receipt_key), rt.now())
     finally:
         rt.notify()

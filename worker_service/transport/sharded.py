@@ -8,9 +8,10 @@ else request bodies, compressed as the job says).
 
 - :meth:`push`: the worker's gradients are cut into each shard's pieces (views) and *held* by every shard
   in parallel (``POST /v1/shard/gradients?map=<digest>``); only once every shard answered is the step
-  *committed* to the coordinator (``POST /v1/shard/commit?pull=1``: the push's status, as on one PS), while
-  the followers' next weights are pulled in parallel (``min_step = step + 1``). A refusal by any shard is
-  raised and nothing is committed: a push that some shard did not take never counts.
+  *committed* to the coordinator (``POST /v1/shard/commit?pull=1``, with each follower's receipt of its hold: the
+  push's status, as on one PS), while the followers' next weights are pulled in parallel (``min_step = step + 1``).
+  A refusal by any shard is raised and nothing is committed: a push that some shard did not take never counts (the
+  coordinator refuses a commit without every follower's receipt: 409 ``not_held``).
 - :meth:`pull`: every shard in parallel (only the coordinator's names the worker: it holds the lease);
   the answers must all be of one step, else they are asked again for the newest step among them; the
   whole tensors are reassembled (:mod:`shared.shards`); step, done and ranks are the coordinator's. Each shard's
@@ -91,14 +92,17 @@ class ShardedTransport(TensorTransport):
                 raise f.exception()
         return [f.result() for f in futures]
 
-    def _hold(self, i: int, meta: dict, pieces: Mapping[str, np.ndarray], timeout: float) -> None:
+    def _hold(self, i: int, meta: dict, pieces: Mapping[str, np.ndarray], timeout: float) -> str | None:
+        """Shard ``i`` holds ``pieces``: its receipt (a follower's; None from the coordinator, or a late answer)."""
         c = self.clients[i]
 
-        def once(t: TensorTransport) -> None:
-            c.call("POST", f"{API}/shard/gradients", params={"map": self.map.digest}, body=t.push_body(dict(meta), pieces),
-                   headers={"content-type": frame.MEDIA_TYPE}, timeout=timeout, what=f"hold on shard {i} (step {meta['step']})")
+        def once(t: TensorTransport) -> str | None:
+            resp = c.call("POST", f"{API}/shard/gradients", params={"map": self.map.digest},
+                          body=t.push_body(dict(meta), pieces), headers={"content-type": frame.MEDIA_TYPE},
+                          timeout=timeout, what=f"hold on shard {i} (step {meta['step']})")
+            return resp.json().get("receipt")
 
-        c.with_transport(self.worker_id, once)
+        return c.with_transport(self.worker_id, once)
 
     def _commit(self, meta: dict, wait: float, timeout: float) -> PushAnswer:
         c = self.clients[0]
@@ -113,12 +117,12 @@ class ShardedTransport(TensorTransport):
         held = {"worker_id": meta["worker_id"], "step": step}
         # on_way once the holds are with their threads: woken before, its thread took this one's core for 1.5-2 ms
         # just as the push was to start (docs/performance.md, twenty-fourth session)
-        self._all([lambda i=i, ps=ps: self._hold(i, held, shards.split(grads, ps), timeout)
-                   for i, ps in enumerate(self.map.pieces)], on_way)
+        _, *receipts = self._all([lambda i=i, ps=ps: self._hold(i, held, shards.split(grads, ps), timeout)
+                                  for i, ps in enumerate(self.map.pieces)], on_way)
         into = self._target()
 
         def commit() -> PushAnswer:
-            answer = self._commit(meta, wait, timeout)
+            answer = self._commit({**meta, "receipts": receipts}, wait, timeout)
             self._placed(0, answer.pulled, into)
             return answer
 
