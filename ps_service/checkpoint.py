@@ -16,7 +16,8 @@ Contract (the format is documented in docs/checkpoint.md, with a plain-script re
   same way.
 - Restore lists the files themselves (the manifest is for people and tools),
   newest step first, and takes the first that is valid: checksum, and every
-  field's type and range (a step is an int >= 0, the optimizer spec one the PS
+  field's type and range (a step is an int in [0, MAX_INT] and the one in the file's name; every other
+  integer in [0, MAX_INT] too: :data:`shared.protocol.MAX_INT`; the optimizer spec one the PS
   runs, its slots those of that optimizer with the weights' names, dtypes and
   shapes, weights floating point and finite, members well-formed). A corrupt,
   truncated or invalid file is logged with its reason and skipped for the previous one.
@@ -48,6 +49,7 @@ from shared import frame
 from shared.codec import FLOAT_DTYPES, dtype_name, pack, unpack
 from ps_service.core.errors import CoreError
 from shared.errors import ProtocolError
+from shared.protocol import MAX_INT
 
 log = logging.getLogger("ps_service.checkpoint")
 
@@ -64,11 +66,17 @@ def checkpoint_name(step: int) -> str:
     return f"ckpt-{step:010d}.msgpack"
 
 
+def step_of(path: Path) -> int:
+    """The global step in a checkpoint file's name."""
+    return int(NAME_RE.match(path.name).group(1))
+
+
 def list_checkpoints(directory: str | Path) -> list[Path]:
-    """Checkpoint files in ``directory``, newest step first (temp files are not listed)."""
+    """Checkpoint files in ``directory``, newest step first (temp files, and names of a step beyond
+    :data:`~shared.protocol.MAX_INT`, which no PS writes, are not listed)."""
     d = Path(directory)
     found = [(int(m.group(1)), p) for p in d.iterdir() if (m := NAME_RE.match(p.name))] if d.is_dir() else []
-    return [p for _, p in sorted(found, reverse=True)]
+    return [p for step, p in sorted(found, reverse=True) if step <= MAX_INT]
 
 
 def encode(state: dict[str, Any], written_at: float) -> tuple[bytes, str]:
@@ -88,13 +96,14 @@ def encode(state: dict[str, Any], written_at: float) -> tuple[bytes, str]:
 
 
 def _int(value: Any, what: str, low: int = 0) -> int:
-    if type(value) is not int or value < low:
-        raise CheckpointError(f"{what} must be an int >= {low}, not {value!r:.40}")
+    if type(value) is not int or not low <= value <= MAX_INT:
+        raise CheckpointError(f"{what} must be an int in [{low}, {MAX_INT}], not {value!r:.40}")
     return value
 
 
-def decode(data: bytes) -> dict[str, Any]:
-    """The state in a checkpoint file's bytes, every field checked; CheckpointError if unusable."""
+def decode(data: bytes, step: int | None = None) -> dict[str, Any]:
+    """The state in a checkpoint file's bytes, every field checked; CheckpointError if unusable (also if its
+    global step is not ``step``, when given: the one in the file's name)."""
     try:
         outer = unpack(data)
         if not isinstance(outer, dict) or outer.get("format") != FORMAT:
@@ -105,7 +114,10 @@ def decode(data: bytes) -> dict[str, Any]:
         if not isinstance(payload, (bytes, memoryview)) or hashlib.sha256(payload).hexdigest() != outer.get("sha256"):
             raise CheckpointError("checksum mismatch")
         f = frame.decode(payload)
-        return _validated(f.meta, f.tensors)
+        state = _validated(f.meta, f.tensors)
+        if step is not None and state["global_step"] != step:
+            raise CheckpointError(f"global_step {state['global_step']} is not the step {step} of the file's name")
+        return state
     except (ProtocolError, CoreError) as exc:
         raise CheckpointError(f"{exc.code}: {exc.detail}") from None
     except CheckpointError:
@@ -221,6 +233,14 @@ def read_manifest(directory: str | Path) -> dict:
         return {}
 
 
+def _entry_ok(entry: Any) -> bool:
+    """An entry of an existing manifest that may be written back: its file a checkpoint's name, its step that
+    name's (anything else, edited or damaged, is dropped: the files are the truth)."""
+    if not (isinstance(entry, dict) and isinstance(entry.get("file"), str) and NAME_RE.match(entry["file"])):
+        return False
+    return type(entry.get("step")) is int and entry["step"] == step_of(Path(entry["file"]))
+
+
 def write_checkpoint(directory: str | Path, state: dict[str, Any], keep: int) -> dict[str, Any]:
     """Write one checkpoint, keep the newest ``keep``, rewrite the manifest; the new manifest entry."""
     d = Path(directory)
@@ -233,7 +253,7 @@ def write_checkpoint(directory: str | Path, state: dict[str, Any], keep: int) ->
     for old in files[keep:]:
         old.unlink(missing_ok=True)
     kept = {p.name for p in files[:keep]}
-    known = {e.get("file"): e for e in read_manifest(d).get("checkpoints", []) if isinstance(e, dict)}
+    known = {e["file"]: e for e in read_manifest(d).get("checkpoints", []) if _entry_ok(e)}
     known[path.name] = entry
     entries = sorted((e for name, e in known.items() if name in kept), key=lambda e: e["step"], reverse=True)
     atomic_write(d / MANIFEST, json.dumps({"format": f"{FORMAT}-manifest", "version": VERSION,
@@ -245,7 +265,7 @@ def load_latest(directory: str | Path) -> tuple[dict[str, Any], Path] | None:
     """The newest valid checkpoint's state and path; corrupt ones are logged and skipped. None if none."""
     for path in list_checkpoints(directory):
         try:
-            return decode(path.read_bytes()), path
+            return decode(path.read_bytes(), step_of(path)), path
         except (OSError, CheckpointError) as exc:
             log.warning("skipping checkpoint %s: %s", path.name, exc)
     return None

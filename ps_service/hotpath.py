@@ -30,7 +30,7 @@ from ps_service.http import REFUSALS, refusal_response
 from ps_service.runtime import Runtime
 from ps_service.transport.onewrite import one_write_send
 from ps_service.sharding import routes as shard_routes
-from shared.protocol import API
+from shared.protocol import API, MAX_INT
 
 _TRUE, _FALSE = frozenset({"1", "true"}), frozenset({"0", "false"})
 
@@ -56,7 +56,7 @@ def _seconds(v: str) -> float:
 
 
 def _step(v: str) -> int:
-    if not (v.isascii() and v.isdigit()):
+    if not (v.isascii() and v.isdigit()) or int(v) > MAX_INT:  # (the route's DecimalInt answers 400)
         raise ValueError(v)
     return int(v)
 

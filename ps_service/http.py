@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ps_service.core.errors import CoreError
 from shared.errors import ProtocolError
+from shared.protocol import MAX_INT
 
 log = logging.getLogger("ps_service")
 M = TypeVar("M", bound=BaseModel)
@@ -37,7 +38,8 @@ JSON_BODY_LIMIT = 1 << 16
 
 
 #: an integer in a query string or path, as docs/protocol.md says: decimal digits, a ``-`` only before a nonzero
-#: number, and a zero fraction (``5.0``); not Python's ``int()`` forms (``1_0``, ``+1``, `` 1``, ``-0``)
+#: number, and a zero fraction (``5.0``); not Python's ``int()`` forms (``1_0``, ``+1``, `` 1``, ``-0``); at most
+#: :data:`~shared.protocol.MAX_INT` in magnitude
 _DECIMAL = re.compile(r"(?:[0-9]+|-0*[1-9][0-9]*)(?:\.0+)?")
 
 
@@ -45,7 +47,9 @@ def _decimal(value: Any) -> Any:
     if isinstance(value, str):
         if not _DECIMAL.fullmatch(value):
             raise ValueError("an integer in decimal digits")
-        return int(value.partition(".")[0])  # more than 4300 digits: ValueError, a 400 as well
+        value = int(value.partition(".")[0])  # more than 4300 digits: ValueError, a 400 as well
+    if isinstance(value, int) and not -MAX_INT <= value <= MAX_INT:
+        raise ValueError(f"an integer in [-{MAX_INT}, {MAX_INT}]")
     return value
 
 

@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from shared.protocol import MAX_INT
 from shared.tokens import resolve_token
 
 #: what the PS says when PS_REQUIRE_AUTH=true finds no token: how to make one, and where it is mounted
@@ -44,7 +45,7 @@ class PSSettings(BaseSettings):
     beta2: float | None = Field(None, ge=0, lt=1, description="Adam beta2.")
     epsilon: float | None = Field(None, gt=0, description="Adam epsilon (TF1 'epsilon hat').")
     initial_accumulator_value: float | None = Field(None, gt=0, description="Adagrad initial accumulator.")
-    max_steps: int | None = Field(None, ge=0, description="Global steps to train; then pulls say done. Unset: forever.")
+    max_steps: int | None = Field(None, ge=0, le=MAX_INT, description="Global steps to train; then pulls say done. Unset: forever.")
     replicas_to_aggregate: int | None = Field(
         None, ge=1, description="R: gradients per update. Unset: elastic, R = the live workers of the round.")
     total_num_replicas: int | None = Field(

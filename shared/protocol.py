@@ -43,6 +43,10 @@ class JobState(str, Enum):
 #: bounds of a push's bookkeeping fields (sums of them stay finite)
 MAX_PHASE_SECONDS = 1e6
 MAX_NUM_EXAMPLES = 1 << 32
+#: the largest integer a request or a checkpoint may hold (steps, sequence numbers, ranks, counters): exact in
+#: every place one flows (a JSON number in a browser, a Prometheus sample: float64; msgpack; numpy int64), with
+#: room to count on (the global step stops there: the job is done). Larger: refused (docs/protocol.md).
+MAX_INT = (1 << 53) - 1
 
 #: Optimizer names the PS implements.
 OPTIMIZERS = ("sgd", "momentum", "adam", "adagrad")
@@ -124,7 +128,7 @@ def _parse_push_plain(meta: dict) -> tuple[PushRequest, int | None] | None:
     get = meta.get
     worker_id, step, loss, n, raw, seq = (get("worker_id"), get("step"), get("loss"), get("num_examples"),
                                           get("timings"), get("shm_seq"))
-    if type(worker_id) is not str or type(step) is not int or step < 0:
+    if type(worker_id) is not str or type(step) is not int or not 0 <= step <= MAX_INT:
         return None
     if loss is not None:
         if type(loss) not in _NUMBER_TYPES:
@@ -132,7 +136,8 @@ def _parse_push_plain(meta: dict) -> tuple[PushRequest, int | None] | None:
         loss = float(loss) if math.isfinite(loss) else None
     if n is not None and (type(n) is not int or not 0 <= n <= MAX_NUM_EXAMPLES):
         return None
-    if (seq is not None and (type(seq) is not int or seq < 0)) or type(get("compression")) not in (str, type(None)):
+    if (seq is not None and (type(seq) is not int or not 0 <= seq <= MAX_INT)) or \
+            type(get("compression")) not in (str, type(None)):
         return None
     if raw is None:
         times = PhaseTimes()
@@ -157,8 +162,8 @@ def _parse_push_checked(meta: dict) -> tuple[PushRequest, int | None]:
     _only(meta, PUSH_FIELDS, what)
     worker_id = _require(meta, "worker_id", str, what)
     step = _require(meta, "step", int, what)
-    if step < 0:
-        raise unprocessable("bad_step", "step must be >= 0")
+    if not 0 <= step <= MAX_INT:
+        raise unprocessable("bad_step", f"step must be in [0, {MAX_INT}]")
     loss = _optional_number(meta, "loss", what)
     if loss is not None and not math.isfinite(loss):
         loss = None
@@ -176,8 +181,8 @@ def _parse_push_checked(meta: dict) -> tuple[PushRequest, int | None]:
     if not isinstance(meta.get("compression"), (str, type(None))):  # its value: shared/compression.py
         raise bad_request("bad_field", "push: compression must be a string")
     seq = meta.get("shm_seq")
-    if seq is not None and (isinstance(seq, bool) or not isinstance(seq, int) or seq < 0):
-        raise bad_request("bad_field", "push: shm_seq must be an int >= 0")
+    if seq is not None and (isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq <= MAX_INT):
+        raise bad_request("bad_field", f"push: shm_seq must be an int in [0, {MAX_INT}]")
     push = PushRequest(worker_id, step, {}, None if loss is None else float(loss), n, PhaseTimes(**times))
     return push, seq
 

@@ -3,6 +3,7 @@ skipped, the documented plain-script reader works, and a real PS restores on sta
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import subprocess
 import sys
@@ -14,13 +15,14 @@ import numpy as np
 import pytest
 
 from cluster.processes import LocalCluster, wait_for
+from tests.live_ps import live_ps
 from ps_service import checkpoint
 from ps_service.core import ParameterServerCore
 from tests.configs import core_config
 from shared import frame
 from shared.codec import pack, unpack
 from ps_service.http import REFUSALS, status_of
-from shared.protocol import ModelInit, PushRequest
+from shared.protocol import MAX_INT, ModelInit, PushRequest
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "checkpoint.md"
 W0 = {"w": np.zeros((3, 2), np.float32), "b": np.zeros((2,), np.float32)}
@@ -85,6 +87,23 @@ def test_keeps_the_newest_k_and_indexes_them_in_the_manifest(tmp_path):
     assert entry["bytes"] == (tmp_path / entry["file"]).stat().st_size
 
 
+def test_a_manifest_entry_that_is_not_its_file_s_is_dropped_not_a_failed_write(tmp_path):
+    """The manifest is not trusted: an entry edited by hand (a step that is not its file's, not an int, 2^64) is
+    dropped at the next write instead of failing it (sorting a str step among ints raised)."""
+    core, ids = make_core()
+    for _ in range(2):
+        train(core, ids, 1)
+        write(core, tmp_path)
+    manifest = checkpoint.read_manifest(tmp_path)
+    manifest["checkpoints"][0]["step"] = "2"
+    manifest["checkpoints"][1]["step"] = 2**64
+    manifest["checkpoints"].append({"file": "../../etc/passwd", "step": 0})
+    (tmp_path / checkpoint.MANIFEST).write_text(json.dumps(manifest))
+    train(core, ids, 1)
+    write(core, tmp_path)
+    assert [e["step"] for e in checkpoint.read_manifest(tmp_path)["checkpoints"]] == [3]
+
+
 def corrupt_flip(p: Path) -> None:
     data = bytearray(p.read_bytes())
     data[-5] ^= 0xFF
@@ -128,6 +147,15 @@ INVALID = {  # each: a checkpoint whose checksum holds but whose content must no
     "negative iterations": lambda p: forge(p, meta=lambda m: m["optimizer"].update(iterations=-1)),
     "shared rank": lambda p: forge(p, meta=lambda m: m["members"][1].update(rank=m["members"][0]["rank"])),
     "version 1": lambda p: forge(p, version=1),
+    # every integer in [0, 2^53 - 1] (MAX_INT), and the step the file's name says
+    "step not its name's": lambda p: forge(p, meta=lambda m: m.update(global_step=3)),
+    "step 2^64-1": lambda p: forge(p, meta=lambda m: m.update(global_step=2**64 - 1)),
+    "iterations 2^53": lambda p: forge(p, meta=lambda m: m["optimizer"].update(iterations=MAX_INT + 1)),
+    "rank 2^64-1": lambda p: forge(p, meta=lambda m: m["members"][1].update(rank=2**64 - 1)),
+    "registrations 2^63": lambda p: forge(p, meta=lambda m: m["members"][0].update(registrations=2**63)),
+    "staleness floor 2^53": lambda p: forge(p, meta=lambda m: m.update(staleness={"floor": MAX_INT + 1, "clocks": {}})),
+    "staleness clock 2^64-1": lambda p: forge(p, meta=lambda m: m.update(staleness={"floor": 0,
+                                                                                    "clocks": {"x": 2**64 - 1}})),
 }
 
 
@@ -144,6 +172,66 @@ def test_a_corrupt_newest_checkpoint_is_skipped_for_the_previous_one(tmp_path, d
     state, path = checkpoint.load_latest(tmp_path)
     assert path.name == "ckpt-0000000002.msgpack" and state["global_step"] == 2
     assert "skipping checkpoint ckpt-0000000004.msgpack: " in caplog.text
+
+
+def forged_at(directory: Path, source: Path, step: int) -> Path:
+    """A copy of the checkpoint ``source`` at ``step`` (its meta and its name), with a checksum that holds."""
+    target = directory / checkpoint.checkpoint_name(step)
+    target.write_bytes(source.read_bytes())
+    forge(target, meta=lambda m: m.update(global_step=step))
+    return target
+
+
+@pytest.mark.parametrize("step", [2**64 - 1, MAX_INT + 1], ids=["2^64-1", "2^53"])
+def test_a_checkpoint_of_a_step_beyond_the_bound_is_never_restored(tmp_path, step, caplog):
+    """Issue 49: a checkpoint of step 2^64-1 whose checksum holds was restored, and then pulls answered 500,
+    /metrics reset the connection and every write failed. Now the older valid one is restored."""
+    core, ids = make_core()
+    train(core, ids, 2)
+    older = tmp_path / write(core, tmp_path)["file"]
+    forged_at(tmp_path, older, step)
+    state, path = checkpoint.load_latest(tmp_path)
+    assert path == older and state["global_step"] == 2
+    assert checkpoint.list_checkpoints(tmp_path) == [older]  # a name beyond the bound: no PS wrote it
+    # the same content under the name of a step within it: refused for its step
+    (tmp_path / checkpoint.checkpoint_name(step)).rename(tmp_path / "ckpt-0000000009.msgpack")
+    assert checkpoint.load_latest(tmp_path)[1] == older
+    assert "skipping checkpoint ckpt-0000000009.msgpack: global_step must be an int in [0, 9007199254740991]" \
+        in caplog.text
+
+
+def test_a_checkpoint_at_the_bound_is_restored_done(tmp_path):
+    """2^53 - 1 is the largest step a checkpoint may hold, and the global step stops there (the job is done), so
+    the PS never writes a checkpoint it would refuse."""
+    core, ids = make_core()
+    forged_at(tmp_path, tmp_path / write(core, tmp_path)["file"], MAX_INT)
+    back = ParameterServerCore(CoreConfig(min_workers=2, startup_grace_seconds=0.0))
+    ck = checkpoint.Checkpointer(tmp_path, every_steps=1, every_seconds=0, keep=3)
+    assert ck.restore(back, 0.0) == MAX_INT and back.done
+    assert [back.register(f"w{i}", 1.0)[0].worker_id for i in range(2)] == ids
+    result = back.push(PushRequest(ids[0], MAX_INT, {k: np.ones_like(v) for k, v in W0.items()}), 1.0)
+    assert (result.status.value, result.step, back.global_step) == ("stale", MAX_INT, MAX_INT)
+    ck.finish(back)
+
+
+def test_a_live_ps_skips_a_forged_checkpoint_of_step_2_64_and_trains_on(tmp_path):
+    """The issue's run, on a real PS: the forged newest file is skipped, the older one restored; a push is accepted,
+    the pull, /metrics and the next checkpoint work."""
+    core, ids = make_core()
+    train(core, ids, 2)
+    forged_at(tmp_path, tmp_path / write(core, tmp_path)["file"], 2**64 - 1)
+    with live_ps(checkpoint_dir=str(tmp_path), checkpoint_every_steps=1, checkpoint_every_seconds=0,
+                 min_workers=2, startup_grace_seconds=0) as ps, ps.http() as h:
+        assert ps.rt.core.global_step == 2
+        c = ps.client()
+        assert [c.register(f"w{i}")["worker_id"] for i in range(2)] == ids
+        grads = {k: np.ones_like(v) for k, v in W0.items()}
+        assert [c.push(w, 2, grads)["status"] for w in ids] == ["accepted", "accepted"]
+        assert c.pull(3, ids[0], wait=10.0).step == 3
+        assert h.get("/metrics").status_code == 200
+        wait_for(lambda: (ps.rt.checkpoint_info or {}).get("step") == 3, 30, "the checkpoint of step 3")
+        c.close()
+    assert checkpoint.load_latest(tmp_path)[0]["global_step"] == 3
 
 
 def test_temp_files_of_a_killed_ps_are_removed_at_start(tmp_path):
@@ -257,3 +345,4 @@ def test_a_real_ps_writes_on_sigterm_and_restores_on_start(tmp_path):
         assert r.status_code == 409 and r.json()["error"] == "already_initialized"
         reg = httpx.post(f"{again.url}/v1/workers", json={"name": "worker-0"}, timeout=10).json()
         assert (reg["worker_id"], reg["rank"]) == (state["members"][0]["worker_id"], 0)
+

@@ -20,7 +20,7 @@ import pytest
 
 from cluster.processes import wait_for
 from shared import frame
-from shared.protocol import MSGPACK
+from shared.protocol import MAX_INT, MSGPACK
 from tests.live_ps import live_ps, raw_exchange, read_response, state_hash
 from tests.wire import FRAME, Packed, hand_frame, msgpack_map, pack, parts, push_frame, raw_frame, repeated, tampered
 
@@ -248,8 +248,19 @@ CASES = [
     Case("gradient-inf", 422, "nonfinite_gradient", detail="'b'",
          body=lambda c: push(c, {**grads(), "b": np.array([1, -np.inf], np.float32)})),
     Case("step-in-the-future", 422, "future_step", body=lambda c: push(c, step=c.step + 1)),
-    Case("step-far-future", 422, "future_step", body=lambda c: push(c, step=2**64 - 1)),
+    Case("step-far-future", 422, "future_step", body=lambda c: push(c, step=MAX_INT)),
     Case("step-negative", 422, "bad_step", body=lambda c: push(c, step=-1)),
+    # integers beyond 2^53 - 1 (docs/protocol.md, "Integers"): refused, never carried on into the state
+    Case("step-2-53", 422, "bad_step", body=lambda c: push(c, step=MAX_INT + 1)),
+    Case("step-2-64-minus-1", 422, "bad_step", body=lambda c: push(c, step=2**64 - 1)),
+    Case("shm-seq-2-53", 400, "bad_field", body=lambda c: push(c, {}, shm_seq=MAX_INT + 1)),
+    Case("shm-seq-2-64-minus-1", 400, "bad_field", body=lambda c: push(c, {}, shm_seq=2**64 - 1)),
+    Case("pull-min-step-2-53", 400, "bad_request", "GET", "/v1/model", ctype=None, params={"min_step": MAX_INT + 1}),
+    Case("pull-since-2-64", 400, "bad_request", "GET", "/v1/model", ctype=None, params={"since": 2**64}),
+    Case("push-pull-since-2-53", 400, "bad_request", body=push, params={"pull": 1, "since": MAX_INT + 1}),
+    Case("round-step-2-53", 400, "bad_request", "GET", f"/v1/rounds/{MAX_INT + 1}", ctype=None),
+    Case("round-step-minus-2-53", 400, "bad_request", "GET", f"/v1/rounds/-{MAX_INT + 1}", ctype=None),
+    Case("loss-since-2-63", 400, "bad_request", "GET", "/v1/loss", ctype=None, params={"since": 2**63}),
     # JSON registration: 400
     Case("register-malformed-json", 400, "bad_request", path="/v1/workers", ctype=JSON, body=lambda c: b'{"name": '),
     Case("register-nan-json", 400, "bad_request", path="/v1/workers", ctype=JSON,

@@ -539,7 +539,8 @@ def test_a_coordinator_restored_behind_a_follower_has_it_restore_the_same_step(t
         at_1 = shards.assemble(m, [{k: v.copy() for k, v in r.core.weights.items()} for r in (c.rt, f.rt)])
         one_round(hc, hf, m, ids, 1, grads)
         wait_for(lambda: f.rt.core.global_step == 2, 10, "shard 1 to apply round 1")
-        assert f.http().get("/v1/shard/state").json()["checkpoints"][:2] == [2, 1]
+        wait_for(lambda: f.http().get("/v1/shard/state").json()["checkpoints"][:2] == [2, 1], 10,
+                 "shard 1's checkpoint of step 2 (written in the background)")
     (tmp_path / "0" / "ckpt-0000000002.msgpack").unlink()  # the coordinator comes back at step 1, shard 1 at 2
     with two_shards(ports, dirs) as (c, f):
         wait_for(lambda: c.rt.shards.links.blocked is None, 20, "the coordinator to have shard 1 restore step 1")
@@ -554,6 +555,12 @@ def test_a_coordinator_restored_behind_a_follower_has_it_restore_the_same_step(t
         assert (r.status_code, r.json()["error"]) == (404, "unknown_checkpoint")
         r = f.http().post("/v1/shard/restore", json={"step": 1})  # the coordinator's key comes with every restore
         assert (r.status_code, r.json()["error"]) == (400, "bad_request") and "receipt_key" in r.json()["detail"]
+        for path, body in [("/v1/shard/restore", {"step": 2**64 - 1}),  # integers beyond 2^53 - 1: 400, nothing done
+                           ("/v1/shard/apply", {"step": 2**53, "contributors": [], "mean_of": 1}),
+                           ("/v1/shard/apply", {"step": 1, "contributors": [[2**64, ids[0]]], "mean_of": 1}),
+                           ("/v1/shard/apply", {"step": 1, "contributors": [], "mean_of": 2**63})]:
+            r = f.http().post(path, json=body)
+            assert (r.status_code, r.json()["error"], f.rt.core.global_step) == (400, "bad_request", 1), (path, body)
         r = hc.post("/v1/shard/restore", json={"step": 1})
         assert (r.status_code, r.json()["error"]) == (409, "not_follower")
         ids = [hc.post("/v1/workers", json={"name": f"w{i}"}).json()["worker_id"] for i in range(2)]

@@ -37,7 +37,7 @@ Barrier semantics (TensorFlow's SyncReplicasOptimizer, done right; docs/protocol
   before any state changes.
 - Start: round 0 opens once the model is initialised and ``min_workers`` are active, after
   ``startup_grace_seconds`` (at once when N or R, or the members of a restored checkpoint,
-  are active). ``max_steps``: at that step the job is done.
+  are active). ``max_steps`` (or, unset, :data:`~shared.protocol.MAX_INT`): at that step the job is done.
 
 Modes (``config.mode``): the above is ``sync``. In ``async`` and ``ssp`` no round ever opens: each accepted
 gradient is applied on arrival (:mod:`ps_service.core.on_arrival`), the clocks, the SSP bound and the staleness
@@ -62,7 +62,7 @@ from ps_service.core.rates import RateMeter
 from ps_service.core.rounds import Arrival, Progress, Round, RoundRecord
 from ps_service.core.staleness import BoundedStaleness
 from ps_service.core.errors import CoreError
-from shared.protocol import JobState, PushRequest, PushStatus
+from shared.protocol import MAX_INT, JobState, PushRequest, PushStatus
 
 RECENT_STEPS = 16  # per-worker memory of pushed steps, for duplicate detection
 RATE_WINDOW_SECONDS = 10.0
@@ -107,7 +107,7 @@ class ParameterServerCore(ModelState):
 
     @property
     def done(self) -> bool:
-        return self.config.max_steps is not None and self.global_step >= self.config.max_steps
+        return self.global_step >= (MAX_INT if self.config.max_steps is None else self.config.max_steps)
 
     def export_state(self) -> dict[str, Any]:
         """What a checkpoint keeps, as plain data with copied arrays (safe to encode off the event loop):

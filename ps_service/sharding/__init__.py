@@ -247,7 +247,7 @@ class ShardRole:
         if self.sidecar is not None and step in self.checkpoint_steps():
             path = self.sidecar.parent / checkpoint_name(step)
             try:
-                return decode(path.read_bytes())
+                return decode(path.read_bytes(), step)
             except (OSError, CheckpointError) as exc:
                 raise ProtocolError(409, "unknown_checkpoint",
                                     f"shard {self.index}: {path.name} is unusable: {exc}") from None

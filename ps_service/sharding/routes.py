@@ -10,6 +10,8 @@ barrier decision the core's.
 """
 from __future__ import annotations
 
+from typing import Annotated
+
 import numpy as np
 from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, Field
@@ -21,7 +23,7 @@ from ps_service.sharding.holds import Held, apply_round, hold_tensors
 from ps_service.transport.body import read_body
 from shared import frame
 from shared.errors import ProtocolError, unprocessable, bad_request
-from shared.protocol import API, FRAME_BODY, JSON, PushStatus, parse_push_meta
+from shared.protocol import API, FRAME_BODY, JSON, MAX_INT, PushStatus, parse_push_meta
 
 router = APIRouter(prefix=API, tags=["shards"])
 #: a follower's apply names every contributor: room for thousands of workers
@@ -138,10 +140,14 @@ async def init_pieces(request: Request) -> dict:
     return rt.run_guarded(lambda: role.init_follower(f, rt.now()))
 
 
+#: an integer of a coordinator's message: :data:`~shared.protocol.MAX_INT` at most
+Count = Annotated[int, Field(ge=0, le=MAX_INT)]
+
+
 class ApplyRound(BaseModel):
-    step: int = Field(ge=0)
-    contributors: list[tuple[int, str]] = Field(description="(rank, worker_id) of the round's contributors, in sum order.")
-    mean_of: int = Field(ge=1)
+    step: Count
+    contributors: list[tuple[Count, str]] = Field(description="(rank, worker_id) of the round's contributors, in sum order.")
+    mean_of: int = Field(ge=1, le=MAX_INT)
 
 
 def _json_body(model: type[BaseModel]) -> dict:
@@ -174,7 +180,7 @@ async def state(request: Request) -> dict:
 
 
 class RestoreStep(BaseModel):
-    step: int = Field(ge=0)
+    step: Count
     receipt_key: str = Field(pattern="^[0-9a-f]{64}$", description="The coordinator's hold receipt key, 64 hex digits.")
 
 
