@@ -25,8 +25,11 @@ Contract (the format is documented in docs/checkpoint.md, with a plain-script re
   the step moved; and at once when the job is done, if either interval is on),
   takes the snapshot on the caller's thread (the event loop:
   consistent, a memcpy) and encodes/writes it on its own single thread, one
-  write at a time (one more snapshot may wait for the running write; beyond
-  that a due checkpoint is taken once the disk caught up).
+  write at a time: a checkpoint that comes due while the previous one is still
+  being written first waits for that write (the event loop, and so the PS, with it).
+  Hence the bound on a kill -9: the newest checkpoint on disk is never more than
+  ``2 * every_steps`` steps behind the live step (snapshots are at most N steps
+  apart, and one is durable before the next is taken).
 """
 from __future__ import annotations
 
@@ -288,7 +291,7 @@ class Checkpointer:
         self.written_step: int | None = None  # step of the last checkpoint on disk
         self.last_time = time.monotonic()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
-        self._queue: list[Future] = []  # writes not finished yet: the running one and at most one waiting
+        self._running: Future | None = None  # the last write submitted (maybe done)
 
     def restore(self, core, now: float) -> int | None:
         """Load the newest valid checkpoint into ``core``; its step, or None if there is none."""
@@ -311,34 +314,38 @@ class Checkpointer:
                       "duration_seconds": duration, "count": 0, "restored": True})
         return core.global_step
 
-    def busy(self) -> bool:
-        """Two writes outstanding: a due checkpoint waits (slow disk), one more may queue behind the running one
-        so that snapshots stay on the step grid."""
-        self._queue = [f for f in self._queue if not f.done()]
-        return len(self._queue) >= 2
-
     def due(self, core, now: float) -> bool:
         if not core.initialized or core.global_step == self.last_step:
             return False
         if core.done and (self.every_steps or self.every_seconds):
-            # the job's last step, at once and whatever is queued: a PS that crashed after it must not come
-            # back to rounds that its workers, exited when the job was done, will never run
+            # the job's last step, at once: a PS that crashed after it must not come back to rounds that its
+            # workers, exited when the job was done, will never run
             return True
-        if self.busy():
-            return False
         if self.every_steps and (self.last_step is None or core.global_step - self.last_step >= self.every_steps):
             return True
         return bool(self.every_seconds) and now - self.last_time >= self.every_seconds
 
     def maybe_save(self, core, now: float) -> Future | None:
-        """If due: snapshot now (caller's thread) and write in the background; the write's future."""
+        """If due: wait for the previous write if it still runs (blocking: a disk slower than the rounds holds
+        the PS back rather than let the checkpoints fall behind), snapshot now (caller's thread) and write in the
+        background; the write's future."""
         if not self.due(core, now):
             return None
+        self.wait_for_write()
         snapshot = core.export_state()
         self.last_step, self.last_time = core.global_step, now
-        future = self._pool.submit(self._write, snapshot, "the job is done" if core.done else None)
-        self._queue.append(future)
-        return future
+        self._running = self._pool.submit(self._write, snapshot, "the job is done" if core.done else None)
+        return self._running
+
+    def wait_for_write(self) -> None:
+        """Block until the write in progress, if any, ended (written, or failed and logged); a wait of a second
+        or more is logged (the disk is slower than the checkpoint interval's rounds)."""
+        if self._running is not None and not self._running.done():
+            t0 = time.monotonic()
+            self._running.result()
+            waited = time.monotonic() - t0
+            (log.warning if waited >= 1.0 else log.debug)(
+                "waited %.3f s for the checkpoint write of step %s in progress", waited, self.last_step)
 
     def _write(self, snapshot: dict[str, Any], why: str | None = None) -> dict | None:
         """Write one snapshot; ``why`` (the job done, shutdown) makes it a log line (periodic writes are in
@@ -363,13 +370,12 @@ class Checkpointer:
         """The core went back live to ``step`` (a sharded PS's rollback): the next checkpoint is due counting from
         there. The writes still running (of abandoned steps: wait for them before deleting the files after ``step``)."""
         self.last_step = self.written_step = step
-        return [f for f in self._queue if not f.done()]
+        return [f for f in [self._running] if f is not None and not f.done()]
 
     def finish(self, core) -> dict | None:
         """Shutdown (blocking; nothing else may touch ``core``): wait for a running write, write a final
         checkpoint if the step moved since the last one, stop the writer thread."""
-        for future in self._queue:
-            future.result()
+        self.wait_for_write()
         info = None
         if core.initialized and core.global_step != self.written_step:
             self.last_step = core.global_step

@@ -12,7 +12,8 @@ not at every change of the core. Waits marked ``first`` (those answered with the
 to write, maybe over a slow link) are woken before the others (a same-host answer is a few hundred bytes), each
 kind in the order it started waiting; a same-host answer that must first copy the step's weights into the weights
 file yields until those woken first have resumed (:meth:`Runtime.body_answers_first`). The observers (metrics,
-checkpoints) run at every change and must be O(1).
+checkpoints) run at every change and must be O(1) (but for a checkpoint that comes due while the disk still writes
+the previous one: it waits for that write, ps_service/checkpoint.py).
 """
 from __future__ import annotations
 
