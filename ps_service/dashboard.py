@@ -7,6 +7,12 @@ job state, the current step, the loss curve, rounds/s (and gradients/s), the ope
 workers' clocks with their spread and the staleness percentiles (async/ssp), and a per-worker table
 (clock and mean staleness included) with the straggler highlighted. Files are read once, at import.
 
+What the page promises (tests/test_dashboard_widths.py, at 800 and 1400 px): every column of the workers
+table in view from an 800 px window on; text at least 11 px on screen (the plots draw in their own pixels);
+worker names never broken across lines; durations and numbers never in e-notation; the loss plot on a log
+scale by default, linear by a toggle the browser remembers (localStorage), linear with a note when a loss is
+<= 0; the workers marked awaited are the round line's awaited, both from one ``/v1/status`` answer.
+
 With ``PS_MONITOR_TOKEN`` set, the script sends the token given in the page's
 ``#token=<token>`` fragment as a bearer header to the monitoring API (the
 fragment never leaves the browser); app.py guards these files with the
