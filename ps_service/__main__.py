@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> None:
     # 194-203 ms of PS CPU per step); asyncio's loop accepts every pending connection at once where uvloop (libuv
     # 1.52) accepts one per loop turn, which matters with a thousand workers opening connections under load
     # (docs/performance.md, "Load: many workers on one PS").
-    app = create_app(settings)
+    app = create_app(settings, exit_on_refusal=True)
     # What start-up made (routes, settings, pydantic's schemas) lives as long as the process: out of the cyclic
     # collector's reach, so its collections scan only what requests make (same-host 1e6 x 2: 65.1 -> 66.9 steps/s,
     # 3 runs a side, docs/performance.md)

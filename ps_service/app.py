@@ -4,6 +4,8 @@ uvicorn options it is served with (:func:`server_options`, for ``python -m ps_se
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import contextlib
 from contextlib import asynccontextmanager
 
@@ -20,6 +22,8 @@ from ps_service.transport.bodysink import BufferedSinkProtocol
 from ps_service.transport.unread import CloseUnread
 from shared import keepalive
 
+log = logging.getLogger("ps_service")
+
 
 def server_options(settings: PSSettings) -> dict:
     """uvicorn's options for a PS with ``settings``, beyond host, port, loop and logging: the protocol that reads
@@ -30,7 +34,9 @@ def server_options(settings: PSSettings) -> dict:
             "headers": [(keepalive.HEADER, keepalive.header_value(settings.http_keepalive_seconds))]}
 
 
-def create_app(settings: PSSettings | None = None) -> FastAPI:
+def create_app(settings: PSSettings | None = None, exit_on_refusal: bool = False) -> FastAPI:
+    """The PS app. ``exit_on_refusal``: a start the checkpoint refuses (checkpoint.StartRefused) ends the process with
+    one logged line and exit code 2 (``python -m ps_service``); else it raises (tests, in-process servers)."""
     settings = settings or PSSettings()
 
     @asynccontextmanager
@@ -38,7 +44,14 @@ def create_app(settings: PSSettings | None = None) -> FastAPI:
         rt = Runtime(settings)
         rt.shard(sharding.role(settings, rt.core))  # None: one PS
         app.state.runtime = rt
-        checkpointer = checkpoint.attach(rt)  # restores the newest valid checkpoint first
+        try:
+            checkpointer = checkpoint.attach(rt)  # restores the newest valid checkpoint first
+        except checkpoint.StartRefused as exc:
+            log.error("cannot resume: %s", exc)
+            if exit_on_refusal:  # python -m ps_service: that one line, exit 2 (not uvicorn's traceback of it)
+                logging.shutdown()
+                os._exit(2)
+            raise
         app.state.metrics = metrics.attach(rt)
         task = asyncio.create_task(rt.ticker())
         if rt.shards is not None:

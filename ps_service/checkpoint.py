@@ -274,6 +274,10 @@ def load_latest(directory: str | Path) -> tuple[dict[str, Any], Path] | None:
     return None
 
 
+class StartRefused(Exception):
+    """The PS cannot resume from its checkpoint with these settings (the message says what to do)."""
+
+
 class Checkpointer:
     """When to checkpoint, and the background writer. ``on_info`` gets
     ``{"step", "path", "time", "duration_seconds", "count"}`` after each write or restore."""
@@ -302,9 +306,12 @@ class Checkpointer:
             return None
         state, path = found
         differ = sorted(k for k, v in state["config"].items() if getattr(core.config, k, v) != v)
+        try:
+            core.import_state(state, now)
+        except CoreError as exc:  # another optimizer than the checkpoint's: refused at start, with what to do
+            raise StartRefused(f"{path}: {exc.detail}") from None
         if differ:
             log.warning("settings differ from the checkpoint's (the current ones apply): %s", ", ".join(differ))
-        core.import_state(state, now)
         self.last_step = self.written_step = core.global_step
         self.last_time = time.monotonic()
         duration = time.monotonic() - t0

@@ -70,7 +70,7 @@ STATUS = {
     "unknown_worker": 404,
     "not_initialized": 409, "already_initialized": 409, "not_active": 409, "not_started": 409,
     "future_step": 422, "tensor_mismatch": 422, "nonfinite_gradient": 422, "bad_dtype": 422,
-    "nonfinite_weights": 422, "bad_optimizer": 422,
+    "nonfinite_weights": 422, "bad_optimizer": 422, "optimizer_changed": 409,
 }
 
 #: what a route may refuse with: its own errors and the core's

@@ -392,3 +392,52 @@ def test_the_readme_and_the_doc_state_the_same_bound_on_a_kill():
     found = [" ".join(re.search(r"\*\*A kill -9 redoes at most .*?no bound in steps\.", text, re.S).group(0).split())
              for text in (readme, DOC.read_text())]
     assert found[0] == found[1] and "2 × `PS_CHECKPOINT_EVERY_STEPS` steps" in found[0]
+
+
+def test_a_resumed_job_takes_this_starts_hyper_parameters_and_refuses_another_optimizer(tmp_path):
+    """What the README says applies on `up -d` applies to a resumed job too: the learning rate and the optimizer's
+    hyper-parameters of this start's settings go on top of the checkpoint's spec (the slots and iterations stay).
+    Another optimizer than the checkpoint's is refused (its slots do not carry over), and nothing is loaded."""
+    core, ids = make_core()  # adam, learning rate 0.1
+    train(core, ids, 3)
+    write(core, tmp_path)
+    state, _ = checkpoint.load_latest(tmp_path)
+    back = ParameterServerCore(core_config(min_workers=2, learning_rate=0.02, beta1=0.5, momentum=0.9))
+    back.import_state(state, 10.0)
+    assert back.optimizer.spec == {**core.optimizer.spec, "learning_rate": 0.02, "beta1": 0.5}  # momentum: not adam's
+    assert back.optimizer.iterations == 3 and back.global_step == 3
+    for s, tensors in core.optimizer.slots.items():
+        assert all(back.optimizer.slots[s][k].tobytes() == v.tobytes() for k, v in tensors.items())
+    for other in ({"optimizer": "sgd"}, {"optimizer": "momentum", "momentum": 0.9}):
+        fresh = ParameterServerCore(core_config(min_workers=2, **other))
+        with pytest.raises(REFUSALS) as err:
+            fresh.import_state(state, 10.0)
+        assert err.value.code == "optimizer_changed" and "PS_OPTIMIZER" in err.value.detail
+        assert not fresh.initialized and fresh.global_step == 0
+
+
+def test_python_m_ps_service_refuses_to_resume_with_another_optimizer_in_one_line(tmp_path):
+    """`python -m ps_service` on a checkpoint of another optimizer: exit 2 and one ERROR line that says what to do
+    (no traceback); with only a new learning rate it starts, and /v1/status shows that rate."""
+    core, ids = make_core()
+    train(core, ids, 2)
+    write(core, tmp_path)
+    env = {"PS_CHECKPOINT_DIR": str(tmp_path), "PS_SHM_DIR": "", "PS_OPTIMIZER": "sgd"}
+    cluster = LocalCluster(workers=1, ps_env=env, log_dir=tmp_path / "logs")  # the PS only: no worker started
+    try:
+        with pytest.raises(RuntimeError, match="PS exited with 2"):
+            cluster.start_ps(deadline=60)
+        log = cluster.log("ps")
+    finally:
+        cluster.stop()
+    errors = [line for line in log.splitlines() if " ps ERROR " in line]
+    assert len(errors) == 1 and "cannot resume" in errors[0] and "the checkpoint trains adam" in errors[0]
+    assert "Traceback" not in log
+    env = {k: v for k, v in env.items() if k != "PS_OPTIMIZER"}
+    cluster = LocalCluster(workers=1, ps_env={**env, "PS_LEARNING_RATE": "0.03"}, log_dir=tmp_path / "logs2")
+    try:
+        cluster.start_ps(deadline=60)
+        status = httpx.get(f"{cluster.url}/v1/status", timeout=10).json()
+        assert status["optimizer"]["learning_rate"] == 0.03 and status["global_step"] == 2
+    finally:
+        cluster.stop()

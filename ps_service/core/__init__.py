@@ -118,11 +118,13 @@ class ParameterServerCore(ModelState):
                 "config": {f: dict(v) if isinstance(v, Mapping) else v for f, v in vars(self.config).items()}}
 
     def import_state(self, state: Mapping[str, Any], now: float) -> None:
-        """Load :meth:`export_state`'s data (before any worker talks to this PS). The model counts as
+        """Load :meth:`export_state`'s data (before any worker talks to this PS), with the optimizer settings of this
+        start on top (:meth:`~ps_service.core.model.ModelState.resumed_spec`). The model counts as
         initialised (``PUT /v1/model`` gets 409); members come back expired (left ones stay left), so
         each worker registers again under its name, gets its id and rank back, and pulls."""
         opt = state["optimizer"]
-        self.restore(state["weights"], opt["spec"], opt["iterations"], opt["slots"], state["global_step"])
+        spec = self.resumed_spec(opt["spec"])  # the settings' hyper-parameters apply; another optimizer is refused
+        self.restore(state["weights"], spec, opt["iterations"], opt["slots"], state["global_step"])
         self.resume_expected = self.members.load(state["members"], now) or None
         if self.modes is not None and state.get("staleness") is not None:
             self.modes.load(state["staleness"], now)  # nobody live: each comes back at max(its clock, floor)

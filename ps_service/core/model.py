@@ -66,6 +66,22 @@ class ModelState:
         allowed = {"name", "learning_rate", *table.get(spec.get("name", "sgd"), {})}
         return normalize_spec({k: v for k, v in spec.items() if k in allowed or k not in overrides})
 
+    def resumed_spec(self, saved: Mapping[str, Any]) -> dict[str, Any]:
+        """The spec a job resumed from a checkpoint runs: the checkpoint's, with the PS settings' hyper-parameters on
+        top (a learning rate set for this start applies, as on a fresh job). Another optimizer than the checkpoint's
+        (its name, or torch's SGD gaining or losing momentum) is refused, ``optimizer_changed``: its slots do not
+        carry over."""
+        overrides = self.optimizer_overrides
+        table = TORCH_HYPERPARAMS if saved.get("flavor") == "torch" else HYPERPARAMS
+        allowed = {"learning_rate", *table.get(saved.get("name"), {})}
+        spec = normalize_spec({**saved, **{k: v for k, v in overrides.items() if k in allowed}})
+        if overrides.get("name", saved.get("name")) != saved.get("name") or spec["name"] != saved.get("name"):
+            raise CoreError("optimizer_changed", f"the checkpoint trains {saved.get('name')}; the settings ask for "
+                            f"{overrides.get('name', spec['name'])}: an optimizer's kind cannot change on a resumed "
+                            "job (its slots do not carry over). Unset PS_OPTIMIZER (or the hyper-parameter that "
+                            "changes it), or start a fresh job (an empty PS_CHECKPOINT_DIR: docker compose down -v)")
+        return spec
+
     def init_model(self, init: ModelInit, now: float) -> None:
         """First caller wins; later ones get 409 and must pull."""
         if self.initialized:
