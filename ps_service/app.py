@@ -54,15 +54,17 @@ def create_app(settings: PSSettings | None = None, exit_on_refusal: bool = False
             raise
         app.state.metrics = metrics.attach(rt)
         task = asyncio.create_task(rt.ticker())
+        deployment = asyncio.create_task(rt.deployment())  # PS_WORKERS_DNS: ends at step 0 (or at once if unset)
         if rt.shards is not None:
             await rt.shards.start(rt, checkpointer)  # the coordinator's links to its followers (ps_service/sharding)
         try:
             async with probes.listening(rt, settings.host, settings.probe_port):  # PS_PROBE_PORT (ps_service/probes.py)
                 yield
         finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            for background in (task, deployment):
+                background.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await background
             if checkpointer is not None:
                 await asyncio.to_thread(checkpointer.finish, rt.core)
             rt.shm.close()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 from typing import Callable
 
@@ -168,6 +169,24 @@ class Runtime:
             self.core.end_wait(worker_id, self.now())
         members.active_member(worker_id)  # (not a heartbeat: the PS ending a wait has not heard from its worker)
         return ok
+
+    async def deployment(self, every: float = 1.0, timeout: float = 2.0) -> None:
+        """Background task until step 0 (``PS_WORKERS_DNS``): the deployment's worker count, the addresses its DNS
+        name resolves to (compose's service name, Swarm's ``tasks.<service>``, a headless Service), given to the
+        core every ``every`` s; a name that does not resolve (yet: no worker started) counts none."""
+        name, loop = self.settings.workers_dns, asyncio.get_running_loop()
+        while name and not self.core.started:
+            try:
+                infos = await asyncio.wait_for(loop.getaddrinfo(name, None, type=socket.SOCK_STREAM), timeout)
+                count = len({info[4][0] for info in infos})
+            except (OSError, asyncio.TimeoutError):
+                count = None
+            if count != self.core.deployed:
+                log.info("the deployment runs %s workers (%s)", count or "no", name)
+            self.core.deploy(count)
+            self.core.tick(self.now())
+            self.notify()
+            await asyncio.sleep(every)
 
     async def ticker(self) -> None:
         """Background task: leases, start-up grace, round deadlines (and a reading of the clock at least every

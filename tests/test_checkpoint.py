@@ -205,7 +205,7 @@ def test_a_checkpoint_at_the_bound_is_restored_done(tmp_path):
     the PS never writes a checkpoint it would refuse."""
     core, ids = make_core()
     forged_at(tmp_path, tmp_path / write(core, tmp_path)["file"], MAX_INT)
-    back = ParameterServerCore(CoreConfig(min_workers=2, startup_grace_seconds=0.0))
+    back = ParameterServerCore(core_config(min_workers=2, startup_grace_seconds=0.0))
     ck = checkpoint.Checkpointer(tmp_path, every_steps=1, every_seconds=0, keep=3)
     assert ck.restore(back, 0.0) == MAX_INT and back.done
     assert [back.register(f"w{i}", 1.0)[0].worker_id for i in range(2)] == ids

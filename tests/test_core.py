@@ -664,7 +664,8 @@ def test_the_core_config_comes_from_the_settings_in_one_mapping():
     cfg = CoreConfig.from_settings(s)
     assert cfg == CoreConfig(replicas_to_aggregate=3, total_num_replicas=4, min_workers=2, max_steps=9, lease_seconds=3.0,
                              round_timeout_seconds=7.0, min_replicas=2, nonfinite_policy="skip", aggregation="sum",
-                             startup_grace_seconds=1.5, mode="sync", ssp_staleness=3, max_staleness=None,
+                             startup_grace_seconds=1.5, start_timeout_seconds=120.0, mode="sync", ssp_staleness=3,
+                             max_staleness=None,
                              optimizer_overrides={"name": "adam", "learning_rate": 0.01})
     # CoreConfig has no defaults of its own: every field but the fixed count is a setting of the same name
     assert {f.name for f in fields(CoreConfig)} - set(PSSettings.model_fields) == {"optimizer_overrides",

@@ -232,7 +232,23 @@ class ParameterServerCore(ModelState):
         return JobState.TRAINING if self.started else JobState.WAITING_FOR_WORKERS
 
     def expected_workers(self) -> int | None:
-        return self.config.total_num_replicas or self.config.replicas_to_aggregate
+        """The workers step 0 waits for (up to the start timeout): N (else R), or the deployment's count when it is
+        larger (:meth:`deploy`); None when nothing says."""
+        counts = [c for c in (self.config.total_num_replicas or self.config.replicas_to_aggregate, self.deployed) if c]
+        return max(counts, default=None)
+
+    def _expected_from(self) -> str:
+        """Which setting the expected count comes from, for humans."""
+        n, r = self.config.total_num_replicas, self.config.replicas_to_aggregate
+        if self.deployed and self.deployed >= (n or r or 0):
+            return "the deployment's workers, PS_WORKERS_DNS"
+        return "PS_TOTAL_NUM_REPLICAS" if n else "PS_REPLICAS_TO_AGGREGATE"
+
+    def deploy(self, count: int | None) -> None:
+        """The deployment runs ``count`` workers (the runtime resolves ``PS_WORKERS_DNS``; None or 0: not known)."""
+        if (count or None) != self.deployed:
+            self.deployed = count or None
+            self._changed()
 
     def _progress(self, r: Round, now: float | None = None, but: str | None = None) -> Progress:
         if r.deadline_from < self.members.released_at:  # held leases held the round's deadline too
@@ -276,6 +292,11 @@ class ParameterServerCore(ModelState):
             active, want = self.members.active_count, max(1, self.config.min_workers)
             if active < want:
                 return f"waiting for workers: {active} of min_workers {want} registered"
+            expected = self.expected_workers()
+            if expected and self._ready_since is not None:
+                left = max(0.0, self.config.start_timeout_seconds - (now - self._ready_since))
+                return (f"waiting for workers: {active} of {expected} expected ({self._expected_from()}) registered; "
+                        f"step 0 starts with those there in {left:.1f} s at the latest (PS_START_TIMEOUT_SECONDS)")
             return "start-up grace: waiting for more workers before step 0"
         silent = self.members.silent_since
         if silent is not None:
@@ -321,8 +342,13 @@ class ParameterServerCore(ModelState):
             if active >= max(1, self.config.min_workers):
                 if self._ready_since is None:
                     self._ready_since = now
-                expected = self.expected_workers() or self.resume_expected
-                if (expected and active >= expected) or now - self._ready_since >= self.config.startup_grace_seconds:
+                expected, waited = self.expected_workers(), now - self._ready_since
+                if expected:  # N, R or the deployment's count: wait for them, up to the start timeout
+                    go = active >= expected or waited >= self.config.start_timeout_seconds
+                else:  # a restored checkpoint's members, back at once; else the grace for more
+                    go = (self.resume_expected and active >= self.resume_expected) or \
+                        waited >= self.config.startup_grace_seconds
+                if go:
                     self.started, self.started_at = True, now
                     if self.modes is None:
                         self._open_round(now)

@@ -21,6 +21,7 @@ class CoreConfig:
     total_num_replicas: int | None
     min_workers: int
     startup_grace_seconds: float
+    start_timeout_seconds: float
     max_steps: int | None
     aggregation: str
     lease_seconds: float

@@ -48,6 +48,8 @@ class ModelState:
         self.version = 0
         #: after a restore: how many members the checkpoint had active (start at once when they are back)
         self.resume_expected: int | None = None
+        #: the workers the deployment runs (``PS_WORKERS_DNS``, told by the runtime): step 0 waits for them
+        self.deployed: int | None = None
         #: where the weights live for their answers (copy on write while an answer still sends them)
         self.store = WeightsStore()
 
