@@ -8,11 +8,14 @@ list every formula; the TF1 ones (``tf.compat.v1.train``, kernels of ``training_
 - ``momentum``: a = a * m + g;  w -= a * lr          (``nesterov``: w -= g * lr + a * m * lr)
 - ``adam``:     p1 *= b1, p2 *= b2 (running products: b1^t, b2^t);  alpha = lr * sqrt(1 - p2) / (1 - p1)
                 m += (g - m) * (1 - b1);  v += (g * g - v) * (1 - b2);  w -= m * alpha / (sqrt(v) + eps)
-- ``adagrad``:  a += g * g;  w -= g * lr / sqrt(a)   (a starts at initial_accumulator_value = 0.1)
+- ``adagrad``:  a += g * g;  w -= g * lr * rsqrt(a)   (a starts at initial_accumulator_value = 0.1;
+                rsqrt(a) = 1 / sqrt(a), each rounded: :func:`rsqrt`)
 
 Every constant, ``1 - beta`` included, is a scalar of the weight's dtype and every operation is
-rounded in it, in the kernels' order: float32 TF1 training is reproduced bit for bit (float64 too,
-given float64 hyper-parameters; TF1 turns Python floats into float32 tensors).
+rounded in it, in the kernels' order: TF1 training is reproduced bit for bit in float32 and float64
+(float64 given float64 hyper-parameters; TF1 turns Python floats into float32 tensors), but for float32
+Adagrad: TensorFlow's CPU build computes ``rsqrt`` of each whole 8-float AVX packet with the approximate
+``vrsqrtps`` instruction and a Newton step (Eigen's fast math), which numpy cannot reproduce (docs/torch.md).
 
 Buffers: a tensor whose name starts with :data:`BUFFER_PREFIX` is not stepped by any optimizer: the
 round sets it to the aggregate of what the workers pushed for it (their mean under the default
@@ -54,6 +57,14 @@ TORCH_HYPERPARAMS = torch_rules.HYPERPARAMS
 #: optimizer name -> its slots, in either flavour (torch's SGD with momentum is named "momentum")
 SLOT_NAMES = {"sgd": (), "momentum": ("accum",), "adam": ("m", "v"), "adamw": ("m", "v"), "adagrad": ("accum",)}
 FLAVORS = ("tf1", "torch")
+
+
+def rsqrt(a: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """``1 / sqrt(a)`` in ``a``'s dtype, both rounded, into ``out`` (``a``'s dtype and shape) or a new array:
+    Eigen's scalar ``rsqrt``, which TF1's Adagrad kernel runs on float64 and on the float32 elements after the
+    last whole AVX packet (a test swaps in TensorFlow's own to show it is the only difference in float32)."""
+    r = np.sqrt(a, out=out)
+    return np.divide(a.dtype.type(1), r, out=r)
 
 
 def _number(name: str, key: str, value: Any) -> float:
@@ -234,8 +245,9 @@ class Optimizer:
         s = self.spec
         dt = w.dtype.type
         lr = dt(s["learning_rate"])
+        scratch = consume and g.dtype == w.dtype and g.flags.writeable  # g may be overwritten
         if self.name == "sgd":
-            if consume and g.dtype == w.dtype and g.flags.writeable:
+            if scratch:
                 np.multiply(g, lr, out=g)
                 w -= g
             else:
@@ -259,8 +271,12 @@ class Optimizer:
             w -= m * alpha / (np.sqrt(v) + dt(s["epsilon"]))
         else:  # adagrad
             a = self.slots["accum"][key]
-            a += g * g
-            w -= g * lr / np.sqrt(a)
+            r = np.square(g)
+            a += r
+            rsqrt(a, out=r)
+            step = np.multiply(g, lr, out=g if scratch else None)
+            step *= r  # (g * lr) * rsqrt(a)
+            w -= step
 
     def _beta_powers(self, dtype: np.dtype) -> tuple[Any, Any]:
         """b1^t and b2^t as TF1 keeps them: running products in the weights' dtype, one factor per step."""
