@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from ps_service import optimizers
-from ps_service.optimizers import Optimizer, normalize_spec
+from ps_service.core.optimizers import Optimizer, normalize_spec
 from tests.test_optimizers import SPECS
 
 STEPS, N = 12, 1003  # N: 125 AVX packets of 8 floats and 3 more
@@ -106,7 +106,7 @@ def tf1(spec, w0, grads):
 
 
 def tf_rsqrt(a, out=None):
-    """TensorFlow's ``rsqrt``, called as :func:`ps_service.optimizers.rsqrt`."""
+    """TensorFlow's ``rsqrt``, called as :func:`ps_service.core.optimizers.rsqrt`."""
     r = tensorflow().math.rsqrt(a).numpy()
     if out is None:
         return r

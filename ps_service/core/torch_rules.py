@@ -27,9 +27,11 @@ torch runs for CPU tensors), operation by operation, in the weight's dtype:
 
 Scalars are computed as torch computes them (Python floats) and then rounded to the weight's dtype,
 as torch's kernels do; ``fma`` is a fused multiply-add (:mod:`ps_service.core.fma`), which torch's CPU
-kernels use for ``add(alpha=)``, ``lerp`` and ``addcmul``. SGD is therefore bit-identical to torch.
-``sqrt`` is correctly rounded here, while torch's CPU ``sqrt`` is MKL's VML (high-accuracy mode, not
-correctly rounded): Adam and Adagrad differ from torch by about one ulp per step where they differ.
+kernels use for ``add(alpha=)``, ``lerp`` and ``addcmul``. SGD is therefore bit-identical to torch, and
+Adam, AdamW and Adagrad but for the square root: :data:`sqrt` is correctly rounded, while torch's CPU
+``sqrt`` is MKL's VML (high-accuracy mode), which starts from the approximate ``rsqrtps`` instruction (or
+``vrsqrt14``, by CPU) and refines it with Newton steps: 1 ulp off on some inputs, with bits that depend on
+the CPU, so numpy cannot reproduce them (docs/torch.md has the measurements).
 """
 from __future__ import annotations
 
