@@ -10,7 +10,7 @@ instruction and a Newton step: with TensorFlow's ``rsqrt`` swapped in, that one 
 import numpy as np
 import pytest
 
-from ps_service import optimizers
+from ps_service.core import optimizers
 from ps_service.core.optimizers import Optimizer, normalize_spec
 from tests.test_optimizers import SPECS
 
