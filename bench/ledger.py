@@ -1,0 +1,150 @@
+"""``python -m bench.ledger PATH [PATH ...]``: one fast path's gain measured alone, for docs/performance.md's ledger.
+
+Each fast path below is a place where the code does something cleverer than the plain way for speed. To measure
+one alone, this exports the working tree's HEAD twice (``git archive``), takes the path out of one copy by a textual
+edit of a few lines (each edit must match exactly once, or the run stops: the ledger's lines have moved), and runs
+:mod:`bench.ab` with the plain copy as ``before`` and HEAD as ``after`` on the path's cells, ``--runs`` alternating
+runs a side. It prints bench.ab's lines, then one ``ledger`` line per cell: the medians, ``gain`` (after / before -
+1) and ``noise`` (the larger half-spread, (max - min) / 2 / median, of the two sides); ``beyond_noise`` is
+``|gain| > noise``. A path whose gain is not beyond the noise on any of its cells has not earned its place.
+
+``--list`` prints the paths with their module and what taking them out means.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class FastPath:
+    where: str  # module (and what), for the ledger's row
+    plain: str  # what the copy without it does instead
+    edits: tuple[tuple[str, str, str], ...]  # (file, text, replacement): each text found exactly once
+    cells: tuple[str, ...]  # bench.ab cells (transport:params:workers[:compression])
+
+
+PATHS: dict[str, FastPath] = {
+    "hotpath": FastPath(
+        "ps_service/hotpath.py (the fast lane: per-step push and pull without FastAPI's routing)",
+        "every request through FastAPI's router",
+        (("ps_service/app.py", "    app.add_middleware(HotPath)", "    pass  # ledger: no fast lane"),),
+        ("http:1000:2", "shm:1000:2", "http:1000000:2")),
+    "onewrite": FastPath(
+        "ps_service/transport/onewrite.py (a fast-lane answer's head and body in one write)",
+        "Starlette's two sends",
+        (("ps_service/hotpath.py", "await result(scope, receive, one_write_send(scope, send))",
+          "await result(scope, receive, send)"),),
+        ("http:1000:2", "http:1000000:2")),
+    "bodysink": FastPath(
+        "ps_service/transport/bodysink.py (uvicorn's protocol reading large bodies straight into the route's buffer)",
+        "uvicorn's httptools protocol; the body copied from its chunks",
+        (("ps_service/app.py", '"http": BufferedSinkProtocol, ', ""),),
+        ("http:1000000:2", "http:10000000:2")),
+    "rawhttp": FastPath(
+        "shared/rawhttp.py (the worker's HTTP/1.1 connection: sendmsg, recv_into)",
+        "httpx for every URL",
+        (("worker_service/client.py",
+          'return RawConnection(base_url) if base_url.startswith("http://") else HttpxConnection(base_url)',
+          "return HttpxConnection(base_url)"),),
+        ("http:1000:2", "http:1000000:2", "http:10000000:2")),
+    "codec-fast": FastPath(
+        "shared/codec.py (msgpack's C unpacker for messages up to 2 KB; the pure-Python reader above)",
+        "the pure-Python reader for every message",
+        (("shared/codec.py", "FAST_MAX_BYTES = 2048", "FAST_MAX_BYTES = -1"),),
+        ("http:1000:2", "shm:1000:2")),
+    "cores": FastPath(
+        "ps_service/core/cores.py (the last fold and SGD's update over both cores from 8 MB)",
+        "one thread",
+        (("ps_service/core/cores.py", "MIN_ELEMENTS = 1 << 21", "MIN_ELEMENTS = 1 << 62"),),
+        ("shm:10000000:2", "http:10000000:2")),
+    "heap": FastPath(
+        "ps_service/heap.py (glibc mallopt: freed blocks stay mapped for the next round)",
+        "glibc's default thresholds",
+        (("ps_service/__main__.py", "    keep_freed_memory()", "    pass  # ledger: glibc's defaults"),),
+        ("shm:10000000:2", "http:10000000:2")),
+    "gc-freeze": FastPath(
+        "ps_service/__main__.py (gc.freeze() after start-up)",
+        "the cyclic collector scans start-up's objects too",
+        (("ps_service/__main__.py", "    gc.freeze()", "    pass  # ledger: no freeze"),),
+        ("shm:1000000:2", "http:1000:2")),
+    "sum-bound": FastPath(
+        "ps_service/core/accumulator.py (the round's sum not read for overflow when its pushes' bounds rule it out)",
+        "the sum read once for NaN/Inf every round",
+        (("ps_service/core/accumulator.py", "SUM_LIMIT = 1e30", "SUM_LIMIT = -1.0"),),
+        ("shm:10000000:4", "http:10000000:2")),
+}
+
+
+def export(tree: Path) -> None:
+    tree.mkdir(parents=True)
+    archive = subprocess.run(["git", "archive", "HEAD"], cwd=ROOT, capture_output=True, check=True, timeout=120)
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True, timeout=120)
+
+
+def take_out(tree: Path, path: FastPath) -> None:
+    for file, text, replacement in path.edits:
+        target = tree / file
+        source = target.read_text()
+        if source.count(text) != 1:
+            raise SystemExit(f"ledger: {file} holds {source.count(text)} copies of {text!r}: update bench/ledger.py")
+        target.write_text(source.replace(text, replacement))
+
+
+def verdict(name: str, cell: str, before: dict, after: dict) -> dict:
+    gain = after["median"] / before["median"] - 1
+    noise = max((s["max"] - s["min"]) / 2 / s["median"] for s in (before, after))
+    return {"ledger": name, "cell": cell, "before": before["median"], "after": after["median"],
+            "gain": round(gain, 4), "noise": round(noise, 4), "beyond_noise": abs(gain) > noise}
+
+
+def measure(name: str, runs: int, seconds: float) -> list[dict]:
+    path = PATHS[name]
+    with tempfile.TemporaryDirectory(prefix=f"syncps-ledger-{name}-") as tmp:
+        plain, head = Path(tmp) / "plain", Path(tmp) / "head"
+        export(plain)
+        export(head)
+        take_out(plain, path)
+        out = subprocess.run([sys.executable, "-m", "bench.ab", str(plain), str(head), "--runs", str(runs),
+                              "--seconds", str(seconds), "--cells", ",".join(path.cells)],
+                             cwd=ROOT, capture_output=True, text=True, timeout=len(path.cells) * runs * 2 * (seconds + 300))
+    lines = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
+    for line in lines:
+        print(json.dumps({"path": name, **line}), flush=True)
+    verdicts = []
+    for cell in path.cells:
+        sides = {s["side"]: s for s in lines if s.get("summary") == cell and "median" in s}
+        if len(sides) == 2:
+            verdicts.append(verdict(name, cell, sides["before"], sides["after"]))
+            print(json.dumps(verdicts[-1]), flush=True)
+    return verdicts
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.ledger", description=__doc__.split("\n\n")[0])
+    ap.add_argument("paths", nargs="*", help=f"fast paths to measure: {', '.join(PATHS)}")
+    ap.add_argument("--runs", type=int, default=5, help="alternating runs a side per cell (default 5)")
+    ap.add_argument("--seconds", type=float, default=6.0, help="measured seconds of each run (default 6)")
+    ap.add_argument("--list", action="store_true", help="list the fast paths and what taking each out means")
+    args = ap.parse_args(argv)
+    if args.list or not args.paths:
+        for name, p in PATHS.items():
+            print(f"{name:11} {p.where}\n{'':11} without it: {p.plain}; cells {', '.join(p.cells)}")
+        return 0
+    unknown = [p for p in args.paths if p not in PATHS]
+    if unknown:
+        ap.error(f"unknown paths {unknown}; --list shows them")
+    for name in args.paths:
+        measure(name, args.runs, args.seconds)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
