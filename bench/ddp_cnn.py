@@ -1,7 +1,7 @@
 """``python -m bench.ddp_cnn --workers N --steps S``: the ``cnn`` task under torch DistributedDataParallel,
 what a PyTorch user runs instead of syncps: N processes on loopback (gloo), one JSON line.
 
-Same model, initial weights, data and optimizer as syncps's ``cnn`` task (``worker_service/tasks/cnn.py``):
+Same model, initial weights, data and optimizer as syncps's ``cnn`` task (``syncps.cnn.py``):
 at step ``s`` rank ``r`` takes :func:`syncps.sampling.round_batch` ``(s, r, N)``, the shard a syncps
 worker at position ``r`` takes, so both systems see the same global batches; DDP averages the gradients
 (all-reduce sum / N) and every rank steps ``torch.optim.Adam`` itself. One thread per process. Prints
@@ -27,8 +27,8 @@ def _rank(rank: int, workers: int, port: int, steps: int, warmup: int, batch: in
     from torch.nn.parallel import DistributedDataParallel
 
     from syncps.sampling import round_batch
-    from worker_service.tasks.cnn import CNNTask
-    from worker_service.tasks.torch_task import take
+    from syncps.cnn import CNNTask
+    from syncps.task import take
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=workers)
@@ -58,7 +58,7 @@ def _rank(rank: int, workers: int, port: int, steps: int, warmup: int, batch: in
 def run(workers: int = 4, steps: int = 300, warmup: int = 20, batch: int = 32, seed: int = 0,
         timeout: float = 600.0) -> dict:
     """One DDP run; its result line as a dict (an ``error`` field when it failed)."""
-    from worker_service.tasks.cnn import PARAMS
+    from syncps.cnn import PARAMS
 
     ctx = multiprocessing.get_context("forkserver")
     queue = ctx.Queue()
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=32, help="examples per process per step")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    multiprocessing.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "worker_service.tasks.cnn"])
+    multiprocessing.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "syncps.cnn"])
     line = run(args.workers, args.steps, args.warmup, args.batch, args.seed)
     print(json.dumps(line), flush=True)
     return 0 if line.get("steps_per_s") is not None else 1

@@ -31,7 +31,7 @@ Workers run as ``make run`` starts them (:class:`~cluster.processes.LocalCluster
 there are no more workers than CPUs; ``pinned_cpus`` lists each worker's CPU (null: not pinned). ``--no-pin``
 leaves them wherever the OS puts them.
 
-``--task cnn`` measures the torch ``cnn`` task instead (worker_service/tasks/cnn.py, batch 32 per
+``--task cnn`` measures the torch ``cnn`` task instead (syncps/cnn.py, batch 32 per
 worker; ``--params`` does not apply): its side-by-side with torch DDP is ``python -m bench.ddp_cnn``.
 """
 from __future__ import annotations

@@ -96,9 +96,9 @@ class BenchLinearTask:
 
 def task_workload(task: str, params: int) -> tuple[int, tuple[int | None, int | None], str]:
     """(parameter count, (d, k), WORKER_TASK) of a benchmark task: ``linear`` (this module's, at ``params``)
-    or ``cnn`` (the torch task of worker_service/tasks/cnn.py, whose size is fixed)."""
+    or ``cnn`` (the torch task of syncps.cnn.py, whose size is fixed)."""
     if task == "cnn":
-        from worker_service.tasks.cnn import PARAMS
+        from syncps.cnn import PARAMS
 
         return PARAMS, (None, None), "cnn"
     return actual_params(params), model_dims(params), f"bench.task:params_{int(params)}"

@@ -2,7 +2,7 @@
 worker (``python -m worker_service``), instead of writing a numpy task.
 
 ``factory(seed=..., dtype=...)`` returns a :class:`TorchJob`; the worker wraps it into the task
-interface (``worker_service/tasks/torch_task.py``): each step it loads the PS's weights into the
+interface (:meth:`TorchJob.task`: ``syncps/task.py``): each step it loads the PS's weights into the
 model, runs ``loss_fn(model(*inputs), target)`` on its shard of the round's batch (a batch of
 ``dataset`` is a tuple whose last item is the target, the others the model's inputs), backpropagates
 and pushes the gradients. ``evaluate`` reports ``metrics(model, eval_dataset)``, by default the mean
@@ -37,3 +37,9 @@ class TorchJob:
     buffers: str = "mean"
     #: push zeros for parameters whose .grad is None instead of letting the PS refuse the push
     allow_unused: bool = False
+
+    def task(self, dtype: str = "float32", name: str | None = None):
+        """This job as the stock worker's task (:class:`syncps.task.TorchTask`; imports torch)."""
+        from syncps.task import TorchTask
+
+        return TorchTask(self, dtype, name)

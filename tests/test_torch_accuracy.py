@@ -22,6 +22,6 @@ def test_cnn_on_syncps_is_as_accurate_as_ddp():
 
 def test_the_bench_counts_the_cnns_parameters():
     from bench.task import task_workload
-    from worker_service.tasks.cnn import build_model
+    from syncps.cnn import build_model
 
     assert task_workload("cnn", 10**6) == (sum(p.numel() for p in build_model().parameters()), (None, None), "cnn")

@@ -1,12 +1,12 @@
 """Task factories for ``WORKER_TASK=tests.torch_tasks:<name>``: torch jobs (syncps.job.TorchJob) the tests
-train through the stock worker, which wraps them into tasks (worker_service/tasks/torch_task.py)."""
+train through the stock worker, which wraps them into tasks (syncps.task.py)."""
 from __future__ import annotations
 
 import threading
 
 import torch
 
-from worker_service.tasks.cnn import cnn_job
+from syncps.cnn import cnn_job
 
 #: held while a model is built from a seed: torch's global generator is one per process, and worker threads of one
 #: test seeding it at once would draw each other's numbers (a model's weights would depend on the timing)

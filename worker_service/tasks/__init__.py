@@ -4,8 +4,8 @@ A task is any object with this small interface (see :class:`Task`); the worker
 loads a built-in one by name or yours by ``package.module:factory`` (a callable
 taking ``(seed, dtype)``), so a user can bring their own model and data. The
 factory may also return a torch model, its data and its loss as a
-:class:`syncps.job.TorchJob`, which the worker wraps into a task
-(:mod:`worker_service.tasks.torch_task`; the built-in ``cnn`` is one).
+:class:`syncps.job.TorchJob`, which the worker turns into a task with its ``task(dtype, name)`` (the built-in
+``cnn`` is ``syncps.cnn:CNNTask``). The worker imports no ``syncps`` module itself: ``syncps`` builds on it.
 """
 from __future__ import annotations
 
@@ -54,22 +54,24 @@ def shard_batch_indices(n: int, step: int, shard_index: int, shard_count: int, b
     return shard[(step * batch_size + np.arange(batch_size)) % len(shard)]
 
 
+#: built-in tasks of the layer above (syncps, torch), loaded by name as a ``package.module:factory`` is
+BY_NAME = {"cnn": "syncps.cnn:CNNTask"}
+
+
 def load_task(spec: str, seed: int = 0, dtype: str = "float32") -> Task:
     """A built-in task by name, or what ``package.module:factory`` returns: a task, or a
     :class:`syncps.job.TorchJob` (anything without ``loss_and_grads``), wrapped into a task."""
-    from worker_service.tasks.cnn import CNNTask
     from worker_service.tasks.linear import LinearTask
     from worker_service.tasks.mlp import MLPTask
 
-    builtin = {"linear": LinearTask, "mlp": MLPTask, "cnn": CNNTask}
+    builtin = {"linear": LinearTask, "mlp": MLPTask}
     if spec in builtin:
         return builtin[spec](seed=seed, dtype=dtype)
-    if ":" not in spec:
-        raise ValueError(f"unknown task {spec!r}: use one of {sorted(builtin)} or 'package.module:factory'")
-    module, attr = spec.split(":", 1)
+    if ":" not in spec and spec not in BY_NAME:
+        raise ValueError(f"unknown task {spec!r}: use one of {sorted([*builtin, *BY_NAME])} or "
+                         "'package.module:factory'")
+    module, attr = BY_NAME.get(spec, spec).split(":", 1)
     task = getattr(importlib.import_module(module), attr)(seed=seed, dtype=dtype)
     if not hasattr(task, "loss_and_grads"):
-        from worker_service.tasks.torch_task import TorchTask
-
-        task = TorchTask(task, dtype, name=spec)
+        task = task.task(dtype, name=spec)  # a syncps.job.TorchJob
     return task

@@ -1,5 +1,6 @@
-"""A small CNN on scikit-learn's 8x8 digits, trained through torch: the ``cnn`` task (needs the ``torch``
-and ``mlp`` extras; the data ships inside scikit-learn, no download).
+"""A small CNN on scikit-learn's 8x8 digits, trained through torch: the stock worker's ``cnn`` task
+(``WORKER_TASK=cnn`` names ``syncps.cnn:CNNTask``; needs the ``torch`` and ``mlp`` extras; the data ships inside
+scikit-learn, no download).
 
 conv 3x3 (1 -> 8) + ReLU, conv 3x3 (8 -> 16) + ReLU, 2x2 max-pool, fully connected 256 -> 10 (3,818
 parameters);
@@ -61,6 +62,6 @@ def cnn_job(seed: int = 0, dtype: str = "float32", optimizer=None):
 
 def CNNTask(seed: int = 0, dtype: str = "float32"):
     require_torch()
-    from worker_service.tasks.torch_task import TorchTask
+    from syncps.task import TorchTask
 
     return TorchTask(cnn_job(seed, dtype), dtype, name="cnn")

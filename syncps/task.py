@@ -1,9 +1,11 @@
-"""The task interface over a :class:`syncps.job.TorchJob`: how the stock worker trains a torch model.
+"""The stock worker's task interface (:class:`worker_service.tasks.Task`) over a :class:`syncps.job.TorchJob`:
+how ``python -m worker_service`` trains a torch model.
 
-``load_task`` wraps what a ``package.module:factory`` returns when it is a TorchJob (anything without
-``loss_and_grads``). The model is cast to the worker's dtype (``WORKER_DTYPE``) and its tensors are
-named as :mod:`syncps.tensors` says (parameters, ``buffer:`` buffers). Each step loads the PS's weights
-into the model in place, runs the forward and backward pass on this worker's shard
+The worker's ``load_task`` wraps what a ``package.module:factory`` returns when it is a TorchJob (anything without
+``loss_and_grads``: it calls :meth:`syncps.job.TorchJob.task`, which builds a :class:`TorchTask` of it; ``job``
+is that TorchJob, not imported here: job.py imports this module). The model is cast to the worker's dtype
+(``WORKER_DTYPE``) and its tensors are named as :mod:`syncps.tensors` says (parameters, ``buffer:`` buffers).
+Each step loads the PS's weights into the model in place, runs the forward and backward pass on this worker's shard
 (:func:`syncps.sampling.round_batch`: the round's global batch, split by the round's ranks) and
 returns numpy views of the gradients, which the loop pushes before the next step reuses them.
 
@@ -19,7 +21,6 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from syncps.job import TorchJob
 from syncps.sampling import round_batch
 from syncps.spec import optimizer_spec
 from syncps.tensors import ModelTensors
@@ -46,7 +47,7 @@ def _length(dataset: Any) -> int:
 
 
 class TorchTask:
-    def __init__(self, job: TorchJob, dtype: str = "float32", name: str | None = None) -> None:
+    def __init__(self, job: Any, dtype: str = "float32", name: str | None = None) -> None:
         if "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(1)
         self.job = job
