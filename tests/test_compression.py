@@ -93,7 +93,7 @@ def test_topk_warmup_sends_more_first_then_the_ratio():
         with pytest.raises(ValueError):
             C.Spec.from_wire({"name": "topk", "topk_warmup_steps": bad})
     # the worker's transport encodes with the step of the push's weights
-    t = CompressedBodyTransport(call=None, spec=spec)
+    t = CompressedBodyTransport(endpoint=None, spec=spec)
     sent = [frame.decode(b"".join(bytes(b) for b in t.push_body({"step": s}, g))) for s in (0, 100)]
     assert [f.tensors["w"].shape for f in sent] == [(2, 2500), (2, 100)] and sent[0].meta["step"] == 0
 
@@ -220,8 +220,8 @@ def test_live_ps_applies_the_decoded_gradients_exactly(name):
         sent: list[list[dict]] = [[], []]
         for i, c in enumerate(workers):
             c.attach(regs[i]["worker_id"])
-            encode = c.tensors.compressor.encode
-            c.tensors.compressor.encode = (lambda g, step, encode=encode, i=i:
+            encode = c.tensors.current.compressor.encode
+            c.tensors.current.compressor.encode = (lambda g, step, encode=encode, i=i:
                                            sent[i].append(encode(g, step)) or sent[i][-1])
         weights = {k: v.copy() for k, v in init.items()}
         for step in range(4):
@@ -301,6 +301,6 @@ def test_same_host_worker_stays_uncompressed_in_a_compressed_job(tmp_path):
         got = b.pull(1, wb, 5.0)
         want = w0["w"] - (ga + np.full(64, -0.25, F32)) / 2 * F32(1.0)
         assert got.step == 1 and np.array_equal(got.tensors["w"], want)
-        assert np.allclose(b.tensors.compressor.residuals["w"], -0.05)
+        assert np.allclose(b.tensors.current.compressor.residuals["w"], -0.05)
         a.close()
         b.close()

@@ -115,7 +115,7 @@ def test_same_host_worker_moves_no_tensor_bytes(shm_dir):
         wa, wb = a.register("a")["worker_id"], b.register("b")["worker_id"]
         assert a.init_model(W0, {"name": "sgd", "learning_rate": 0.5})
         assert a.attach(wa) == "shm" and a.transport == "shm"
-        channel = a.tensors.channel
+        channel = a.tensors.current.channel
         assert os.listdir(shm_dir) == [ps.rt.shm.weights_name]  # the worker's file is unlinked once attached
         pulled = a.pull(0, wa, wait=5.0)
         assert pulled.tensors is channel.weights
@@ -146,7 +146,7 @@ def test_with_body_answers_the_weights_live_in_their_frame_and_the_file_gets_a_c
         a, b = ps.client(shm_dir=shm_dir), ps.client()
         wa, wb = a.register("a")["worker_id"], b.register("b")["worker_id"]
         assert a.init_model(W0, {"name": "sgd", "learning_rate": 0.5}) and a.attach(wa) == "shm"
-        core, hub, store, channel = ps.rt.core, ps.rt.shm, ps.rt.core.store, a.tensors.channel
+        core, hub, store, channel = ps.rt.core, ps.rt.shm, ps.rt.core.store, a.tensors.current.channel
         region = hub._weights  # the file's mapping (its marker: the step of the weights it holds)
 
         def round_(step: int, body_pull: bool) -> None:
@@ -187,7 +187,7 @@ def test_an_async_job_answers_from_the_frame_and_leaves_the_file_alone(shm_dir):
             assert a.push(wa, step, grads(1.0))["status"] == "accepted"
             pulled = a.pull(step + 1, wa, wait=5.0)
             np.testing.assert_array_equal(pulled.tensors["w"], W0["w"] - np.float32(0.5 * (step + 1)))
-            assert pulled.tensors is not a.tensors.channel.weights  # a body answer
+            assert pulled.tensors is not a.tensors.current.channel.weights  # a body answer
             assert ps.rt.core.store.holds(ps.rt.core.weights) and ps.rt.shm.mirrored == 0
         a.close()
 
@@ -259,7 +259,7 @@ def test_a_push_rewritten_after_it_was_accepted_changes_nothing(shm_dir):
         assert a.init_model(W0, {"name": "sgd", "learning_rate": 0.5})
         assert a.attach(wa) == b.attach(wb) == "shm"
         assert a.push(wa, 0, grads(1.0))["status"] == "accepted"
-        for view in a.tensors.channel._grads.values():  # the file, marker untouched: NaN where the push was
+        for view in a.tensors.current.channel._grads.values():  # the file, marker untouched: NaN where the push was
             view[...] = np.nan
         assert b.push(wb, 0, grads(3.0))["step"] == 1  # closes the round
         mean = (grads(1.0)["w"] + grads(3.0)["w"]) / np.float32(2)
@@ -279,7 +279,7 @@ def test_a_push_rewritten_while_it_waits_for_a_lower_rank_changes_nothing(shm_di
         assert a.init_model(W0, {"name": "sgd", "learning_rate": 0.5})
         assert a.attach(wa) == b.attach(wb) == "shm"
         assert b.push(wb, 0, grads(3.0))["status"] == "accepted"
-        for view in b.tensors.channel._grads.values():
+        for view in b.tensors.current.channel._grads.values():
             view[...] = np.nan
         assert a.push(wa, 0, grads(1.0))["step"] == 1
         w1 = W0["w"] - np.float32(0.5) * np.float32(2.0)
@@ -307,7 +307,7 @@ def test_nan_in_the_file_is_found_as_it_is_read(policy, shm_dir):
             for bad in (np.nan, np.inf):
                 g = grads(1.0)
                 g["w"][1, 1] = bad
-                resp = shm_push(h, wb, 0, b.tensors.channel.write(g))
+                resp = shm_push(h, wb, 0, b.tensors.current.channel.write(g))
                 if policy == "reject":
                     assert (resp.status_code, resp.json()["error"]) == (422, "nonfinite_gradient"), resp.text
                     assert "'w'" in resp.json()["detail"] and state_hash(ps.rt) == before
@@ -315,7 +315,7 @@ def test_nan_in_the_file_is_found_as_it_is_read(policy, shm_dir):
                     assert resp.json()["status"] == "skipped", resp.text
                     break
             if policy == "reject":
-                assert shm_push(h, wb, 0, b.tensors.channel.write(grads(1.0))).json()["status"] == "accepted"
+                assert shm_push(h, wb, 0, b.tensors.current.channel.write(grads(1.0))).json()["status"] == "accepted"
         assert ps.rt.core.global_step == 1
         mean = (np.float32(3e38) + np.float32(1.0)) / 2 if policy == "reject" else np.float32(3e38)
         np.testing.assert_array_equal(ps.rt.core.weights["b"], W0["b"] - np.float32(0.5) * np.float32(mean))
@@ -340,7 +340,7 @@ def test_a_ps_that_lost_the_file_gets_it_again(shm_dir):
         assert ps.rt.core.global_step == 1 and wid in ps.rt.shm.attached
         with ps.http() as h:
             h.delete(f"/v1/workers/{wid}")
-            seq = c.tensors.channel.write(grads(1.0))
+            seq = c.tensors.current.channel.write(grads(1.0))
             for resp in (shm_push(h, wid, 1, seq),
                          h.post(f"/v1/workers/{wid}/shm", json={"file": "syncps-g-" + "0" * 32, "nonce": "00" * 16})):
                 assert (resp.status_code, resp.json()["error"]) == (409, "not_active"), resp.text

@@ -190,8 +190,8 @@ def train(ps, rounds: int, scale: float, seed: int = 1):
     metas: list[dict] = []
     for i, c in enumerate(clients):
         c.attach(regs[i]["worker_id"])
-        take = c.tensors.held.take
-        c.tensors.held.take = lambda f, take=take: metas.append(f.meta) or take(f)
+        take = c.tensors.current.held.take
+        c.tensors.current.held.take = lambda f, take=take: metas.append(f.meta) or take(f)
     errors: list[BaseException] = []
 
     def work(i: int) -> None:
@@ -223,9 +223,9 @@ def test_live_workers_hold_the_ps_weights_bit_for_bit(name):
         core = ps.rt.core
         assert core.global_step == rounds
         for c in clients:
-            assert c.tensors.held.step == rounds
+            assert c.tensors.current.held.step == rounds
             for k, v in core.weights.items():
-                assert bits(c.tensors.held.tensors[k]) == bits(v), k
+                assert bits(c.tensors.current.held.tensors[k]) == bits(v), k
         deltas = [m for m in metas if "since" in m]
         assert all(m["since"] == m["step"] - 1 and "w" in m["sparse"] and "d" not in m["sparse"]
                    for m in deltas), deltas
@@ -251,7 +251,7 @@ def test_since_other_than_the_previous_step_is_dense_and_hostile_since_changes_n
                 assert {k: bits(v) for k, v in f.tensors.items()} == {k: bits(v) for k, v in core.weights.items()}
             f = pull(3)
             assert f.meta["since"] == 3 and "w" in f.meta["sparse"] and f.tensors["w"].dtype == U32
-            held = {k: v.copy() for k, v in clients[0].tensors.held.tensors.items()}
+            held = {k: v.copy() for k, v in clients[0].tensors.current.held.tensors.items()}
             before = state_hash(ps.rt)
             wid = regs[0]["worker_id"]
             for q in ("since=-1", "since=abc", "since=1.5", "since=", "since=0x3"):
@@ -278,8 +278,8 @@ def test_async_workers_hold_the_ps_weights_bit_for_bit():
         for c, wid in zip(clients, wids):
             c.attach(wid)
             c.push_wait = 5.0
-            take = c.tensors.held.take
-            c.tensors.held.take = lambda f, take=take: metas.append(f.meta) or take(f)
+            take = c.tensors.current.held.take
+            c.tensors.current.held.take = lambda f, take=take: metas.append(f.meta) or take(f)
         rng = np.random.default_rng(3)
         for _ in range(6):
             for c, wid in zip(clients, wids):  # alternating: each worker's pull is one or two steps behind
@@ -291,7 +291,7 @@ def test_async_workers_hold_the_ps_weights_bit_for_bit():
         for c, wid in zip(clients, wids):
             c._prefetched = None
             assert c.pull(step, wid, 5.0).step == step
-            assert all(bits(c.tensors.held.tensors[k]) == bits(v) for k, v in ps.rt.core.weights.items())
+            assert all(bits(c.tensors.current.held.tensors[k]) == bits(v) for k, v in ps.rt.core.weights.items())
             c.close()
         assert any("since" in m for m in metas) and any("since" not in m for m in metas[2:])
 

@@ -17,8 +17,9 @@ from pydantic import ValidationError
 from shared.errors import ProtocolError
 from shared.settings_errors import settings_errors
 from shared.rawhttp import ConnectionLost
-from worker_service.client import PSClient, ServerError, connect
+from worker_service.client import PSClient
 from worker_service.transport import faults
+from worker_service.transport.endpoint import ServerError, connect
 from worker_service.loop import WrongModel, train
 from worker_service.settings import WorkerSettings, cpu_list
 from worker_service.stopping import StopFlag

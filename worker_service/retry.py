@@ -3,7 +3,8 @@
 :func:`call` runs ``fn`` until it returns, retrying the errors listed in ``retry_on``
 with capped exponential backoff and jitter: attempt n waits
 ``min(wait_max, wait_initial * 2 ** (n - 1) + uniform(0, wait_jitter))`` before the next one
-(the same schedule stamina used here). It logs (logger ``worker.retry``):
+(stamina's schedule; stamina itself is not used: its retry hooks are process-wide and its time budget
+allows a wait that ends past the deadline). It logs (logger ``worker.retry``):
 
 - WARNING before each retry::
 

@@ -80,3 +80,9 @@ class WorkerSettings(BaseSettings):
     def _token(self) -> "WorkerSettings":
         self.auth_token = resolve_token(self.auth_token, self.auth_token_file, "WORKER_AUTH_TOKEN")
         return self
+
+
+def default(field: str):
+    """A setting's default (not the environment's value): the one source of the defaults the worker's classes
+    take when built without settings (``PSClient``'s timeouts and retry attempts, say)."""
+    return WorkerSettings.model_fields[field].get_default(call_default_factory=True)

@@ -24,7 +24,7 @@ import numpy as np
 from shared import frame, weight_deltas
 from shared.compression import Compressor, Spec
 from shared.errors import ProtocolError
-from worker_service.transport.base import Call
+from worker_service.transport.endpoint import Endpoint
 from worker_service.transport.http import BodyTransport
 
 
@@ -89,8 +89,8 @@ def _read_only(v: np.ndarray) -> np.ndarray:
 
 
 class CompressedBodyTransport(BodyTransport):
-    def __init__(self, call: Call, spec: Spec) -> None:
-        super().__init__(call)
+    def __init__(self, endpoint: Endpoint, spec: Spec) -> None:
+        super().__init__(endpoint)
         self.name = f"http+{spec.name}"
         self.compressor = Compressor(spec)
         self.held = HeldWeights()
@@ -108,6 +108,6 @@ class CompressedBodyTransport(BodyTransport):
         return self.held.take(answer)
 
 
-def body_transport(call: Call, spec: Spec) -> BodyTransport:
+def body_transport(endpoint: Endpoint, spec: Spec) -> BodyTransport:
     """The request-body transport of a job: plain, or compressed as the job says."""
-    return CompressedBodyTransport(call, spec) if spec.on else BodyTransport(call)
+    return CompressedBodyTransport(endpoint, spec) if spec.on else BodyTransport(endpoint)

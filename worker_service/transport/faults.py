@@ -21,11 +21,11 @@ import threading
 from typing import Mapping, Sequence
 
 from shared.rawhttp import ConnectionLost
-from worker_service.transport.base import Connection, Response
+from worker_service.transport.base import Response, Transport
 
 
 class FaultyConnection:
-    def __init__(self, inner: Connection, drop_before: float = 0.0, drop_after: float = 0.0, duplicate: float = 0.0,
+    def __init__(self, inner: Transport, drop_before: float = 0.0, drop_after: float = 0.0, duplicate: float = 0.0,
                  seed: int | str = 0) -> None:
         if min(drop_before, drop_after, duplicate) < 0 or drop_before + drop_after + duplicate > 1:
             raise ValueError("fault probabilities must be >= 0 and sum to at most 1")
@@ -65,7 +65,7 @@ class FaultyConnection:
         self.inner.close()
 
 
-def from_settings(s, inner: Connection) -> Connection:
+def from_settings(s, inner: Transport) -> Transport:
     """``inner`` wrapped as the ``WORKER_FAULT_*`` settings ask (seeded with fault_seed and the worker's
     name), or ``inner`` itself when they are all 0."""
     if not (s.fault_drop_before or s.fault_drop_after or s.fault_duplicate):

@@ -6,17 +6,14 @@ from typing import Mapping
 import numpy as np
 
 from shared import frame
-from worker_service.transport.base import TensorTransport
+from worker_service.transport.oneps import OnePS
 
 
-class BodyTransport(TensorTransport):
+class BodyTransport(OnePS):
     name = "http"
 
     def push_body(self, meta: dict, grads: Mapping[str, np.ndarray]) -> list[bytes | memoryview]:
         return frame.encode(grads, meta)  # the arrays' memory is sent as it is (scatter-gather)
-
-    def pull_params(self) -> dict:
-        return {}
 
     def weights(self, answer: frame.Frame) -> dict[str, np.ndarray]:
         return self.views(answer.tensors)

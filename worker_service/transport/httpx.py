@@ -1,4 +1,4 @@
-"""A :class:`~worker_service.transport.base.Connection` over httpx, for PS URLs the raw connection does
+"""A :class:`~worker_service.transport.base.Transport` over httpx, for PS URLs the raw connection does
 not speak (``https://``, a PS behind a TLS proxy). Slower (it copies bodies), same contract. A connection idle for
 half the keep-alive the answers announce is not reused (shared/keepalive.py): httpx's pool takes that as its
 ``keepalive_expiry``, so the client is made again, once, when an answer announces another timeout than assumed."""

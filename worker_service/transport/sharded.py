@@ -3,8 +3,9 @@
 Contract: :meth:`ShardedTransport.open` asks the coordinator (the worker's ``WORKER_PS_URL``) for the shard
 URLs and map (``GET /v1/shards``, waiting for the model), plans the map again from the spec it names
 (:func:`shared.shards.from_wire`: a digest that differs is 409 ``shard_map_mismatch``), and opens one
-client per shard, each attached as on one PS (same-host files when that shard's weights file is here,
-else request bodies, compressed as the job says).
+:class:`~worker_service.transport.attach.Attached` per shard (its own endpoint, with the worker's token and retry
+policy), each attached as on one PS (same-host files when that shard's weights file is here, else request
+bodies, compressed as the job says). It is composed of those transports and calls nothing above them.
 
 - :meth:`push`: the worker's gradients are cut into each shard's pieces (views) and *held* by every shard
   in parallel (``POST /v1/shard/gradients?map=<digest>``); only once every shard answered is the step
@@ -23,36 +24,41 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait as wait_all
-from typing import TYPE_CHECKING, Callable, Mapping
+from typing import Callable, Mapping
 
 import numpy as np
 
 from shared import frame, refs, shards
+from shared.compression import Spec
 from shared.errors import ProtocolError
 from shared.protocol import API
+from worker_service.transport.attach import Attached
 from worker_service.transport.base import Pulled, PushAnswer, TensorTransport
-
-if TYPE_CHECKING:
-    from worker_service.client import PSClient
+from worker_service.transport.endpoint import Endpoint
+from worker_service.transport.oneps import OnePS
 
 #: seconds a shard's answers may keep disagreeing on the step before a pull gives up (None: the caller retries)
 AGREE_SECONDS = 30.0
 
 
 class ShardedTransport(TensorTransport):
-    def __init__(self, m: shards.ShardMap, clients: list["PSClient"], worker_id: str | None) -> None:
-        super().__init__(clients[0].call)
-        self.map, self.clients, self.worker_id = m, clients, worker_id
+    def __init__(self, m: shards.ShardMap, links: list[Attached], worker_id: str | None) -> None:
+        self.map, self.links, self.worker_id = m, links, worker_id
         # room for one call per shard, and for the calls a failed batch left running (:meth:`_all`)
-        self.pool = ThreadPoolExecutor(max_workers=2 * len(clients), thread_name_prefix="shard")
-        self.name = "+".join(c.transport for c in clients)
+        self.pool = ThreadPoolExecutor(max_workers=2 * len(links), thread_name_prefix="shard")
         self._kept: list[dict[str, np.ndarray]] = []  # at most two sets of assembled split tensors
 
+    @property
+    def name(self) -> str:
+        return "+".join(link.name for link in self.links)
+
     @classmethod
-    def open(cls, client: "PSClient", worker_id: str | None) -> "ShardedTransport":
-        end = time.monotonic() + client.retry_timeout
+    def open(cls, coordinator: Endpoint, worker_id: str | None, shm_dir: str | None, compression: Spec
+             ) -> "ShardedTransport":
+        end = time.monotonic() + coordinator.retry_timeout
         while True:
-            info = client.call_json("GET", f"{API}/shards", params={"timeout": 10}, timeout=client.timeout + 10)
+            info = coordinator.call_json("GET", f"{API}/shards", params={"timeout": 10},
+                                         timeout=coordinator.timeout + 10)
             if info["map"] is not None or time.monotonic() > end:
                 break
         if info["map"] is None:
@@ -62,22 +68,8 @@ class ShardedTransport(TensorTransport):
         except (KeyError, TypeError, ValueError) as exc:
             raise ProtocolError(409, "shard_map_mismatch",
                                 f"the coordinator's shard map does not check here: {exc}") from None
-        clients = [client.sibling(url if i else client.base_url) for i, url in enumerate(info["urls"])]
-        for c in clients:
-            c.compression = client.compression
-            if worker_id is not None:
-                c.attach(worker_id)
-        return cls(m, clients, worker_id)
-
-    # the per-shard work is the clients' transports'; these hooks of the one-PS seam are not used
-    def push_body(self, meta, grads):
-        raise NotImplementedError
-
-    def pull_params(self) -> dict:
-        return {}
-
-    def weights(self, answer):
-        raise NotImplementedError
+        urls = [coordinator.base_url, *info["urls"][1:]]
+        return cls(m, [Attached(coordinator.sibling(url), worker_id, shm_dir, compression) for url in urls], worker_id)
 
     def _all(self, calls, started: Callable[[], None] | None = None) -> list:
         """Run the calls in parallel; their results in order, or an error as soon as one fails (e.g. 409
@@ -94,22 +86,20 @@ class ShardedTransport(TensorTransport):
 
     def _hold(self, i: int, meta: dict, pieces: Mapping[str, np.ndarray], timeout: float) -> str | None:
         """Shard ``i`` holds ``pieces``: its receipt (a follower's; None from the coordinator, or a late answer)."""
-        c = self.clients[i]
-
-        def once(t: TensorTransport) -> str | None:
-            resp = c.call("POST", f"{API}/shard/gradients", params={"map": self.map.digest},
-                          body=t.push_body(dict(meta), pieces), headers={"content-type": frame.MEDIA_TYPE},
-                          timeout=timeout, what=f"hold on shard {i} (step {meta['step']})")
+        def once(t: OnePS) -> str | None:
+            resp = t.endpoint.call("POST", f"{API}/shard/gradients", params={"map": self.map.digest},
+                                   body=t.push_body(dict(meta), pieces), headers={"content-type": frame.MEDIA_TYPE},
+                                   timeout=timeout, what=f"hold on shard {i} (step {meta['step']})")
             return resp.json().get("receipt")
 
-        return c.with_transport(self.worker_id, once)
+        return self.links[i].send(once)
 
     def _commit(self, meta: dict, wait: float, timeout: float) -> PushAnswer:
-        c = self.clients[0]
-        resp = c.call("POST", f"{API}/shard/commit", params={"pull": 1, "timeout": wait}, body=frame.encode({}, meta),
-                      headers={"content-type": frame.MEDIA_TYPE}, timeout=timeout + wait,
-                      what=f"commit (step {meta['step']})")
-        return c.tensors.push_answer(resp)
+        t = self.links[0].current
+        resp = t.endpoint.call("POST", f"{API}/shard/commit", params={"pull": 1, "timeout": wait},
+                               body=frame.encode({}, meta), headers={"content-type": frame.MEDIA_TYPE},
+                               timeout=timeout + wait, what=f"commit (step {meta['step']})")
+        return t.push_answer(resp)
 
     def push(self, meta: dict, grads: Mapping[str, np.ndarray], wait: float, timeout: float,
              on_way: Callable[[], None] | None = None) -> PushAnswer:
@@ -127,7 +117,7 @@ class ShardedTransport(TensorTransport):
             return answer
 
         answer, *rest = self._placing(into, [commit, *(lambda i=i: self._pull(i, step + 1, None, wait, timeout, into)
-                                                       for i in range(1, len(self.clients)))])
+                                                       for i in range(1, len(self.links)))])
         parts = [answer.pulled, *rest]
         pulled = self._joined(parts, into) if all(p is not None for p in parts) else None
         return PushAnswer(answer.status, answer.step, answer.done, pulled)
@@ -145,7 +135,7 @@ class ShardedTransport(TensorTransport):
               into: dict[str, np.ndarray]) -> Pulled | None:
         """Shard ``i``'s answer, its slices copied into ``into`` as soon as it arrives (in the thread that got it:
         the copy of the shard answering first overlaps the wait for the others)."""
-        return self._placed(i, self.clients[i].tensors.pull(min_step, worker_id, wait, timeout), into)
+        return self._placed(i, self.links[i].pull(min_step, worker_id, wait, timeout), into)
 
     def _placed(self, i: int, pulled: Pulled | None, into: dict[str, np.ndarray]) -> Pulled | None:
         """``pulled`` (shard ``i``'s answer, if any), its slices copied ``into``."""
@@ -178,7 +168,7 @@ class ShardedTransport(TensorTransport):
         while True:
             parts = self._placing(into, [lambda i=i, s=min_step: self._pull(i, s, worker_id if i == 0 else None, wait,
                                                                             timeout, into)
-                                         for i in range(len(self.clients))])
+                                         for i in range(len(self.links))])
             if any(p is None for p in parts):
                 return None
             joined = self._joined(parts, into)
@@ -188,5 +178,6 @@ class ShardedTransport(TensorTransport):
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
-        for c in self.clients:
-            c.close()
+        for link in self.links:
+            link.close()
+            link.endpoint.close()

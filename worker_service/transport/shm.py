@@ -20,7 +20,8 @@ from typing import Mapping
 import numpy as np
 
 from shared import frame, shm
-from worker_service.transport.base import Call, TensorTransport
+from worker_service.transport.endpoint import Endpoint
+from worker_service.transport.oneps import OnePS
 
 #: sequence numbers start at a random value below this (2^48) and count up by one per push
 SEQ_START_BITS = 48
@@ -85,11 +86,11 @@ class ShmChannel:
         self.weights = {}
 
 
-class ShmTransport(TensorTransport):
+class ShmTransport(OnePS):
     name = "shm"
 
-    def __init__(self, call: Call, channel: ShmChannel) -> None:
-        super().__init__(call)
+    def __init__(self, endpoint: Endpoint, channel: ShmChannel) -> None:
+        super().__init__(endpoint)
         self.channel = channel
 
     def push_body(self, meta: dict, grads: Mapping[str, np.ndarray]) -> list[bytes | memoryview]:
