@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 BASE_STAMP := $(VENV)/.installed-base
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: run test bench venv clean
+.PHONY: run test lint-imports bench venv clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -31,6 +31,9 @@ run: $(BASE_STAMP)
 # promtool, Chromium or Docker (tests/conftest.py).
 test: $(TEST_STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint-imports: $(TEST_STAMP)
+	$(VENV)/bin/lint-imports
 
 bench: $(TEST_STAMP)
 	$(PY) -m bench.table
