@@ -51,7 +51,7 @@ PATHS: dict[str, FastPath] = {
     "rawhttp": FastPath(
         "shared/rawhttp.py (the worker's HTTP/1.1 connection: sendmsg, recv_into)",
         "httpx for every URL",
-        (("worker_service/client.py",
+        (("worker_service/transport/endpoint.py",
           'return RawConnection(base_url) if base_url.startswith("http://") else HttpxConnection(base_url)',
           "return HttpxConnection(base_url)"),),
         ("http:1000:2", "http:1000000:2", "http:10000000:2")),
