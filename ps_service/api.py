@@ -51,6 +51,8 @@ class Registered(BaseModel):
                                           '{"name", "topk_ratio", "threshold", "topk_warmup_steps"} (docs/protocol.md, Compression).')
     shards: int = Field(description="PS processes the model is spread over (PS_SHARDS); > 1: push and pull every "
                                     "shard (GET /v1/shards; docs/protocol.md, Shards).")
+    mode: str = Field(description='The job\'s mode (PS_MODE): "sync", "async" or "ssp" (a task may bring another '
+                                  "learning rate for async and SSP, which apply every gradient on its own).")
 
 
 @router.post("/workers", response_model=Registered, openapi_extra={"requestBody": {
@@ -65,7 +67,7 @@ async def register(request: Request) -> Registered:
                       global_step=rt.core.global_step, model_initialized=rt.core.initialized,
                       rejoined=m.registrations > 1, lease_seconds=rt.settings.lease_seconds,
                       state=rt.core.state().value, compression=rt.tensors.compression.to_wire(),
-                      shards=rt.settings.shards)
+                      shards=rt.settings.shards, mode=rt.settings.mode)
 
 
 def coordinator_only(rt, what: str) -> None:

@@ -67,6 +67,7 @@ class PSClient:
         self.compression = Spec()
         #: the PS's shard count (from the last registration answer; > 1: tensors through every shard)
         self.shards = 1
+        self.mode = "sync"  # the job's (PS_MODE), from the registration answer
         #: time.monotonic() of the last answer to an exchange that renewed this worker's lease (a push, a pull
         #: with its worker id): the heartbeat thread stays quiet while these come often enough
         self.lease_renewed = float("-inf")
@@ -95,6 +96,7 @@ class PSClient:
         reg = self.call_json("POST", f"{API}/workers", {"name": name})
         self.compression = Spec.from_wire(reg.get("compression"))
         self.shards = reg.get("shards", 1)
+        self.mode = reg.get("mode", "sync")
         return reg
 
     def leave(self, worker_id: str) -> None:

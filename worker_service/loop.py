@@ -34,7 +34,7 @@ from worker_service.client import PSClient
 from worker_service.prefetch import BatchAhead
 from worker_service.progress import ProgressLog
 from worker_service.stopping import StopFlag
-from worker_service.tasks import Task, writes_into
+from worker_service.tasks import Task, optimizer_for, writes_into
 
 log = logging.getLogger("worker")
 #: PS answers that mean "register again and carry on" (it restarted, or our lease expired; shard_behind: a
@@ -125,7 +125,7 @@ def train(client: PSClient, task: Task, name: str, batch_size: int, stop: StopFl
     initial = task.init_params()
     expected = model_layout(initial)
     if not reg["model_initialized"]:
-        if client.init_model(initial, task.optimizer()):
+        if client.init_model(initial, optimizer_for(task, client.mode)):
             log.info("initialised the model on the PS")
     del initial
     worker_id, rank, step = reg["worker_id"], reg["rank"], reg["start_step"]
@@ -210,7 +210,7 @@ def _rejoin(client: PSClient, task: Task, name: str, exc: ProtocolError, step: i
     log.warning("PS says %s (%s): registering again", exc.code, exc.detail)
     reg = client.register(name)
     if not reg["model_initialized"]:
-        client.init_model(task.init_params(), task.optimizer())
+        client.init_model(task.init_params(), optimizer_for(task, client.mode))
     # a PS restarted from a checkpoint is behind: step - global_step rounds are redone
     log.warning("registered again as rank %d: the PS is at step %d, this worker was at step %d, resuming at %d",
                 reg["rank"], reg["global_step"], step, reg["start_step"])

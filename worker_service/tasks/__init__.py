@@ -23,7 +23,8 @@ class Task(Protocol):
         """Initial weights (the same on every worker: derived from the seed)."""
 
     def optimizer(self) -> dict[str, Any]:
-        """The optimizer spec the task brings to the PS (PS settings win)."""
+        """The optimizer spec the task brings to the PS (PS settings win). Optional: one that takes ``mode`` (the
+        job's: "sync", "async", "ssp") brings a spec for that mode (:func:`optimizer_for`)."""
 
     def batch(self, step: int, shard_index: int, shard_count: int, batch_size: int) -> Any:
         """This worker's examples for ``step``: shard ``shard_index`` of ``shard_count``."""
@@ -37,6 +38,16 @@ class Task(Protocol):
 
     def evaluate(self, params: Mapping[str, np.ndarray]) -> dict[str, float]:
         """Metrics of final weights (for logs and tests)."""
+
+
+def optimizer_for(task: Task, mode: str) -> dict[str, Any]:
+    """The spec ``task`` brings for a job in ``mode``: ``task.optimizer(mode=mode)`` when it takes the mode, else
+    ``task.optimizer()``."""
+    try:
+        takes_mode = "mode" in inspect.signature(task.optimizer).parameters
+    except (TypeError, ValueError):
+        takes_mode = False
+    return task.optimizer(mode=mode) if takes_mode else task.optimizer()
 
 
 def writes_into(task: Task) -> bool:

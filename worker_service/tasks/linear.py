@@ -27,8 +27,10 @@ class LinearTask:
     def init_params(self) -> dict[str, np.ndarray]:
         return {"w": np.zeros((3, 1), self.dtype), "b": np.zeros((1,), self.dtype)}
 
-    def optimizer(self) -> dict:
-        return {"name": "sgd", "learning_rate": 0.5}
+    def optimizer(self, mode: str = "sync") -> dict:
+        """SGD at 0.5 in sync rounds (one update per round's mean); 0.1 in async and SSP, which apply each worker's
+        gradient on its own, computed on older weights: 0.5 diverged there (4 workers: 1e36 within 10 s)."""
+        return {"name": "sgd", "learning_rate": 0.5 if mode == "sync" else 0.1}
 
     def batch(self, step: int, shard_index: int, shard_count: int, batch_size: int):
         idx = shard_batch_indices(len(self.x), step, shard_index, shard_count, batch_size)
