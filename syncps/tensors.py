@@ -26,6 +26,8 @@ from typing import Mapping
 import numpy as np
 import torch
 
+from syncps.export import model_name
+
 BUFFER_PREFIX = "buffer:"  # ps_service.core.optimizers.BUFFER_PREFIX (the PS is not imported here)
 BUFFER_RULES = ("mean", "local")
 
@@ -99,4 +101,4 @@ class ModelTensors:
 
     def torch_name(self, ps_name: str) -> str:
         """The module's name of a PS tensor (buffers lose their prefix)."""
-        return ps_name[len(BUFFER_PREFIX):] if ps_name.startswith(BUFFER_PREFIX) else ps_name
+        return model_name(ps_name)

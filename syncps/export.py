@@ -1,0 +1,174 @@
+"""A syncps model as a file another framework loads: safetensors, or a PyTorch ``state_dict`` (``python -m syncps
+export``).
+
+Contract:
+
+- **Where the weights come from**: :func:`from_ps` pulls a running PS's current weights (``GET /v1/model``,
+  docs/protocol.md; through every shard of a sharded PS, reassembled; with the *training* token when the PS has
+  ``PS_AUTH_TOKEN``: the monitor token does not open the pull), or :func:`from_checkpoint` reads a checkpoint file,
+  or the newest valid one of a ``PS_CHECKPOINT_DIR`` (docs/checkpoint.md; decoded and checked by
+  :func:`ps_service.checkpoint.decode`). A shard's checkpoint holds only that shard's pieces: it is refused (export
+  the live sharded PS instead).
+- **Names** are the model's: the PS's names with the ``buffer:`` prefix of averaged buffers removed
+  (:mod:`syncps.tensors`), so ``module.load_state_dict`` takes them. What the PS never held is not in the file:
+  frozen parameters, buffers kept local (``buffers="local"``), integer buffers (BatchNorm's ``num_batches_tracked``,
+  which ``load_state_dict(strict=True)`` does without: it keeps the module's).
+- **Bit for bit**: each tensor is written with the PS's dtype, shape and bytes; nothing is cast.
+- :func:`write_safetensors` writes the safetensors format (an 8-byte little-endian header length, a JSON header
+  ``{name: {"dtype", "shape", "data_offsets"}, "__metadata__": {str: str}}`` padded with spaces to a multiple of 8,
+  then the tensors' little-endian bytes back to back in name order) without the ``safetensors`` package;
+  :func:`write_torch` is ``torch.save`` of ``{name: tensor}`` (needs torch). Both write a temp file and rename it
+  over ``path``: a reader never sees half a file.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+
+from shared.compression import BUFFER_PREFIX
+
+#: safetensors' dtype codes of the dtypes a PS model holds (docs/protocol.md: model tensors are floating point)
+ST_DTYPES = {"float16": "F16", "float32": "F32", "float64": "F64", "bfloat16": "BF16"}
+FORMATS = ("safetensors", "torch")
+
+
+class ExportError(Exception):
+    """Nothing to export (no model, an unusable checkpoint, a refusal): the message says why and what to do."""
+
+
+@dataclass
+class Model:
+    #: the model's tensors under the model's names (PS names without ``buffer:``)
+    tensors: dict[str, np.ndarray]
+    #: the global step the weights are at
+    step: int
+    #: where they came from (a URL or a checkpoint file)
+    source: str
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    def described(self) -> dict[str, str]:
+        """The safetensors ``__metadata__``: strings only."""
+        return {"syncps_global_step": str(self.step), "syncps_source": self.source, **self.metadata}
+
+
+def model_name(ps_name: str) -> str:
+    """The model's name of a PS tensor: an averaged buffer loses its ``buffer:`` prefix (:mod:`syncps.tensors`)."""
+    return ps_name[len(BUFFER_PREFIX):] if ps_name.startswith(BUFFER_PREFIX) else ps_name
+
+
+def renamed(ps_tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The PS's tensors under the model's names; ExportError if two PS names give one model name."""
+    names = {n: model_name(n) for n in ps_tensors}
+    if len(set(names.values())) != len(names):
+        clash = sorted(n for n in names if n.startswith(BUFFER_PREFIX) and names[n] in ps_tensors)
+        raise ExportError(f"the PS holds both {clash[0]!r} and {names[clash[0]]!r}: one name in the file for two")
+    return {names[n]: ps_tensors[n] for n in sorted(ps_tensors)}
+
+
+def from_ps(url: str, token: str | None = None, wait: float = 30.0, timeout: float = 30.0) -> Model:
+    """The running PS's current weights: once training has started (a pull waits for it, at most ``wait`` s)."""
+    from shared.errors import ProtocolError
+    from shared.rawhttp import ConnectionLost
+    from worker_service.client import PSClient, ServerError
+
+    client = PSClient(url, timeout=timeout, attempts=3, retry_timeout=timeout, token=token)
+    try:
+        client.attach_reader()  # a sharded PS: the pieces of every shard
+        pulled = client.pull(0, None, wait)
+    except ProtocolError as exc:
+        hint = (" (the pull is a training route: give the file of the PS's PS_AUTH_TOKEN; the monitor token does not "
+                "open it)" if exc.status == 401 else "")
+        raise ExportError(f"the PS at {url} refused: {exc.status} {exc.code}: {exc.detail}{hint}") from None
+    except (ConnectionLost, ServerError, TimeoutError, OSError) as exc:
+        raise ExportError(f"no answer from a PS at {url}: {exc or type(exc).__name__}") from None
+    finally:
+        client.close()
+    if pulled is None:
+        raise ExportError(f"the PS at {url} has not started training within {wait:g} s (it waits for its workers): "
+                          "export once it trains, or from a checkpoint")
+    return Model(renamed(pulled.tensors), pulled.step, url, {"syncps_done": str(pulled.done).lower()})
+
+
+def from_checkpoint(path: str | Path) -> Model:
+    """A checkpoint file's weights, or the newest valid checkpoint's of a checkpoint directory."""
+    from ps_service.checkpoint import CheckpointError, NAME_RE, decode, list_checkpoints, load_latest
+
+    p = Path(path)
+    if p.is_dir():
+        if (p / "shard-map.json").exists():  # ps_service.sharding.SIDECAR: a shard's own pieces only
+            raise ExportError(f"{p} holds one PS shard's checkpoints (a part of the model): export the running "
+                              "sharded PS with --url instead")
+        found = load_latest(p)
+        if found is None:
+            tried = len(list_checkpoints(p))
+            raise ExportError(f"{p}: no valid checkpoint ({tried} ckpt-*.msgpack file(s), none usable: the PS "
+                              "logs why it skips each)" if tried else f"{p}: no ckpt-*.msgpack checkpoint")
+        state, p = found
+    else:
+        try:
+            m = NAME_RE.match(p.name)
+            state = decode(p.read_bytes(), int(m.group(1)) if m else None)
+        except OSError as exc:
+            raise ExportError(f"cannot read {p}: {exc.strerror}") from None
+        except CheckpointError as exc:
+            raise ExportError(f"{p} is not a usable checkpoint: {exc}") from None
+    return Model(renamed(state["weights"]), state["global_step"], str(p),
+                 {"syncps_optimizer": json.dumps(state["optimizer"]["spec"], sort_keys=True)})
+
+
+def _replace(path: Path, write) -> None:
+    """``write(file)`` into a temp file beside ``path``, then rename it over ``path``."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def safetensors_header(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> bytes:
+    """The 8-byte length and the JSON header of ``tensors`` (in name order), padded with spaces to 8 bytes."""
+    head: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for name in sorted(tensors):
+        arr = tensors[name]
+        code = ST_DTYPES.get(arr.dtype.name)
+        if code is None:
+            raise ExportError(f"{name!r} is {arr.dtype.name}: safetensors export takes {sorted(ST_DTYPES)}")
+        head[name] = {"dtype": code, "shape": list(arr.shape), "data_offsets": [offset, offset + arr.nbytes]}
+        offset += arr.nbytes
+    text = json.dumps(head, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def write_safetensors(path: str | Path, model: Model) -> int:
+    """Write ``model`` as a safetensors file; its size in bytes."""
+    def write(f) -> None:
+        f.write(safetensors_header(model.tensors, model.described()))
+        for name in sorted(model.tensors):
+            arr = np.ascontiguousarray(model.tensors[name])
+            f.write(memoryview(arr if arr.dtype.byteorder != ">" else arr.astype(arr.dtype.newbyteorder("<"))))
+    _replace(Path(path), write)
+    return Path(path).stat().st_size
+
+
+def write_torch(path: str | Path, model: Model) -> int:
+    """Write ``model`` as ``torch.save`` of ``{name: tensor}`` (a state_dict); its size in bytes."""
+    try:
+        import torch
+    except ImportError:
+        raise ExportError("--format torch needs PyTorch: pip install -e '.[torch]' (or export safetensors)") from None
+    state = {name: torch.from_numpy(np.array(arr, copy=True)) for name, arr in sorted(model.tensors.items())}
+    _replace(Path(path), lambda f: torch.save(state, f))
+    return Path(path).stat().st_size
+
+
+WRITERS = {"safetensors": write_safetensors, "torch": write_torch}
