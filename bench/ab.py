@@ -59,12 +59,12 @@ def summary(cell: str, tree: str, runs: list[dict]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("before")
-    ap.add_argument("after")
+    ap = argparse.ArgumentParser(prog="python -m bench.ab", description=__doc__.split("\n\n")[0])
+    ap.add_argument("before", help="the source tree measured first in each pair (a directory)")
+    ap.add_argument("after", help="the source tree measured second in each pair (a directory)")
     ap.add_argument("--runs", type=int, default=5, help="runs a side per cell")
-    ap.add_argument("--seconds", type=float, default=5.0)
-    ap.add_argument("--warmup", type=float, default=2.0)
+    ap.add_argument("--seconds", type=float, default=5.0, help="measured seconds of each run (bench.run --seconds)")
+    ap.add_argument("--warmup", type=float, default=2.0, help="seconds of training before each run's window")
     ap.add_argument("--cells", default=",".join(DEFAULT_CELLS), help="transport:params:workers[:compression],...")
     args = ap.parse_args(argv)
     trees = [os.path.abspath(args.before), os.path.abspath(args.after)]

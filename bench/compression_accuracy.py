@@ -62,9 +62,10 @@ def per_task(value: str, default: float) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.compression_accuracy", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tasks", default="linear,mlp,cnn")
-    ap.add_argument("--compressions", default=",".join(ENCODINGS[1:]))
-    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--tasks", default="linear,mlp,cnn", help="comma list of tasks to train (cnn needs torch)")
+    ap.add_argument("--compressions", default=",".join(ENCODINGS[1:]),
+                    help="comma list of PS_COMPRESSION values to compare with none (which always runs first)")
+    ap.add_argument("--workers", type=int, default=4, help="worker processes of each job")
     ap.add_argument("--topk-ratio", default="0.01", help="PS_COMPRESSION_TOPK_RATIO: one value, or task=value,...")
     ap.add_argument("--topk-warmup", default="", help="PS_COMPRESSION_TOPK_WARMUP_STEPS: one value, or task=value,... "
                                                       "(default: the PS's)")

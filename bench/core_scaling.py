@@ -112,10 +112,12 @@ async def _runtime(k: int, rounds: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workers", type=int, nargs="+", default=[16, 64, 256, 1024])
-    ap.add_argument("--rounds", type=int, default=30)
-    ap.add_argument("--part", nargs="+", choices=("core", "runtime"), default=["core", "runtime"])
+    ap = argparse.ArgumentParser(prog="python -m bench.core_scaling", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workers", type=int, nargs="+", default=[16, 64, 256, 1024],
+                    help="worker counts K, one line each")
+    ap.add_argument("--rounds", type=int, default=30, help="rounds timed per K")
+    ap.add_argument("--part", nargs="+", choices=("core", "runtime"), default=["core", "runtime"],
+                    help="core: the sans-IO core alone; runtime: through the asyncio runtime (default both)")
     args = ap.parse_args(argv)
     for part in args.part:
         for k in args.workers:

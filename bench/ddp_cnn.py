@@ -84,11 +84,12 @@ def run(workers: int = 4, steps: int = 300, warmup: int = 20, batch: int = 32, s
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.ddp_cnn", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workers", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--workers", type=int, default=4, help="DDP processes (ranks)")
+    ap.add_argument("--steps", type=int, default=300, help="training steps, warm-up included")
+    ap.add_argument("--warmup", type=int, default=20, help="first steps left out of steps_per_s")
     ap.add_argument("--batch", type=int, default=32, help="examples per process per step")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0,
+                    help="the model's and the sampling's seed (WORKER_SEED of the cnn task)")
     args = ap.parse_args(argv)
     multiprocessing.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "syncps.cnn"])
     line = run(args.workers, args.steps, args.warmup, args.batch, args.seed)

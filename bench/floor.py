@@ -133,12 +133,14 @@ def lines(params_list: list[int], workers_list: list[int], steps: int = 40, nbyt
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workers", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--params", type=float, nargs="+", default=[1e6, 1e7])
+    ap = argparse.ArgumentParser(prog="python -m bench.floor", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workers", type=int, nargs="+", default=[2, 4], help="worker counts N, a cell each")
+    ap.add_argument("--params", type=float, nargs="+", default=[1e6, 1e7],
+                    help="model sizes M (parameters), a cell each")
     ap.add_argument("--steps", type=int, default=40, help="repetitions of each timed piece")
     ap.add_argument("--bytes", type=float, default=4e8, help="bytes streamed per TCP measurement")
-    ap.add_argument("--cores", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--cores", type=int, default=os.cpu_count() or 1,
+                    help="C, the cores the floor spreads the work over (default: this machine's)")
     args = ap.parse_args(argv)
     for line in lines([int(p) for p in args.params], args.workers, args.steps, int(args.bytes), args.cores):
         print(json.dumps(line), flush=True)

@@ -27,10 +27,10 @@ class PrintLine:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rank", type=int, required=True)
+    ap = argparse.ArgumentParser(prog="python bench/gloo_hosts.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rank", type=int, required=True, help="this process's rank (0 prints the line)")
     ap.add_argument("--master", required=True, help="rank 0's address")
-    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--port", type=int, required=True, help="rank 0's TCP port where the ranks meet")
     ap.add_argument("--anchors", default=str(ANCHORS), help="the folder of torch_allreduce.py")
     args, anchor_argv = ap.parse_known_args()
     sys.path.insert(0, args.anchors)

@@ -399,8 +399,8 @@ def main(argv: list[str] | None = None) -> int:
                                                     "none: no namespaces, all on loopback")
     ap.add_argument("--workers", default="2", help="comma list")
     ap.add_argument("--params", default="1000000", help="comma list")
-    ap.add_argument("--seconds", type=float, default=5.0)
-    ap.add_argument("--warmup", type=float, default=2.0)
+    ap.add_argument("--seconds", type=float, default=5.0, help="measured seconds of each run")
+    ap.add_argument("--warmup", type=float, default=2.0, help="seconds of training before each run's window")
     ap.add_argument("--systems", default="syncps,gloo",
                     help="comma list of syncps, syncps-bf16, syncps-fp16, syncps-topk, syncps-2bit, "
                          f"{COLOCATED} (one shard per worker, in its host), gloo, tf, {TF_COLOCATED} (a TensorFlow "

@@ -325,8 +325,8 @@ def idle_memory(n: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.load", description=__doc__.split("\n\n")[0])
     ap.add_argument("--workers", type=int, nargs="+", default=[16, 64, 256, 1024], help="K, one run (line) each")
-    ap.add_argument("--rounds", type=int, default=30)
-    ap.add_argument("--params", type=int, default=1000)
+    ap.add_argument("--rounds", type=int, default=30, help="rounds trained per K")
+    ap.add_argument("--params", type=int, default=1000, help="elements of the model's one float32 tensor")
     ap.add_argument("--idle", type=int, default=0, help="measure the PS's memory per idle connection instead (N)")
     args = ap.parse_args(argv)
     if args.idle:

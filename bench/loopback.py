@@ -78,7 +78,7 @@ def measure(total: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.loopback", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--bytes", type=float, default=2e9)
+    ap.add_argument("--bytes", type=float, default=2e9, help="bytes streamed through loopback TCP")
     print(json.dumps(measure(int(ap.parse_args(argv).bytes))), flush=True)
     return 0
 

@@ -42,11 +42,12 @@ def __getattr__(name: str) -> Callable[..., LoadingTask]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--params", type=float, default=1e6)
-    ap.add_argument("--load-ms", default="0,10", help="comma list of L")
-    ap.add_argument("--seconds", type=float, default=6.0)
+    ap = argparse.ArgumentParser(prog="python -m bench.prefetch", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workers", type=int, default=2, help="worker processes")
+    ap.add_argument("--params", type=float, default=1e6, help="model size (parameters)")
+    ap.add_argument("--load-ms", default="0,10",
+                    help="comma list of L, the milliseconds each batch waits (data loading)")
+    ap.add_argument("--seconds", type=float, default=6.0, help="measured seconds of each run")
     ap.add_argument("--repeat", type=int, default=2, help="passes, each running prefetch off then on")
     a = ap.parse_args()
     from bench.run import measure

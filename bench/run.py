@@ -200,11 +200,12 @@ def measure(workers: int, params: int, seconds: float, warmup: float = 2.0, dtyp
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--params", type=int, default=1_000_000)
-    ap.add_argument("--seconds", type=float, default=5.0)
-    ap.add_argument("--warmup", type=float, default=2.0)
-    ap.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    ap.add_argument("--workers", type=int, default=2, help="worker processes")
+    ap.add_argument("--params", type=int, default=1_000_000, help="model size (parameters) of bench.task's workload")
+    ap.add_argument("--seconds", type=float, default=5.0, help="measured seconds (the window)")
+    ap.add_argument("--warmup", type=float, default=2.0, help="seconds of training before the window")
+    ap.add_argument("--dtype", choices=["float32", "float64"], default="float32",
+                    help="the model's dtype (WORKER_DTYPE)")
     ap.add_argument("--repeat", type=int, default=1, help="runs (one line each)")
     ap.add_argument("--task", choices=["linear", "cnn"], default="linear",
                     help="linear: the anchors' workload at --params; cnn: the torch cnn task (needs the torch extra)")

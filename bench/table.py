@@ -202,9 +202,9 @@ def between_hosts(systems: str, params: str, workers: str, rate: str, seconds: f
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.table", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workers", default="2,4")
-    ap.add_argument("--params", default="4,1000000,10000000")
-    ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--workers", default="2,4", help="comma list of worker counts of the grid")
+    ap.add_argument("--params", default="4,1000000,10000000", help="comma list of model sizes of the grid")
+    ap.add_argument("--seconds", type=float, default=5.0, help="measured seconds of each run")
     ap.add_argument("--repeat", type=int, default=3, help="syncps runs per cell (median tabled)")
     ap.add_argument("--compressions", default="bf16,fp16,topk,2bit",
                     help="PS_COMPRESSION values measured over TCP, a column each ('' for none)")

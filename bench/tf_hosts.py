@@ -38,7 +38,7 @@ def partition(v1, parts: int) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python bench/tf_hosts.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--ps-addresses", required=True, help="ps task t's host:port, in task order (comma list); with "
                     "more than one, the weights ``w`` are cut into as many partitions along their first axis "
                     "(``fixed_size_partitioner``), which ``replica_device_setter`` puts one on each ps task")

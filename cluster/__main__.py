@@ -80,14 +80,15 @@ def make_console(file=None) -> Console:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m cluster", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--workers", type=int, default=4, help="worker processes (default 4)")
     ap.add_argument("--shards", type=int, default=1, help="PS processes the model is spread over (PS_SHARDS)")
     ap.add_argument("--split-elements", type=int, default=None,
                     help="cut tensors above this many elements into slices (PS_SHARD_SPLIT_ELEMENTS)")
     ap.add_argument("--task", default="linear", help="linear, mlp (needs the [mlp] extra), cnn (needs [torch,mlp]) or package.module:factory")
-    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--steps", type=int, default=200, help="global steps to train (PS_MAX_STEPS; default 200)")
     ap.add_argument("--optimizer", default=None, help="override the task's optimizer (sgd, momentum, adam, adagrad)")
-    ap.add_argument("--learning-rate", type=float, default=None)
+    ap.add_argument("--learning-rate", type=float, default=None,
+                    help="override the task's learning rate (PS_LEARNING_RATE)")
     ap.add_argument("--deadline", type=float, default=600.0, help="give up after this many seconds")
     ap.add_argument("--no-pin", action="store_true",
                     help="do not give each worker a CPU of its own (WORKER_CPUS; done when workers <= CPUs)")
