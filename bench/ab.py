@@ -4,11 +4,12 @@ How the data-path issue's "no worse than before" was measured (docs/performance.
 BEFORE and AFTER are source trees of syncps (e.g. ``git archive REV | tar -C DIR -xf -``), each run with this
 interpreter from its own directory: ``python -m bench.run --workers N --params P --seconds S`` (plus
 ``--transport http`` for the TCP cells), ``--runs`` times a side per cell, before and after alternating so that
-the machine's drift hits both. Prints each run's JSON line (with ``tree``, ``ps_ms`` and ``workers_ms``: CPU
-milliseconds per step, when the tree's ``bench.run`` reports them) and, per cell and tree, a ``summary`` line: the
-median steps/s, its min and max, and the medians of the CPU per step (and of ``cpu_busy``, when the tree's
-``bench.run`` reports it); each line names its ``side``
-(``before``, ``after``). Cells: ``--cells`` as
+the machine's drift hits both (each tree's ``bench.run`` prints JSON lines: ``SYNCPS_BENCH_JSON=1``, which a tree
+older than that option ignores). With ``--json`` it prints each run's JSON line (with ``tree``, ``ps_ms`` and
+``workers_ms``: CPU milliseconds per step, when the tree's ``bench.run`` reports them) and, per cell and tree, a
+``summary`` line: the median steps/s, its min and max, and the medians of the CPU per step (and of ``cpu_busy``,
+when the tree's ``bench.run`` reports it); each line names its ``side`` (``before``, ``after``). Without it, a table
+of the summaries. Cells: ``--cells`` as
 ``transport:params:workers`` or ``transport:params:workers:compression`` (``--compression`` of ``bench.run``;
 default: the eight of ``make bench`` at 1e6 and 1e7, uncompressed).
 """
@@ -22,6 +23,9 @@ import subprocess
 import sys
 import time
 
+from bench import output
+
+SUMMARY_COLUMNS = ["summary", "side", "runs", "failed", "median", "min", "max", "ps_ms", "workers_ms"]
 DEFAULT_CELLS = [f"{t}:{p}:{n}" for p in (1_000_000, 10_000_000) for n in (2, 4) for t in ("shm", "http")]
 
 
@@ -32,7 +36,8 @@ def one_run(tree: str, transport: str, params: int, workers: int, seconds: float
     cmd += ["--transport", "http"] if transport == "http" else []
     cmd += ["--compression", compression] if compression != "none" else []
     try:
-        out = subprocess.run(cmd, cwd=tree, capture_output=True, text=True, timeout=seconds + 300)
+        out = subprocess.run(cmd, cwd=tree, capture_output=True, text=True, timeout=seconds + 300,
+                             env={**os.environ, output.ENV: "1"})
         lines = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
     except subprocess.TimeoutExpired:
         lines = []
@@ -66,9 +71,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=5.0, help="measured seconds of each run (bench.run --seconds)")
     ap.add_argument("--warmup", type=float, default=2.0, help="seconds of training before each run's window")
     ap.add_argument("--cells", default=",".join(DEFAULT_CELLS), help="transport:params:workers[:compression],...")
+    output.add_json_option(ap)
     args = ap.parse_args(argv)
     trees = [os.path.abspath(args.before), os.path.abspath(args.after)]
-    failed = 0
+    with output.Results(args.json, SUMMARY_COLUMNS, ap.prog) as summaries:
+        failed = sum(run_cells(args, trees, summaries))
+    return 1 if failed else 0
+
+
+def run_cells(args: argparse.Namespace, trees: list[str], summaries: output.Results):
+    """Each cell's runs (JSON lines with --json), then its two summaries; yields the failed runs of each."""
     for cell in args.cells.split(","):
         transport, params, workers, *compression = cell.split(":")
         results: list[list[dict]] = [[], []]
@@ -77,12 +89,12 @@ def main(argv: list[str] | None = None) -> int:
                 d = one_run(tree, transport, int(params), int(workers), args.seconds, args.warmup, *compression)
                 d["side"], d["at"] = ("before", "after")[side], time.strftime("%H:%M:%S", time.gmtime())
                 results[side].append(d)
-                print(json.dumps(d), flush=True)
+                if args.json:
+                    print(json.dumps(d), flush=True)
         for side, tree in enumerate(trees):
             s = {**summary(cell, tree, results[side]), "side": ("before", "after")[side]}
-            failed += s["failed"]
-            print(json.dumps(s), flush=True)
-    return 1 if failed else 0
+            summaries.add(s)
+            yield s["failed"]
 
 
 if __name__ == "__main__":

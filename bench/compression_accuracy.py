@@ -4,7 +4,8 @@ For each task (``linear``: the seed problem of ``make run``; ``mlp``; ``cnn``, w
 and each compression (``none`` first, then ``bf16``, ``fp16``, ``topk``, ``2bit``), trains one real local
 job (a PS and ``--workers`` worker processes on loopback, every tensor over TCP: ``WORKER_SHM_DIR=''``)
 to the same ``PS_MAX_STEPS``, pulls the final weights and evaluates them with the task's ``evaluate``
-(held-out accuracy for mlp and cnn; loss on the task's data for linear). One JSON line per job, with
+(held-out accuracy for mlp and cnn; loss on the task's data for linear). A table row (``--json``: a JSON line)
+per job, with
 ``delta_pp`` (accuracy minus the uncompressed run's, percentage points) or ``delta_loss``.
 
 ``--topk-ratio``, ``--topk-warmup`` (``PS_COMPRESSION_TOPK_WARMUP_STEPS``; default: the PS's) and ``--threshold``
@@ -15,17 +16,20 @@ the scale of the task's gradients, as in MXNet.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 
+from bench.output import Results, add_json_option
 from cluster.processes import LocalCluster, wait_for
 from worker_service.client import PSClient
 from worker_service.tasks import load_task
 
 STEPS = {"linear": 200, "mlp": 300, "cnn": 200}
 ENCODINGS = ("none", "bf16", "fp16", "topk", "2bit")
+#: the table's columns (--json: every field)
+COLUMNS = ["task", "compression", "steps", "metrics.accuracy", "metrics.loss", "delta_pp", "delta_loss", "seconds",
+           "error"]
 
 
 def train(task: str, compression: str, workers: int, steps: int, ps_env: dict, deadline: float) -> dict:
@@ -73,11 +77,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", default="", help="global steps per task, e.g. mlp=1000 (default: linear=200, "
                                                 "mlp=300, cnn=200)")
     ap.add_argument("--deadline", type=float, default=900.0, help="seconds one job may take")
+    add_json_option(ap)
     args = ap.parse_args(argv)
+    with Results(args.json, COLUMNS, ap.prog) as out:
+        return 0 if all(compare(args, out)) else 1
+
+
+def compare(args: argparse.Namespace, out: Results):
+    """Each task's jobs, uncompressed first, as ``out``'s lines; yields whether each job ran."""
     ratios, thresholds = per_task(args.topk_ratio, 0.01), per_task(args.threshold, 0.5)
     warmups = {t: int(v) for t, v in per_task(args.topk_warmup, -1).items()} if args.topk_warmup else {}
     steps = {**STEPS, **{t: int(v) for t, v in (item.split("=") for item in args.steps.split(",") if item)}}
-    ok = True
     for task in args.tasks.split(","):
         ps_env = {"PS_COMPRESSION_TOPK_RATIO": ratios[task], "PS_COMPRESSION_2BIT_THRESHOLD": thresholds[task]}
         if warmups.get(task, -1) >= 0:
@@ -87,9 +97,8 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 line = train(task, compression, args.workers, steps[task], ps_env, args.deadline)
             except Exception as exc:  # a failed job is a line too
-                ok = False
-                error = f"{type(exc).__name__}: {exc}"[:400]
-                print(json.dumps({"task": task, "compression": compression, "error": error}), flush=True)
+                out.add({"task": task, "compression": compression, "error": f"{type(exc).__name__}: {exc}"[:400]})
+                yield False
                 continue
             m = line["metrics"]
             base = base or m
@@ -97,8 +106,8 @@ def main(argv: list[str] | None = None) -> int:
                 line["delta_pp"] = round(100 * (m["accuracy"] - base["accuracy"]), 2)
             else:
                 line["delta_loss"] = m["loss"] - base["loss"]
-            print(json.dumps(line), flush=True)
-    return 0 if ok else 1
+            out.add(line)
+            yield True
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """``python -m bench.core_scaling [--workers 16 64 256 1024] [--rounds 30] [--part core runtime]``: the PS's CPU per
-push as the worker count K grows, without HTTP. One JSON line per (part, K).
+push as the worker count K grows, without HTTP. A table row (``--json``: a JSON line) per (part, K).
 
 - ``core``: drives the sans-IO :class:`ps_service.core.ParameterServerCore` directly with K simulated workers:
   a 1,000-param float32 model, SGD, elastic mode, ``--rounds`` rounds where every worker pushes (in a shuffled
@@ -20,11 +20,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
-import json
 import random
 import time
 
 import numpy as np
+
+from bench.output import Results, add_json_option
 
 from ps_service.core import CoreConfig, ParameterServerCore
 from ps_service.settings import PSSettings
@@ -118,11 +119,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=30, help="rounds timed per K")
     ap.add_argument("--part", nargs="+", choices=("core", "runtime"), default=["core", "runtime"],
                     help="core: the sans-IO core alone; runtime: through the asyncio runtime (default both)")
+    add_json_option(ap)
     args = ap.parse_args(argv)
-    for part in args.part:
-        for k in args.workers:
-            out = run_core(k, args.rounds) if part == "core" else asyncio.run(_runtime(k, args.rounds))
-            print(json.dumps(out), flush=True)
+    with Results(args.json, prog=ap.prog) as out:
+        for part in args.part:
+            for k in args.workers:
+                out.add(run_core(k, args.rounds) if part == "core" else asyncio.run(_runtime(k, args.rounds)))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """``python -m bench.ddp_cnn --workers N --steps S``: the ``cnn`` task under torch DistributedDataParallel,
-what a PyTorch user runs instead of syncps: N processes on loopback (gloo), one JSON line.
+what a PyTorch user runs instead of syncps: N processes on loopback (gloo), a table (``--json``: one JSON line).
 
 Same model, initial weights, data and optimizer as syncps's ``cnn`` task (``syncps.cnn.py``):
 at step ``s`` rank ``r`` takes :func:`syncps.sampling.round_batch` ``(s, r, N)``, the shard a syncps
@@ -12,12 +12,12 @@ last step, ``batch``, ``load_avg``. The processes come from a forkserver that im
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
 import os
 import sys
 import time
 
+from bench.output import Results, add_json_option
 from cluster.processes import free_port
 
 
@@ -90,10 +90,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=32, help="examples per process per step")
     ap.add_argument("--seed", type=int, default=0,
                     help="the model's and the sampling's seed (WORKER_SEED of the cnn task)")
+    add_json_option(ap)
     args = ap.parse_args(argv)
     multiprocessing.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "syncps.cnn"])
     line = run(args.workers, args.steps, args.warmup, args.batch, args.seed)
-    print(json.dumps(line), flush=True)
+    with Results(args.json, prog=ap.prog) as out:
+        out.add(line)
     return 0 if line.get("steps_per_s") is not None else 1
 
 

@@ -1,5 +1,6 @@
 """``python -m bench.floor [--workers 2 4] [--params 1e6 1e7]``: the best steps/s this machine allows a synchronous
-PS, and a ring all-reduce, when every tensor byte crosses loopback TCP: one JSON line per cell.
+PS, and a ring all-reduce, when every tensor byte crosses loopback TCP: a table row (``--json``: a JSON line) per
+cell.
 
 On one host a byte through loopback TCP costs only CPU (a copy into the kernel at the sender, one out of it at
 the receiver, and the TCP work between). So the TCP column of ``make bench`` is a CPU budget, and this module
@@ -32,7 +33,6 @@ docs/performance.md, "Between hosts".
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -42,7 +42,12 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # as the workers and the anc
 import numpy as np  # noqa: E402
 
 from bench import loopback  # noqa: E402
+from bench.output import Results, add_json_option  # noqa: E402
 from bench.task import BenchLinearTask, actual_params  # noqa: E402
+
+#: the table's columns (--json: every field)
+COLUMNS = ["workers", "params", "compute_ms", "tcp_ns_per_byte", "ps_floor_steps_per_s", "ring_floor_steps_per_s",
+           "ps_over_ring", "compute_only_steps_per_s", "load_avg"]
 
 
 def tcp_ns_per_byte(message: int, total: int) -> dict:
@@ -141,9 +146,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bytes", type=float, default=4e8, help="bytes streamed per TCP measurement")
     ap.add_argument("--cores", type=int, default=os.cpu_count() or 1,
                     help="C, the cores the floor spreads the work over (default: this machine's)")
+    add_json_option(ap)
     args = ap.parse_args(argv)
-    for line in lines([int(p) for p in args.params], args.workers, args.steps, int(args.bytes), args.cores):
-        print(json.dumps(line), flush=True)
+    with Results(args.json, COLUMNS, ap.prog) as out:
+        for line in lines([int(p) for p in args.params], args.workers, args.steps, int(args.bytes), args.cores):
+            out.add(line)
     return 0
 
 

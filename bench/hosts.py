@@ -30,10 +30,11 @@ large variable); both in the anchors' TensorFlow venv (``~/.cache/syncps-anchors
 ``../shared/bench/compare.sh``; a clear error line when it is missing). ``--rate none``: no namespaces, everything on
 loopback (to check a runner against its loopback figure).
 
-Output: one JSON line per run (bench.run's fields plus ``rate``, ``pass`` and ``wire_bytes_per_step``: the bytes
-the PS received and sent a step; ``shards``, ``shard_namespaces`` and ``worker_namespaces``, and with S > 1 bench.run's
+Output: with ``--json``, one JSON line per run (bench.run's fields plus ``rate``, ``pass`` and
+``wire_bytes_per_step``: the bytes the PS received and sent a step; ``shards``, ``shard_namespaces`` and
+``worker_namespaces``, and with S > 1 bench.run's
 ``shard_urls`` and ``shard_wire_bytes_per_step``; gloo: ``ring_bytes_per_host_per_step``; tf, tf-colocated: the
-anchor's fields plus ``ps_tasks``, ``ps_namespaces`` and ``worker_namespaces``), then a Markdown table,
+anchor's fields plus ``ps_tasks``, ``ps_namespaces`` and ``worker_namespaces``); then, always, a Markdown table,
 rows params x workers, a column per system (``syncps S=2``: two shards, when ``--shards`` is not just 1) and the
 ratio of each syncps column to each anchor that ran (gloo, tf, tf-colocated). ``--repeat K`` runs K passes over each
 cell, every system once a pass in turn: the table then gives each column's median steps/s and the median of the
@@ -56,6 +57,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench import output
 from bench.run import measure
 from bench.table import machine
 from bench.task import model_dims
@@ -411,6 +413,7 @@ def main(argv: list[str] | None = None) -> int:
                                                           "run once a pass, in turn (a VM's speed can swing)")
     ap.add_argument("--prefix", default="sph", help="of the namespaces and links (a crashed run's are removed)")
     ap.add_argument("--subnet", default="10.88.0", help="the hosts' /24 (host i at .i+1, the bridge at .254)")
+    output.add_json_option(ap)
     args = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: the hosts are removed on the way out
     workers = [int(w) for w in args.workers.split(",")]
@@ -423,7 +426,8 @@ def main(argv: list[str] | None = None) -> int:
     with (Hosts(max(shard_counts) + max(workers), args.rate, args.prefix, args.subnet) if args.rate != "none"
           else contextlib.nullcontext()) as hosts:
         if hosts is not None:
-            print(json.dumps(stream_check(hosts)), flush=True)
+            check = stream_check(hosts)
+            print(json.dumps(check) if args.json else "link check:\n" + output.table([check]), flush=True)
         for params in (int(float(p)) for p in args.params.split(",")):
             for n in workers:
                 for i in range(max(1, args.repeat)):
@@ -433,7 +437,8 @@ def main(argv: list[str] | None = None) -> int:
                                 syncps(hosts, system, n, params, args.seconds, args.warmup, shards))
                         line["rate"], line["pass"] = args.rate, i
                         lines.append(line)
-                        print(json.dumps(line), flush=True)
+                        if args.json:
+                            print(json.dumps(line), flush=True)
     print(f"\nsteps/s between emulated hosts, link {args.rate} per host; {started}; {machine()}; "
           f"load {os.getloadavg()[0]:.2f}\n")
     print(table(lines, columns))

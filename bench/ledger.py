@@ -4,7 +4,8 @@ Each fast path below is a place where the code does something cleverer than the 
 one alone, this exports the working tree's HEAD twice (``git archive``), takes the path out of one copy by a textual
 edit of a few lines (each edit must match exactly once, or the run stops: the ledger's lines have moved), and runs
 :mod:`bench.ab` with the plain copy as ``before`` and HEAD as ``after`` on the path's cells, ``--runs`` alternating
-runs a side. It prints bench.ab's lines, then one ``ledger`` line per cell: the medians, ``gain`` (after / before -
+runs a side. It prints a table of one ``ledger`` row per cell (``--json``: bench.ab's lines, then one ``ledger``
+line per cell): the medians, ``gain`` (after / before -
 1) and ``noise`` (the larger half-spread, (max - min) / 2 / median, of the two sides); ``beyond_noise`` is
 ``|gain| > noise``. A path whose gain is not beyond the noise on any of its cells has not earned its place.
 
@@ -19,6 +20,8 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from bench.output import Results, add_json_option
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -105,25 +108,26 @@ def verdict(name: str, cell: str, before: dict, after: dict) -> dict:
             "gain": round(gain, 4), "noise": round(noise, 4), "beyond_noise": abs(gain) > noise}
 
 
-def measure(name: str, runs: int, seconds: float) -> list[dict]:
+def measure(name: str, runs: int, seconds: float, out: Results) -> list[dict]:
+    """bench.ab's lines of one path (printed with --json) and its verdicts (``out``), one per cell."""
     path = PATHS[name]
     with tempfile.TemporaryDirectory(prefix=f"syncps-ledger-{name}-") as tmp:
         plain, head = Path(tmp) / "plain", Path(tmp) / "head"
         export(plain)
         export(head)
         take_out(plain, path)
-        out = subprocess.run([sys.executable, "-m", "bench.ab", str(plain), str(head), "--runs", str(runs),
+        done = subprocess.run([sys.executable, "-m", "bench.ab", str(plain), str(head), "--json", "--runs", str(runs),
                               "--seconds", str(seconds), "--cells", ",".join(path.cells)],
                              cwd=ROOT, capture_output=True, text=True, timeout=len(path.cells) * runs * 2 * (seconds + 300))
-    lines = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
-    for line in lines:
+    lines = [json.loads(x) for x in done.stdout.splitlines() if x.startswith("{")]
+    for line in lines if out.as_json else []:
         print(json.dumps({"path": name, **line}), flush=True)
     verdicts = []
     for cell in path.cells:
         sides = {s["side"]: s for s in lines if s.get("summary") == cell and "median" in s}
         if len(sides) == 2:
             verdicts.append(verdict(name, cell, sides["before"], sides["after"]))
-            print(json.dumps(verdicts[-1]), flush=True)
+            out.add(verdicts[-1])
     return verdicts
 
 
@@ -133,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=5, help="alternating runs a side per cell (default 5)")
     ap.add_argument("--seconds", type=float, default=6.0, help="measured seconds of each run (default 6)")
     ap.add_argument("--list", action="store_true", help="list the fast paths and what taking each out means")
+    add_json_option(ap)
     args = ap.parse_args(argv)
     if args.list or not args.paths:
         for name, p in PATHS.items():
@@ -141,8 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [p for p in args.paths if p not in PATHS]
     if unknown:
         ap.error(f"unknown paths {unknown}; --list shows them")
-    for name in args.paths:
-        measure(name, args.runs, args.seconds)
+    with Results(args.json, prog=ap.prog) as out:
+        for name in args.paths:
+            measure(name, args.runs, args.seconds, out)
     return 0
 
 

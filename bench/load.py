@@ -1,4 +1,5 @@
-"""``python -m bench.load --workers 16 64 256 1024``: many workers on one PS, one JSON line per K.
+"""``python -m bench.load --workers 16 64 256 1024``: many workers on one PS, a table with a column (``--json``: a
+JSON line) per K.
 
 K simulated workers run as asyncio tasks in this one process and speak the real protocol
 (docs/protocol.md) to a real PS process (``python -m ps_service``, started here through
@@ -41,6 +42,7 @@ import httpx
 import numpy as np
 
 from bench.loadclient import Conn, Samples, fresh
+from bench.output import Results, add_json_option
 from bench.run import _cpu_seconds_fine, _proc_status
 from cluster.processes import LocalCluster, free_port
 from shared import frame
@@ -328,16 +330,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=30, help="rounds trained per K")
     ap.add_argument("--params", type=int, default=1000, help="elements of the model's one float32 tensor")
     ap.add_argument("--idle", type=int, default=0, help="measure the PS's memory per idle connection instead (N)")
+    add_json_option(ap)
     args = ap.parse_args(argv)
-    if args.idle:
-        print(json.dumps(idle_memory(args.idle)), flush=True)
-        return 0
-    ok = True
-    for k in args.workers:
-        line = measure(k, args.rounds, args.params)
-        ok = ok and line["exact"] and line.get("errors_5xx") == 0
-        print(json.dumps(line), flush=True)
-    return 0 if ok else 1
+    with Results(args.json, prog=ap.prog) as out:
+        if args.idle:
+            out.add(idle_memory(args.idle))
+            return 0
+        for k in args.workers:
+            out.add(measure(k, args.rounds, args.params))
+    return 0 if all(line["exact"] and line.get("errors_5xx") == 0 for line in out.lines) else 1
 
 
 if __name__ == "__main__":

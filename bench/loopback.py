@@ -7,12 +7,13 @@ timed from the first byte to the receiver's one-byte acknowledgement of the last
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import resource
 import socket
 import time
+
+from bench.output import Results, add_json_option
 
 CHUNK = 4 << 20
 
@@ -79,7 +80,10 @@ def measure(total: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.loopback", description=__doc__.split("\n\n")[0])
     ap.add_argument("--bytes", type=float, default=2e9, help="bytes streamed through loopback TCP")
-    print(json.dumps(measure(int(ap.parse_args(argv).bytes))), flush=True)
+    add_json_option(ap)
+    args = ap.parse_args(argv)
+    with Results(args.json, prog=ap.prog) as out:
+        out.add(measure(int(args.bytes)))
     return 0
 
 

@@ -4,13 +4,14 @@ Each configuration is a real PS and 4 real worker processes on loopback (:class:
 training the ``mlp`` task (8x8 digits, Adam lr 0.001), worker 3 slowed by ``--delay`` seconds per step
 (``WORKER_COMPUTE_DELAY_SECONDS``), for the same wall time (``--seconds``, counted from the start of training).
 Every ``--every`` seconds the script pulls the weights (a pull without a worker id: never gated) and evaluates
-them on the 360 held-out images, which gives the loss-against-wall-time series. One JSON line per
-configuration: ``config``, ``gradients_per_s`` (gradients applied per second, from the PS's counter),
+them on the 360 held-out images, which gives the loss-against-wall-time series. A table row per configuration
+(:data:`COLUMNS`); with ``--json``, one JSON line per configuration: ``config``, ``gradients_per_s`` (gradients
+applied per second, from the PS's counter),
 ``steps_per_s`` (updates per second), ``held_out_accuracy`` and ``held_out_loss`` at the end, ``staleness``
 (p50/p90/p99 of the applied gradients in global steps; 0 in sync by construction: a round applies only
 gradients of its own step), ``pushes`` (by status), ``series`` ([seconds, held-out loss, accuracy]),
-``load_avg`` (1-minute, at the end). ``--plot FILE`` draws the series (matplotlib); ``--load FILE`` plots the
-JSON lines of an earlier run instead of running.
+``load_avg`` (1-minute, at the end). ``--plot FILE`` draws the series (matplotlib); ``--load FILE`` tables (and
+plots) the JSON lines of an earlier ``--json`` run instead of running.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import os
 import sys
 import time
 
+from bench.output import Results, add_json_option
 from cluster.processes import LocalCluster, wait_for
 from worker_service.client import PSClient
 from worker_service.tasks.mlp import MLPTask
@@ -32,6 +34,9 @@ CONFIGS = {
     "ssp s=8": {"PS_MODE": "ssp", "PS_SSP_STALENESS": 8},
 }
 WORKERS = 4
+#: the table's columns (--json: every field, the series too)
+COLUMNS = ["config", "gradients_per_s", "steps_per_s", "held_out_accuracy", "held_out_loss", "staleness.p50",
+           "staleness.p99", "max_clock_spread", "window_s", "load_avg"]
 
 
 def run(name: str, env: dict, seconds: float, delay: float, every: float, task: MLPTask) -> dict:
@@ -97,16 +102,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--every", type=float, default=1.0, help="seconds between two held-out evaluations")
     ap.add_argument("--only", nargs="*", choices=list(CONFIGS), help="run only these configurations")
     ap.add_argument("--plot", help="write the loss-against-wall-time plot here (PNG, needs matplotlib)")
-    ap.add_argument("--load", help="run nothing: plot the JSON lines of an earlier run saved in this file")
+    ap.add_argument("--load", help="run nothing: table (and plot) the JSON lines of an earlier --json run in this file")
+    add_json_option(ap)
     args = ap.parse_args(argv)
-    if args.load:
-        with open(args.load) as f:
-            results = [json.loads(line) for line in f if line.strip()]
-    else:
-        task, results = MLPTask(), []
-        for name in args.only or CONFIGS:
-            results.append(run(name, CONFIGS[name], args.seconds, args.delay, args.every, task))
-            print(json.dumps(results[-1]), flush=True)
+    with Results(args.json, COLUMNS, ap.prog) as out:
+        if args.load:
+            with open(args.load) as f:
+                for line in f:
+                    if line.strip():
+                        out.add(json.loads(line))
+        else:
+            task = MLPTask()
+            for name in args.only or CONFIGS:
+                out.add(run(name, CONFIGS[name], args.seconds, args.delay, args.every, task))
+    results = out.lines
     if args.plot:
         plot(results, args.plot)
         print(f"plot written to {args.plot}", file=sys.stderr)

@@ -1,4 +1,5 @@
-"""``python -m bench.run --workers N --params P --seconds S``: one measured syncps run, one JSON line.
+"""``python -m bench.run --workers N --params P --seconds S``: one measured syncps run, a table (``--json``: one JSON
+line).
 
 Starts a real PS and N real worker processes on loopback (:class:`cluster.processes.LocalCluster`)
 running :mod:`bench.task` (the anchors' workload), waits until training runs, warms up for
@@ -37,13 +38,13 @@ worker; ``--params`` does not apply): its side-by-side with torch DDP is ``pytho
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 
 import httpx
 
+from bench.output import Results, add_json_option
 from bench.task import task_workload
 from cluster.processes import LocalCluster, wait_for
 from shared.protocol import PHASES
@@ -217,15 +218,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shards", type=int, default=1, help="PS processes (PS_SHARDS; docs/scaling.md)")
     ap.add_argument("--no-pin", action="store_true",
                     help="workers not pinned to CPUs (a local cluster pins each to its own when workers <= CPUs)")
+    add_json_option(ap)
     args = ap.parse_args(argv)
-    ok = True
-    for _ in range(args.repeat):
-        line = measure(args.workers, args.params, args.seconds, args.warmup, args.dtype, transport=args.transport,
-                       task=args.task, compression=args.compression, shards=args.shards,
-                       cluster_options={"pin_workers": False} if args.no_pin else None)
-        ok = ok and line.get("steps_per_s") is not None
-        print(json.dumps(line), flush=True)
-    return 0 if ok else 1
+    with Results(args.json, prog=ap.prog) as out:
+        for _ in range(args.repeat):
+            out.add(measure(args.workers, args.params, args.seconds, args.warmup, args.dtype, transport=args.transport,
+                            task=args.task, compression=args.compression, shards=args.shards,
+                            cluster_options={"pin_workers": False} if args.no_pin else None))
+    return 0 if all(line.get("steps_per_s") is not None for line in out.lines) else 1
 
 
 if __name__ == "__main__":

@@ -127,7 +127,8 @@ def loopback_floors(params: list[int], workers: list[int]) -> list[dict]:
     says otherwise, as for the PS)."""
     if not params:
         return []
-    cmd = [sys.executable, "-m", "bench.floor", "--params", *map(str, params), "--workers", *map(str, workers)]
+    cmd = [sys.executable, "-m", "bench.floor", "--json", "--params", *map(str, params),
+           "--workers", *map(str, workers)]
     try:
         out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600).stdout
     except subprocess.TimeoutExpired:
@@ -165,7 +166,8 @@ def _has_torch() -> bool:
 def ddp_cnn(workers: int, steps: int) -> dict:
     """torch DDP (gloo) on the cnn task: its JSON line (an ``error`` line if it failed)."""
     try:
-        out = subprocess.run([sys.executable, "-m", "bench.ddp_cnn", "--workers", str(workers), "--steps", str(steps)],
+        out = subprocess.run([sys.executable, "-m", "bench.ddp_cnn", "--json", "--workers", str(workers),
+                              "--steps", str(steps)],
                              cwd=ROOT, capture_output=True, text=True, timeout=900).stdout
     except subprocess.TimeoutExpired:
         out = ""
@@ -188,7 +190,7 @@ def between_hosts(systems: str, params: str, workers: str, rate: str, seconds: f
     """:mod:`bench.hosts`'s JSON lines and its table (or why it was skipped)."""
     if os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("tc")):
         return [], "skipped: emulated hosts need root, ip and tc"
-    cmd = [sys.executable, "-m", "bench.hosts", "--rate", rate, "--workers", workers, "--params", params,
+    cmd = [sys.executable, "-m", "bench.hosts", "--json", "--rate", rate, "--workers", workers, "--params", params,
            "--systems", systems, "--seconds", str(seconds)]
     runs = len(systems.split(",")) * len(workers.split(",")) * len(params.split(","))
     try:

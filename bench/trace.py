@@ -15,13 +15,12 @@ nearest project frame stands for them):
   optimizer's ``apply``;
 - ``core_calls_out``: calls from ``ps_service/core/`` into the transport or HTTP layers (the seam is one-way: 0).
 
-Prints one JSON line per scenario and request (``--table`` for a table). tests/test_trace.py runs it and asserts
-the targets of docs/architecture.md.
+Prints a table with a row per scenario and request (``--json``: a JSON line each; ``--files``: the files too).
+tests/test_trace.py runs it and asserts the targets of docs/architecture.md.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -31,6 +30,7 @@ from typing import Iterator
 
 import numpy as np
 
+from bench.output import Results, add_json_option
 from cluster.inprocess import serve_in_thread
 from cluster.processes import free_port
 from ps_service.settings import PSSettings
@@ -45,6 +45,8 @@ OUTER = ("ps_service/transport/", "ps_service/app.py", "ps_service/api.py", "ps_
 SCENARIOS = ("tcp", "shm", "topk", "sharded")
 ROUTES = {("ps_service/api.py", "push"), ("ps_service/sharding/routes.py", "commit")}
 OPTIMIZER = ("ps_service/core/optimizers.py", "apply")
+#: the table's columns (--json: every field)
+COLUMNS = ["scenario", "transport", "request", "files", "moves", "route_to_optimizer", "core_calls_out"]
 
 
 def _rel(filename: str) -> str | None:
@@ -171,17 +173,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scenario", choices=SCENARIOS, action="append",
                         help="trace only this scenario (repeatable; default: all)")
     parser.add_argument("--files", action="store_true", help="list the files each request crosses")
-    parser.add_argument("--table", action="store_true", help="a table instead of JSON lines")
+    add_json_option(parser)
     args = parser.parse_args(argv)
-    rows = [line for s in args.scenario or SCENARIOS for line in trace(s)]
-    for row in rows:
-        if not args.files:
-            row.pop("file_list")
-        if args.table:
-            print(f"{row['scenario']:8} {row['request']:5} files {row['files']:3} moves {row['moves']:4} "
-                  f"route->optimizer {row['route_to_optimizer']!s:5} core->outer {row['core_calls_out']}")
-        else:
-            print(json.dumps(row))
+    with Results(args.json, COLUMNS, parser.prog) as out:
+        for row in (line for s in args.scenario or SCENARIOS for line in trace(s)):
+            if not args.files:
+                row.pop("file_list")
+            out.add(row)
+    for row in out.lines if args.files and not args.json else []:
+        print(f"\n{row['scenario']} {row['request']}: {' '.join(row['file_list'])}")
     return 0
 
 

@@ -26,8 +26,8 @@ from tests.wire import FRAME, push_frame
 
 
 def test_bench_run_prints_the_anchor_fields():
-    out = subprocess.run([sys.executable, "-m", "bench.run", "--workers", "2", "--params", "4", "--seconds", "1",
-                          "--warmup", "0.3"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-m", "bench.run", "--json", "--workers", "2", "--params", "4",
+                          "--seconds", "1", "--warmup", "0.3"], capture_output=True, text=True, timeout=120)
     line = json.loads(out.stdout.strip().splitlines()[-1])
     assert out.returncode == 0, line
     assert line["system"] == "syncps" and line["workers"] == 2 and line["params"] == 4
@@ -42,7 +42,7 @@ def test_bench_run_prints_the_anchor_fields():
 def test_bench_ab_alternates_two_trees_and_sums_each_cell_up():
     from pathlib import Path
     root = str(Path(__file__).resolve().parent.parent)
-    out = subprocess.run([sys.executable, "-m", "bench.ab", root, root, "--runs", "1", "--seconds", "1",
+    out = subprocess.run([sys.executable, "-m", "bench.ab", root, root, "--json", "--runs", "1", "--seconds", "1",
                           "--warmup", "0.3", "--cells", "http:4:2"], capture_output=True, text=True, timeout=300)
     lines = [json.loads(x) for x in out.stdout.splitlines()]
     assert out.returncode == 0, out.stderr[-2000:]
@@ -339,8 +339,8 @@ def test_the_grid_table_puts_two_shards_over_tcp_next_to_one():
 
 
 def test_bench_run_with_two_shards_sums_their_cpu():
-    out = subprocess.run([sys.executable, "-m", "bench.run", "--shards", "2", "--params", "1000", "--seconds", "1",
-                          "--warmup", "0.3"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-m", "bench.run", "--json", "--shards", "2", "--params", "1000",
+                          "--seconds", "1", "--warmup", "0.3"], capture_output=True, text=True, timeout=120)
     line = json.loads(out.stdout.strip().splitlines()[-1])
     assert out.returncode == 0, line
     assert line["shards"] == 2 and line["params"] == 992 and line["steps_per_s"] > 0 and line["steps"] > 0
@@ -398,8 +398,8 @@ def test_the_floor_adds_this_machines_costs_up_for_both_designs():
 
 
 def test_bench_floor_measures_each_part_on_this_machine():
-    out = subprocess.run([sys.executable, "-m", "bench.floor", "--workers", "2", "4", "--params", "20000", "--steps",
-                          "3", "--bytes", "2e6"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-m", "bench.floor", "--json", "--workers", "2", "4", "--params", "20000",
+                          "--steps", "3", "--bytes", "2e6"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = [json.loads(x) for x in out.stdout.splitlines()]
     assert [(x["workers"], x["params_requested"]) for x in lines] == [(2, 20000), (4, 20000)]

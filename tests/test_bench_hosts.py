@@ -24,7 +24,8 @@ def _links() -> list[str]:
 
 def _bench_hosts(*args: str) -> tuple[str, list[dict]]:
     """Run ``python -m bench.hosts`` (syncps, 2 workers, 10,000 params, 1 Gbit/s) with ``args``: its output and lines."""
-    out = subprocess.run([sys.executable, "-m", "bench.hosts", "--rate", "1gbit", "--workers", "2", "--params", "10000",
+    out = subprocess.run([sys.executable, "-m", "bench.hosts", "--json", "--rate", "1gbit", "--workers", "2",
+                          "--params", "10000",
                           "--systems", "syncps", "--prefix", PREFIX, "--subnet", SUBNET, *args],
                          check=False, capture_output=True, text=True, timeout=90)
     assert out.returncode == 0, out.stdout + out.stderr[-2000:]

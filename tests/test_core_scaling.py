@@ -103,7 +103,7 @@ def test_a_push_wakes_no_waiter_until_the_round_closes():
 def test_the_scaling_bench_prints_one_exact_line_per_part_and_k(capsys):
     from bench.core_scaling import main
 
-    main(["--workers", "2", "5", "--rounds", "3"])
+    main(["--json", "--workers", "2", "5", "--rounds", "3"])
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [(x["part"], x["K"]) for x in lines] == [("core", 2), ("core", 5), ("runtime", 2), ("runtime", 5)]
     assert all(x["closed_full"] and x["pushes"] == 3 * x["K"] and x["us_per_push"] > 0 for x in lines)

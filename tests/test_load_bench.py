@@ -12,7 +12,7 @@ from bench.load import gradient, replay
 
 
 def test_load_bench_runs_exactly_with_eight_workers():
-    out = subprocess.run([sys.executable, "-m", "bench.load", "--workers", "8", "--rounds", "3"],
+    out = subprocess.run([sys.executable, "-m", "bench.load", "--json", "--workers", "8", "--rounds", "3"],
                          capture_output=True, text=True, timeout=120)
     line = json.loads(out.stdout.strip().splitlines()[-1])
     assert out.returncode == 0, (line, out.stderr[-2000:])
