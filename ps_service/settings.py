@@ -19,8 +19,9 @@ from shared.tokens import resolve_token
 MAKE_A_TOKEN = ("Make one as a secret and point PS_AUTH_TOKEN_FILE at it (or, with Docker Compose on one host, set "
                 "PS_AUTH_TOKEN in .env: README, Security): Docker Swarm: "
                 "`openssl rand -hex 32 | docker secret create syncps_token -` (mounted at /run/secrets/syncps_token); "
-                "Kubernetes: `kubectl create secret generic syncps-token --from-literal=token=$(openssl rand -hex 32)` "
-                "(deploy/k8s mounts it at /run/secrets/syncps/token).")
+                "Kubernetes: `kubectl -n syncps create secret generic syncps-token "
+                "--from-literal=token=$(openssl rand -hex 32) --from-literal=monitor-token=$(openssl rand -hex 32)` "
+                "(deploy/k8s mounts it at /run/secrets/syncps).")
 
 
 class PSSettings(BaseSettings):

@@ -1,8 +1,9 @@
-"""``python -m worker_service``: one worker (settings: WORKER_* env). Exits 0 when training is done
-or when stopped with SIGTERM/SIGINT (after leaving the cluster); 3 when the PS holds another model than
-the task's (:class:`worker_service.loop.WrongModel`: retrying cannot help); 1 with one line when it cannot
-go on (a setting or task that is wrong, no PS answering within WORKER_RETRY_TIMEOUT_SECONDS, a refusal the
-PS repeats: a wrong token, say). ``--help`` lists the settings."""
+"""``python -m worker_service``: one worker (settings: WORKER_* env). Exits 0 when training is done;
+WORKER_STOPPED_EXIT_CODE (0 unless set) when stopped with SIGTERM/SIGINT before (after leaving the
+cluster); 3 when the PS holds another model than the task's (:class:`worker_service.loop.WrongModel`:
+retrying cannot help); 1 with one line when it cannot go on (a setting or task that is wrong, no PS
+answering within WORKER_RETRY_TIMEOUT_SECONDS, a refusal the PS repeats: a wrong token, say). ``--help``
+lists the settings."""
 from __future__ import annotations
 
 import json
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(conn, faults.FaultyConnection):
         logging.info("faults injected over %s: %s", type(conn.inner).__name__, conn.counts)
     print("SUMMARY " + json.dumps(summary.__dict__), flush=True)
-    return 0
+    return 0 if summary.done else s.stopped_exit_code  # train() returns when the job is done or when stopped
 
 
 if __name__ == "__main__":

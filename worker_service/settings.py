@@ -61,6 +61,10 @@ class WorkerSettings(BaseSettings):
     prefetch: bool = Field(
         True, description="Draw the next step's batch (the task's batch()) in a thread while a push and its round are out. "
                           "A task whose batch() is not a function of its arguments opts out with prefetch = False.")
+    stopped_exit_code: int = Field(
+        0, ge=0, le=255, description="Exit code when stopped (SIGTERM/SIGINT) before the job is done; a done job "
+                                     "exits 0 whatever it is. deploy/k8s sets 143: a Job counts a pod that exits 0 as "
+                                     "finished, so an evicted worker would not be run again.")
     cpus: str = Field(
         "", description="CPUs the worker runs on, a Linux CPU list (3, or 0-3,6). Empty: wherever the OS puts it. "
                         "python -m cluster gives each worker a CPU of its own when there are no more workers than CPUs.")
