@@ -37,6 +37,9 @@ from cluster import forkserver
 from shared.tokens import bearer_header
 
 
+#: how long :meth:`LocalCluster.status` and :meth:`LocalCluster.get` wait for the PS: a PS on a loaded machine may
+#: answer nothing for more than 5 s (1e7-parameter pushes at load 16 on 2 cores), which is slow, not gone
+REQUEST_TIMEOUT_SECONDS = 30.0
 _PORTS_FROM = 20000  # the low end of the ports free_port hands out, when the ephemeral range starts above it
 _handed_out: set[int] = set()
 _port_choice = random.Random(os.urandom(16))  # not the `random` module's state: a test's seed must not repeat ports
@@ -232,10 +235,11 @@ class LocalCluster:
         return self
 
     def status(self) -> dict:
-        return httpx.get(f"{self.url}/v1/status", timeout=5.0, headers=self.headers).json()
+        return httpx.get(f"{self.url}/v1/status", timeout=REQUEST_TIMEOUT_SECONDS, headers=self.headers).json()
 
     def get(self, path: str, **kw) -> httpx.Response:
-        return httpx.get(f"{self.url}{path}", timeout=10.0, **{**kw, "headers": {**self.headers, **kw.get("headers", {})}})
+        return httpx.get(f"{self.url}{path}", timeout=REQUEST_TIMEOUT_SECONDS,
+                         **{**kw, "headers": {**self.headers, **kw.get("headers", {})}})
 
     def wait_workers(self, deadline: float = 120.0) -> list[int]:
         """Wait until every worker process exits; their exit codes."""
