@@ -23,7 +23,7 @@ from tests.clusters import closed_rounds, final_weights
 from tests.reference import train_reference
 from tests.timing import allow
 
-LEASE = 2.0
+LEASE = 2.0  # on a quiet machine: each test leases allow(LEASE), since a loaded one may hold a heartbeat back
 
 
 def _events(c: LocalCluster, kind: str) -> list[str]:
@@ -84,8 +84,9 @@ def _stop_the_ps_before_the_pushes(c: LocalCluster, workers: int, answered: floa
 
 
 def test_a_ps_paused_for_longer_than_a_lease_loses_no_gradient():
-    workers, steps, pause = 3, 150, 3 * LEASE
-    ps_env = {"PS_MAX_STEPS": steps, "PS_TOTAL_NUM_REPLICAS": workers, "PS_LEASE_SECONDS": LEASE}
+    workers, steps, lease = 3, 150, allow(LEASE)
+    pause = 3 * lease
+    ps_env = {"PS_MAX_STEPS": steps, "PS_TOTAL_NUM_REPLICAS": workers, "PS_LEASE_SECONDS": lease}
     # the mlp in float64 (its weights move at every step: a lost gradient shows); steps slowed so that the pause
     # falls mid-job
     worker_env = {"WORKER_TASK": "mlp", "WORKER_DTYPE": "float64", "WORKER_COMPUTE_DELAY_SECONDS": 0.03}
@@ -134,7 +135,7 @@ def test_pushes_larger_than_the_socket_buffers_into_a_paused_ps_are_sent_again()
 
 def test_every_member_of_a_round_killed_recalls_the_worker_waiting_for_the_next():
     steps = 20
-    ps_env = {"PS_MAX_STEPS": steps, "PS_MIN_WORKERS": 2, "PS_TOTAL_NUM_REPLICAS": 2, "PS_LEASE_SECONDS": LEASE}
+    ps_env = {"PS_MAX_STEPS": steps, "PS_MIN_WORKERS": 2, "PS_TOTAL_NUM_REPLICAS": 2, "PS_LEASE_SECONDS": allow(LEASE)}
     # workers 0 and 1 take round 0 and never finish computing it (they heartbeat meanwhile)
     with LocalCluster(2, ps_env=ps_env, worker_env={"WORKER_COMPUTE_DELAY_SECONDS": 3600}) as c:
         try:
