@@ -75,7 +75,8 @@ def from_ps(url: str, token: str | None = None, wait: float = 30.0, timeout: flo
     """The running PS's current weights: once training has started (a pull waits for it, at most ``wait`` s)."""
     from shared.errors import ProtocolError
     from shared.rawhttp import ConnectionLost
-    from worker_service.client import PSClient, ServerError
+    from worker_service.client import PSClient
+    from worker_service.transport.endpoint import ServerError
 
     client = PSClient(url, timeout=timeout, attempts=3, retry_timeout=timeout, token=token)
     try:

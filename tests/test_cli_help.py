@@ -70,5 +70,5 @@ def test_the_worker_lists_every_setting_with_its_meaning(capsys):
     assert main(["--help"]) == 0
     lines = capsys.readouterr().out.splitlines()
     for name, field in WorkerSettings.model_fields.items():
-        row = next(line for line in lines if line.strip().startswith(f"WORKER_{name.upper()} "))
+        row = next(line for line in lines if line.startswith(f"  WORKER_{name.upper()} "))  # the settings table
         assert field.description and field.description.strip()[:30] in row, name
