@@ -288,6 +288,9 @@ def _zygote(module: str, imports: list[str]) -> dict | None:
     sys.path[0] = os.getcwd()  # as ``python -m`` has it
     if module == "ps_service":
         os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # as ps_service/__main__.py, before numpy
+    else:
+        from worker_service.threads import one_thread_unless_set
+        one_thread_unless_set()  # as worker_service/__main__.py, before numpy
     for name in imports:
         importlib.import_module(name)
     wake_r, wake_w = os.pipe()

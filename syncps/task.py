@@ -15,7 +15,7 @@ process oversubscribes the cores and spins (a 6 ms step of ``cnn`` took 500 ms w
 """
 from __future__ import annotations
 
-import os
+import logging
 from typing import Any, Mapping
 
 import numpy as np
@@ -24,6 +24,9 @@ import torch
 from syncps.sampling import round_batch
 from syncps.spec import optimizer_spec
 from syncps.tensors import ModelTensors
+from worker_service.threads import torch_threads
+
+log = logging.getLogger("syncps")
 
 #: examples per forward pass when evaluating
 EVAL_CHUNK = 4096
@@ -48,8 +51,7 @@ def _length(dataset: Any) -> int:
 
 class TorchTask:
     def __init__(self, job: Any, dtype: str = "float32", name: str | None = None) -> None:
-        if "OMP_NUM_THREADS" not in os.environ:
-            torch.set_num_threads(1)
+        log.info(torch_threads(torch))
         self.job = job
         self.name = name or f"torch:{type(job.model).__name__}"
         self.dtype = getattr(torch, dtype)

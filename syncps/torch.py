@@ -51,6 +51,7 @@ from syncps.job import TorchJob
 from syncps.sampling import RoundBatchSampler
 from syncps.spec import optimizer_spec
 from syncps.tensors import ModelMismatch, ModelTensors
+from worker_service.threads import torch_threads
 from worker_service.client import PSClient
 from worker_service.loop import REJOIN_CODES, Heartbeat
 from worker_service.settings import WorkerSettings
@@ -110,7 +111,8 @@ class DistributedOptimizer:
         self.heartbeat.start()
         if handle_sigterm and threading.current_thread() is threading.main_thread():
             self._old_sigterm = signal.signal(signal.SIGTERM, lambda *_: self._stop.set())
-        log.info("registered as %r: rank %d, tensors through %s", self.name, self.rank, self.client.transport)
+        log.info("registered as %r: rank %d, tensors through %s; %s", self.name, self.rank, self.client.transport,
+                 torch_threads(torch))
         try:
             self._advance(reg["start_step"])
         except BaseException:

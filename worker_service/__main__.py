@@ -13,7 +13,11 @@ import re
 import signal
 import sys
 
-from pydantic import ValidationError
+from worker_service.threads import describe, one_thread_unless_set
+
+THREADS_DEFAULTED = one_thread_unless_set()  # before numpy or torch is imported: they read these once
+
+from pydantic import ValidationError  # noqa: E402
 
 from shared.errors import ProtocolError
 from shared.settings_errors import settings_errors
@@ -67,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     if s.cpus:
         pin(cpu_list(s.cpus))
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    logging.info(describe(THREADS_DEFAULTED))
     stop = StopFlag()  # not a threading.Event: its set() in a signal handler can deadlock (stopping.py)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

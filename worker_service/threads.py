@@ -1,0 +1,41 @@
+"""One BLAS / OpenMP thread per worker process unless the user sets otherwise.
+
+Workers share their host (4 on 2 cores under compose; 2 per node on a swarm): a BLAS or torch that starts a
+thread per core in each of them makes every step wait for the others' threads. At 1e6 parameters on the two-node
+swarm a worker took 157-350 ms of compute a step instead of 7-10 ms, and docs/torch.md's script 125 s instead
+of 24 s (issue 50). :func:`one_thread_unless_set` sets each of :data:`VARS` the environment does not set to 1:
+in ``python -m worker_service`` before numpy or torch is imported (they read them once, at import), and the
+PyTorch bridge sets torch's threads from it (:func:`torch_threads`). The start line says what applies
+(:func:`describe`). Imports nothing but ``os``, so it can run first.
+"""
+from __future__ import annotations
+
+import os
+from typing import MutableMapping
+
+#: the variables of OpenBLAS, OpenMP (torch's CPU kernels, MKL's) and MKL
+VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def one_thread_unless_set(environ: MutableMapping[str, str] = os.environ) -> list[str]:
+    """Set each of :data:`VARS` that ``environ`` lacks to ``"1"``; the names set."""
+    missing = [name for name in VARS if name not in environ]
+    for name in missing:
+        environ[name] = "1"
+    return missing
+
+
+def describe(defaulted: list[str], environ: MutableMapping[str, str] = os.environ) -> str:
+    """For the start line: the thread settings in force, and which are this module's default."""
+    values = " ".join(f"{name}={environ.get(name)}" for name in VARS)
+    if not defaulted:
+        return f"threads: {values} (as set)"
+    return f"threads: {values} (1 unless set: workers share their host; set {', '.join(defaulted)} to use more)"
+
+
+def torch_threads(torch, environ: MutableMapping[str, str] = os.environ) -> str:
+    """A worker's torch computes on ``OMP_NUM_THREADS`` threads, one unless set; for the start line."""
+    if "OMP_NUM_THREADS" not in environ:
+        torch.set_num_threads(1)
+        return "torch threads: 1 (OMP_NUM_THREADS unset: workers share their host; set it to use more)"
+    return f"torch threads: {torch.get_num_threads()} (OMP_NUM_THREADS={environ['OMP_NUM_THREADS']})"
