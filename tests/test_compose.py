@@ -216,8 +216,10 @@ def crash(c: dict) -> bool:
 
 def test_kill_a_worker_crash_a_worker_crash_the_ps_job_finishes(compose, request):
     steps, lease = 2500, 3.0
+    # WORKER_COMPUTE_DELAY_SECONDS: ~40 rounds/s at most, so the job outlasts the kills below on any machine (at
+    # ~230 rounds/s it was done before the PS crash on a loaded one)
     p = compose("kill", PS_MAX_STEPS=steps, WORKER_TASK="linear", PS_LEASE_SECONDS=lease,
-                PS_CHECKPOINT_EVERY_STEPS=100)
+                PS_CHECKPOINT_EVERY_STEPS=100, WORKER_COMPUTE_DELAY_SECONDS=0.025)
     with logs_on_failure(p):
         p.run("up")
         p.wait_status(lambda s: s["state"] == "training" and s["global_step"] >= 50, 120, "training to start")
@@ -246,6 +248,7 @@ def test_kill_a_worker_crash_a_worker_crash_the_ps_job_finishes(compose, request
             assert [c["RestartCount"] for c in p.inspect("worker") if c["Id"] == crashed["Id"]] == [1]
         # 3. The PS crashes: the restart policy brings it back, the workers find it again.
         before = p.get("/v1/status")["global_step"]
+        assert before < steps - 200, f"the job is (nearly) over at step {before}: the PS crash would test nothing"
         t1 = time.monotonic()
         by_policy = crash(p.inspect("ps")[0])
         back = p.wait_status(lambda s: s["uptime_seconds"] < time.monotonic() - t1 + 1, 90, "the PS to come back")
