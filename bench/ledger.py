@@ -58,11 +58,6 @@ PATHS: dict[str, FastPath] = {
           'return RawConnection(base_url) if base_url.startswith("http://") else HttpxConnection(base_url)',
           "return HttpxConnection(base_url)"),),
         ("http:1000:2", "http:1000000:2", "http:10000000:2")),
-    "codec-fast": FastPath(
-        "shared/codec.py (msgpack's C unpacker for messages up to 2 KB; the pure-Python reader above)",
-        "the pure-Python reader for every message",
-        (("shared/codec.py", "FAST_MAX_BYTES = 2048", "FAST_MAX_BYTES = -1"),),
-        ("http:1000:2", "shm:1000:2")),
     "cores": FastPath(
         "ps_service/core/cores.py (the last fold and SGD's update over both cores from 8 MB)",
         "one thread",
@@ -73,11 +68,6 @@ PATHS: dict[str, FastPath] = {
         "glibc's default thresholds",
         (("ps_service/__main__.py", "    keep_freed_memory()", "    pass  # ledger: glibc's defaults"),),
         ("shm:10000000:2", "http:10000000:2")),
-    "gc-freeze": FastPath(
-        "ps_service/__main__.py (gc.freeze() after start-up)",
-        "the cyclic collector scans start-up's objects too",
-        (("ps_service/__main__.py", "    gc.freeze()", "    pass  # ledger: no freeze"),),
-        ("shm:1000000:2", "http:1000:2")),
     "sum-bound": FastPath(
         "ps_service/core/accumulator.py (the round's sum not read for overflow when its pushes' bounds rule it out)",
         "the sum read once for NaN/Inf every round",

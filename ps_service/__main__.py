@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import gc
 import logging
 import os
 import sys
@@ -40,11 +39,6 @@ def main(argv: list[str] | None = None) -> None:
     # 1.52) accepts one per loop turn, which matters with a thousand workers opening connections under load
     # (docs/performance.md, "Load: many workers on one PS").
     app = create_app(settings, exit_on_refusal=True)
-    # What start-up made (routes, settings, pydantic's schemas) lives as long as the process: out of the cyclic
-    # collector's reach, so its collections scan only what requests make (same-host 1e6 x 2: 65.1 -> 66.9 steps/s,
-    # 3 runs a side, docs/performance.md)
-    gc.collect()
-    gc.freeze()
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                 timeout_graceful_shutdown=5, loop=settings.event_loop, **server_options(settings))
 

@@ -5,6 +5,11 @@ small: a frame's header, a checkpoint's envelope. :func:`unpack` refuses anythin
 data: extension types, map keys other than strings, a key that appears twice in one map (a reader
 must never have to guess which one wins), truncated or trailing bytes; and it bounds what a message
 may make it allocate. Every refusal is a :class:`shared.errors.ProtocolError` with status 400.
+
+Writing is msgpack's :func:`msgpack.packb`; reading is the one reader below, not msgpack's unpacker: that one
+allocates each container at its declared length before reading its items (a nested header can declare far more
+than it carries) and returns ``bin`` values as copies. Its C path on headers up to 2 KB was measured within the
+noise (docs/performance.md, the fast-path ledger) and was removed.
 """
 from __future__ import annotations
 
@@ -56,41 +61,6 @@ _LEN = {0xc4: ">B", 0xc5: ">H", 0xc6: ">I", 0xd9: ">B", 0xda: ">H", 0xdb: ">I",
         0xdc: ">H", 0xdd: ">I", 0xde: ">H", 0xdf: ">I"}
 
 
-#: messages up to this size are parsed by msgpack's C unpacker, its lengths bounded by the message's size
-#: (a frame header is a few hundred bytes); larger ones by the bounded pure-Python reader below
-FAST_MAX_BYTES = 2048
-
-
-class _Refused(Exception):
-    pass
-
-
-_TIMESTAMP = msgpack.Timestamp
-
-
-def _fast_map(pairs: list) -> dict:
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        seen: set = set()
-        key = next(k for k, _ in pairs if k in seen or seen.add(k))
-        raise _Refused("duplicate_key", f"the key {str(key)[:64]!r} appears twice in one map")
-    if not {*map(type, out)} <= {str}:
-        raise _Refused("bad_msgpack", "map keys must be strings")
-    if _TIMESTAMP in {*map(type, out.values())}:
-        raise _Refused("bad_msgpack", "extension types are refused")
-    return out
-
-
-def _fast_list(items: list) -> list:
-    if _TIMESTAMP in {*map(type, items)}:
-        raise _Refused("bad_msgpack", "extension types are refused")
-    return items
-
-
-def _no_ext(code: int, data: bytes) -> Any:
-    raise _Refused("bad_msgpack", f"extension type {code} is refused")
-
-
 def unpack(body: bytes | bytearray | memoryview) -> Any:
     """Parse one msgpack object that is all of ``body`` (large ``bin`` values come back as memoryviews of it).
 
@@ -100,20 +70,6 @@ def unpack(body: bytes | bytearray | memoryview) -> Any:
     :data:`MAX_ITEMS` in all (checked on the declared counts, before the items are built), and nesting
     is limited to 32 levels: a hostile message stays as small in memory as it is on the wire.
     """
-    n = len(body)
-    if n <= FAST_MAX_BYTES:
-        try:
-            value = msgpack.unpackb(body, raw=False, strict_map_key=False, use_list=True, ext_hook=_no_ext,
-                                    object_pairs_hook=_fast_map, list_hook=_fast_list, max_str_len=n, max_bin_len=n,
-                                    max_array_len=n, max_map_len=n, max_ext_len=n)
-        except _Refused as exc:
-            code, detail = exc.args
-            raise bad_request(code, detail if code == "duplicate_key" else f"not valid msgpack: {detail}") from None
-        except (ValueError, TypeError, msgpack.UnpackException, msgpack.ExtraData, RecursionError) as exc:
-            raise _bad_msgpack(type(exc).__name__) from None
-        if isinstance(value, msgpack.Timestamp):
-            raise _bad_msgpack("extension types are refused")
-        return value
     reader = _Reader(body)
     value = reader.obj(0)
     if reader.pos != reader.end:
