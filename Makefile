@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 BASE_STAMP := $(VENV)/.installed-base
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: run test lint-imports bench venv clean
+.PHONY: run test lint-imports bench venv docs clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -38,5 +38,9 @@ lint-imports: $(TEST_STAMP)
 bench: $(TEST_STAMP)
 	$(PY) -m bench.table
 
+# the documentation site (mkdocs.yml) into site/ (git-ignored); --strict: a broken link or a page off the nav fails
+docs: $(TEST_STAMP)
+	$(PY) -m mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) .pytest_cache build site *.egg-info

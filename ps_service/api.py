@@ -50,7 +50,7 @@ class Registered(BaseModel):
     compression: dict = Field(description='The job\'s gradient compression of body pushes (PS_COMPRESSION): '
                                           '{"name", "topk_ratio", "threshold", "topk_warmup_steps"} (docs/protocol.md, Compression).')
     shards: int = Field(description="PS processes the model is spread over (PS_SHARDS); > 1: push and pull every "
-                                    "shard (GET /v1/shards; docs/protocol.md, Shards).")
+                                    "shard (GET /v1/shards; docs/protocol-shards.md).")
     mode: str = Field(description='The job\'s mode (PS_MODE): "sync", "async" or "ssp" (a task may bring another '
                                   "learning rate for async and SSP, which apply every gradient on its own).")
 

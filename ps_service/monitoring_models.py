@@ -130,7 +130,7 @@ class Status(BaseModel):
         'A sharded PS (PS_SHARDS > 1; null: one PS): {"index", "count", "role": coordinator|follower, "step", '
         '"bytes_owned", "held_pushes", "map_digest", "boot"}; on the coordinator also "blocked", "rollbacks", '
         '"last_rollback", "leases_held" (a follower does not answer: no lease runs out) and "shards": per shard '
-        '{"index", "url", "step", "reachable", "bytes_owned", "error", "rounds_queued"} (docs/protocol.md, Shards).'))
+        '{"index", "url", "step", "reachable", "bytes_owned", "error", "rounds_queued"} (docs/protocol-shards.md).'))
 
 
 class PhaseSeconds(BaseModel):

@@ -1,8 +1,9 @@
 """Every PS setting, one documented field each, read from ``PS_*`` environment variables.
 
-This module is the only place the PS reads its environment (pydantic-settings),
-so the README's configuration table is this class. ``PS_AUTH_TOKEN_FILE`` (a
-Docker secret) is read here too, and ``PS_REQUIRE_AUTH`` refuses settings without a training token.
+This module is the only place the PS reads its environment (pydantic-settings), so the configuration
+reference (docs/reference/configuration.md, rendered by docs/gen_config.py) is this class.
+``PS_AUTH_TOKEN_FILE`` (a Docker secret) is read here too, and ``PS_REQUIRE_AUTH`` refuses settings
+without a training token.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from shared.tokens import resolve_token
 
 #: what the PS says when PS_REQUIRE_AUTH=true finds no token: how to make one, and where it is mounted
 MAKE_A_TOKEN = ("Make one as a secret and point PS_AUTH_TOKEN_FILE at it (or, with Docker Compose on one host, set "
-                "PS_AUTH_TOKEN in .env: README, Security): Docker Swarm: "
+                "PS_AUTH_TOKEN in .env: docs/guides/security.md): Docker Swarm: "
                 "`openssl rand -hex 32 | docker secret create syncps_token -` (mounted at /run/secrets/syncps_token); "
                 "Kubernetes: `kubectl -n syncps create secret generic syncps-token "
                 "--from-literal=token=$(openssl rand -hex 32) --from-literal=monitor-token=$(openssl rand -hex 32)` "
@@ -146,9 +147,8 @@ class PSSettings(BaseSettings):
         1_000_000, ge=1, description="Tensors with more elements are cut into contiguous slices of at most this "
                                      "many (MXNet's MXNET_KVSTORE_BIGARRAY_BOUND); slices are spread by bytes. "
                                      "Each slice is a tensor of its own in every hold and pull: keep them large (at "
-                                     "1, the mlp's ~4,800 one-element slices made a push take 292 ms (2 shards) "
-                                     "and 272 ms (3 shards) over loopback TCP, 3 workers, the 2-core AMD EPYC VM, "
-                                     "2026-12-05, against 4.5 ms with whole tensors on 3 shards).")
+                                     "1, the mlp's ~4,800 one-element slices made a push over loopback TCP about 60 "
+                                     "times slower than with whole tensors).")
 
     @model_validator(mode="after")
     def _token_required(self) -> "PSSettings":

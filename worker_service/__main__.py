@@ -46,7 +46,7 @@ def pin(cpus: frozenset[int]) -> None:
 
 
 def usage() -> str:
-    """``--help``: what the worker does and its settings (environment variables, README "Configuration")."""
+    """``--help``: what the worker does and its settings (environment variables, docs/reference/configuration.md)."""
     text = re.sub(r":\w+:`([^`]*)`", r"\1", __doc__).replace("``", "").strip()
     lines = [text, "", "settings (environment variables):"]
     for name, field in WorkerSettings.model_fields.items():

@@ -48,7 +48,7 @@ class WorkerSettings(BaseSettings):
     auth_token_file: Path | None = Field(
         None, description="File holding the token (a Docker secret, /run/secrets/...); instead of WORKER_AUTH_TOKEN.")
     fault_drop_before: float = Field(
-        0.0, ge=0, le=1, description="Fault drill (worker_service/faults.py): share of requests dropped before the PS.")
+        0.0, ge=0, le=1, description="Fault drill (worker_service/transport/faults.py): share of requests dropped before the PS.")
     fault_drop_after: float = Field(
         0.0, ge=0, le=1, description="Fault drill: share of requests the PS processes whose answer is then lost.")
     fault_duplicate: float = Field(0.0, ge=0, le=1, description="Fault drill: share of requests the PS receives twice.")

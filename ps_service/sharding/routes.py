@@ -1,4 +1,4 @@
-"""The routes of a sharded PS (docs/protocol.md, Shards); app.py mounts them only when ``PS_SHARDS`` > 1.
+"""The routes of a sharded PS (docs/protocol-shards.md); app.py mounts them only when ``PS_SHARDS`` > 1.
 
 Workers: ``GET /v1/shards`` (the coordinator: shard URLs and the map), ``POST /v1/shard/gradients`` (any
 shard: hold this worker's pieces for a step), ``POST /v1/shard/commit`` (the coordinator: count the push

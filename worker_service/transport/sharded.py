@@ -1,4 +1,4 @@
-"""Tensors through a sharded PS (docs/protocol.md, Shards): one production transport per shard, used in parallel.
+"""Tensors through a sharded PS (docs/protocol-shards.md): one production transport per shard, used in parallel.
 
 Contract: :meth:`ShardedTransport.open` asks the coordinator (the worker's ``WORKER_PS_URL``) for the shard
 URLs and map (``GET /v1/shards``, waiting for the model), plans the map again from the spec it names
