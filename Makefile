@@ -40,7 +40,7 @@ bench: $(TEST_STAMP)
 
 # the documentation site (mkdocs.yml) into site/ (git-ignored); --strict: a broken link or a page off the nav fails
 docs: $(TEST_STAMP)
-	$(PY) -m mkdocs build --strict --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 
 clean:
 	rm -rf $(VENV) .pytest_cache build site *.egg-info

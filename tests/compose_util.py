@@ -2,13 +2,13 @@
 
 :class:`ComposeProject` runs ``docker compose`` with a unique project name, its own
 host port (``SYNCPS_PORT``) and the job's settings in an env file of its own, as a
-user keeps them in ``.env`` (the README's one place for settings); the process
+user keeps them in ``.env`` (docs/guides/compose.md: the one place for settings); the process
 environment is scrubbed of the caller's PS_*, WORKER_*, SYNCPS_* and COMPOSE_*
 variables and a developer's ``.env`` is never read. Every command has a timeout.
 ``down()`` removes containers, network, volumes and the env file and reports what is left.
 
-:data:`DOCUMENTED` holds the compose commands the README gives (tests/test_docs.py checks
-that the README shows each one verbatim); :meth:`ComposeProject.run` runs one of them as
+:data:`DOCUMENTED` holds the compose commands docs/guides/compose.md gives (tests/test_docs.py checks
+that the page shows each one verbatim); :meth:`ComposeProject.run` runs one of them as
 written, adding only the flags that isolate the test's project.
 
 :class:`PublishedPS` reads the PS of a deployment over its published port (/v1/status polled with a
@@ -42,7 +42,7 @@ COMPOSE_FILE = ROOT / "docker-compose.yml"
 IMAGE = "syncps:compose-test"
 SCRUBBED_PREFIXES = ("PS_", "WORKER_", "SYNCPS_", "COMPOSE_")
 
-#: The README's compose commands, run by the compose tests exactly as written there.
+#: The compose commands of docs/guides/compose.md, run by the compose tests exactly as written there.
 DOCUMENTED = {
     "up": "docker compose up -d",  # start (or resume) the job in the background: 4 workers, the file's count
     "scale_up": "docker compose up -d --no-recreate --scale worker=6",  # on a running job: nothing restarted
@@ -167,7 +167,7 @@ class ComposeProject(PublishedPS):
         return r
 
     def run(self, key: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
-        """Run the README's command ``DOCUMENTED[key]`` as written, in this test's project."""
+        """Run the guide's command ``DOCUMENTED[key]`` as written, in this test's project."""
         argv = shlex.split(DOCUMENTED[key])
         assert argv[:2] == ["docker", "compose"], argv
         return self.compose(*argv[2:], timeout=timeout)
@@ -207,7 +207,7 @@ class ComposeProject(PublishedPS):
         return container["Name"].lstrip("/")
 
     def ps_names(self, service: str, all_: bool = True) -> list[str]:
-        """Container names of ``service`` as the README's `docker compose ps` lists them (``-a``: exited too)."""
+        """Container names of ``service`` as the guide's `docker compose ps` lists them (``-a``: exited too)."""
         out = self.compose(*shlex.split(DOCUMENTED["ps"])[2:], *(["-a"] if all_ else []), "--format", "json",
                            service).stdout
         return sorted(json.loads(line)["Name"] for line in out.splitlines() if line.strip())

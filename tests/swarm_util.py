@@ -2,7 +2,7 @@
 second engine joined as a worker node (``../shared/docker/swarm-2node.sh``: docker-in-docker, reached over
 the swarm's overlay network as another host would be).
 
-- :data:`DOCUMENTED` holds the README's swarm commands; the tests run them as written, with the test's
+- :data:`DOCUMENTED` holds the swarm commands of docs/guides/swarm.md; the tests run them as written, with the test's
   stack name in place of ``syncps`` and, for the deploy, one more ``-c`` file holding the test's settings.
 - :func:`swarm_unavailable` says why swarm tests cannot run: :func:`compose_unavailable`'s reasons, or this
   engine already in a swarm (a test never changes a swarm it did not make).
@@ -38,7 +38,7 @@ from shared.tokens import bearer_header
 from tests.compose_util import IMAGE, ROOT, SCRUBBED_PREFIXES, PublishedPS, compose_unavailable, docker
 
 STACK_FILE = ROOT / "docker-stack.yml"
-#: the co-located shards' extra stack file (README: Full precision between hosts)
+#: the co-located shards' extra stack file (docs/guides/shards.md: Full precision between hosts)
 COLOCATED_FILE = ROOT / "deploy" / "swarm" / "colocated.yml"
 #: the stack's Docker secrets: the training token, the monitoring token
 TOKEN, MONITOR_TOKEN = "syncps_token", "syncps_monitor_token"
@@ -55,7 +55,7 @@ VOLUME /var/lib/docker
 CMD ["dockerd", "--host", "unix:///var/run/docker.sock"]
 """
 
-#: The README's swarm commands, run by the swarm tests as written (the stack name aside).
+#: The swarm commands of docs/guides/swarm.md, run by the swarm tests as written (the stack name aside).
 DOCUMENTED = {
     "init": "docker swarm init",
     "deploy": "deploy/swarm/deploy.sh",  # checks the secrets, then docker stack deploy ... syncps
@@ -173,7 +173,7 @@ class Stack(PublishedPS):
         self.env = scrubbed_env(SYNCPS_STACK=self.name, SYNCPS_IMAGE=IMAGE, SYNCPS_PORT=str(self.port))
 
     def argv(self, key: str) -> list[str]:
-        """The README's command ``DOCUMENTED[key]`` for this stack: its name in place of ``syncps``."""
+        """The guide's command ``DOCUMENTED[key]`` for this stack: its name in place of ``syncps``."""
         argv = shlex.split(DOCUMENTED[key])
         return [*argv[:-1], re.sub(r"^syncps(?=_|$)", self.name, argv[-1])]
 
@@ -248,7 +248,7 @@ class Swarm:
         self.node2_up = False
 
     def init(self) -> None:
-        """The README's ``docker swarm init``, advertised on docker0 (the address node 2 can reach)."""
+        """The guide's ``docker swarm init``, advertised on docker0 (the address node 2 can reach)."""
         addr = docker0_address()
         run([*shlex.split(DOCUMENTED["init"]), *(["--advertise-addr", addr] if addr else [])])
 

@@ -386,17 +386,17 @@ def test_a_real_ps_writes_on_sigterm_and_restores_on_start(tmp_path):
         assert (reg["worker_id"], reg["rank"]) == (state["members"][0]["worker_id"], 0)
 
 
-def test_the_readme_and_the_doc_state_the_same_bound_on_a_kill():
+def test_the_guide_and_the_doc_state_the_same_bound_on_a_kill():
     """One bound, stated identically in both places (and held: test_faults.py kills a real PS ten times)."""
-    readme = (DOC.parent.parent / "README.md").read_text()
+    guide = (DOC.parent / "guides" / "faults.md").read_text()
     found = [" ".join(re.search(r"\*\*A kill -9 redoes at most .*?no bound in steps\.", text, re.S).group(0).split())
-             for text in (readme, DOC.read_text())]
+             for text in (guide, DOC.read_text())]
     assert found[0] == found[1] and "2 × `PS_CHECKPOINT_EVERY_STEPS` steps" in found[0]
 
 
 def test_a_resumed_job_takes_this_starts_hyper_parameters_and_refuses_another_optimizer(tmp_path):
-    """What the README says applies on `up -d` applies to a resumed job too: the learning rate and the optimizer's
-    hyper-parameters of this start's settings go on top of the checkpoint's spec (the slots and iterations stay).
+    """What docs/guides/compose.md says applies on `up -d` applies to a resumed job too: the learning rate and the
+    optimizer's hyper-parameters of this start's settings go on top of the checkpoint's spec (the slots and iterations stay).
     Another optimizer than the checkpoint's is refused (its slots do not carry over), and nothing is loaded."""
     core, ids = make_core()  # adam, learning rate 0.1
     train(core, ids, 3)

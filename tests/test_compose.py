@@ -1,5 +1,5 @@
 """``docker compose up`` for real: the repository's Dockerfile and docker-compose.yml, a real Docker
-engine, real containers, driven by the README's own commands (``compose_util.DOCUMENTED``, run as
+engine, real containers, driven by the commands of docs/guides/compose.md (``compose_util.DOCUMENTED``, run as
 written; the job's settings in the project's env file, as a user's ``.env``).
 
 Each test is its own compose project (unique name, own host port, ``down -v`` afterwards even on
@@ -136,7 +136,7 @@ def test_up_builds_without_a_registry_trains_4_named_workers_and_down_cleans_up(
 
 
 def test_documented_commands_restart_the_ps_and_rescale_without_changing_the_job(compose, request):
-    """The README's commands on a running job: `up -d` after `kill ps` keeps 4 workers (the file's count, not 1),
+    """The guide's commands on a running job: `up -d` after `kill ps` keeps 4 workers (the file's count, not 1),
     `up -d --no-recreate --scale worker=6` adds 2 and restarts nothing, `kill ps` + `start ps` leaves the 6
     workers alone, `--scale worker=2` stops 4 gracefully; max_steps (from the env file) never changes.
     The job is long on purpose (it must still run at the scale-down); `docker compose stop` ends it."""
@@ -149,7 +149,7 @@ def test_documented_commands_restart_the_ps_and_rescale_without_changing_the_job
         assert len(workers) == 4
         (ps,) = p.inspect("ps")
 
-        # 1. the PS killed, then the README's `docker compose up -d`: the same PS again, still 4 workers
+        # 1. the PS killed, then the guide's `docker compose up -d`: the same PS again, still 4 workers
         t0 = time.monotonic()
         p.run("kill_ps")
         wait_for(lambda: p.inspect("ps")[0]["State"]["Status"] == "exited", 30, "the PS container to stop")

@@ -1,19 +1,25 @@
-"""The README, the settings classes and docker-compose.yml agree, and the README's commands are the real ones.
+"""The README, the documentation site, the settings classes and docker-compose.yml agree, and the documented
+commands are the real ones.
 
-- Every field of ``PSSettings`` / ``WorkerSettings`` (their env names: ``PS_*``, ``WORKER_*``) has a row in
-  the README's configuration table with the class's default and description, and is passed through
-  docker-compose.yml; neither lists a setting that does not exist. A new field fails here until both do.
-- The compose commands the compose tests run (``tests/compose_util.DOCUMENTED``) are written in the
-  README exactly so, and the install commands the README gives bring what the commands import.
-- The Makefile installs what the README says: `make run` the base (`-e .`), `make test` / `bench` / `venv` the test
+- docs/reference/configuration.md is what docs/gen_config.py renders from ``PSSettings`` / ``WorkerSettings``
+  (one row per field: env name, default, description); a setting changed without re-rendering fails here. Every
+  setting is passed through docker-compose.yml, which lists none that does not exist.
+- The compose commands the compose tests run (``tests/compose_util.DOCUMENTED``) are written exactly so on
+  docs/guides/compose.md; the README shows the quick start (`docker compose up --scale worker=4`, `make run`,
+  `make test`), and the install commands the docs give bring what the commands import.
+- The site builds with ``mkdocs build --strict`` (a broken link or anchor, a page off the nav fails); the README
+  has at most 250 lines of at most 120 characters; no page of docs/ has more than 600 lines.
+- The Makefile installs what the docs say: `make run` the base (`-e .`), `make test` / `bench` / `venv` the test
   extras (`-e '.[test]'`), each once per venv.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,26 +31,28 @@ from worker_service.settings import WorkerSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
+DOCS = ROOT / "docs"
+COMPOSE_GUIDE = (DOCS / "guides" / "compose.md").read_text()
+GETTING_STARTED = (DOCS / "getting-started.md").read_text()
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 CLASSES = {"ps": (PSSettings, "PS_"), "worker": (WorkerSettings, "WORKER_")}
-ROW = re.compile(r"^\| `((?:PS|WORKER)_[A-Z0-9_]+)` \| `([^`]*)` \| (.*) \|$", re.M)
-COMPOSE_ONLY = ("SYNCPS_PORT", "SYNCPS_BIND", "SYNCPS_IMAGE", "SYNCPS_EXTRAS", "SYNCPS_TORCH_INDEX_URL")
+
+
+def _gen_config():
+    """docs/gen_config.py, the configuration page's renderer (a script, not a package module)."""
+    spec = importlib.util.spec_from_file_location("gen_config", DOCS / "gen_config.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+GEN_CONFIG = _gen_config()
+COMPOSE_ONLY = tuple(GEN_CONFIG.COMPOSE_ONLY)
 
 
 def env_names(service: str) -> list[str]:
     cls, prefix = CLASSES[service]
     return [prefix + name.upper() for name in cls.model_fields]
-
-
-def readme_default(field) -> str:
-    return "unset" if field.default is None else str(field.default)
-
-
-def readme_row(service: str, env: str) -> str:
-    cls, prefix = CLASSES[service]
-    f = cls.model_fields[env.removeprefix(prefix).lower()]
-    default = readme_default(f) if f.default_factory is None else "<computed: see its meaning>"
-    return f"| `{env}` | `{default}` | {f.description} |"
 
 
 def compose_env(service: str) -> dict[str, str | None]:
@@ -56,28 +64,36 @@ def compose_env(service: str) -> dict[str, str | None]:
     return out
 
 
-def test_readme_has_every_env_var_and_the_commands():
-    missing = [n for s in CLASSES for n in env_names(s) if f"`{n}`" not in README]
-    assert not missing, f"README lacks {missing}"
-    for cmd in ("make run", "make test", "docker compose up --scale worker=4", "docs/protocol.md"):
-        assert cmd in README
+def test_the_configuration_page_is_what_the_settings_classes_render():
+    """docs/reference/configuration.md is docs/gen_config.py's rendering of the classes, byte for byte: a setting
+    added, removed or re-described without `python docs/gen_config.py` fails here."""
+    page = GEN_CONFIG.PAGE.read_text()
+    rendered = GEN_CONFIG.render()
+    assert page == rendered, "docs/reference/configuration.md is out of date: run python docs/gen_config.py"
+    # the rendering has every field's row, with its default and its description, and nothing else
+    rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| `((?:PS|WORKER)_[A-Z0-9_]+)` \| `[^`]*` \| .* \|$",
+                                                      page, re.M)}
+    expected = {n for s in CLASSES for n in env_names(s)}
+    assert set(rows) == expected, sorted(set(rows) ^ expected)
+    f = PSSettings.model_fields["lease_seconds"]
+    assert rows["PS_LEASE_SECONDS"] == f"| `PS_LEASE_SECONDS` | `{f.default}` | {f.description} |"
+    assert all(f"`{name}`" in page for name in COMPOSE_ONLY)
 
 
-@pytest.mark.parametrize("service", ["ps", "worker"])
-def test_readme_table_rows_are_the_settings_class(service):
-    """One row per field, in any order, with the class's default and description (the table is the class)."""
-    cls, prefix = CLASSES[service]
-    rows = {name: (default, meaning) for name, default, meaning in ROW.findall(README) if name.startswith(prefix)}
-    expected = env_names(service)
-    missing = [readme_row(service, n) for n in expected if n not in rows]
-    assert not missing, "README's configuration table lacks these rows:\n" + "\n".join(missing)
-    unknown = sorted(set(rows) - set(expected))
-    assert not unknown, f"README documents settings that {cls.__name__} does not have: {unknown}"
-    wrong = [readme_row(service, n) for n in expected
-             if rows[n][1] != cls.model_fields[n.removeprefix(prefix).lower()].description
-             or (cls.model_fields[n.removeprefix(prefix).lower()].default_factory is None
-                 and rows[n][0] != readme_default(cls.model_fields[n.removeprefix(prefix).lower()]))]
-    assert not wrong, "README rows out of date; they should read:\n" + "\n".join(wrong)
+def test_a_field_without_a_group_stops_the_renderer(monkeypatch):
+    """A new setting cannot reach the page without a place on it: the renderer names it."""
+    groups = {k: (t, c, [(g, [n for n in names if n != "lease_seconds"]) for g, names in gs])
+              for k, (t, c, gs) in GEN_CONFIG.GROUPS.items()}
+    monkeypatch.setattr(GEN_CONFIG, "GROUPS", groups)
+    with pytest.raises(ValueError, match="PS_LEASE_SECONDS"):
+        GEN_CONFIG.render()
+
+
+def test_the_readme_gives_the_quick_start_and_links_the_reference():
+    for cmd in ("make run", "make test", "docker compose up --scale worker=4", "docs/protocol.md",
+                "docs/reference/configuration.md"):
+        assert cmd in README, cmd
+    assert "| `PS_" not in README  # the settings live on the generated page, not in a table copied by hand
 
 
 @pytest.mark.parametrize("service", ["ps", "worker"])
@@ -92,7 +108,7 @@ def test_compose_passes_every_setting(service):
     assert not unknown, f"docker-compose.yml's {service} service sets unknown settings {unknown}"
     other = "WORKER_" if prefix == "PS_" else "PS_"
     assert not [n for n in env if n.startswith(other)], f"{service} gets the other service's settings"
-    # what the file fixes is deliberate (and said in the README); the rest comes from .env when set
+    # what the file fixes is deliberate (and said on docs/reference/configuration.md); the rest comes from .env when set
     fixed = {n: v for n, v in env.items() if v is not None and "${" not in v}
     assert fixed == {n: v for n, v in COMPOSE_FIXED.items() if n.startswith(prefix)}
 
@@ -108,7 +124,7 @@ def test_env_example_names_only_real_settings():
     assert not missing, f".env.example lacks {missing} (a '# description' line and '# NAME=default' each)"
     assert "WORKER_AUTH_TOKEN=" not in text  # compose gives the workers PS_AUTH_TOKEN
     for name in COMPOSE_ONLY:
-        assert f"`{name}`" in README and f"${{{name}" in (ROOT / "docker-compose.yml").read_text()
+        assert f"${{{name}" in (ROOT / "docker-compose.yml").read_text()
 
 
 def test_compose_file_defaults_that_keep_a_job_steady():
@@ -122,21 +138,24 @@ def test_compose_file_defaults_that_keep_a_job_steady():
     assert ps["image"] == worker["image"]
 
 
-def test_documented_compose_commands_are_in_the_readme_verbatim():
-    """The compose tests run these exact commands; the README must show them exactly so."""
-    spans = set(re.findall(r"`([^`\n]+)`", README)) | {line.strip() for line in README.splitlines()}
+def test_documented_compose_commands_are_in_the_compose_guide_verbatim():
+    """The compose tests run these exact commands; docs/guides/compose.md must show them exactly so."""
+    spans = set(re.findall(r"`([^`\n]+)`", COMPOSE_GUIDE)) | {line.strip() for line in COMPOSE_GUIDE.splitlines()}
     missing = [cmd for cmd in DOCUMENTED.values() if cmd not in spans]
-    assert not missing, f"README does not show {missing}"
+    assert not missing, f"docs/guides/compose.md does not show {missing}"
     # no inline job settings before a compose command: .env is the one place for them
-    inline = re.findall(r"`(?:[A-Z][A-Z0-9_]*=\S* )+docker compose[^`]*`", README)
-    assert not inline, inline
+    for text in (README, COMPOSE_GUIDE, GETTING_STARTED):
+        inline = re.findall(r"`(?:[A-Z][A-Z0-9_]*=\S* )+docker compose[^`]*`", text)
+        assert not inline, inline
 
 
-def test_readme_install_commands_bring_what_the_commands_import():
+def test_install_commands_bring_what_the_commands_import():
     """`pip install -e .` is the base (make run's python -m cluster, the PS, the linear worker); the mlp task's
     scikit-learn comes with the `mlp` extra (tests/test_install.py checks a fresh venv)."""
-    assert "pip install -e ." in README and "pip install -e '.[mlp]'" in README
-    assert "python -m cluster --workers 4 --task linear" in README  # what make run calls
+    assert "pip install -e ." in README and "pip install -e ." in GETTING_STARTED
+    assert "pip install -e '.[mlp]'" in GETTING_STARTED
+    for text in (README, GETTING_STARTED):
+        assert "python -m cluster --workers 4 --task linear" in text  # what make run calls
     assert "$(PY) -m cluster --workers 4 --task linear" in (ROOT / "Makefile").read_text()
 
 
@@ -175,3 +194,37 @@ def test_make_run_installs_the_base_make_test_the_test_extras(tmp_path):
         stamp.unlink()
     assert calls("test") == ["-m pip install -q -e .[test]", "-m pytest"]
     assert calls("run") == ["-m cluster --workers 4 --task linear"]  # the test install includes the base
+
+
+# ---- the site ---------------------------------------------------------------------------------------------
+def test_the_readme_reads_in_ten_minutes():
+    lines = README.splitlines()
+    assert len(lines) <= 250, f"README.md has {len(lines)} lines (at most 250)"
+    long = [(i, len(line)) for i, line in enumerate(lines, 1) if len(line) > 120]
+    assert not long, f"README.md lines over 120 characters (line, length): {long}"
+
+
+def test_no_docs_page_is_over_600_lines():
+    pages = sorted(DOCS.rglob("*.md"))
+    assert pages
+    long = {p.relative_to(ROOT).as_posix(): n for p in pages if (n := len(p.read_text().splitlines())) > 600}
+    assert not long, f"pages over 600 lines (split them): {long}"
+
+
+def test_every_page_is_in_the_nav():
+    """mkdocs --strict reports pages missing from the nav only as INFO: checked here."""
+    nav = (ROOT / "mkdocs.yml").read_text()
+    pages = {p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md")}
+    missing = sorted(p for p in pages if f": {p}\n" not in nav)
+    assert not missing, f"mkdocs.yml's nav lacks {missing}"
+
+
+def test_the_site_builds_strictly(tmp_path):
+    """`mkdocs build --strict` (what `make docs` and .ci/run run): a broken link or anchor fails."""
+    if importlib.util.find_spec("mkdocs") is None or importlib.util.find_spec("material") is None:
+        pytest.skip("mkdocs or mkdocs-material is not installed (pip install -e '.[docs]'): the site was not built")
+    out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert (tmp_path / "site" / "reference" / "configuration" / "index.html").exists()

@@ -158,7 +158,7 @@ def test_killed_ps_resumes_from_its_checkpoint(tmp_path):
     # ... and attached its gradient file to the new PS (same host); the killed PS's weights file was swept
     assert run["transports"] == ["shm"] * 3 and run["shm_files_left"] == ref["shm_files_left"] == []
     lost = max(was for _, was in run["rejoins"]) - restored[0]
-    assert 0 <= lost <= 2 * every  # the stated bound (README, docs/checkpoint.md)
+    assert 0 <= lost <= 2 * every  # the stated bound (docs/guides/faults.md, docs/checkpoint.md)
     resumed = min(r["closed_at"] for r in run["rounds"]) - run["killed_at"]
     print(f"\nPS kill -9 at step >= {kill_at}: PS answering again after {run['ps_up']:.2f} s, first round closed "
           f"{resumed:.2f} s after the kill; restored step {restored[0]}, {lost} steps redone (interval {every})")
@@ -172,8 +172,8 @@ def test_killed_ps_resumes_from_its_checkpoint(tmp_path):
 
 
 def test_kill_9_at_many_moments_redoes_at_most_two_checkpoint_intervals(tmp_path):
-    """The bound the README and docs/checkpoint.md state: a kill -9 redoes at most 2 x PS_CHECKPOINT_EVERY_STEPS
-    steps. One worker (this test) pushes a 4 MB model as fast as it can with a 2-step interval (Adam: 12 MB
+    """The bound docs/guides/faults.md and docs/checkpoint.md state: a kill -9 redoes at most
+    2 x PS_CHECKPOINT_EVERY_STEPS steps. One worker (this test) pushes a 4 MB model as fast as it can with a 2-step interval (Adam: 12 MB
     checkpoints, whose writes take longer than two rounds), the PS is killed after a random number of rounds, ten
     times, and each restart must restore a step within the bound of the step killed. (When a due checkpoint
     could queue behind the running write, or be put off while two were outstanding, this redid 5 and 7 steps.)"""

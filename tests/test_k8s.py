@@ -132,7 +132,7 @@ def test_rendering_is_kubectl_kustomize(folder):
     ({"newName": "registry.example/team/syncps", "newTag": "2.0"}, "registry.example/team/syncps:2.0"),
     ({"digest": "sha256:" + "ab" * 32}, "syncps@sha256:" + "ab" * 32)], ids=["name-and-tag", "digest"])
 def test_an_overlay_of_your_own_names_the_image_and_the_namespace(image, expected, tmp_path):
-    """What the README says a user does: an overlay with `namespace:` and `images:` over deploy/k8s."""
+    """What docs/guides/kubernetes.md says a user does: an overlay with `namespace:` and `images:` over deploy/k8s."""
     (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
         "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "namespace": "training",
         "resources": [os.path.relpath(BASE, tmp_path)], "images": [{"name": "syncps", **image}]}))
@@ -515,9 +515,9 @@ MAKE_IT = ("docker secret create syncps_token -",
            "--from-literal=monitor-token=$(openssl rand -hex 32)")
 
 
-def test_the_readme_and_the_ps_make_the_secret_the_same_way():
-    readme = (ROOT / "README.md").read_text()
-    assert MAKE_IT[1] in readme and f"kubectl -n {OBJ['Job', 'syncps-worker']['metadata']['namespace']} " in MAKE_IT[1]
+def test_the_guide_and_the_ps_make_the_secret_the_same_way():
+    guide = (ROOT / "docs" / "guides" / "kubernetes.md").read_text()
+    assert MAKE_IT[1] in guide and f"kubectl -n {OBJ['Job', 'syncps-worker']['metadata']['namespace']} " in MAKE_IT[1]
 
 
 @pytest.mark.parametrize("token_env", [{}, {"PS_AUTH_TOKEN_FILE": "/run/secrets/syncps/absent"},

@@ -33,7 +33,7 @@ from tests.test_compose import assert_linear_solved, final_weights, report
 from worker_service.settings import WorkerSettings
 
 pytestmark = [pytest.mark.compose, pytest.mark.timeout(420)]
-README = (ROOT / "README.md").read_text()
+GUIDE = (ROOT / "docs" / "guides" / "swarm.md").read_text()  # the swarm commands, as the tests run them
 STACK = yaml.safe_load(STACK_FILE.read_text())
 
 
@@ -98,8 +98,8 @@ def by_name(st: Stack) -> dict[str, dict]:
     return {w["name"]: w for w in st.workers()["workers"]}
 
 
-# -- the files and the README, without Docker ---------------------------------------------------------
-def test_stack_file_passes_real_settings_and_the_readme_shows_the_commands():
+# -- the files and the guide, without Docker ---------------------------------------------------------
+def test_stack_file_passes_real_settings_and_the_guide_shows_the_commands():
     real = {f"PS_{n.upper()}" for n in PSSettings.model_fields} | {f"WORKER_{n.upper()}" for n in WorkerSettings.model_fields}
     named = {str(e).partition("=")[0] for svc in STACK["services"].values() for e in svc["environment"]}
     assert named <= real, sorted(named - real)
@@ -109,9 +109,9 @@ def test_stack_file_passes_real_settings_and_the_readme_shows_the_commands():
     assert {"PS_REQUIRE_AUTH=true", f"PS_AUTH_TOKEN_FILE=/run/secrets/{TOKEN}"} <= set(ps["environment"])
     assert f"WORKER_AUTH_TOKEN_FILE=/run/secrets/{TOKEN}" in worker["environment"]
     assert all(STACK["secrets"][s] == {"external": True} for s in (TOKEN, MONITOR_TOKEN))
-    spans = set(re.findall(r"`([^`\n]+)`", README)) | {line.strip() for line in README.splitlines()}
+    spans = set(re.findall(r"`([^`\n]+)`", GUIDE)) | {line.strip() for line in GUIDE.splitlines()}
     missing = [cmd for cmd in DOCUMENTED.values() if cmd not in spans]
-    assert not missing, f"README does not show {missing}"
+    assert not missing, f"docs/guides/swarm.md does not show {missing}"
 
 
 # -- one node -----------------------------------------------------------------------------------------
@@ -124,7 +124,7 @@ def test_deploy_without_the_secrets_fails_and_says_how_to_make_them(swarm):
     assert r.returncode == 1, r.stdout + r.stderr
     howto = [line.strip() for line in r.stderr.splitlines() if "docker secret create" in line]
     assert [h.rsplit(" ", 2)[-2] for h in howto] == [TOKEN, MONITOR_TOKEN], r.stderr
-    assert all(h in README for h in howto), howto  # the README gives the same commands
+    assert all(h in GUIDE for h in howto), howto  # the guide gives the same commands
     assert "secret not found" in r.stderr and not docker("service", "ls", "-q", "--filter",
                                                          f"label=com.docker.stack.namespace={st.name}").stdout.split()
 

@@ -1,4 +1,5 @@
-"""docs/torch.md's training script runs as written: two copies train against a real PS until it is done."""
+"""docs/torch.md's training script runs as written: two copies train against a real PS until it is done. The README
+shows the same script (checked here), so it runs too."""
 from __future__ import annotations
 
 import re
@@ -10,11 +11,22 @@ from tests.live_ps import live_ps
 from tests.torch_util import logs, start_workers
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "torch.md"
+README = DOC.parent.parent / "README.md"
 STEPS = 30
 
 
+def documented_script(text: str, heading: str) -> str:
+    """The first ```python block after ``heading``."""
+    return re.search(rf"{heading}.*?```python\n(.*?)```", text, re.S).group(1)
+
+
+def test_the_readme_shows_the_same_script():
+    assert documented_script(README.read_text(), "## Your own PyTorch model") == \
+        documented_script(DOC.read_text(), "## A training script")
+
+
 def test_the_documented_script_trains_with_two_workers():
-    script = re.search(r"## A training script.*?```python\n(.*?)```", DOC.read_text(), re.S).group(1)
+    script = documented_script(DOC.read_text(), "## A training script")
     assert 15 <= len(script.strip().splitlines()) <= 25
     with tempfile.TemporaryDirectory(prefix="syncps-doc-") as tmp, \
             tempfile.TemporaryDirectory(prefix="syncps-doc-late-") as late, \
