@@ -22,7 +22,7 @@ when the run failed.
 weight deltas, ``PS_WEIGHT_DELTAS``, reported as ``weight_deltas``). It measures top-k's steady state: the job has
 no warm-up (``PS_COMPRESSION_TOPK_WARMUP_STEPS=0``) unless that variable is set in the environment.
 
-``--shards S`` (default 1) runs S PS processes (``PS_SHARDS``; README, Shards): ``ps_cpu_s`` is then the CPU
+``--shards S`` (default 1) runs S PS processes (``PS_SHARDS``; docs/guides/shards.md): ``ps_cpu_s`` is then the CPU
 of every shard summed, ``peak_rss_MB`` the largest shard's, and the line gets ``shards``, ``shard_cpu_s`` and
 ``shard_peak_rss_MB``, ``shard_urls`` and ``shard_wire_bytes_per_step`` (bytes received + sent a step; one per
 shard, the coordinator first); ``wire_MB_per_s`` sums every shard's bytes.

@@ -228,3 +228,22 @@ def test_the_site_builds_strictly(tmp_path):
                          env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert (tmp_path / "site" / "reference" / "configuration" / "index.html").exists()
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_the_readmes_links_resolve():
+    """mkdocs checks the site's links; the README is outside it: its relative links name files that exist, and
+    their anchors headings of those files."""
+    links = re.findall(r"\]\(([^)\s]+)\)", README) + re.findall(r"^\[[^\]]+\]: (\S+)$", README, re.M)
+    assert links
+    for link in (x for x in links if not x.startswith(("http://", "https://"))):
+        path, _, anchor = link.partition("#")
+        target = ROOT / path
+        assert target.exists(), f"README links to {link}: no such file"
+        if anchor:
+            headings = re.findall(r"^#+ (.+)$", target.read_text(), re.M)
+            assert anchor in {_slug(h) for h in headings}, f"README links to {link}: no such heading"
