@@ -1,6 +1,7 @@
 """``python -m bench.ab BEFORE AFTER``: two checkouts side by side in one pass, runs alternating.
 
-How the data-path issue's "no worse than before" was measured (docs/performance.md, "Issue 11, seventh session").
+How the data-path issue's "no worse than before" was measured
+(bench/results/2026-12-01-issue-11-seventh-session-every-cell-five-runs-a-side.jsonl).
 BEFORE and AFTER are source trees of syncps (e.g. ``git archive REV | tar -C DIR -xf -``), each run with this
 interpreter from its own directory: ``python -m bench.run --workers N --params P --seconds S`` (plus
 ``--transport http`` for the TCP cells), ``--runs`` times a side per cell, before and after alternating so that

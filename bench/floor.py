@@ -28,7 +28,7 @@ code, beats an ideal ring here; it beats a real one, gloo, only by running close
 does to its), ``compute_only_steps_per_s`` (``1 / (c * max(1, N/C))``: one worker's compute alone, so faster than
 ``compute_ceiling.py``'s N processes sharing the memory bus at 1e7), ``ps_floor_over_compute`` (against that), and
 the measured parts (``compute_ms``, ``tcp_ns_per_byte``, ``ps_arith_ms``, ``ring_arith_ms``). Between hosts the budget is the links, not CPU:
-docs/performance.md, "Between hosts".
+bench/results/2026-11-30-between-hosts-emulated-links.jsonl.
 """
 from __future__ import annotations
 

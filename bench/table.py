@@ -85,6 +85,18 @@ def machine() -> str:
     return f"{os.cpu_count()} cores, {cpu}, {platform.system()} {platform.release()}, Python {platform.python_version()}"
 
 
+def tree() -> str | None:
+    """This checkout's commit (short), ``+dirty`` when it has changes; None outside git."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return (head + ("+dirty" if dirty else "")) or None
+
+
 def median_of(lines: list[dict], key: str) -> float | None:
     values = [x[key] for x in lines if x.get(key) is not None]
     return statistics.median(values) if values else None
@@ -233,9 +245,12 @@ def main(argv: list[str] | None = None) -> int:
     compressions = tuple(c for c in args.compressions.split(",") if c)
     sharded = {int(p) for p in args.shard_params.split(",") if p}
     results: dict = {}
-    started = time.strftime("%Y-%m-%d %H:%M %Z")
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    stamp = {"command": " ".join(["python -m bench.table", *(sys.argv[1:] if argv is None else argv)]),
+             "when": started, "tree": tree(), "machine": machine(), "repeat": args.repeat}
     with open(args.out, "a") as out:
         def keep(line: dict) -> dict:
+            line = {**line, **stamp, "load_1min": round(os.getloadavg()[0], 2)}  # bench.report reads a pass so
             out.write(json.dumps(line) + "\n")
             out.flush()
             print(json.dumps(line), file=sys.stderr, flush=True)

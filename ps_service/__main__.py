@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> None:
     # PS_EVENT_LOOP: uvloop (default) reads large bodies at half asyncio's CPU (1e7 params over TCP: 98-104 against
     # 194-203 ms of PS CPU per step); asyncio's loop accepts every pending connection at once where uvloop (libuv
     # 1.52) accepts one per loop turn, which matters with a thousand workers opening connections under load
-    # (docs/performance.md, "Load: many workers on one PS").
+    # (bench/results/2026-11-30-load-many-workers-on-one-ps.jsonl).
     app = create_app(settings, exit_on_refusal=True)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                 timeout_graceful_shutdown=5, loop=settings.event_loop, **server_options(settings))

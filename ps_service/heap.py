@@ -4,7 +4,8 @@ A round allocates and frees the same temporaries every step: numpy arrays of a f
 indices, its gathered values, the SGD and weight-delta entries). glibc's malloc gives such blocks back to the
 kernel when they are freed (``munmap`` above its mmap threshold; the heap's top trimmed above its trim threshold),
 and the next round faults every page in again, zeroed: on the 2-core AMD EPYC VM a fresh 3.2 MB array costs
-2-3 ms of page faults before any arithmetic (docs/performance.md, "Freed memory kept for the next round").
+2-3 ms of page faults before any arithmetic
+(bench/results/2026-12-02-freed-memory-kept-for-the-next-round-and-top-k-s-new-weights.jsonl).
 
 :func:`keep_freed_memory` sets, once at start-up, glibc's documented tunables (``man 3 mallopt``): blocks up to
 :data:`MMAP_THRESHOLD` come from the heap, and up to :data:`TRIM_THRESHOLD` of free memory stays mapped. The PS's

@@ -4,7 +4,8 @@ The ``bf16`` and ``fp16`` encodings (shared/compression.py) cast every float32 g
 up on the PS. numpy's and ml_dtypes' casts do it one element at a time (a float32 -> float16 cast of 1e7 elements:
 58 ms on the 2-core Intel Xeon VM, against 24 here). Here each cast is a few whole-array integer and float operations,
 chunk by chunk (:data:`shared.scan.CHUNK` elements, so the temporaries stay in the L2 cache); float16 is widened by a
-gather from a table. docs/performance.md ("float16 casts in whole-array arithmetic") has the times.
+gather from a table. The times:
+bench/results/2026-12-02-float16-casts-in-whole-array-arithmetic-sixteenth-session.jsonl.
 
 Contract: :func:`to_bf16` and :func:`to_fp16` return exactly ``x.astype(bfloat16)`` / ``x.astype(float16)`` of a
 float32 array (round to nearest even; float16: from 65520 on +-Inf, up to 2**-25 a signed zero, subnormals

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("ps_service", "worker_service", "shared", "syncps", "cluster", "bench")
+PACKAGES = ("ps_service", "worker_service", "shared", "syncps", "cluster", "bench", "docgen")
 
 
 def _modules() -> list[str]:

@@ -1,40 +1,15 @@
 """Every command line of the project explains each of its options: every module that builds an argparse parser
-(found by reading the packages, so a new one is walked too) is run up to its parse, whose parser (and sub-parsers)
+(found by reading the packages, so a new one is walked too: docgen.cli) is run up to its parse, whose
+parser (and sub-parsers)
 is then checked for an option without a help line; ``python -m worker_service --help`` lists every setting with its
 meaning."""
 from __future__ import annotations
 
 import argparse
-import importlib
-import inspect
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("ps_service", "worker_service", "shared", "syncps", "cluster", "bench")
-
-
-def cli_modules() -> list[str]:
-    return sorted(p.relative_to(ROOT).with_suffix("").as_posix().replace("/", ".")
-                  for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py") if "ArgumentParser(" in p.read_text())
-
-
-class Parsed(Exception):
-    def __init__(self, parser: argparse.ArgumentParser) -> None:
-        self.parser = parser
-
-
-def parser_of(module: str, monkeypatch) -> argparse.ArgumentParser:
-    """The parser ``module.main`` builds, caught as it starts to parse (nothing else of main runs)."""
-    def caught(self, *args, **kwargs):
-        raise Parsed(self)
-
-    monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", caught)
-    main = importlib.import_module(module).main
-    with pytest.raises(Parsed) as got:
-        main([]) if inspect.signature(main).parameters else main()
-    return got.value.parser
+from docgen.cli import cli_modules, parser_of  # the same walk renders docs/reference/cli*.md
 
 
 def without_help(parser: argparse.ArgumentParser) -> list[str]:
@@ -52,13 +27,14 @@ def without_help(parser: argparse.ArgumentParser) -> list[str]:
 
 
 def test_the_walk_finds_the_command_lines():
-    assert {"cluster.__main__", "ps_service.__main__", "syncps.__main__", "bench.run", "bench.modes"} <= set(
+    assert {"cluster.__main__", "ps_service.__main__", "syncps.__main__", "bench.run", "bench.modes",
+            "docgen.__main__"} <= set(
         cli_modules())
 
 
 @pytest.mark.parametrize("module", cli_modules())
-def test_every_option_has_a_help_line(module, monkeypatch):
-    parser = parser_of(module, monkeypatch)
+def test_every_option_has_a_help_line(module):
+    parser = parser_of(module)
     assert parser.prog.startswith("python "), f"{module}'s usage line names {parser.prog!r}, not its command"
     assert not without_help(parser), f"options without help: {without_help(parser)}"
 

@@ -2,8 +2,9 @@
 
 The kernel zeroes every page of fresh memory at its first write: on our VMs a fresh 4 MB buffer costs ~2 ms of page
 faults (more than copying into it), and at 1e7 parameters over TCP, where every push body is 40 MB, zeroing the
-bodies' pages (``clear_page_erms``, under the socket reads) was 17 % of the PS's CPU (docs/performance.md, "Body
-buffers reused at every size"). So the PS takes its body buffers, its snapshot frames and the frame the weights
+bodies' pages (``clear_page_erms``, under the socket reads) was 17 % of the PS's CPU
+(bench/results/2026-12-01-body-buffers-reused-at-every-size-eleventh-session.jsonl).
+So the PS takes its body buffers, its snapshot frames and the frame the weights
 live in (:mod:`ps_service.core.store`) from :data:`POOL`.
 
 Contract:

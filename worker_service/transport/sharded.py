@@ -106,7 +106,8 @@ class ShardedTransport(TensorTransport):
         step = meta["step"]
         held = {"worker_id": meta["worker_id"], "step": step}
         # on_way once the holds are with their threads: woken before, its thread took this one's core for 1.5-2 ms
-        # just as the push was to start (docs/performance.md, twenty-fourth session)
+        # just as the push was to start
+        # (bench/results/2026-12-03-where-a-co-located-1e6-x-4-step-between-hosts-goes-and-the-n.jsonl)
         _, *receipts = self._all([lambda i=i, ps=ps: self._hold(i, held, shards.split(grads, ps), timeout)
                                   for i, ps in enumerate(self.map.pieces)], on_way)
         into = self._target()
