@@ -50,7 +50,8 @@ def usage() -> str:
     text = re.sub(r":\w+:`([^`]*)`", r"\1", __doc__).replace("``", "").strip()
     lines = [text, "", "settings (environment variables):"]
     for name, field in WorkerSettings.model_fields.items():
-        default = "unset" if field.default is None else repr(field.default)
+        default = ("<computed>" if field.default_factory is not None else  # see its meaning
+                   "unset" if field.default is None else repr(field.default))
         lines.append(f"  WORKER_{name.upper():<28} {default:<24} {(field.description or '').strip()}")
     return "\n".join(lines)
 
