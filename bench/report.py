@@ -83,7 +83,7 @@ def render(path: Path) -> str:
     load = f"load average {min(loads):.1f}-{max(loads):.1f} during the pass" if loads else first["load"]
     cells, results, compressions, floors, cnn, between = grouped(lines)
     rel = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.as_posix()
-    out = [f"The newest `make bench` pass ([{rel}](../{rel})): {first['when']}, the code of {first['tree']}. Machine: "
+    out = [f"The newest `make bench` pass (`{rel}`): {first['when']}, the code of {first['tree']}. Machine: "
            f"{first['machine']}; {load}. Syncps: the median of {first.get('repeat', 3)} runs per cell; the "
            "anchors and the compute-only ceiling: one run each. Steps (rounds) per second, float32:", "",
            table.table(cells, results, compressions)]

@@ -9,7 +9,8 @@ Contract:
   nothing of ``main`` after building the parser runs.
 - :func:`page` renders the commands of the given modules: each command's description, its usage line, a table
   of its options (flags, default, meaning) and the same for each sub-command; the worker's own ``--help`` text.
-  The rendering depends only on the parsers (a fixed 100-column width), so it is the same on every machine.
+  The rendering depends only on the parsers (a fixed 100-column width; a default under this checkout or the
+  temporary folder shown as ``<checkout>`` or ``$TMPDIR``), so it is the same on every machine.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import importlib
 import inspect
 import io
 import os
+import tempfile
 from pathlib import Path
 from unittest import mock
 
@@ -63,14 +65,22 @@ def command(module: str) -> str:
     return "python -m " + module.removesuffix(".__main__")
 
 
+#: a default that names this machine's paths is shown as where it points: the same page on every machine
+PLACES = ((str(ROOT), "<checkout>"), (str(ROOT.parent), "<checkout>/.."), (tempfile.gettempdir(), "$TMPDIR"))
+
+
 def _default(action: argparse.Action) -> str:
     if action.default in (None, argparse.SUPPRESS) or isinstance(action, (argparse._HelpAction,
                                                                           argparse._VersionAction)):
         return ""
-    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)) and action.default in (
-            True, False) and not action.option_strings == []:
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
         return "on" if action.default else "off"
-    return f"`{action.default!r}`" if not isinstance(action.default, str) or action.default else "`''`"
+    if action.default == "":
+        return "`''`"
+    text = repr(action.default)
+    for real, shown in PLACES:
+        text = text.replace(real, shown)
+    return f"`{text}`"
 
 
 def _flags(action: argparse.Action) -> str:
@@ -124,6 +134,14 @@ def help_text(module: str) -> str:
 
 
 def page(title: str, intro: str, modules: list[str]) -> str:
+    """The commands of ``modules`` on one page, as their parsers are built with no bench setting in the environment
+    (``SYNCPS_BENCH_JSON`` would turn their ``--json`` default on)."""
+    env = {k: v for k, v in os.environ.items() if k != "SYNCPS_BENCH_JSON"}
+    with mock.patch.dict(os.environ, env, clear=True):
+        return _page(title, intro, modules)
+
+
+def _page(title: str, intro: str, modules: list[str]) -> str:
     out = [f"# {title}", "", intro, ""]
     out += [f"- [`{command(m)}`](#{slug(command(m))})" for m in modules] + [""]
     for m in modules:

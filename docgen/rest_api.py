@@ -3,7 +3,7 @@
 Contract:
 
 - :func:`schema` is the schema the PS serves at ``/openapi.json`` (``create_app(PSSettings()).openapi()``: no server
-  started).
+  started), with every setting at its default (no ``PS_*`` variable of the caller's environment).
 - :func:`page` renders every path and method: its summary and description, who may call it (the bearer token of its
   security scheme), its parameters (where, type, default, required, meaning), its request body (media type and
   schema) and its responses. FastAPI lists a request its validation refuses as ``422 Validation Error``; the PS
@@ -16,9 +16,11 @@ Contract:
 from __future__ import annotations
 
 import ast
+import os
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 from docgen.markdown import cell, prose
 
@@ -34,7 +36,9 @@ def schema() -> dict:
     from ps_service.app import create_app
     from ps_service.settings import PSSettings
 
-    return create_app(PSSettings()).openapi()
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("PS_")}  # the defaults' schema, not this shell's
+    with mock.patch.dict(os.environ, clean, clear=True):
+        return create_app(PSSettings()).openapi()
 
 
 def type_of(s: dict) -> str:
