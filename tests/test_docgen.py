@@ -5,6 +5,7 @@ option, the newest ``make bench`` pass's every cell."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -87,3 +88,16 @@ def test_the_results_table_is_the_newest_pass(tmp_path):
     assert rendered != page and "12,345" in rendered
     assert rendered.split(report.BEGIN)[0] == page.split(report.BEGIN)[0]
     assert rendered.split(report.END)[1] == page.split(report.END)[1]
+
+
+def test_every_results_file_is_json_lines_with_the_machine_and_the_load():
+    """bench/results/YYYY-MM-DD-<what>.jsonl: every line parses and says where and under what load it was measured
+    (``load`` in words, or bench's ``load_1min`` / ``load_avg``)."""
+    files = sorted(report.RESULTS.glob("*"))
+    assert len(files) > 10
+    for path in files:
+        assert re.fullmatch(r"\d{4}-\d\d-\d\d-[a-z0-9-]+\.jsonl", path.name), path.name
+        lines = [json.loads(line) for line in path.read_text().splitlines()]
+        assert lines, path.name
+        for line in lines:
+            assert line.get("machine") and {"load", "load_1min", "load_avg"} & set(line), (path.name, line)
