@@ -32,6 +32,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -246,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     sharded = {int(p) for p in args.shard_params.split(",") if p}
     results: dict = {}
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    stamp = {"command": " ".join(["python -m bench.table", *(sys.argv[1:] if argv is None else argv)]),
+    stamp = {"command": "python -m bench.table " + shlex.join(sys.argv[1:] if argv is None else argv),
              "when": started, "tree": tree(), "machine": machine(), "repeat": args.repeat}
     with open(args.out, "a") as out:
         def keep(line: dict) -> dict:

@@ -101,3 +101,20 @@ def test_every_results_file_is_json_lines_with_the_machine_and_the_load():
         assert lines, path.name
         for line in lines:
             assert line.get("machine") and {"load", "load_1min", "load_avg"} & set(line), (path.name, line)
+
+
+def test_a_real_pass_renders_as_bench_table_printed_it(tmp_path):
+    """A (one-cell, one-run) ``python -m bench.table --out`` file is a pass: its lines carry the stamp, and the
+    page's table rendered from them is the one the bench printed."""
+    out = tmp_path / "2099-01-01-make-bench.jsonl"
+    done = subprocess.run([sys.executable, "-m", "bench.table", "--params", "4", "--workers", "2", "--seconds", "1",
+                           "--repeat", "1", "--compressions", "", "--anchors", "", "--cnn-workers", "", "--hosts", "",
+                           "--floor-params", "", "--shard-params", "", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = report.read(out)
+    assert [x["transport"] for x in lines] == ["shm", "http"]
+    assert all(report.is_pass(x) and x["machine"] and x["load_1min"] >= 0 and x["repeat"] == 1 for x in lines)
+    assert report.newest(tmp_path) == out
+    printed = "\n".join(line for line in done.stdout.splitlines() if line.startswith("|"))
+    assert printed and printed in report.render(out)
