@@ -179,7 +179,9 @@ def page(spec: dict, header: str) -> str:
            "The same schema is served by a running PS at `/openapi.json` (with Swagger UI at `/docs` and ReDoc at "
            "`/redoc`). The models the answers use are in [the REST API's models](rest-api-models.md).", "",
            "Every refusal is a 4xx (or 503) answer with the JSON body `{\"error\": code, \"detail\": text}` and leaves "
-           "the PS's state as it was; the codes are listed [at the end](#refusal-codes).", ""]
+           "the PS's state as it was; the codes are listed [at the end](#refusal-codes). Which refusal each route sends "
+           "when, and what the frames carry: [the protocol](../protocol.md#routes) and its "
+           "[errors](../protocol.md#errors).", ""]
     by_tag: dict[str, list[tuple[str, str, dict]]] = defaultdict(list)
     for path, item in spec["paths"].items():
         for method in METHODS:
