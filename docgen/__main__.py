@@ -1,6 +1,7 @@
 """``python -m docgen``: write the documentation pages rendered from the code; ``--check``: say which differ.
 
-Pages (paths from the repository's root): docs/reference/rest-api.md and rest-api-models.md (the PS's OpenAPI
+Pages (paths from the repository's root): docs/reference/configuration.md (the settings classes:
+:mod:`docgen.configuration`), docs/reference/rest-api.md and rest-api-models.md (the PS's OpenAPI
 schema: :mod:`docgen.rest_api`), docs/reference/cli.md (the product's commands) and cli-bench.md (the benches':
 :mod:`docgen.cli`), and the results table of docs/performance.md, between its markers (:mod:`bench.report`: the
 newest ``make bench`` pass in bench/results/). Exit 0 when every page is as rendered (``--check``) or written; 1 with
@@ -13,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from docgen import cli, rest_api
+from docgen import cli, configuration, rest_api
 from docgen.markdown import COMMAND, header
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,6 +47,7 @@ def pages() -> dict[str, Callable[[], str]]:
         "docs/reference/rest-api-models.md": lambda: rest_api.models_page(
             spec, header("the PS's OpenAPI schema (docgen/rest_api.py)")),
         **_cli_pages(),
+        configuration.PAGE: configuration.render,
         report.PAGE: lambda: report.render_page((ROOT / report.PAGE).read_text()),
     }
 

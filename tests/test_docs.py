@@ -1,7 +1,7 @@
 """The README, the documentation site, the settings classes and docker-compose.yml agree, and the documented
 commands are the real ones.
 
-- docs/reference/configuration.md is what docs/gen_config.py renders from ``PSSettings`` / ``WorkerSettings``
+- docs/reference/configuration.md is what python -m docgen renders from ``PSSettings`` / ``WorkerSettings``
   (one row per field: env name, default, description); a setting changed without re-rendering fails here. Every
   setting is passed through docker-compose.yml, which lists none that does not exist.
 - The compose commands the compose tests run (``tests/compose_util.DOCUMENTED``) are written exactly so on
@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from docgen import configuration
 from ps_service.settings import PSSettings
 from tests.compose_util import COMPOSE_FIXED, DOCUMENTED
 from worker_service.settings import WorkerSettings
@@ -38,16 +39,7 @@ COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 CLASSES = {"ps": (PSSettings, "PS_"), "worker": (WorkerSettings, "WORKER_")}
 
 
-def _gen_config():
-    """docs/gen_config.py, the configuration page's renderer (a script, not a package module)."""
-    spec = importlib.util.spec_from_file_location("gen_config", DOCS / "gen_config.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-GEN_CONFIG = _gen_config()
-COMPOSE_ONLY = tuple(GEN_CONFIG.COMPOSE_ONLY)
+COMPOSE_ONLY = tuple(configuration.COMPOSE_ONLY)
 
 
 def env_names(service: str) -> list[str]:
@@ -65,11 +57,11 @@ def compose_env(service: str) -> dict[str, str | None]:
 
 
 def test_the_configuration_page_is_what_the_settings_classes_render():
-    """docs/reference/configuration.md is docs/gen_config.py's rendering of the classes, byte for byte: a setting
-    added, removed or re-described without `python docs/gen_config.py` fails here."""
-    page = GEN_CONFIG.PAGE.read_text()
-    rendered = GEN_CONFIG.render()
-    assert page == rendered, "docs/reference/configuration.md is out of date: run python docs/gen_config.py"
+    """docs/reference/configuration.md is python -m docgen's rendering of the classes, byte for byte: a setting
+    added, removed or re-described without `python -m docgen` fails here."""
+    page = (ROOT / configuration.PAGE).read_text()
+    rendered = configuration.render()
+    assert page == rendered, "docs/reference/configuration.md is out of date: run python -m docgen"
     # the rendering has every field's row, with its default and its description, and nothing else
     rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| `((?:PS|WORKER)_[A-Z0-9_]+)` \| `[^`]*` \| .* \|$",
                                                       page, re.M)}
@@ -83,10 +75,10 @@ def test_the_configuration_page_is_what_the_settings_classes_render():
 def test_a_field_without_a_group_stops_the_renderer(monkeypatch):
     """A new setting cannot reach the page without a place on it: the renderer names it."""
     groups = {k: (t, c, [(g, [n for n in names if n != "lease_seconds"]) for g, names in gs])
-              for k, (t, c, gs) in GEN_CONFIG.GROUPS.items()}
-    monkeypatch.setattr(GEN_CONFIG, "GROUPS", groups)
+              for k, (t, c, gs) in configuration.GROUPS.items()}
+    monkeypatch.setattr(configuration, "GROUPS", groups)
     with pytest.raises(ValueError, match="PS_LEASE_SECONDS"):
-        GEN_CONFIG.render()
+        configuration.render()
 
 
 def test_the_readme_gives_the_quick_start_and_links_the_reference():
