@@ -4,7 +4,7 @@ Pages (paths from the repository's root): docs/reference/configuration.md (the s
 :mod:`docgen.configuration`), docs/reference/rest-api.md and rest-api-models.md (the PS's OpenAPI
 schema: :mod:`docgen.rest_api`), docs/reference/cli.md (the product's commands) and cli-bench.md (the benches':
 :mod:`docgen.cli`), and the results table of docs/performance.md, between its markers (:mod:`bench.report`: the
-newest ``make bench`` pass in bench/results/). Exit 0 when every page is as rendered (``--check``) or written; 1 with
+newest ``make bench`` pass in bench/results/), and README.md's short table of the same pass. Exit 0 when every page is as rendered (``--check``) or written; 1 with
 the stale pages' names (``--check``).
 """
 from __future__ import annotations
@@ -49,6 +49,7 @@ def pages() -> dict[str, Callable[[], str]]:
         **_cli_pages(),
         configuration.PAGE: configuration.render,
         report.PAGE: lambda: report.render_page((ROOT / report.PAGE).read_text()),
+        report.README: lambda: report.render_readme((ROOT / report.README).read_text()),
     }
 
 
