@@ -7,8 +7,8 @@ K simulated workers run as asyncio tasks in this one process and speak the real 
 tensor of ``--params`` elements trained with SGD for ``--rounds`` rounds. Each worker registers (a
 fresh connection), then every round pulls with the long-poll wait and pushes, both on its own
 keep-alive connection; its gradient is a deterministic function of (worker, step). Every worker also
-heartbeats on a connection of its own, kept alive, as the stock worker does: whenever lease/3 passed with no
-push or pull (they renew the lease). While the
+heartbeats on a connection of its own, kept alive, as the stock worker does: whenever lease/3 passed with no push
+or pull answered (they renew the lease) and no pull under way (the PS holds the lease while it waits). While the
 workers train, a prober (a thread with its own event loop) keeps asking ``GET /healthz`` on fresh
 connections, on ``PS_PROBE_PORT`` and on the main port, and every fifth time registers a new name and
 leaves again (registration under load). A worker that is told it expired (404/409) registers again.
@@ -16,7 +16,8 @@ leaves again (registration under load). A worker that is told it expired (404/40
 The line: ``rounds_per_s``; push and pull latency p50/p99 (a pull includes its wait for the round);
 registration p99 (``register_p99_ms``: the K workers' start-up burst; ``register_load_p99_ms``: the
 prober's, under load); ``healthz_p99_ms`` (probe port) and ``healthz_main_p99_ms`` under load;
-``heartbeat_p99_ms`` and ``heartbeat_timeouts`` (no answer within 10 s); ``lost_connections`` (by kind:
+``heartbeat_p99_ms``, ``heartbeat_timeouts`` (no answer within 10 s) and ``heartbeat_connects`` (connections the
+heartbeats made); ``lost_connections`` (by kind:
 the PS had closed the connection, e.g. its keep-alive ran out); ``lease_expiries`` (from the PS's /v1/workers: re-registrations plus members
 left expired); ``ps_cpu_ms_per_push`` (the PS's CPU time over the training, per push: its threads' schedstat, to the
 nanosecond, as a short run's CPU can be less than one 10 ms clock tick;
@@ -24,8 +25,10 @@ the probes' and heartbeats' cost is in it); ``ps_peak_rss_MB`` (VmHWM); ``min_co
 smallest round); ``errors_5xx``; ``exact``: the final weights equal a numpy replay (the pushed gradients
 of each round summed in rank order, divided by their count, one SGD step).
 
-``--idle N`` instead measures the PS's memory per idle keep-alive connection: its RSS with N open
-connections (each has made one request) against none.
+``--defaults`` starts the PS with its default settings but for the job's size (``PS_MIN_WORKERS``,
+``PS_MAX_STEPS``), as a plain ``python -m ps_service`` does, instead of the bench's (asyncio's loop, a probe port,
+warnings only); ``--ps-env NAME=VALUE`` adds settings on top. ``--idle N`` instead measures the PS's memory per idle
+keep-alive connection: its RSS with N open connections (each has made one request) against none.
 """
 from __future__ import annotations
 
@@ -45,6 +48,7 @@ from bench.loadclient import Conn, Samples, fresh
 from bench.output import Results, add_json_option
 from bench.run import _cpu_seconds_fine, _proc_status
 from cluster.processes import LocalCluster, free_port
+from ps_service.settings import PSSettings
 from shared import frame
 from shared.protocol import FRAME
 
@@ -82,7 +86,7 @@ def replay(params: int, rounds: list[dict]) -> np.ndarray:
 class Load:
     """The K workers and the prober of one run against the PS at ``host:port``."""
 
-    def __init__(self, host: str, port: int, k: int, params: int, probe_port: int) -> None:
+    def __init__(self, host: str, port: int, k: int, params: int, probe_port: int | None) -> None:
         self.host, self.port, self.k, self.params, self.probe_port = host, port, k, params, probe_port
         self.samples = Samples()
         self.probes = Samples()  # the prober's (its own thread)
@@ -91,6 +95,7 @@ class Load:
         self.stop = threading.Event()
         self.final: np.ndarray | None = None
         self.rejoins = 0
+        self.heartbeat_connects = 0  # connections the workers' heartbeats opened
 
     async def register(self, name: str) -> dict:
         body = json.dumps({"name": name}).encode()
@@ -126,8 +131,12 @@ class Load:
         conn, step = Conn(self.host, self.port, self.samples), me["start_step"]
         try:
             while True:
-                a = await self.call(conn, "pull", "GET", f"/v1/model?min_step={step}&timeout={PULL_WAIT:g}&worker_id="
-                                                 f"{me['worker_id']}", timeout=PULL_WAIT + 15)
+                me["pulling"] = True
+                try:
+                    a = await self.call(conn, "pull", "GET", f"/v1/model?min_step={step}&timeout={PULL_WAIT:g}"
+                                                     f"&worker_id={me['worker_id']}", timeout=PULL_WAIT + 15)
+                finally:
+                    me["pulling"] = False
                 me["renewed"] = time.monotonic()
                 if a.status == 204:  # the long poll timed out: ask again
                     continue
@@ -163,25 +172,34 @@ class Load:
         return me["start_step"]
 
     async def heartbeats(self, me: dict) -> None:
-        """As the stock worker (worker_service/loop.Heartbeat): whenever lease/3 passed with no push or pull, on a
-        connection of their own (kept alive between beats)."""
+        """As the stock worker (worker_service/loop.Heartbeat): whenever lease/3 passed with no push or pull answered
+        and no pull under way (the PS holds the lease while it waits), on a connection of their own, kept alive; a
+        kept connection the PS had closed is tried once more on a new one (counted as ``heartbeat_stale_lost``)."""
         conn, period = Conn(self.host, self.port, self.samples), me["lease_seconds"] / 3
         last = time.monotonic()
         try:
             while True:
                 await asyncio.sleep(max(0.0, last + period - time.monotonic()))
-                last = max(last, me.get("renewed", last))
+                last = max(last, time.monotonic() if me.get("pulling") else me.get("renewed", last))
                 if time.monotonic() - last < period:
                     continue
                 last = time.monotonic()
                 t0 = time.perf_counter()
-                try:
-                    await conn.request("POST", f"/v1/workers/{me['worker_id']}/heartbeat", timeout=HEARTBEAT_TIMEOUT)
-                except (TimeoutError, ConnectionError, asyncio.IncompleteReadError) as exc:
-                    self.samples.failed("heartbeat", exc)  # the next beat opens a new connection
-                else:
-                    self.samples.add("heartbeat", time.perf_counter() - t0)
+                for again in (conn.kept(), False):
+                    try:
+                        await conn.request("POST", f"/v1/workers/{me['worker_id']}/heartbeat",
+                                           timeout=HEARTBEAT_TIMEOUT)
+                    except (ConnectionError, asyncio.IncompleteReadError) as exc:
+                        self.samples.failed("heartbeat_stale" if again else "heartbeat", exc)
+                        if again:
+                            continue
+                    except TimeoutError as exc:
+                        self.samples.failed("heartbeat", exc)
+                    else:
+                        self.samples.add("heartbeat", time.perf_counter() - t0)
+                    break
         finally:
+            self.heartbeat_connects += conn.opened
             conn.close()
 
     def probing(self) -> None:
@@ -194,7 +212,8 @@ class Load:
         for n in itertools.count():
             if self.stop.is_set():
                 return
-            await fresh(self.host, self.probe_port, self.probes, "healthz", "GET", "/healthz")
+            if self.probe_port is not None:
+                await fresh(self.host, self.probe_port, self.probes, "healthz", "GET", "/healthz")
             await fresh(self.host, self.port, self.probes, "healthz_main", "GET", "/healthz")
             if n % 5 == 4:
                 conn = Conn(self.host, self.port, self.probes)
@@ -245,13 +264,19 @@ def init_model(url: str, params: int) -> None:
     r.raise_for_status()
 
 
-def measure(k: int, rounds: int = 30, params: int = 1000, ps_env: dict | None = None) -> dict:
-    """One run of K workers; the result line as a dict."""
-    out: dict = {"bench": "load", "workers": k, "rounds": rounds, "params": params}
-    probe_port = free_port()
-    cluster = LocalCluster(0, ps_env={"PS_MIN_WORKERS": k, "PS_MAX_STEPS": rounds, "PS_SHM_DIR": "",
-                                      "PS_PROBE_PORT": probe_port, "PS_LOG_LEVEL": "warning",
-                                      "PS_EVENT_LOOP": "asyncio", **(ps_env or {})})
+def measure(k: int, rounds: int = 30, params: int = 1000, ps_env: dict | None = None, defaults: bool = False) -> dict:
+    """One run of K workers; the result line as a dict. ``defaults``: the PS runs with its default settings but
+    for the job's size (``PS_MIN_WORKERS``, ``PS_MAX_STEPS``), as a plain ``python -m ps_service`` would."""
+    out: dict = {"bench": "load", "workers": k, "rounds": rounds, "params": params,
+                 "settings": "default" if defaults else "bench", **({"ps_env": ps_env} if ps_env else {})}
+    if defaults:
+        probe_port = PSSettings.model_fields["probe_port"].default  # None: no probe port, /healthz on the main one
+        env = {"PS_MIN_WORKERS": k, "PS_MAX_STEPS": rounds, **(ps_env or {})}
+    else:
+        probe_port = free_port()
+        env = {"PS_MIN_WORKERS": k, "PS_MAX_STEPS": rounds, "PS_SHM_DIR": "", "PS_PROBE_PORT": probe_port,
+               "PS_LOG_LEVEL": "warning", "PS_EVENT_LOOP": "asyncio", **(ps_env or {})}
+    cluster = LocalCluster(0, ps_env=env)
     try:
         cluster.start()
         init_model(cluster.url, params)
@@ -273,7 +298,8 @@ def measure(k: int, rounds: int = 30, params: int = 1000, ps_env: dict | None = 
             "healthz_max_ms": p.quantile("healthz", 1.0), "healthz_probes": len(p.ms.get("healthz", ())),
             "healthz_main_p50_ms": p.quantile("healthz_main", 0.5), "healthz_main_p99_ms": p.quantile("healthz_main", 0.99),
             "heartbeat_p99_ms": s.quantile("heartbeat", 0.99), "heartbeats": len(s.ms.get("heartbeat", ())),
-            "heartbeat_timeouts": s.timeouts.get("heartbeat", 0), "register_timeouts": s.timeouts.get("register", 0),
+            "heartbeat_timeouts": s.timeouts.get("heartbeat", 0), "heartbeat_connects": load.heartbeat_connects,
+            "register_timeouts": s.timeouts.get("register", 0),
             "push_timeouts": s.timeouts.get("push", 0), "pull_timeouts": s.timeouts.get("pull", 0),
             "lease_expiries": sum(m["registrations"] - 1 for m in members) + sum(m["state"] == "expired" for m in members),
             "ps_cpu_ms_per_push": round(1e3 * spent["ps_cpu_s"] / max(1, pushes), 3),
@@ -329,6 +355,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, nargs="+", default=[16, 64, 256, 1024], help="K, one run (line) each")
     ap.add_argument("--rounds", type=int, default=30, help="rounds trained per K")
     ap.add_argument("--params", type=int, default=1000, help="elements of the model's one float32 tensor")
+    ap.add_argument("--defaults", action="store_true",
+                    help="run the PS with its default settings (event loop, probe port, log level) instead of the "
+                         "bench's (asyncio's loop, a probe port, warnings only)")
+    ap.add_argument("--ps-env", nargs="*", default=[], metavar="NAME=VALUE",
+                    help="PS settings on top (e.g. PS_LEASE_SECONDS=3: heartbeats needed at every round)")
     ap.add_argument("--idle", type=int, default=0, help="measure the PS's memory per idle connection instead (N)")
     add_json_option(ap)
     args = ap.parse_args(argv)
@@ -337,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
             out.add(idle_memory(args.idle))
             return 0
         for k in args.workers:
-            out.add(measure(k, args.rounds, args.params))
+            out.add(measure(k, args.rounds, args.params, dict(kv.split("=", 1) for kv in args.ps_env), args.defaults))
     return 0 if all(line["exact"] and line.get("errors_5xx") == 0 for line in out.lines) else 1
 
 

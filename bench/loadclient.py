@@ -62,6 +62,11 @@ class Conn:
         self.host, self.port, self.samples = host, port, samples
         self._streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
         self._idle = keepalive.IdleClock()
+        self.opened = 0  # connections made so far
+
+    def kept(self) -> bool:
+        """Whether the next request goes on a kept-alive connection (one that may turn out stale)."""
+        return self._streams is not None and not self._idle.expired()
 
     def close(self) -> None:
         if self._streams is not None:
@@ -82,6 +87,7 @@ class Conn:
         if self._streams is not None and self._idle.expired():
             self.close()  # the PS may be closing it (its keep-alive runs out)
         if self._streams is None:
+            self.opened += 1
             self._streams = await asyncio.open_connection(self.host, self.port)
         reader, writer = self._streams
         head = (f"{method} {target} HTTP/1.1\r\nhost: ps\r\ncontent-length: {len(body)}\r\n"

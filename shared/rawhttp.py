@@ -19,8 +19,13 @@ open; otherwise a fresh connection is made before a byte is sent. A request
 is never sent twice from here: any failure once sending began closes the
 connection and raises
 :class:`ConnectionLost`, and the client's retry policy decides what next
-(worker_service/retry.py; pushes are idempotent at the PS). An answer the
-server sent before it stopped reading (e.g. a 413) is still returned.
+(worker_service/retry.py; pushes are idempotent at the PS). When the request
+went on a kept-alive socket and the server closed or reset it before
+answering (it closed an idle connection as the request arrived) the error is
+:class:`StaleConnection`, one kind of ``ConnectionLost``: a caller may send an
+idempotent request again at once on a new connection (the heartbeat thread
+does, without counting a failure). An answer the server sent before it
+stopped reading (e.g. a 413) is still returned.
 
 A request can also go in two halves: :meth:`RawConnection.send_now` writes a
 small one on a kept-alive socket without ever blocking (from an event loop's
@@ -51,6 +56,10 @@ REST_SECONDS = 1.0
 
 class ConnectionLost(Exception):
     """The connection broke, timed out or spoke something that is not HTTP/1.1."""
+
+
+class StaleConnection(ConnectionLost):
+    """A kept-alive connection the server had closed: it closed or reset it before a byte of the answer."""
 
 
 @dataclass
@@ -94,7 +103,7 @@ class RawConnection:
         """
         parts = self._message(method, target, headers, body)
         self._drop_stale()
-        with self._failures(timeout):
+        with self._failures(timeout, kept=self.sock is not None):
             if self.sock is None:
                 self.sock = liveness.connect(self.host, self.port, timeout)  # a silent peer host noticed in seconds
                 self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -152,8 +161,10 @@ class RawConnection:
         return answer
 
     @contextmanager
-    def _failures(self, timeout: float):
-        """Every failure of the socket as :class:`ConnectionLost`, the connection closed."""
+    def _failures(self, timeout: float, kept: bool = False):
+        """Every failure of the socket as :class:`ConnectionLost`, the connection closed; a close or reset before the
+        answer on a ``kept`` (reused) socket as :class:`StaleConnection`."""
+        lost = StaleConnection if kept else ConnectionLost
         try:
             yield
         except TimeoutError as exc:
@@ -165,10 +176,10 @@ class RawConnection:
             raise ConnectionLost(f"timed out: no progress for {timeout:g} s") from None
         except _Closed as exc:
             self.close()
-            raise ConnectionLost(str(exc)) from None
+            raise lost(str(exc)) from None
         except (BrokenPipeError, ConnectionResetError) as exc:
             self.close()
-            raise ConnectionLost(f"the server closed the connection during the request ({exc})") from None
+            raise lost(f"the server closed the connection during the request ({exc})") from None
         except (OSError, ValueError) as exc:
             self.close()
             raise ConnectionLost(f"{type(exc).__name__}: {exc}") from None

@@ -21,6 +21,17 @@ def test_load_bench_runs_exactly_with_eight_workers():
     assert line["lease_expiries"] == 0 and line["heartbeat_timeouts"] == 0
     assert line["rounds_per_s"] > 0 and line["push_p99_ms"] > 0 and line["ps_cpu_ms_per_push"] > 0
     assert line["ps_peak_rss_MB"] > 0 and line["register_p99_ms"] > 0
+    assert line["settings"] == "bench" and line["healthz_p99_ms"] > 0  # the probe port the bench sets
+
+
+def test_load_bench_with_the_ps_defaults_probes_where_a_plain_ps_listens():
+    """``--defaults``: the PS with its default settings (but the job's size), probed where a plain PS answers."""
+    out = subprocess.run([sys.executable, "-m", "bench.load", "--json", "--workers", "4", "--rounds", "2", "--defaults"],
+                         capture_output=True, text=True, timeout=120)
+    line = json.loads(out.stdout.strip().splitlines()[-1])
+    assert out.returncode == 0, (line, out.stderr[-2000:])
+    assert line["settings"] == "default" and line["exact"] is True and line["rounds_done"] == 2
+    assert line["healthz_main_p99_ms"] > 0 and line["heartbeat_timeouts"] == 0
 
 
 def test_the_replay_sums_in_rank_order_and_takes_the_mean():

@@ -68,9 +68,8 @@ class PSClient:
         #: the PS's shard count (from the last registration answer; > 1: tensors through every shard)
         self.shards = 1
         self.mode = "sync"  # the job's (PS_MODE), from the registration answer
-        #: time.monotonic() of the last answer to an exchange that renewed this worker's lease (a push, a pull
-        #: with its worker id): the heartbeat thread stays quiet while these come often enough
-        self.lease_renewed = float("-inf")
+        self._renewed = float("-inf")
+        self._holding = 0  # pulls with the worker id under way
 
     base_url = property(lambda self: self.endpoint.base_url)
     conn = property(lambda self: self.endpoint.transport, doc="the transport every exchange goes through")
@@ -78,6 +77,13 @@ class PSClient:
     attempts = property(lambda self: self.endpoint.attempts)
     retry_timeout = property(lambda self: self.endpoint.retry_timeout)
     token = property(lambda self: self.endpoint.token)
+
+    @property
+    def lease_renewed(self) -> float:
+        """time.monotonic() of the last answer to an exchange that renewed this worker's lease (a push, a pull with
+        its worker id), or now while a pull with its worker id is under way (the PS holds the lease while the pull
+        waits: docs/protocol.md): the heartbeat thread stays quiet while these come often enough."""
+        return time.monotonic() if self._holding else self._renewed
 
     @property
     def transport(self) -> str:
@@ -146,9 +152,14 @@ class PSClient:
         ready, self._prefetched = self._prefetched, None
         if ready is not None and (ready.step >= min_step or ready.done):
             return ready
-        got = self.tensors.pull(min_step, worker_id, wait, self.timeout)
-        if worker_id:
-            self.lease_renewed = time.monotonic()
+        if not worker_id:
+            return self.tensors.pull(min_step, worker_id, wait, self.timeout)
+        self._holding += 1
+        try:
+            got = self.tensors.pull(min_step, worker_id, wait, self.timeout)
+            self._renewed = time.monotonic()  # before the hold ends: the heartbeat thread never sees an old renewal
+        finally:
+            self._holding -= 1
         return got
 
     def push(self, worker_id: str, step: int, grads: Mapping[str, np.ndarray], loss: float | None = None,
@@ -158,7 +169,7 @@ class PSClient:
         meta = {"worker_id": worker_id, "step": step, "loss": loss, "num_examples": num_examples,
                 "timings": dict(timings or {})}
         answer = self.tensors.push(meta, grads, self.push_wait, self.timeout, on_way)
-        self.lease_renewed = time.monotonic()
+        self._renewed = time.monotonic()
         self._prefetched = answer.pulled
         return {"status": answer.status, "step": answer.step, "done": answer.done}
 

@@ -30,6 +30,7 @@ from typing import Callable, Mapping
 import numpy as np
 
 from shared.errors import ProtocolError
+from shared.rawhttp import StaleConnection
 from worker_service.client import PSClient
 from worker_service.prefetch import BatchAhead
 from worker_service.progress import ProgressLog
@@ -82,10 +83,13 @@ class Summary:
 
 
 class Heartbeat(threading.Thread):
-    """Renews the lease (own client) whenever ``period`` s passed without a renewal: ``renewed()`` is the
-    monotonic time of the main loop's last exchange that renewed it (a push, a pull with the worker id), so a
-    worker whose steps are shorter than ``period`` sends no heartbeats at all (a thousand of them are a
-    thousand requests less per ``period`` on the PS)."""
+    """Renews the lease (own client: one connection, kept alive while the PS's announced keep-alive allows,
+    shared/keepalive.py) whenever ``period`` s passed without a renewal: ``renewed()`` is the monotonic time of the
+    main loop's last exchange that renewed it (a push, a pull with the worker id), or now while a pull with the worker
+    id is under way (the PS holds the lease while it waits: :attr:`PSClient.lease_renewed`), so a worker whose steps
+    are shorter than ``period`` sends no heartbeats at all, nor one that waits for a slow round (a thousand of them
+    are a thousand requests less per ``period`` on a PS that is busy already). A kept connection the PS had closed (:class:`~shared.rawhttp.StaleConnection`)
+    is tried once more on a new one, not counted as a failure."""
 
     def __init__(self, base_url: str, worker_id: str, period: float, timeout: float, token=None,
                  renewed: Callable[[], float] = lambda: float("-inf")) -> None:
@@ -96,6 +100,7 @@ class Heartbeat(threading.Thread):
         self.renewed = renewed
         self.halt = threading.Event()
         self.sent = self.failed = self.failed_in_a_row = 0
+        self.stale = 0  # kept connections the PS had closed (each heartbeat then sent again on a new one)
 
     def run(self) -> None:
         last = time.monotonic()
@@ -105,7 +110,7 @@ class Heartbeat(threading.Thread):
                 continue  # the main loop renewed the lease meanwhile: wait a period from then
             last = time.monotonic()
             try:
-                self.client.heartbeat(self.worker_id)
+                self.beat()
                 self.sent += 1
                 self.failed_in_a_row = 0
             except Exception as exc:  # the main loop notices real trouble on its next call
@@ -115,6 +120,14 @@ class Heartbeat(threading.Thread):
                 log.warning("heartbeat failed (%d in a row; the lease runs out if none gets through): %s: %s",
                             self.failed_in_a_row, type(exc).__name__, exc)
         self.client.close()
+
+    def beat(self) -> None:
+        """One heartbeat on the kept connection; once more on a new one if the PS had closed that."""
+        try:
+            self.client.heartbeat(self.worker_id)
+        except StaleConnection:
+            self.stale += 1
+            self.client.heartbeat(self.worker_id)
 
 
 def train(client: PSClient, task: Task, name: str, batch_size: int, stop: StopFlag | threading.Event | None = None,
