@@ -131,13 +131,13 @@ class Load:
         conn, step = Conn(self.host, self.port, self.samples), me["start_step"]
         try:
             while True:
-                me["pulling"] = True
+                me["held_until"] = time.monotonic() + PULL_WAIT
                 try:
                     a = await self.call(conn, "pull", "GET", f"/v1/model?min_step={step}&timeout={PULL_WAIT:g}"
                                                      f"&worker_id={me['worker_id']}", timeout=PULL_WAIT + 15)
+                    me["renewed"] = time.monotonic()
                 finally:
-                    me["pulling"] = False
-                me["renewed"] = time.monotonic()
+                    me["held_until"] = float("-inf")
                 if a.status == 204:  # the long poll timed out: ask again
                     continue
                 if a.status in (404, 409):
@@ -173,14 +173,15 @@ class Load:
 
     async def heartbeats(self, me: dict) -> None:
         """As the stock worker (worker_service/loop.Heartbeat): whenever lease/3 passed with no push or pull answered
-        and no pull under way (the PS holds the lease while it waits), on a connection of their own, kept alive; a
+        and no pull under way for less than its wait (the PS holds the lease while it waits), on a connection of their
+        own, kept alive; a
         kept connection the PS had closed is tried once more on a new one (counted as ``heartbeat_stale_lost``)."""
         conn, period = Conn(self.host, self.port, self.samples), me["lease_seconds"] / 3
         last = time.monotonic()
         try:
             while True:
                 await asyncio.sleep(max(0.0, last + period - time.monotonic()))
-                last = max(last, time.monotonic() if me.get("pulling") else me.get("renewed", last))
+                last = max(last, me.get("renewed", last), min(time.monotonic(), me.get("held_until", last)))
                 if time.monotonic() - last < period:
                     continue
                 last = time.monotonic()
@@ -270,13 +271,15 @@ def measure(k: int, rounds: int = 30, params: int = 1000, ps_env: dict | None = 
     out: dict = {"bench": "load", "workers": k, "rounds": rounds, "params": params,
                  "settings": "default" if defaults else "bench", **({"ps_env": ps_env} if ps_env else {})}
     if defaults:
-        probe_port = PSSettings.model_fields["probe_port"].default  # None: no probe port, /healthz on the main one
         env = {"PS_MIN_WORKERS": k, "PS_MAX_STEPS": rounds, **(ps_env or {})}
     else:
-        probe_port = free_port()
-        env = {"PS_MIN_WORKERS": k, "PS_MAX_STEPS": rounds, "PS_SHM_DIR": "", "PS_PROBE_PORT": probe_port,
+        env = {"PS_MIN_WORKERS": k, "PS_MAX_STEPS": rounds, "PS_SHM_DIR": "", "PS_PROBE_PORT": free_port(),
                "PS_LOG_LEVEL": "warning", "PS_EVENT_LOOP": "asyncio", **(ps_env or {})}
     cluster = LocalCluster(0, ps_env=env)
+    # where the PS listens for probes: its own rule (PS_PROBE_PORT, else the main port + 1)
+    given = env.get("PS_PROBE_PORT")
+    probe_port = PSSettings.model_construct(port=cluster.port, probe_port=None if given is None else int(given)
+                                            ).probe_listener()[0]
     try:
         cluster.start()
         init_model(cluster.url, params)

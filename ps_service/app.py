@@ -58,7 +58,7 @@ def create_app(settings: PSSettings | None = None, exit_on_refusal: bool = False
         if rt.shards is not None:
             await rt.shards.start(rt, checkpointer)  # the coordinator's links to its followers (ps_service/sharding)
         try:
-            async with probes.listening(rt, settings.host, settings.probe_port):  # PS_PROBE_PORT (ps_service/probes.py)
+            async with probes.listening(rt, settings.host, *settings.probe_listener()):  # ps_service/probes.py
                 yield
         finally:
             for background in (task, deployment):

@@ -1,5 +1,6 @@
-"""The probe listener: ``/healthz`` and ``/readyz`` on a port of their own (``PS_PROBE_PORT``), served by a
-thread with its own event loop, so an orchestrator's probe never queues behind the training traffic.
+"""The probe listener: ``/healthz`` and ``/readyz`` on a port of their own (``PS_PROBE_PORT``; by default the main
+port + 1, which the PS goes on without, saying so, when it is taken; 0: none), served by a thread with its own event
+loop, so an orchestrator's probe never queues behind the training traffic.
 
 With a thousand workers one turn of the PS's event loop can take a second (it runs every push that
 arrived since the last turn), and a fresh connection needs a few turns before it is answered. The
@@ -15,6 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import socket
 import threading
 import time
 from typing import AsyncIterator
@@ -26,6 +29,8 @@ from fastapi.responses import JSONResponse
 from ps_service import monitoring
 from ps_service.http import error_response, install_error_handlers
 from ps_service.runtime import Runtime
+
+log = logging.getLogger("ps_service.probes")
 
 #: how often the main loop stamps its pulse
 PULSE_SECONDS = 1.0
@@ -47,7 +52,7 @@ class ProbeListener:
         config = uvicorn.Config(app, host=host, port=port, loop="asyncio", lifespan="off", log_config=None,
                                 log_level=None, access_log=False)
         self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, name=f"probes-{port}", daemon=True)
+        self.thread: threading.Thread | None = None
 
     async def healthz(self, request: Request) -> JSONResponse:
         """Liveness: the main event loop turned in the last STALL_SECONDS."""
@@ -63,27 +68,46 @@ class ProbeListener:
             await asyncio.sleep(PULSE_SECONDS)
 
     async def start(self, deadline: float = 10.0) -> None:
-        """Start the thread; raise if its server is not listening within ``deadline`` s (port taken...)."""
+        """Bind the port here (taken: RuntimeError, no thread started), then start the thread; raise if its server
+        is not listening within ``deadline`` s."""
+        config = self.server.config
+        try:
+            family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+            sock = socket.create_server((config.host, config.port), family=family)
+        except OSError as exc:
+            raise RuntimeError(f"the probe listener could not take port {config.port} ({exc.strerror})") from None
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, name=f"probes-{config.port}",
+                                       daemon=True)
         self.thread.start()
         end = time.monotonic() + deadline
         while not self.server.started and self.thread.is_alive() and time.monotonic() < end:
             await asyncio.sleep(0.01)
         if not self.server.started:
-            raise RuntimeError(f"the probe listener could not start on port {self.server.config.port}")
+            raise RuntimeError(f"the probe listener could not start on port {config.port}")
 
     def stop(self) -> None:
         self.server.should_exit = True
-        self.thread.join(5)
+        if self.thread is not None:
+            self.thread.join(5)
 
 
 @contextlib.asynccontextmanager
-async def listening(rt: Runtime, host: str, port: int | None) -> AsyncIterator[ProbeListener | None]:
-    """The probe listener on ``port`` and the main loop's pulse while the block runs (nothing if None)."""
+async def listening(rt: Runtime, host: str, port: int | None, required: bool = True
+                    ) -> AsyncIterator[ProbeListener | None]:
+    """The probe listener on ``port`` and the main loop's pulse while the block runs (nothing if None). A listener
+    that cannot start raises if ``required``, else is said at warning level and the block runs without it."""
     if port is None:
         yield None
         return
     probes = ProbeListener(rt, host, port)
-    await probes.start()
+    try:
+        await probes.start()
+    except RuntimeError as exc:
+        if required:
+            raise
+        log.warning("%s: probes answer on the main port only (PS_PROBE_PORT: another port, or 0 for none)", exc)
+        yield None
+        return
     pulse = asyncio.create_task(probes.pulse())
     try:
         yield probes

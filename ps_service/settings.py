@@ -31,13 +31,21 @@ class PSSettings(BaseSettings):
     host: str = Field("0.0.0.0", description="Address the PS binds to.")
     port: int = Field(8000, description="TCP port of the PS (workers, monitoring, metrics).")
     probe_port: int | None = Field(
-        None, description="A second TCP port serving only /healthz and /readyz, from a thread of its own: probes "
-                          "answer at once under any training load (docs/protocol.md). Unset: off; both stay on the "
-                          "main port either way.")
+        None, ge=0, le=65535,
+        description="A second TCP port serving only /healthz and /readyz, from a thread of its own: probes answer at "
+                    "once under any training load (docs/protocol.md). Unset: the main port + 1 (8001), and if that one "
+                    "is taken the PS says so and goes on without it; 0: off. Both stay on the main port either way.")
     event_loop: Literal["uvloop", "asyncio"] = Field(
         "uvloop", description="The PS's event loop. uvloop: half the CPU per large body (1e7-param pushes over TCP). "
                               "asyncio: accepts every pending connection at once (uvloop one per loop turn), for "
                               "thousands of workers that open connections under load (docs/performance.md).")
+    def probe_listener(self) -> tuple[int | None, bool]:
+        """The port the probe listener takes (None: none) and whether the PS must have it (``PS_PROBE_PORT`` set) or
+        goes on without it when it is taken (unset: the main port + 1)."""
+        if self.probe_port is None:
+            return (self.port + 1 if 0 < self.port < 65535 else None), False
+        return self.probe_port or None, True
+
     optimizer: Literal["sgd", "momentum", "adam", "adagrad"] | None = Field(
         None, description="Optimizer; wins over the one the worker's task brings. Unset: the task's.")
     learning_rate: float | None = Field(None, gt=0, description="Learning rate; wins over the task's.")

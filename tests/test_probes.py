@@ -1,13 +1,69 @@
 """The probe listener (PS_PROBE_PORT, ps_service/probes.py): /healthz and /readyz on a port of their own,
-open like on the main port, the protocol's error bodies, and a liveness that follows the main event loop."""
+open like on the main port, the protocol's error bodies, and a liveness that follows the main event loop. On by
+default (the main port + 1: 8001 beside the default 8000, where the Kubernetes manifests point their probes), which
+a PS goes on without when that port is taken; 0 turns it off."""
 from __future__ import annotations
+
+import asyncio
+import socket
 
 import httpx
 import numpy as np
+import pytest
 
-from cluster.processes import free_port
+from cluster.processes import bindable, free_port
 from ps_service import probes
+from ps_service.settings import PSSettings
 from tests.live_ps import live_ps
+
+
+def port_with_a_free_neighbour() -> int:
+    """A free port whose next one is free too (for a PS that takes both)."""
+    while True:
+        port = free_port()
+        if port < 65535 and bindable(port + 1):
+            return port
+
+
+def test_the_default_probe_port_is_the_main_port_plus_one_and_zero_is_none():
+    assert PSSettings.model_fields["probe_port"].default is None
+    assert PSSettings().probe_listener() == (8001, False)  # beside the default 8000: the k8s manifests' 8001
+    assert PSSettings(port=9000).probe_listener() == (9001, False)
+    assert PSSettings(probe_port=7000).probe_listener() == (7000, True)  # set: the PS must have it
+    assert PSSettings(probe_port=0).probe_listener() == (None, True)
+    assert "Unset: the main port + 1 (8001)" in PSSettings.model_fields["probe_port"].description
+
+
+def test_a_ps_with_the_default_settings_answers_probes_on_the_next_port():
+    port = port_with_a_free_neighbour()
+    with live_ps(port=port):
+        r = httpx.get(f"http://127.0.0.1:{port + 1}/healthz", timeout=10)
+        assert r.status_code == 200 and r.json() == {"status": "ok"}
+
+
+def test_a_ps_goes_on_without_a_default_probe_port_that_is_taken(caplog):
+    port = port_with_a_free_neighbour()
+    with socket.create_server(("127.0.0.1", port + 1)) as taken, caplog.at_level("WARNING", "ps_service.probes"):
+        with live_ps(port=port) as ps:
+            assert httpx.get(f"{ps.url}/healthz", timeout=10).status_code == 200
+        assert taken.getsockname()[1] == port + 1
+    assert any("probes answer on the main port only" in r.getMessage() for r in caplog.records)
+
+
+def test_a_probe_port_that_was_set_must_be_had_and_zero_is_none():
+    port = port_with_a_free_neighbour()
+    with live_ps(port=port, probe_port=0):
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"http://127.0.0.1:{port + 1}/healthz", timeout=10)
+
+    async def listen_on(port: int, required: bool):
+        async with probes.listening(None, "127.0.0.1", port, required) as listener:
+            return listener
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        with pytest.raises(RuntimeError, match="could not take port"):
+            asyncio.run(listen_on(taken.getsockname()[1], True))
+        assert asyncio.run(listen_on(taken.getsockname()[1], False)) is None
 
 
 def test_the_probe_port_answers_health_and_readiness_without_a_token():

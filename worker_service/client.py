@@ -69,7 +69,7 @@ class PSClient:
         self.shards = 1
         self.mode = "sync"  # the job's (PS_MODE), from the registration answer
         self._renewed = float("-inf")
-        self._holding = 0  # pulls with the worker id under way
+        self._held_until = float("-inf")  # the PS holds the lease at least this long for a pull under way
 
     base_url = property(lambda self: self.endpoint.base_url)
     conn = property(lambda self: self.endpoint.transport, doc="the transport every exchange goes through")
@@ -81,9 +81,10 @@ class PSClient:
     @property
     def lease_renewed(self) -> float:
         """time.monotonic() of the last answer to an exchange that renewed this worker's lease (a push, a pull with
-        its worker id), or now while a pull with its worker id is under way (the PS holds the lease while the pull
-        waits: docs/protocol.md): the heartbeat thread stays quiet while these come often enough."""
-        return time.monotonic() if self._holding else self._renewed
+        its worker id), or now while a pull with its worker id is under way, for at most its ``wait`` (the PS holds
+        the lease while the pull waits, from when it reads it: docs/protocol.md): the heartbeat thread stays quiet
+        while these come often enough."""
+        return max(self._renewed, min(time.monotonic(), self._held_until))
 
     @property
     def transport(self) -> str:
@@ -154,12 +155,12 @@ class PSClient:
             return ready
         if not worker_id:
             return self.tensors.pull(min_step, worker_id, wait, self.timeout)
-        self._holding += 1
+        self._held_until = time.monotonic() + wait
         try:
             got = self.tensors.pull(min_step, worker_id, wait, self.timeout)
             self._renewed = time.monotonic()  # before the hold ends: the heartbeat thread never sees an old renewal
         finally:
-            self._holding -= 1
+            self._held_until = float("-inf")
         return got
 
     def push(self, worker_id: str, step: int, grads: Mapping[str, np.ndarray], loss: float | None = None,
