@@ -24,7 +24,7 @@ import subprocess
 import sys
 import time
 
-from bench import output
+from bench import output, table
 
 SUMMARY_COLUMNS = ["summary", "side", "runs", "failed", "median", "min", "max", "ps_ms", "workers_ms"]
 DEFAULT_CELLS = [f"{t}:{p}:{n}" for p in (1_000_000, 10_000_000) for n in (2, 4) for t in ("shm", "http")]
@@ -55,6 +55,8 @@ def one_run(tree: str, transport: str, params: int, workers: int, seconds: float
 def summary(cell: str, tree: str, runs: list[dict]) -> dict:
     rates = [r["steps_per_s"] for r in runs if "steps_per_s" in r]
     out = {"summary": cell, "tree": tree, "runs": len(runs), "failed": len(runs) - len(rates)}
+    loads = [r["load_avg"] for r in runs if "load_avg" in r]
+    out.update(machine=table.machine(), load=f"load average {min(loads):.1f}-{max(loads):.1f}" if loads else "unknown")
     if rates:
         out.update(median=statistics.median(rates), min=min(rates), max=max(rates))
     for name in ("ps_ms", "workers_ms", "cpu_busy"):

@@ -95,7 +95,8 @@ def verdict(name: str, cell: str, before: dict, after: dict) -> dict:
     gain = after["median"] / before["median"] - 1
     noise = max((s["max"] - s["min"]) / 2 / s["median"] for s in (before, after))
     return {"ledger": name, "cell": cell, "before": before["median"], "after": after["median"],
-            "gain": round(gain, 4), "noise": round(noise, 4), "beyond_noise": abs(gain) > noise}
+            "gain": round(gain, 4), "noise": round(noise, 4), "beyond_noise": abs(gain) > noise,
+            "machine": after.get("machine"), "load": after.get("load")}
 
 
 def measure(name: str, runs: int, seconds: float, out: Results) -> list[dict]:
