@@ -1,10 +1,11 @@
 """``python -m bench.hosts``: emulated hosts (network namespaces, shaped veth links) come up, carry syncps runs
 across their links (two PS shards, each in a host of its own, then one beside each worker), and are gone afterwards,
-even after a run that did not remove them. Needs root, ``ip`` and ``tc`` (skipped otherwise); its own prefix and
-subnet, so it does not disturb a benchmark running meanwhile."""
+even after a run that did not remove them. Needs root, ``ip`` and ``tc`` (skipped otherwise); a prefix and subnet of
+this test process's own (from its pid), so it disturbs neither a benchmark nor another test run on the machine."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -12,7 +13,7 @@ import pytest
 
 from bench.hosts import Hosts, available, namespaces, sh
 
-PREFIX, SUBNET = "sphtest", "10.88.201"
+PREFIX, SUBNET = f"spt{os.getpid() % 10000:04d}", f"10.89.{os.getpid() % 250}"
 
 
 pytestmark = pytest.mark.skipif(not available(PREFIX), reason="needs root with ip, tc and network namespaces")
