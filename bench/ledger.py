@@ -73,6 +73,12 @@ PATHS: dict[str, FastPath] = {
         "the sum read once for NaN/Inf every round",
         (("ps_service/core/accumulator.py", "SUM_LIMIT = 1e30", "SUM_LIMIT = -1.0"),),
         ("shm:10000000:4", "http:10000000:2")),
+    "shm-onto": FastPath(
+        "ps_service/transport/__init__.py (a same-host push read onto the sum it joins at once: core.sum_base)",
+        "each same-host push copied alone, then folded into the sum",
+        (("ps_service/transport/__init__.py",
+          "base = None if sum_base is None else sum_base(push.worker_id, push.step)", "base = None"),),
+        ("shm:1000000:4", "shm:10000000:4")),
 }
 
 

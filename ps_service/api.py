@@ -137,15 +137,16 @@ async def push(request: Request, pull: bool = Query(False, description=(
                    f"the push's status in {PUSH_STATUS_HEADER}; JSON as without it if `timeout` passes first.")),
                timeout: float = Query(30.0, ge=0, allow_inf_nan=False),
                since: Annotated[DecimalInt | None, Query(ge=0, description=SINCE)] = None) -> dict:
-    rt = runtime(request)
+    rt = request.app.state.runtime  # (runtime(request), without a call: the per-step route)
     if rt.shards is not None:
         raise ProtocolError(409, "sharded", f"this PS is shard {rt.shards.index} of {rt.shards.count}: push pieces "
                                             "to every shard "
                                             "(POST /v1/shard/gradients), then commit (POST /v1/shard/commit)")
-    got = await rt.tensors.receive_push(request)
-    result = rt.run_guarded(lambda: rt.core.push(got.push, rt.now()))
-    rt.tensors.delivered(got)
-    step, worker_id, via = got.push.step, got.push.worker_id, got.via
+    try:
+        result, got, via = await rt.tensors.push(request, rt.now)
+    finally:
+        rt.notify()  # as run_guarded: the waiters woken whatever happened
+    step, worker_id = got.step, got.worker_id
     del got  # the round holds what it needs, and frees it once aggregated
     return await answer_push(rt, result, step, worker_id, via, pull, timeout, since)
 

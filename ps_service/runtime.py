@@ -76,7 +76,8 @@ class Runtime:
         this process did not run meanwhile (stopped, paused), which the membership hears of before any request read
         since gets to the core (:meth:`Membership.stalled`)."""
         t = self.clock()
-        self.core.members.stalled(self._read_at, t)
+        if t - self._read_at >= self.core.members.stall_seconds:  # (a call only when it can be one)
+            self.core.members.stalled(self._read_at, t)
         self._read_at = t
         return t
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 from enum import Enum
+from types import MappingProxyType
 from typing import Any, Mapping
 
 import numpy as np
@@ -77,10 +78,14 @@ class PushRequest:
     #: the values were checked for NaN/Inf already, in memory nobody else writes (a same-host push copied and
     #: checked as read, a top-k push's finite values, a shard's held pieces): the core checks only their layout
     finite_checked: bool = False
+    #: ``tensors`` are these arrays (what the core's ``sum_base`` gave) plus the push, made as it was read and
+    #: checked finite: the core takes them as the push folded into its sum
+    onto: Mapping[str, np.ndarray] | None = None
 
-    def with_tensors(self, tensors: Mapping[str, np.ndarray], finite_checked: bool = False) -> "PushRequest":
+    def with_tensors(self, tensors: Mapping[str, np.ndarray], finite_checked: bool = False,
+                     onto: Mapping[str, np.ndarray] | None = None) -> "PushRequest":
         return PushRequest(self.worker_id, self.step, tensors, self.loss, self.num_examples, self.timings,
-                           finite_checked)  # every field: a test fails if one is added and not passed on
+                           finite_checked, onto)  # every field: a test fails if one is added and not passed on
 
 
 @dataclass(frozen=True)
@@ -118,9 +123,10 @@ MODEL_FIELDS = frozenset({"optimizer"})
 
 
 _NUMBER_TYPES = (int, float)
+_NO_TENSORS: Mapping = MappingProxyType({})
 
 
-def _parse_push_plain(meta: dict) -> tuple[PushRequest, int | None] | None:
+def _parse_push_plain(meta: dict, tensors: Mapping = _NO_TENSORS) -> tuple[PushRequest, int | None] | None:
     """:func:`parse_push_meta` of a plainly well-formed meta (every field of its exact type, in range; what
     workers send each step) with few checks; None for anything else, which the full parser judges."""
     if not meta.keys() <= PUSH_FIELDS:
@@ -148,15 +154,15 @@ def _parse_push_plain(meta: dict) -> tuple[PushRequest, int | None] | None:
         times = PhaseTimes(*(v or 0.0 for v in t))
     else:
         return None
-    return PushRequest(worker_id, step, {}, loss, n, times), seq
+    return PushRequest(worker_id, step, tensors, loss, n, times), seq
 
 
-def parse_push_meta(meta: dict) -> tuple[PushRequest, int | None]:
-    """(the push without its tensors, its ``shm_seq`` or None) from a push frame's meta."""
-    return _parse_push_plain(meta) or _parse_push_checked(meta)
+def parse_push_meta(meta: dict, tensors: Mapping = _NO_TENSORS) -> tuple[PushRequest, int | None]:
+    """(the push, with ``tensors``, its ``shm_seq`` or None) from a push frame's meta."""
+    return _parse_push_plain(meta, tensors) or _parse_push_checked(meta, tensors)
 
 
-def _parse_push_checked(meta: dict) -> tuple[PushRequest, int | None]:
+def _parse_push_checked(meta: dict, tensors: Mapping = _NO_TENSORS) -> tuple[PushRequest, int | None]:
     """:func:`parse_push_meta`, every field checked in turn (400/422 naming the first that is wrong)."""
     what = "push"
     _only(meta, PUSH_FIELDS, what)
@@ -183,7 +189,7 @@ def _parse_push_checked(meta: dict) -> tuple[PushRequest, int | None]:
     seq = meta.get("shm_seq")
     if seq is not None and (isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq <= MAX_INT):
         raise bad_request("bad_field", f"push: shm_seq must be an int in [0, {MAX_INT}]")
-    push = PushRequest(worker_id, step, {}, None if loss is None else float(loss), n, PhaseTimes(**times))
+    push = PushRequest(worker_id, step, tensors, None if loss is None else float(loss), n, PhaseTimes(**times))
     return push, seq
 
 

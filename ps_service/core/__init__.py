@@ -56,7 +56,7 @@ import numpy as np
 from ps_service.core import on_arrival
 from ps_service.core.accumulator import Accumulator, validate
 from ps_service.core.config import CoreConfig
-from ps_service.core.membership import ACTIVE, Member, Membership
+from ps_service.core.membership import Member, Membership
 from ps_service.core.model import ModelState
 from ps_service.core.rates import RateMeter
 from ps_service.core.rounds import Arrival, Progress, Round, RoundRecord
@@ -253,7 +253,9 @@ class ParameterServerCore(ModelState):
     def _progress(self, r: Round, now: float | None = None, but: str | None = None) -> Progress:
         if r.deadline_from < self.members.released_at:  # held leases held the round's deadline too
             r.deadline_from = self.members.released_at
-        return self.rule.progress(r, None if self.members.held else now, but)
+        if now is not None and self.rule.round_timeout is not None and self.members.held:
+            now = None  # held leases hold the deadline too
+        return self.rule.progress(r, now, but)
 
     def may_pull(self, worker_id: str | None) -> bool:
         """May this worker get weights for its next iteration now? Only SSP ever says no (the bound); a pull
@@ -413,12 +415,13 @@ class ParameterServerCore(ModelState):
         initialised (``not_initialized``), the worker known (``unknown_worker``) and active (``not_active``);
         ``worker_id`` None: the model only (a sharded PS's held pieces). The transports ask this first, so a push
         they cannot decode without the model, or from a worker that must register, is refused as the core would."""
-        if not self.initialized:
+        if self.weights is None:  # (not self.initialized)
             raise CoreError("not_initialized", "the model is not initialised yet (PUT /v1/model)")
         if worker_id is None:
             return None
-        m = self.members.get(worker_id)
-        if m.state != ACTIVE:
+        m = self.members.active_by_id.get(worker_id)
+        if m is None:
+            m = self.members.get(worker_id)  # 404 unknown_worker, else not active
             raise CoreError("not_active", f"worker {m.name!r} is {m.state}; register again (POST /v1/workers)")
         return m
 
@@ -460,6 +463,16 @@ class ParameterServerCore(ModelState):
         self._changed()
         return PushResult(status, self.global_step, self.global_step != before)
 
+    def sum_base(self, worker_id: str, step: int) -> dict[str, np.ndarray] | None:
+        """The arrays a finite push of ``step`` by ``worker_id`` would be added to at once if it came now (the round's
+        running sum, or the gradient next in rank order: :meth:`Round.base_for`); None: none (it would wait, or not
+        be accepted). A transport reading a push out of memory the PS does not own may make ``base + push`` as it
+        reads it (one pass), check it finite, and push that with ``PushRequest.onto = base``. Reads only."""
+        m, r = self.members.active_by_id.get(worker_id), self.round
+        if r is None or self.modes is not None or m is None or self.classify(m, step, True) is not PushStatus.ACCEPTED:
+            return None
+        return r.base_for(worker_id, eager=not self.rule.replicas_to_aggregate)
+
     def classify(self, m: Member, step: int, finite: bool) -> PushStatus:
         """What a push of ``step`` by active member ``m`` would be now (sync; ``finite``: its values are), changing
         nothing: ``duplicate``, ``stale``, ``accepted``, ``skipped`` or ``late``."""
@@ -494,7 +507,7 @@ class ParameterServerCore(ModelState):
         r, wid, at = self.round, m.worker_id, Arrival(m.worker_id, m.name, m.rank, now)
         if status is PushStatus.ACCEPTED:
             r.accept(at, grads, req.loss, req.num_examples, eager=not self.rule.replicas_to_aggregate,
-                     magnitude=math.inf if magnitude is None else magnitude)
+                     magnitude=math.inf if magnitude is None else magnitude, onto=req.onto)
             self.examples += req.num_examples or 0
         elif status is PushStatus.SKIPPED and req.step == self.global_step and wid in r.eligible and wid not in r.acc:
             r.skip(at)  # its part in the round is over: do not wait for it
@@ -504,4 +517,8 @@ class ParameterServerCore(ModelState):
             elif status is PushStatus.LATE:  # for the round that just closed: its record lists it
                 self.rounds[-1] = replace(self.rounds[-1], late=(*self.rounds[-1].late, at))
             return
-        self.tick(now)
+        p = self._progress(r, now)  # the round's rule (leases and start-up are the tick's)
+        if p.reason is not None:
+            self._close(now, p.reason)
+        elif p.stuck:
+            self.tick(now)  # recalls

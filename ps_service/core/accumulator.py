@@ -276,18 +276,47 @@ class Accumulator:
     def __contains__(self, worker_id: object) -> bool:
         return worker_id in self.keys
 
+    def base_for(self, key: Key, pending: Iterable[Key] | None) -> dict[str, np.ndarray] | None:
+        """The arrays a gradient of ``key`` would be added to at once by :meth:`apply` with this ``pending``: the
+        running sum, or, none made yet, the lowest waiting gradient (it comes next in rank order); None when it
+        would wait, or either is not plain arrays. Reads only."""
+        queue = self.queue
+        if pending is None or self.spoiled or (queue and queue[0] < key) or not key < min(pending, default=_TOP):
+            return None
+        if self.acc is not None:
+            base = self.acc
+        elif queue and queue[0] < min(pending, default=_TOP):
+            base = self.waiting[queue[0][1]]
+        else:
+            return None
+        return base if all(type(a) is np.ndarray for a in base.values()) else None
+
     def apply(self, worker_id: str, rank: int, grads: Mapping[str, np.ndarray | SparseTensor],
-              pending: Iterable[Key] | None = None, magnitude: float = math.inf) -> None:
+              pending: Iterable[Key] | None = None, magnitude: float = math.inf,
+              onto: Mapping[str, np.ndarray] | None = None) -> None:
         """Take ``worker_id``'s validated gradient (its arrays are the accumulator's from now on); fold in what
         sorts before every key in ``pending`` (the gradients still possible; None: unknown, fold nothing yet).
-        ``magnitude``: a bound on its elements' magnitude (:func:`validate`'s), which can spare the sum's check."""
+        ``magnitude``: a bound on its elements' magnitude (:func:`validate`'s), which can spare the sum's check.
+        ``onto``: ``grads`` is :meth:`base_for`'s ``onto`` plus the gradient, made and checked finite as it was read
+        (one pass over the gradient): it is the running sum from now on."""
         key = (rank, worker_id)
         if worker_id in self.keys or (self.folded and key < self.folded[-1]):
             raise AssertionError(f"gradient {key} is a repeat or sorts before the summed prefix {self.folded}")
+        if onto is not None and onto is not self.base_for(key, pending):
+            raise AssertionError(f"gradient {key} was summed onto what base_for no longer gives")
         self.keys[worker_id] = key
-        self.waiting[worker_id] = grads
-        self._magnitudes[worker_id] = magnitude
-        heapq.heappush(self.queue, key)
+        if onto is not None:
+            if onto is not self.acc:  # the lowest waiting gradient's: both are the sum's start
+                second = heapq.heappop(self.queue)
+                del self.waiting[second[1]], self._magnitudes[second[1]]
+                self.folded.append(key)
+                key = second
+            self.folded.append(key)
+            self.acc, self._finite, self._bound = {name: grads[name] for name in self.names}, True, math.inf
+        else:
+            self.waiting[worker_id] = grads
+            self._magnitudes[worker_id] = magnitude
+            heapq.heappush(self.queue, key)
         if pending is not None:
             self._fold(min(pending, default=None))
 

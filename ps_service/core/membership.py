@@ -113,6 +113,8 @@ class LeaseHeap:
 class Membership:
     def __init__(self, lease_seconds: float, max_events: int = 1000) -> None:
         self.lease_seconds = lease_seconds
+        #: the shortest gap between two readings of the PS's clock that :meth:`stalled` takes as a stall
+        self.stall_seconds = SILENCE_LEASES * lease_seconds
         self.by_id: dict[str, Member] = {}
         self.by_name: dict[str, Member] = {}
         self.events: deque[dict] = deque(maxlen=max_events)
@@ -268,7 +270,7 @@ class Membership:
         whatever it reads first, so a stall of :data:`SILENCE_LEASES` of a lease or more is a silence from ``since``
         (if members are active), ended by the next worker heard from. For the runtime's clock, before any request
         read since reaches the core."""
-        if now - since >= SILENCE_LEASES * self.lease_seconds and self.active_by_id and self.silent_since is None:
+        if now - since >= self.stall_seconds and self.active_by_id and self.silent_since is None:
             self.silent_since = since
 
     def begin_wait(self, worker_id: str, now: float) -> Member:

@@ -186,15 +186,20 @@ class Round:
         first = self._first_pending(worker_id, move)
         return () if first is None else (first,)
 
+    def base_for(self, worker_id: str, eager: bool):
+        """What an accepted gradient of this member would be added to at once (:meth:`Accumulator.base_for`)."""
+        return self.acc.base_for(self.key(worker_id), self._pending(worker_id, eager, move=False))
+
     def accept(self, arrival: Arrival, grads, loss: float | None, examples: int | None, eager: bool,
-               magnitude: float = math.inf) -> None:
+               magnitude: float = math.inf, onto=None) -> None:
         """An accepted gradient; ``eager``: every eligible member
         may still push (elastic), so the sum can start on the lowest ranks before they all are in. ``magnitude``:
-        the bound :func:`~ps_service.core.accumulator.validate` gave (:meth:`Accumulator.apply`)."""
+        the bound :func:`~ps_service.core.accumulator.validate` gave, ``onto``: what it was summed onto
+        (:meth:`Accumulator.apply`)."""
         wid = arrival.worker_id
-        before = self.standing(wid)
-        self.acc.apply(wid, self.eligible[wid], grads, self._pending(wid, eager), magnitude)
-        self._count(wid, before)
+        before = self.standing(wid, True)  # an active member: its push was just admitted
+        self.acc.apply(wid, self.eligible[wid], grads, self._pending(wid, eager), magnitude, onto)
+        self._count(wid, before, True)
         self.arrivals.append(arrival)
         if loss is not None:
             self.losses.append((loss, examples or 1))
@@ -264,7 +269,7 @@ class CloseRule:
         if but is not None:
             out = r.standing(but)
             live, waiting = live - out[0], waiting - out[1]
-        got = len(r.acc)
+        got = len(r.acc.keys)
         done, want = got + len(r.skipped), self.replicas_to_aggregate
         unreachable = bool(want) and done + waiting < want
         reason = None

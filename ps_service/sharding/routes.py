@@ -69,21 +69,21 @@ async def hold(request: Request, map: str = Query(..., max_length=64, descriptio
     if map != role.digest:
         raise ProtocolError(409, "shard_map_mismatch", f"shard {role.index}'s map is {role.digest}, the push's "
                                                        f"{map}: fetch GET /v1/shards again")
-    got = await rt.tensors.receive_push(request, members=role.coordinator)  # a follower has no membership
-    step, g = got.push.step, rt.core.global_step
+    push, via = await rt.tensors.receive_push(request, members=role.coordinator)  # a follower has no membership
+    step, g = push.step, rt.core.global_step
     if step > g and not role.coordinator:  # this follower restarted or went back: the worker registers again
         raise ProtocolError(409, "shard_behind", f"step {step} is ahead of shard {role.index}'s global step {g} "
                                                  "(it restarted or the job went back to a checkpoint): register again")
     if step > g:  # never held: a hold outlives nothing but its own round
         raise unprocessable("future_step", f"step {step} is ahead of shard {role.index}'s global step {g}")
-    tensors = hold_tensors(rt.core.weights, got.push)
+    tensors = hold_tensors(rt.core.weights, push)
     if step < g:  # its round is over here: nothing to keep (the commit says late or stale)
         return {"status": "late", "step": step, "shard": role.index, "global_step": g}
     answer = {"status": "held", "step": step, "shard": role.index, "global_step": g}
     if not role.coordinator:  # 409 shard_behind before anything is kept, if it has no key (it restarted)
-        answer["receipt"] = role.receipt(got.push.worker_id, step)
-    role.holds.put(got.push.worker_id, Held(step, tensors, got.via))
-    rt.tensors.delivered(got)
+        answer["receipt"] = role.receipt(push.worker_id, step)
+    role.holds.put(push.worker_id, Held(step, tensors, via))
+    rt.tensors.shm.last_transport[push.worker_id] = via
     return answer
 
 

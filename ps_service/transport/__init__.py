@@ -1,10 +1,11 @@
 """The PS's one tensor seam: every tensor that reaches the core, and every weights answer, passes here.
 
-Routes call :meth:`TensorSeam.receive_push` / :meth:`receive_model` and get parsed requests whose
+The push route calls :meth:`TensorSeam.push`, which reads the push and gives the core a request whose
 tensors are *owned by the PS* (writable memory nothing else uses: a request body's buffer, or a copy
-taken out of a same-host worker's file), whatever carried the bytes; they answer pulls with
-:meth:`weights_response`. No route knows which transport carried a push: the seam says only which one
-to answer through (:class:`Received` ``.via``), so a same-host worker gets its weights through the file.
+taken out of a same-host worker's file), whatever carried the bytes (a shard's holds: :meth:`receive_push`,
+a model: :meth:`receive_model`); routes answer pulls with :meth:`weights_response`. No route knows which
+transport carried a push: the seam says only which one to answer through (``via``), so a same-host worker gets
+its weights through the file.
 
 Transports (docs/protocol.md):
 - ``http``: the tensors are the request body, one frame (:mod:`shared.frame`), read by
@@ -27,7 +28,7 @@ exactly the arrays it then applies.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -35,18 +36,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ps_service.transport.body import read_body
+from ps_service.core import PushResult
 from ps_service.core.buffers import POOL
 from ps_service.transport.deltas import WeightDeltas
 from ps_service.transport.shm import ShmHub
 from shared import compression, frame
 from shared.errors import bad_request
 from shared.protocol import STEP_HEADER, ModelInit, PushRequest, parse_model_meta, parse_push_meta
-
-
-@dataclass(frozen=True)
-class Received:
-    push: PushRequest
-    via: str  # "http" or "shm": the transport the answer goes back through
 
 
 class TensorSeam:
@@ -76,12 +72,35 @@ class TensorSeam:
         body = await read_body(request, s.max_body_bytes, frame.MEDIA_TYPE, s.body_idle_timeout_seconds, recurring)
         return frame.decode(body), len(body)
 
-    async def receive_push(self, request: Request, members: bool = True) -> Received:
-        """A push with its gradients in memory the core may keep (404/409 for a worker that must register;
-        ``members`` False: no membership check, for a shard's held pieces: ps_service/sharding)."""
+    async def push(self, request: Request, clock: Callable[[], float]) -> tuple[PushResult, PushRequest, str]:
+        """A worker's push, read and given to the core at ``clock()``: (the core's result, the push, the transport
+        its answer goes back through). A plain push (dense tensors in the body) is one core call, the core's own
+        checks first; a compressed or same-host one is admitted first (its decoding or copy costs), and a same-host
+        one read onto the sum it joins at once, if any (:meth:`ParameterServerCore.sum_base`: one pass)."""
         self.drop_body()  # its buffer may serve this push's body (bounds the PS's memory)
         f, size = await self._frame(request)
-        push, seq = parse_push_meta(f.meta)
+        push, seq = parse_push_meta(f.meta, f.tensors)
+        if seq is not None or self.compression.name != "none" or f.meta.get("compression") is not None:
+            push, via = self._tensors(push, seq, f, size, True, self.core.sum_base)
+        else:
+            self.bytes_in, via = self.bytes_in + size, "http"
+        result = self.core.push(push, clock())
+        self.shm.last_transport[push.worker_id] = via  # monitoring: how its tensors travel
+        return result, push, via
+
+    async def receive_push(self, request: Request, members: bool = True) -> tuple[PushRequest, str]:
+        """A push with its gradients in memory the core may keep, not given to the core (a shard's held pieces:
+        ps_service/sharding), and the transport it came by; 404/409 for a worker that must register (``members``
+        False: no membership check, a follower)."""
+        self.drop_body()
+        f, size = await self._frame(request)
+        push, seq = parse_push_meta(f.meta, f.tensors)
+        return self._tensors(push, seq, f, size, members)
+
+    def _tensors(self, push: PushRequest, seq: int | None, f: frame.Frame, size: int, members: bool,
+                 sum_base: Callable[[str, int], dict | None] | None = None) -> tuple[PushRequest, str]:
+        """The push with the arrays the core takes (after its refusals of the worker): decoded from their
+        compression, or read out of the worker's same-host file (onto ``sum_base``'s arrays when it gives some)."""
         core = self.core
         core.admit(push.worker_id if members else None)  # the core's refusals come before the tensors are read
         declared = f.meta.get("compression")
@@ -89,16 +108,13 @@ class TensorSeam:
             self.bytes_in += size
             tensors = compression.decode_push(self.compression, declared, f.tensors, core.weights, _pooled)
             checked = compression.known_finite(self.compression, f.tensors, core.weights)  # top-k values, 2-bit
-            return Received(push.with_tensors(tensors, finite_checked=checked), "http")
+            return push.with_tensors(tensors, finite_checked=checked), "http"
         compression.check_declared(self.compression, declared, via_body=False)
         if f.tensors:
             raise bad_request("bad_field", "a push with shm_seq carries no tensors in its body")
-        tensors, finite = self.shm.gradients(push.worker_id, seq)
-        return Received(push.with_tensors(tensors, finite_checked=finite), "shm")
-
-    def delivered(self, got: Received) -> None:
-        """The core took the push: remember how this worker's tensors travel (monitoring)."""
-        self.shm.last_transport[got.push.worker_id] = got.via
+        base = None if sum_base is None else sum_base(push.worker_id, push.step)  # the sum it joins at once, if any
+        tensors, finite, onto = self.shm.gradients(push.worker_id, seq, base)  # base + push, in the pass that reads
+        return push.with_tensors(tensors, finite_checked=finite, onto=onto), "shm"
 
     async def receive_model(self, request: Request) -> ModelInit:
         f, size = await self._frame(request, recurring=False)  # once a job: its buffer is not kept
