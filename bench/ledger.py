@@ -74,10 +74,10 @@ PATHS: dict[str, FastPath] = {
         (("ps_service/core/accumulator.py", "SUM_LIMIT = 1e30", "SUM_LIMIT = -1.0"),),
         ("shm:10000000:4", "http:10000000:2")),
     "shm-onto": FastPath(
-        "ps_service/transport/__init__.py (a same-host push read onto the sum it joins at once: core.sum_base)",
+        "ps_service/transport/__init__.py (a same-host push read onto the sum it joins at once, as core.admit offers it)",
         "each same-host push copied alone, then folded into the sum",
         (("ps_service/transport/__init__.py",
-          "base = None if sum_base is None else sum_base(push.worker_id, push.step)", "base = None"),),
+          "push.step if join and seq is not None else None)", "None)"),),
         ("shm:1000000:4", "shm:10000000:4")),
 }
 

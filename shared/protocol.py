@@ -78,14 +78,9 @@ class PushRequest:
     #: the values were checked for NaN/Inf already, in memory nobody else writes (a same-host push copied and
     #: checked as read, a top-k push's finite values, a shard's held pieces): the core checks only their layout
     finite_checked: bool = False
-    #: ``tensors`` are these arrays (what the core's ``sum_base`` gave) plus the push, made as it was read and
+    #: ``tensors`` are these arrays (what the core's ``admit`` offered) plus the push, made as it was read and
     #: checked finite: the core takes them as the push folded into its sum
     onto: Mapping[str, np.ndarray] | None = None
-
-    def with_tensors(self, tensors: Mapping[str, np.ndarray], finite_checked: bool = False,
-                     onto: Mapping[str, np.ndarray] | None = None) -> "PushRequest":
-        return PushRequest(self.worker_id, self.step, tensors, self.loss, self.num_examples, self.timings,
-                           finite_checked, onto)  # every field: a test fails if one is added and not passed on
 
 
 @dataclass(frozen=True)

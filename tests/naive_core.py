@@ -44,9 +44,16 @@ class NaiveMembership(Membership):
 
 
 class NaiveRound(Round):
+    #: the naive core's _progress of this round (NaiveCore._open_round)
+    naive_progress = None
+
     def _first_pending(self, but: str, keep: bool = True):
         return min((self.key(w) for w in self.eligible if w not in self.acc and w not in self.skipped and w != but),
                    default=None)
+
+    def accept(self, *args, **kwargs) -> Progress:
+        super().accept(*args, **kwargs)
+        return self.naive_progress(args[5])  # where the round stands, by the scans
 
 
 def naive_progress(rule, r: Round, alive, now: float | None = None, deadline_from: float | None = None) -> Progress:
@@ -89,5 +96,7 @@ class NaiveCore(ParameterServerCore):
 
     def _open_round(self, now: float) -> None:
         super()._open_round(now)
-        if self.round is not None:
-            self.round.__class__ = NaiveRound
+        r = self.round
+        if r is not None:
+            r.__class__ = NaiveRound
+            r.naive_progress = lambda now: self._progress(r, now)

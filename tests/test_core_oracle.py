@@ -102,8 +102,9 @@ def operation(op, now: float):
 
 def pushed(core, worker_id: str, step: int, tensors: dict) -> PushRequest:
     """The push; into the incremental core, as a same-host read makes it when the core offers a sum to join
-    (``sum_base``: the base plus the push, finite, ``onto`` the base), so the oracle checks that path too."""
-    base = None if isinstance(core, NaiveCore) else core.sum_base(worker_id, step)
+    (``admit`` with the step: the base plus the push, finite, ``onto`` the base), so the oracle checks that path too."""
+    base = None if isinstance(core, NaiveCore) or worker_id not in core.members.active_by_id \
+        else core.admit(worker_id, step)
     if base is None or not all(np.isfinite(t).all() for t in tensors.values()):
         return PushRequest(worker_id, step, tensors)
     return PushRequest(worker_id, step, {k: base[k] + t for k, t in tensors.items()}, finite_checked=True, onto=base)
@@ -169,7 +170,7 @@ def test_the_incremental_core_decides_exactly_as_the_scans(cfg, first, script):
 @settings(max_examples=30, deadline=None)
 @given(order=st.permutations(range(4)))
 def test_pushes_summed_onto_what_the_core_offers_give_the_same_bits(order):
-    """Four workers pushing in any order: read-and-summed onto ``sum_base`` (the running sum, or the gradient next
+    """Four workers pushing in any order: read-and-summed onto what ``admit`` offers (the running sum, or the gradient next
     in rank order) or pushed alone, the weights are the same bits; most pushes of an order find a sum to join."""
     weights, joined = [], 0
     for summed in (False, True):

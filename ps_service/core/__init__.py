@@ -251,11 +251,16 @@ class ParameterServerCore(ModelState):
             self._changed()
 
     def _progress(self, r: Round, now: float | None = None, but: str | None = None) -> Progress:
-        if r.deadline_from < self.members.released_at:  # held leases held the round's deadline too
+        return self.rule.progress(r, self._rule_now(r, now), but)
+
+    def _rule_now(self, r: Round, now: float | None) -> float | None:
+        """The time the round's rule reads: ``now``, or None while leases are held (they hold the round's deadline
+        too, which counts from their release at the earliest)."""
+        if r.deadline_from < self.members.released_at:
             r.deadline_from = self.members.released_at
         if now is not None and self.rule.round_timeout is not None and self.members.held:
-            now = None  # held leases hold the deadline too
-        return self.rule.progress(r, now, but)
+            return None
+        return now
 
     def may_pull(self, worker_id: str | None) -> bool:
         """May this worker get weights for its next iteration now? Only SSP ever says no (the bound); a pull
@@ -393,12 +398,10 @@ class ParameterServerCore(ModelState):
 
     def _close(self, now: float, reason: str) -> None:
         r = self.round
-        r.acc.settle()  # the sum checked: one that overflows applies nothing (the record says so)
-        rec = r.record(now, reason, lambda w: self.members.by_id[w].name, self.rule.replicas_to_aggregate)
+        rec, total, n = r.close(now, reason, lambda w: self.members.by_id[w].name, self.rule.replicas_to_aggregate)
         if self.on_decided is not None:
             self.on_decided(rec)
-        if rec.aggregated:  # none when every contribution was skipped (NaN/Inf): the step passes without an update
-            total, n = r.acc.take_sum()
+        if total is not None:  # None when every contribution was skipped (NaN/Inf) or the sum overflows: no update
             self.update(total, consume=True, mean_of=n)
         if rec.loss is not None:
             self.loss_history.append((r.step, rec.loss))
@@ -410,11 +413,24 @@ class ParameterServerCore(ModelState):
         self._open_round(now)
 
     # ---- pushes ------------------------------------------------------------------------
-    def admit(self, worker_id: str | None) -> Member | None:
+    def admit(self, worker_id: str | None, step: int | None = None) -> dict[str, np.ndarray] | None:
         """The refusals a push meets before its tensors are read (docs/protocol.md's order): the model must be
         initialised (``not_initialized``), the worker known (``unknown_worker``) and active (``not_active``);
         ``worker_id`` None: the model only (a sharded PS's held pieces). The transports ask this first, so a push
-        they cannot decode without the model, or from a worker that must register, is refused as the core would."""
+        they cannot decode without the model, or from a worker that must register, is refused as the core would.
+        With ``step``: the arrays a finite push of that step would be added to at once if it came now (the round's
+        running sum, or the gradient next in rank order: :meth:`Round.base_for`), else None (it would wait, or not be
+        accepted). A transport reading a push out of memory the PS does not own may make ``base + push`` as it reads
+        it (one pass), check it finite, and push that at once with ``PushRequest.onto = base``. Reads only."""
+        m = self._member(worker_id)
+        r = self.round
+        if step is None or m is None or r is None or self.modes is not None \
+                or self.classify(m, step, True) is not PushStatus.ACCEPTED:
+            return None
+        return r.base_for(m.worker_id, eager=not self.rule.replicas_to_aggregate)
+
+    def _member(self, worker_id: str | None) -> Member | None:
+        """:meth:`admit`'s refusals; the active member (None: ``worker_id`` None)."""
         if self.weights is None:  # (not self.initialized)
             raise CoreError("not_initialized", "the model is not initialised yet (PUT /v1/model)")
         if worker_id is None:
@@ -427,7 +443,7 @@ class ParameterServerCore(ModelState):
 
     def push(self, req: PushRequest, now: float) -> PushResult:
         """Check, classify, count and (if accepted) take a push; its tensors are the core's from now on."""
-        m = self.admit(req.worker_id)
+        m = self._member(req.worker_id)
         if req.step > self.global_step:
             raise CoreError("future_step", f"step {req.step} is ahead of the global step {self.global_step}")
         if self.modes is None and req.step == self.global_step and self.round is None and not self.done:
@@ -463,16 +479,6 @@ class ParameterServerCore(ModelState):
         self._changed()
         return PushResult(status, self.global_step, self.global_step != before)
 
-    def sum_base(self, worker_id: str, step: int) -> dict[str, np.ndarray] | None:
-        """The arrays a finite push of ``step`` by ``worker_id`` would be added to at once if it came now (the round's
-        running sum, or the gradient next in rank order: :meth:`Round.base_for`); None: none (it would wait, or not
-        be accepted). A transport reading a push out of memory the PS does not own may make ``base + push`` as it
-        reads it (one pass), check it finite, and push that with ``PushRequest.onto = base``. Reads only."""
-        m, r = self.members.active_by_id.get(worker_id), self.round
-        if r is None or self.modes is not None or m is None or self.classify(m, step, True) is not PushStatus.ACCEPTED:
-            return None
-        return r.base_for(worker_id, eager=not self.rule.replicas_to_aggregate)
-
     def classify(self, m: Member, step: int, finite: bool) -> PushStatus:
         """What a push of ``step`` by active member ``m`` would be now (sync; ``finite``: its values are), changing
         nothing: ``duplicate``, ``stale``, ``accepted``, ``skipped`` or ``late``."""
@@ -505,19 +511,19 @@ class ParameterServerCore(ModelState):
 
     def _take(self, m: Member, req: PushRequest, status: PushStatus, now: float, grads, magnitude: float | None) -> None:
         r, wid, at = self.round, m.worker_id, Arrival(m.worker_id, m.name, m.rank, now)
-        if status is PushStatus.ACCEPTED:
-            r.accept(at, grads, req.loss, req.num_examples, eager=not self.rule.replicas_to_aggregate,
-                     magnitude=math.inf if magnitude is None else magnitude, onto=req.onto)
+        if status is PushStatus.ACCEPTED:  # the round's rule then (leases and start-up are the tick's)
+            p = r.accept(at, grads, req.loss, req.num_examples, self.rule, self._rule_now(r, now),
+                         math.inf if magnitude is None else magnitude, req.onto)
             self.examples += req.num_examples or 0
         elif status is PushStatus.SKIPPED and req.step == self.global_step and wid in r.eligible and wid not in r.acc:
             r.skip(at)  # its part in the round is over: do not wait for it
+            p = self._progress(r, now)
         else:
             if status is PushStatus.LATE and req.step == self.global_step:
                 r.late.append(at)
             elif status is PushStatus.LATE:  # for the round that just closed: its record lists it
                 self.rounds[-1] = replace(self.rounds[-1], late=(*self.rounds[-1].late, at))
             return
-        p = self._progress(r, now)  # the round's rule (leases and start-up are the tick's)
         if p.reason is not None:
             self._close(now, p.reason)
         elif p.stuck:

@@ -11,19 +11,22 @@ Contract:
   ``apply(worker_id, rank, grads, pending)``. It owns the arrays it is given: the first one in
   rank order becomes the running sum and is written into (copied first if it is read-only or
   not C-contiguous), the others are read once and released.
-- ``take()`` returns their sum in (rank, worker_id) order, ``acc = g[first]; acc += g[next] ...``,
+- ``take_sum()`` returns their sum in (rank, worker_id) order, ``acc = g[first]; acc += g[next] ...``,
   then ``acc /= n`` under ``aggregation="mean"`` when n > 1: element-wise in that order whatever
   the arrival order, so a run is bit-reproducible. The worker id breaks rank ties (a newcomer can
   reuse the rank of a member that left mid-round).
 - Part of the sum is done while the round fills, as arrivals allow: a gradient is folded in once no
   gradient still possible (``pending``) sorts before it. When that is not known (``pending=None``:
-  fixed R, whose first R arrivals win) everything waits for ``take()``. Folding early or late
+  fixed R, whose first R arrivals win) everything waits for ``take_sum()``. Folding early or late
   gives the same bits. The gradients not summed yet wait in a heap by key: O(log K) per gradient.
 - One gradient type: owned arrays (dense, or a top-k push's :class:`~shared.compression.SparseTensor`). Whatever
   carried them (a body, a same-host file: its transport copied and checked it into a buffer of the PS's own,
   ps_service/transport/shm.py), the accumulator owns them once they are applied and never reads a sender's memory.
+  A push may come summed already: ``apply(..., onto=base)`` with ``base`` what :meth:`Accumulator.base_for` gave
+  just before (the running sum, or the waiting gradient next in rank order) and the arrays ``base + gradient``,
+  made and checked finite as its transport read it (one pass): they are the running sum from then on, same bits.
 - **What is applied is finite.** Every sum that was added to in place unchecked is read once for NaN/Inf when the
-  round ends (:meth:`Accumulator.settle`, ``take``): finite gradients can overflow when added (two float32 3e38 make inf). Not finite: :attr:`~Accumulator.spoiled`
+  round ends (``take_sum``): finite gradients can overflow when added (two float32 3e38 make inf). Not finite: :attr:`~Accumulator.spoiled`
   (:attr:`~Accumulator.overflow` names the tensor), the round applies nothing. That read is skipped when the
   pushes' magnitudes (``apply(..., magnitude=)``, from :func:`validate`) prove the sum cannot overflow: every
   element of the sum is at most the sum of their magnitudes, and while that stays below :data:`SUM_LIMIT` (far
@@ -320,35 +323,20 @@ class Accumulator:
         if pending is not None:
             self._fold(min(pending, default=None))
 
-    def take(self) -> dict[str, np.ndarray] | None:
-        """The rank-order sum (mean) of every gradient applied (None if the sum is :attr:`spoiled`); the
-        accumulator is empty afterwards."""
-        out, n = self.take_sum()
-        if out is not None:
-            out = {name: dense(a) for name, a in out.items()}
-            if n > 1:
-                for acc in out.values():
-                    acc /= n
-        return out
-
     def take_sum(self) -> tuple[dict[str, np.ndarray | SparseTensor] | None, int]:
-        """(the rank-order sum, n): :meth:`take` before its division (``acc / n`` is the mean; n is 1 under
-        ``aggregation="sum"``), for a caller that divides in the same pass as its own update. A tensor summed only
-        from top-k pushes comes as a :class:`~shared.compression.SparseTensor` (+0.0 off its entries; the caller
+        """(the rank-order sum of every gradient applied, n): ``sum / n`` is the mean (n is 1 under
+        ``aggregation="sum"``), the division left to the caller's update; None if the sum is :attr:`spoiled`. Every
+        waiting gradient is summed and the sum checked first; the accumulator is empty afterwards. A tensor summed
+        only from top-k pushes comes as a :class:`~shared.compression.SparseTensor` (+0.0 off its entries; the caller
         may write into its values)."""
         if not self.keys:
             raise AssertionError("nothing to take")
-        self.settle()
+        self._fold(None)
+        self._check_sum()
         out, n = (None, 0) if self.spoiled else (self.acc, len(self.keys))
         self.keys, self.folded, self.acc = {}, [], None
         self._finite, self._magnitudes, self._bound = True, {}, 0.0
         return out, n if self.aggregation == "mean" and n > 1 else 1
-
-    def settle(self) -> None:
-        """Sum every gradient still waiting and check the sum (what :meth:`take` does first): :attr:`spoiled` is
-        then final."""
-        self._fold(None)
-        self._check_sum()
 
     def _check_sum(self) -> None:
         """The sum is what gets applied: unless its magnitudes prove it finite, read it once for NaN/Inf (finite

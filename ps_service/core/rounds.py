@@ -190,20 +190,22 @@ class Round:
         """What an accepted gradient of this member would be added to at once (:meth:`Accumulator.base_for`)."""
         return self.acc.base_for(self.key(worker_id), self._pending(worker_id, eager, move=False))
 
-    def accept(self, arrival: Arrival, grads, loss: float | None, examples: int | None, eager: bool,
-               magnitude: float = math.inf, onto=None) -> None:
-        """An accepted gradient; ``eager``: every eligible member
-        may still push (elastic), so the sum can start on the lowest ranks before they all are in. ``magnitude``:
+    def accept(self, arrival: Arrival, grads, loss: float | None, examples: int | None, rule: CloseRule,
+               now: float | None, magnitude: float = math.inf, onto=None) -> Progress:
+        """An accepted gradient, and where the round stands then (``rule.progress`` at ``now``). Elastic (every
+        eligible member may still push), the sum starts on the lowest ranks before they all are in. ``magnitude``:
         the bound :func:`~ps_service.core.accumulator.validate` gave, ``onto``: what it was summed onto
         (:meth:`Accumulator.apply`)."""
         wid = arrival.worker_id
         before = self.standing(wid, True)  # an active member: its push was just admitted
-        self.acc.apply(wid, self.eligible[wid], grads, self._pending(wid, eager), magnitude, onto)
+        pending = self._pending(wid, not rule.replicas_to_aggregate)
+        self.acc.apply(wid, self.eligible[wid], grads, pending, magnitude, onto)
         self._count(wid, before, True)
         self.arrivals.append(arrival)
         if loss is not None:
             self.losses.append((loss, examples or 1))
         self.examples += examples or 0
+        return rule.progress(self, now)
 
     def skip(self, arrival: Arrival) -> None:
         """A NaN/Inf push under policy skip: its part in the round is over (not waited for)."""
@@ -240,16 +242,19 @@ class Round:
         loss = sum(v * n for v, n in self.losses) / total if total else None
         return loss if loss is not None and math.isfinite(loss) else None  # huge losses can overflow the mean
 
-    def record(self, now: float, reason: str, name_of: Callable[[str], str], replicas: int | None) -> RoundRecord:
-        acc = self.acc  # a spoiled sum (it overflows) applies none of them
-        applied = (lambda w: False) if acc.spoiled else (lambda w: w in acc.keys)
-        missing = [(name_of(w), rank) for w, rank in self.eligible.items() if not applied(w) and w not in self.skipped]
+    def close(self, now: float, reason: str, name_of: Callable[[str], str], replicas: int | None):
+        """(its :class:`RoundRecord`, the rank-order sum to apply or None, n: the sum / n is the mean): the round's
+        gradients summed and checked; a sum that overflows applies none of them, and the record says so."""
+        keys = self.acc.keys
+        total, n = self.acc.take_sum() if keys else (None, 1)
+        applied = keys if total is not None else {}
+        missing = [(name_of(w), rank) for w, rank in self.eligible.items() if w not in applied and w not in self.skipped]
         came = sorted([*self.arrivals, *self.skips], key=lambda a: a.at) if self.skips else self.arrivals
         return RoundRecord(
-            self.step, self.opened_at, now, reason, sum(1 for w in acc.keys if applied(w)), len(self.eligible),
-            tuple(a for a in self.arrivals if applied(a.worker_id)),
+            self.step, self.opened_at, now, reason, len(applied), len(self.eligible),
+            tuple(a for a in self.arrivals if a.worker_id in applied),
             tuple(n for n, _ in missing), straggler(self.opened_at, now, came, missing),
-            self.mean_loss(), self.examples, tuple(self.late), replicas, tuple(self.skips))
+            self.mean_loss(), self.examples, tuple(self.late), replicas, tuple(self.skips)), total, n
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ barrier decision the core's.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Annotated
 
 import numpy as np
@@ -121,7 +122,7 @@ async def commit(request: Request, pull: bool = Query(False), timeout: float = Q
     else:
         tensors, via = held.tensors, held.via
     # held pieces were checked for NaN/Inf when held, into memory of the shard's own (zeros are finite): not again
-    result = rt.run_guarded(lambda: core.push(push.with_tensors(tensors, finite_checked=True), rt.now()))
+    result = rt.run_guarded(lambda: core.push(replace(push, tensors=tensors, finite_checked=True), rt.now()))
     tensors = held = None  # the round holds what it needs, and frees it once aggregated
     role.holds.discard(push.worker_id, push.step)
     rt.tensors.shm.last_transport[push.worker_id] = via

@@ -28,6 +28,7 @@ exactly the arrays it then applies.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable
 
 import numpy as np
@@ -76,12 +77,12 @@ class TensorSeam:
         """A worker's push, read and given to the core at ``clock()``: (the core's result, the push, the transport
         its answer goes back through). A plain push (dense tensors in the body) is one core call, the core's own
         checks first; a compressed or same-host one is admitted first (its decoding or copy costs), and a same-host
-        one read onto the sum it joins at once, if any (:meth:`ParameterServerCore.sum_base`: one pass)."""
+        one read onto the sum it joins at once, if any (what :meth:`ParameterServerCore.admit` gives: one pass)."""
         self.drop_body()  # its buffer may serve this push's body (bounds the PS's memory)
         f, size = await self._frame(request)
         push, seq = parse_push_meta(f.meta, f.tensors)
         if seq is not None or self.compression.name != "none" or f.meta.get("compression") is not None:
-            push, via = self._tensors(push, seq, f, size, True, self.core.sum_base)
+            push, via = self._tensors(push, seq, f, size, True, join=True)
         else:
             self.bytes_in, via = self.bytes_in + size, "http"
         result = self.core.push(push, clock())
@@ -98,23 +99,25 @@ class TensorSeam:
         return self._tensors(push, seq, f, size, members)
 
     def _tensors(self, push: PushRequest, seq: int | None, f: frame.Frame, size: int, members: bool,
-                 sum_base: Callable[[str, int], dict | None] | None = None) -> tuple[PushRequest, str]:
+                 join: bool = False) -> tuple[PushRequest, str]:
         """The push with the arrays the core takes (after its refusals of the worker): decoded from their
-        compression, or read out of the worker's same-host file (onto ``sum_base``'s arrays when it gives some)."""
+        compression, or read out of the worker's same-host file (``join``: onto the core's sum when it offers one; the
+        push goes to the core at once)."""
         core = self.core
-        core.admit(push.worker_id if members else None)  # the core's refusals come before the tensors are read
+        # the core's refusals come before the tensors are read; a sum to join at once, if any
+        base = core.admit(push.worker_id if members else None, push.step if join and seq is not None else None)
         declared = f.meta.get("compression")
         if seq is None:
             self.bytes_in += size
             tensors = compression.decode_push(self.compression, declared, f.tensors, core.weights, _pooled)
             checked = compression.known_finite(self.compression, f.tensors, core.weights)  # top-k values, 2-bit
-            return push.with_tensors(tensors, finite_checked=checked), "http"
-        compression.check_declared(self.compression, declared, via_body=False)
+            return replace(push, tensors=tensors, finite_checked=checked), "http"
+        if declared not in (None, "none"):  # same-host pushes are never compressed
+            compression.check_declared(self.compression, declared, via_body=False)
         if f.tensors:
             raise bad_request("bad_field", "a push with shm_seq carries no tensors in its body")
-        base = None if sum_base is None else sum_base(push.worker_id, push.step)  # the sum it joins at once, if any
         tensors, finite, onto = self.shm.gradients(push.worker_id, seq, base)  # base + push, in the pass that reads
-        return push.with_tensors(tensors, finite_checked=finite, onto=onto), "shm"
+        return replace(push, tensors=tensors, finite_checked=finite, onto=onto), "shm"
 
     async def receive_model(self, request: Request) -> ModelInit:
         f, size = await self._frame(request, recurring=False)  # once a job: its buffer is not kept

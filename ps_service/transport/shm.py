@@ -13,7 +13,7 @@ Contract:
   pattern, regular file of this user with one link, no symlink, kind ``G``, exact size, matching nonce,
   the model's frame header), and never the PS's own weights file. The worker then unlinks it.
 - :meth:`ShmHub.gradients` checks the worker's file holds the push (its marker), copies it once into a pooled
-  buffer of the PS's own, checking for NaN/Inf as it copies (:func:`ps_service.core.accumulator.read_checked`,
+  buffer of the PS's own (or ``base + push`` there, ``base`` the sum the core's ``admit`` offered), checking for NaN/Inf as it copies (:func:`ps_service.core.accumulator.read_checked`,
   chunks in the cache), then checks the marker again (409 ``shm_torn``: rewritten while read). The core gets
   arrays it owns, as from a body: what it applies is what was checked, whatever the worker writes into its file
   afterwards; buffers are reused once no round holds them (a fresh 40 MB one costs page faults).
@@ -194,7 +194,7 @@ class ShmHub:
                   ) -> tuple[dict[str, np.ndarray], bool, dict[str, np.ndarray] | None]:
         """One push's gradients, copied out of the worker's file into a buffer of the PS's own, whether they
         are finite (checked as copied; not finite: the core's own check then refuses or skips the push), and the
-        ``base`` they were added to as read (the core's ``sum_base``: ``base + push`` made in the same pass, and
+        ``base`` they were added to as read (what the core's ``admit`` offered: ``base + push`` made in the same pass, and
         finite; None: the push alone)."""
         region = self.attached.get(worker_id)
         if region is None or self.layout is None:
