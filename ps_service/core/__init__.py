@@ -254,8 +254,7 @@ class ParameterServerCore(ModelState):
         return self.rule.progress(r, self._rule_now(r, now), but)
 
     def _rule_now(self, r: Round, now: float | None) -> float | None:
-        """The time the round's rule reads: ``now``, or None while leases are held (they hold the round's deadline
-        too, which counts from their release at the earliest)."""
+        """``now`` for the round's rule; None while held leases hold its deadline (counted from their release)."""
         if r.deadline_from < self.members.released_at:
             r.deadline_from = self.members.released_at
         if now is not None and self.rule.round_timeout is not None and self.members.held:
@@ -418,10 +417,8 @@ class ParameterServerCore(ModelState):
         initialised (``not_initialized``), the worker known (``unknown_worker``) and active (``not_active``);
         ``worker_id`` None: the model only (a sharded PS's held pieces). The transports ask this first, so a push
         they cannot decode without the model, or from a worker that must register, is refused as the core would.
-        With ``step``: the arrays a finite push of that step would be added to at once if it came now (the round's
-        running sum, or the gradient next in rank order: :meth:`Round.base_for`), else None (it would wait, or not be
-        accepted). A transport reading a push out of memory the PS does not own may make ``base + push`` as it reads
-        it (one pass), check it finite, and push that at once with ``PushRequest.onto = base``. Reads only."""
+        With ``step``: the arrays a finite push of that step would join at once (:meth:`Round.base_for`), or None: a
+        transport may read the push as ``base + push``, checked, and push that at once with ``onto=base``."""
         m = self._member(worker_id)
         r = self.round
         if step is None or m is None or r is None or self.modes is not None \

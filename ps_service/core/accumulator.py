@@ -280,9 +280,8 @@ class Accumulator:
         return worker_id in self.keys
 
     def base_for(self, key: Key, pending: Iterable[Key] | None) -> dict[str, np.ndarray] | None:
-        """The arrays a gradient of ``key`` would be added to at once by :meth:`apply` with this ``pending``: the
-        running sum, or, none made yet, the lowest waiting gradient (it comes next in rank order); None when it
-        would wait, or either is not plain arrays. Reads only."""
+        """The arrays a gradient of ``key`` would be added to at once by :meth:`apply` with ``pending``: the running
+        sum, or, none yet, the lowest waiting gradient (next in rank order); None: it would wait (or not arrays)."""
         queue = self.queue
         if pending is None or self.spoiled or (queue and queue[0] < key) or not key < min(pending, default=_TOP):
             return None
@@ -300,8 +299,7 @@ class Accumulator:
         """Take ``worker_id``'s validated gradient (its arrays are the accumulator's from now on); fold in what
         sorts before every key in ``pending`` (the gradients still possible; None: unknown, fold nothing yet).
         ``magnitude``: a bound on its elements' magnitude (:func:`validate`'s), which can spare the sum's check.
-        ``onto``: ``grads`` is :meth:`base_for`'s ``onto`` plus the gradient, made and checked finite as it was read
-        (one pass over the gradient): it is the running sum from now on."""
+        ``onto``: ``grads`` is that :meth:`base_for` plus the gradient, checked finite: the running sum from now on."""
         key = (rank, worker_id)
         if worker_id in self.keys or (self.folded and key < self.folded[-1]):
             raise AssertionError(f"gradient {key} is a repeat or sorts before the summed prefix {self.folded}")

@@ -74,13 +74,10 @@ class TensorSeam:
         return frame.decode(body), len(body)
 
     async def push(self, request: Request, clock: Callable[[], float]) -> tuple[PushResult, PushRequest, str]:
-        """A worker's push, read and given to the core at ``clock()``: (the core's result, the push, the transport
-        its answer goes back through). A plain push (dense tensors in the body) is one core call, the core's own
-        checks first; a compressed or same-host one is admitted first (its decoding or copy costs), and a same-host
-        one read onto the sum it joins at once, if any (what :meth:`ParameterServerCore.admit` gives: one pass)."""
-        self.drop_body()  # its buffer may serve this push's body (bounds the PS's memory)
-        f, size = await self._frame(request)
-        push, seq = parse_push_meta(f.meta, f.tensors)
+        """A worker's push read and given to the core at ``clock()``: (the core's result, the push, the transport
+        to answer through). A dense push in the body is one core call (its checks first); a compressed or same-host
+        one is admitted first, and a same-host one read onto the sum it joins at once, if the core offers one."""
+        push, seq, f, size = await self._push_frame(request)
         if seq is not None or self.compression.name != "none" or f.meta.get("compression") is not None:
             push, via = self._tensors(push, seq, f, size, True, join=True)
         else:
@@ -90,21 +87,21 @@ class TensorSeam:
         return result, push, via
 
     async def receive_push(self, request: Request, members: bool = True) -> tuple[PushRequest, str]:
-        """A push with its gradients in memory the core may keep, not given to the core (a shard's held pieces:
-        ps_service/sharding), and the transport it came by; 404/409 for a worker that must register (``members``
-        False: no membership check, a follower)."""
-        self.drop_body()
-        f, size = await self._frame(request)
-        push, seq = parse_push_meta(f.meta, f.tensors)
+        """A shard's held pieces (ps_service/sharding): the push, its arrays the core may keep, and its transport;
+        404/409 for a worker that must register (``members`` False: no membership check, a follower)."""
+        push, seq, f, size = await self._push_frame(request)
         return self._tensors(push, seq, f, size, members)
+
+    async def _push_frame(self, request: Request) -> tuple[PushRequest, int | None, frame.Frame, int]:
+        self.drop_body()  # its buffer may serve this push's body (bounds the PS's memory)
+        f, size = await self._frame(request)
+        return *parse_push_meta(f.meta, f.tensors), f, size
 
     def _tensors(self, push: PushRequest, seq: int | None, f: frame.Frame, size: int, members: bool,
                  join: bool = False) -> tuple[PushRequest, str]:
-        """The push with the arrays the core takes (after its refusals of the worker): decoded from their
-        compression, or read out of the worker's same-host file (``join``: onto the core's sum when it offers one; the
-        push goes to the core at once)."""
+        """The push with the arrays the core takes, after the core's refusals: decoded, or read out of the worker's
+        same-host file (``join``: onto the sum the core offers; the push then goes to the core at once)."""
         core = self.core
-        # the core's refusals come before the tensors are read; a sum to join at once, if any
         base = core.admit(push.worker_id if members else None, push.step if join and seq is not None else None)
         declared = f.meta.get("compression")
         if seq is None:
