@@ -484,7 +484,8 @@ class ParameterServerCore(ModelState):
             return PushStatus.DUPLICATE
         if step == g and self.done:  # PS_MAX_STEPS reached: no round will take it
             return PushStatus.STALE
-        if step == g and self.round.counts(wid):  # NaN/Inf under policy skip: skipped, for this round only
+        r = self.round  # (r.counts(wid), read inline: a push classifies once or twice)
+        if step == g and wid in r.eligible and wid not in r.gone:  # NaN/Inf under policy skip: skipped, this round
             return PushStatus.ACCEPTED if finite else PushStatus.SKIPPED
         if step == g or (step == g - 1 and self.last_round is not None and wid in self.last_round.eligible):
             return PushStatus.LATE

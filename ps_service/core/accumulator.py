@@ -26,8 +26,8 @@ Contract:
   just before (the running sum, or the waiting gradient next in rank order) and the arrays ``base + gradient``,
   made and checked finite as its transport read it (one pass): they are the running sum from then on, same bits.
 - **What is applied is finite.** Every sum that was added to in place unchecked is read once for NaN/Inf when the
-  round ends (``take_sum``): finite gradients can overflow when added (two float32 3e38 make inf). Not finite: :attr:`~Accumulator.spoiled`
-  (:attr:`~Accumulator.overflow` names the tensor), the round applies nothing. That read is skipped when the
+  round ends (``take_sum``): finite gradients can overflow when added (two float32 3e38 make inf). Not finite:
+  :attr:`~Accumulator.spoiled` (:attr:`~Accumulator.overflow` names the tensor), the round applies nothing. That read is skipped when the
   pushes' magnitudes (``apply(..., magnitude=)``, from :func:`validate`) prove the sum cannot overflow: every
   element of the sum is at most the sum of their magnitudes, and while that stays below :data:`SUM_LIMIT` (far
   below float32's largest value, 3.4e38) no addition can reach Inf.

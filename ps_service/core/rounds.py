@@ -248,7 +248,8 @@ class Round:
         keys = self.acc.keys
         total, n = self.acc.take_sum() if keys else (None, 1)
         applied = keys if total is not None else {}
-        missing = [(name_of(w), rank) for w, rank in self.eligible.items() if w not in applied and w not in self.skipped]
+        missing = [(name_of(w), rank) for w, rank in self.eligible.items()
+                   if w not in applied and w not in self.skipped]
         came = sorted([*self.arrivals, *self.skips], key=lambda a: a.at) if self.skips else self.arrivals
         return RoundRecord(
             self.step, self.opened_at, now, reason, len(applied), len(self.eligible),
