@@ -74,7 +74,7 @@ PATHS: dict[str, FastPath] = {
         (("ps_service/core/accumulator.py", "SUM_LIMIT = 1e30", "SUM_LIMIT = -1.0"),),
         ("shm:10000000:4", "http:10000000:2")),
     "shm-onto": FastPath(
-        "ps_service/transport/__init__.py (a same-host push read onto the sum it joins at once, as core.admit offers it)",
+        "ps_service/transport/__init__.py (a same-host push read onto the sum it joins, as core.admit offers it)",
         "each same-host push copied alone, then folded into the sum",
         (("ps_service/transport/__init__.py",
           "push.step if join and seq is not None else None)", "None)"),),

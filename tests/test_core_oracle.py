@@ -170,8 +170,8 @@ def test_the_incremental_core_decides_exactly_as_the_scans(cfg, first, script):
 @settings(max_examples=30, deadline=None)
 @given(order=st.permutations(range(4)))
 def test_pushes_summed_onto_what_the_core_offers_give_the_same_bits(order):
-    """Four workers pushing in any order: read-and-summed onto what ``admit`` offers (the running sum, or the gradient next
-    in rank order) or pushed alone, the weights are the same bits; most pushes of an order find a sum to join."""
+    """Four workers pushing in any order: read-and-summed onto what ``admit`` offers (the running sum, or the gradient
+    next in rank order) or pushed alone, the weights are the same bits; in every order a push finds a sum to join."""
     weights, joined = [], 0
     for summed in (False, True):
         core = ParameterServerCore(core_config(min_workers=4, startup_grace_seconds=0.0))

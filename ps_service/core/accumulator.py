@@ -27,10 +27,10 @@ Contract:
   made and checked finite as its transport read it (one pass): they are the running sum from then on, same bits.
 - **What is applied is finite.** Every sum that was added to in place unchecked is read once for NaN/Inf when the
   round ends (``take_sum``): finite gradients can overflow when added (two float32 3e38 make inf). Not finite:
-  :attr:`~Accumulator.spoiled` (:attr:`~Accumulator.overflow` names the tensor), the round applies nothing. That read is skipped when the
-  pushes' magnitudes (``apply(..., magnitude=)``, from :func:`validate`) prove the sum cannot overflow: every
-  element of the sum is at most the sum of their magnitudes, and while that stays below :data:`SUM_LIMIT` (far
-  below float32's largest value, 3.4e38) no addition can reach Inf.
+  :attr:`~Accumulator.spoiled` (:attr:`~Accumulator.overflow` names the tensor), the round applies nothing. That read
+  is skipped when the pushes' magnitudes (``apply(..., magnitude=)``, from :func:`validate`) prove the sum cannot
+  overflow: every element of the sum is at most the sum of their magnitudes, and while that stays below
+  :data:`SUM_LIMIT` (far below float32's largest value, 3.4e38) no addition can reach Inf.
 - A top-k push's tensors (:class:`~shared.compression.SparseTensor`: k entries, zero elsewhere) are kept as the
   running sum's :class:`Terms` while that tensor's sum came only from such pushes, and added at once when the sum is
   taken (:func:`sparse_sum`: over the union of their indices, the dense sum's bits there, +0.0 elsewhere as the

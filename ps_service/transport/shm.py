@@ -12,11 +12,12 @@ Contract:
 - :meth:`ShmHub.attach` (``POST /v1/workers/{id}/shm``) maps the gradient file the worker made (name
   pattern, regular file of this user with one link, no symlink, kind ``G``, exact size, matching nonce,
   the model's frame header), and never the PS's own weights file. The worker then unlinks it.
-- :meth:`ShmHub.gradients` checks the worker's file holds the push (its marker), copies it once into a pooled
-  buffer of the PS's own (or ``base + push`` there, ``base`` the sum the core's ``admit`` offered), checking for NaN/Inf as it copies (:func:`ps_service.core.accumulator.read_checked`,
-  chunks in the cache), then checks the marker again (409 ``shm_torn``: rewritten while read). The core gets
-  arrays it owns, as from a body: what it applies is what was checked, whatever the worker writes into its file
-  afterwards; buffers are reused once no round holds them (a fresh 40 MB one costs page faults).
+- :meth:`ShmHub.gradients` checks the worker's file holds the push (its marker), copies it once into a pooled buffer
+  of the PS's own (or ``base + push``, ``base`` the sum the core's ``admit`` offered), checking for NaN/Inf as it
+  copies (:func:`ps_service.core.accumulator.read_checked`, chunks in the cache), then checks the marker again (409
+  ``shm_torn``: rewritten while read). The core gets arrays it owns, as from a body: what it applies is what was
+  checked, whatever the worker writes into its file afterwards; buffers are reused once no round holds them (a fresh
+  40 MB one costs page faults).
 - Refusals: 409 ``shm_unavailable`` (the worker then uses plain HTTP), 409 ``shm_not_attached`` /
   ``shm_torn`` (attach again, or push over HTTP), 400 for malformed names.
 The weights file is unlinked on shutdown; files left by a PS that was killed (no flock held on them)
@@ -192,10 +193,9 @@ class ShmHub:
 
     def gradients(self, worker_id: str, seq: object, base: dict[str, np.ndarray] | None = None
                   ) -> tuple[dict[str, np.ndarray], bool, dict[str, np.ndarray] | None]:
-        """One push's gradients, copied out of the worker's file into a buffer of the PS's own, whether they
-        are finite (checked as copied; not finite: the core's own check then refuses or skips the push), and the
-        ``base`` they were added to as read (what the core's ``admit`` offered: ``base + push`` made in the same pass, and
-        finite; None: the push alone)."""
+        """One push's gradients, copied out of the worker's file into a buffer of the PS's own (``base + push``,
+        finite, when ``base`` is given and that sum is), whether they are finite (checked as copied; not: the core's
+        own check refuses or skips the push), and the base they were added to (None: the push alone)."""
         region = self.attached.get(worker_id)
         if region is None or self.layout is None:
             raise ProtocolError(409, "shm_not_attached", "this worker has no gradient file here: attach again")
