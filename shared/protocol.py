@@ -117,48 +117,12 @@ PUSH_FIELDS = frozenset({"worker_id", "step", "loss", "num_examples", "timings",
 MODEL_FIELDS = frozenset({"optimizer"})
 
 
-_NUMBER_TYPES = (int, float)
 _NO_TENSORS: Mapping = MappingProxyType({})
 
 
-def _parse_push_plain(meta: dict, tensors: Mapping = _NO_TENSORS) -> tuple[PushRequest, int | None] | None:
-    """:func:`parse_push_meta` of a plainly well-formed meta (every field of its exact type, in range; what
-    workers send each step) with few checks; None for anything else, which the full parser judges."""
-    if not meta.keys() <= PUSH_FIELDS:
-        return None
-    get = meta.get
-    worker_id, step, loss, n, raw, seq = (get("worker_id"), get("step"), get("loss"), get("num_examples"),
-                                          get("timings"), get("shm_seq"))
-    if type(worker_id) is not str or type(step) is not int or not 0 <= step <= MAX_INT:
-        return None
-    if loss is not None:
-        if type(loss) not in _NUMBER_TYPES:
-            return None
-        loss = float(loss) if math.isfinite(loss) else None
-    if n is not None and (type(n) is not int or not 0 <= n <= MAX_NUM_EXAMPLES):
-        return None
-    if (seq is not None and (type(seq) is not int or not 0 <= seq <= MAX_INT)) or \
-            type(get("compression")) not in (str, type(None)):
-        return None
-    if raw is None:
-        times = PhaseTimes()
-    elif type(raw) is dict and raw.keys() <= _PHASE_SET:
-        t = [raw.get(k) for k in PHASES]
-        if not all(v is None or (type(v) in _NUMBER_TYPES and 0 <= v <= MAX_PHASE_SECONDS) for v in t):
-            return None
-        times = PhaseTimes(*(v or 0.0 for v in t))
-    else:
-        return None
-    return PushRequest(worker_id, step, tensors, loss, n, times), seq
-
-
 def parse_push_meta(meta: dict, tensors: Mapping = _NO_TENSORS) -> tuple[PushRequest, int | None]:
-    """(the push, with ``tensors``, its ``shm_seq`` or None) from a push frame's meta."""
-    return _parse_push_plain(meta, tensors) or _parse_push_checked(meta, tensors)
-
-
-def _parse_push_checked(meta: dict, tensors: Mapping = _NO_TENSORS) -> tuple[PushRequest, int | None]:
-    """:func:`parse_push_meta`, every field checked in turn (400/422 naming the first that is wrong)."""
+    """(the push, with ``tensors``, its ``shm_seq`` or None) from a push frame's meta, every field checked in turn
+    (400/422 naming the first that is wrong)."""
     what = "push"
     _only(meta, PUSH_FIELDS, what)
     worker_id = _require(meta, "worker_id", str, what)
