@@ -5,18 +5,54 @@ ran: content type checked first (415), size checked while streaming (413), a sta
 (408), a client that vanished mid-body answered 400 without a traceback, a body longer than its
 Content-Length refused (400). The result is always writable memory that nothing else uses: a body
 with a Content-Length lands in one buffer of :data:`ps_service.core.buffers.POOL` (written by
-the HTTP protocol itself where it can, :mod:`ps_service.transport.bodysink`), a chunked one in a
-``bytearray``. Arrays the receive seam makes over it are the core's to keep and sum into.
+the HTTP protocol itself where it can: :class:`BodySink`, which :mod:`ps_service.transport.bodysink` fills), a
+chunked one in a ``bytearray``. Arrays the receive seam makes over it are the core's to keep and sum into.
 """
 from __future__ import annotations
 
 import asyncio
+import time
 
 from starlette.requests import ClientDisconnect, Request
 
-from ps_service.transport.bodysink import SINK_KEY, BodySink
 from ps_service.core.buffers import POOL
 from shared.errors import ProtocolError
+
+#: the ASGI scope key under which a route hands its sink to the protocol (ps_service/transport/bodysink.py)
+SINK_KEY = "syncps.body_sink"
+#: wake the route after this many bytes or seconds of progress while a body streams into its sink
+WAKE_BYTES = 4 << 20
+WAKE_SECONDS = 0.5
+
+
+class BodySink:
+    """A writable view of the whole body and how much of it has arrived."""
+
+    def __init__(self, view: memoryview) -> None:
+        self.view = view
+        self.at = 0
+        self._woken_at = 0
+        self._woken_time = time.monotonic()
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        end = self.at + len(data)
+        if end > len(self.view):
+            raise ValueError("the body is longer than its content-length")
+        self.view[self.at:end] = data
+        self.at = end
+
+    @property
+    def full(self) -> bool:
+        return self.at == len(self.view)
+
+    def due(self) -> bool:
+        """True when full, and once per WAKE_BYTES or WAKE_SECONDS of progress."""
+        now = time.monotonic()
+        if self.full or self.at - self._woken_at >= WAKE_BYTES or now - self._woken_time >= WAKE_SECONDS:
+            self._woken_at, self._woken_time = self.at, now
+            return True
+        return False
+
 
 #: default idle timeout of a body (the routes pass PS_BODY_IDLE_TIMEOUT_SECONDS)
 BODY_IDLE_TIMEOUT = 30.0
