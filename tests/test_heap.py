@@ -56,6 +56,5 @@ def test_the_ps_sets_it_before_it_serves(monkeypatch):
     calls = []
     monkeypatch.setattr(ps_main, "keep_freed_memory", lambda: calls.append("keep"))
     monkeypatch.setattr(ps_main.uvicorn, "run", lambda *a, **k: calls.append("serve"))
-    monkeypatch.setattr(ps_main.gc, "freeze", lambda: None)  # this test process's objects stay collectable
     ps_main.main(["--port", "0"])
     assert calls == ["keep", "serve"]

@@ -90,8 +90,27 @@ def _send_pull(port: int, min_step: int) -> socket.socket:
     return sock
 
 
-def _read_answer(sock: socket.socket) -> frame.Frame:
-    data = bytearray()
+class _Trickle(threading.Thread):
+    """Reads 64 KB of the answer a second, no more: the answer stays in flight (40 MB would take minutes), and the
+    PS's window never stays shut for its TCP_USER_TIMEOUT (5 s: shared/liveness.py ends a connection whose reader
+    read nothing that long), however long the rounds take on a busy machine."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        super().__init__(daemon=True)
+        self.sock, self.data, self.done = sock, bytearray(), threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(1.0):
+            self.data += self.sock.recv(64 << 10)
+
+    def finish(self) -> bytearray:
+        self.done.set()
+        self.join(10)
+        return self.data
+
+
+def _read_answer(sock: socket.socket, data: bytearray | None = None) -> frame.Frame:
+    data = data if data is not None else bytearray()
     while b"\r\n\r\n" not in data:
         data += sock.recv(65536)
     head, _, rest = bytes(data).partition(b"\r\n\r\n")
@@ -105,7 +124,7 @@ def _read_answer(sock: socket.socket) -> frame.Frame:
 
 
 def test_a_slow_reader_gets_the_exact_weights_of_its_step_while_rounds_go_on():
-    """A 40 MB answer to a reader that does not read: uvloop keeps it queued while two workers close 3 rounds;
+    """A 40 MB answer to a reader that barely reads: uvloop keeps it queued while two workers close 3 rounds;
     read at last, it is exactly its step's weights (w = -step with gradients 1 and learning rate 1), and the
     workers' own answers are exact too."""
     size = 10_000_000
@@ -115,6 +134,8 @@ def test_a_slow_reader_gets_the_exact_weights_of_its_step_while_rounds_go_on():
         clients[0].init_model({"w": np.zeros(size, np.float32)}, {"name": "sgd", "learning_rate": 1.0})
         ones = np.ones(size, np.float32)
         slow = _send_pull(ps.port, 0)
+        trickle = _Trickle(slow)
+        trickle.start()
         store = ps.rt.core.store
         try:
             for step in range(3):
@@ -135,10 +156,11 @@ def test_a_slow_reader_gets_the_exact_weights_of_its_step_while_rounds_go_on():
                     assert pulled.step == step + 1
                     np.testing.assert_array_equal(pulled.tensors["w"], np.full(size, -(step + 1.0), np.float32))
             assert store.moves >= 2  # the first step's change found the slow answer in flight: copy on write
-            got = _read_answer(slow)
+            got = _read_answer(slow, trickle.finish())
             assert got.meta["step"] == 0
             np.testing.assert_array_equal(got.tensors["w"], np.zeros(size, np.float32))
         finally:
+            trickle.done.set()
             slow.close()
             for c in clients:
                 c.close()
