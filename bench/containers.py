@@ -1,0 +1,258 @@
+"""``python -m bench.containers``: one job as local processes and as ``docker compose``, alternately; steps/s of each.
+
+Runs the same job, :mod:`bench.task`'s linear workload at ``--params`` with ``--workers`` sync workers, ``--repeat``
+times on each side, the sides taking turns (round r starts with side r mod 3), so the machine's load falls on them
+alike:
+
+- ``local-http``: local processes as :mod:`bench.run` starts them (:class:`cluster.processes.LocalCluster`), every
+  tensor over TCP on loopback (``--transport http``);
+- ``local-auto``: the same with a local cluster's default transport (same-host files when available);
+- ``compose``: the repository's docker-compose.yml, ``up -d --scale worker=N`` under a project of its own
+  (``--project``), on a free host port (``SYNCPS_PORT``), with an image of its own (``--image``, built from this
+  checkout first, cached layers: seconds). Its settings go in an env file, as docs/guides/compose.md keeps them in
+  ``.env``; the caller's ``PS_*``, ``WORKER_*``, ``SYNCPS_*`` and ``COMPOSE_*`` variables are not passed to compose.
+  The image holds no ``bench`` package, so a second compose file of this bench's mounts this checkout's ``bench/``
+  read-only into the workers (``WORKER_TASK=bench.task:params_<P>``). Each line's ``transport`` says how the
+  workers reached the PS (``/v1/workers``).
+
+Both sides get the same settings (:func:`job_settings`): ``PS_TOTAL_NUM_REPLICAS`` and ``PS_MIN_WORKERS`` = N, no
+start grace, ``PS_MAX_STEPS`` (``--max-steps``) far beyond the runs, checkpoints every 100 steps (compose's volume;
+a temporary directory locally), the task, dtype and quiet logs; workers run one BLAS/OpenMP thread
+(worker_service/threads.py; bench.run sets it for local workers). Each run waits for training (global step >= 3),
+warms up ``--warmup`` s, then counts global steps over ``--seconds`` from the PS's ``/v1/status``, with the PS's and
+the workers' CPU seconds in the window (``/proc`` of each process; a container's by its host PID) and the PS's peak
+RSS. Every line carries ``side``, ``run``, ``machine`` (:func:`bench.table.machine`), ``load`` (1, 5, 15 min) and
+``utc``; then one summary line a side: the median steps/s, ``ratio`` = that median / the median of the local side
+whose workers used the transport compose's workers used (``against``: :func:`reference`; compose's workers share the
+PS's ``shm`` volume, so same-host files when it works), ``ratio_to_local_http`` and ``ratio_to_local_auto``, and for
+compose ``within_10pct`` (ratio >= 0.9). A table by default, JSON lines with ``--json``. Every command has a timeout; the
+compose project is taken down with ``down -v`` at the end, whatever happened.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import httpx
+
+from bench.output import Results, add_json_option
+from bench.run import _cpu_seconds, _proc_status, measure
+from bench.table import machine
+from bench.task import actual_params, model_dims
+from cluster.processes import free_port, wait_for
+from shared.protocol import PHASES
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE_FILE = ROOT / "docker-compose.yml"
+SIDES = ("local-http", "local-auto", "compose")
+TARGET = 0.9
+SCRUBBED = ("PS_", "WORKER_", "SYNCPS_", "COMPOSE_")
+COLUMNS = ("side", "run", "steps_per_s", "median_steps_per_s", "against", "ratio", "ratio_to_local_http",
+           "ratio_to_local_auto", "within_10pct",
+           "transport", "ps_cpu_s", "workers_cpu_s", "cpu_ms_per_step", "load_1min")
+
+
+def job_settings(params: int, workers: int, max_steps: int, dtype: str = "float32") -> tuple[dict, dict]:
+    """(PS settings, worker settings) of the job, the same on both sides."""
+    ps = {"PS_TOTAL_NUM_REPLICAS": workers, "PS_MIN_WORKERS": workers, "PS_STARTUP_GRACE_SECONDS": 0,
+          "PS_MAX_STEPS": max_steps, "PS_LOG_LEVEL": "warning", "PS_CHECKPOINT_EVERY_STEPS": 100}
+    worker = {"WORKER_TASK": f"bench.task:params_{int(params)}", "WORKER_DTYPE": dtype,
+              "WORKER_LOG_EVERY_SECONDS": 3600}
+    return ps, worker
+
+
+def override(bench_dir: Path = ROOT / "bench") -> str:
+    """The second compose file: this checkout's bench/ in the workers, read-only (the image has no bench package)."""
+    return f"services:\n  worker:\n    volumes:\n      - {json.dumps(str(bench_dir) + ':/app/bench:ro')}\n"
+
+
+class ComposeJob:
+    """One compose project of the repository's docker-compose.yml plus :func:`override`, settings in an env file."""
+
+    def __init__(self, project: str, image: str, settings: dict, workdir: Path) -> None:
+        self.project, self.port = project, free_port()
+        self.env_file, self.extra = workdir / "compose.env", workdir / "bench-override.yml"
+        env = {"SYNCPS_IMAGE": image, "SYNCPS_PORT": self.port, **settings}
+        self.env_file.write_text("".join(f"{k}={v}\n" for k, v in env.items()))
+        self.extra.write_text(override())
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.environ = {k: v for k, v in os.environ.items() if not k.startswith(SCRUBBED)}
+
+    def compose(self, *args: str, timeout: float = 180.0) -> str:
+        cmd = ["docker", "compose", "-p", self.project, "--env-file", str(self.env_file), "-f", str(COMPOSE_FILE),
+               "-f", str(self.extra), *args]
+        done = subprocess.run(cmd, cwd=ROOT, env=self.environ, capture_output=True, text=True, timeout=timeout)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd[2:])}: exit {done.returncode}: {(done.stderr or done.stdout)[-1500:]}")
+        return done.stdout
+
+    def pids(self, service: str) -> list[int]:
+        """Host PIDs of the service's running containers' main processes."""
+        ids = self.compose("ps", "-q", service, timeout=60).split()
+        if not ids:
+            return []
+        out = subprocess.run(["docker", "inspect", "-f", "{{.State.Pid}}", *ids], capture_output=True, text=True,
+                             timeout=60, check=True).stdout
+        return [int(p) for p in out.split() if int(p) > 0]
+
+    def down(self) -> None:
+        self.compose("down", "-v", "--remove-orphans", timeout=180)
+
+
+def _cpu(pids: list[int]) -> float | None:
+    values = [_cpu_seconds(p) for p in pids]
+    return None if not values or None in values else sum(values)
+
+
+def measure_compose(job: ComposeJob, workers: int, params: int, seconds: float, warmup: float,
+                    start_deadline: float = 300.0) -> dict:
+    """One compose run (``up -d --scale worker=N``, the window, ``down -v``); the line as :func:`bench.run.measure`
+    gives it (its fields that apply)."""
+    d, k = model_dims(params)
+    out: dict = {"system": "syncps", "workers": workers, "params": actual_params(params), "params_requested": int(params),
+                 "d": d, "k": k}
+    try:
+        job.compose("up", "-d", "--scale", f"worker={workers}", timeout=start_deadline)
+        with httpx.Client(base_url=job.url, timeout=30.0) as client:
+            def training() -> bool:
+                try:
+                    st = client.get("/v1/status").json()
+                except httpx.TransportError:
+                    return False
+                return st["state"] == "training" and st["global_step"] >= 3
+            wait_for(training, start_deadline, "training to start", interval=0.2)
+            time.sleep(warmup)
+            ps, ws = job.pids("ps"), job.pids("worker")
+            cpu0, wcpu0 = _cpu(ps), _cpu(ws)
+            t0, g0 = time.perf_counter(), client.get("/v1/status").json()["global_step"]
+            time.sleep(seconds)
+            t1, st = time.perf_counter(), client.get("/v1/status").json()
+            cpu1, wcpu1 = _cpu(ps), _cpu(ws)
+            members = client.get("/v1/workers").json()["workers"]
+        g1, rate = st["global_step"], (st["global_step"] - g0) / (t1 - t0)
+        ps_cpu = None if cpu0 is None or cpu1 is None else round(cpu1 - cpu0, 3)
+        w_cpu = None if wcpu0 is None or wcpu1 is None or len(ws) != workers else round(wcpu1 - wcpu0, 3)
+        out.update(steps_per_s=round(rate, 4), final_loss=st["loss"]["last"],
+                   peak_rss_MB=round(_proc_status(ps[0], "VmHWM") or 0.0, 1) if ps else None,
+                   ps_cpu_s=ps_cpu, workers_cpu_s=w_cpu, steps=g1 - g0, window_s=round(t1 - t0, 3),
+                   transport="+".join(sorted({m["transport"] for m in members})),
+                   worker_phase_ms={k: round(1e3 * sum(m["mean_seconds"][k] for m in members) / len(members), 2)
+                                    for k in PHASES})
+        if ps_cpu is not None and w_cpu is not None and g1 > g0:
+            out["cpu_ms_per_step"] = round(1e3 * (ps_cpu + w_cpu) / (g1 - g0), 2)
+    except Exception as exc:  # a failed run is a line too
+        out.update(steps_per_s=None, error=f"{type(exc).__name__}: {exc}"[:800])
+    finally:
+        try:
+            job.down()
+        except Exception as exc:  # noqa: BLE001 - said in the line; main's finally tries again
+            out.setdefault("error", f"down: {exc}"[:800])
+    return out
+
+
+def run_side(side: str, args: argparse.Namespace, job: ComposeJob | None) -> dict:
+    ps_env, worker_env = job_settings(args.params, args.workers, args.max_steps)
+    if side == "compose":
+        return measure_compose(job, args.workers, args.params, args.seconds, args.warmup)
+    with tempfile.TemporaryDirectory(prefix="syncps-bench-ckpt-") as ckpt:
+        return measure(args.workers, args.params, args.seconds, args.warmup, ps_env={**ps_env, "PS_CHECKPOINT_DIR": ckpt},
+                       worker_env=worker_env, transport=side.removeprefix("local-"))
+
+
+def where() -> dict:
+    """Where and under what load a line was measured: ``machine``, ``load`` (1, 5, 15 min), ``load_1min``, ``utc``."""
+    load = os.getloadavg()
+    return {"machine": machine(), "load": [round(x, 2) for x in load], "load_1min": round(load[0], 2),
+            "utc": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+
+
+def reference(lines: list[dict]) -> str:
+    """The local side the target is measured against: the one whose workers used compose's transport (``local-auto``
+    when compose's workers passed tensors through the shared ``shm`` volume, ``local-http`` when they used TCP)."""
+    used = {line.get("transport") for line in lines if line.get("side") == "compose" and line.get("transport")}
+    return "local-auto" if used == {"shm"} else "local-http"
+
+
+def summarize(lines: list[dict]) -> list[dict]:
+    """One summary line a side (in :data:`SIDES` order, sides with a steps/s only): the median, ``ratio`` to the
+    :func:`reference` side's median (named in ``against``), ``ratio_to_local_http`` and ``ratio_to_local_auto``;
+    compose's says whether it is within 10 % of the reference (``within_10pct``)."""
+    against = reference(lines)
+    rates: dict[str, list[float]] = {}
+    for line in lines:
+        if line.get("side") in SIDES and line.get("steps_per_s") is not None and "median_steps_per_s" not in line:
+            rates.setdefault(line["side"], []).append(line["steps_per_s"])
+    medians = {side: statistics.median(v) for side, v in rates.items()}
+    out = []
+    for side in (s for s in SIDES if s in medians):
+        row = {"side": side, "run": "median", "runs": len(rates[side]), "median_steps_per_s": round(medians[side], 4)}
+        for name, ref in (("ratio", against), ("ratio_to_local_http", "local-http"), ("ratio_to_local_auto", "local-auto")):
+            if medians.get(ref):
+                row[name] = round(medians[side] / medians[ref], 3)
+        row["against"] = against
+        if side == "compose" and "ratio" in row:
+            row["within_10pct"] = row["ratio"] >= TARGET
+        out.append(row)
+    return out
+
+
+def order(run: int, sides: list[str]) -> list[str]:
+    """Round ``run``'s order: the sides rotated by ``run``, so no side always goes first."""
+    k = run % len(sides)
+    return sides[k:] + sides[:k]
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m bench.containers", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workers", type=int, default=4, help="workers (compose: --scale worker=N)")
+    ap.add_argument("--params", type=int, default=1_000_000, help="model size of bench.task's workload")
+    ap.add_argument("--seconds", type=float, default=10.0, help="measured seconds a run (the window)")
+    ap.add_argument("--warmup", type=float, default=3.0, help="seconds of training before the window")
+    ap.add_argument("--repeat", type=int, default=3, help="runs a side, alternating")
+    ap.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated, of {', '.join(SIDES)}")
+    ap.add_argument("--max-steps", type=int, default=1_000_000, help="PS_MAX_STEPS of the job (both sides)")
+    ap.add_argument("--project", default="syncpsbenchcontainers", help="the compose project's name")
+    ap.add_argument("--image", default="syncps:bench-containers",
+                    help="the image tag compose builds from this checkout and runs (SYNCPS_IMAGE)")
+    ap.add_argument("--no-build", action="store_true", help="run --image as it is (no `docker compose build`)")
+    add_json_option(ap)
+    args = ap.parse_args(argv)
+    args.sides = [s for s in args.sides.split(",") if s]
+    unknown = sorted(set(args.sides) - set(SIDES))
+    if unknown or not args.sides:
+        ap.error(f"--sides: unknown {unknown} (of {', '.join(SIDES)})")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    with tempfile.TemporaryDirectory(prefix="syncps-bench-containers-") as tmp, \
+            Results(args.json, columns=COLUMNS, prog="python -m bench.containers") as results:
+        job = None
+        if "compose" in args.sides:
+            ps_env, worker_env = job_settings(args.params, args.workers, args.max_steps)
+            job = ComposeJob(args.project, args.image, {**ps_env, **worker_env}, Path(tmp))
+        try:
+            if job is not None and not args.no_build:
+                job.compose("build", "ps", timeout=900)
+            for run in range(args.repeat):
+                for side in order(run, args.sides):
+                    results.add({"side": side, "run": run, **run_side(side, args, job), **where()})
+            for row in summarize(results.lines):
+                results.add({**row, **where()})
+        finally:
+            if job is not None:
+                job.down()
+    return 0 if all(line.get("error") is None for line in results.lines) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
