@@ -24,8 +24,9 @@ the workers' CPU seconds in the window (``/proc`` of each process; a container's
 RSS. Every line carries ``side``, ``run``, ``machine`` (:func:`bench.table.machine`), ``load`` (1, 5, 15 min) and
 ``utc``; then one summary line a side: the median steps/s, ``ratio`` = that median / the median of the local side
 whose workers used the transport compose's workers used (``against``: :func:`reference`; compose's workers share the
-PS's ``shm`` volume, so same-host files when it works), ``ratio_to_local_http`` and ``ratio_to_local_auto``, and for
-compose ``within_10pct`` (ratio >= 0.9). A table by default, JSON lines with ``--json``. Every command has a timeout; the
+PS's ``shm`` volume, so same-host files when it works), ``ratio_to_local_http`` and ``ratio_to_local_auto``, for
+compose ``within_10pct`` (ratio >= 0.9), and the median ``cpu_ms_per_step`` (the PS's and the workers' CPU a global
+step: what a step costs, which the other load on the machine changes less than steps/s). A table by default, JSON lines with ``--json``. Every command has a timeout; the
 compose project is taken down with ``down -v`` at the end, whatever happened.
 """
 from __future__ import annotations
@@ -56,8 +57,8 @@ SIDES = ("local-http", "local-auto", "compose")
 TARGET = 0.9
 SCRUBBED = ("PS_", "WORKER_", "SYNCPS_", "COMPOSE_")
 COLUMNS = ("side", "run", "steps_per_s", "median_steps_per_s", "against", "ratio", "ratio_to_local_http",
-           "ratio_to_local_auto", "within_10pct",
-           "transport", "ps_cpu_s", "workers_cpu_s", "cpu_ms_per_step", "load_1min")
+           "ratio_to_local_auto", "within_10pct", "transport", "ps_cpu_s", "workers_cpu_s", "cpu_ms_per_step",
+           "median_cpu_ms_per_step", "load_1min")
 
 
 def job_settings(params: int, workers: int, max_steps: int, dtype: str = "float32") -> tuple[dict, dict]:
@@ -102,6 +103,19 @@ class ComposeJob:
         out = subprocess.run(["docker", "inspect", "-f", "{{.State.Pid}}", *ids], capture_output=True, text=True,
                              timeout=60, check=True).stdout
         return [int(p) for p in out.split() if int(p) > 0]
+
+    def post_mortem(self) -> dict:
+        """For a failed run's line: the PS's last ``/v1/status`` and the services' last log lines (what can be had)."""
+        out: dict = {}
+        try:
+            out["last_status"] = httpx.get(f"{self.url}/v1/status", timeout=10.0).json()
+        except (httpx.HTTPError, ValueError) as exc:
+            out["last_status"] = f"{type(exc).__name__}: {exc}"[:300]
+        try:
+            out["log_tail"] = self.compose("logs", "--no-color", "--tail", "15", timeout=60)[-4000:]
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+            out["log_tail"] = f"{type(exc).__name__}: {exc}"[:300]
+        return out
 
     def down(self) -> None:
         self.compose("down", "-v", "--remove-orphans", timeout=180)
@@ -148,8 +162,8 @@ def measure_compose(job: ComposeJob, workers: int, params: int, seconds: float, 
                                     for k in PHASES})
         if ps_cpu is not None and w_cpu is not None and g1 > g0:
             out["cpu_ms_per_step"] = round(1e3 * (ps_cpu + w_cpu) / (g1 - g0), 2)
-    except Exception as exc:  # a failed run is a line too
-        out.update(steps_per_s=None, error=f"{type(exc).__name__}: {exc}"[:800])
+    except Exception as exc:  # a failed run is a line too, with what the PS said last and the services' last lines
+        out.update(steps_per_s=None, error=f"{type(exc).__name__}: {exc}"[:800], **job.post_mortem())
     finally:
         try:
             job.down()
@@ -186,14 +200,16 @@ def summarize(lines: list[dict]) -> list[dict]:
     :func:`reference` side's median (named in ``against``), ``ratio_to_local_http`` and ``ratio_to_local_auto``;
     compose's says whether it is within 10 % of the reference (``within_10pct``)."""
     against = reference(lines)
-    rates: dict[str, list[float]] = {}
-    for line in lines:
-        if line.get("side") in SIDES and line.get("steps_per_s") is not None and "median_steps_per_s" not in line:
-            rates.setdefault(line["side"], []).append(line["steps_per_s"])
-    medians = {side: statistics.median(v) for side, v in rates.items()}
+    runs = [line for line in lines if line.get("side") in SIDES and line.get("steps_per_s") is not None
+            and "median_steps_per_s" not in line]
+    rates = {side: [x["steps_per_s"] for x in runs if x["side"] == side] for side in SIDES}
+    medians = {side: statistics.median(v) for side, v in rates.items() if v}
     out = []
     for side in (s for s in SIDES if s in medians):
         row = {"side": side, "run": "median", "runs": len(rates[side]), "median_steps_per_s": round(medians[side], 4)}
+        cpu = [x["cpu_ms_per_step"] for x in runs if x["side"] == side and x.get("cpu_ms_per_step") is not None]
+        if cpu:
+            row["median_cpu_ms_per_step"] = round(statistics.median(cpu), 2)
         for name, ref in (("ratio", against), ("ratio_to_local_http", "local-http"), ("ratio_to_local_auto", "local-auto")):
             if medians.get(ref):
                 row[name] = round(medians[side] / medians[ref], 3)

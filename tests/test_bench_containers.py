@@ -30,8 +30,8 @@ def test_the_sides_take_turns_going_first():
 
 def _lines(compose_transport: str) -> list[dict]:
     rates = {"local-http": [10.0, 12.0, 11.0], "local-auto": [20.0, 18.0, 22.0], "compose": [19.0, 17.0, None]}
-    return [{"side": side, "run": run, "steps_per_s": rate, "transport": compose_transport if side == "compose"
-             else ("http" if side == "local-http" else "shm")}
+    return [{"side": side, "run": run, "steps_per_s": rate, "cpu_ms_per_step": None if rate is None else 600 / rate,
+             "transport": compose_transport if side == "compose" else ("http" if side == "local-http" else "shm")}
             for side, values in rates.items() for run, rate in enumerate(values)]
 
 
@@ -43,6 +43,7 @@ def test_the_summary_is_each_sides_median_over_the_local_side_of_compose_s_trans
     assert (compose["runs"], compose["median_steps_per_s"], compose["against"]) == (2, 18.0, "local-auto")
     assert (compose["ratio"], compose["ratio_to_local_auto"], compose["ratio_to_local_http"]) == (0.9, 0.9, 1.636)
     assert compose["within_10pct"] is True
+    assert (compose["median_cpu_ms_per_step"], rows["local-http"]["median_cpu_ms_per_step"]) == (33.44, 54.55)
     over_tcp = {row["side"]: row for row in containers.summarize(_lines("http"))}["compose"]
     assert (over_tcp["against"], over_tcp["ratio"]) == ("local-http", 1.636)
     slower = [{**line, "steps_per_s": 17.9} if line["side"] == "compose" else line for line in _lines("shm")]
