@@ -106,13 +106,18 @@ def render(path: Path) -> str:
     return "\n".join(out)
 
 
-def render_page(page: str, path: Path | None = None) -> str:
-    """``page`` with the text between its markers replaced by :func:`render` of ``path`` (the newest pass)."""
+def between_markers(page: str, name: str, text: str) -> str:
+    """``page`` (the file ``name``) with the text between its markers (:data:`BEGIN`, :data:`END`) replaced."""
     head, begin, rest = page.partition(BEGIN)
     _, end, tail = rest.partition(END)
     if not (begin and end):
-        raise ValueError(f"{PAGE} lacks the markers {BEGIN!r} ... {END!r}")
-    return f"{head}{BEGIN}\n{render(path or newest())}\n{END}{tail}"
+        raise ValueError(f"{name} lacks the markers {BEGIN!r} ... {END!r}")
+    return f"{head}{BEGIN}\n{text}\n{END}{tail}"
+
+
+def render_page(page: str, path: Path | None = None) -> str:
+    """``page`` with the text between its markers replaced by :func:`render` of ``path`` (the newest pass)."""
+    return between_markers(page, PAGE, render(path or newest()))
 
 
 def summary(path: Path | None = None) -> str:
@@ -133,13 +138,10 @@ def summary(path: Path | None = None) -> str:
     return textwrap.fill(f"Steps (rounds) per second on loopback, float32, from `{rel}` ({first['when']}, {first['machine']}; "
             f"the code of {first['tree']}): \"syncps\" uses the same-host transport, \"TCP\" sends every tensor over "
             "TCP as between hosts. More, with the method and the runs between emulated hosts: "
-            "[Performance](docs/performance.md).", 120, break_long_words=False, break_on_hyphens=False) + "\n\n" + "\n".join(rows)
+            "[Performance](docs/performance.md).", 120, break_long_words=False, break_on_hyphens=False) \
+        + "\n\n" + "\n".join(rows)
 
 
 def render_readme(page: str, path: Path | None = None) -> str:
     """README.md with the text between its markers replaced by :func:`summary`."""
-    head, begin, rest = page.partition(BEGIN)
-    _, end, tail = rest.partition(END)
-    if not (begin and end):
-        raise ValueError(f"{README} lacks the markers {BEGIN!r} ... {END!r}")
-    return f"{head}{BEGIN}\n{summary(path)}\n{END}{tail}"
+    return between_markers(page, README, summary(path))
