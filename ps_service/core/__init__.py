@@ -410,6 +410,8 @@ class ParameterServerCore(ModelState):
         self.last_round = r
         self.global_step += 1
         self._open_round(now)
+        # the counters moved: sampled here too, not only at the ticker's ticks (at most every 0.1 s: core/rates.py)
+        self.rates.sample(now, (self.rounds_closed, self.examples, self.gradients_applied))
 
     # ---- pushes ------------------------------------------------------------------------
     def admit(self, worker_id: str | None, step: int | None = None) -> dict[str, np.ndarray] | None:
