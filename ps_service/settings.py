@@ -1,7 +1,7 @@
 """Every PS setting, one documented field each, read from ``PS_*`` environment variables.
 
 This module is the only place the PS reads its environment (pydantic-settings), so the configuration
-reference (docs/reference/configuration.md, rendered by docs/gen_config.py) is this class.
+reference (docs/reference/configuration.md, rendered by `python -m docgen`) is this class.
 ``PS_AUTH_TOKEN_FILE`` (a Docker secret) is read here too, and ``PS_REQUIRE_AUTH`` refuses settings
 without a training token.
 """
