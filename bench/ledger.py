@@ -40,12 +40,6 @@ PATHS: dict[str, FastPath] = {
         "every request through FastAPI's router",
         (("ps_service/app.py", "    app.add_middleware(HotPath)", "    pass  # ledger: no fast lane"),),
         ("http:1000:2", "shm:1000:2", "http:1000000:2")),
-    "onewrite": FastPath(
-        "ps_service/transport/onewrite.py (a fast-lane answer's head and body in one write)",
-        "Starlette's two sends",
-        (("ps_service/hotpath.py", "await result(scope, receive, one_write_send(scope, send))",
-          "await result(scope, receive, send)"),),
-        ("http:1000:2", "http:1000000:2")),
     "bodysink": FastPath(
         "ps_service/transport/bodysink.py (uvicorn's protocol reading large bodies straight into the route's buffer)",
         "uvicorn's httptools protocol; the body copied from its chunks",
@@ -58,21 +52,6 @@ PATHS: dict[str, FastPath] = {
           'return RawConnection(base_url) if base_url.startswith("http://") else HttpxConnection(base_url)',
           "return HttpxConnection(base_url)"),),
         ("http:1000:2", "http:1000000:2", "http:10000000:2")),
-    "cores": FastPath(
-        "ps_service/core/cores.py (the last fold and SGD's update over both cores from 8 MB)",
-        "one thread",
-        (("ps_service/core/cores.py", "MIN_ELEMENTS = 1 << 21", "MIN_ELEMENTS = 1 << 62"),),
-        ("shm:10000000:2", "http:10000000:2")),
-    "heap": FastPath(
-        "ps_service/heap.py (glibc mallopt: freed blocks stay mapped for the next round)",
-        "glibc's default thresholds",
-        (("ps_service/__main__.py", "    keep_freed_memory()", "    pass  # ledger: glibc's defaults"),),
-        ("shm:10000000:2", "http:10000000:2")),
-    "sum-bound": FastPath(
-        "ps_service/core/accumulator.py (the round's sum not read for overflow when its pushes' bounds rule it out)",
-        "the sum read once for NaN/Inf every round",
-        (("ps_service/core/accumulator.py", "SUM_LIMIT = 1e30", "SUM_LIMIT = -1.0"),),
-        ("shm:10000000:4", "http:10000000:2")),
     "shm-onto": FastPath(
         "ps_service/transport/__init__.py (a same-host push read onto the sum it joins, as core.admit offers it)",
         "each same-host push copied alone, then folded into the sum",

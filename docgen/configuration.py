@@ -84,12 +84,6 @@ Read by docker-compose.yml only:
 |---|---|---|
 """
 
-MEMORY_NOTE = """Memory: on glibc (Linux, the Docker image) the PS keeps up to 256 MB of the memory it frees mapped for
-its next rounds instead of giving it back to the kernel and faulting it in again (`ps_service/heap.py`). glibc's own
-`MALLOC_TRIM_THRESHOLD_` or `MALLOC_MMAP_THRESHOLD_` in the PS's environment turns this off and sets malloc as you
-choose.
-"""
-
 
 def settings_classes() -> dict[str, tuple[type, str]]:
     """service -> (settings class, env prefix): every pydantic-settings class of the project."""
@@ -132,7 +126,5 @@ def render() -> str:
             out.extend(row(prefix + n.upper(), default_text(fields[n]), fields[n].description or "")
                        for n in names)
             out.append("")
-        if service == "ps":
-            out.append(MEMORY_NOTE)
     out.append(COMPOSE_NOTE + "\n".join(row(n, d, m) for n, (d, m) in COMPOSE_ONLY.items()) + "\n")
     return "\n".join(out)

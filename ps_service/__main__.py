@@ -15,7 +15,6 @@ import uvicorn
 from pydantic import ValidationError
 
 from ps_service.app import create_app, server_options
-from ps_service.heap import keep_freed_memory
 from ps_service.settings import PSSettings
 from shared.settings_errors import settings_errors
 
@@ -32,7 +31,6 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("".join(f"{ap.prog}: {line}\n" for line in settings_errors(exc, "PS_")))
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s ps %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a shard's links log their own failures, not every request
-    keep_freed_memory()  # a round's temporaries are not faulted in afresh each step (ps_service/heap.py)
     # httptools, with large bodies written straight into the routes' buffers (ps_service/transport/bodysink.py).
     # PS_EVENT_LOOP: uvloop (default) reads large bodies at half asyncio's CPU (1e7 params over TCP: 98-104 against
     # 194-203 ms of PS CPU per step); asyncio's loop accepts every pending connection at once where uvloop (libuv

@@ -28,7 +28,6 @@ from ps_service import api
 from ps_service.auth import token_matches
 from ps_service.http import REFUSALS, refusal_response
 from ps_service.runtime import Runtime
-from ps_service.transport.onewrite import one_write_send
 from ps_service.sharding import routes as shard_routes
 from shared.protocol import API, MAX_INT
 
@@ -151,4 +150,4 @@ class HotPath:
             result = refusal_response(exc)
         if not isinstance(result, Response):
             result = JSONResponse(result)
-        await result(scope, receive, one_write_send(scope, send))  # head and body in one write
+        await result(scope, receive, send)

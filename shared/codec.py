@@ -13,36 +13,60 @@ noise (docs/performance.md, the fast-path ledger) and was removed.
 """
 from __future__ import annotations
 
+import functools
+import struct
 from typing import Any
 
-import struct
-
-import ml_dtypes
 import msgpack
 import numpy as np
 
 from shared.errors import ProtocolError, bad_request
 
+@functools.cache
+def bfloat16() -> np.dtype:
+    """ml_dtypes' ``bfloat16``, imported on first use: ml_dtypes costs about a second of CPU to import, which a
+    process that never meets a bf16 tensor (every one without ``bf16`` compression) does not pay."""
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+class _AllowList(dict):
+    """wire name -> numpy dtype; ``bfloat16``'s value (``None`` in the dict) is :func:`bfloat16` on lookup (``get``
+    gives the None: the hot path writes ``DTYPES.get(name) or bfloat16()``, no Python call for the other dtypes)."""
+
+    def __getitem__(self, name: str) -> np.dtype:
+        dt = dict.__getitem__(self, name)
+        return bfloat16() if dt is None else dt
+
+    def values(self):  # type: ignore[override]
+        return [self[name] for name in self]
+
+
 #: wire name -> numpy dtype (always little-endian). ``bfloat16`` (ml_dtypes) and ``uint32`` are only ever the
 #: compressed encoding of a float32 gradient (shared/compression.py): no model or checkpoint tensor has them.
-DTYPES: dict[str, np.dtype] = {
+DTYPES: dict[str, np.dtype] = _AllowList({
     "float16": np.dtype("<f2"),
     "float32": np.dtype("<f4"),
     "float64": np.dtype("<f8"),
     "int32": np.dtype("<i4"),
     "int64": np.dtype("<i8"),
-    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "bfloat16": None,
     "uint32": np.dtype("<u4"),
-}
+})
 FLOAT_DTYPES = frozenset({"float16", "float32", "float64"})
 
 
 def dtype_name(dtype: np.dtype) -> str:
     """The wire name of a numpy dtype, or ProtocolError(422 unsupported_dtype) if it is not allowed."""
     dt = np.dtype(dtype)
-    for name, allowed in DTYPES.items():
-        if dt == allowed if allowed.kind == "V" else dt.kind == allowed.kind and dt.itemsize == allowed.itemsize:
-            return name
+    if dt.kind == "V":  # ml_dtypes' types: a bfloat16 one exists only once ml_dtypes is imported
+        if dt.name == "bfloat16" and dt == bfloat16():
+            return "bfloat16"
+    else:
+        for name, allowed in dict.items(DTYPES):
+            if allowed is not None and dt.kind == allowed.kind and dt.itemsize == allowed.itemsize:
+                return name
     raise ProtocolError(422, "unsupported_dtype", f"dtype {dt} is not in the allow-list {sorted(DTYPES)}")
 
 

@@ -32,8 +32,9 @@ from typing import Any, Mapping
 import numpy as np
 
 from shared import scan
+from shared.codec import bfloat16
 from shared.errors import unprocessable
-from shared.halves import BF16, F16, Alloc, fresh, from_bf16, from_fp16, to_bf16, to_fp16
+from shared.halves import F16, Alloc, fresh, from_bf16, from_fp16, to_bf16, to_fp16
 
 NAMES = ("none", "bf16", "fp16", "topk", "2bit")
 F32 = np.dtype("<f4")
@@ -249,7 +250,7 @@ def decode_tensor(spec: Spec, name: str, shape: tuple[int, ...], wire: np.ndarra
     """The float32 gradient a compressed tensor stands for (in memory from ``alloc``; top-k: a :class:`SparseTensor`
     over the wire's memory), or 422 bad_encoding."""
     if spec.name in ("bf16", "fp16"):
-        want = BF16 if spec.name == "bf16" else F16
+        want = bfloat16() if spec.name == "bf16" else F16
         if wire.dtype != want or wire.shape != shape:
             raise _bad(name, f"{spec.name} wants {want.name} of shape {list(shape)}; "
                              f"got {wire.dtype} {list(wire.shape)}")

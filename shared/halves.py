@@ -17,12 +17,11 @@ from __future__ import annotations
 
 from typing import Callable
 
-import ml_dtypes
 import numpy as np
 
 from shared import scan
+from shared.codec import bfloat16
 
-BF16 = np.dtype(ml_dtypes.bfloat16)
 F16 = np.dtype("<f2")
 F32 = np.dtype("<f4")
 U32 = np.dtype("<u4")
@@ -66,8 +65,8 @@ def to_bf16(x: np.ndarray) -> np.ndarray:
         out[lo:hi] = r
         if np.isnan(flat[lo:hi]).any():
             with np.errstate(invalid="ignore"):  # ml_dtypes warns on a NaN's cast
-                out[lo:hi] = flat[lo:hi].astype(BF16).view(np.uint16)
-    return out.view(BF16).reshape(np.shape(x))
+                out[lo:hi] = flat[lo:hi].astype(bfloat16()).view(np.uint16)
+    return out.view(bfloat16()).reshape(np.shape(x))
 
 
 def from_bf16(b: np.ndarray, alloc: Alloc = fresh) -> np.ndarray:

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from shared import compression as C, frame, scan
+from shared.codec import bfloat16
 from shared.errors import ProtocolError
 from tests.live_ps import live_ps, state_hash
 from tests.wire import push_frame
@@ -45,7 +46,7 @@ def test_round_trip_and_residual(name, n, seed, ratio, threshold):
         dec = {k: C.dense(v) for k, v in C.decode_push(spec, name, wire, model).items()}
         assert dec["w"].dtype == F32 and dec["w"].shape == (n,)
         if name in ("bf16", "fp16"):
-            assert np.array_equal(dec["w"], g["w"].astype(C.BF16 if name == "bf16" else np.float16).astype(F32))
+            assert np.array_equal(dec["w"], g["w"].astype(bfloat16() if name == "bf16" else np.float16).astype(F32))
             continue
         acc = before + g["w"]
         assert np.array_equal(comp.residuals["w"], acc - dec["w"])  # the residual keeps exactly what was not sent
@@ -275,7 +276,7 @@ def test_uncompressed_job_refuses_a_compressed_push():
         c.attach(reg["worker_id"])
         assert c.pull(0, reg["worker_id"], 5.0).step == 0
         with ps.http() as h:
-            body = push_frame(reg["worker_id"], 0, {"w": np.zeros(4, C.BF16)}, compression="bf16")
+            body = push_frame(reg["worker_id"], 0, {"w": np.zeros(4, bfloat16())}, compression="bf16")
             r = h.post("/v1/gradients", content=body, headers={"content-type": "application/x-syncps-frame"})
             assert (r.status_code, r.json()["error"]) == (422, "compression_mismatch")
             r = h.post("/v1/gradients", content=push_frame(reg["worker_id"], 0, {"w": np.zeros(4, F32)}, compression=3),

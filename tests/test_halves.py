@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from shared import halves as H, scan
+from shared.codec import bfloat16
 
 F32 = np.float32
 U32 = np.uint32
@@ -27,7 +28,7 @@ def check_down(convert, dtype, x: np.ndarray) -> None:
 
 
 def test_bf16_conversions_are_ml_dtypes_casts_bit_for_bit():
-    every = np.arange(1 << 16, dtype=np.uint16).view(H.BF16)
+    every = np.arange(1 << 16, dtype=np.uint16).view(bfloat16())
     assert np.array_equal(H.from_bf16(every).view(U32), every.astype(F32).view(U32))
     rng = np.random.default_rng(3)
     bits = random_bits(rng, 3 * scan.CHUNK + 11)
@@ -36,7 +37,7 @@ def test_bf16_conversions_are_ml_dtypes_casts_bit_for_bit():
     nans = np.array([0x7FC00001, 0xFFFFFFFF], U32)  # apart: a chunk holding a NaN is the library's own cast
     for x in (bits.view(F32), edges.view(F32), nans.view(F32), bits.view(F32)[np.isfinite(bits.view(F32))],
               rng.standard_normal((7, 1001)).astype(F32)):
-        check_down(H.to_bf16, H.BF16, x)
+        check_down(H.to_bf16, bfloat16(), x)
 
 
 def test_every_float16_widens_as_numpy_does():

@@ -46,7 +46,6 @@ expiry; :meth:`may_pull` is the SSP gate of a worker's pull.
 """
 from __future__ import annotations
 
-import math
 from collections import deque
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
@@ -447,9 +446,8 @@ class ParameterServerCore(ModelState):
             raise CoreError("future_step", f"step {req.step} is ahead of the global step {self.global_step}")
         if self.modes is None and req.step == self.global_step and self.round is None and not self.done:
             raise CoreError("not_started", "training has not started (waiting for workers)")
-        magnitude = validate(self.weights, req.tensors, self.config.nonfinite_policy,  # every check first
-                             check_finite=not req.finite_checked)
-        finite = magnitude is not None
+        finite = validate(self.weights, req.tensors, self.config.nonfinite_policy,  # every check first
+                          check_finite=not req.finite_checked)
         if self.modes is not None:  # async/ssp: classify; applied below
             verdict, grads = on_arrival.classify(self, m, req, finite, now)
             status = verdict.status
@@ -474,7 +472,7 @@ class ParameterServerCore(ModelState):
         if self.modes is not None:
             on_arrival.take(self, req, verdict, grads)
         else:
-            self._take(m, req, status, now, grads, magnitude)
+            self._take(m, req, status, now, grads)
         self._changed()
         return PushResult(status, self.global_step, self.global_step != before)
 
@@ -509,11 +507,10 @@ class ParameterServerCore(ModelState):
         its pulls wait on its step only."""
         self.started = True
 
-    def _take(self, m: Member, req: PushRequest, status: PushStatus, now: float, grads, magnitude: float | None) -> None:
+    def _take(self, m: Member, req: PushRequest, status: PushStatus, now: float, grads) -> None:
         r, wid, at = self.round, m.worker_id, Arrival(m.worker_id, m.name, m.rank, now)
         if status is PushStatus.ACCEPTED:  # the round's rule then (leases and start-up are the tick's)
-            p = r.accept(at, grads, req.loss, req.num_examples, self.rule, self._rule_now(r, now),
-                         math.inf if magnitude is None else magnitude, req.onto)
+            p = r.accept(at, grads, req.loss, req.num_examples, self.rule, self._rule_now(r, now), req.onto)
             self.examples += req.num_examples or 0
         elif status is PushStatus.SKIPPED and req.step == self.global_step and wid in r.eligible and wid not in r.acc:
             r.skip(at)  # its part in the round is over: do not wait for it

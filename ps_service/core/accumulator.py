@@ -5,8 +5,7 @@ Contract:
 - :func:`validate` says whether a gradient fits the model, before anything changes: exactly the
   model's tensor names, and per tensor exactly its shape and dtype (422 ``tensor_mismatch``
   otherwise; nothing is ever cast), then no NaN/Inf in those very arrays (422
-  ``nonfinite_gradient`` under the ``reject`` policy; ``None`` under ``skip``). It returns the push's
-  :func:`magnitude`, a bound on its elements that the same read gives.
+  ``nonfinite_gradient`` under the ``reject`` policy; False under ``skip``).
 - :class:`Accumulator` holds the validated gradients of one round, one per worker:
   ``apply(worker_id, rank, grads, pending)``. It owns the arrays it is given: the first one in
   rank order becomes the running sum and is written into (copied first if it is read-only or
@@ -27,30 +26,25 @@ Contract:
   made and checked finite as its transport read it (one pass): they are the running sum from then on, same bits.
 - **What is applied is finite.** Every sum that was added to in place unchecked is read once for NaN/Inf when the
   round ends (``take_sum``): finite gradients can overflow when added (two float32 3e38 make inf). Not finite:
-  :attr:`~Accumulator.spoiled` (:attr:`~Accumulator.overflow` names the tensor), the round applies nothing. That read
-  is skipped when the pushes' magnitudes (``apply(..., magnitude=)``, from :func:`validate`) prove the sum cannot
-  overflow: every element of the sum is at most the sum of their magnitudes, and while that stays below
-  :data:`SUM_LIMIT` (far below float32's largest value, 3.4e38) no addition can reach Inf.
+  :attr:`~Accumulator.spoiled` (:attr:`~Accumulator.overflow` names the tensor), the round applies nothing.
 - A top-k push's tensors (:class:`~shared.compression.SparseTensor`: k entries, zero elsewhere) are kept as the
   running sum's :class:`Terms` while that tensor's sum came only from such pushes, and added at once when the sum is
   taken (:func:`sparse_sum`: over the union of their indices, the dense sum's bits there, +0.0 elsewhere as the
   dense sum has it; O(k log k), the sums checked as made); ``take_sum`` then gives that tensor as a
   :class:`~shared.compression.SparseTensor` (its support: the entries a round can change), ``take`` as an array.
   A dense push, or a same-host one, makes it dense first.
-- NaN/Inf checks (:func:`magnitude`) are a BLAS dot product of the tensor with itself, chunk by chunk: NaN or Inf
+- NaN/Inf checks (:func:`finite`) are a BLAS dot product of the tensor with itself, chunk by chunk: NaN or Inf
   exactly when an element is (squares are >= 0: nothing cancels), unless the squares overflow (|x| > 1.8e19 in
   float32), where that chunk is checked exactly by a dot product with zeros.
 """
 from __future__ import annotations
 
 import heapq
-import math
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 import numpy as np
 
-from ps_service.core import cores
 from shared.compression import F32, SparseTensor, dense
 from ps_service.core.errors import CoreError
 
@@ -60,7 +54,7 @@ _TOP: Key = (float("inf"), "")  # after every key
 
 #: elements read and checked at a time by :func:`read_checked` (a chunk stays in the cache)
 CHUNK_ELEMENTS = 1 << 16
-#: elements :func:`magnitude` checks at a time (fewer, larger calls: 0.17 against 0.22 ms for 4 MB)
+#: elements :func:`finite` checks at a time (fewer, larger calls: 0.17 against 0.22 ms for 4 MB)
 FINITE_CHUNK = 1 << 18
 #: :func:`read_checked` takes tensors up to this size whole, then checks them (they stay in the last-level cache:
 #: 0.66 against 0.92 ms for a checked sum of two 4 MB files, process CPU; 14.9 against 14.0 ms at 40 MB)
@@ -70,43 +64,26 @@ _ZEROS = {np.dtype(np.float32): np.zeros(FINITE_CHUNK, np.float32),
           np.dtype(np.float64): np.zeros(FINITE_CHUNK, np.float64)}
 #: the largest finite square sum per BLAS dtype
 _TOP_SQUARES = {dt: np.finfo(dt).max for dt in _ZEROS}
-#: a round's sum is read for overflow unless the sum of its pushes' magnitudes stays below this (float32's largest
-#: value is 3.4e38: the rounding of a few thousand additions cannot take a sum from 1e30 there)
-SUM_LIMIT = 1e30
 
 
-def magnitude(g: np.ndarray | SparseTensor) -> float | None:
-    """None if ``g`` holds NaN/Inf; else a bound on the magnitude of each of its elements (``math.inf`` when none
-    is known). Call under ``np.errstate(over="ignore", invalid="ignore")``.
-
-    float32/float64, chunk by chunk: ``dot(c, c)`` (BLAS, at memory speed, no temporary array) is NaN or +Inf
-    exactly when an element of ``c`` is, since squares are >= 0 and nothing cancels; when it is not finite the
-    chunk is checked exactly (``dot(c, zeros)``, NaN iff an element is NaN/Inf: ``0 * Inf`` is NaN), which tells a
-    finite chunk whose squares overflow (the bound is then unknown). The bound is twice the 2-norm (a float32 sum
-    of squares is off by far less than the factor 4 that allows). Other dtypes: the element-wise check."""
+def finite(g: np.ndarray | SparseTensor) -> bool:
+    """No NaN/Inf in ``g``. float32/float64, chunk by chunk: ``dot(c, c)`` (BLAS, at memory speed, no temporary
+    array) is NaN or +Inf exactly when an element of ``c`` is, since squares are >= 0 and nothing cancels; when it is
+    not finite the chunk is checked exactly (``dot(c, zeros)``, NaN iff an element is NaN/Inf: ``0 * Inf`` is NaN),
+    which tells a finite chunk whose squares overflow. Other dtypes: the element-wise check."""
     if isinstance(g, SparseTensor):
         g = g.values  # zero elsewhere
     flat = g.reshape(-1)
     zeros = _ZEROS.get(flat.dtype)
     if zeros is None:
-        return math.inf if bool(np.isfinite(flat).all()) else None
-    top, dot, total = _TOP_SQUARES[flat.dtype], np.dot, 0.0
-    for lo in range(0, flat.size, FINITE_CHUNK):
-        c = flat[lo:lo + FINITE_CHUNK]
-        s = dot(c, c)
-        if s <= top:  # False for NaN and Inf
-            total += float(s)
-        elif np.isfinite(dot(c, zeros[:c.size])):
-            total = math.inf  # finite, but its squares overflow
-        else:
-            return None
-    return 2.0 * math.sqrt(total)
-
-
-def _all_finite(g: np.ndarray | SparseTensor) -> bool:
-    """No NaN/Inf in ``g`` (:func:`magnitude`)."""
+        return bool(np.isfinite(flat).all())
+    top, dot = _TOP_SQUARES[flat.dtype], np.dot
     with np.errstate(over="ignore", invalid="ignore"):
-        return magnitude(g) is not None
+        for lo in range(0, flat.size, FINITE_CHUNK):
+            c = flat[lo:lo + FINITE_CHUNK]
+            if not dot(c, c) <= top and not np.isfinite(dot(c, zeros[:c.size])):  # NaN/Inf, or overflowing squares
+                return False
+    return True
 
 
 def read_checked(src: Mapping[str, np.ndarray], out: Mapping[str, np.ndarray],
@@ -128,7 +105,7 @@ def _read_checked(src, out, base) -> str | None:
                 np.copyto(o1, s)
             else:
                 np.add(b, s, out=o1)
-            if not _all_finite(o1):
+            if not finite(o1):
                 return name
             continue
         zeros, top, dot, isfinite = _ZEROS.get(o1.dtype), _TOP_SQUARES.get(o1.dtype), np.dot, np.isfinite
@@ -140,9 +117,9 @@ def _read_checked(src, out, base) -> str | None:
             else:
                 np.add(b[lo:hi], s[lo:hi], out=oc)
             if zeros is None:
-                if magnitude(oc) is None:
+                if not finite(oc):
                     return name
-            elif not dot(oc, oc) <= top and not isfinite(dot(oc, zeros[:oc.size])):  # as magnitude()
+            elif not dot(oc, oc) <= top and not isfinite(dot(oc, zeros[:oc.size])):  # as finite()
                 return name
     return None
 
@@ -152,11 +129,10 @@ def _dtype(dt: np.dtype) -> str:
 
 
 def validate(weights: Mapping[str, np.ndarray], grads: Mapping[str, np.ndarray],
-             nonfinite_policy: str = "reject", check_finite: bool = True) -> float | None:
-    """Raise 422 unless ``grads`` fits ``weights`` (names, shapes, dtypes); None if it has NaN/Inf under
-    policy ``skip``, else its :func:`magnitude` (the largest of its tensors'). Reads only. ``check_finite`` False:
-    the values were checked already (by the transport that read them: ``PushRequest.finite_checked``): only the
-    layout is checked here, and the magnitude is unknown (``math.inf``)."""
+             nonfinite_policy: str = "reject", check_finite: bool = True) -> bool:
+    """Raise 422 unless ``grads`` fits ``weights`` (names, shapes, dtypes); False if it has NaN/Inf under policy
+    ``skip``, else True. Reads only. ``check_finite`` False: the values were checked already (by the transport that
+    read them: ``PushRequest.finite_checked``): only the layout is checked here."""
     missing, extra = weights.keys() - grads.keys(), grads.keys() - weights.keys()
     if missing or extra:
         name = sorted(missing or extra)[0]
@@ -171,16 +147,8 @@ def validate(weights: Mapping[str, np.ndarray], grads: Mapping[str, np.ndarray],
             raise CoreError("tensor_mismatch",
                                 f"tensor {name!r} has shape {list(g.shape)}, the model has {list(w.shape)}")
     if not check_finite:
-        return math.inf
-    bound, nonfinite = 0.0, None
-    with np.errstate(over="ignore", invalid="ignore"):
-        for name, g in grads.items():
-            m = magnitude(g)
-            if m is None:
-                nonfinite = name
-                break
-            bound = max(bound, m)
-    return bound if finite_or_refuse(nonfinite, nonfinite_policy) else None
+        return True
+    return finite_or_refuse(next((name for name, g in grads.items() if not finite(g)), None), nonfinite_policy)
 
 
 def finite_or_refuse(nonfinite: str | None, nonfinite_policy: str) -> bool:
@@ -190,16 +158,6 @@ def finite_or_refuse(nonfinite: str | None, nonfinite_policy: str) -> bool:
             raise CoreError("nonfinite_gradient", f"tensor {nonfinite!r} has NaN or Inf values")
         return False
     return True
-
-
-def _add_into(acc: np.ndarray, g: np.ndarray) -> None:
-    """``acc += g`` over the cores when both are C-contiguous (:func:`ps_service.core.cores.split`; element-wise: the same
-    bits), else as numpy does it."""
-    if not (acc.flags.c_contiguous and g.flags.c_contiguous and acc.shape == g.shape):
-        np.add(acc, g, out=acc)
-        return
-    af, gf = acc.reshape(-1), g.reshape(-1)
-    cores.split(lambda lo, hi: np.add(af[lo:hi], gf[lo:hi], out=af[lo:hi]), af.size)
 
 
 def _writable(g: np.ndarray | SparseTensor) -> np.ndarray:
@@ -264,14 +222,9 @@ class Accumulator:
     spoiled: bool = False
     #: the first tensor of the final sum found not finite, None if none
     overflow: str | None = None
-    #: the running sum is known finite (its additions' magnitudes cannot overflow); False once something was added
-    #: that might, and then :meth:`_check_sum` reads it once when the round ends
+    #: the running sum is known finite (one checked gradient, or a sum checked as made); False once something was
+    #: added in place unchecked, and then :meth:`_check_sum` reads it once when the round ends
     _finite: bool = field(default=True, repr=False)
-    #: the magnitudes given to :meth:`apply` of the gradients still waiting, by worker id
-    _magnitudes: dict[str, float] = field(default_factory=dict, repr=False)
-    #: a bound on the magnitude of every element of the running sum (the sum of its gradients' magnitudes; inf:
-    #: none known)
-    _bound: float = field(default=0.0, repr=False)
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -294,11 +247,9 @@ class Accumulator:
         return base if all(type(a) is np.ndarray for a in base.values()) else None
 
     def apply(self, worker_id: str, rank: int, grads: Mapping[str, np.ndarray | SparseTensor],
-              pending: Iterable[Key] | None = None, magnitude: float = math.inf,
-              onto: Mapping[str, np.ndarray] | None = None) -> None:
+              pending: Iterable[Key] | None = None, onto: Mapping[str, np.ndarray] | None = None) -> None:
         """Take ``worker_id``'s validated gradient (its arrays are the accumulator's from now on); fold in what
         sorts before every key in ``pending`` (the gradients still possible; None: unknown, fold nothing yet).
-        ``magnitude``: a bound on its elements' magnitude (:func:`validate`'s), which can spare the sum's check.
         ``onto``: ``grads`` is that :meth:`base_for` plus the gradient, checked finite: the running sum from now on."""
         key = (rank, worker_id)
         if worker_id in self.keys or (self.folded and key < self.folded[-1]):
@@ -309,14 +260,13 @@ class Accumulator:
         if onto is not None:
             if onto is not self.acc:  # the lowest waiting gradient's: both are the sum's start
                 second = heapq.heappop(self.queue)
-                del self.waiting[second[1]], self._magnitudes[second[1]]
+                del self.waiting[second[1]]
                 self.folded.append(key)
                 key = second
             self.folded.append(key)
-            self.acc, self._finite, self._bound = {name: grads[name] for name in self.names}, True, math.inf
+            self.acc, self._finite = {name: grads[name] for name in self.names}, True
         else:
             self.waiting[worker_id] = grads
-            self._magnitudes[worker_id] = magnitude
             heapq.heappush(self.queue, key)
         if pending is not None:
             self._fold(min(pending, default=None))
@@ -333,17 +283,17 @@ class Accumulator:
         self._check_sum()
         out, n = (None, 0) if self.spoiled else (self.acc, len(self.keys))
         self.keys, self.folded, self.acc = {}, [], None
-        self._finite, self._magnitudes, self._bound = True, {}, 0.0
+        self._finite = True
         return out, n if self.aggregation == "mean" and n > 1 else 1
 
     def _check_sum(self) -> None:
-        """The sum is what gets applied: unless its magnitudes prove it finite, read it once for NaN/Inf (finite
+        """The sum is what gets applied: unless it is known finite, read it once for NaN/Inf (finite
         gradients can overflow when added); not finite: :attr:`spoiled`, the round applies nothing."""
         self._sparse_summed()
         if self.acc is None or self.spoiled or self._finite:
             return
         self._finite = True
-        self.overflow = next((name for name, a in self.acc.items() if not _all_finite(a)), None)
+        self.overflow = next((name for name, a in self.acc.items() if not finite(a)), None)
         self.spoiled = self.overflow is not None
 
     def _fold(self, bound: Key | None) -> None:
@@ -351,19 +301,17 @@ class Accumulator:
         queue, waiting = self.queue, self.waiting
         while queue and (bound is None or queue[0] < bound):
             key = heapq.heappop(queue)
-            grads, magnitude = waiting.pop(key[1]), self._magnitudes.pop(key[1], math.inf)
+            grads = waiting.pop(key[1])
             self.folded.append(key)
             if self.acc is None:
                 self.acc = {name: _owned(grads[name]) for name in self.names}  # validated: finite
-                self._finite, self._bound = True, magnitude
+                self._finite = True
             else:
-                self._bound += magnitude
                 self._fold_owned(grads)
 
     def _fold_owned(self, grads: Mapping[str, np.ndarray | SparseTensor]) -> None:
         """``acc += grads``: a sparse tensor onto a sum of such (:class:`Terms`, added when the sum is taken); else in
-        place, the sum made dense first, unchecked: the whole sum is checked once, :meth:`_check_sum`, unless
-        :attr:`_bound` proves it cannot overflow."""
+        place, the sum made dense first, unchecked: the whole sum is checked once, :meth:`_check_sum`."""
         with np.errstate(over="ignore", invalid="ignore"):  # an overflowing sum is found by the check, not warned about
             for name, acc in self.acc.items():
                 g = grads[name]
@@ -371,8 +319,8 @@ class Accumulator:
                     acc.append(g)
                 else:
                     acc = self.acc[name] = dense(self._summed(name, acc))
-                    _add_into(acc, dense(g))
-                    self._finite = self._finite and self._bound <= SUM_LIMIT
+                    np.add(acc, dense(g), out=acc)
+                    self._finite = False
 
     def _summed(self, name: str, acc: np.ndarray | Terms) -> np.ndarray | SparseTensor:
         """``acc`` with its :class:`Terms` added (:func:`sparse_sum`), their sums checked as made: not finite (finite

@@ -39,7 +39,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ps_service.core import cores, torch_rules
+from ps_service.core import torch_rules
 from shared.compression import SparseTensor
 from ps_service.core.errors import CoreError
 
@@ -136,19 +136,16 @@ def _fusable(w: np.ndarray, g: np.ndarray) -> bool:
 
 
 def _sgd_mean(w: np.ndarray, g: np.ndarray, n: int, lr) -> None:
-    """``g /= n; g *= lr; w -= g`` (TF1's SGD on the mean), over the cores (:func:`ps_service.core.cores.split`: the
-    workers wait for this, their cores idle); above :data:`WHOLE_BYTES` a part one chunk at a time: one pass over
-    memory. Element-wise: the same bits however it is cut."""
+    """``g /= n; g *= lr; w -= g`` (TF1's SGD on the mean); above :data:`WHOLE_BYTES` one chunk at a time: one pass
+    over memory. Element-wise: the same bits however it is cut."""
     wf, gf = w.reshape(-1), g.reshape(-1)
     step = max(1, wf.size) if w.nbytes <= WHOLE_BYTES else FUSED_CHUNK
 
-    def part(lo: int, hi: int) -> None:
-        for at in range(lo, hi, step):
-            gc, wc = gf[at:min(hi, at + step)], wf[at:min(hi, at + step)]
-            np.divide(gc, n, out=gc)
-            np.multiply(gc, lr, out=gc)
-            np.subtract(wc, gc, out=wc)
-    cores.split(part, wf.size)
+    for at in range(0, wf.size, step):
+        gc, wc = gf[at:at + step], wf[at:at + step]
+        np.divide(gc, n, out=gc)
+        np.multiply(gc, lr, out=gc)
+        np.subtract(wc, gc, out=wc)
 
 
 def _sgd_entries(w: np.ndarray, g: SparseTensor, n: int, lr) -> tuple[np.ndarray, np.ndarray]:

@@ -191,15 +191,15 @@ class Round:
         return self.acc.base_for(self.key(worker_id), self._pending(worker_id, eager, move=False))
 
     def accept(self, arrival: Arrival, grads, loss: float | None, examples: int | None, rule: CloseRule,
-               now: float | None, magnitude: float = math.inf, onto=None) -> Progress:
+               now: float | None, onto=None) -> Progress:
         """An accepted gradient, and where the round stands then (``rule.progress`` at ``now``). Elastic (every
-        eligible member may still push), the sum starts on the lowest ranks before they all are in. ``magnitude``:
-        the bound :func:`~ps_service.core.accumulator.validate` gave, ``onto``: what it was summed onto
+        eligible member may still push), the sum starts on the lowest ranks before they all are in. ``onto``: what it
+        was summed onto
         (:meth:`Accumulator.apply`)."""
         wid = arrival.worker_id
         before = self.standing(wid, True)  # an active member: its push was just admitted
         pending = self._pending(wid, not rule.replicas_to_aggregate)
-        self.acc.apply(wid, self.eligible[wid], grads, pending, magnitude, onto)
+        self.acc.apply(wid, self.eligible[wid], grads, pending, onto)
         self._count(wid, before, True)
         self.arrivals.append(arrival)
         if loss is not None:

@@ -36,7 +36,6 @@ import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from ps_service.transport.body import SINK_KEY, BodySink
-from ps_service.transport.onewrite import KEY as ONE_WRITE_KEY, OneWriteTransport
 from ps_service.transport.unread import LingeringTransport
 from shared import liveness
 
@@ -90,8 +89,6 @@ class SinkHttpToolsProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         super().on_headers_complete()
-        if isinstance(self.transport, OneWriteTransport):
-            self.scope[ONE_WRITE_KEY] = self.transport  # the request's scope (its cycle's)
         self._body_left = _content_length(self.headers)
         self._bypassing = False
 

@@ -20,8 +20,6 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Awaitable, Callable
 
-from ps_service.transport.onewrite import OneWriteTransport
-
 CLOSE = (b"connection", b"close")
 #: how long a connection closed mid-body keeps reading (and dropping) the peer's bytes after its FIN
 LINGER_SECONDS = 2.0
@@ -60,22 +58,24 @@ class CloseUnread:
         await self.app(scope, receiver, sender)
 
 
-class LingeringTransport(OneWriteTransport):
+class LingeringTransport:
     """The connection's transport: :meth:`close` while ``body_pending()`` (the request being answered has not sent its
-    whole body) half-closes and lingers (:attr:`lingering`: the protocol drops what arrives) instead of closing."""
+    whole body) half-closes and lingers (:attr:`lingering`: the protocol drops what arrives) instead of closing;
+    everything else is the inner transport's."""
 
     def __init__(self, inner: Any, body_pending: Callable[[], bool]) -> None:
-        super().__init__(inner)
+        self.inner = inner
         self.body_pending = body_pending
         self.lingering = False
+
+    def __getattr__(self, name: str) -> Any:  # write, get_extra_info, is_closing, pause_reading, ...
+        return getattr(self.inner, name)
 
     def close(self) -> None:
         if self.lingering:
             return
         if self.inner.is_closing() or not self.body_pending() or not self.inner.can_write_eof():
-            return super().close()
-        self.hold = False
-        self.flush()
+            return self.inner.close()
         self.lingering = True
         self.inner.write_eof()  # after what is buffered: the answer, then the FIN
         asyncio.get_running_loop().call_later(LINGER_SECONDS, self.inner.close)  # the peer's EOF closes it sooner
