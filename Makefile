@@ -28,9 +28,11 @@ run: $(BASE_STAMP)
 	$(PY) -m cluster --workers 4 --task linear $(RUN_ARGS)
 
 # The last section of the output, "degraded checks", lists what ran degraded or was skipped for want of
-# promtool, Chromium or Docker (tests/conftest.py).
+# promtool, Chromium or Docker (tests/conftest.py). TEST_PROCESSES: pytest-xdist processes running the tests (most
+# tests wait on real processes, sockets and containers; those that share one resource run in one process, in turn).
+TEST_PROCESSES ?= 2
 test: $(TEST_STAMP)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_PROCESSES) --dist loadgroup $(PYTEST_ARGS)
 
 lint-imports: $(TEST_STAMP)
 	$(VENV)/bin/lint-imports

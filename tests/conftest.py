@@ -17,6 +17,13 @@ imported the stack once (cluster/forkserver.py), instead of paying Python's star
 whatever a zygote cannot start exactly as ``python -m`` would is exec'd as before. ``tests/test_install.py``
 unsets it (the real exec path, as users get it); ``SYNCPS_FORK_SERVER=0 make test`` execs every process.
 
+**Processes.** ``make test`` runs the suite over ``TEST_PROCESSES`` pytest-xdist processes (``--dist loadgroup``):
+the tests spend most of their time waiting on the real processes, sockets and containers they start (the suite's
+own processes used 0.3 of a core on average). Tests that share something of the machine run in one process, one
+after another (:data:`SHARED`): every Docker test (the engine, its swarm, the image), and every test that builds
+emulated hosts (network namespaces and iptables rules). Each process has its own fork server and log folder; the
+"degraded checks" and kept log folders of every process reach the final summary.
+
 **SIGINT.** A suite started in the background of a non-interactive shell (``make test &``, ``( .ci/run & )``)
 inherits SIGINT *ignored*, and so would every process it starts, since an ignored signal stays ignored across
 ``exec``: Python then installs no KeyboardInterrupt handler, a child's Ctrl-C does nothing, and the tests of what a
@@ -44,6 +51,20 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # inherited from a backgr
 DEGRADED: dict[str, str] = {}
 _LOG_ROOT: Path | None = None
 _SAVED_ENV: dict[str, str | None] = {}
+#: log folders kept by the session's test processes (xdist's, reported at their end)
+_KEPT: list[str] = []
+
+
+#: xdist group -> test modules (or, "docker", the ``compose`` marker) whose tests run in one process, in turn
+SHARED = {"hosts": ("test_outage.py", "test_liveness.py", "test_bench_hosts.py")}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("compose") is not None:
+            item.add_marker(pytest.mark.xdist_group("docker"))
+        elif item.path.name in SHARED["hosts"]:
+            item.add_marker(pytest.mark.xdist_group("hosts"))
 
 
 def degraded(check: str, reason: str) -> None:
@@ -65,15 +86,35 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     forkserver.shutdown()
+    kept = _finish_logs(exitstatus)
+    workeroutput = getattr(session.config, "workeroutput", None)  # an xdist process: its findings to the controller
+    if workeroutput is not None:
+        workeroutput["syncps_degraded"] = dict(DEGRADED)
+        workeroutput["syncps_logs"] = [str(_LOG_ROOT)] if kept else []
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    """(xdist controller) One test process is done: its degraded checks and kept logs join the summary's."""
+    out = getattr(node, "workeroutput", {})
+    for check, reason in out.get("syncps_degraded", {}).items():
+        degraded(check, reason)
+    _KEPT.extend(out.get("syncps_logs", []))
+
+
+def _finish_logs(exitstatus: int) -> bool:
+    """Restore the environment; remove this process's log folder unless the session failed. True: it is kept."""
     for key, value in _SAVED_ENV.items():
         if value is None:
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
     if _LOG_ROOT is None or not _LOG_ROOT.exists():
-        return
+        return False
     if exitstatus in (0, 5) or not any(_LOG_ROOT.iterdir()):  # passed (or nothing ran), or nothing to show
         shutil.rmtree(_LOG_ROOT, ignore_errors=True)
+        return False
+    return True
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
@@ -84,5 +125,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
             tr.write_line(f"DEGRADED {check}: {reason}")
     else:
         tr.write_line("none: every environment-dependent check that was selected ran in full")
-    if _LOG_ROOT is not None and _LOG_ROOT.exists() and any(_LOG_ROOT.iterdir()):
-        tr.write_line(f"local cluster logs of this session kept in {_LOG_ROOT}")
+    kept = [*_KEPT, *([str(_LOG_ROOT)] if _LOG_ROOT is not None and _LOG_ROOT.exists() and any(_LOG_ROOT.iterdir())
+                      else [])]
+    for folder in kept:
+        tr.write_line(f"local cluster logs of this session kept in {folder}")
