@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import os
 import re
 import shutil
 import socket
@@ -30,7 +31,8 @@ from shared import liveness
 from shared.rawhttp import ConnectionLost, RawConnection
 from worker_service.transport.httpx import HttpxConnection
 
-PREFIX, SUBNET = "splive", "10.88.203"
+#: named after this process, so that two test runs on one machine never share (and remove) each other's hosts
+PREFIX, SUBNET = f"spl{os.getpid() % 10000:04d}", f"10.91.{os.getpid() % 250}"
 PORT = 18090
 REQUEST_TIMEOUT = 30.0
 #: a silence noticed within this: the user timeout, plus keep-alive's idle time and a probe interval, plus slack

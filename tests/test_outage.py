@@ -13,6 +13,7 @@ namespaces behind shaped links; ``Hosts.cut_off`` drops the host's packets both 
 Needs root with ``ip``, ``tc``, ``iptables`` and network namespaces (skipped otherwise)."""
 from __future__ import annotations
 
+import os
 import shutil
 import time
 
@@ -25,7 +26,8 @@ from cluster.processes import LocalCluster, wait_for
 from tests.clusters import final_weights
 from tests.reference import train_reference
 
-PREFIX, SUBNET = "spcut", "10.88.202"
+#: named after this process, so that two test runs on one machine never share (and remove) each other's hosts
+PREFIX, SUBNET = f"spc{os.getpid() % 10000:04d}", f"10.90.{os.getpid() % 250}"
 LEASE = 6.0
 OUTAGE = 2 * LEASE
 WORKERS = 3

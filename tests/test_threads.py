@@ -32,6 +32,9 @@ def test_torch_runs_one_thread_unless_omp_num_threads_is_set():
     assert threads.torch_threads(t, {}).startswith("torch threads: 1 (OMP_NUM_THREADS unset") and t.n == 1
     t.n = 3
     assert threads.torch_threads(t, {"OMP_NUM_THREADS": "3"}) == "torch threads: 3 (OMP_NUM_THREADS=3)" and t.n == 3
+    # torch imported before the variable was set (its pool already a thread per core): set on torch all the same
+    t.n = 8
+    assert threads.torch_threads(t, {"OMP_NUM_THREADS": "1"}) == "torch threads: 1 (OMP_NUM_THREADS=1)" and t.n == 1
 
 
 def test_python_m_worker_service_sets_them_before_numpy_loads():

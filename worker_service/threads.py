@@ -34,8 +34,14 @@ def describe(defaulted: list[str], environ: MutableMapping[str, str] = os.enviro
 
 
 def torch_threads(torch, environ: MutableMapping[str, str] = os.environ) -> str:
-    """A worker's torch computes on ``OMP_NUM_THREADS`` threads, one unless set; for the start line."""
-    if "OMP_NUM_THREADS" not in environ:
-        torch.set_num_threads(1)
+    """A worker's torch computes on ``OMP_NUM_THREADS`` threads (a positive integer), one unless set; for the start
+    line. Set on torch itself, not only read from the environment: torch reads the variable once, at import, and a
+    process that imported torch before the variable was set (a script that imports torch first, a process forked
+    from one that had) would otherwise keep a thread per core, and its float32 results would depend on that count."""
+    given = environ.get("OMP_NUM_THREADS", "")
+    n = int(given) if given.isdigit() and int(given) > 0 else 1
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+    if not given:
         return "torch threads: 1 (OMP_NUM_THREADS unset: workers share their host; set it to use more)"
-    return f"torch threads: {torch.get_num_threads()} (OMP_NUM_THREADS={environ['OMP_NUM_THREADS']})"
+    return f"torch threads: {n} (OMP_NUM_THREADS={given})"
