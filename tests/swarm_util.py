@@ -7,7 +7,8 @@ the swarm's overlay network as another host would be).
 - :func:`swarm_unavailable` says why swarm tests cannot run: :func:`compose_unavailable`'s reasons, or this
   engine already in a swarm (a test never changes a swarm it did not make).
 - :class:`Swarm` is one test's swarm: ``docker swarm init`` on docker0's address, the stack's secrets
-  (tokens the test knows), node 2 on demand (:meth:`Swarm.join_node2`, :meth:`Swarm.kill_node2`), and
+  (tokens the test knows), node 2 on demand (:meth:`Swarm.join_node2`, :meth:`Swarm.kill_node2`,
+  :meth:`Swarm.cut_node2`; node 2's image and the cut are :mod:`bench.swarm`'s), and
   :meth:`Swarm.leave`, which removes the stacks (with their volumes), the secrets and node 2 (with its
   image store) and leaves the swarm, reporting what is left: a fixture calls it, also after a failure.
   The slow parts run side by side: the stacks go together, node 2's store while they do.
@@ -25,7 +26,6 @@ import re
 import secrets
 import shlex
 import subprocess
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -33,33 +33,24 @@ from pathlib import Path
 import yaml
 from pydantic import SecretStr
 
+from bench.swarm import (NODE2, NODE_DOCKERFILE, NODE_IMAGE, TWO_NODE_SCRIPT, cut_off, run, scrubbed_env,
+                         settings_file)
 from cluster.processes import free_port, wait_for
 from shared.tokens import bearer_header
-from tests.compose_util import IMAGE, ROOT, SCRUBBED_PREFIXES, PublishedPS, compose_unavailable, docker
+from tests.compose_util import IMAGE, ROOT, PublishedPS, compose_unavailable, docker
 
 STACK_FILE = ROOT / "docker-stack.yml"
 #: the co-located shards' extra stack file (docs/guides/shards.md: Full precision between hosts)
 COLOCATED_FILE = ROOT / "deploy" / "swarm" / "colocated.yml"
 #: the stack's Docker secrets: the training token, the monitoring token
 TOKEN, MONITOR_TOKEN = "syncps_token", "syncps_monitor_token"
-TWO_NODE_SCRIPT = Path(os.environ.get("SYNCPS_SWARM_2NODE", ROOT.parent / "shared" / "docker" / "swarm-2node.sh"))
-NODE2 = "syncps-swarm-node2"  # the script's default node name
-#: node 2's image: the script's (python:3.11-slim + Debian's docker.io), with its image store on a volume, so
-#: dockerd inside uses overlay2; on the container's own overlay root it falls back to vfs, which copies every
-#: layer whole (loading our image took 2m17s instead of 33 s here)
-NODE_IMAGE = "syncps-swarm-node-test:latest"
-NODE_DOCKERFILE = """FROM python:3.11-slim
-RUN apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker.io iproute2 >/dev/null \\
- && rm -rf /var/lib/apt/lists/*
-VOLUME /var/lib/docker
-CMD ["dockerd", "--host", "unix:///var/run/docker.sock"]
-"""
 
 #: The swarm commands of docs/guides/swarm.md, run by the swarm tests as written (the stack name aside).
 DOCUMENTED = {
     "init": "docker swarm init",
     "deploy": "deploy/swarm/deploy.sh",  # checks the secrets, then docker stack deploy ... syncps
     "scale": "docker service scale syncps_worker=6",
+    "heartbeat": "docker swarm update --dispatcher-heartbeat 20s",  # a node cut off for ~1 min keeps its tasks
     "rm": "docker stack rm syncps",
     "leave": "docker swarm leave --force",
 }
@@ -86,18 +77,6 @@ def docker0_address() -> str | None:
                          timeout=10).stdout
     m = re.search(r"inet (\d+\.\d+\.\d+\.\d+)/", out)
     return m.group(1) if m else None
-
-
-def run(argv: list[str], timeout: float = 120.0, check: bool = True, **kw) -> subprocess.CompletedProcess:
-    r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, **kw)
-    if check and r.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv)} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
-    return r
-
-
-def scrubbed_env(**extra: str) -> dict[str, str]:
-    """The caller's environment without its PS_*, WORKER_*, SYNCPS_* and COMPOSE_* variables, plus ``extra``."""
-    return {**{k: v for k, v in os.environ.items() if not k.startswith(SCRUBBED_PREFIXES)}, **extra}
 
 
 def for_node2(stack_file: Path, into: Path, *services: str) -> Path:
@@ -162,14 +141,7 @@ class Stack(PublishedPS):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.headers = bearer_header(SecretStr(swarm.tokens[MONITOR_TOKEN]))
-        services = {"ps": {"environment": [f"{k}={v}" for k, v in (ps or {}).items()]},
-                    "worker": {"environment": [f"{k}={v}" for k, v in (worker or {}).items()]}}
-        if worker_deploy:
-            services["worker"]["deploy"] = worker_deploy
-        fd, path = tempfile.mkstemp(prefix=f"{self.name}-", suffix=".yml")
-        with os.fdopen(fd, "w") as f:
-            yaml.safe_dump({"version": "3.8", "services": services}, f)
-        self.settings_file = Path(path)
+        self.settings_file = settings_file(self.name, ps, worker, worker_deploy)
         self.env = scrubbed_env(SYNCPS_STACK=self.name, SYNCPS_IMAGE=IMAGE, SYNCPS_PORT=str(self.port))
 
     def argv(self, key: str) -> list[str]:
@@ -273,6 +245,11 @@ class Swarm:
     def kill_node2(self) -> None:
         """Node 2's engine dies at once, and every container it runs with it (a host losing power)."""
         docker("kill", NODE2)
+
+    def cut_node2(self):
+        """Node 2's link drops every packet both ways while inside (:func:`bench.swarm.cut_off`); yields [cut,
+        restored] monotonic times."""
+        return cut_off(NODE2)
 
     def nodes(self) -> dict[str, str]:
         """Hostname -> status (Ready / Down) of every node of the swarm."""

@@ -12,6 +12,7 @@ Measured times are printed past the capture (``pytest -m compose`` runs these wi
 from __future__ import annotations
 
 import re
+import shlex
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -23,8 +24,10 @@ import yaml
 
 from ps_service.settings import PSSettings
 from tests.compose_util import IMAGE, build_image, docker
+from cluster.processes import wait_for
 from tests.conftest import degraded
 from tests.reference import train_reference
+from tests.timing import allow
 from shared import shards
 from tests.swarm_util import (COLOCATED_FILE, DOCUMENTED, MONITOR_TOKEN, NODE2, ROOT, STACK_FILE, TOKEN, Stack, Swarm,
                               for_node2, remove_node2, run, start_node2, swarm_unavailable, two_nodes_unavailable)
@@ -33,6 +36,9 @@ from tests.test_compose import assert_linear_solved, final_weights, report
 from worker_service.settings import WorkerSettings
 
 pytestmark = [pytest.mark.compose, pytest.mark.timeout(420)]
+#: seconds node 2 is cut off in the two-node test: longer than job 2's lease, shorter than Swarm's node-down time
+#: (about 3 dispatcher heartbeats: 60 s with the guide's DOCUMENTED["heartbeat"])
+CUT = 10.0
 GUIDE = (ROOT / "docs" / "guides" / "swarm.md").read_text()  # the swarm commands, as the tests run them
 STACK = yaml.safe_load(STACK_FILE.read_text())
 
@@ -186,10 +192,13 @@ def test_two_nodes_train_exactly_then_lose_node_2_and_finish(swarm, node2_starte
     """PS on the manager, 2 workers on each node (max_replicas_per_node: 2). Job 1 ends bit-identical to one
     process training on the 4 shards. Job 3, deployed with deploy/swarm/colocated.yml: shard 0 on the manager,
     shard 1 on node 2, 2 workers beside each, each reaching its own shard by files (the node's tmpfs volume) and
-    the other over the overlay; its pieces end bit-identical too. Job 2: node 2's engine is killed mid-training;
-    its workers' leases expire and the manager's 2 workers finish the job. The three stacks are deployed together
-    (their container start-up overlaps); job 2 is paced (~25 rounds/s measured here), so it is still early in its
-    400 steps when jobs 1 and 3 (60 unpaced steps) are done and node 2 may go."""
+    the other over the overlay; its pieces end bit-identical too. Job 2: node 2 is cut off the network for
+    :data:`CUT` s mid-training (the swarm's dispatcher heartbeat set as docs/guides/swarm.md says): its workers
+    expire (lease 2 s), the manager's 2 go on, and once the network is back node 2's workers rejoin from the same
+    tasks (Swarm replaced none); then node 2's engine is killed, its workers' leases expire and the manager's 2
+    workers finish the job. The three stacks are deployed together (their container start-up overlaps); job 2 is
+    paced (~25 rounds/s measured here), so it is still early in its 800 steps when jobs 1 and 3 (60 unpaced steps)
+    are done and node 2 may go."""
     reason = two_nodes_unavailable()
     if reason:
         skip(request, "two-node swarm test (test_swarm.py)", reason)
@@ -200,12 +209,13 @@ def test_two_nodes_train_exactly_then_lose_node_2_and_finish(swarm, node2_starte
         print(f"node 2 could not be started ahead: {exc}")
         ahead = None
     swarm.join_node2(IMAGE, started=ahead is not None)
+    run(shlex.split(DOCUMENTED["heartbeat"]))  # as the guide says: a node cut off for less than ~1 min keeps its tasks
     t_node = time.monotonic() - t0
     how = f"started ahead in {ahead:.1f} s, joined" if ahead is not None else "up"
     swarm.create_secrets()
     spread = {"placement": {"max_replicas_per_node": 2}}
     start = {"PS_MIN_WORKERS": 4, "PS_STARTUP_GRACE_SECONDS": 0}
-    steps, lease, fault_steps = 60, 2.0, 400
+    steps, lease, fault_steps = 60, 2.0, 800
     exact = swarm.stack("exact", ps={"PS_MAX_STEPS": steps, **start}, worker={"WORKER_DTYPE": "float64"},
                         worker_deploy=spread)
     fault = swarm.stack("fault", ps={"PS_MAX_STEPS": fault_steps, "PS_LEASE_SECONDS": lease, **start},
@@ -236,13 +246,14 @@ def test_two_nodes_train_exactly_then_lose_node_2_and_finish(swarm, node2_starte
             assert got[k].dtype == np.float64 and got[k].tobytes() == ref[k].tobytes(), f"{k}: not bit-identical"
         t_colo = _colocated_job_checked(colo, swarm, manager, steps, ref, t1)
 
-        # job 2: node 2 dies mid-training
+        # job 2: node 2 cut off the network for CUT s, then killed, mid-training
         fault.wait_status(lambda s: s["state"] == "training" and s["workers"]["active"] == 4 and s["global_step"] >= 30,
                           120, "job 2 training with 4 workers")
         placed = fault.running_on("worker")
         remote = sorted(n for n, node in placed.items() if node != manager)
         local = sorted(n for n, node in placed.items() if node == manager)
         assert len(remote) == len(local) == 2, placed
+        t_cut_expired, t_back, cut_at = _cut_node_2_and_back(fault, swarm, remote, lease)
         t_kill = time.monotonic()
         swarm.kill_node2()
         shrunk = fault.wait_status(lambda s: s["workers"]["active"] == 2, 30, "node 2's workers to expire")
@@ -251,8 +262,9 @@ def test_two_nodes_train_exactly_then_lose_node_2_and_finish(swarm, node2_starte
         done = fault.wait_status(lambda s: s["state"] == "done", 120, "job 2 to finish on the manager's workers")
         report(request, f"[swarm] 2 nodes: node 2 with {IMAGE} copied {how} in {t_node:.1f} s; exact job "
                         f"({steps} steps) "
-                        f"done {t_exact:.1f} s after deploy, the co-located one {t_colo:.1f} s; job 2: node 2 killed "
-                        f"at step >= 30, its workers expired "
+                        f"done {t_exact:.1f} s after deploy, the co-located one {t_colo:.1f} s; job 2: node 2 cut off "
+                        f"for {CUT} s at step {cut_at}: its workers expired {t_cut_expired:.1f} s into the cut and were "
+                        f"back {t_back:.1f} s after it, in their tasks; then killed, its workers expired "
                         f"{t_expired:.1f} s later (lease {lease} s) at step {at}, done ({fault_steps} steps) "
                         f"{time.monotonic() - t1:.1f} s after deploy")
         assert at < fault_steps and done["global_step"] == fault_steps
@@ -260,10 +272,34 @@ def test_two_nodes_train_exactly_then_lose_node_2_and_finish(swarm, node2_starte
         assert {n: workers[n]["state"] for n in remote} == {n: "expired" for n in remote}
         assert all(workers[n]["pushes"]["accepted"] == fault_steps for n in local)  # every round, before and after
         assert all(0 < workers[n]["pushes"]["accepted"] <= at + 1 for n in remote)
-        expired = {e["name"] for e in fault.workers()["events"] if e["event"] == "expired"}
-        assert expired == set(remote)
+        events = fault.workers()["events"]
+        assert sorted(e["name"] for e in events if e["event"] == "expired") == sorted(remote * 2)  # the cut, the kill
         assert_linear_solved(fault, swarm.tokens[TOKEN])
         assert swarm.nodes().get(manager) == "Ready"
+
+
+def _cut_node_2_and_back(fault: Stack, swarm: Swarm, remote: list[str], lease: float) -> tuple[float, float, int]:
+    """Node 2 cut off for :data:`CUT` s (longer than job 2's lease, shorter than Swarm's node-down time): its
+    workers are expired during the cut, the manager's go on, and once the network is back node 2's workers
+    register again from the same tasks: Swarm shut none down and started none (docker-stack.yml: Partitions).
+    (Seconds from the cut to their expiry, from the network's return to all 4 active, the step at the cut.)"""
+    tasks = {t["ID"] for t in fault.tasks("worker")}
+    wall = time.time()
+    with swarm.cut_node2() as cut:
+        at = fault.get("/v1/status")["global_step"]
+        fault.wait_status(lambda s: s["workers"]["active"] == 2, allow(lease + 5), "node 2's workers to expire")
+        expired = time.monotonic() - cut[0]
+        going_on = fault.get("/v1/status")["global_step"]
+        wait_for(lambda: time.monotonic() - cut[0] >= CUT, CUT + 1, "the cut's end", interval=0.2)
+        assert fault.get("/v1/status")["global_step"] > going_on + 10  # the manager's 2 go on meanwhile
+    fault.wait_status(lambda s: s["workers"]["active"] == 4, allow(15), "node 2's workers back after the cut")
+    back = time.monotonic() - cut[1]
+    assert swarm.nodes().get(NODE2) == "Ready"
+    now = fault.tasks("worker")
+    assert {t["ID"] for t in now} == tasks and all(t["DesiredState"] == "Running" for t in now), now  # none replaced
+    rejoined = [e["name"] for e in fault.workers()["events"] if e["event"] == "rejoined" and e["time"] >= wall]
+    assert sorted(rejoined) == remote, rejoined  # each once, under its name
+    return expired, back, at
 
 
 def _colocated_job_checked(colo: Stack, swarm: Swarm, manager: str, steps: int, ref: dict, deployed: float) -> float:
