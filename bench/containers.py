@@ -1,8 +1,9 @@
-"""``python -m bench.containers``: one job as local processes and as ``docker compose``, alternately; steps/s of each.
+"""``python -m bench.containers``: one job as local processes, as ``docker compose`` and on a two-node Docker Swarm,
+alternately; steps/s of each.
 
 Runs the same job, :mod:`bench.task`'s linear workload at ``--params`` with ``--workers`` sync workers, ``--repeat``
-times on each side, the sides taking turns (round r starts with side r mod 3), so the machine's load falls on them
-alike:
+times on each side, the sides taking turns (round r starts with side r mod the number of sides), so the machine's
+load falls on them alike:
 
 - ``local-http``: local processes as :mod:`bench.run` starts them (:class:`cluster.processes.LocalCluster`), every
   tensor over TCP on loopback (``--transport http``);
@@ -14,8 +15,14 @@ alike:
   The image holds no ``bench`` package, so a second compose file of this bench's mounts this checkout's ``bench/``
   read-only into the workers (``WORKER_TASK=bench.task:params_<P>``). Each line's ``transport`` says how the
   workers reached the PS (``/v1/workers``).
+- ``swarm`` (only when named in ``--sides``): docker-stack.yml on a two-node swarm made for the run
+  (:class:`bench.swarm.TwoNodes`: ``../shared/docker/swarm-2node.sh``, node 2 a Docker engine in a container, reached
+  over the overlay network as another host; left at the end), the PS on the manager and half the workers on each node
+  (``max_replicas_per_node``), every tensor over the overlay (TCP); deployed and removed each run. Node 2 cannot mount
+  this host's bench/, so the workers run ``--image`` with it copied in (``<image>-swarm``, copied into node 2). CPU
+  from the containers' cgroups.
 
-Both sides get the same settings (:func:`job_settings`): ``PS_TOTAL_NUM_REPLICAS`` and ``PS_MIN_WORKERS`` = N, no
+Every side gets the same settings (:func:`job_settings`): ``PS_TOTAL_NUM_REPLICAS`` and ``PS_MIN_WORKERS`` = N, no
 start grace, ``PS_MAX_STEPS`` (``--max-steps``) far beyond the runs, checkpoints every 100 steps (compose's volume;
 a temporary directory locally), the task, dtype and quiet logs; workers run one BLAS/OpenMP thread
 (worker_service/threads.py; bench.run sets it for local workers). Each run waits for training (global step >= 3),
@@ -23,17 +30,18 @@ warms up ``--warmup`` s, then counts global steps over ``--seconds`` from the PS
 the workers' CPU seconds in the window (``/proc`` of each process; a container's by its host PID) and the PS's peak
 RSS. Every line carries ``side``, ``run``, ``machine`` (:func:`bench.table.machine`), ``load`` (1, 5, 15 min) and
 ``utc``; then one summary line a side: the median steps/s, ``ratio`` = that median / the median of the local side
-whose workers used the transport compose's workers used (``against``: :func:`reference`; compose's workers share the
-PS's ``shm`` volume, so same-host files when it works), ``ratio_to_local_http`` and ``ratio_to_local_auto``, for
-compose ``within_10pct`` (ratio >= 0.9), and the median ``cpu_ms_per_step`` (the PS's and the workers' CPU a global
+whose workers used the transport the container side's workers used (``against``: :func:`reference`; compose's workers
+share the PS's ``shm`` volume, so same-host files when it works; the swarm's use TCP), ``ratio_to_local_http`` and
+``ratio_to_local_auto``, for compose and swarm ``within_10pct`` (ratio >= 0.9), and the median ``cpu_ms_per_step`` (the PS's and the workers' CPU a global
 step: what a step costs, which the other load on the machine changes less than steps/s). A table by default, JSON lines with ``--json``. Every command has a timeout; the
-compose project is taken down with ``down -v`` at the end, whatever happened.
+compose project is taken down with ``down -v`` and the swarm left at the end, whatever happened.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -46,6 +54,7 @@ import httpx
 
 from bench.output import Results, add_json_option
 from bench.run import _cpu_seconds, _proc_status, measure
+from bench.swarm import TwoNodes, cgroup_cpu_seconds
 from bench.table import machine
 from bench.task import actual_params, model_dims
 from cluster.processes import free_port, wait_for
@@ -53,7 +62,11 @@ from shared.protocol import PHASES
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = ROOT / "docker-compose.yml"
-SIDES = ("local-http", "local-auto", "compose")
+SIDES = ("local-http", "local-auto", "compose", "swarm")
+#: the sides run without --sides (swarm brings up a second Docker engine: asked for by name)
+DEFAULT_SIDES = SIDES[:3]
+#: the sides that run in containers, each measured against the local side of its workers' transport
+CONTAINED = ("compose", "swarm")
 TARGET = 0.9
 SCRUBBED = ("PS_", "WORKER_", "SYNCPS_", "COMPOSE_")
 COLUMNS = ("side", "run", "steps_per_s", "median_steps_per_s", "against", "ratio", "ratio_to_local_http",
@@ -126,42 +139,52 @@ def _cpu(pids: list[int]) -> float | None:
     return None if not values or None in values else sum(values)
 
 
+def window(url: str, workers: int, seconds: float, warmup: float, cpu, headers: dict | None = None,
+           start_deadline: float = 300.0) -> dict:
+    """Once the job trains (global step >= 3) and ``warmup`` s more: global steps over ``seconds`` from ``/v1/status``,
+    with ``cpu()`` -> (the PS's CPU seconds, the workers' or None, the PS's host PID or None) read at both ends; the
+    line's fields as :func:`bench.run.measure` gives them (those that apply)."""
+    with httpx.Client(base_url=url, headers=headers or {}, timeout=30.0) as client:
+        def training() -> bool:
+            try:
+                st = client.get("/v1/status").json()
+            except (httpx.TransportError, ValueError):
+                return False
+            return st.get("state") == "training" and st["global_step"] >= 3
+        wait_for(training, start_deadline, "training to start", interval=0.2)
+        time.sleep(warmup)
+        cpu0, wcpu0, pid = cpu()
+        t0, g0 = time.perf_counter(), client.get("/v1/status").json()["global_step"]
+        time.sleep(seconds)
+        t1, st = time.perf_counter(), client.get("/v1/status").json()
+        cpu1, wcpu1, _ = cpu()
+        members = client.get("/v1/workers").json()["workers"]
+    g1, rate = st["global_step"], (st["global_step"] - g0) / (t1 - t0)
+    ps_cpu = None if cpu0 is None or cpu1 is None else round(cpu1 - cpu0, 3)
+    w_cpu = None if wcpu0 is None or wcpu1 is None else round(wcpu1 - wcpu0, 3)
+    out = dict(steps_per_s=round(rate, 4), final_loss=st["loss"]["last"],
+               peak_rss_MB=round(_proc_status(pid, "VmHWM") or 0.0, 1) if pid else None,
+               ps_cpu_s=ps_cpu, workers_cpu_s=w_cpu, steps=g1 - g0, window_s=round(t1 - t0, 3),
+               transport="+".join(sorted({m["transport"] for m in members if m["transport"]})),
+               worker_phase_ms={k: round(1e3 * sum(m["mean_seconds"][k] for m in members) / len(members), 2)
+                                for k in PHASES})
+    if ps_cpu is not None and w_cpu is not None and g1 > g0:
+        out["cpu_ms_per_step"] = round(1e3 * (ps_cpu + w_cpu) / (g1 - g0), 2)
+    return out
+
+
 def measure_compose(job: ComposeJob, workers: int, params: int, seconds: float, warmup: float,
                     start_deadline: float = 300.0) -> dict:
     """One compose run (``up -d --scale worker=N``, the window, ``down -v``); the line as :func:`bench.run.measure`
     gives it (its fields that apply)."""
-    d, k = model_dims(params)
-    out: dict = {"system": "syncps", "workers": workers, "params": actual_params(params), "params_requested": int(params),
-                 "d": d, "k": k}
+    out = _line(workers, params)
+
+    def cpu() -> tuple:
+        ps, ws = job.pids("ps"), job.pids("worker")
+        return _cpu(ps), _cpu(ws) if len(ws) == workers else None, ps[0] if ps else None
     try:
         job.compose("up", "-d", "--scale", f"worker={workers}", timeout=start_deadline)
-        with httpx.Client(base_url=job.url, timeout=30.0) as client:
-            def training() -> bool:
-                try:
-                    st = client.get("/v1/status").json()
-                except httpx.TransportError:
-                    return False
-                return st["state"] == "training" and st["global_step"] >= 3
-            wait_for(training, start_deadline, "training to start", interval=0.2)
-            time.sleep(warmup)
-            ps, ws = job.pids("ps"), job.pids("worker")
-            cpu0, wcpu0 = _cpu(ps), _cpu(ws)
-            t0, g0 = time.perf_counter(), client.get("/v1/status").json()["global_step"]
-            time.sleep(seconds)
-            t1, st = time.perf_counter(), client.get("/v1/status").json()
-            cpu1, wcpu1 = _cpu(ps), _cpu(ws)
-            members = client.get("/v1/workers").json()["workers"]
-        g1, rate = st["global_step"], (st["global_step"] - g0) / (t1 - t0)
-        ps_cpu = None if cpu0 is None or cpu1 is None else round(cpu1 - cpu0, 3)
-        w_cpu = None if wcpu0 is None or wcpu1 is None or len(ws) != workers else round(wcpu1 - wcpu0, 3)
-        out.update(steps_per_s=round(rate, 4), final_loss=st["loss"]["last"],
-                   peak_rss_MB=round(_proc_status(ps[0], "VmHWM") or 0.0, 1) if ps else None,
-                   ps_cpu_s=ps_cpu, workers_cpu_s=w_cpu, steps=g1 - g0, window_s=round(t1 - t0, 3),
-                   transport="+".join(sorted({m["transport"] for m in members})),
-                   worker_phase_ms={k: round(1e3 * sum(m["mean_seconds"][k] for m in members) / len(members), 2)
-                                    for k in PHASES})
-        if ps_cpu is not None and w_cpu is not None and g1 > g0:
-            out["cpu_ms_per_step"] = round(1e3 * (ps_cpu + w_cpu) / (g1 - g0), 2)
+        out.update(window(job.url, workers, seconds, warmup, cpu, start_deadline=start_deadline))
     except Exception as exc:  # a failed run is a line too, with what the PS said last and the services' last lines
         out.update(steps_per_s=None, error=f"{type(exc).__name__}: {exc}"[:800], **job.post_mortem())
     finally:
@@ -172,10 +195,67 @@ def measure_compose(job: ComposeJob, workers: int, params: int, seconds: float, 
     return out
 
 
-def run_side(side: str, args: argparse.Namespace, job: ComposeJob | None) -> dict:
+def _line(workers: int, params: int) -> dict:
+    d, k = model_dims(params)
+    return {"system": "syncps", "workers": workers, "params": actual_params(params), "params_requested": int(params),
+            "d": d, "k": k}
+
+
+def swarm_image(image: str, workdir: Path) -> str:
+    """``image`` with this checkout's bench/ in /app/bench (node 2 cannot mount a folder of this host), built as
+    ``<image>-swarm``: the workers load ``bench.task`` from it."""
+    context = workdir / "swarm-image"
+    shutil.copytree(ROOT / "bench", context / "bench", ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "results"))
+    (context / "Dockerfile").write_text(f"FROM {image}\nCOPY bench/ /app/bench/\n")
+    tag = f"{image}-swarm"
+    subprocess.run(["docker", "build", "-q", "-t", tag, str(context)], capture_output=True, text=True, timeout=600,
+                   check=True)
+    return tag
+
+
+def measure_swarm(swarm: TwoNodes, image: str, workers: int, params: int, max_steps: int, seconds: float,
+                  warmup: float, start_deadline: float = 300.0) -> dict:
+    """One run on the two-node swarm: docker-stack.yml with the job's settings, the PS on the manager and the workers
+    spread over both nodes (``max_replicas_per_node``: half on each), every tensor over the overlay network; the
+    window; ``docker stack rm``. CPU from the containers' cgroups (node 2's are in this host's tree)."""
+    out = _line(workers, params)
+    ps_env, worker_env = job_settings(params, workers, max_steps)
+    job = swarm.job("steps", image, ps=ps_env, worker=worker_env,
+                    worker_deploy={"placement": {"max_replicas_per_node": (workers + 1) // 2}})
+
+    def cgroups(ids: list[str]) -> float | None:
+        values = [cgroup_cpu_seconds(c) for c in ids]
+        return None if not values or None in values else sum(values)
+
+    found: dict = {}
+
+    def cpu() -> tuple:  # the containers found once, before the window: its end reads only their cgroups
+        if not found:
+            found.update(ps=job.containers("ps"), ws=job.containers("worker"))
+            pid = subprocess.run(["docker", "inspect", "-f", "{{.State.Pid}}", *found["ps"][:1]], capture_output=True,
+                                 text=True, timeout=60).stdout.strip() if found["ps"] else ""
+            found["pid"] = int(pid) if pid.isdigit() else None
+        ws = found["ws"]
+        return cgroups(found["ps"]), cgroups(ws) if len(ws) == workers else None, found["pid"]
+    try:
+        job.deploy()
+        out.update(window(job.url, workers, seconds, warmup, cpu, headers=job.headers, start_deadline=start_deadline))
+        out["nodes"] = sorted(t["Node"] for t in job.tasks("worker") if t["DesiredState"] == "Running")
+    except Exception as exc:  # a failed run is a line too, with the services' last lines
+        out.update(steps_per_s=None, error=f"{type(exc).__name__}: {exc}"[:800], last_status=job.try_status(),
+                   log_tail=job.logs("ps") + job.logs("worker"))
+    finally:
+        job.rm()
+    return out
+
+
+def run_side(side: str, args: argparse.Namespace, job: ComposeJob | None, swarm: TwoNodes | None = None) -> dict:
     ps_env, worker_env = job_settings(args.params, args.workers, args.max_steps)
     if side == "compose":
         return measure_compose(job, args.workers, args.params, args.seconds, args.warmup)
+    if side == "swarm":
+        return measure_swarm(swarm, args.swarm_image, args.workers, args.params, args.max_steps, args.seconds,
+                             args.warmup)
     with tempfile.TemporaryDirectory(prefix="syncps-bench-ckpt-") as ckpt:
         return measure(args.workers, args.params, args.seconds, args.warmup, ps_env={**ps_env, "PS_CHECKPOINT_DIR": ckpt},
                        worker_env=worker_env, transport=side.removeprefix("local-"))
@@ -188,24 +268,25 @@ def where() -> dict:
             "utc": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
 
 
-def reference(lines: list[dict]) -> str:
-    """The local side the target is measured against: the one whose workers used compose's transport (``local-auto``
-    when compose's workers passed tensors through the shared ``shm`` volume, ``local-http`` when they used TCP)."""
-    used = {line.get("transport") for line in lines if line.get("side") == "compose" and line.get("transport")}
+def reference(lines: list[dict], side: str = "compose") -> str:
+    """The local side a container side is measured against: the one whose workers used that side's transport
+    (``local-auto`` when compose's workers passed tensors through the shared ``shm`` volume, ``local-http`` when they
+    used TCP, as the swarm's workers on two nodes do)."""
+    used = {line.get("transport") for line in lines if line.get("side") == side and line.get("transport")}
     return "local-auto" if used == {"shm"} else "local-http"
 
 
 def summarize(lines: list[dict]) -> list[dict]:
     """One summary line a side (in :data:`SIDES` order, sides with a steps/s only): the median, ``ratio`` to the
-    :func:`reference` side's median (named in ``against``), ``ratio_to_local_http`` and ``ratio_to_local_auto``;
-    compose's says whether it is within 10 % of the reference (``within_10pct``)."""
-    against = reference(lines)
+    :func:`reference` side's median (named in ``against``: compose's for the local sides), ``ratio_to_local_http`` and
+    ``ratio_to_local_auto``; a container side's says whether it is within 10 % of its reference (``within_10pct``)."""
     runs = [line for line in lines if line.get("side") in SIDES and line.get("steps_per_s") is not None
             and "median_steps_per_s" not in line]
     rates = {side: [x["steps_per_s"] for x in runs if x["side"] == side] for side in SIDES}
     medians = {side: statistics.median(v) for side, v in rates.items() if v}
     out = []
     for side in (s for s in SIDES if s in medians):
+        against = reference(lines, side if side in CONTAINED else "compose")
         row = {"side": side, "run": "median", "runs": len(rates[side]), "median_steps_per_s": round(medians[side], 4)}
         cpu = [x["cpu_ms_per_step"] for x in runs if x["side"] == side and x.get("cpu_ms_per_step") is not None]
         if cpu:
@@ -214,7 +295,7 @@ def summarize(lines: list[dict]) -> list[dict]:
             if medians.get(ref):
                 row[name] = round(medians[side] / medians[ref], 3)
         row["against"] = against
-        if side == "compose" and "ratio" in row:
+        if side in CONTAINED and "ratio" in row:
             row["within_10pct"] = row["ratio"] >= TARGET
         out.append(row)
     return out
@@ -233,7 +314,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seconds", type=float, default=10.0, help="measured seconds a run (the window)")
     ap.add_argument("--warmup", type=float, default=3.0, help="seconds of training before the window")
     ap.add_argument("--repeat", type=int, default=3, help="runs a side, alternating")
-    ap.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated, of {', '.join(SIDES)}")
+    ap.add_argument("--sides", default=",".join(DEFAULT_SIDES),
+                    help=f"comma-separated, of {', '.join(SIDES)} (default: {', '.join(DEFAULT_SIDES)})")
     ap.add_argument("--max-steps", type=int, default=1_000_000, help="PS_MAX_STEPS of the job (both sides)")
     ap.add_argument("--project", default="syncpsbenchcontainers", help="the compose project's name")
     ap.add_argument("--image", default="syncps:bench-containers",
@@ -252,21 +334,29 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     with tempfile.TemporaryDirectory(prefix="syncps-bench-containers-") as tmp, \
             Results(args.json, columns=COLUMNS, prog="python -m bench.containers") as results:
-        job = None
-        if "compose" in args.sides:
+        job = swarm = None
+        if {"compose", "swarm"} & set(args.sides):
             ps_env, worker_env = job_settings(args.params, args.workers, args.max_steps)
             job = ComposeJob(args.project, args.image, {**ps_env, **worker_env}, Path(tmp))
         try:
             if job is not None and not args.no_build:
                 job.compose("build", "ps", timeout=900)
+            if "swarm" in args.sides:
+                args.swarm_image = swarm_image(args.image, Path(tmp))
+                swarm = TwoNodes()
+                swarm.up(args.swarm_image)
             for run in range(args.repeat):
                 for side in order(run, args.sides):
-                    results.add({"side": side, "run": run, **run_side(side, args, job), **where()})
+                    results.add({"side": side, "run": run, **run_side(side, args, job, swarm), **where()})
             for row in summarize(results.lines):
                 results.add({**row, **where()})
         finally:
             if job is not None:
                 job.down()
+            if swarm is not None:
+                left = swarm.down()
+                if left:
+                    print(f"python -m bench.containers: the swarm left {left}", file=sys.stderr)
     return 0 if all(line.get("error") is None for line in results.lines) else 1
 
 

@@ -17,15 +17,18 @@ def test_the_defaults_are_the_target_job_and_unknown_sides_are_refused(capsys):
         4, 1_000_000, 3, ["local-http", "local-auto", "compose"], False)
     assert args.project.startswith("syncpsbench") and args.max_steps >= 100_000
     assert containers.parse(["--sides", "compose", "--json"]).sides == ["compose"]
+    assert containers.parse(["--sides", "local-http,swarm"]).sides == ["local-http", "swarm"]  # asked for by name
     with pytest.raises(SystemExit) as exc:
-        containers.parse(["--sides", "local,swarm"])
-    assert exc.value.code == 2 and "unknown ['local', 'swarm']" in capsys.readouterr().err
+        containers.parse(["--sides", "local,kubernetes"])
+    assert exc.value.code == 2 and "unknown ['kubernetes', 'local']" in capsys.readouterr().err
 
 
 def test_the_sides_take_turns_going_first():
-    sides = list(containers.SIDES)
+    sides = list(containers.DEFAULT_SIDES)
     assert [containers.order(r, sides)[0] for r in range(4)] == ["local-http", "local-auto", "compose", "local-http"]
     assert all(sorted(containers.order(r, sides)) == sorted(sides) for r in range(3))
+    every = list(containers.SIDES)
+    assert [containers.order(r, every)[0] for r in range(5)] == [*every, "local-http"]
 
 
 def _lines(compose_transport: str) -> list[dict]:
@@ -48,6 +51,19 @@ def test_the_summary_is_each_sides_median_over_the_local_side_of_compose_s_trans
     assert (over_tcp["against"], over_tcp["ratio"]) == ("local-http", 1.636)
     slower = [{**line, "steps_per_s": 17.9} if line["side"] == "compose" else line for line in _lines("shm")]
     assert {row["side"]: row for row in containers.summarize(slower)}["compose"]["within_10pct"] is False
+
+
+def test_the_swarm_side_is_measured_against_the_local_side_of_its_transport():
+    """The swarm's workers reach the PS over the overlay (TCP): local-http is its reference, whatever compose used."""
+    swarm = [{"side": "swarm", "run": run, "steps_per_s": rate, "transport": "http"}
+             for run, rate in enumerate([9.0, 10.5, 10.0])]
+    rows = {row["side"]: row for row in containers.summarize(_lines("shm") + swarm)}
+    assert list(rows) == ["local-http", "local-auto", "compose", "swarm"]
+    assert (rows["swarm"]["against"], rows["swarm"]["ratio"], rows["swarm"]["within_10pct"]) == ("local-http", 0.909, True)
+    assert (rows["compose"]["against"], rows["compose"]["ratio"]) == ("local-auto", 0.9)
+    assert rows["local-http"]["against"] == "local-auto"  # the local sides: against compose's reference, as before
+    slower = [{**line, "steps_per_s": 9.0} for line in swarm]
+    assert {row["side"]: row for row in containers.summarize(_lines("shm") + slower)}["swarm"]["within_10pct"] is False
 
 
 def test_the_table_has_a_row_per_run_and_per_median():
