@@ -10,7 +10,7 @@
   (a bench never changes a swarm it did not make).
 - :class:`StackJob`: one deployment of docker-stack.yml by ``deploy/swarm/deploy.sh`` with the job's settings in a
   last stack file (``-c``, as a user adds one), on a free host port, read through it with the monitoring token
-  (:meth:`StackJob.get`); its tasks (``docker service ps``) and its containers' CPU seconds on both nodes (their
+  (:class:`PublishedPS`: a deployment's PS over its published port, the tests' deployments' too); its tasks (``docker service ps``) and its containers' CPU seconds on both nodes (their
   cgroups: node 2's containers are in this host's cgroup tree too); :meth:`StackJob.rm` waits until they are gone.
 
 Every command has a timeout.
@@ -180,6 +180,32 @@ class TwoNodes:
         return left + ([f"swarm state {state}"] if state != "inactive" else [])
 
 
+class PublishedPS:
+    """The PS of a deployment over its published port (``url``), sending ``headers`` (e.g. a token); the compose and
+    swarm tests' deployments are ones too."""
+    url: str
+    headers: dict[str, str] = {}
+
+    def get(self, path: str, timeout: float = 5.0) -> dict:
+        return httpx.get(f"{self.url}{path}", headers=self.headers, timeout=timeout).json()
+
+    def try_status(self) -> dict | None:
+        try:
+            return self.get("/v1/status")
+        except (httpx.HTTPError, ValueError):
+            return None
+
+    def wait_status(self, predicate, deadline: float, what: str) -> dict:
+        """Poll /v1/status until ``predicate(status)``; the status that satisfied it."""
+        def check():
+            s = self.try_status()
+            return s if s is not None and predicate(s) else None
+        return wait_for(check, deadline, what, interval=0.2)
+
+    def workers(self) -> dict:
+        return self.get("/v1/workers")
+
+
 def settings_file(stack: str, ps: dict | None = None, worker: dict | None = None,
                   worker_deploy: dict | None = None) -> Path:
     """A last stack file (a temporary file, the caller removes it) holding the job's ``ps`` and ``worker`` settings
@@ -194,7 +220,7 @@ def settings_file(stack: str, ps: dict | None = None, worker: dict | None = None
     return Path(path)
 
 
-class StackJob:
+class StackJob(PublishedPS):
     """docker-stack.yml with ``ps`` / ``worker`` settings and ``worker_deploy`` (merged into the worker service's
     ``deploy``) in a last stack file, deployed by deploy/swarm/deploy.sh under a name and a host port of its own."""
 
@@ -216,22 +242,6 @@ class StackJob:
 
     def deploy(self) -> None:
         run([str(DEPLOY), "-c", str(self.settings_file)], cwd=ROOT, env=self.env, timeout=180)
-
-    def get(self, path: str, timeout: float = 5.0) -> dict:
-        return httpx.get(f"{self.url}{path}", headers=self.headers, timeout=timeout).json()
-
-    def try_status(self) -> dict | None:
-        try:
-            return self.get("/v1/status")
-        except (httpx.HTTPError, ValueError):
-            return None
-
-    def wait_status(self, predicate, deadline: float, what: str) -> dict:
-        """Poll /v1/status until ``predicate(status)``; the status that satisfied it."""
-        def check():
-            s = self.try_status()
-            return s if s is not None and predicate(s) else None
-        return wait_for(check, deadline, what, interval=0.2)
 
     def tasks(self, service: str = "worker") -> list[dict]:
         """``docker service ps``: every task of the service (ID, Name ``<stack>_worker.3``, Node, states)."""

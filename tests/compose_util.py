@@ -11,7 +11,7 @@ variables and a developer's ``.env`` is never read. Every command has a timeout.
 that the page shows each one verbatim); :meth:`ComposeProject.run` runs one of them as
 written, adding only the flags that isolate the test's project.
 
-:class:`PublishedPS` reads the PS of a deployment over its published port (/v1/status polled with a
+:class:`bench.swarm.PublishedPS` reads the PS of a deployment over its published port (/v1/status polled with a
 deadline, /v1/workers), with a token when one is needed; the swarm tests (tests/swarm_util.py) use it too.
 
 :func:`build_context` copies the build context elsewhere, to hand the build wheels (the torch image).
@@ -32,8 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
 
+from bench.swarm import PublishedPS
 from cluster.processes import free_port, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -118,31 +118,6 @@ def docker(*args: str, timeout: float = 60.0, check: bool = True) -> subprocess.
     if check and r.returncode != 0:
         raise RuntimeError(f"docker {' '.join(args)} failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
     return r
-
-
-class PublishedPS:
-    """The PS of a test's deployment over its published port (``url``), sending ``headers`` (e.g. a token)."""
-    url: str
-    headers: dict[str, str] = {}
-
-    def get(self, path: str, timeout: float = 5.0) -> dict:
-        return httpx.get(f"{self.url}{path}", headers=self.headers, timeout=timeout).json()
-
-    def try_status(self) -> dict | None:
-        try:
-            return self.get("/v1/status")
-        except (httpx.HTTPError, ValueError):
-            return None
-
-    def wait_status(self, predicate, deadline: float, what: str) -> dict:
-        """Poll /v1/status until ``predicate(status)``; the status that satisfied it."""
-        def check():
-            s = self.try_status()
-            return s if s is not None and predicate(s) else None
-        return wait_for(check, deadline, what, interval=0.2)
-
-    def workers(self) -> dict:
-        return self.get("/v1/workers")
 
 
 class ComposeProject(PublishedPS):

@@ -33,11 +33,11 @@ from pathlib import Path
 import yaml
 from pydantic import SecretStr
 
-from bench.swarm import (NODE2, NODE_DOCKERFILE, NODE_IMAGE, TWO_NODE_SCRIPT, cut_off, run, scrubbed_env,
-                         settings_file)
+from bench.swarm import (NODE2, NODE_DOCKERFILE, NODE_IMAGE, TWO_NODE_SCRIPT, PublishedPS, cut_off, run,
+                         scrubbed_env, settings_file)
 from cluster.processes import free_port, wait_for
 from shared.tokens import bearer_header
-from tests.compose_util import IMAGE, ROOT, PublishedPS, compose_unavailable, docker
+from tests.compose_util import IMAGE, ROOT, compose_unavailable, docker
 
 STACK_FILE = ROOT / "docker-stack.yml"
 #: the co-located shards' extra stack file (docs/guides/shards.md: Full precision between hosts)
