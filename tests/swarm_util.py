@@ -50,7 +50,7 @@ DOCUMENTED = {
     "init": "docker swarm init",
     "deploy": "deploy/swarm/deploy.sh",  # checks the secrets, then docker stack deploy ... syncps
     "scale": "docker service scale syncps_worker=6",
-    "heartbeat": "docker swarm update --dispatcher-heartbeat 20s",  # a node cut off for ~1 min keeps its tasks
+    "heartbeat": "docker swarm update --dispatcher-heartbeat 20s",  # a node cut off for < 40 s keeps its tasks
     "rm": "docker stack rm syncps",
     "leave": "docker swarm leave --force",
 }
