@@ -123,6 +123,8 @@ def measure(workers: int, params: int, seconds: float, warmup: float = 2.0, dtyp
         out.update(task=task, params_requested=p)
     if shards > 1:
         out["shards"] = shards
+    if (cluster_options or {}).get("standby"):
+        out["standby"] = True
     if transport == "http":  # no same-host transport: every tensor crosses the loopback socket
         worker_env = {"WORKER_SHM_DIR": "", **(worker_env or {})}
     if compression != "none":
@@ -147,7 +149,7 @@ def measure(workers: int, params: int, seconds: float, warmup: float = 2.0, dtyp
                 return st["state"] == "training" and st["global_step"] >= 3
             wait_for(training, start_deadline, "training to start", interval=0.1)
             time.sleep(warmup)
-            procs = [cluster.ps, *cluster.followers]
+            procs = [cluster.ps, *cluster.followers, *([cluster.peer] if cluster.peer is not None else [])]
             if step_aligned:
                 _wait_next_step(client)
             cpu0, wcpu0, shard_wire0 = _shard_cpu(procs), _shard_cpu(cluster.workers), _wire_bytes(urls)
@@ -216,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compression", choices=["none", "bf16", "fp16", "topk", "2bit"], default="none",
                     help="the job's gradient compression (PS_COMPRESSION; applies to request bodies: --transport http)")
     ap.add_argument("--shards", type=int, default=1, help="PS processes (PS_SHARDS; docs/scaling.md)")
+    ap.add_argument("--standby", action="store_true",
+                    help="a hot-standby pair (PS_ROLE: every step also applied on a second PS; docs/guides/standby.md)")
     ap.add_argument("--no-pin", action="store_true",
                     help="workers not pinned to CPUs (a local cluster pins each to its own when workers <= CPUs)")
     add_json_option(ap)
@@ -224,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.repeat):
             out.add(measure(args.workers, args.params, args.seconds, args.warmup, args.dtype, transport=args.transport,
                             task=args.task, compression=args.compression, shards=args.shards,
-                            cluster_options={"pin_workers": False} if args.no_pin else None))
+                            cluster_options={**({"pin_workers": False} if args.no_pin else {}),
+                                             **({"standby": True} if args.standby else {})} or None))
     return 0 if all(line.get("steps_per_s") is not None for line in out.lines) else 1
 
 

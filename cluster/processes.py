@@ -106,7 +106,7 @@ class LocalCluster:
                  log_dir: str | Path | None = None, port: int | None = None, token: str | None = None,
                  keep_logs: bool | None = None, shards: int = 1, host: str = "127.0.0.1",
                  prefix: Callable[[str], list[str]] | None = None, hosts: list[str] | None = None,
-                 pin_workers: bool = True) -> None:
+                 pin_workers: bool = True, standby: bool = False) -> None:
         """``token``: the PS's PS_AUTH_TOKEN, given to the workers too (and used by :meth:`status`, :meth:`get`).
         ``keep_logs``: keep the temporary log folder even after a clean run (default: ``SYNCPS_KEEP_LOGS``).
         ``host``: the address the PS binds and everyone reaches it at; ``prefix``: the command prefix of the process
@@ -116,7 +116,9 @@ class LocalCluster:
         ``pin_workers``: when there are no more workers than CPUs this process may use, worker i runs on the i-th
         of them alone (``WORKER_CPUS``; the PS is not pinned), unless ``WORKER_CPUS`` is given (env, ``worker_env``
         or ``start_worker``'s ``env``): a worker then never waits for a CPU that another worker holds while one is
-        idle, which the scheduler otherwise lets happen (docs/performance.md). :attr:`pinned` says where each went."""
+        idle, which the scheduler otherwise lets happen (docs/performance.md). :attr:`pinned` says where each went.
+        ``standby``: a hot-standby pair (docs/guides/standby.md): the PS at :attr:`url` set primary, a second one
+        (:attr:`peer`, log ``ps-standby``, at :attr:`peer_url`) set standby; the workers get both URLs."""
         if hosts is not None and len(hosts) != shards:
             raise ValueError(f"hosts lists {len(hosts)} address(es) for {shards} shard(s)")
         self.n_workers = workers
@@ -135,7 +137,12 @@ class LocalCluster:
         if shards > 1:
             self.ps_env.update(PS_SHARDS=str(shards), PS_SHARD_URLS=",".join(self.shard_urls))
         self.followers: list[subprocess.Popen] = []  # shards 1..S-1
-        self.worker_env = {"WORKER_PS_URL": self.url, **{k: str(v) for k, v in (worker_env or {}).items()}}
+        self.peer: subprocess.Popen | None = None  # a hot-standby pair's second PS
+        self.peer_url = f"http://{self.host}:{free_port()}" if standby else None
+        urls = self.url if not standby else f"{self.url},{self.peer_url}"
+        if standby:
+            self.ps_env.update(PS_ROLE="primary", PS_PEER_URL=self.peer_url, PS_PROBE_PORT="0")
+        self.worker_env = {"WORKER_PS_URL": urls, **{k: str(v) for k, v in (worker_env or {}).items()}}
         if token:
             self.ps_env["PS_AUTH_TOKEN"] = self.worker_env["WORKER_AUTH_TOKEN"] = token
         if keep_logs is None:
@@ -178,14 +185,24 @@ class LocalCluster:
             env["PS_CHECKPOINT_DIR"] = str(Path(env["PS_CHECKPOINT_DIR"]) / f"shard-{index}")
         return env
 
+    def peer_env(self) -> dict:
+        """A pair's second PS: set standby, its own port and checkpoint directory, the primary as its peer."""
+        env = {**self.ps_env, "PS_PORT": self.peer_url.rsplit(":", 1)[1], "PS_ROLE": "standby", "PS_PEER_URL": self.url}
+        if env.get("PS_CHECKPOINT_DIR"):
+            env["PS_CHECKPOINT_DIR"] = str(Path(env["PS_CHECKPOINT_DIR"]) / "standby")
+        return env
+
     def start_ps(self, deadline: float = 30.0) -> None:
-        """Start the PS (every shard not running, followers first), and wait until each answers /healthz."""
+        """Start the PS (every shard not running, followers first; a pair's standby), and wait until each answers
+        /healthz."""
         if len(self.shard_ports) > 1:
             self.followers = [p if p is not None and p.poll() is None else
                               self._spawn("ps_service", self.shard_env(i), f"ps-{i}.log")
                               for i, p in enumerate(self.followers or [None] * (len(self.shard_ports) - 1), 1)]
         if self.ps is None or self.ps.poll() is not None:
             self.ps = self._spawn("ps_service", self.shard_env(0), "ps.log")
+        if self.peer_url and (self.peer is None or self.peer.poll() is not None):
+            self.peer = self._spawn("ps_service", self.peer_env(), "ps-standby.log")
 
         def healthy(proc, url, name):
             if proc.poll() is not None:
@@ -198,6 +215,9 @@ class LocalCluster:
         for i, proc in enumerate([self.ps, *self.followers]):
             wait_for(lambda proc=proc, i=i: healthy(proc, self.shard_urls[i], "ps" if i == 0 else f"ps-{i}"), deadline,
                      f"PS shard {i} to answer /healthz")
+        if self.peer_url:
+            wait_for(lambda: healthy(self.peer, self.peer_url, "ps-standby"), deadline,
+                     "the standby to answer /healthz")
 
     def start_worker(self, index: int | None = None, env: dict | None = None) -> subprocess.Popen:
         index = len(self.workers) if index is None else index
@@ -261,13 +281,13 @@ class LocalCluster:
     @property
     def failed(self) -> bool:
         """Marked failed, or a process exited non-zero (or by a signal) that :meth:`kill` did not kill."""
-        procs = [p for p in [*self.workers, self.ps, *self.followers] if p is not None]
+        procs = [p for p in [*self.workers, self.ps, *self.followers, self.peer] if p is not None]
         return self._failed or any(p.poll() not in (None, 0) and p.pid not in self._killed for p in procs)
 
     def stop(self, grace: float = 10.0) -> None:
         """SIGTERM whatever runs, SIGKILL what is still there after ``grace`` s; then remove the temporary
         log folder unless logs are to be kept (``keep_logs``) or something failed (:attr:`failed`)."""
-        procs = [p for p in [*self.workers, self.ps, *self.followers] if p is not None and p.poll() is None]
+        procs = [p for p in [*self.workers, self.ps, *self.followers, self.peer] if p is not None and p.poll() is None]
         for p in procs:
             p.send_signal(signal.SIGTERM)
         end = time.monotonic() + grace

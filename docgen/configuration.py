@@ -36,6 +36,7 @@ GROUPS = {
             "shm_dir", "compression", "compression_topk_ratio", "compression_topk_warmup_steps",
             "compression_2bit_threshold", "weight_deltas"]),
         ("Shards", ["shards", "shard_index", "shard_urls", "shard_split_elements"]),
+        ("Hot standby", ["role", "peer_url", "failover_timeout_seconds"]),
     ]),
     "worker": ("Worker", "python -m worker_service", [
         ("Connection", [

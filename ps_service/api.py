@@ -63,6 +63,8 @@ async def register(request: Request) -> Registered:
     if rt.shards is not None:
         rt.shards.admit()  # 503 while the shards are not at one step (a restore that mixes steps)
     m, start = rt.run_guarded(lambda: rt.core.register(reg.name, rt.now()))
+    if rt.ha is not None:
+        await rt.ha.replicated()  # the standby knows this member (its id and rank) before the worker does
     return Registered(worker_id=m.worker_id, name=m.name, rank=m.rank, start_step=start,
                       global_step=rt.core.global_step, model_initialized=rt.core.initialized,
                       rejoined=m.registrations > 1, lease_seconds=rt.settings.lease_seconds,
@@ -124,6 +126,8 @@ async def pull(request: Request, min_step: Annotated[DecimalInt, Query(ge=0)] = 
         raise ProtocolError(409, "not_initialized", "the model is not initialised yet (PUT /v1/model)")
     if not ok:
         return Response(status_code=204, headers={STEP_HEADER: str(core.global_step)})
+    if rt.ha is not None:
+        await rt.ha.replicated()  # a hot standby holds these weights before a worker sees them
     via = answer_via(core, rt.tensors.via(shm))
     if via == "shm":
         await rt.body_answers_first()
@@ -171,6 +175,8 @@ async def answer_push(rt, result, step: int, worker_id: str, via: str, pull: boo
     if woke:
         if before_weights is not None:
             await before_weights()
+        if rt.ha is not None:
+            await rt.ha.replicated()  # a hot standby holds these weights before a worker sees them
         if via == "shm":
             await rt.body_answers_first()
         return rt.tensors.weights_response(via, {PUSH_STATUS_HEADER: result.status.value}, since)

@@ -12,11 +12,13 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from fastapi_offline import FastAPIOffline
 
-from ps_service import api, auth, checkpoint, dashboard, metrics, monitoring, probes, sharding
+from ps_service import api, auth, checkpoint, dashboard, metrics, monitoring, probes, sharding, standby
 from ps_service.hotpath import HotPath
 from ps_service.http import install_error_handlers
 from ps_service.runtime import Runtime
 from ps_service.sharding import routes as shard_routes
+from ps_service.standby import routes as standby_routes
+from ps_service.standby.gate import Gate
 from ps_service.settings import PSSettings
 from ps_service.transport.bodysink import BufferedSinkProtocol
 from ps_service.transport.unread import CloseUnread
@@ -43,6 +45,7 @@ def create_app(settings: PSSettings | None = None, exit_on_refusal: bool = False
     async def lifespan(app: FastAPI):
         rt = Runtime(settings)
         rt.shard(sharding.role(settings, rt.core))  # None: one PS
+        rt.pair(standby.pair(settings, rt.core))  # None: no hot standby
         app.state.runtime = rt
         try:
             checkpointer = checkpoint.attach(rt)  # restores the newest valid checkpoint first
@@ -57,6 +60,8 @@ def create_app(settings: PSSettings | None = None, exit_on_refusal: bool = False
         deployment = asyncio.create_task(rt.deployment())  # PS_WORKERS_DNS: ends at step 0 (or at once if unset)
         if rt.shards is not None:
             await rt.shards.start(rt, checkpointer)  # the coordinator's links to its followers (ps_service/sharding)
+        if rt.ha is not None:
+            await rt.ha.start(rt)  # its role (a peer that serves a term makes this one its standby) and the link
         try:
             async with probes.listening(rt, settings.host, *settings.probe_listener()):  # ps_service/probes.py
                 yield
@@ -70,6 +75,8 @@ def create_app(settings: PSSettings | None = None, exit_on_refusal: bool = False
             rt.shm.close()
             if rt.shards is not None and rt.shards.links is not None:
                 await rt.shards.links.close()
+            if rt.ha is not None:
+                await rt.ha.close()
 
     # /docs and /redoc from assets in the package (fastapi-offline), not FastAPI's CDN (a blank page offline);
     # none of them, nor /openapi.json, in production
@@ -84,11 +91,15 @@ def create_app(settings: PSSettings | None = None, exit_on_refusal: bool = False
                   description="Synchronous parameter server (SyncReplicasOptimizer semantics). See docs/protocol.md.")
     install_error_handlers(app)
     app.add_middleware(HotPath)  # the per-step push and pull skip FastAPI's routing when plainly well-formed
+    if settings.role:
+        app.add_middleware(Gate)  # a hot-standby pair: the term on every answer; training only on the primary
     app.add_middleware(CloseUnread)  # outermost: an answer sent before its body arrived whole closes the connection
     # access control (ps_service/auth.py): every router but health and the static dashboard needs a token when one is configured
     app.include_router(api.router, dependencies=auth.TRAINING)
     if settings.shards > 1:  # a sharded PS's routes (ps_service/sharding/routes.py)
         app.include_router(shard_routes.router, dependencies=auth.TRAINING)
+    if settings.role:  # a hot-standby pair's routes (ps_service/standby/routes.py)
+        app.include_router(standby_routes.router, dependencies=auth.TRAINING)
     app.include_router(monitoring.router, dependencies=auth.MONITORING)
     app.include_router(metrics.router, dependencies=auth.MONITORING)
     # the dashboard's page and assets hold no data (its script fetches the guarded JSON routes with the

@@ -114,6 +114,24 @@ class StateCollector:
                      info.get("duration_seconds"))
         if rt.shards is not None:
             yield from shard_gauges(rt.shards.view())
+        if rt.ha is not None:
+            yield from pair_gauges(rt.ha.status())
+
+
+def pair_gauges(view: dict):
+    """A hot-standby pair: this PS's role (label role, 1 for the current one), the term, the standby's lag."""
+    role = GaugeMetricFamily("ps_pair_role", "1 for this PS's role in its hot-standby pair.", labels=["role"])
+    for r in ("primary", "standby", "candidate"):
+        role.add_metric([r], float(view["role"] == r))
+    yield role
+    yield _gauge("ps_pair_term", "The pair's term as this PS knows it.", view["term"])
+    yield _gauge("ps_pair_standby_in_sync", "On the primary: 1 if its standby caught up (every answer waits for it).",
+                 None if view["standby"] is None else float(view["standby"] == "in_sync"))
+    yield _gauge("ps_pair_standby_lag_rounds", "On the primary: messages the standby has not acknowledged.",
+                 view["lag_rounds"])
+    yield _gauge("ps_pair_standby_lag_bytes", "On the primary: bytes of those messages.", view["lag_bytes"])
+    yield _counter("ps_pair_takeovers", "Times this process took over as primary.", view["takeovers"])
+    yield _counter("ps_pair_sent_bytes", "Bytes sent to the standby (states and steps).", view["bytes_sent"])
 
 
 def shard_gauges(view: dict):

@@ -127,6 +127,13 @@ def checkpoint_view(info: dict | None) -> dict | None:
     return {**info, "path": None if info.get("path") is None else str(info["path"])}
 
 
+def wait_reason(rt: Runtime, now: float) -> str | None:
+    refusal = None if rt.ha is None else rt.ha.refusal()
+    if refusal is not None:  # a pair's standby, or an election: no worker trains here now
+        return refusal.detail
+    return rt.core.wait_reason(now) if rt.shards is None else rt.shards.wait_reason(now)
+
+
 def status_view(rt: Runtime) -> dict:
     core, s, now = rt.core, rt.settings, rt.now()
     losses = [l for _, l in list(core.loss_history)[-LOSS_AVERAGE_ROUNDS:]]
@@ -145,7 +152,7 @@ def status_view(rt: Runtime) -> dict:
         "aggregation": s.aggregation,
         "optimizer": core.optimizer.spec if core.optimizer else None,
         "round": current_round(rt),
-        "wait_reason": core.wait_reason(now) if rt.shards is None else rt.shards.wait_reason(now),
+        "wait_reason": wait_reason(rt, now),
         "workers": {"active": states.count(ACTIVE), "expired": states.count(EXPIRED), "left": states.count(LEFT),
                     "registered": len(states), "membership_changes": core.members.changes,
                     "leases_held": core.members.held},
@@ -161,6 +168,7 @@ def status_view(rt: Runtime) -> dict:
         "uptime_seconds": now - rt.started_mono,
         "checkpoint": checkpoint_view(rt.checkpoint_info),
         "shard": None if rt.shards is None else rt.shards.view(),
+        "pair": None if rt.ha is None else rt.ha.status(),
     }
 
 

@@ -88,6 +88,35 @@ class CheckpointInfo(BaseModel):
     count: int | None = Field(None, description="Checkpoints written since start.")
 
 
+class Election(BaseModel):
+    term: int = Field(description="The term this PS asks the workers' votes for.")
+    votes: list[str] = Field(description="The names that voted for it.")
+    needed: int = Field(description="Votes still needed.")
+
+
+class PairStatus(BaseModel):
+    role: Literal["primary", "standby", "candidate"] = Field(description="This PS's role in the pair now.")
+    term: int = Field(description="The pair's term as this PS knows it (every answer's x-syncps-term).")
+    peer: str = Field(description="The other PS (PS_PEER_URL).")
+    boot: str = Field(description="This process's boot id.")
+    standby: Literal["in_sync", "catching_up", "none"] | None = Field(
+        description="On the primary: its standby caught up (every answer waits for it), is getting the state, or "
+                    "there is none (the primary goes on alone). Null on a standby.")
+    alone_seconds: float | None = Field(description="On the primary: how long it has served without a standby that "
+                                                    "caught up (null: it has one).")
+    lag_rounds: int | None = Field(description="On the primary: messages (steps, membership) the standby has not "
+                                               "acknowledged yet.")
+    lag_bytes: int | None = Field(description="On the primary: the bytes of those messages.")
+    applied: int = Field(description="On a standby: the primary's messages applied (of this term).")
+    synced: bool = Field(description="On a standby: it took the state of its term (it may take over).")
+    election: Election | None = Field(description="An election under way on this PS (null: none).")
+    takeovers: int = Field(description="Times this process took over as primary.")
+    transfers: int = Field(description="State transfers this process sent.")
+    bytes_sent: int = Field(description="Bytes sent to the standby (states and steps).")
+    bytes_received: int = Field(description="Bytes received from the primary (states and steps).")
+    last_change: str | None = Field(description="The last change of role or term, and why.")
+
+
 class Status(BaseModel):
     state: str = Field(description="waiting_for_model | waiting_for_workers | training | done")
     global_step: int
@@ -131,6 +160,8 @@ class Status(BaseModel):
         '"bytes_owned", "held_pushes", "map_digest", "boot"}; on the coordinator also "blocked", "rollbacks", '
         '"last_rollback", "leases_held" (a follower does not answer: no lease runs out) and "shards": per shard '
         '{"index", "url", "step", "reachable", "bytes_owned", "error", "rounds_queued"} (docs/protocol-shards.md).'))
+    pair: PairStatus | None = Field(None, description="A hot-standby pair (PS_ROLE; null: none): this PS's role, "
+                                                      "the term, the standby's lag (docs/guides/standby.md).")
 
 
 class PhaseSeconds(BaseModel):

@@ -64,12 +64,30 @@ class Runtime:
         #: this process's part in a sharded PS (PS_SHARDS > 1; None: one PS): ps_service/sharding, a layer above the
         #: core that the app gives the runtime (:meth:`shard`)
         self.shards = None
+        #: this process's part in a hot-standby pair (PS_ROLE; None: no pair): ps_service/standby
+        self.ha = None
+        #: waits in flight answer at once when it moves (:meth:`abort_waits`)
+        self.aborts = 0
 
     def shard(self, role) -> None:
         """Take this process's part in a sharded PS (``ps_service.sharding.role``; None: one PS)."""
         self.shards = role
         if role is not None and role.coordinator:
             self.observers.append(role.observe)  # closed rounds go to the followers
+
+    def pair(self, ha) -> None:
+        """Take this process's part in a hot-standby pair (``ps_service.standby.pair``; None: none)."""
+        self.ha = ha
+        if ha is not None:
+            self.observers.append(ha.observe)  # membership changes go to the standby
+
+    def abort_waits(self) -> None:
+        """Every wait in flight ends now and looks again (a pair's PS changed role: :meth:`wait_for` refuses)."""
+        self.aborts += 1
+        waiters, self._waiters = self._waiters, {}
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(False)
 
     def now(self) -> float:
         """The core's clock. The ticker reads it every ``PS_TICK_SECONDS``: a reading long after the one before means
@@ -112,10 +130,11 @@ class Runtime:
     async def wait_until(self, predicate: Callable[[], bool], timeout: float, first: bool = False) -> bool:
         """Wait (at most ``timeout`` s) until ``predicate()``, a function of :meth:`barrier` only (it is
         checked again when the barrier moves); its final value. ``first``: woken before the waits that are not."""
-        deadline, rewinds = self.clock() + timeout, self.core.rewinds
+        deadline, rewinds, aborts = self.clock() + timeout, self.core.rewinds, self.aborts
         while not predicate():
             remaining = deadline - self.clock()
-            if remaining <= 0 or self.core.rewinds != rewinds:  # went back to a checkpoint: answer now
+            if remaining <= 0 or self.core.rewinds != rewinds or self.aborts != aborts:  # went back to a checkpoint,
+                # or this PS's role in a pair changed: answer now
                 return False
             # one future and one timer per wait (asyncio.wait_for would make a task as well)
             loop = asyncio.get_running_loop()
@@ -161,7 +180,10 @@ class Runtime:
         worker was expired meanwhile (a rollback of a sharded PS, a recall into a stuck round)."""
         timeout = min(timeout, self.settings.pull_timeout_max_seconds)
         if worker_id is None:
-            return await self.wait_until(predicate, timeout, first)
+            ok = await self.wait_until(predicate, timeout, first)
+            if self.ha is not None:
+                self.ha.refuse()  # 503 if this PS stopped being the primary meanwhile
+            return ok
         members = self.core.members
         self.core.begin_wait(worker_id, self.now())
         try:
@@ -169,6 +191,8 @@ class Runtime:
         finally:
             self.core.end_wait(worker_id, self.now())
         members.active_member(worker_id)  # (not a heartbeat: the PS ending a wait has not heard from its worker)
+        if self.ha is not None:
+            self.ha.refuse()
         return ok
 
     async def deployment(self, every: float = 1.0, timeout: float = 2.0) -> None:
@@ -197,6 +221,8 @@ class Runtime:
             now = self.now()
             if self.shards is not None:
                 self.shards.hold_leases(now)  # a coordinator whose follower does not answer
+            if self.ha is not None:
+                self.ha.watch(now)  # a standby that no longer hears its primary
             self.core.tick(now)
             self.notify()
             if self.shm.attached and (self.shards is None or self.shards.coordinator):  # followers have no members

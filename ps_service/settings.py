@@ -158,6 +158,28 @@ class PSSettings(BaseSettings):
                                      "1, the mlp's ~4,800 one-element slices made a push over loopback TCP about 60 "
                                      "times slower than with whole tensors).")
 
+    # ---- a hot standby (docs/guides/standby.md): two PS processes that hold the same bits ----
+    role: Literal["primary", "standby"] | None = Field(
+        None, description="This PS's role in a hot-standby pair: primary (serves the workers, sends every step to its "
+                          "standby and answers only once the standby has it) or standby (applies them; takes over when "
+                          "the primary stops answering and the workers vote for it). A PS set primary that finds its "
+                          "peer serving a term starts as its standby. Unset: no pair.")
+    peer_url: str = Field(
+        "", description="Base URL of the other PS of the pair, as this one reaches it (needed with PS_ROLE).")
+    failover_timeout_seconds: float = Field(
+        1.0, gt=0, description="A pair's PS that hears nothing from the other for this long asks the workers to vote "
+                               "(the standby to take over, the primary to go on alone).")
+
+    @model_validator(mode="after")
+    def _pair_settings(self) -> "PSSettings":
+        if self.role is None:
+            return self
+        if not self.peer_url.strip():
+            raise ValueError("PS_ROLE needs PS_PEER_URL: the other PS of the pair")
+        if self.shards > 1:
+            raise ValueError("PS_ROLE (a hot standby) needs PS_SHARDS=1: shards have no standby yet")
+        return self
+
     @model_validator(mode="after")
     def _token_required(self) -> "PSSettings":
         """PS_REQUIRE_AUTH: no start without a training token. Runs before _tokens, whose errors it explains."""

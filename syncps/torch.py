@@ -106,7 +106,7 @@ class DistributedOptimizer:
             raise
         lease = float(reg["lease_seconds"])
         self._wait = max(0.5, min(10.0, lease / 2))
-        self.heartbeat = Heartbeat(self.client.base_url, self.worker_id, max(0.2, lease / 3), self.client.timeout,
+        self.heartbeat = Heartbeat(self.client.ps_url, self.worker_id, max(0.2, lease / 3), self.client.timeout,
                                    self.client.token, lambda: self.client.lease_renewed)
         self.heartbeat.start()
         if handle_sigterm and threading.current_thread() is threading.main_thread():

@@ -24,7 +24,7 @@ from shared.settings_errors import settings_errors
 from shared.rawhttp import ConnectionLost
 from worker_service.client import PSClient
 from worker_service.transport import faults
-from worker_service.transport.endpoint import ServerError, connect
+from worker_service.transport.endpoint import ServerError, connect, split_urls
 from worker_service.loop import WrongModel, train
 from worker_service.settings import WorkerSettings, cpu_list
 from worker_service.stopping import StopFlag
@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         task = load_task(s.task, s.seed, s.dtype)
     except ValueError as exc:  # an unknown task name
         sys.exit(f"python -m worker_service: WORKER_TASK={s.task}: {exc}")
-    conn = faults.from_settings(s, connect(s.ps_url))  # wrapped for a fault drill when WORKER_FAULT_* are set
+    # wrapped for a fault drill when WORKER_FAULT_* are set (a pair: the first PS's connection)
+    conn = faults.from_settings(s, connect(split_urls(s.ps_url)[0]))
     client = PSClient(s.ps_url, timeout=s.request_timeout_seconds, attempts=s.retry_attempts,
                       retry_timeout=s.retry_timeout_seconds, token=s.auth_token, shm_dir=s.shm_dir, connection=conn)
     try:

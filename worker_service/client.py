@@ -33,7 +33,7 @@ from worker_service.settings import default
 from worker_service.transport.attach import Attached
 from worker_service.transport.base import Pulled, PushAnswer, Response, TensorTransport, Transport
 from worker_service.transport.compressed import body_transport
-from worker_service.transport.endpoint import Endpoint, connect
+from worker_service.transport.endpoint import Endpoint, connect, split_urls
 from worker_service.transport.http import BodyTransport
 from worker_service.transport.sharded import ShardedTransport
 
@@ -52,11 +52,12 @@ class PSClient:
     def __init__(self, base_url: str, timeout: float | None = None, attempts: int | None = None,
                  retry_timeout: float | None = None, token: SecretStr | str | None = None, shm_dir: str | None = None,
                  connection: Transport | None = None) -> None:
-        base_url = base_url.rstrip("/")
+        urls = split_urls(base_url)  # a hot-standby pair: both PS, comma-separated
+        base_url = urls[0]
         self.endpoint = Endpoint(
             base_url, connection or connect(base_url), timeout=_or(timeout, "request_timeout_seconds"),
             attempts=_or(attempts, "retry_attempts"), retry_timeout=_or(retry_timeout, "retry_timeout_seconds"),
-            token=SecretStr(token) if isinstance(token, str) else token)
+            token=SecretStr(token) if isinstance(token, str) else token, urls=urls)
         #: seconds a push waits for its round to close (then it answers without weights)
         self.push_wait = 5.0
         self._prefetched: Pulled | None = None
@@ -72,6 +73,7 @@ class PSClient:
         self._held_until = float("-inf")  # the PS holds the lease at least this long for a pull under way
 
     base_url = property(lambda self: self.endpoint.base_url)
+    ps_url = property(lambda self: ",".join(self.endpoint.urls), doc="every PS URL (a hot-standby pair: both)")
     conn = property(lambda self: self.endpoint.transport, doc="the transport every exchange goes through")
     timeout = property(lambda self: self.endpoint.timeout)
     attempts = property(lambda self: self.endpoint.attempts)
@@ -100,6 +102,7 @@ class PSClient:
 
     # ---- control ------------------------------------------------------------------------
     def register(self, name: str) -> dict:
+        self.endpoint.voter = name  # a hot-standby pair's elections: this worker's vote
         reg = self.call_json("POST", f"{API}/workers", {"name": name})
         self.compression = Spec.from_wire(reg.get("compression"))
         self.shards = reg.get("shards", 1)

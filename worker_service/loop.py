@@ -147,7 +147,7 @@ def train(client: PSClient, task: Task, name: str, batch_size: int, stop: StopFl
     client.attach(worker_id)
     lease = float(reg["lease_seconds"])
     wait = max(0.5, min(10.0, lease / 2))
-    hb = Heartbeat(client.base_url, worker_id, max(0.2, lease / 3), client.timeout, client.token,
+    hb = Heartbeat(client.ps_url, worker_id, max(0.2, lease / 3), client.timeout, client.token,
                    lambda: client.lease_renewed)
     hb.start()
     log.info("registered as %r: rank %d, worker_id %s, starting at step %d", name, rank, worker_id, step)

@@ -28,7 +28,8 @@ def cpu_list(text: str) -> frozenset[int]:
 class WorkerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="WORKER_", extra="ignore")
 
-    ps_url: str = Field("http://localhost:8000", description="Base URL of the PS.")
+    ps_url: str = Field("http://localhost:8000", description="Base URL of the PS; a hot-standby pair's two, "
+                        "comma-separated (the worker follows the primary: docs/guides/standby.md).")
     task: str = Field("linear", description="Built-in task (linear, mlp, cnn) or 'package.module:factory' of your own.")
     batch_size: int = Field(32, ge=1, description="Examples per worker per step.")
     seed: int = Field(0, description="Seed of the task's data and initial weights (same on every worker).")

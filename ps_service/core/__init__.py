@@ -103,6 +103,10 @@ class ParameterServerCore(ModelState):
         #: called with each round's record once it is decided (who contributed), before its update is applied: a
         #: sharded PS's coordinator sends the followers their apply then, so theirs overlaps its own (sharding)
         self.on_decided: Callable[[RoundRecord], None] | None = None
+        #: called with the input of every step of the model (a closed round's sum, an async/ssp gradient), exactly as
+        #: :meth:`apply_round` takes it (total or None, mean_of, contributors), before it is applied: a hot standby's
+        #: primary sends it to the standby, which applies it through :meth:`apply_round` (ps_service/standby)
+        self.on_step: Callable[[Mapping[str, Any] | None, int, int], None] | None = None
 
     @property
     def done(self) -> bool:
@@ -399,6 +403,8 @@ class ParameterServerCore(ModelState):
         rec, total, n = r.close(now, reason, lambda w: self.members.by_id[w].name, self.rule.replicas_to_aggregate)
         if self.on_decided is not None:
             self.on_decided(rec)
+        if self.on_step is not None:
+            self.on_step(total, n, rec.aggregated)
         if total is not None:  # None when every contribution was skipped (NaN/Inf) or the sum overflows: no update
             self.update(total, consume=True, mean_of=n)
         if rec.loss is not None:
@@ -503,9 +509,23 @@ class ParameterServerCore(ModelState):
         self._changed()
 
     def follow(self) -> None:
-        """This core follows another's decisions (a sharded PS's follower): it has no membership and no start-up;
-        its pulls wait on its step only."""
+        """This core follows another's decisions (a sharded PS's follower, a hot standby): it has no membership and no
+        start-up; its pulls wait on its step only."""
         self.started = True
+
+    def adopt(self, state: Mapping[str, Any], now: float) -> None:
+        """Become ``state`` (:meth:`export_state` data) live, as a PS restored from that checkpoint would start (a hot
+        standby's state transfer, its takeover: ps_service/standby): model, optimizer and step exactly the state's
+        (:meth:`rewind`: no settings on top), the membership replaced by the state's members, back as expired (each
+        worker registers again under its name, keeps its id and rank), async/ssp clocks the state's; not started."""
+        self.rewind(state, now)
+        self.members = Membership(self.config.lease_seconds)
+        self.modes = BoundedStaleness.for_mode(self.config.mode, self.config.ssp_staleness, self.config.max_staleness)
+        self.resume_expected = self.members.load(list(state.get("members") or ()), now) or None
+        if self.modes is not None and state.get("staleness") is not None:
+            self.modes.load(state["staleness"], now)
+        self._ranks = (-1, ())
+        self._changed()
 
     def _take(self, m: Member, req: PushRequest, status: PushStatus, now: float, grads) -> None:
         r, wid, at = self.round, m.worker_id, Arrival(m.worker_id, m.name, m.rank, now)

@@ -40,7 +40,9 @@ def classify(core, m: Member, req: PushRequest, finite: bool, now: float) -> tup
 
 def take(core, req: PushRequest, v: Verdict, grads: Mapping[str, np.ndarray]) -> None:
     """Do what the verdict says: one optimizer step with ``grads`` (PS-owned: consumed) if it applies, and
-    ``global_step += 1`` if it advances."""
+    ``global_step += 1`` if it advances (the step's input goes to ``core.on_step`` first, as a round's does)."""
+    if v.advances and core.on_step is not None:
+        core.on_step(grads if v.applies else None, 1, int(v.applies))
     if v.applies:
         core.update(grads, consume=True)
         core.gradients_applied += 1

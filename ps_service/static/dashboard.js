@@ -217,11 +217,23 @@ function renderStatus(st) {
   $("uptime").textContent = duration(st.uptime_seconds);
   const ck = st.checkpoint;
   $("checkpoint").textContent = ck ? `checkpoint step ${ck.step ?? "-"} (${ck.count ?? 0} written)` : "no checkpoint";
+  renderPair(st.pair);
   renderRound(st.round, st.wait_reason);
   rateTimes.push(st.uptime_seconds);
   rateValues.push(st.throughput.rounds_per_second);
   if (rateTimes.length > RATE_SAMPLES) { rateTimes.shift(); rateValues.shift(); }
   plot($("rate-plot"), rateTimes, rateValues, { cls: "line rate", xLabel: (x) => `${Math.round(x)} s` });
+}
+
+// a hot-standby pair: this PS's role and term; on the primary its standby and the standby's lag
+function renderPair(p) {
+  $("pair-card").hidden = !p;
+  if (!p) return;
+  $("pair").textContent = `${p.role}, term ${p.term}`;
+  $("pair-detail").textContent = p.election ? `election: ${p.election.needed} more vote(s) needed`
+    : p.role === "standby" ? `${p.synced ? "in sync" : "catching up"}, ${p.applied} messages applied`
+    : p.standby === "in_sync" ? `standby in sync, lag ${p.lag_rounds} (${p.lag_bytes} B)`
+    : p.standby === "catching_up" ? "standby catching up" : `no standby: alone for ${duration(p.alone_seconds)}`;
 }
 
 // async/ssp: the slowest and fastest live clocks, their spread, and the staleness percentiles

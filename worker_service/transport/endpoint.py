@@ -5,6 +5,13 @@ Contract of :meth:`Endpoint.call`: a timeout on every exchange; connection error
 and 5xx (:class:`ServerError`) retried with capped exponential backoff and jitter (:mod:`worker_service.retry`,
 each retry logged with the request and the error); a 4xx raised as :class:`shared.errors.ProtocolError` with the
 PS's error code; any other answer returned. With a ``token``, every request carries ``Authorization: Bearer``.
+
+A hot-standby pair (``urls``: both PS processes, docs/guides/standby.md): every request carries the newest term an
+answer carried (``x-syncps-term``: a PS of an older term refuses it, 503 ``fenced``); a lost connection, 503
+``standby`` or ``fenced`` move the attempt to the other PS at once; 503 ``election`` gets this worker's vote (its
+:attr:`Endpoint.voter` name, once per term: :attr:`Endpoint.ballot`; a PS it did not vote for in that term is left
+for the one it did) and the same PS is asked again at once; then, as any 5xx, the next attempt after a backoff of
+at most :data:`PAIR_WAIT_MAX_SECONDS`.
 """
 from __future__ import annotations
 
@@ -15,6 +22,7 @@ from urllib.parse import urlencode
 from pydantic import SecretStr
 
 from shared.errors import ProtocolError
+from shared.protocol import API
 from shared.rawhttp import ConnectionLost, RawConnection
 from shared.tokens import bearer_header
 from worker_service import retry
@@ -31,12 +39,67 @@ def connect(base_url: str) -> Transport:
     return RawConnection(base_url) if base_url.startswith("http://") else HttpxConnection(base_url)
 
 
+TERM = "x-syncps-term"
+#: a pair's refusals that send the next attempt to the other PS
+ELSEWHERE = frozenset({"standby", "fenced"})
+#: a pair's backoff between attempts at most (a PS alone: retry.py's 1 s)
+PAIR_WAIT_MAX_SECONDS = 0.25
+
+
+def split_urls(text: str) -> list[str]:
+    """The PS URLs of ``WORKER_PS_URL`` (one, or a hot-standby pair's two, comma-separated)."""
+    return [u.strip().rstrip("/") for u in text.split(",") if u.strip()]
+
+
 class Endpoint:
     def __init__(self, base_url: str, transport: Transport, *, timeout: float, attempts: int, retry_timeout: float,
-                 token: SecretStr | None) -> None:
+                 token: SecretStr | None, urls: list[str] | None = None) -> None:
         self.base_url, self.transport = base_url, transport
         self.timeout, self.attempts, self.retry_timeout, self.token = timeout, attempts, retry_timeout, token
         self._headers = dict(bearer_header(token))
+        #: a hot-standby pair: both PS processes (else just ``base_url``), each over its own transport
+        self.urls = urls or [base_url]
+        self._transports = {base_url: transport}
+        self.term = 0  # the newest term a PS of the pair answered with
+        self.voter: str | None = None  # this worker's name, once registered: it votes in a pair's elections
+        self.ballot: dict[int, str] = {}  # term -> the PS voted for
+
+    def _move(self, url: str | None = None) -> None:
+        """The next attempts go to ``url`` (default: the next PS of the pair)."""
+        if len(self.urls) < 2:
+            return
+        url = url or self.urls[(self.urls.index(self.base_url) + 1) % len(self.urls)]
+        if url not in self._transports:
+            self._transports[url] = connect(url)
+        self.base_url, self.transport = url, self._transports[url]
+
+    def _pair_answer(self, resp: Response) -> bool:
+        """Read a pair's answer: its term; a refusal moves to the other PS, or votes. Whether to ask again at once."""
+        term = resp.headers.get(TERM)
+        if term is not None and term.isdigit():
+            self.term = max(self.term, int(term))
+        if resp.status_code != 503 or term is None:
+            return False
+        try:
+            code = resp.json().get("error")
+        except (ValueError, AttributeError):
+            return False
+        if code in ELSEWHERE:
+            self._move()
+            return True
+        if code != "election":
+            return False
+        ballot = int(term) + 1
+        chosen = self.ballot.get(ballot)
+        if chosen is not None and chosen != self.base_url:
+            self._move(chosen)
+            return True
+        if self.voter is None:
+            return False
+        self.ballot[ballot] = self.base_url
+        self.transport.request("POST", f"{API}/ha/vote", {**self._headers, "content-type": "application/json"},
+                               [json.dumps({"term": ballot, "name": self.voter}).encode()], self.timeout)
+        return True  # (this vote may have decided it)
 
     def sibling(self, base_url: str) -> "Endpoint":
         """Another PS process (a shard) over its own production transport, with this one's token and policy."""
@@ -51,14 +114,29 @@ class Endpoint:
         target = path + (f"?{urlencode(params)}" if params else "")
         head = {**self._headers, **(headers or {})}
 
-        def once() -> Response:
-            resp = self.transport.request(method, target, head, body, timeout or self.timeout)
-            if resp.status_code >= 500:
-                raise ServerError(f"{resp.status_code} from the PS")
-            return resp
+        pair = len(self.urls) > 1
 
+        def once() -> Response:
+            for hop in range(2 if pair else 1):  # a pair: the other PS at once (or the same after a vote), then backoff
+                try:
+                    resp = self.transport.request(method, target, {**head, TERM: str(self.term)} if self.term else head,
+                                                  body, timeout or self.timeout)
+                except ConnectionLost:
+                    self._move()  # a pair: the other PS next
+                    if hop or not pair:
+                        raise
+                    continue
+                if pair and self._pair_answer(resp) and not hop:
+                    continue
+                if resp.status_code >= 500:
+                    raise ServerError(f"{resp.status_code} from the PS")
+                return resp
+            raise AssertionError("unreachable")
+
+        # a pair: short waits (the other PS, or the election, answers within the failover timeout)
+        backoff = {"wait_max": PAIR_WAIT_MAX_SECONDS, "wait_jitter": PAIR_WAIT_MAX_SECONDS / 4} if pair else {}
         resp = retry.call(once, what or f"{method} {path}", attempts or self.attempts, self.retry_timeout,
-                          (ConnectionLost, ServerError))
+                          (ConnectionLost, ServerError), **backoff)
         if resp.status_code >= 400:
             try:
                 obj = resp.json()
@@ -75,4 +153,5 @@ class Endpoint:
         return self.call(method, path, body=body, headers=headers, **kw).json()
 
     def close(self) -> None:
-        self.transport.close()
+        for t in {id(t): t for t in (self.transport, *self._transports.values())}.values():
+            t.close()

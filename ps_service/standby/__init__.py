@@ -1,0 +1,350 @@
+"""A hot standby (``PS_ROLE`` primary|standby, ``PS_PEER_URL``): this process's part in a pair of PS processes that
+hold the same bits (docs/guides/standby.md; the wire is docs/protocol.md, Hot standby).
+
+Roles: ``primary`` (serves the workers; sends every step's input to its standby, :mod:`.link`, and answers a worker
+only once the standby acknowledged every step taken so far: :meth:`Pair.replicated`), ``standby`` (serves no worker:
+503 ``standby``; applies each step through :meth:`~ps_service.core.ParameterServerCore.apply_round`, the path a
+sharded PS's follower takes, so weights, optimizer slots and step stay bit-identical), ``candidate`` (either one,
+after ``PS_FAILOVER_TIMEOUT_SECONDS`` without the other: it asks the workers for their votes, 503 ``election``, and
+takes the next term when :mod:`.election` says it won). Every answer carries the pair's *term*
+(``x-syncps-term``) and this process's role (``x-syncps-role``, :mod:`.gate`); a PS whose term is older than a
+request's, or than its peer's, accepts no push and becomes the standby of the newer term (a state transfer: the
+primary's checkpoint data, :mod:`.messages`).
+
+The standby's copy is as new as the last step it acknowledged, which is at least every step a worker saw: the
+primary's answers wait for it (``gated``), from the moment it snapshots its state for a standby that joins (or comes
+back): the workers wait for the state transfer once. Only a standby that took the state of its term may take over
+(``synced``); a primary that fed a standby asks the workers before it goes on without it.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import secrets
+from collections import deque
+
+import numpy as np
+
+from ps_service.standby import messages
+from ps_service.standby.election import Election, roster
+from ps_service.standby.link import Link, probe
+from shared.errors import ProtocolError
+
+log = logging.getLogger("ps_service")
+PRIMARY, STANDBY, CANDIDATE = "primary", "standby", "candidate"
+#: the longest a worker's answer waits for the standby's acknowledgement before it is refused (503, retried)
+REPLICATED_WAIT_SECONDS = 10.0
+
+
+def pair(settings, core) -> "Pair | None":
+    return Pair(settings, core) if settings.role else None
+
+
+class Pair:
+    def __init__(self, settings, core) -> None:
+        self.settings, self.core = settings, core
+        self.peer = settings.peer_url.rstrip("/")
+        self.failover = settings.failover_timeout_seconds
+        self.role, self.term = STANDBY, 0
+        self.boot = secrets.token_hex(8)
+        self.rt = None
+        self.link = None  # the primary's sender (.link), started by start()
+        # ---- as primary: the steps sent, acknowledged, and the standby's state
+        self.seq = 0  # the last message queued
+        self.acked = 0  # the last one the standby acknowledged
+        self.feeding = False  # the standby has (or is getting) our state of this term: steps are queued for it
+        self.gated = False  # every answer waits for its acknowledgement (from the snapshot on: its transfer too)
+        self.transferring = False  # the snapshot taken, the standby has not acknowledged the state yet
+        self.queue: deque[tuple[int, bytes, frozenset | None]] = deque()
+        self.sent_changes = -1  # the membership version last queued
+        self.roster_acked: frozenset[str] = frozenset()  # the roster of the last message acknowledged with one
+        self.state_roster: frozenset[str] = frozenset()  # the roster of the last state sent
+        self.alone_since: float | None = None  # serving without a standby that caught up, since (monotonic)
+        self.bytes_sent = 0
+        self.transfers = 0
+        self.epoch = 0  # snapshots taken: a step answered for an older one is not this standby's
+        self._acked = asyncio.Event()
+        # ---- as standby
+        self.applied = 0  # the last message applied
+        self.heard = 0.0  # when the primary was last heard from (monotonic)
+        self.synced = False  # the primary gates on us: we may take over
+        self.members: list[dict] = []
+        self.staleness: dict | None = None
+        self.bytes_received = 0
+        # ---- elections
+        self.election: Election | None = None
+        self.takeovers = 0
+        self.last_change: str | None = None
+        core.on_step = self.on_step
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    async def start(self, rt) -> None:
+        """A PS configured primary asks its peer first: a peer that has a term (it served, or serves) makes this one
+        its standby (a primary that comes back after a takeover accepts no push); unreachable: primary of term 1."""
+        self.rt = rt
+        self.heard = rt.now()
+        self.link = Link(self)
+        peer = await probe(self.peer, self.settings.auth_token, self.failover * 2)
+        if self.settings.role == PRIMARY and (peer is None or not peer.get("term")):
+            self._become(PRIMARY, 1, "started as the primary" + (" (its peer does not answer)" if peer is None else ""))
+        else:
+            self.core.follow()
+            self._become(STANDBY, 0, "started as the standby" + (
+                f" (its peer is the {peer['role']} of term {peer['term']})" if peer else ""))
+        self.link.start()
+
+    async def close(self) -> None:
+        if self.link is not None:
+            await self.link.close()
+
+    def _become(self, role: str, term: int, why: str) -> None:
+        self.role, self.term, self.election = role, term, None
+        self.last_change = f"{role} of term {term}: {why}"
+        log.warning("hot standby: %s", self.last_change)
+        self.feeding = self.gated = self.transferring = False  # a new standby (if any) gets our state first
+        self.queue.clear()
+        self.alone_since = self.rt.now() if self.rt and role == PRIMARY else None
+        self._acked.set()
+        if self.rt is not None:
+            self.rt.abort_waits()  # waits in flight look again (a standby answers none)
+
+    # ---- the primary ----------------------------------------------------------------------
+    def on_step(self, total, mean_of: int, contributors: int) -> None:
+        """The core's hook (``on_step``): queue this step's input for the standby (a copy: the core consumes it)."""
+        if self.feeding:  # (a candidate's too: a round its deadline closes is the standby's to apply)
+            self._queue(self.core.global_step, total, mean_of, contributors)
+
+    def observe(self) -> None:
+        """Runtime observer (O(1) unless membership changed): queue the membership for the standby."""
+        if self.feeding and self.core.members.changes != self.sent_changes:
+            self._queue(None, None, 1, 0)
+
+    def _queue(self, step, total, mean_of: int, contributors: int) -> None:
+        extra, members = {}, None
+        core = self.core
+        if core.members.changes != self.sent_changes:
+            self.sent_changes = core.members.changes
+            extra["members"] = core.members.export()
+            members = roster(extra["members"])
+        if core.modes is not None:
+            extra["staleness"] = core.modes.export()
+        self.seq += 1
+        self.queue.append((self.seq, messages.encode_step(step, total, mean_of, contributors, extra), members))
+        self.link.wake()
+
+    def snapshot(self) -> tuple[int, dict]:
+        """The state the standby gets (every step up to ``seq`` in it); the steps after it are queued from now on, and
+        every answer waits for the standby's acknowledgements (``gated``)."""
+        self.epoch += 1
+        self.queue.clear()
+        self.feeding = self.gated = self.transferring = True
+        self.acked = self.seq
+        self.sent_changes = self.core.members.changes
+        state = self.core.export_state()
+        self.state_roster = roster(state["members"])
+        return self.seq, state
+
+    def acknowledged(self, seq: int, members: frozenset | None) -> None:
+        self.acked = max(self.acked, seq)
+        if members is not None:
+            self.roster_acked = members
+        if self.transferring and self.feeding:  # the state is there
+            self.transferring, self.alone_since = False, None
+            self.last_change = f"{self.role} of term {self.term}: the standby took the state; every answer waits for it"
+            log.warning("hot standby: %s", self.last_change)
+            if self.role == CANDIDATE and self.election.incumbent:  # it answers again, and has our state: no election
+                self.role, self.election = PRIMARY, None
+                self.rt.abort_waits()
+        self._acked.set()
+
+    def lost_standby(self, why: str) -> None:
+        """The standby has not answered for the failover timeout: if it had our state (we were gating), ask the workers
+        (an election for the next term, as incumbent); else go on alone."""
+        was_gated = self.gated
+        # the rosters the standby may hold: the last it acknowledged, and any of the messages not acknowledged
+        rosters = (self.roster_acked, *((self.state_roster,) if self.transferring else ()),
+                   *(m[2] for m in self.queue if m[2] is not None))
+        self.feeding = self.gated = False
+        self.queue.clear()
+        self.transferring = False
+        if self.alone_since is None:
+            self.alone_since = self.rt.now()
+        if was_gated and self.role == PRIMARY:
+            self.role = CANDIDATE
+            self.election = Election(self.term + 1, rosters, incumbent=True)
+            self.last_change = f"candidate for term {self.term + 1}: {why}"
+            log.warning("hot standby: %s", self.last_change)
+            self._check_won()
+            self._acked.set()  # answers waiting for the standby: refused now (vote)
+            self.rt.abort_waits()
+
+    def deposed(self, term: int, why: str) -> None:
+        """The peer has a newer term: accept no push, wait for its state as its standby."""
+        if self.role == STANDBY:
+            return
+        self.core.follow()
+        self.synced = False
+        self._become(STANDBY, self.term, f"deposed: {why}")
+
+    async def replicated(self) -> None:
+        """Return once the standby acknowledged every step taken so far (at once without a standby that caught up);
+        503 if this PS is not the primary, or after :data:`REPLICATED_WAIT_SECONDS` (retried by workers)."""
+        if self.role == PRIMARY and (not self.gated or self.acked >= self.seq):
+            return
+        target, loop = self.seq, asyncio.get_running_loop()
+        end = loop.time() + REPLICATED_WAIT_SECONDS
+        while True:
+            self.refuse()
+            if not self.gated or self.acked >= target:
+                return
+            self._acked.clear()
+            left = end - loop.time()
+            if left <= 0:
+                raise ProtocolError(503, "not_replicated", "the standby has not acknowledged this step yet: retry")
+            try:
+                await asyncio.wait_for(self._acked.wait(), left)
+            except TimeoutError:
+                pass
+
+    # ---- every role: what a worker's request meets ------------------------------------------
+    def refusal(self, term: int | None = None) -> ProtocolError | None:
+        """Why this PS takes no training request now (None: it does): 503 ``standby``, ``election`` or ``fenced``."""
+        if term is not None and term > self.term and self.role != STANDBY:
+            return ProtocolError(503, "fenced", f"a worker has seen term {term}; this PS is at term {self.term}: "
+                                                "ask the other PS")
+        if self.role == PRIMARY:
+            return None
+        if self.role == CANDIDATE:
+            e = self.election
+            return ProtocolError(503, "election", f"the other PS of the pair does not answer: vote for this one "
+                                                  f"(POST /v1/ha/vote, term {e.term}; {e.needed} more vote(s) needed)")
+        return ProtocolError(503, "standby", f"this PS is the standby (term {self.term}): the primary is {self.peer}")
+
+    def refuse(self) -> None:
+        exc = self.refusal()
+        if exc is not None:
+            raise exc
+
+    def vote(self, term: int, name: str) -> dict:
+        e = self.election
+        if e is None or term != e.term:
+            return {"term": self.term, "role": self.role, "counted": False}
+        e.vote(name)
+        self._check_won()
+        return {"term": self.term, "role": self.role, "counted": name in e.votes, "needed": e.needed}
+
+    def _check_won(self) -> None:
+        e = self.election
+        if e is None or not e.won:
+            return
+        now = self.rt.now()
+        if self.role == CANDIDATE and e.incumbent:  # the standby is gone: go on alone
+            self._become(PRIMARY, e.term, f"won the election ({len(e.votes)} vote(s)): goes on without a standby")
+        else:  # the standby takes over: the model it holds, the members the primary last replicated
+            state = {**self.core.model_state(), "members": self.members, "staleness": self.staleness}
+            self.core.adopt(state, now)
+            self.takeovers += 1
+            self._become(PRIMARY, e.term, f"took over at step {self.core.global_step} ({len(e.votes)} vote(s))")
+        self.rt.notify()
+
+    # ---- the standby ------------------------------------------------------------------------
+    def watch(self, now: float) -> None:
+        """The ticker: a standby that caught up and has not heard from its primary for the failover timeout becomes a
+        candidate for the next term."""
+        if self.role == STANDBY and self.synced and now - self.heard > self.failover:
+            self.role = CANDIDATE
+            self.election = Election(self.term + 1, (roster(self.members),), incumbent=False)
+            self.last_change = (f"candidate for term {self.term + 1}: the primary has not been heard from for "
+                                f"{now - self.heard:.1f} s")
+            log.warning("hot standby: %s", self.last_change)
+            self._check_won()
+
+    def from_primary(self, term: int, seq: int | None, now: float) -> None:
+        """Checks of a primary's message (refusals change nothing): 409 ``stale_term`` for an older term, 409
+        ``ha_gap`` when this PS needs the whole state first (another term, a gap in the steps)."""
+        if term < self.term or (term == self.term and self.role == PRIMARY):
+            raise ProtocolError(409, "stale_term", f"this PS is the {self.role} of term {self.term}")
+        if term > self.term or self.role == PRIMARY or (seq is not None and seq > self.applied + 1):
+            raise ProtocolError(409, "ha_gap", f"this PS is at message {self.applied} of term {self.term}: send the "
+                                               "state (PUT /v1/ha/state)")
+        self.heard = now
+        if self.role == CANDIDATE:  # the primary is back before anyone won
+            self.role, self.election = STANDBY, None
+            self.last_change = f"standby of term {self.term}: the primary answers again"
+
+    def apply(self, term: int, seq: int, gated: bool, body, now: float) -> dict:
+        self.from_primary(term, seq, now)
+        if seq <= self.applied:
+            return self.answer()
+        meta, total = messages.decode_step(body)
+        core = self.core
+        if meta["step"] is not None:
+            if meta["step"] != core.global_step:
+                raise ProtocolError(409, "ha_gap", f"a step of {meta['step']} for a standby at step {core.global_step}")
+            core.apply_round(total, meta["mean_of"], meta["contributors"])
+        if "members" in meta:
+            self.members = meta["members"]
+        if "staleness" in meta:
+            self.staleness = meta["staleness"]
+        self.applied, self.synced = seq, gated
+        self.bytes_received += len(body)
+        return self.answer()
+
+    def ping(self, term: int, seq: int, gated: bool, now: float) -> dict:
+        self.from_primary(term, None, now)
+        if seq > self.applied:
+            raise ProtocolError(409, "ha_gap", f"the primary acknowledged message {seq}; this PS has {self.applied}")
+        self.synced = gated  # (a ping comes when every message is acknowledged)
+        return self.answer()
+
+    def adopt(self, term: int, seq: int, state: dict, size: int, now: float) -> dict:
+        """A primary's state (the transfer): become its standby at message ``seq`` of ``term``."""
+        if term < self.term or (term == self.term and self.role == PRIMARY):
+            raise ProtocolError(409, "stale_term", f"this PS is the {self.role} of term {self.term}")
+        self.core.adopt(state, now)
+        self.core.follow()
+        self.members, self.staleness = state["members"], state.get("staleness")
+        self.applied, self.synced, self.heard = seq, True, now  # the primary waits for us from its snapshot on
+        self.bytes_received += size
+        self._become(STANDBY, term, f"got the state of step {self.core.global_step} from the primary")
+        return self.answer()
+
+    def answer(self) -> dict:
+        return {"role": self.role, "term": self.term, "applied": self.applied, "step": self.core.global_step,
+                "boot": self.boot, "synced": self.synced, "gated": self.gated}
+
+    def digest(self) -> str | None:
+        """sha256 of the step, the optimizer's iterations, every weight's and slot's bytes in name order (None: no
+        model): two PS with the same digest hold the same bits."""
+        core = self.core
+        if not core.initialized:
+            return None
+        h = hashlib.sha256(f"{core.global_step} {core.optimizer.iterations}".encode())
+        for k in sorted(core.weights):
+            h.update(k.encode() + b"\0")
+            h.update(np.ascontiguousarray(core.weights[k]).tobytes())
+        for slot in sorted(core.optimizer.slots):
+            for k in sorted(core.optimizer.slots[slot]):
+                h.update(f"{slot}/{k}".encode() + b"\0")
+                h.update(np.ascontiguousarray(core.optimizer.slots[slot][k]).tobytes())
+        return h.hexdigest()
+
+    # ---- monitoring -------------------------------------------------------------------------
+    def status(self) -> dict:
+        primary = self.role == PRIMARY or (self.election is not None and self.election.incumbent)
+        lag = [m for m in self.queue if m[0] > self.acked]
+        return {
+            "role": self.role, "term": self.term, "peer": self.peer, "boot": self.boot,
+            "standby": ("catching_up" if self.transferring else "in_sync" if self.gated else "none") if primary else None,
+            "alone_seconds": None if self.alone_since is None or not primary else self.rt.now() - self.alone_since,
+            "lag_rounds": self.seq - self.acked if primary else None,
+            "lag_bytes": sum(len(m[1]) for m in lag) if primary else None,
+            "applied": self.applied, "synced": self.synced,
+            "election": None if self.election is None else {"term": self.election.term,
+                                                            "votes": sorted(self.election.votes),
+                                                            "needed": self.election.needed},
+            "takeovers": self.takeovers, "transfers": self.transfers,
+            "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
+            "last_change": self.last_change,
+        }

@@ -1,0 +1,48 @@
+"""The pair's gate (ASGI middleware, only when ``PS_ROLE`` is set): every answer carries the pair's term and this
+process's role (``x-syncps-term``, ``x-syncps-role``), and a training request (register, leave, heartbeat, the
+model, pushes, pulls, the same-host offer) is refused with 503 before any route runs unless this PS is the primary:
+``standby``, ``election`` (vote: ``POST /v1/ha/vote``) or ``fenced`` (the request's ``x-syncps-term`` is newer than
+this PS's). Workers retry a 503 (:mod:`worker_service.transport.endpoint`: at the other PS, or after a vote).
+"""
+from __future__ import annotations
+
+from ps_service.http import refusal_response
+from shared.protocol import API
+
+TERM, ROLE = "x-syncps-term", "x-syncps-role"
+TRAINING = tuple(f"{API}/{p}" for p in ("workers", "model", "gradients", "shm"))
+WORKERS = f"{API}/workers"
+
+
+def _term(scope) -> int | None:
+    for name, value in scope["headers"]:
+        if name == b"x-syncps-term":
+            return int(value) if value.isdigit() and len(value) < 17 else None
+    return None
+
+
+class Gate:
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        ha = scope["app"].state.runtime.ha
+        marks = [(TERM.encode(), str(ha.term).encode()), (ROLE.encode(), ha.role.encode())]
+        path = scope["path"]
+        if path.startswith(TRAINING) and not (scope["method"] == "GET" and path == WORKERS):  # (the list: monitoring)
+            exc = ha.refusal(_term(scope))
+            if exc is not None and exc.code == "fenced":
+                ha.deposed(0, exc.detail)
+            if exc is not None:
+                resp = refusal_response(exc)
+                resp.raw_headers.extend(marks)
+                return await resp(scope, receive, send)
+
+        async def marked(message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), *marks]}
+            await send(message)
+
+        await self.app(scope, receive, marked)

@@ -1,0 +1,268 @@
+"""The primary's link to its standby (PS -> PS HTTP with the training token; every call with a timeout).
+
+Contract (one asyncio task, :meth:`Link.run`, while this PS is the primary or an incumbent candidate):
+- Without a standby fed (:attr:`Pair.feeding` false) it asks the peer ``GET /v1/ha`` (a newer term there: this PS is
+  deposed, :meth:`Pair.deposed`), takes a snapshot on the event loop (:meth:`Pair.snapshot`: consistent, the steps
+  after it are queued), encodes it off the loop and sends it (``PUT /v1/ha/state``; a checkpoint file's bytes).
+- Then its writer thread sends the queued steps in order (``POST /v1/ha/steps``, on a kept-alive connection of its
+  own), each until acknowledged (:meth:`Pair.acknowledged`, on the event loop's thread): a step is written as soon
+  as the core queues it, before the primary's own update, which runs meanwhile. Idle, the task pings every quarter
+  of the failover timeout (``POST /v1/ha/ping``).
+- A standby that gives no answer for ``PS_FAILOVER_TIMEOUT_SECONDS`` since the last one is lost
+  (:meth:`Pair.lost_standby`); 409 ``stale_term``: deposed; 409 ``ha_gap`` or another refusal: the state again.
+  An incumbent candidate keeps sending the state: a standby that takes it has given up its own election, and the
+  primary serves again (:meth:`Pair.acknowledged`).
+  Retries back off up to a quarter of the failover timeout.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+
+import httpx
+
+from ps_service.standby import messages
+from shared import liveness
+from shared.frame import MEDIA_TYPE as FRAME
+from shared.protocol import API
+from shared.rawhttp import ConnectionLost, RawConnection
+from shared.tokens import bearer_header
+
+log = logging.getLogger("ps_service")
+PRIMARY, CANDIDATE = "primary", "candidate"  # (ps_service.standby's roles)
+#: a state transfer may take this long (megabytes over a slow link)
+STATE_TIMEOUT_SECONDS = 60.0
+
+
+async def probe(url: str, token, timeout: float) -> dict | None:
+    """The peer's ``GET /v1/ha`` answer, or None if it does not answer in ``timeout`` s."""
+    try:
+        async with httpx.AsyncClient(timeout=timeout, headers=dict(bearer_header(token))) as client:
+            resp = await client.get(f"{url}{API}/ha")
+        return resp.json() if resp.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+class _Httpx:
+    """The writer thread's connection to an ``https://`` peer (``http://``: :class:`RawConnection`)."""
+
+    def __init__(self, url: str) -> None:
+        self.client = httpx.Client(base_url=url)
+
+    def request(self, method: str, target: str, headers, body, timeout: float) -> httpx.Response:
+        return self.client.request(method, target, headers=headers, content=b"".join(bytes(b) for b in body),
+                                   timeout=timeout)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class Unanswered(Exception):
+    """No answer, or a 5xx."""
+
+
+class Link:
+    def __init__(self, pair) -> None:
+        self.pair = pair
+        f = pair.failover
+        transport = httpx.AsyncHTTPTransport(socket_options=liveness.socket_options())
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(f, connect=f), transport=transport,
+                                        headers=dict(bearer_header(pair.settings.auth_token)))
+        self.url = f"{pair.peer}{API}/ha"
+        self.last_ok = time.monotonic()
+        self.failures = 0
+        self.error: str | None = None  # the last failure, for /v1/status
+        self._woken = asyncio.Event()
+        self.task: asyncio.Task | None = None
+        self.transferred = -1  # the snapshot epoch (Pair.epoch) the standby took the state of
+        # the writer thread of the steps (one request at a time, on a kept-alive connection of its own)
+        self.conn = RawConnection(pair.peer) if pair.peer.startswith("http://") else _Httpx(pair.peer)
+        self._step_headers = {**bearer_header(pair.settings.auth_token), "content-type": FRAME}
+        self._ready = threading.Condition()
+        self._done = (-1, 0)  # (epoch, seq): the newest step the writer got acknowledged
+        self._closing = False
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.task = asyncio.create_task(self.run())
+        self.thread = threading.Thread(target=self._writer, name="standby-writer", daemon=True)
+        self.thread.start()
+
+    def wake(self) -> None:
+        """Something to send: the writer thread at once (a step), the task (a transfer, a ping)."""
+        self._woken.set()
+        with self._ready:
+            self._ready.notify()
+
+    async def close(self) -> None:
+        self._closing = True
+        self.wake()
+        if self.task is not None:
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+        await self.client.aclose()
+        if self.thread is not None:
+            await asyncio.to_thread(self.thread.join, self.pair.failover + 1)
+        self.conn.close()
+
+    async def _sleep(self, seconds: float) -> bool:
+        """Sleep ``seconds`` or until woken; whether woken."""
+        try:
+            await asyncio.wait_for(self._woken.wait(), seconds)
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            self._woken.clear()
+
+    async def run(self) -> None:
+        p = self.pair
+        while True:
+            try:
+                if p.role == PRIMARY or (p.role == CANDIDATE and p.election.incumbent):
+                    await self._once()
+                else:
+                    self.last_ok = time.monotonic()
+                    await self._sleep(p.failover / 4)
+            except asyncio.CancelledError:
+                raise
+            except Unanswered as exc:
+                self._failed(str(exc))
+            except Exception:  # never let the link die
+                log.exception("hot standby: the link to %s failed", p.peer)
+                await asyncio.sleep(p.failover / 4)
+
+    def _failed(self, why: str) -> None:
+        p = self.pair
+        self.failures += 1
+        self.error = why
+        if time.monotonic() - self.last_ok > p.failover and (p.feeding or p.role == PRIMARY):
+            if p.feeding:
+                log.warning("hot standby: the standby at %s does not answer (%s)", p.peer, why)
+            p.lost_standby(f"the standby has not answered for {time.monotonic() - self.last_ok:.1f} s ({why})")
+        return None
+
+    async def _request(self, method: str, path: str, timeout: float | None = None, **kw) -> httpx.Response:
+        p = self.pair
+        try:
+            resp = await self.client.request(method, f"{self.url}{path}", timeout=timeout or httpx.USE_CLIENT_DEFAULT,
+                                             **kw)
+        except httpx.HTTPError as exc:
+            await asyncio.sleep(min(p.failover / 4, 0.02 * 2 ** min(self.failures, 6)))
+            raise Unanswered(f"{type(exc).__name__}: {exc}") from None
+        if resp.status_code >= 500:
+            await asyncio.sleep(p.failover / 4)
+            raise Unanswered(f"{resp.status_code} {resp.text[:200]}")
+        self.last_ok, self.failures, self.error = time.monotonic(), 0, None
+        if resp.status_code == 409 and resp.json().get("error") == "stale_term":
+            p.deposed(0, f"the peer says: {resp.json().get('detail')}")
+        elif resp.status_code >= 400:
+            log.warning("hot standby: %s %s refused: %s %s", method, path, resp.status_code, resp.text[:200])
+            p.feeding = p.gated = False  # the state again
+            await self._sleep(p.failover / 4)
+        return resp
+
+    def _params(self, seq: int) -> dict:
+        p = self.pair
+        return {"term": p.term, "seq": seq, "gated": int(p.gated)}
+
+    async def _once(self) -> None:
+        p = self.pair
+        if not p.feeding or self.transferred != p.epoch:  # (a candidate too: a standby that answers again gets the
+            await self._transfer()  # state, then it serves again)
+            return
+        woken = await self._sleep(p.failover / 4)
+        if p.seq > p.acked:  # the writer thread sends the steps: is the standby still answering?
+            if time.monotonic() - self.last_ok > p.failover:
+                self._failed(f"no acknowledgement for {time.monotonic() - self.last_ok:.1f} s")
+        elif not woken and p.feeding:
+            resp = await self._request("POST", "/ping", params=self._params(p.acked))
+            if resp.status_code == 200:
+                p.acknowledged(p.acked, None)
+
+    # ---- the steps, from the writer thread: each written as soon as it is queued (while the primary's own update
+    # runs on the event loop's thread), in order, each until acknowledged --------------------------------------
+    def _next(self):
+        p = self.pair
+        if not p.feeding or self.transferred != p.epoch or self._closing:
+            return None
+        done = max(p.acked, self._done[1] if self._done[0] == p.epoch else 0)
+        while True:
+            try:
+                queued = list(p.queue)
+                break
+            except RuntimeError:  # the event loop's thread changed it meanwhile: look again
+                continue
+        return next(((p.epoch, m) for m in queued if m[0] > done), None)
+
+    def _writer(self) -> None:
+        p = self.pair
+        while not self._closing:
+            with self._ready:
+                job = self._next()
+                while job is None and not self._closing:
+                    self._ready.wait(p.failover / 4)
+                    job = self._next()
+            if job is None:
+                return
+            epoch, (seq, body, members) = job
+            target = f"{API}/ha/steps?term={p.term}&seq={seq}&gated={int(p.gated)}"
+            try:
+                resp = self.conn.request("POST", target, self._step_headers, (body,), p.failover)
+                status, answer = resp.status_code, resp.text
+            except (ConnectionLost, httpx.HTTPError) as exc:
+                status, answer = None, f"{type(exc).__name__}: {exc}"
+            if status == 200:
+                self._done = (epoch, seq)
+            self.loop.call_soon_threadsafe(self._step_answered, epoch, seq, len(body), members, status, answer)
+            if status != 200:
+                time.sleep(min(p.failover / 4, 0.02 * 2 ** min(self.failures, 6)))
+
+    def _step_answered(self, epoch: int, seq: int, size: int, members, status: int | None, answer: str) -> None:
+        """The writer thread's result, on the event loop's thread."""
+        p = self.pair
+        if epoch != p.epoch or not p.feeding:
+            return
+        if status is None or status >= 500:
+            self._failed(answer if status is None else f"{status} {answer[:200]}")
+            return
+        self.last_ok, self.failures, self.error = time.monotonic(), 0, None
+        if status == 200:
+            p.bytes_sent += size
+            while p.queue and p.queue[0][0] <= seq:
+                p.queue.popleft()
+            p.acknowledged(seq, members)
+        elif status == 409 and '"stale_term"' in answer:
+            p.deposed(0, f"the peer says: {answer[:200]}")
+        else:
+            log.warning("hot standby: step message %d refused: %s %s", seq, status, answer[:200])
+            p.feeding = p.gated = False  # the state again
+            self.wake()
+
+    async def _transfer(self) -> None:
+        p = self.pair
+        if not p.core.initialized:
+            await self._sleep(p.failover / 4)
+            return
+        resp = await self._request("GET", "")
+        if resp.status_code != 200 or p.role not in (PRIMARY, CANDIDATE):
+            return
+        if resp.json().get("term", 0) > p.term:
+            p.deposed(0, f"the peer is the {resp.json().get('role')} of term {resp.json().get('term')}")
+            return
+        seq, state = p.snapshot()
+        body = await asyncio.to_thread(messages.encode_state, state)
+        del state
+        resp = await self._request("PUT", "/state", timeout=STATE_TIMEOUT_SECONDS, content=body,
+                                   params={"term": p.term, "seq": seq}, headers={"content-type": FRAME})
+        if resp.status_code == 200 and p.feeding:
+            self.transferred = p.epoch
+            p.transfers += 1
+            p.bytes_sent += len(body)
+            log.info("hot standby: sent the state of message %d (%d bytes) to %s", seq, len(body), p.peer)
+            p.acknowledged(seq, p.state_roster)

@@ -1,0 +1,76 @@
+"""The bodies the primary sends its standby: one step of the model, and the whole state (docs/protocol.md, Hot
+standby). Pure, no I/O.
+
+Contract:
+- :func:`encode_step` / :func:`decode_step`: one frame (:mod:`shared.frame`) whose tensors are a step's input
+  exactly as :meth:`ps_service.core.ParameterServerCore.apply_round` takes it: the rank-order sum (a top-k round's
+  sparse sums as ``<name>#indices`` / ``<name>#values`` with their shapes in meta ``sparse``), or none (``total``
+  false: the step passes without an update); meta ``mean_of``, ``contributors``, ``step`` (the global step the
+  update applies to), and, when they changed, ``members`` (the membership export) and ``staleness`` (async/ssp
+  clocks). A message with ``step`` null carries only those. Encoding copies the arrays (the core consumes them).
+- :func:`encode_state` / :func:`decode_state`: the state transfer is a checkpoint file's bytes
+  (:mod:`ps_service.checkpoint`: checksummed, every field checked on decode).
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Mapping
+
+import numpy as np
+
+from ps_service import checkpoint
+from shared import frame
+from shared.compression import SparseTensor
+from shared.errors import ProtocolError
+
+SPARSE_INDICES, SPARSE_VALUES = "#indices", "#values"
+
+
+def encode_step(step: int | None, total: Mapping[str, Any] | None, mean_of: int, contributors: int,
+                extra: Mapping[str, Any]) -> bytes:
+    tensors: dict[str, np.ndarray] = {}
+    sparse: dict[str, list[int]] = {}
+    for k, v in (total or {}).items():
+        if isinstance(v, SparseTensor):
+            sparse[k] = list(v.shape)
+            tensors[k + SPARSE_INDICES], tensors[k + SPARSE_VALUES] = v.indices, v.values
+        else:
+            tensors[k] = v
+    meta = {"step": step, "total": total is not None, "mean_of": mean_of, "contributors": contributors,
+            "sparse": sparse, **extra}
+    return frame.encode_bytes(tensors, meta)
+
+
+def _owned(a: np.ndarray) -> np.ndarray:
+    return a if a.flags.writeable else a.copy()  # the optimizer consumes its input
+
+
+def decode_step(body) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(meta, total or None); 400 ``bad_field`` for a malformed one."""
+    f = frame.decode(body)
+    meta, tensors = dict(f.meta), dict(f.tensors)
+    step, mean_of, n = meta.get("step"), meta.get("mean_of"), meta.get("contributors")
+    if not (step is None or type(step) is int) or type(mean_of) is not int or mean_of < 1 or type(n) is not int:
+        raise ProtocolError(400, "bad_field", "a step message needs int step (or null), mean_of >= 1, contributors")
+    if not meta.get("total"):
+        return meta, None
+    total: dict[str, Any] = {}
+    for k, shape in (meta.get("sparse") or {}).items():
+        i, v = tensors.pop(k + SPARSE_INDICES, None), tensors.pop(k + SPARSE_VALUES, None)
+        if i is None or v is None:
+            raise ProtocolError(400, "bad_field", f"sparse tensor {k!r} lacks its indices or values")
+        total[k] = SparseTensor(tuple(shape), i, _owned(v))
+    total.update({k: _owned(v) for k, v in tensors.items()})
+    return meta, total
+
+
+def encode_state(state: dict[str, Any]) -> bytes:
+    return checkpoint.encode(state, time.time())[0]
+
+
+def decode_state(body: bytes) -> dict[str, Any]:
+    """The state of a transfer; 422 ``bad_state`` if it does not check (:func:`ps_service.checkpoint.decode`)."""
+    try:
+        return checkpoint.decode(bytes(body))
+    except checkpoint.CheckpointError as exc:
+        raise ProtocolError(422, "bad_state", f"the state transfer does not check: {exc}") from None

@@ -1,0 +1,74 @@
+"""The routes of a hot-standby pair (docs/protocol.md, Hot standby); app.py mounts them only when ``PS_ROLE`` is set.
+
+Primary -> standby: ``PUT /v1/ha/state`` (the whole state), ``POST /v1/ha/steps`` (one step's input, in order),
+``POST /v1/ha/ping`` (idle). Anyone: ``GET /v1/ha`` (role, term, messages applied, step, boot id). Workers:
+``POST /v1/ha/vote`` (a vote in an election). Thin drivers of :class:`ps_service.standby.Pair`.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request
+from pydantic import BaseModel, Field
+
+from ps_service.http import JSON_BODY_LIMIT, parse_json
+from ps_service.runtime import runtime
+from ps_service.standby import messages
+from ps_service.transport.body import read_body
+from shared import frame
+from shared.protocol import API, FRAME_BODY, JSON, MAX_INT
+
+router = APIRouter(prefix=f"{API}/ha", tags=["standby"])
+Count = Annotated[int, Query(ge=0, le=MAX_INT)]
+
+
+@router.get("")
+async def info(request: Request, digest: bool = Query(False, description=(
+        "Add `digest`: sha256 of the step, the optimizer's iterations, weights and slots (two PS holding the same "
+        "bits have the same one; reads the whole model)."))) -> dict:
+    """This PS's role, term, the primary's messages it applied, its step and boot id."""
+    ha = runtime(request).ha
+    return {**ha.answer(), **({"digest": ha.digest()} if digest else {})}
+
+
+@router.put("/state", openapi_extra=FRAME_BODY)
+async def state(request: Request, term: Count, seq: Count) -> dict:
+    """Primary -> standby: the whole state (a checkpoint file's bytes), every step up to message ``seq`` in it."""
+    rt = runtime(request)
+    s = rt.settings
+    body = await read_body(request, s.max_body_bytes, frame.MEDIA_TYPE, s.body_idle_timeout_seconds, recurring=False)
+    got = await asyncio.to_thread(messages.decode_state, body)
+    return rt.run_guarded(lambda: rt.ha.adopt(term, seq, got, len(body), rt.now()))
+
+
+@router.post("/steps", openapi_extra=FRAME_BODY)
+async def steps(request: Request, term: Count, seq: Count, gated: bool = Query(False, description=(
+        "The primary waits for this standby's acknowledgements: it may take over."))) -> dict:
+    """Primary -> standby: apply message ``seq`` (one step's input, or the membership); a repeat is answered."""
+    rt = runtime(request)
+    s = rt.settings
+    rt.ha.from_primary(term, seq, rt.now())  # refusals before the body is read
+    body = await read_body(request, s.max_body_bytes, frame.MEDIA_TYPE, s.body_idle_timeout_seconds)
+    return rt.run_guarded(lambda: rt.ha.apply(term, seq, gated, body, rt.now()))
+
+
+@router.post("/ping")
+async def ping(request: Request, term: Count, seq: Count, gated: bool = Query(False)) -> dict:
+    """Primary -> standby, idle: it is alive and has had message ``seq`` acknowledged."""
+    rt = runtime(request)
+    return rt.ha.ping(term, seq, gated, rt.now())
+
+
+class Vote(BaseModel):
+    term: int = Field(ge=1, le=MAX_INT)
+    name: str = Field(min_length=1, max_length=128)
+
+
+@router.post("/vote", openapi_extra={"requestBody": {"required": True,
+                                                      "content": {JSON: {"schema": Vote.model_json_schema()}}}})
+async def vote(request: Request) -> dict:
+    """A worker's vote for this PS in the election of ``term`` (a worker votes once per term)."""
+    rt = runtime(request)
+    v = parse_json(await read_body(request, JSON_BODY_LIMIT, JSON, rt.settings.body_idle_timeout_seconds), Vote)
+    return rt.run_guarded(lambda: rt.ha.vote(v.term, v.name))

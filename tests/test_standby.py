@@ -1,0 +1,147 @@
+"""A hot standby (issue 51; docs/guides/standby.md): replication, takeover, fencing, elections.
+
+- sans-IO: an election can never be won by both PS of a pair (every split of every roster's votes); a core fed the
+  messages of another (``on_step`` -> :mod:`ps_service.standby.messages` -> ``apply_round``), after its state
+  transfer, holds the same bits, in every mode and for a top-k job's sparse sums;
+- live (real PS and worker processes, tests/test_standby_live.py): the pair in each mode, the crash loop, the standby
+  killed, a partition between the two.
+"""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from ps_service.core import ParameterServerCore
+from ps_service.standby import messages
+from ps_service.standby.election import Election
+from shared.compression import SparseTensor
+from shared.protocol import ModelInit, PushRequest
+from tests.configs import core_config
+
+
+@pytest.mark.parametrize("n", range(0, 6))
+def test_no_two_pss_ever_win_one_term(n):
+    """Every split of the roster's votes (each worker votes once: for the primary, the standby, or neither), and the
+    primary knowing one more or one fewer name (a membership change sent and maybe not applied)."""
+    names = [f"w{i}" for i in range(n)]
+    rosters = [(frozenset(names), frozenset(names)), (frozenset(names), frozenset(names[:-1])),
+               (frozenset(names + ["x"]), frozenset(names))]
+    for p_rosters, s_roster in [((a, b), s) for a, b in rosters for s in (a, b)]:
+        for split in itertools.product((0, 1, 2), repeat=len(p_rosters[0] | s_roster)):
+            everyone = sorted(p_rosters[0] | s_roster)
+            p, s = Election(2, p_rosters, incumbent=True), Election(2, (s_roster,), incumbent=False)
+            for name, side in zip(everyone, split):
+                if side:
+                    (p if side == 1 else s).vote(name)
+            assert not (p.won and s.won), (p_rosters, s_roster, split)
+    lone = Election(2, (frozenset(),), incumbent=True)
+    assert lone.won and not Election(2, (frozenset(),), incumbent=False).won  # no worker: the primary goes on
+
+
+def test_ties_go_to_the_primary_and_a_standby_needs_a_majority():
+    roster = frozenset({"a", "b"})
+    p, s = Election(3, (roster,), incumbent=True), Election(3, (roster,), incumbent=False)
+    assert not p.won and p.needed == 1 and p.vote("a") and p.vote("stranger") and p.votes == {"a"}  # a tie: won
+    assert not s.vote("b") and s.needed == 1 and s.vote("a")
+
+
+W = {"b": np.zeros(3, np.float32), "w": np.linspace(-1, 1, 12, dtype=np.float32).reshape(4, 3)}
+
+
+def grads(step: int, rank: int, sparse: bool) -> dict:
+    rng = np.random.default_rng(1000 * step + rank)
+    out = {}
+    for k, v in W.items():
+        g = rng.standard_normal(v.shape).astype(np.float32)
+        if sparse:
+            idx = np.sort(rng.choice(v.size, 2, replace=False)).astype(np.int64)
+            out[k] = SparseTensor(v.shape, idx, g.reshape(-1)[idx].copy())
+        else:
+            out[k] = g
+    return out
+
+
+def state_bytes(core) -> dict:
+    st = core.model_state()
+    flat = {f"w/{k}": v.tobytes() for k, v in st["weights"].items()}
+    flat.update({f"{s}/{k}": v.tobytes() for s, t in st["optimizer"]["slots"].items() for k, v in t.items()})
+    return {**flat, "step": st["global_step"], "iterations": st["optimizer"]["iterations"]}
+
+
+@pytest.mark.parametrize("mode,optimizer,sparse", [
+    ("sync", "momentum", False), ("sync", "adam", False), ("sync", "momentum", True), ("sync", "sgd", True),
+    ("async", "adam", False), ("ssp", "adagrad", False)])
+def test_a_core_fed_the_primarys_steps_holds_the_same_bits(mode, optimizer, sparse):
+    settings = {"min_workers": 3, "startup_grace_seconds": 0.0, "mode": mode}
+    primary, standby = ParameterServerCore(core_config(**settings)), ParameterServerCore(core_config(**settings))
+    sent: list[bytes] = []
+    primary.on_step = lambda total, mean_of, n: sent.append(
+        messages.encode_step(primary.global_step, total, mean_of, n, {"members": primary.members.export()}))
+    primary.init_model(ModelInit({k: v.copy() for k, v in W.items()}, {"name": optimizer, "learning_rate": 0.1}), 0.0)
+    ids = [primary.register(f"w{i}", 0.0)[0].worker_id for i in range(3)]
+    for step in range(2):
+        for rank, wid in enumerate(ids):
+            primary.push(PushRequest(wid, primary.global_step if mode == "sync" else step, grads(step, rank, sparse)), 1.0)
+    standby.adopt(messages.decode_state(messages.encode_state(primary.export_state())), 2.0)  # the state transfer
+    standby.follow()
+    sent.clear()
+    for step in range(2, 7):
+        for rank, wid in enumerate(ids):
+            primary.push(PushRequest(wid, primary.global_step if mode == "sync" else step, grads(step, rank, sparse)), 3.0)
+    for body in sent:
+        meta, total = messages.decode_step(body)
+        assert meta["step"] == standby.global_step
+        standby.apply_round(total, meta["mean_of"], meta["contributors"])
+    assert primary.global_step == (7 if mode == "sync" else 21)
+    assert state_bytes(standby) == state_bytes(primary)
+    # the takeover: the members the primary last sent, back as expired; each registers again, same id and rank
+    taken = ParameterServerCore(core_config(**settings))
+    taken.adopt({**standby.model_state(), "members": messages.decode_step(sent[-1])[0]["members"]}, 4.0)
+    assert state_bytes(taken) == state_bytes(primary) and not taken.started
+    again = [taken.register(f"w{i}", 5.0)[0] for i in (2, 0, 1)]
+    assert sorted((m.rank, m.worker_id) for m in again) == [(i, ids[i]) for i in range(3)]
+    assert taken.started
+
+
+def test_a_workers_endpoint_follows_the_pair_and_votes_once_per_term():
+    """A (down) -> B (standby, then a candidate: the worker votes, once, then B serves term 2); the term the worker
+    saw goes with every request after."""
+    from shared.rawhttp import ConnectionLost
+    from worker_service.client import PSClient
+    from worker_service.transport.mock import Answer, MockTransport
+
+    seen, votes = [], []
+    b_state = {"role": "standby"}
+
+    def a(req):
+        seen.append(("a", req.path, req.headers.get("x-syncps-term")))
+        raise ConnectionLost("refused")
+
+    def b(req):
+        seen.append(("b", req.path, req.headers.get("x-syncps-term")))
+        if req.path == "/v1/ha/vote":
+            votes.append(req.json())
+            b_state["role"] = "primary"
+            return Answer.of_json({"term": 1, "counted": True})
+        if b_state["role"] == "standby":
+            b_state["role"] = "candidate"
+            ans = Answer.of_json({"error": "standby", "detail": "the standby"}, 503)
+        elif b_state["role"] == "candidate":
+            ans = Answer.of_json({"error": "election", "detail": "vote"}, 503)
+        else:
+            ans = Answer.of_json({"worker_id": "w", "ok": True})
+            ans.headers["x-syncps-term"] = "2"
+            return ans
+        ans.headers["x-syncps-term"] = "1"
+        return ans
+
+    client = PSClient("http://a:1,http://b:2", connection=MockTransport(a), attempts=10, retry_timeout=10)
+    client.endpoint._transports["http://b:2"] = MockTransport(b)
+    client.endpoint.voter = "w0"
+    assert client.call_json("GET", "/v1/thing")["ok"] and client.endpoint.term == 2
+    assert votes == [{"term": 2, "name": "w0"}] and client.endpoint.ballot == {2: "http://b:2"}
+    assert client.base_url == "http://b:2" and client.ps_url == "http://a:1,http://b:2"
+    client.call_json("GET", "/v1/again")
+    assert seen[-1] == ("b", "/v1/again", "2")  # the newest term, sent along
