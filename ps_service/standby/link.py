@@ -100,11 +100,15 @@ class Link:
             self._ready.notify()
 
     async def close(self) -> None:
+        """Stop the task and the thread: both look at ``_closing`` (a cancellation alone can be lost: Python 3.11's
+        ``asyncio.wait_for`` drops one that arrives as its future completes, CPython gh-86296)."""
         self._closing = True
         self.wake()
         if self.task is not None:
-            self.task.cancel()
-            await asyncio.gather(self.task, return_exceptions=True)
+            await asyncio.wait({self.task}, timeout=self.pair.failover)
+            while not self.task.done():
+                self.task.cancel()
+                await asyncio.wait({self.task}, timeout=0.2)
         await self.client.aclose()
         if self.thread is not None:
             await asyncio.to_thread(self.thread.join, self.pair.failover + 1)
@@ -122,7 +126,7 @@ class Link:
 
     async def run(self) -> None:
         p = self.pair
-        while True:
+        while not self._closing:
             try:
                 if p.role == PRIMARY or (p.role == CANDIDATE and p.election.incumbent):
                     await self._once()
