@@ -10,14 +10,18 @@ open; must be 0). Then one line over every job: the kills, the times' median, p9
 from __future__ import annotations
 
 import argparse
+import datetime
+import os
 import random
 import re
 import statistics
+import sys
 import time
 
 import httpx
 
 from bench.output import Results, add_json_option
+from bench.table import machine
 from cluster.processes import LocalCluster, wait_for
 from worker_service.client import PSClient
 
@@ -121,6 +125,10 @@ def run_job(workers: int, steps: int, kills: int, seed: int, deadline: float = 1
             "exit_codes": codes, "lost": sum(1 for was, back in resumed if back < was - 1), "url": url}
 
 
+def utc() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M")
+
+
 def percentile(xs: list[float], q: float) -> float | None:
     return None if not xs else sorted(xs)[min(len(xs) - 1, int(q * len(xs)))]
 
@@ -129,10 +137,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.failover", description=__doc__.split("\n\n")[0])
     ap.add_argument("--jobs", type=int, default=15, help="jobs with kills")
     ap.add_argument("--kills", type=int, default=8, help="kills per job at most (fewer if the job ends first)")
-    ap.add_argument("--steps", type=int, default=150, help="steps of each job (PS_MAX_STEPS)")
+    ap.add_argument("--steps", type=int, default=400, help="steps of each job (PS_MAX_STEPS)")
     ap.add_argument("--workers", type=int, default=3, help="workers of each job")
     add_json_option(ap)
     args = ap.parse_args(argv)
+    stamp = {"machine": machine(), "command": "python -m bench.failover " + " ".join(argv if argv is not None else
+                                                                                   sys.argv[1:])}
     base = run_job(args.workers, args.steps, 0, 0)
     times: list[float] = []
     identical = lost = 0
@@ -142,10 +152,12 @@ def main(argv: list[str] | None = None) -> int:
             times += job["again"]
             identical += job["digest"] == base["digest"]
             lost += job["lost"]
-            out.add({"job": seed, "kills": job["kills"], "bit_identical": job["digest"] == base["digest"],
-                     "lost_rounds": job["lost"], "again_median_s": statistics.median(job["again"]) if job["again"] else None,
+            out.add({**stamp, "utc": utc(), "load_1min": round(os.getloadavg()[0], 2), "job": seed,
+                     "kills": job["kills"], "bit_identical": job["digest"] == base["digest"], "lost_rounds": job["lost"],
+                     "again_median_s": statistics.median(job["again"]) if job["again"] else None,
                      "again_max_s": max(job["again"], default=None)})
-        out.add({"job": "all", "kills": len(times), "bit_identical": identical == args.jobs, "lost_rounds": lost,
+        out.add({**stamp, "utc": utc(), "load_1min": round(os.getloadavg()[0], 2), "job": "all", "kills": len(times),
+                 "bit_identical": identical == args.jobs, "lost_rounds": lost,
                  "again_median_s": statistics.median(times) if times else None, "again_p99_s": percentile(times, 0.99),
                  "again_max_s": max(times, default=None)})
     return 0 if identical == args.jobs and lost == 0 else 1

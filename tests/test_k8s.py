@@ -42,6 +42,7 @@ from worker_service.settings import WorkerSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE, SHARDED = ROOT / "deploy" / "k8s", ROOT / "deploy" / "k8s-shards"
+STANDBY = ROOT / "deploy" / "k8s-standby"
 #: the newest Kubernetes release the pinned kubernetes-validate has schemas for
 K8S_VERSION = "1.37.0"
 CHECKOV = "checkov==3.3.30"
@@ -62,7 +63,7 @@ def render(folder: Path) -> dict[tuple[str, str], dict]:
     return {(o["kind"], o["metadata"]["name"]): o for o in build(folder)}
 
 
-RENDERED = {"base": render(BASE), "shards": render(SHARDED)}
+RENDERED = {"base": render(BASE), "shards": render(SHARDED), "standby": render(STANDBY)}
 OBJ = RENDERED["base"]
 PS, SERVICE, WORKERS = OBJ["StatefulSet", "syncps-ps"], OBJ["Service", "syncps-ps"], OBJ["Job", "syncps-worker"]
 SHARD_PS = RENDERED["shards"]["StatefulSet", "syncps-ps"]
@@ -118,7 +119,7 @@ POD_INDEX = "metadata.labels['apps.kubernetes.io/pod-index']"
 
 
 # ---- rendering and schemas ----------------------------------------------------------------------------
-@pytest.mark.parametrize("folder", [BASE, SHARDED], ids=["base", "shards"])
+@pytest.mark.parametrize("folder", [BASE, SHARDED, STANDBY], ids=["base", "shards", "standby"])
 def test_rendering_is_kubectl_kustomize(folder):
     """tests/kustomize.py renders what kubectl does (where kubectl is installed: else it is the one renderer)."""
     real = kubectl_build(folder)
@@ -169,6 +170,7 @@ def test_kustomization_lists_exactly_the_files_of_the_folder():
     assert sorted(k["resources"]) == files and len(k["resources"]) == len(set(k["resources"]))
     assert not (set(k) & {"secretGenerator", "configMapGenerator"})
     assert [p.name for p in SHARDED.iterdir()] == ["kustomization.yaml"]  # the shards: a patch of the base
+    assert [p.name for p in STANDBY.iterdir()] == ["kustomization.yaml"]  # the pair too
 
 
 def test_no_token_value_anywhere():
@@ -244,6 +246,24 @@ def test_shards_take_their_index_from_the_pod_ordinal(ordinal, token_files, monk
     # the rest of the PS is the base's
     rest = {k: v for k, v in env_values(SHARD_PS).items() if not k.startswith("PS_SHARD")}
     assert rest == env_values(PS)
+
+
+@pytest.mark.parametrize("ordinal, role", [(0, "primary"), (1, "standby")])
+def test_a_hot_standby_pair_takes_its_roles_from_the_pod_ordinal_on_two_nodes(ordinal, role):
+    """deploy/k8s-standby: pod 0 the primary, pod 1 the standby, each the other's peer, on different nodes; the
+    workers know both."""
+    ps = RENDERED["standby"]["StatefulSet", "syncps-ps"]
+    name, svc = ps["metadata"]["name"], ps["spec"]["serviceName"]
+    script = container(ps)["command"][2].replace("exec python -m ps_service", 'echo "$PS_ROLE $PS_PEER_URL"')
+    done = subprocess.run(["sh", "-c", script], env={"HOSTNAME": f"{name}-{ordinal}"}, capture_output=True,
+                          text=True, timeout=10)
+    assert done.stdout.split() == [role, f"http://{name}-{1 - ordinal}.{svc}:8000"]
+    assert ps["spec"]["replicas"] == 2
+    (rule,) = pod(ps)["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert rule["topologyKey"] == "kubernetes.io/hostname"
+    assert rule["labelSelector"]["matchLabels"].items() <= ps["spec"]["template"]["metadata"]["labels"].items()
+    urls = env_values(RENDERED["standby"]["Job", "syncps-worker"])["WORKER_PS_URL"].split(",")
+    assert urls == [f"http://{name}-{i}.{svc}:8000" for i in (0, 1)]
 
 
 # ---- the start rule, the Job ----------------------------------------------------------------------------
