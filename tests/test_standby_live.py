@@ -42,13 +42,19 @@ def test_the_standby_holds_the_primarys_bits_in_every_mode(mode):
             wait_for(lambda: same_bits(c) and status(c.url)["pair"]["lag_rounds"] == 0, allow(10),
                      "the standby to hold the primary's bits")
             p, s = ha(c.url, True), ha(c.peer_url, True)
-            pair = status(c.url)["pair"]
+            pair, standby = status(c.url)["pair"], status(c.peer_url)
+            metrics = c.get("/metrics").text
             got = final_weights(c)
         except Exception:
             raise AssertionError(f"job failed; logs:\n{c.logs()}")
     assert (p["role"], p["term"], p["step"], s["role"], s["term"], s["step"]) == ("primary", 1, steps, "standby", 1, steps)
     assert p["digest"] == s["digest"] and s["synced"] and p["gated"]
     assert pair["standby"] == "in_sync" and pair["lag_rounds"] == 0 and pair["transfers"] >= 1 and pair["bytes_sent"] > 0
+    assert standby["pair"]["role"] == "standby" and standby["pair"]["synced"] and standby["pair"]["bytes_received"] > 0
+    assert standby["wait_reason"].startswith("this PS is the standby (term 1)")
+    for line in ('ps_pair_role{role="primary"} 1.0', 'ps_pair_role{role="standby"} 0.0', "ps_pair_term 1.0",
+                 "ps_pair_standby_in_sync 1.0", "ps_pair_standby_lag_rounds 0.0", "ps_pair_standby_lag_bytes 0.0"):
+        assert line in metrics.splitlines(), line
     if mode == "sync":
         assert_bit_identical(got, reference(steps))
 
