@@ -4,6 +4,7 @@
   of both, ``GET /v1/ha?digest=1``); sync: the final weights are one process's (tests/reference.py), 0 ulp;
 - the standby killed: the primary asks the workers, goes on alone (``/v1/status`` says so), takes the standby back
   when it restarts, which catches up;
+- the PyTorch bridge given both URLs carries on when the primary dies;
 - a partition between the two PS with workers on both sides (tests/tcp_proxy.py): the side with the majority of the
   workers wins; the other never takes a round; after the heal the loser is the standby of the new term.
 
@@ -11,6 +12,7 @@ The crash loop is tests/test_standby_crash.py.
 """
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -117,7 +119,7 @@ class CutCluster(LocalCluster):
 
 @pytest.mark.parametrize("majority_with_primary", [True, False], ids=["primary-side-wins", "standby-side-wins"])
 def test_a_partition_between_the_two_ps_one_side_takes_rounds_never_both(majority_with_primary):
-    env = {"PS_MAX_STEPS": 250, "PS_MIN_WORKERS": 1, "PS_LEASE_SECONDS": 2}
+    env = {"PS_MAX_STEPS": 150, "PS_MIN_WORKERS": 1, "PS_LEASE_SECONDS": 2}
     with CutCluster(majority_with_primary, ps_env=env, worker_env={**TASK, "WORKER_COMPUTE_DELAY_SECONDS": 0.02}) as c:
         try:
             wait_for(lambda: (ha(c.peer_url) or {}).get("synced") and status(c.url)["global_step"] >= 5, allow(30),
@@ -150,3 +152,49 @@ def test_a_partition_between_the_two_ps_one_side_takes_rounds_never_both(majorit
     assert all(x["term"] == 1 for x in seen[loser]) and all(x["role"] != "primary" or x["term"] == 1 for x in seen[loser])
     assert max(x["step"] for x in seen[loser]) <= cut_at[loser] + 1 and l["role"] != "primary"
     assert after["role"] == "standby" and after["term"] == 2
+
+
+def test_the_pytorch_bridge_carries_on_when_the_primary_dies():
+    """Two ``syncps.torch`` workers given both URLs; the primary kill -9'd mid-job: they carry on on the standby, which
+    finishes the job as the primary of term 2."""
+    torch = pytest.importorskip("torch")
+    from syncps.torch import connect
+    steps = 60
+    x = torch.randn(64, 3, generator=torch.Generator().manual_seed(0))
+    y = x @ torch.tensor([[0.1], [0.2], [0.3]])
+    env = {"PS_MAX_STEPS": steps, "PS_TOTAL_NUM_REPLICAS": 2, "PS_MIN_WORKERS": 2}
+    c = LocalCluster(1, ps_env=env, standby=True)
+    try:
+        c.start_ps()
+        results: dict = {}
+
+        def worker(name):
+            model = torch.nn.Linear(3, 1)
+            with connect(model, torch.optim.SGD(model.parameters(), lr=0.1), url=f"{c.url},{c.peer_url}", name=name,
+                         retry_timeout=30) as ps:
+                statuses = []
+                while not ps.should_stop:
+                    ps.zero_grad()
+                    lo = 8 * ps.position
+                    torch.nn.functional.mse_loss(model(x[lo:lo + 8]), y[lo:lo + 8]).backward()
+                    statuses.append(ps.step())
+                    time.sleep(0.02)
+                results[name] = statuses
+
+        threads = [threading.Thread(target=worker, args=(n,), daemon=True) for n in ("p", "q")]
+        for t in threads:
+            t.start()
+        wait_for(lambda: (ha(c.peer_url) or {}).get("synced") and status(c.url)["global_step"] >= 10, allow(30),
+                 "training with a standby in sync")
+        c.kill(c.ps)
+        for t in threads:
+            t.join(allow(60))
+        st = status(c.peer_url)
+    except Exception:
+        c.mark_failed()
+        raise AssertionError(f"job failed; logs:\n{c.logs()}")
+    finally:
+        c.stop()
+    assert not any(t.is_alive() for t in threads) and set(results) == {"p", "q"}
+    assert st["state"] == "done" and st["global_step"] == steps
+    assert st["pair"]["role"] == "primary" and st["pair"]["term"] == 2 and st["pair"]["takeovers"] == 1
