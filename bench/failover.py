@@ -121,7 +121,8 @@ def run_job(workers: int, steps: int, kills: int, seed: int, deadline: float = 1
         except Exception:
             c.mark_failed()
             raise RuntimeError(f"job failed; logs:\n{c.logs()}") from None
-    return {"seed": seed, "kills": len(again), "again": again, "digest": digest, "weights": weights, "step": got["step"],
+    return {"seed": seed, "kills": len(again), "again": again, "digest": digest, "weights": weights,
+            "step": got["step"],
             "exit_codes": codes, "lost": sum(1 for was, back in resumed if back < was - 1), "url": url}
 
 
@@ -153,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
             identical += job["digest"] == base["digest"]
             lost += job["lost"]
             out.add({**stamp, "utc": utc(), "load_1min": round(os.getloadavg()[0], 2), "job": seed,
-                     "kills": job["kills"], "bit_identical": job["digest"] == base["digest"], "lost_rounds": job["lost"],
+                     "kills": job["kills"], "bit_identical": job["digest"] == base["digest"],
+                     "lost_rounds": job["lost"],
                      "again_median_s": statistics.median(job["again"]) if job["again"] else None,
                      "again_max_s": max(job["again"], default=None)})
         out.add({**stamp, "utc": utc(), "load_1min": round(os.getloadavg()[0], 2), "job": "all", "kills": len(times),

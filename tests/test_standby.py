@@ -83,13 +83,15 @@ def test_a_core_fed_the_primarys_steps_holds_the_same_bits(mode, optimizer, spar
     ids = [primary.register(f"w{i}", 0.0)[0].worker_id for i in range(3)]
     for step in range(2):
         for rank, wid in enumerate(ids):
-            primary.push(PushRequest(wid, primary.global_step if mode == "sync" else step, grads(step, rank, sparse)), 1.0)
+            pushed = primary.global_step if mode == "sync" else step
+            primary.push(PushRequest(wid, pushed, grads(step, rank, sparse)), 1.0)
     standby.adopt(messages.decode_state(messages.encode_state(primary.export_state())), 2.0)  # the state transfer
     standby.follow()
     sent.clear()
     for step in range(2, 7):
         for rank, wid in enumerate(ids):
-            primary.push(PushRequest(wid, primary.global_step if mode == "sync" else step, grads(step, rank, sparse)), 3.0)
+            pushed = primary.global_step if mode == "sync" else step
+            primary.push(PushRequest(wid, pushed, grads(step, rank, sparse)), 3.0)
     for body in sent:
         meta, total = messages.decode_step(body)
         assert meta["step"] == standby.global_step
@@ -107,12 +109,12 @@ def test_a_core_fed_the_primarys_steps_holds_the_same_bits(mode, optimizer, spar
 
 def test_a_workers_endpoint_follows_the_pair_and_votes_once_per_term():
     """A (down) -> B (standby, then a candidate: the worker votes, once, then B serves term 2); the term the worker
-    saw goes with every request after."""
+    saw goes with every request after, and B hears that A lost the worker's connection."""
     from shared.rawhttp import ConnectionLost
     from worker_service.client import PSClient
     from worker_service.transport.mock import Answer, MockTransport
 
-    seen, votes = [], []
+    seen, votes, lost = [], [], []
     b_state = {"role": "standby"}
 
     def a(req):
@@ -121,6 +123,7 @@ def test_a_workers_endpoint_follows_the_pair_and_votes_once_per_term():
 
     def b(req):
         seen.append(("b", req.path, req.headers.get("x-syncps-term")))
+        lost.append(req.headers.get("x-syncps-peer-lost"))
         if req.path == "/v1/ha/vote":
             votes.append(req.json())
             b_state["role"] = "primary"
@@ -145,3 +148,4 @@ def test_a_workers_endpoint_follows_the_pair_and_votes_once_per_term():
     assert client.base_url == "http://b:2" and client.ps_url == "http://a:1,http://b:2"
     client.call_json("GET", "/v1/again")
     assert seen[-1] == ("b", "/v1/again", "2")  # the newest term, sent along
+    assert lost[0] == "1"  # B is told that A just lost the worker's connection (a standby asks for votes sooner)

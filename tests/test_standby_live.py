@@ -49,9 +49,11 @@ def test_the_standby_holds_the_primarys_bits_in_every_mode(mode):
             got = final_weights(c)
         except Exception:
             raise AssertionError(f"job failed; logs:\n{c.logs()}")
-    assert (p["role"], p["term"], p["step"], s["role"], s["term"], s["step"]) == ("primary", 1, steps, "standby", 1, steps)
+    assert (p["role"], p["term"], p["step"]) == ("primary", 1, steps)
+    assert (s["role"], s["term"], s["step"]) == ("standby", 1, steps)
     assert p["digest"] == s["digest"] and s["synced"] and p["gated"]
-    assert pair["standby"] == "in_sync" and pair["lag_rounds"] == 0 and pair["transfers"] >= 1 and pair["bytes_sent"] > 0
+    assert pair["standby"] == "in_sync" and pair["lag_rounds"] == 0
+    assert pair["transfers"] >= 1 and pair["bytes_sent"] > 0
     assert standby["pair"]["role"] == "standby" and standby["pair"]["synced"] and standby["pair"]["bytes_received"] > 0
     assert standby["wait_reason"].startswith("this PS is the standby (term 1)")
     for line in ('ps_pair_role{role="primary"} 1.0', 'ps_pair_role{role="standby"} 0.0', "ps_pair_term 1.0",
@@ -82,7 +84,8 @@ def test_the_standby_killed_the_primary_goes_on_alone_and_takes_it_back():
         except Exception:
             raise AssertionError(f"job failed; logs:\n{c.logs()}")
     pair = alone["pair"]
-    assert pair["role"] == "primary" and pair["alone_seconds"] is not None and "goes on without a standby" in pair["last_change"]
+    assert pair["role"] == "primary" and pair["alone_seconds"] is not None
+    assert "goes on without a standby" in pair["last_change"]
     assert_bit_identical(got, reference(steps))  # every worker voted, none left a round: nothing changed
 
 
@@ -149,7 +152,7 @@ def test_a_partition_between_the_two_ps_one_side_takes_rounds_never_both(majorit
             c.to_primary.close()
     assert w["role"] == "primary" and w["term"] == 2 and w["step"] > cut_at[winner] + 5  # it trains on
     # the loser never serves a term of its own, and closes at most the round that was open (never answered)
-    assert all(x["term"] == 1 for x in seen[loser]) and all(x["role"] != "primary" or x["term"] == 1 for x in seen[loser])
+    assert all(x["term"] == 1 for x in seen[loser])
     assert max(x["step"] for x in seen[loser]) <= cut_at[loser] + 1 and l["role"] != "primary"
     assert after["role"] == "standby" and after["term"] == 2
 

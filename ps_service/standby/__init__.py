@@ -33,6 +33,9 @@ from shared.errors import ProtocolError
 
 log = logging.getLogger("ps_service")
 PRIMARY, STANDBY, CANDIDATE = "primary", "standby", "candidate"
+#: a standby told by a worker that the primary lost its connection asks for votes after this much silence (a
+#: primary at work sends a step or a ping at least every quarter of the failover timeout)
+REPORTED_SILENCE_SECONDS = 0.4
 #: the longest a worker's answer waits for the standby's acknowledgement before it is refused (503, retried)
 REPLICATED_WAIT_SECONDS = 10.0
 
@@ -249,10 +252,16 @@ class Pair:
         self.rt.notify()
 
     # ---- the standby ------------------------------------------------------------------------
-    def watch(self, now: float) -> None:
-        """The ticker: a standby that caught up and has not heard from its primary for the failover timeout becomes a
-        candidate for the next term."""
-        if self.role == STANDBY and self.synced and now - self.heard > self.failover:
+    def reported(self, now: float) -> None:
+        """A worker lost its connection to the primary just now (its process is gone, most likely): not heard from for
+        :data:`REPORTED_SILENCE_SECONDS` is then enough to ask for votes (the votes decide, not the clock; a primary
+        that still sends cancels the election)."""
+        self.watch(now, min(self.failover, REPORTED_SILENCE_SECONDS))
+
+    def watch(self, now: float, silence: float | None = None) -> None:
+        """The ticker: a standby that took the state of its term and has not heard from its primary for the failover
+        timeout (or ``silence``) becomes a candidate for the next term."""
+        if self.role == STANDBY and self.synced and now - self.heard > (silence or self.failover):
             self.role = CANDIDATE
             self.election = Election(self.term + 1, (roster(self.members),), incumbent=False)
             self.last_change = (f"candidate for term {self.term + 1}: the primary has not been heard from for "
@@ -336,7 +345,8 @@ class Pair:
         lag = [m for m in self.queue if m[0] > self.acked]
         return {
             "role": self.role, "term": self.term, "peer": self.peer, "boot": self.boot,
-            "standby": ("catching_up" if self.transferring else "in_sync" if self.gated else "none") if primary else None,
+            "standby": (("catching_up" if self.transferring else "in_sync" if self.gated else "none") if primary
+                        else None),
             "alone_seconds": None if self.alone_since is None or not primary else self.rt.now() - self.alone_since,
             "lag_rounds": self.seq - self.acked if primary else None,
             "lag_bytes": sum(len(m[1]) for m in lag) if primary else None,

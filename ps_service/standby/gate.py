@@ -2,7 +2,9 @@
 process's role (``x-syncps-term``, ``x-syncps-role``), and a training request (register, leave, heartbeat, the
 model, pushes, pulls, the same-host offer) is refused with 503 before any route runs unless this PS is the primary:
 ``standby``, ``election`` (vote: ``POST /v1/ha/vote``) or ``fenced`` (the request's ``x-syncps-term`` is newer than
-this PS's). Workers retry a 503 (:mod:`worker_service.transport.endpoint`: at the other PS, or after a vote).
+this PS's). Workers retry a 503 (:mod:`worker_service.transport.endpoint`: at the other PS, or after a vote). A
+request that says the other PS just lost its connection (``x-syncps-peer-lost``) is the standby's cue
+(:meth:`Pair.reported`).
 """
 from __future__ import annotations
 
@@ -14,11 +16,15 @@ TRAINING = tuple(f"{API}/{p}" for p in ("workers", "model", "gradients", "shm"))
 WORKERS = f"{API}/workers"
 
 
-def _term(scope) -> int | None:
+def _headers(scope) -> tuple[int | None, bool]:
+    """The request's ``x-syncps-term`` (None: none, or not a number) and whether it carries ``x-syncps-peer-lost``."""
+    term, lost = None, False
     for name, value in scope["headers"]:
         if name == b"x-syncps-term":
-            return int(value) if value.isdigit() and len(value) < 17 else None
-    return None
+            term = int(value) if value.isdigit() and len(value) < 17 else None
+        elif name == b"x-syncps-peer-lost":
+            lost = True
+    return term, lost
 
 
 class Gate:
@@ -32,7 +38,10 @@ class Gate:
         marks = [(TERM.encode(), str(ha.term).encode()), (ROLE.encode(), ha.role.encode())]
         path = scope["path"]
         if path.startswith(TRAINING) and not (scope["method"] == "GET" and path == WORKERS):  # (the list: monitoring)
-            exc = ha.refusal(_term(scope))
+            term, lost = _headers(scope)
+            if lost:  # a worker lost its connection to the other PS just now
+                ha.reported(scope["app"].state.runtime.now())
+            exc = ha.refusal(term)
             if exc is not None and exc.code == "fenced":
                 ha.deposed(0, exc.detail)
             if exc is not None:

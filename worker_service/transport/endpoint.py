@@ -11,11 +11,13 @@ answer carried (``x-syncps-term``: a PS of an older term refuses it, 503 ``fence
 ``standby`` or ``fenced`` move the attempt to the other PS at once; 503 ``election`` gets this worker's vote (its
 :attr:`Endpoint.voter` name, once per term: :attr:`Endpoint.ballot`; a PS it did not vote for in that term is left
 for the one it did) and the same PS is asked again at once; then, as any 5xx, the next attempt after a backoff of
-at most :data:`PAIR_WAIT_MAX_SECONDS`.
+at most :data:`PAIR_WAIT_MAX_SECONDS`. A request to one PS says when the other just lost the worker's connection
+(``x-syncps-peer-lost``): a standby then asks for votes sooner.
 """
 from __future__ import annotations
 
 import json
+import time
 from typing import Any, Mapping, Sequence
 from urllib.parse import urlencode
 
@@ -40,6 +42,8 @@ def connect(base_url: str) -> Transport:
 
 
 TERM = "x-syncps-term"
+#: a pair's request header: the other PS lost this worker's connection within the last LOST_REPORT_SECONDS
+LOST, LOST_REPORT_SECONDS = "x-syncps-peer-lost", 2.0
 #: a pair's refusals that send the next attempt to the other PS
 ELSEWHERE = frozenset({"standby", "fenced"})
 #: a pair's backoff between attempts at most (a PS alone: retry.py's 1 s)
@@ -63,6 +67,7 @@ class Endpoint:
         self.term = 0  # the newest term a PS of the pair answered with
         self.voter: str | None = None  # this worker's name, once registered: it votes in a pair's elections
         self.ballot: dict[int, str] = {}  # term -> the PS voted for
+        self.lost_at: dict[str, float] = {}  # URL -> when a connection to it was last lost (time.monotonic)
 
     def _move(self, url: str | None = None) -> None:
         """The next attempts go to ``url`` (default: the next PS of the pair)."""
@@ -72,6 +77,14 @@ class Endpoint:
         if url not in self._transports:
             self._transports[url] = connect(url)
         self.base_url, self.transport = url, self._transports[url]
+
+    def _pair_headers(self, head: Mapping[str, str]) -> Mapping[str, str]:
+        """A pair's request: the newest term seen, and whether the other PS lost our connection just now (its process
+        is gone, most likely: a standby then asks for votes without waiting the whole failover timeout)."""
+        extra = {TERM: str(self.term)} if self.term else {}
+        if any(time.monotonic() - t < LOST_REPORT_SECONDS for u, t in self.lost_at.items() if u != self.base_url):
+            extra[LOST] = "1"
+        return {**head, **extra} if extra else head
 
     def _pair_answer(self, resp: Response) -> bool:
         """Read a pair's answer: its term; a refusal moves to the other PS, or votes. Whether to ask again at once."""
@@ -119,9 +132,10 @@ class Endpoint:
         def once() -> Response:
             for hop in range(2 if pair else 1):  # a pair: the other PS at once (or the same after a vote), then backoff
                 try:
-                    resp = self.transport.request(method, target, {**head, TERM: str(self.term)} if self.term else head,
+                    resp = self.transport.request(method, target, self._pair_headers(head) if pair else head,
                                                   body, timeout or self.timeout)
                 except ConnectionLost:
+                    self.lost_at[self.base_url] = time.monotonic()
                     self._move()  # a pair: the other PS next
                     if hop or not pair:
                         raise
