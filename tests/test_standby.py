@@ -17,6 +17,7 @@ from ps_service.core import ParameterServerCore
 from ps_service.standby import messages
 from ps_service.standby.election import Election
 from shared.compression import SparseTensor
+from shared.errors import ProtocolError
 from shared.protocol import ModelInit, PushRequest
 from tests.configs import core_config
 
@@ -149,3 +150,25 @@ def test_a_workers_endpoint_follows_the_pair_and_votes_once_per_term():
     client.call_json("GET", "/v1/again")
     assert seen[-1] == ("b", "/v1/again", "2")  # the newest term, sent along
     assert lost[0] == "1"  # B is told that A just lost the worker's connection (a standby asks for votes sooner)
+
+
+def test_terms_fence_an_old_primary_and_a_standby_checks_its_primarys_messages():
+    """Sans-IO: what a pair's PS answers by term (the route layer maps these refusals to 503 / 409)."""
+    from ps_service.settings import PSSettings
+    from ps_service.standby import Pair
+    core = ParameterServerCore(core_config())
+    pair = Pair(PSSettings(role="primary", peer_url="http://peer:8000"), core)
+    pair.role, pair.term = "primary", 3
+    assert pair.refusal(3) is None and pair.refusal(None) is None and pair.refusal(2) is None
+    assert pair.refusal(4).code == "fenced" and pair.refusal(4).status == 503  # a worker saw a newer term
+    with pytest.raises(ProtocolError) as err:
+        pair.from_primary(3, 1, 0.0)  # another PS claiming this PS's own term as primary
+    assert err.value.code == "stale_term"
+    pair.role, pair.applied = "standby", 5
+    assert pair.refusal(9).code == "standby"  # a standby never serves, whatever the term
+    for term, seq, code in ((2, 6, "stale_term"), (4, 6, "ha_gap"), (3, 7, "ha_gap")):
+        with pytest.raises(ProtocolError) as err:
+            pair.from_primary(term, seq, 1.0)
+        assert (err.value.status, err.value.code) == (409, code), (term, seq)
+    pair.from_primary(3, 6, 2.0)  # the next message of its term: taken, the primary heard from
+    assert pair.heard == 2.0
