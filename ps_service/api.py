@@ -147,7 +147,7 @@ async def push(request: Request, pull: bool = Query(False, description=(
                                             "to every shard "
                                             "(POST /v1/shard/gradients), then commit (POST /v1/shard/commit)")
     try:
-        result, got, via = await rt.tensors.push(request, rt.now)
+        result, got, via = await rt.tensors.push(request, rt.now, rt.turn)
     finally:
         rt.notify()  # as run_guarded: the waiters woken whatever happened
     step, worker_id = got.step, got.worker_id

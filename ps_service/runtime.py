@@ -52,6 +52,8 @@ class Runtime:
         self._waiters: dict[asyncio.Future, bool] = {}
         #: waits marked first that notify woke and that have not resumed yet (:meth:`body_answers_first`)
         self._first_woken = 0
+        #: pushes waiting for their turn to be read (:meth:`turn`): worker id -> futures, the longest-waiting first
+        self._turns: dict[str, list[asyncio.Future]] = {}
         self._seen_version = self.core.version
         self._seen_barrier = self.barrier()
         self.tensors = TensorSeam(settings, self.core)
@@ -112,7 +114,10 @@ class Runtime:
         if self.core.version != self._seen_version:
             self._seen_version = self.core.version
             barrier = self.barrier()
-            if barrier != self._seen_barrier:
+            moved = barrier != self._seen_barrier
+            if self._turns:
+                self._wake_turns(moved)
+            if moved:
                 self._seen_barrier = barrier
                 waiters, self._waiters = self._waiters, {}
                 for ahead in (True, False):  # the first ones, then the others, in the order they started waiting
@@ -149,6 +154,43 @@ class Runtime:
                 if first and fut.done() and not fut.cancelled() and fut.result():  # woken by notify (counted)
                     self._first_woken -= 1
         return True
+
+    async def turn(self, worker_id: str, step: int, patience: float) -> None:
+        """Wait until the core lets the tensors of ``worker_id``'s push for ``step`` be read (its claim, which
+        ``core.release`` ends: ps_service/core/intake.py), at most ``patience`` s (then they are read out of turn),
+        holding the worker's lease meanwhile (its bytes wait unread by the PS's choice)."""
+        core = self.core
+        if core.claim(worker_id, step):
+            return
+        deadline, loop = self.clock() + patience, asyncio.get_running_loop()
+        core.begin_wait(worker_id, self.now())
+        try:
+            while not core.claim(worker_id, step, overdue=deadline <= self.clock()):
+                fut = loop.create_future()
+                self._turns.setdefault(worker_id, []).append(fut)
+                timer = loop.call_later(max(0.0, deadline - self.clock()), _time_up, fut)
+                try:
+                    await fut
+                finally:
+                    timer.cancel()
+                    futs = self._turns.get(worker_id)
+                    if futs is not None and fut in futs:
+                        futs.remove(fut)
+                        if not futs:
+                            del self._turns[worker_id]
+        finally:
+            core.end_wait(worker_id, self.now())
+
+    def _wake_turns(self, everyone: bool) -> None:
+        """Wake the pushes whose turn to be read may have come (every one when the barrier moved: a closed round
+        makes them late, a leave or a rollback refuses them)."""
+        ids = list(self._turns) if everyone else self.core.readers()
+        if ids is None:  # anyone: the longest-waiting
+            ids = list(self._turns)[:1]
+        for worker_id in ids:
+            for fut in self._turns.pop(worker_id, ()):
+                if not fut.done():
+                    fut.set_result(True)
 
     async def body_answers_first(self, turns: int = 16) -> None:
         """A same-host answer about to copy the step's weights into the weights file

@@ -163,6 +163,25 @@ def frame_bytes(layout: Layout, meta: Mapping[str, Any] | None = None) -> int:
     return len(header(layout, meta)) + layout.data_bytes
 
 
+def peek_meta(buf: bytes | bytearray) -> dict | int | None:
+    """The meta of the frame whose first bytes ``buf`` holds, read off its header alone (its tensors may not have
+    come yet; nothing else is checked: :func:`decode` checks the whole frame); or, an int, how many bytes that needs;
+    None if ``buf`` does not start a frame."""
+    if len(buf) < PREFIX.size:
+        return PREFIX.size
+    magic, hlen, reserved = PREFIX.unpack_from(buf, 0)
+    if magic != MAGIC or reserved != 0 or hlen > MAX_HEADER_BYTES:
+        return None
+    if len(buf) < PREFIX.size + hlen:
+        return PREFIX.size + hlen
+    try:
+        head = unpack(bytes(buf[PREFIX.size:PREFIX.size + hlen]))
+    except ProtocolError:
+        return None
+    meta = head.get("meta") if isinstance(head, dict) else None
+    return meta if isinstance(meta, dict) else None
+
+
 @dataclass(frozen=True)
 class Frame:
     meta: dict[str, Any]

@@ -55,6 +55,7 @@ import numpy as np
 from ps_service.core import on_arrival
 from ps_service.core.accumulator import Accumulator, validate
 from ps_service.core.config import CoreConfig
+from ps_service.core.intake import Intake
 from ps_service.core.membership import Member, Membership
 from ps_service.core.model import ModelState
 from ps_service.core.rates import RateMeter
@@ -107,6 +108,8 @@ class ParameterServerCore(ModelState):
         #: :meth:`apply_round` takes it (total or None, mean_of, contributors), before it is applied: a hot standby's
         #: primary sends it to the standby, which applies it through :meth:`apply_round` (ps_service/standby)
         self.on_step: Callable[[Mapping[str, Any] | None, int, int], None] | None = None
+        #: whose push's tensors are being read, and whose may be next (:meth:`claim`)
+        self.intake = Intake()
 
     @property
     def done(self) -> bool:
@@ -433,6 +436,34 @@ class ParameterServerCore(ModelState):
             return None
         return r.base_for(m.worker_id, eager=not self.rule.replicas_to_aggregate)
 
+    def claim(self, worker_id: str, step: int, overdue: bool = False) -> bool:
+        """May the tensors of ``worker_id``'s push for ``step`` be read now (:mod:`ps_service.core.intake`: in rank
+        order, so that the PS holds at most two gradients of a round)? True: read them, then :meth:`push` (or
+        :meth:`release`: the read failed); False: wait until :meth:`readers` names the worker. ``overdue``: it waited
+        long enough: read it now, out of turn if need be."""
+        m = self.members.active_by_id.get(worker_id)
+        if m is None or self.weights is None:
+            return True  # refused once read, as ever
+        if self.modes is not None:
+            return self.intake.claim(worker_id, _anyone, overdue)
+        r = self.round
+        if r is None or self.rule.replicas_to_aggregate or self.classify(m, step, True) is not PushStatus.ACCEPTED:
+            return True
+        return self.intake.claim(worker_id, r.turns, overdue)
+
+    def readers(self) -> tuple[str, ...] | None:
+        """The workers whose waiting push :meth:`claim` would let be read now (None: anyone, the one that waited
+        longest; async/ssp)."""
+        if self.modes is not None:
+            return () if self.intake.reading else None
+        r = self.round
+        return () if r is None or self.rule.replicas_to_aggregate else r.turns()
+
+    def release(self, worker_id: str) -> None:
+        """The claim of ``worker_id``'s push ends (taken by :meth:`push`, or its read failed): the next may begin."""
+        if self.intake.release(worker_id):
+            self._changed()
+
     def _member(self, worker_id: str | None) -> Member | None:
         """:meth:`admit`'s refusals; the active member (None: ``worker_id`` None)."""
         if self.weights is None:  # (not self.initialized)
@@ -545,3 +576,8 @@ class ParameterServerCore(ModelState):
             self._close(now, p.reason)
         elif p.stuck:
             self.tick(now)  # recalls
+
+
+def _anyone() -> None:
+    """Async/ssp: no order; one push read at a time (:mod:`ps_service.core.intake`)."""
+    return None

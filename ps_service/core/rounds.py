@@ -169,15 +169,39 @@ class Round:
         """The waiting members' ids in rank order (O(K): monitoring); ``but`` is taken as not alive."""
         return tuple(w for _, w in self.order if w != but and self.standing(w)[1])
 
-    def _first_pending(self, but: str, move: bool = True) -> Key | None:
+    def _first_pending(self, but: str | None, move: bool = True) -> Key | None:
         """The lowest key that may still bring a gradient (``but`` is bringing its own now); the frontier moves
         there unless ``move`` is False (the keys before ``but``'s never go back to pending once it is in)."""
-        order, i, acc, skipped = self.order, self.frontier, self.acc.keys, self.skipped  # keys: contributors
-        while i < len(order) and (order[i][1] in acc or order[i][1] in skipped or order[i][1] == but):
-            i += 1
+        i = self._pending_at(self.frontier, but)
         if move:
             self.frontier = i
-        return order[i] if i < len(order) else None
+        return self.order[i] if i < len(self.order) else None
+
+    def _pending_at(self, i: int, but: str | None) -> int:
+        """The index of the first key from ``i`` on that may still bring a gradient (len(order): none). A member
+        that is not alive, or came back mid-round, brings none: once the round has a contribution it cannot get stuck
+        (elastic: stuck means nothing came), so such a member never joins it again; ``but`` (bringing its own now)
+        is that contribution. Its key is passed for good (the frontier never goes back)."""
+        order, acc, skipped, alive, gone = self.order, self.acc.keys, self.skipped, self.alive, self.gone
+        while i < len(order):
+            w = order[i][1]
+            if not (w in acc or w in skipped or w == but or not alive(w) or w in gone):
+                break
+            i += 1
+        return i
+
+    def turns(self) -> tuple[str, ...]:
+        """Whose push may be read now, elastic (:mod:`ps_service.core.intake`): the next in rank order (the lowest
+        key still pending), and while the round holds no gradient the one after it too (both then join the first
+        sum at once)."""
+        order = self.order
+        i = self._pending_at(self.frontier, None)
+        if i == len(order):
+            return ()
+        if self.acc.acc is not None or self.acc.waiting:
+            return (order[i][1],)
+        j = self._pending_at(i + 1, None)
+        return (order[i][1],) if j == len(order) else (order[i][1], order[j][1])
 
     def _pending(self, worker_id: str, eager: bool, move: bool = True) -> tuple[Key, ...] | None:
         """What may still sort before ``worker_id``'s gradient: the lowest pending key (eager), or None (unknown)."""

@@ -29,21 +29,31 @@ exactly the arrays it then applies.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Callable
+from typing import Awaitable, Callable
 
 import numpy as np
 
 from starlette.requests import Request
 from starlette.responses import Response
 
-from ps_service.transport.body import read_body
+from ps_service.transport.body import declared_length, read_body, read_prefix
 from ps_service.core import PushResult
 from ps_service.core.buffers import POOL
 from ps_service.transport.deltas import WeightDeltas
 from ps_service.transport.shm import ShmHub
-from shared import compression, frame
+from shared import compression, frame, liveness
 from shared.errors import bad_request
 from shared.protocol import STEP_HEADER, ModelInit, PushRequest, parse_model_meta, parse_push_meta
+
+
+#: a push's tensors from this size on are read in their turn (ps_service/core/intake.py); smaller ones at once (a
+#: waiting route costs more than they weigh)
+GATED_BYTES = 1 << 20
+#: how long a push's tensors wait for their turn at most (then they are read out of turn): half the clients' TCP user
+#: timeout, which ends a connection whose peer leaves its bytes unread that long (shared/liveness.py)
+PATIENCE = liveness.USER_TIMEOUT_SECONDS / 2
+#: the runtime's wait for a push's turn: (worker id, step, patience), returns once the core's claim is made
+Turn = Callable[[str, int, float], Awaitable[None]]
 
 
 class TensorSeam:
@@ -68,21 +78,46 @@ class TensorSeam:
         self._shm_key: tuple | None = None
         self._shm_body = b""
 
-    async def _frame(self, request: Request, recurring: bool = True) -> tuple[frame.Frame, int]:
+    async def _frame(self, request: Request, recurring: bool = True, turn: Turn | None = None,
+                     claimed: list | None = None) -> tuple[frame.Frame, int]:
+        """The body's frame. With ``turn``, a large body's frame header is read first, and the rest once ``turn``
+        (the pusher's worker id, step) returns: its turn came (its id is then appended to ``claimed``)."""
         s = self.settings
-        body = await read_body(request, s.max_body_bytes, frame.MEDIA_TYPE, s.body_idle_timeout_seconds, recurring)
+        prefix = None
+        length = request.headers.get("content-length", "")
+        if turn is not None and length.isascii() and length.isdigit() and int(length) >= GATED_BYTES:
+            declared_length(request, s.max_body_bytes, frame.MEDIA_TYPE)  # refusals before any byte is read
+            prefix = await read_prefix(request, _meta_needs, s.body_idle_timeout_seconds)
+            who = _pusher(frame.peek_meta(prefix[0]))
+            if who is not None:
+                await turn(*who, PATIENCE)
+                claimed.append(who[0])
+        body = await read_body(request, s.max_body_bytes, frame.MEDIA_TYPE, s.body_idle_timeout_seconds, recurring,
+                               prefix)
         return frame.decode(body), len(body)
 
-    async def push(self, request: Request, clock: Callable[[], float]) -> tuple[PushResult, PushRequest, str]:
+    async def push(self, request: Request, clock: Callable[[], float], turn: Turn | None = None
+                   ) -> tuple[PushResult, PushRequest, str]:
         """A worker's push read and given to the core at ``clock()``: (the core's result, the push, the transport
         to answer through). A dense push in the body is one core call (its checks first); a compressed or same-host
-        one is admitted first, and a same-host one read onto the sum it joins at once, if the core offers one."""
-        push, seq, f, size = await self._push_frame(request)
-        if seq is not None or self.compression.name != "none" or f.meta.get("compression") is not None:
-            push, via = self._tensors(push, seq, f, size, True, join=True)
-        else:
-            self.bytes_in, via = self.bytes_in + size, "http"
-        result = self.core.push(push, clock())
+        one is admitted first, and a same-host one read onto the sum it joins at once, if the core offers one.
+        ``turn``: the tensors of a large push are read only once it returns (ps_service/core/intake.py): a body's
+        after its frame header, a same-host file's after the body."""
+        claimed: list[str] = []
+        try:
+            push, seq, f, size = await self._push_frame(request, turn, claimed)
+            if seq is not None and turn is not None and not claimed and self.shm.layout is not None \
+                    and self.shm.layout.data_bytes >= GATED_BYTES:
+                await turn(push.worker_id, push.step, PATIENCE)
+                claimed.append(push.worker_id)
+            if seq is not None or self.compression.name != "none" or f.meta.get("compression") is not None:
+                push, via = self._tensors(push, seq, f, size, True, join=True)
+            else:
+                self.bytes_in, via = self.bytes_in + size, "http"
+            result = self.core.push(push, clock())
+        finally:
+            for worker_id in claimed:
+                self.core.release(worker_id)
         self.shm.last_transport[push.worker_id] = via  # monitoring: how its tensors travel
         return result, push, via
 
@@ -92,9 +127,10 @@ class TensorSeam:
         push, seq, f, size = await self._push_frame(request)
         return self._tensors(push, seq, f, size, members)
 
-    async def _push_frame(self, request: Request) -> tuple[PushRequest, int | None, frame.Frame, int]:
+    async def _push_frame(self, request: Request, turn: Turn | None = None, claimed: list | None = None
+                          ) -> tuple[PushRequest, int | None, frame.Frame, int]:
         self.drop_body()  # its buffer may serve this push's body (bounds the PS's memory)
-        f, size = await self._frame(request)
+        f, size = await self._frame(request, turn=turn, claimed=claimed)
         return *parse_push_meta(f.meta, f.tensors), f, size
 
     def _tensors(self, push: PushRequest, seq: int | None, f: frame.Frame, size: int, members: bool,
@@ -219,6 +255,22 @@ class TensorSeam:
 
     def close(self) -> None:
         self.shm.close()
+
+
+def _meta_needs(got: bytearray) -> int:
+    """The bytes of a body :func:`frame.peek_meta` needs to read its frame's meta (0: it has them, or never will)."""
+    need = frame.peek_meta(got)
+    return need if isinstance(need, int) else 0
+
+
+def _pusher(meta: dict | int | None) -> tuple[str, int] | None:
+    """(worker id, step) of a push's meta, when both are well-formed (else the push is read at once, and refused)."""
+    if not isinstance(meta, dict):
+        return None
+    worker_id, step = meta.get("worker_id"), meta.get("step")
+    if not isinstance(worker_id, str) or type(step) is not int:
+        return None
+    return worker_id, step
 
 
 def _pooled(n: int) -> np.ndarray:

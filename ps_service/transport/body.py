@@ -7,11 +7,16 @@ Content-Length refused (400). The result is always writable memory that nothing 
 with a Content-Length lands in one buffer of :data:`ps_service.core.buffers.POOL` (written by
 the HTTP protocol itself where it can: :class:`BodySink`, which :mod:`ps_service.transport.bodysink` fills), a
 chunked one in a ``bytearray``. Arrays the receive seam makes over it are the core's to keep and sum into.
+A route may read a body's first bytes alone first (:func:`read_prefix`: a push's frame header, to learn whose push it
+is) and leave the rest unread until its turn: the server then stops reading that connection once it holds about
+64 KB of it (uvicorn's flow control), the rest waits in the kernel and the sender; :func:`read_body` takes what was
+read as its ``prefix``.
 """
 from __future__ import annotations
 
 import asyncio
 import time
+from typing import Callable
 
 from starlette.requests import ClientDisconnect, Request
 
@@ -62,49 +67,68 @@ def media_type_of(request: Request) -> str:
     return request.headers.get("content-type", "").split(";")[0].strip().lower()
 
 
-async def read_body(request: Request, limit: int, media_types: tuple[str, ...] | str,
-                    idle_timeout: float = BODY_IDLE_TIMEOUT, recurring: bool = True) -> memoryview | bytearray:
-    """The request body, refused with 415 for another content type, 413 past ``limit``, 408 if it stalls.
-    ``recurring`` False: bodies of this kind come once (a model's upload): a buffer made for it is not kept."""
+def declared_length(request: Request, limit: int, media_types: tuple[str, ...] | str) -> int | None:
+    """The body's Content-Length (None: chunked), after the checks every body meets first: 415 for another content
+    type, 400 for a malformed length, 413 past ``limit``."""
     allowed = (media_types,) if isinstance(media_types, str) else media_types
     ctype = media_type_of(request)
     if ctype not in allowed:
         raise ProtocolError(415, "unsupported_media_type", f"send {' or '.join(allowed)}, not {ctype[:64] or 'nothing'!r}")
     declared = request.headers.get("content-length")
-    if declared is not None:
-        declared = declared.strip(" \t")  # optional whitespace around a field value (RFC 9110 5.5)
-        if not (declared.isascii() and declared.isdigit()):
-            raise ProtocolError(400, "bad_content_length", "content-length must be a non-negative integer")
-        if int(declared) > limit:
-            raise ProtocolError(413, "body_too_large", f"body of {declared} bytes exceeds the limit of {limit}")
-    sink = BodySink(POOL.take(int(declared), keep=recurring)) if declared is not None else None
+    if declared is None:
+        return None
+    declared = declared.strip(" \t")  # optional whitespace around a field value (RFC 9110 5.5)
+    if not (declared.isascii() and declared.isdigit()):
+        raise ProtocolError(400, "bad_content_length", "content-length must be a non-negative integer")
+    if int(declared) > limit:
+        raise ProtocolError(413, "body_too_large", f"body of {declared} bytes exceeds the limit of {limit}")
+    return int(declared)
+
+
+async def read_prefix(request: Request, want: Callable[[bytearray], int], idle_timeout: float = BODY_IDLE_TIMEOUT
+                      ) -> tuple[bytearray, bool]:
+    """The body's first bytes, received until ``want(got)`` (the bytes it needs: an int) is at most what came, or the
+    body ended: (those bytes, whether the body ended). Refusals as :func:`read_body`'s. The rest stays unread (in the
+    server's small buffer and the kernel's) until :func:`read_body` is given them as its ``prefix``."""
+    got = bytearray()
+
+    def take(chunk: bytes) -> bool:
+        got.extend(chunk)
+        return want(got) <= len(got)
+    return got, await _stream(request, take, idle_timeout)
+
+
+async def read_body(request: Request, limit: int, media_types: tuple[str, ...] | str,
+                    idle_timeout: float = BODY_IDLE_TIMEOUT, recurring: bool = True,
+                    prefix: tuple[bytearray, bool] | None = None) -> memoryview | bytearray:
+    """The request body, refused with 415 for another content type, 413 past ``limit``, 408 if it stalls.
+    ``recurring`` False: bodies of this kind come once (a model's upload): a buffer made for it is not kept.
+    ``prefix``: what :func:`read_prefix` received of it already."""
+    declared = declared_length(request, limit, media_types)
+    sink = BodySink(POOL.take(declared, keep=recurring)) if declared is not None else None
     chunks = bytearray() if sink is None else None
+
+    def take(chunk: bytes) -> bool:
+        if sink is not None:
+            if chunk:
+                sink.write(chunk)
+        else:
+            chunks.extend(chunk)
+            if len(chunks) > limit:
+                raise ProtocolError(413, "body_too_large", f"body exceeds the limit of {limit} bytes")
+        return False
+    ended = False
+    if prefix is not None:
+        try:
+            take(prefix[0])
+        except ValueError:
+            raise ProtocolError(400, "bad_content_length", "the body is longer than its content-length") from None
+        ended = prefix[1]
     if sink is not None:
         request.scope[SINK_KEY] = sink
-    loop = asyncio.get_running_loop()
     try:
-        async with asyncio.timeout(idle_timeout) as deadline:
-            while True:
-                message = await request.receive()
-                if message["type"] == "http.disconnect":
-                    raise ClientDisconnect()
-                chunk = message.get("body", b"")
-                if sink is not None:
-                    if chunk:
-                        sink.write(chunk)
-                else:
-                    chunks += chunk
-                    if len(chunks) > limit:
-                        raise ProtocolError(413, "body_too_large", f"body exceeds the limit of {limit} bytes")
-                deadline.reschedule(loop.time() + idle_timeout)  # every wake-up brings bytes (or the end)
-                if not message.get("more_body", False):
-                    break
-    except TimeoutError:
-        raise ProtocolError(408, "body_timeout", f"the body stalled for {idle_timeout:g} s") from None
-    except ClientDisconnect:
-        raise ProtocolError(400, "client_disconnected", "the client went away before the end of the body") from None
-    except ValueError:
-        raise ProtocolError(400, "bad_content_length", "the body is longer than its content-length") from None
+        if not ended:
+            await _stream(request, take, idle_timeout)
     finally:
         request.scope.pop(SINK_KEY, None)
     if sink is not None:
@@ -112,3 +136,27 @@ async def read_body(request: Request, limit: int, media_types: tuple[str, ...] |
             raise ProtocolError(400, "bad_content_length", "the body is shorter than its content-length")
         return sink.view
     return chunks
+
+
+async def _stream(request: Request, take: Callable[[bytes], bool], idle_timeout: float) -> bool:
+    """Receive the body, each chunk given to ``take`` (True: enough, stop after it), until it ends (True) or ``take``
+    stops (False): 408 if it stalls ``idle_timeout`` s, 400 if the client goes or sends more than its length."""
+    loop = asyncio.get_running_loop()
+    try:
+        async with asyncio.timeout(idle_timeout) as deadline:
+            while True:
+                message = await request.receive()
+                if message["type"] == "http.disconnect":
+                    raise ClientDisconnect()
+                stop = take(message.get("body", b""))
+                deadline.reschedule(loop.time() + idle_timeout)  # every wake-up brings bytes (or the end)
+                if not message.get("more_body", False):
+                    return True
+                if stop:
+                    return False
+    except TimeoutError:
+        raise ProtocolError(408, "body_timeout", f"the body stalled for {idle_timeout:g} s") from None
+    except ClientDisconnect:
+        raise ProtocolError(400, "client_disconnected", "the client went away before the end of the body") from None
+    except ValueError:
+        raise ProtocolError(400, "bad_content_length", "the body is longer than its content-length") from None

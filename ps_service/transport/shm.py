@@ -26,6 +26,7 @@ are swept on start.
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import secrets
 
@@ -43,6 +44,9 @@ except ImportError:  # not a POSIX system: no same-host transport
 log = logging.getLogger("ps_service")
 
 
+#: a gradient file from this size on has its pages dropped from the PS's mapping once read (the file keeps them;
+#: mapped, every worker's file would count in the PS's RSS: N model copies)
+UNMAP_BYTES = 1 << 20
 #: buffers kept for reuse, beyond one per attached worker (each push is copied into one, held until it is summed):
 #: the running sum, and the previous round's while it is applied; a fresh buffer costs page faults (~10 ms for
 #: 40 MB here), so the pool grows with the workers
@@ -205,12 +209,16 @@ class ShmHub:
             raise ProtocolError(409, "shm_torn", "the gradient file does not hold that push (rewritten?)")
 
         out = self.layout.views(self._buffer())
-        if base is None or read_checked(region.views(), out, base) is not None:  # a sum not finite: alone then
-            base, bad = None, read_checked(region.views(), out)
-        else:
-            bad = None
-        if region.marker != seq:  # rewritten while it was read: what was read may mix two pushes
-            raise ProtocolError(409, "shm_torn", "the gradient file was rewritten during the push")
+        try:
+            if base is None or read_checked(region.views(), out, base) is not None:  # a sum not finite: alone then
+                base, bad = None, read_checked(region.views(), out)
+            else:
+                bad = None
+            if region.marker != seq:  # rewritten while it was read: what was read may mix two pushes
+                raise ProtocolError(409, "shm_torn", "the gradient file was rewritten during the push")
+        finally:
+            if self.layout.data_bytes >= UNMAP_BYTES:  # its pages leave this process's RSS (the file keeps them)
+                region.mapping.madvise(mmap.MADV_DONTNEED)
         self.bytes_in += self.layout.data_bytes
         return out, bad is None, base
 

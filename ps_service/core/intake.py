@@ -1,0 +1,71 @@
+"""Which pushes' tensors the PS may read now: what it holds of a round stays flat in the worker count.
+
+A push's head (worker id, step) comes before its tensors: the rest of a request body, a same-host worker's file.
+The transport reads the tensors of a large push only once :meth:`Intake.claim` says so; until then they stay where
+they are (in the kernel's socket buffers and the worker's memory, or in the worker's file), and the transport waits
+for a turn (:meth:`Intake.readers` names who may read next).
+
+- **Sync, elastic** (R unset): the round sums in rank order as gradients arrive (:mod:`ps_service.core.accumulator`),
+  so the push next in rank order (:meth:`~ps_service.core.rounds.Round.turns`: the lowest key still pending; a member
+  that expired, left or came back mid-round is passed) joins the running sum at once: it may be read. While the
+  round holds no gradient yet, the one after it may be read too (both then make the first sum). Every other push of
+  the round waits. So the PS holds at most two gradients of a round at once, the running sum and the push being
+  read, whatever N; the sum is the same rank-order sum, bit for bit.
+- **Async / SSP**: each gradient is applied on arrival: one push read at a time (the transport wakes the
+  longest-waiting first).
+- **Fixed R** (backup workers): not gated (the first R pushes to arrive contribute, and which they are is not known
+  before: the PS holds up to R gradients).
+- A push waits for its turn a bounded time (the transport's patience: a sender whose bytes are left unread for the
+  clients' TCP user timeout loses its connection, :mod:`shared.liveness`); then it is read out of turn
+  (``overdue``), held like any gradient that came early: a round held up by a slow or gone member holds more, as it
+  would without the gate; steady rounds do not.
+- A push that would not be accepted now (stale, late, duplicate; a worker the core refuses) is read at once and
+  answered as before; so is a push of a worker whose other body is being read (its turn waits for that read).
+
+A claim ends when the core takes that push (:meth:`ParameterServerCore.push`) or the transport gives it back
+(:meth:`release`: the read failed or was refused); either way the next turn may begin. Pure, no I/O, no clock.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+
+class Intake:
+    def __init__(self) -> None:
+        #: workers whose push's tensors are being read (claimed, not yet taken by the core or released)
+        self.reading: set[str] = set()
+        #: claims refused so far (monitoring, tests: the pushes that waited for their turn)
+        self.deferred = 0
+        #: pushes read out of turn, having waited their transport's patience (a round held up by a slow or gone
+        #: member): each is a gradient held beyond the bound
+        self.overdue = 0
+
+    def claim(self, worker_id: str, turns: Callable[[], tuple[str, ...] | None], overdue: bool = False) -> bool:
+        """May ``worker_id``'s push (one the round would accept) be read now? ``turns()``: who may (None: anyone,
+        one at a time). Yes: it counts as being read until :meth:`release`. ``overdue``: yes, in turn or not."""
+        if overdue:
+            self.overdue += 1
+        elif worker_id in self.reading:
+            return self._defer()
+        else:
+            allowed = turns()
+            if allowed is None:  # anyone, one at a time
+                ok = not self.reading
+            else:  # the next in order always; the one after it only beside that one
+                ok = bool(allowed) and (worker_id == allowed[0]
+                                        or (worker_id in allowed and self.reading <= set(allowed)))
+            if not ok:
+                return self._defer()
+        self.reading.add(worker_id)
+        return True
+
+    def _defer(self) -> bool:
+        self.deferred += 1
+        return False
+
+    def release(self, worker_id: str) -> bool:
+        """The claim of ``worker_id`` ends (its push taken, or its read failed); True if it had one."""
+        if worker_id in self.reading:
+            self.reading.discard(worker_id)
+            return True
+        return False

@@ -1,0 +1,148 @@
+"""The order pushes' tensors are read in (ps_service/core/intake.py), driven by simulation as the runtime drives it:
+a push's head comes in, it is read if the core's claim says so, else it waits until ``readers()`` names it. Whatever
+order heads arrive and reads end in, and with a member leaving mid-round (before, while or after its head came), the
+PS holds at most two gradients of a round at any time (the running sum and the one being read, whatever N), no push
+waits for good, and the weights are bit for bit those of the same contributors' pushes taken with no gate."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ps_service.core import ParameterServerCore
+from shared.protocol import PushRequest, PushStatus
+from tests.test_core import grad, make
+
+
+def held(core: ParameterServerCore) -> int:
+    """Gradients of the open round the PS holds: the running sum, those waiting to be summed, those being read."""
+    acc = core.round.acc if core.round is not None else None
+    return (0 if acc is None else (acc.acc is not None) + len(acc.waiting)) + len(core.intake.reading)
+
+
+def gradient(step: int, i: int) -> dict[str, np.ndarray]:
+    return grad(1000 * step + i)
+
+
+def wake(core: ParameterServerCore, waiting: list[int], reading: list[int], ids: list[str], step: int) -> None:
+    """The runtime's wake-ups: the waiting pushes ``readers()`` names (None: the longest-waiting) claim again."""
+    while True:
+        names = core.readers()
+        turn = waiting[:1] if names is None else [i for i in waiting if ids[i] in names]
+        moved = [i for i in turn if core.claim(ids[i], step)]
+        if not moved:
+            return
+        for i in moved:
+            waiting.remove(i)
+            reading.append(i)
+
+
+def gated_round(core, ids, step, order, leaver, leave_at, draw) -> set[int]:
+    """One round: heads in ``order``; ``leaver`` (or None) leaves after ``leave_at`` events unless its push is in.
+    The members whose push was taken."""
+    heads, waiting, reading, taken, gone, events = list(order), [], [], set(), False, 0
+    while core.global_step == step:
+        options = (["head"] if heads else []) + (["read"] if reading else [])
+        if leaver is not None and not gone and leaver not in taken and events >= leave_at:
+            options.append("leave")
+        assert options, f"no push can move: waiting {waiting}, reading {reading}"
+        op = draw(st.sampled_from(options))
+        events += 1
+        if op == "head":
+            i = heads.pop(0)
+            (reading if core.claim(ids[i], step) else waiting).append(i)
+        elif op == "read":
+            i = draw(st.sampled_from(reading))
+            reading.remove(i)
+            try:
+                assert core.push(PushRequest(ids[i], step, gradient(step, i)), 0.0).status is PushStatus.ACCEPTED
+            finally:
+                core.release(ids[i])
+            taken.add(i)
+        else:
+            core.leave(ids[leaver], 0.0)
+            gone = True
+            for where in (heads, waiting, reading):
+                if leaver in where:
+                    where.remove(leaver)
+                    core.release(ids[leaver])  # its read ends: refused, or the client went away
+        assert held(core) <= 2, (held(core), step)
+        wake(core, waiting, reading, ids, step)
+        assert held(core) <= 2, (held(core), step)
+    return taken
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 6), steps=st.integers(1, 3), data=st.data())
+def test_at_most_two_gradients_held_no_push_waits_for_good_and_the_sum_is_the_rank_order_one(n, steps, data):
+    core, ids = make(n)
+    reference, ref_ids = make(n)
+    alive = list(range(n))
+    for step in range(steps):
+        order = data.draw(st.permutations(alive))
+        leaver = data.draw(st.sampled_from([None, *alive])) if len(alive) > 1 else None
+        leave_at = data.draw(st.integers(0, 2 * n))
+        taken = gated_round(core, ids, step, order, leaver, leave_at, data.draw)
+        # the same contributors with no gate: who left without a push leaves first; the rest push in any order
+        if leaver is not None and leaver not in taken:
+            reference.leave(ref_ids[leaver], 0.0)
+        for i in data.draw(st.permutations(sorted(taken))):
+            reference.push(PushRequest(ref_ids[i], step, gradient(step, i)), 0.0)
+        if leaver is not None and leaver in taken:
+            reference.leave(ref_ids[leaver], 0.0)
+            core.leave(ids[leaver], 0.0)
+        if leaver is not None:
+            alive.remove(leaver)
+        assert core.global_step == reference.global_step == step + 1
+        assert [a.worker_id for a in core.rounds[-1].contributors] != [] and \
+            sorted(ids.index(a.worker_id) for a in core.rounds[-1].contributors) == sorted(taken)
+    for k in core.weights:
+        assert core.weights[k].tobytes() == reference.weights[k].tobytes()
+
+
+def test_the_next_in_rank_order_reads_the_others_wait_and_are_woken_in_turn():
+    core, ids = make(4)
+    assert core.readers() == (ids[0], ids[1])  # nothing held yet: the first two
+    assert not core.claim(ids[3], 0) and not core.claim(ids[2], 0)
+    assert core.claim(ids[1], 0) and core.claim(ids[0], 0)
+    assert not core.claim(ids[0], 0)  # its one body at a time
+    core.push(PushRequest(ids[0], 0, gradient(0, 0)), 0.0)
+    core.release(ids[0])
+    assert core.readers() == (ids[1],) and not core.claim(ids[2], 0)
+    core.push(PushRequest(ids[1], 0, gradient(0, 1)), 0.0)
+    core.release(ids[1])
+    assert core.readers() == (ids[2],) and core.claim(ids[2], 0) and not core.claim(ids[3], 0)
+    core.release(ids[2])  # its read failed: still its turn
+    assert core.readers() == (ids[2],)
+    core.leave(ids[2], 0.0)  # gone: the next one's turn
+    assert core.readers() == (ids[3],) and core.claim(ids[3], 0)
+    core.push(PushRequest(ids[3], 0, gradient(0, 3)), 0.0)
+    assert core.global_step == 1 and core.intake.deferred == 5
+
+
+def test_an_expired_member_passes_its_turn_and_a_push_that_would_not_count_is_read_at_once():
+    core, ids = make(3, lease_seconds=5.0)
+    core.heartbeat(ids[1], 4.0)
+    core.heartbeat(ids[2], 4.0)
+    assert core.claim(ids[2], 0) is False
+    core.tick(6.0)  # ids[0] expired
+    assert core.readers() == (ids[1], ids[2]) and core.claim(ids[2], 0)
+    assert core.claim(ids[1], 1) and core.claim(ids[0], 0)  # a future step, a member no longer active: refused once read
+    assert core.intake.reading == {ids[2]}
+
+
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_async_and_ssp_read_one_push_at_a_time(mode):
+    core, ids = make(3, mode=mode, learning_rate=0.01)
+    assert core.readers() is None  # anyone
+    assert core.claim(ids[1], 0) and not core.claim(ids[0], 0) and core.readers() == ()
+    core.push(PushRequest(ids[1], 0, gradient(0, 1)), 0.0)
+    core.release(ids[1])
+    assert core.readers() is None and core.claim(ids[0], 0)
+
+
+def test_backup_workers_are_not_gated():
+    core, ids = make(4, replicas_to_aggregate=2)
+    assert all(core.claim(w, 0) for w in reversed(ids)) and core.readers() == ()
+    assert core.intake.reading == set()
