@@ -86,8 +86,7 @@ class ModelState:
 
     def init_model(self, init: ModelInit, now: float) -> None:
         """First caller wins; later ones get 409 and must pull."""
-        if self.initialized:
-            raise CoreError("already_initialized", f"the model is initialised (global step {self.global_step}); pull it")
+        self.refuse_init()
         check_weights(init.tensors)
         spec = self.optimizer_spec(init.optimizer)
         weights = {k: np.array(v, copy=True) for k, v in sorted(init.tensors.items())}
@@ -95,6 +94,11 @@ class ModelState:
         self.weights = weights
         self._changed()
         self.tick(now)
+
+    def refuse_init(self) -> None:
+        """409 ``already_initialized`` once a model is in (the transport may ask before it reads a model's body)."""
+        if self.initialized:
+            raise CoreError("already_initialized", f"the model is initialised (global step {self.global_step}); pull it")
 
     def restore(self, weights: dict[str, np.ndarray], spec: Mapping[str, Any], iterations: int,
                 slots: Mapping[str, Mapping[str, np.ndarray]], global_step: int) -> None:

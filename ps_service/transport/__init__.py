@@ -28,6 +28,7 @@ exactly the arrays it then applies.
 """
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
 from typing import Awaitable, Callable
 
@@ -77,6 +78,8 @@ class TensorSeam:
         self._bodies: dict[str, tuple[tuple, bytes | memoryview]] = {}
         self._shm_key: tuple | None = None
         self._shm_body = b""
+        #: one large model upload read at a time (:meth:`receive_model`)
+        self._model_reads = asyncio.Lock()
 
     async def _frame(self, request: Request, recurring: bool = True, turn: Turn | None = None,
                      claimed: list | None = None) -> tuple[frame.Frame, int]:
@@ -84,8 +87,7 @@ class TensorSeam:
         (the pusher's worker id, step) returns: its turn came (its id is then appended to ``claimed``)."""
         s = self.settings
         prefix = None
-        length = request.headers.get("content-length", "")
-        if turn is not None and length.isascii() and length.isdigit() and int(length) >= GATED_BYTES:
+        if turn is not None and _length(request) >= GATED_BYTES:
             declared_length(request, s.max_body_bytes, frame.MEDIA_TYPE)  # refusals before any byte is read
             prefix = await read_prefix(request, _meta_needs, s.body_idle_timeout_seconds)
             who = _pusher(frame.peek_meta(prefix[0]))
@@ -153,7 +155,16 @@ class TensorSeam:
         return replace(push, tensors=tensors, finite_checked=finite, onto=onto), "shm"
 
     async def receive_model(self, request: Request) -> ModelInit:
-        f, size = await self._frame(request, recurring=False)  # once a job: its buffer is not kept
+        """A model's upload. Every worker of a new job may send one at once: a large one is read one at a time, and
+        not at all once the model is initialised (409 ``already_initialized`` before its body: the first one won)."""
+        if _length(request) < GATED_BYTES:
+            return self._model(*await self._frame(request, recurring=False))
+        declared_length(request, self.settings.max_body_bytes, frame.MEDIA_TYPE)  # 415, 413 first
+        async with self._model_reads:
+            self.core.refuse_init()
+            return self._model(*await self._frame(request, recurring=False))  # once a job: its buffer is not kept
+
+    def _model(self, f: frame.Frame, size: int) -> ModelInit:
         self.bytes_in += size
         return parse_model_meta(f.meta, f.tensors)
 
@@ -255,6 +266,12 @@ class TensorSeam:
 
     def close(self) -> None:
         self.shm.close()
+
+
+def _length(request: Request) -> int:
+    """The body's Content-Length when it is plainly one (else 0: :func:`read_body` judges it)."""
+    length = request.headers.get("content-length", "")
+    return int(length) if length.isascii() and length.isdigit() else 0
 
 
 def _meta_needs(got: bytearray) -> int:
