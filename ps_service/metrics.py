@@ -102,8 +102,8 @@ class StateCollector:
         intake = core.intake
         yield _counter("ps_push_reads_deferred", "Times a large push's tensors were left unread for their turn in rank "
                        "order (ps_service/core/intake.py).", intake.deferred)
-        yield _counter("ps_push_reads_overdue", "Large pushes read out of turn after waiting 2.5 s (a round held up by a "
-                       "slow or gone member: each is one more gradient held).", intake.overdue)
+        yield _counter("ps_push_reads_overdue", "Large pushes read out of turn after waiting a lease (a round held up by "
+                       "a slow member: each is one more gradient held).", intake.overdue)
         yield _counter("ps_auth_failures", "Requests refused for a missing or wrong token.", rt.auth_failures)
         r = core.round
         yield _gauge("ps_round_open_seconds", "How long the open round has been open (absent: none open).",

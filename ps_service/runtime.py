@@ -155,17 +155,23 @@ class Runtime:
                     self._first_woken -= 1
         return True
 
-    async def turn(self, worker_id: str, step: int, patience: float) -> None:
+    async def turn(self, worker_id: str, step: int, wait: float, last: bool = True) -> bool:
         """Wait until the core lets the tensors of ``worker_id``'s push for ``step`` be read (its claim, which
-        ``core.release`` ends: ps_service/core/intake.py), at most ``patience`` s (then they are read out of turn),
-        holding the worker's lease meanwhile (its bytes wait unread by the PS's choice)."""
+        ``core.release`` ends: ps_service/core/intake.py), at most ``wait`` s, holding the worker's lease meanwhile
+        (its bytes wait unread by the PS's choice). True once claimed; at the end of the wait, False, or, ``last``,
+        claimed out of turn (True)."""
         core = self.core
         if core.claim(worker_id, step):
-            return
-        deadline, loop = self.clock() + patience, asyncio.get_running_loop()
+            return True
+        deadline, loop = self.clock() + wait, asyncio.get_running_loop()
         core.begin_wait(worker_id, self.now())
         try:
-            while not core.claim(worker_id, step, overdue=deadline <= self.clock()):
+            while True:
+                over = deadline <= self.clock()
+                if core.claim(worker_id, step, overdue=over and last):
+                    return True
+                if over:
+                    return False
                 fut = loop.create_future()
                 self._turns.setdefault(worker_id, []).append(fut)
                 timer = loop.call_later(max(0.0, deadline - self.clock()), _time_up, fut)

@@ -89,3 +89,33 @@ def test_the_ps_peak_memory_does_not_grow_with_the_workers(transport):
     params, model_mb = 2_500_000, 10.0
     two, six = (_peak_rss_mb(n, params, transport) for n in (2, 6))
     assert six["peak_rss_MB"] - two["peak_rss_MB"] < model_mb, (two, six)
+
+
+def test_a_push_that_waits_its_turn_longer_than_the_tcp_user_timeout_keeps_its_connection():
+    """Rank 0 never pushes: rank 2's 16 MB push (more than the socket buffers hold) waits for its turn until rank 0's
+    7 s lease ends, longer than the clients' 5 s TCP user timeout (shared/liveness.py), which ends a connection whose
+    window stays shut that long: the PS takes a little of the body every 2 s, so the push goes through on its
+    connection (the client here does not retry) and is summed in its turn."""
+    size = 4_000_000
+    with live_ps(lease_seconds=7.0, min_workers=3, startup_grace_seconds=0, optimizer="sgd", learning_rate=0.5) as ps:
+        clients = [ps.client() for _ in range(3)]
+        try:
+            ids = [c.register(name)["worker_id"] for c, name in zip(clients, "abc")]
+            assert clients[0].init_model({"w": np.zeros(size, np.float32)}, {"name": "sgd", "learning_rate": 0.5})
+            core = ps.rt.core
+            wait_for(lambda: core.round is not None, allow(10), "round 0 to open")
+            grads = {i: {"w": np.full(size, float(i), np.float32)} for i in (1, 2)}
+            answers: list = []
+            pushers = [threading.Thread(target=lambda i=i: answers.append(clients[i].push(ids[i], 0, grads[i])))
+                       for i in (1, 2)]
+            for t in pushers:
+                t.start()
+            wait_for(lambda: core.global_step == 1, allow(30), "the round to close once rank 0's lease ended")
+            for t in pushers:
+                t.join(allow(20))
+            assert sorted(a["status"] for a in answers) == ["accepted", "accepted"]
+            assert core.intake.overdue == 0 and core.intake.deferred > 0
+            assert core.weights["w"][:3].tolist() == [-0.75] * 3  # 0 - 0.5 * (1 + 2) / 2
+        finally:
+            for c in clients:
+                c.close()

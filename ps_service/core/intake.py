@@ -15,10 +15,9 @@ for a turn (:meth:`Intake.readers` names who may read next).
   longest-waiting first).
 - **Fixed R** (backup workers): not gated (the first R pushes to arrive contribute, and which they are is not known
   before: the PS holds up to R gradients).
-- A push waits for its turn a bounded time (the transport's patience: a sender whose bytes are left unread for the
-  clients' TCP user timeout loses its connection, :mod:`shared.liveness`); then it is read out of turn
-  (``overdue``), held like any gradient that came early: a round held up by a slow or gone member holds more, as it
-  would without the gate; steady rounds do not.
+- A push waits for its turn at most a lease (the transport's patience: by then a member ahead of it that is gone
+  has expired and passed its turn); then it is read out of turn (``overdue``), held like any gradient that came
+  early: a round held up by a slow member holds more, as it would without the gate; steady rounds do not.
 - A push that would not be accepted now (stale, late, duplicate; a worker the core refuses) is read at once and
   answered as before; so is a push of a worker whose other body is being read (its turn waits for that read).
 

@@ -29,6 +29,7 @@ exactly the arrays it then applies.
 from __future__ import annotations
 
 import asyncio
+import math
 from dataclasses import replace
 from typing import Awaitable, Callable
 
@@ -50,11 +51,12 @@ from shared.protocol import STEP_HEADER, ModelInit, PushRequest, parse_model_met
 #: a push's tensors from this size on are read in their turn (ps_service/core/intake.py); smaller ones at once (a
 #: waiting route costs more than they weigh)
 GATED_BYTES = 1 << 20
-#: how long a push's tensors wait for their turn at most (then they are read out of turn): half the clients' TCP user
-#: timeout, which ends a connection whose peer leaves its bytes unread that long (shared/liveness.py)
-PATIENCE = liveness.USER_TIMEOUT_SECONDS / 2
-#: the runtime's wait for a push's turn: (worker id, step, patience), returns once the core's claim is made
-Turn = Callable[[str, int, float], Awaitable[None]]
+#: a body waiting for its turn has what the server holds of it taken this often: well within the clients' TCP user
+#: timeout, which ends a connection whose peer keeps its window shut that long (shared/liveness.py)
+TRICKLE_SECONDS = liveness.USER_TIMEOUT_SECONDS / 2.5
+#: the runtime's wait for a push's turn: (worker id, step, seconds, last): True once claimed (``last``: at the end of
+#: the wait, out of turn), else False
+Turn = Callable[[str, int, float, bool], Awaitable[bool]]
 
 
 class TensorSeam:
@@ -92,11 +94,27 @@ class TensorSeam:
             prefix = await read_prefix(request, _meta_needs, s.body_idle_timeout_seconds)
             who = _pusher(frame.peek_meta(prefix[0]))
             if who is not None:
-                await turn(*who, PATIENCE)
+                prefix = await self._body_turn(request, turn, who, prefix)
                 claimed.append(who[0])
         body = await read_body(request, s.max_body_bytes, frame.MEDIA_TYPE, s.body_idle_timeout_seconds, recurring,
                                prefix)
         return frame.decode(body), len(body)
+
+    async def _body_turn(self, request: Request, turn: Turn, who: tuple[str, int], prefix: tuple[bytearray, bool]
+                         ) -> tuple[bytearray, bool]:
+        """Wait for a body's turn (at most a lease: by then a member ahead of it that is gone has passed its turn),
+        taking what the server holds of it every :data:`TRICKLE_SECONDS` meanwhile (a few tens of KB: the sender's
+        window opens, where a window shut for the clients' TCP user timeout would end its connection,
+        shared/liveness.py). What was read of the body."""
+        got, ended = prefix
+        times = max(1, math.ceil(self.settings.lease_seconds / TRICKLE_SECONDS))
+        for i in range(times):
+            if await turn(*who, TRICKLE_SECONDS, i == times - 1):
+                break
+            if not ended:
+                more, ended = await read_prefix(request, _anything, self.settings.body_idle_timeout_seconds)
+                got += more
+        return got, ended
 
     async def push(self, request: Request, clock: Callable[[], float], turn: Turn | None = None
                    ) -> tuple[PushResult, PushRequest, str]:
@@ -110,7 +128,7 @@ class TensorSeam:
             push, seq, f, size = await self._push_frame(request, turn, claimed)
             if seq is not None and turn is not None and not claimed and self.shm.layout is not None \
                     and self.shm.layout.data_bytes >= GATED_BYTES:
-                await turn(push.worker_id, push.step, PATIENCE)
+                await turn(push.worker_id, push.step, self.settings.lease_seconds)
                 claimed.append(push.worker_id)
             if seq is not None or self.compression.name != "none" or f.meta.get("compression") is not None:
                 push, via = self._tensors(push, seq, f, size, True, join=True)
@@ -272,6 +290,11 @@ def _length(request: Request) -> int:
     """The body's Content-Length when it is plainly one (else 0: :func:`read_body` judges it)."""
     length = request.headers.get("content-length", "")
     return int(length) if length.isascii() and length.isdigit() else 0
+
+
+def _anything(got: bytearray) -> int:
+    """:func:`read_prefix`'s ``want`` for one receive: whatever the server holds."""
+    return 0
 
 
 def _meta_needs(got: bytearray) -> int:
