@@ -647,16 +647,16 @@ def test_the_core_config_comes_from_the_settings_in_one_mapping():
 def test_the_finiteness_check_finds_every_nan_and_inf_wherever_it_sits(dtype):
     """ps_service.core.accumulator.finite (a BLAS dot product with zeros, chunk by chunk): any NaN, +Inf or -Inf
     at the start, inside, at a chunk's edge or in the last partial chunk is found; huge finite values are not."""
-    from ps_service.core.accumulator import FINITE_CHUNK as CHUNK_ELEMENTS, finite as _all_finite
-    n = 2 * CHUNK_ELEMENTS + 77
+    from ps_service.core.accumulator import FINITE_CHUNK, finite
+    n = 2 * FINITE_CHUNK + 77
     big = np.finfo(dtype).max
     g = np.full(n, big, dtype)
     g[1::2] = -big
-    assert _all_finite(g) and _all_finite(g.reshape(-1, 1)) and _all_finite(g[::3])
-    for at in (0, 5, CHUNK_ELEMENTS - 1, CHUNK_ELEMENTS, 2 * CHUNK_ELEMENTS + 76):
+    assert finite(g) and finite(g.reshape(-1, 1)) and finite(g[::3])
+    for at in (0, 5, FINITE_CHUNK - 1, FINITE_CHUNK, 2 * FINITE_CHUNK + 76):
         for bad in (np.nan, np.inf, -np.inf):
             h = g.copy()
             h[at] = bad
-            assert not _all_finite(h) and not _all_finite(h[at:at + 1])
+            assert not finite(h) and not finite(h[at:at + 1])
 
 
