@@ -21,6 +21,7 @@ set by ``.ci/run``, no ``docker`` CLI, no engine, no Compose v2), or None.
 """
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import os
@@ -38,8 +39,10 @@ from cluster.processes import free_port, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = ROOT / "docker-compose.yml"
-#: the tests' image tag, so a test run never retags a user's syncps:latest
-IMAGE = "syncps:compose-test"
+#: The tests' image tag: never a user's syncps:latest, and one per test process, so two test runs on one Docker
+#: engine (two checkouts, CI beside a developer) never rebuild each other's image under a running project (compose
+#: recreates every container whose image changed). Removed when the process ends (:func:`_drop_image`).
+IMAGE = f"syncps:compose-test-{os.getpid()}-{secrets.token_hex(3)}"
 SCRUBBED_PREFIXES = ("PS_", "WORKER_", "SYNCPS_", "COMPOSE_")
 
 #: The compose commands of docs/guides/compose.md, run by the compose tests exactly as written there.
@@ -113,6 +116,14 @@ def build_image() -> float:
     return time.monotonic() - t0
 
 
+def _drop_image() -> None:
+    """Untag :data:`IMAGE` (its layers stay in the build cache); harmless when a container still uses it."""
+    try:
+        docker("rmi", IMAGE, check=False, timeout=30.0)
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+
+
 def docker(*args: str, timeout: float = 60.0, check: bool = True) -> subprocess.CompletedProcess:
     r = subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout)
     if check and r.returncode != 0:
@@ -149,11 +160,10 @@ class ComposeProject(PublishedPS):
 
     # -- lifecycle -------------------------------------------------------------------------
     def build(self, timeout: float = 600.0) -> None:
-        """Build the image (cached layers make a rebuild take seconds); drop the one it replaces."""
-        old = docker("image", "inspect", "-f", "{{.Id}}", IMAGE, check=False).stdout.strip()
+        """Build the image (cached layers make a rebuild take seconds); the tag is dropped when this process ends."""
         self.compose("build", "ps", timeout=timeout)
-        if old and old != docker("image", "inspect", "-f", "{{.Id}}", IMAGE).stdout.strip():
-            docker("rmi", old, check=False)  # untagged now; fails harmlessly while a container uses it
+        atexit.unregister(_drop_image)  # once per process, however many builds
+        atexit.register(_drop_image)
 
     def down(self) -> list[str]:
         """Remove containers, network and volumes; what is left of the project (should be [])."""
