@@ -7,7 +7,9 @@ running :mod:`bench.task` (the anchors' workload), waits until training runs, wa
 ``/v1/status``. Prints the anchors' fields (``../shared/bench/common.py``): ``system``,
 ``workers``, ``params``, ``params_requested``, ``steps_per_s``, ``grad_MB_per_s``
 (= workers * params * 4 / 1e6 * steps_per_s, the anchors' formula), ``final_loss``, plus
-``peak_rss_MB`` (the PS's peak resident memory, VmHWM), ``tensor_MB_per_s`` (payload
+``peak_rss_MB`` (the PS's peak resident memory, VmHWM), ``peak_anon_MB`` (its anonymous memory at its peak,
+sampled every 20 ms: what it holds of its own, without the shared pages it maps: a same-host PS maps each worker's
+gradient file), ``tensor_MB_per_s`` (payload
 through the PS: gradients in + weights out), ``ps_cpu_s`` (PS CPU seconds in the window),
 ``workers_cpu_s`` (every worker's CPU seconds in the window, summed), ``cpu_ms_per_step`` (the two together per
 global step: what one step costs the machine), ``cpu_busy`` (the same CPU over the window's core-seconds, with
@@ -40,6 +42,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
 import time
 
 import httpx
@@ -60,6 +63,28 @@ def _proc_status(pid: int, field: str) -> float | None:
     except OSError:
         pass
     return None
+
+
+class _PeakAnon:
+    """The largest ``RssAnon`` (anonymous memory) of some processes, read from /proc every 20 ms on a thread, in MB.
+    What a PS holds of its own: VmHWM also counts the shared pages it maps (a same-host PS maps each worker's
+    gradient file, the worker's pages in the tmpfs)."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.peak = {pid: 0.0 for pid in pids}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.02):
+            for pid in self.peak:
+                self.peak[pid] = max(self.peak[pid], _proc_status(pid, "RssAnon") or 0.0)
+
+    def stop(self) -> list[float]:
+        self._stop.set()
+        self._thread.join(timeout=5.0)
+        return [round(v, 1) for v in self.peak.values()]
 
 
 def _cpu_seconds(pid: int) -> float | None:
@@ -147,9 +172,10 @@ def measure(workers: int, params: int, seconds: float, warmup: float = 2.0, dtyp
                     raise RuntimeError("a worker exited:\n" + cluster.log("worker-0")[-2000:])
                 st = client.get("/v1/status").json()
                 return st["state"] == "training" and st["global_step"] >= 3
+            procs = [cluster.ps, *cluster.followers, *([cluster.peer] if cluster.peer is not None else [])]
+            anon = _PeakAnon([proc.pid for proc in procs])
             wait_for(training, start_deadline, "training to start", interval=0.1)
             time.sleep(warmup)
-            procs = [cluster.ps, *cluster.followers, *([cluster.peer] if cluster.peer is not None else [])]
             if step_aligned:
                 _wait_next_step(client)
             cpu0, wcpu0, shard_wire0 = _shard_cpu(procs), _shard_cpu(cluster.workers), _wire_bytes(urls)
@@ -164,6 +190,7 @@ def measure(workers: int, params: int, seconds: float, warmup: float = 2.0, dtyp
         cpu, wcpu = ([None if a is None or b is None else round(b - a, 3) for a, b in zip(*ab)]
                      for ab in ((cpu0, cpu1), (wcpu0, wcpu1)))
         rss = [round(_proc_status(proc.pid, "VmHWM") or 0.0, 1) for proc in procs]
+        anon_peak = anon.stop()
         wire0, wire1 = ([sum(col) for col in zip(*per_shard)] for per_shard in (shard_wire0, shard_wire1))
         if shards > 1:
             out.update(shard_cpu_s=cpu, shard_peak_rss_MB=rss, shard_urls=urls,
@@ -178,6 +205,7 @@ def measure(workers: int, params: int, seconds: float, warmup: float = 2.0, dtyp
             "grad_MB_per_s": round(workers * p * 4 / 1e6 * rate, 3),
             "final_loss": st["loss"]["last"],
             "peak_rss_MB": max(rss),
+            "peak_anon_MB": max(anon_peak),
             "tensor_MB_per_s": round(2 * workers * p * 4 / 1e6 * rate, 3),
             "wire_MB_per_s": round((sum(wire1) - sum(wire0)) / 1e6 / (t1 - t0), 3),
             "ps_cpu_s": None if None in cpu else round(sum(cpu), 3),
