@@ -4,6 +4,7 @@ the swarm's overlay network as another host would be).
 
 - :data:`DOCUMENTED` holds the swarm commands of docs/guides/swarm.md; the tests run them as written, with the test's
   stack name in place of ``syncps`` and, for the deploy, one more ``-c`` file holding the test's settings.
+- :func:`stack_config` merges stack files as ``docker stack deploy -c a -c b`` does (``docker stack config``).
 - :func:`swarm_unavailable` says why swarm tests cannot run: :func:`compose_unavailable`'s reasons, or this
   engine already in a swarm (a test never changes a swarm it did not make).
 - :class:`Swarm` is one test's swarm: ``docker swarm init`` on docker0's address, the stack's secrets
@@ -25,6 +26,7 @@ import os
 import re
 import secrets
 import shlex
+import shutil
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -42,6 +44,8 @@ from tests.compose_util import IMAGE, ROOT, compose_unavailable, docker
 STACK_FILE = ROOT / "docker-stack.yml"
 #: the co-located shards' extra stack file (docs/guides/shards.md: Full precision between hosts)
 COLOCATED_FILE = ROOT / "deploy" / "swarm" / "colocated.yml"
+#: the hot-standby pair's extra stack file (docs/guides/standby.md: the primary and its standby on two nodes)
+STANDBY_FILE = ROOT / "deploy" / "swarm" / "standby.yml"
 #: the stack's Docker secrets: the training token, the monitoring token
 TOKEN, MONITOR_TOKEN = "syncps_token", "syncps_monitor_token"
 
@@ -54,6 +58,17 @@ DOCUMENTED = {
     "rm": "docker stack rm syncps",
     "leave": "docker swarm leave --force",
 }
+
+
+def stack_config(*files: Path) -> dict | None:
+    """``docker stack config -c f1 -c f2 ...``: the stack files merged and interpolated as ``docker stack deploy`` does
+    (the CLI alone: no engine, no swarm), with the files' defaults (no SYNCPS_* from the caller); None without a
+    docker CLI."""
+    if shutil.which("docker") is None:
+        return None
+    out = run(["docker", "stack", "config", *(a for f in files for a in ("-c", str(f)))], env=scrubbed_env(),
+              timeout=30).stdout
+    return yaml.safe_load(out)
 
 
 def swarm_unavailable() -> str | None:

@@ -29,8 +29,9 @@ from tests.conftest import degraded
 from tests.reference import train_reference
 from tests.timing import allow
 from shared import shards
-from tests.swarm_util import (COLOCATED_FILE, DOCUMENTED, MONITOR_TOKEN, NODE2, ROOT, STACK_FILE, TOKEN, Stack, Swarm,
-                              for_node2, remove_node2, run, start_node2, swarm_unavailable, two_nodes_unavailable)
+from tests.swarm_util import (COLOCATED_FILE, DOCUMENTED, MONITOR_TOKEN, NODE2, ROOT, STACK_FILE, STANDBY_FILE, TOKEN,
+                              Stack, Swarm, for_node2, remove_node2, run, stack_config, start_node2, swarm_unavailable,
+                              two_nodes_unavailable)
 from worker_service.client import PSClient
 from tests.test_compose import assert_linear_solved, final_weights, report
 from worker_service.settings import WorkerSettings
@@ -118,6 +119,32 @@ def test_stack_file_passes_real_settings_and_the_guide_shows_the_commands():
     spans = set(re.findall(r"`([^`\n]+)`", GUIDE)) | {line.strip() for line in GUIDE.splitlines()}
     missing = [cmd for cmd in DOCUMENTED.values() if cmd not in spans]
     assert not missing, f"docs/guides/swarm.md does not show {missing}"
+
+
+def test_the_standby_stack_puts_a_pair_with_the_same_settings_on_two_nodes(request):
+    """deploy/swarm/standby.yml over docker-stack.yml, merged by ``docker stack config`` as deploy.sh -c merges them:
+    ps-standby is the stack's ps (same settings, image, secrets, volume, healthcheck, restart policy) but for its role,
+    its peer, its node and its published port; the workers know both; docs/guides/standby.md shows the command."""
+    config = stack_config(STACK_FILE, STANDBY_FILE)
+    if config is None:
+        skip(request, "swarm stack files (test_swarm.py)", "no docker CLI on PATH")
+    ps, standby, worker = (config["services"][s] for s in ("ps", "ps-standby", "worker"))
+    pair = {"PS_ROLE", "PS_PEER_URL"}
+    settings = lambda svc: {k: v for k, v in svc["environment"].items() if k not in pair}  # noqa: E731
+    assert settings(standby) == settings(ps)
+    assert [ps["environment"][k] for k in ("PS_ROLE", "PS_PEER_URL")] == ["primary", "http://ps-standby:8000"]
+    assert [standby["environment"][k] for k in ("PS_ROLE", "PS_PEER_URL")] == ["standby", "http://ps:8000"]
+    assert worker["environment"]["WORKER_PS_URL"] == "http://ps:8000,http://ps-standby:8000"
+    same = lambda svc: {k: v for k, v in svc.items() if k not in ("environment", "ports", "deploy", "secrets")}  # noqa: E731
+    assert same(standby) == same(ps)
+    assert sorted(standby["secrets"], key=str) == sorted(ps["secrets"], key=str)
+    rest = lambda svc: {k: v for k, v in svc["deploy"].items() if k != "placement"}  # noqa: E731
+    assert rest(standby) == rest(ps)
+    assert ps["deploy"]["placement"]["constraints"] == ["node.role == manager", "node.labels.syncps.host == 0"]
+    assert standby["deploy"]["placement"]["constraints"] == ["node.labels.syncps.host == 1"]
+    assert standby["ports"] == [{**ps["ports"][0], "published": 8001}]
+    guide = (ROOT / "docs" / "guides" / "standby.md").read_text()
+    assert f"`{DOCUMENTED['deploy']} -c deploy/swarm/standby.yml`" in guide
 
 
 # -- one node -----------------------------------------------------------------------------------------
