@@ -51,6 +51,7 @@ GROUPS = {
 #: variables docker-compose.yml reads for itself (no settings class has them): name -> (default, meaning)
 COMPOSE_ONLY = {
     "SYNCPS_PORT": ("8000", "Host port the PS is published on."),
+    "SYNCPS_STANDBY_PORT": ("8001", "Host port of the hot standby `ps-standby` (docker-compose.standby.yml)."),
     "SYNCPS_BIND": ("127.0.0.1", "Host address the PS is published on (0.0.0.0: every interface; then set "
                                  "PS_AUTH_TOKEN)."),
     "SYNCPS_IMAGE": ("syncps:latest", "Image tag; give each checkout on one machine its own."),

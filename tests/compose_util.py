@@ -8,8 +8,10 @@ variables and a developer's ``.env`` is never read. Every command has a timeout.
 ``down()`` removes containers, network, volumes and the env file and reports what is left.
 
 :data:`DOCUMENTED` holds the compose commands docs/guides/compose.md gives (tests/test_docs.py checks
-that the page shows each one verbatim); :meth:`ComposeProject.run` runs one of them as
-written, adding only the flags that isolate the test's project.
+that the page shows each one verbatim), :data:`DOCUMENTED_STANDBY` those of docs/guides/standby.md (the hot-standby
+pair: docker-compose.yml with docker-compose.standby.yml, :data:`STANDBY_FILES`); :meth:`ComposeProject.run` runs
+one of them as written, adding only the flags that isolate the test's project (a command's ``-f`` files must be the
+project's ``files``).
 
 :class:`bench.swarm.PublishedPS` reads the PS of a deployment over its published port (/v1/status polled with a
 deadline, /v1/workers), with a token when one is needed; the swarm tests (tests/swarm_util.py) use it too.
@@ -55,6 +57,18 @@ DOCUMENTED = {
     "ps": "docker compose ps",
     "stop": "docker compose stop",  # workers leave gracefully, the PS writes a final checkpoint
 }
+
+#: The hot-standby pair's extra compose file (docs/guides/standby.md), and the guide's commands for the pair.
+STANDBY_FILES = ("docker-compose.standby.yml",)
+_PAIR = "docker compose -f docker-compose.yml -f docker-compose.standby.yml"
+DOCUMENTED_STANDBY = {
+    "up": f"{_PAIR} up -d",  # the primary `ps`, the standby `ps-standby`, 4 workers given both addresses
+    "kill_ps": f"{_PAIR} kill ps",  # the primary dies: the job goes on on ps-standby
+    "start_ps": f"{_PAIR} start ps",  # it comes back as the standby of the newer term
+    "down": f"{_PAIR} down -v",
+}
+#: guide -> the compose commands it shows (tests/test_docs.py checks each one is there verbatim)
+GUIDES = {"docs/guides/compose.md": DOCUMENTED, "docs/guides/standby.md": DOCUMENTED_STANDBY}
 
 #: Settings docker-compose.yml fixes (not taken from .env): the containers' addresses, the checkpoint
 #: volume's path, and WORKER_NAME empty (each replica names itself after its container).
@@ -132,8 +146,11 @@ def docker(*args: str, timeout: float = 60.0, check: bool = True) -> subprocess.
 
 
 class ComposeProject(PublishedPS):
-    def __init__(self, label: str, env: dict | None = None, root: Path = ROOT) -> None:
+    def __init__(self, label: str, env: dict | None = None, root: Path = ROOT, files: tuple[str, ...] = (),
+                 documented: dict[str, str] = DOCUMENTED) -> None:
         self.root = root  # where docker-compose.yml and the build context are: ROOT, or a copy (build_context)
+        self.files = (COMPOSE_FILE.name, *files)  # every `-f`, in order (e.g. STANDBY_FILES after it)
+        self.documented = documented  # the guide's commands run() takes
         self.name = f"syncps-test-{label}-{os.getpid()}-{secrets.token_hex(3)}".lower()
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -145,18 +162,23 @@ class ComposeProject(PublishedPS):
         self.env_file = Path(path)
 
     def compose(self, *args: str, timeout: float = 120.0, check: bool = True) -> subprocess.CompletedProcess:
-        cmd = ["docker", "compose", "-f", str(self.root / COMPOSE_FILE.name), "--project-directory", str(self.root),
-               "--env-file", str(self.env_file), "-p", self.name, *args]
+        cmd = ["docker", "compose", *(x for f in self.files for x in ("-f", str(self.root / f))),
+               "--project-directory", str(self.root), "--env-file", str(self.env_file), "-p", self.name, *args]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=self.env)
         if check and r.returncode != 0:
             raise RuntimeError(f"{' '.join(args)} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
         return r
 
     def run(self, key: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
-        """Run the guide's command ``DOCUMENTED[key]`` as written, in this test's project."""
-        argv = shlex.split(DOCUMENTED[key])
+        """Run the guide's command ``self.documented[key]`` as written, in this test's project (its ``-f`` files, if
+        it names any, are the project's)."""
+        argv = shlex.split(self.documented[key])
         assert argv[:2] == ["docker", "compose"], argv
-        return self.compose(*argv[2:], timeout=timeout)
+        args, named = argv[2:], []
+        while args[:1] == ["-f"]:
+            named, args = [*named, args[1]], args[2:]
+        assert not named or tuple(named) == self.files, (named, self.files)
+        return self.compose(*args, timeout=timeout)
 
     # -- lifecycle -------------------------------------------------------------------------
     def build(self, timeout: float = 600.0) -> None:
@@ -169,6 +191,10 @@ class ComposeProject(PublishedPS):
         """Remove containers, network and volumes; what is left of the project (should be [])."""
         self.compose("down", "-v", "--remove-orphans", "--timeout", "5", timeout=120.0, check=False)
         self.env_file.unlink(missing_ok=True)
+        return self.leftovers()
+
+    def leftovers(self) -> list[str]:
+        """The project's containers, volumes and networks still there."""
         label = f"label=com.docker.compose.project={self.name}"
         left = []
         for kind in (["ps", "-a"], ["volume", "ls"], ["network", "ls"]):

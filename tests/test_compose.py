@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from cluster.processes import wait_for
-from tests.compose_util import IMAGE, ComposeProject, build_image, compose_unavailable, docker
+from tests.compose_util import DOCUMENTED, IMAGE, ComposeProject, build_image, compose_unavailable, docker
 from tests.conftest import degraded
 from worker_service.client import PSClient
 
@@ -53,8 +53,8 @@ def compose(image, request):
     """Factory of compose projects; each one is taken down (with its volumes) when the test ends."""
     made: list[ComposeProject] = []
 
-    def make(label: str, **env) -> ComposeProject:
-        made.append(ComposeProject(label, env))
+    def make(label: str, files: tuple[str, ...] = (), documented: dict = DOCUMENTED, **env) -> ComposeProject:
+        made.append(ComposeProject(label, env, files=files, documented=documented))
         return made[-1]
 
     yield make

@@ -4,8 +4,8 @@ commands are the real ones.
 - docs/reference/configuration.md is what python -m docgen renders from ``PSSettings`` / ``WorkerSettings``
   (one row per field: env name, default, description); a setting changed without re-rendering fails here. Every
   setting is passed through docker-compose.yml, which lists none that does not exist.
-- The compose commands the compose tests run (``tests/compose_util.DOCUMENTED``) are written exactly so on
-  docs/guides/compose.md; the README shows the quick start (`docker compose up --scale worker=4`, `make run`,
+- The compose commands the compose tests run (``tests/compose_util.GUIDES``) are written exactly so on
+  docs/guides/compose.md and docs/guides/standby.md; the README shows the quick start (`docker compose up --scale worker=4`, `make run`,
   `make test`), and the install commands the docs give bring what the commands import.
 - The site builds with ``mkdocs build --strict`` (a broken link or anchor, a page off the nav fails); the README
   has at most 250 lines of at most 120 characters; no page of docs/ has more than 600 lines.
@@ -27,13 +27,12 @@ import yaml
 
 from docgen import configuration
 from ps_service.settings import PSSettings
-from tests.compose_util import COMPOSE_FIXED, DOCUMENTED
+from tests.compose_util import COMPOSE_FIXED, GUIDES
 from worker_service.settings import WorkerSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 DOCS = ROOT / "docs"
-COMPOSE_GUIDE = (DOCS / "guides" / "compose.md").read_text()
 GETTING_STARTED = (DOCS / "getting-started.md").read_text()
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 CLASSES = {"ps": (PSSettings, "PS_"), "worker": (WorkerSettings, "WORKER_")}
@@ -115,8 +114,9 @@ def test_env_example_names_only_real_settings():
     missing = sorted(settable - named)
     assert not missing, f".env.example lacks {missing} (a '# description' line and '# NAME=default' each)"
     assert "WORKER_AUTH_TOKEN=" not in text  # compose gives the workers PS_AUTH_TOKEN
+    files = "".join((ROOT / f).read_text() for f in ("docker-compose.yml", "docker-compose.standby.yml"))
     for name in COMPOSE_ONLY:
-        assert f"${{{name}" in (ROOT / "docker-compose.yml").read_text()
+        assert f"${{{name}" in files, name
 
 
 def test_compose_file_defaults_that_keep_a_job_steady():
@@ -130,14 +130,17 @@ def test_compose_file_defaults_that_keep_a_job_steady():
     assert ps["image"] == worker["image"]
 
 
-def test_documented_compose_commands_are_in_the_compose_guide_verbatim():
-    """The compose tests run these exact commands; docs/guides/compose.md must show them exactly so."""
-    spans = set(re.findall(r"`([^`\n]+)`", COMPOSE_GUIDE)) | {line.strip() for line in COMPOSE_GUIDE.splitlines()}
-    missing = [cmd for cmd in DOCUMENTED.values() if cmd not in spans]
-    assert not missing, f"docs/guides/compose.md does not show {missing}"
+@pytest.mark.parametrize("guide", list(GUIDES))
+def test_documented_compose_commands_are_in_the_guides_verbatim(guide):
+    """The compose tests run these exact commands; docs/guides/compose.md (and standby.md, the pair's) must show
+    them exactly so."""
+    text = (ROOT / guide).read_text()
+    spans = set(re.findall(r"`([^`\n]+)`", text)) | {line.split("  # ")[0].strip() for line in text.splitlines()}
+    missing = [cmd for cmd in GUIDES[guide].values() if cmd not in spans]
+    assert not missing, f"{guide} does not show {missing}"
     # no inline job settings before a compose command: .env is the one place for them
-    for text in (README, COMPOSE_GUIDE, GETTING_STARTED):
-        inline = re.findall(r"`(?:[A-Z][A-Z0-9_]*=\S* )+docker compose[^`]*`", text)
+    for page in (README, GETTING_STARTED, text):
+        inline = re.findall(r"`(?:[A-Z][A-Z0-9_]*=\S* )+docker compose[^`]*`", page)
         assert not inline, inline
 
 
