@@ -150,6 +150,8 @@ def test_a_workers_endpoint_follows_the_pair_and_votes_once_per_term():
     client.call_json("GET", "/v1/again")
     assert seen[-1] == ("b", "/v1/again", "2")  # the newest term, sent along
     assert lost[0] == "1"  # B is told that A just lost the worker's connection (a standby asks for votes sooner)
+    # B's 503 standby right after A was lost keeps the worker at B (a vanished host's connect would hang seconds)
+    assert [s[0] for s in seen[:4]] == ["a", "b", "b", "b"], seen
 
 
 def test_terms_fence_an_old_primary_and_a_standby_checks_its_primarys_messages():

@@ -8,7 +8,9 @@ PS's error code; any other answer returned. With a ``token``, every request carr
 
 A hot-standby pair (``urls``: both PS processes, docs/guides/standby.md): every request carries the newest term an
 answer carried (``x-syncps-term``: a PS of an older term refuses it, 503 ``fenced``); a lost connection, 503
-``standby`` or ``fenced`` move the attempt to the other PS at once; 503 ``election`` gets this worker's vote (its
+``standby`` or ``fenced`` move the attempt to the other PS at once (but a 503 ``standby`` while the other PS lost this
+worker's connection within :data:`LOST_REPORT_SECONDS` keeps the attempts here: that standby is about to ask for
+votes, and dialing a vanished host again would cost a connect timeout, 5 s); 503 ``election`` gets this worker's vote (its
 :attr:`Endpoint.voter` name, once per term: :attr:`Endpoint.ballot`; a PS it did not vote for in that term is left
 for the one it did) and the same PS is asked again at once; then, as any 5xx, the next attempt after a backoff of
 at most :data:`PAIR_WAIT_MAX_SECONDS`. A request to one PS says when the other just lost the worker's connection
@@ -82,9 +84,13 @@ class Endpoint:
         """A pair's request: the newest term seen, and whether the other PS lost our connection just now (its process
         is gone, most likely: a standby then asks for votes without waiting the whole failover timeout)."""
         extra = {TERM: str(self.term)} if self.term else {}
-        if any(time.monotonic() - t < LOST_REPORT_SECONDS for u, t in self.lost_at.items() if u != self.base_url):
+        if self._other_lost():
             extra[LOST] = "1"
         return {**head, **extra} if extra else head
+
+    def _other_lost(self) -> bool:
+        """The other PS of the pair lost this worker's connection within :data:`LOST_REPORT_SECONDS`."""
+        return any(time.monotonic() - t < LOST_REPORT_SECONDS for u, t in self.lost_at.items() if u != self.base_url)
 
     def _pair_answer(self, resp: Response) -> bool:
         """Read a pair's answer: its term; a refusal moves to the other PS, or votes. Whether to ask again at once."""
@@ -98,6 +104,8 @@ class Endpoint:
         except (ValueError, AttributeError):
             return False
         if code in ELSEWHERE:
+            if code == "standby" and self._other_lost():  # its primary is gone, most likely: wait for the election
+                return False
             self._move()
             return True
         if code != "election":
