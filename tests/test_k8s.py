@@ -1,5 +1,5 @@
-"""The Kubernetes manifests (deploy/k8s, deploy/k8s-shards) and PS_REQUIRE_AUTH, the PS's refusal to start
-without a token.
+"""The Kubernetes manifests (deploy/k8s, deploy/k8s-shards, deploy/k8s-standby) and PS_REQUIRE_AUTH, the PS's
+refusal to start without a token.
 
 No cluster runs here. Both kustomizations are rendered (tests/kustomize.py, and compared with ``kubectl
 kustomize`` where kubectl is installed); every rendered object is validated against the API schemas of a
@@ -11,7 +11,8 @@ whose value parses (with the pod's fields and ``$(VAR)`` references resolved as 
 start rule, the worker's name from its Job index, the shards' URLs and indexes, probes, volumes, the
 token files, the Services, the disruption budgets, the network policies, the security settings, the
 image tag and the sizing rule. Real processes: a PS and 4 workers with the pods' environment (the start
-rule, the workers' names), ``PS_REQUIRE_AUTH`` and ``WORKER_STOPPED_EXIT_CODE``.
+rule, the workers' names), deploy/k8s-standby's pair with its tokens taking over from a killed primary,
+``PS_REQUIRE_AUTH`` and ``WORKER_STOPPED_EXIT_CODE``.
 """
 from __future__ import annotations
 
@@ -264,6 +265,47 @@ def test_a_hot_standby_pair_takes_its_roles_from_the_pod_ordinal_on_two_nodes(or
     assert rule["labelSelector"]["matchLabels"].items() <= ps["spec"]["template"]["metadata"]["labels"].items()
     urls = env_values(RENDERED["standby"]["Job", "syncps-worker"])["WORKER_PS_URL"].split(",")
     assert urls == [f"http://{name}-{i}.{svc}:8000" for i in (0, 1)]
+
+
+def test_the_standby_pairs_environment_takes_over_with_the_tokens(token_files, tmp_path):
+    """Live, with deploy/k8s-standby's environment (tokens required, production mode; only addresses, ports and the
+    checkpoint folder are local): a pair of PS processes and the Job's 4 workers. The primary is kill -9'd once its
+    standby is in sync: the standby takes over (the link between the two and the workers' votes carry the training
+    token, /v1/status needs the monitoring one) and the job ends there, every worker exiting 0."""
+    ps = RENDERED["standby"]["StatefulSet", "syncps-ps"]
+    jobs = RENDERED["standby"]["Job", "syncps-worker"]
+    ps_env = {k: v for k, v in pod_env(ps, {}, token_files).items() if k not in ("PS_HOST", "PS_PORT", "PS_PROBE_PORT")}
+    steps = 300
+    c = LocalCluster(4, ps_env={**ps_env, "PS_MAX_STEPS": steps, "PS_CHECKPOINT_DIR": tmp_path / "ckpt"}, standby=True)
+    monitor = {"Authorization": f"Bearer {MONITOR}"}
+
+    def status(url: str) -> dict:
+        try:
+            return httpx.get(f"{url}/v1/status", headers=monitor, timeout=5.0).json()
+        except (httpx.HTTPError, ValueError):
+            return {}
+
+    try:
+        c.start_ps()
+        for i in range(4):
+            env = pod_env(jobs, {JOB_INDEX: str(i)}, token_files)
+            del env["WORKER_PS_URL"]  # the local pair's two URLs
+            c.start_worker(i, env={**env, "WORKER_COMPUTE_DELAY_SECONDS": "0.02"})
+        wait_for(lambda: (status(c.url).get("pair") or {}).get("standby") == "in_sync"
+                 and status(c.url)["global_step"] >= 20, 120, "training with the standby in sync")
+        c.kill(c.ps)
+        took = wait_for(lambda: (lambda s: s if (s.get("pair") or {}).get("role") == "primary" else None)(
+            status(c.peer_url)), 60, "the standby to take over")
+        assert took["pair"]["term"] == 2 and took["global_step"] < steps
+        assert c.wait_workers(120) == [0, 0, 0, 0], c.logs()
+        done = status(c.peer_url)
+        assert (done["state"], done["global_step"]) == ("done", steps)
+        assert httpx.get(f"{c.peer_url}/v1/status", timeout=5.0).status_code == 401  # no token, no status
+    except BaseException:
+        c.mark_failed()
+        raise
+    finally:
+        c.stop()
 
 
 # ---- the start rule, the Job ----------------------------------------------------------------------------

@@ -135,8 +135,8 @@ def test_the_standby_stack_puts_a_pair_with_the_same_settings_on_two_nodes(reque
     assert [ps["environment"][k] for k in ("PS_ROLE", "PS_PEER_URL")] == ["primary", "http://ps-standby:8000"]
     assert [standby["environment"][k] for k in ("PS_ROLE", "PS_PEER_URL")] == ["standby", "http://ps:8000"]
     assert worker["environment"]["WORKER_PS_URL"] == "http://ps:8000,http://ps-standby:8000"
-    same = lambda svc: {k: v for k, v in svc.items() if k not in ("environment", "ports", "deploy", "secrets")}  # noqa: E731
-    assert same(standby) == same(ps)
+    own = ("environment", "ports", "deploy", "secrets")
+    assert {k: v for k, v in standby.items() if k not in own} == {k: v for k, v in ps.items() if k not in own}
     assert sorted(standby["secrets"], key=str) == sorted(ps["secrets"], key=str)
     rest = lambda svc: {k: v for k, v in svc["deploy"].items() if k != "placement"}  # noqa: E731
     assert rest(standby) == rest(ps)

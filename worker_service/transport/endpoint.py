@@ -10,10 +10,10 @@ A hot-standby pair (``urls``: both PS processes, docs/guides/standby.md): every 
 answer carried (``x-syncps-term``: a PS of an older term refuses it, 503 ``fenced``); a lost connection, 503
 ``standby`` or ``fenced`` move the attempt to the other PS at once (but a 503 ``standby`` while the other PS lost this
 worker's connection within :data:`LOST_REPORT_SECONDS` keeps the attempts here: that standby is about to ask for
-votes, and dialing a vanished host again would cost a connect timeout, 5 s); 503 ``election`` gets this worker's vote (its
-:attr:`Endpoint.voter` name, once per term: :attr:`Endpoint.ballot`; a PS it did not vote for in that term is left
-for the one it did) and the same PS is asked again at once; then, as any 5xx, the next attempt after a backoff of
-at most :data:`PAIR_WAIT_MAX_SECONDS`. A request to one PS says when the other just lost the worker's connection
+votes, and dialing a vanished host again would cost a connect timeout, 5 s); 503 ``election`` gets this worker's
+vote (its :attr:`Endpoint.voter` name, once per term: :attr:`Endpoint.ballot`; a PS it did not vote for in that
+term is left for the one it did) and the same PS is asked again at once; then, as any 5xx, the next attempt after a
+backoff of at most :data:`PAIR_WAIT_MAX_SECONDS`. A request to one PS says when the other just lost the worker's connection
 (``x-syncps-peer-lost``): a standby then asks for votes sooner.
 """
 from __future__ import annotations
