@@ -13,8 +13,8 @@ worker's connection within :data:`LOST_REPORT_SECONDS` keeps the attempts here: 
 votes, and dialing a vanished host again would cost a connect timeout, 5 s); 503 ``election`` gets this worker's
 vote (its :attr:`Endpoint.voter` name, once per term: :attr:`Endpoint.ballot`; a PS it did not vote for in that
 term is left for the one it did) and the same PS is asked again at once; then, as any 5xx, the next attempt after a
-backoff of at most :data:`PAIR_WAIT_MAX_SECONDS`. A request to one PS says when the other just lost the worker's connection
-(``x-syncps-peer-lost``): a standby then asks for votes sooner.
+backoff of at most :data:`PAIR_WAIT_MAX_SECONDS`. A request to one PS says when the other just lost the worker's
+connection (``x-syncps-peer-lost``): a standby then asks for votes sooner.
 """
 from __future__ import annotations
 
