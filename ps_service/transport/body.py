@@ -21,6 +21,7 @@ from typing import Callable
 from starlette.requests import ClientDisconnect, Request
 
 from ps_service.core.buffers import POOL
+from ps_service.transport.unread import READ_KEY
 from shared.errors import ProtocolError
 
 #: the ASGI scope key under which a route hands its sink to the protocol (ps_service/transport/bodysink.py)
@@ -131,6 +132,7 @@ async def read_body(request: Request, limit: int, media_types: tuple[str, ...] |
             await _stream(request, take, idle_timeout)
     finally:
         request.scope.pop(SINK_KEY, None)
+    request.scope[READ_KEY] = True  # its end came: the connection may serve the next request (transport/unread.py)
     if sink is not None:
         if not sink.full:
             raise ProtocolError(400, "bad_content_length", "the body is shorter than its content-length")

@@ -3,10 +3,12 @@
 The PS answers some requests without reading their body to the end: 401 (checked before the body), 413 from
 the ``Content-Length``, 415, 408 (the body stalled), and any error a route raises before it reads. The rest of
 that body may still be on its way, so the connection cannot carry another request: its next bytes would be read
-as the old body's. :class:`CloseUnread` (the outermost ASGI middleware) watches ``receive`` and, when a response
-starts while the request's body is not complete, adds ``connection: close`` to it; the server then closes the
-connection once the response is written (uvicorn does on that header), and an HTTP client knows not to reuse it.
-A request with no body (no ``Content-Length``, or 0, and not chunked) is complete from the start.
+as the old body's. :class:`CloseUnread` (the outermost ASGI middleware), when a response starts while the request's
+body was not read to its end, adds ``connection: close`` to it; the server then closes the connection once the
+response is written (uvicorn does on that header), and an HTTP client knows not to reuse it. Every route reads its
+body with :func:`ps_service.transport.body.read_body` (ps_service/http.py), which marks the scope (:data:`READ_KEY`)
+once it received the body's end: ``receive`` itself is not wrapped. A request with no body (no ``Content-Length``,
+or 0, and not chunked) is complete from the start.
 
 Closing a socket while the peer's bytes arrive makes the kernel answer them with a reset, which can reach the client
 before it read the answer (a client still sending its body gets "connection reset" and never sees the 413).
@@ -21,6 +23,8 @@ import asyncio
 from typing import Any, Awaitable, Callable
 
 CLOSE = (b"connection", b"close")
+#: the ASGI scope key :func:`~ps_service.transport.body.read_body` sets once it received the body's end
+READ_KEY = "syncps.body_read"
 #: how long a connection closed mid-body keeps reading (and dropping) the peer's bytes after its FIN
 LINGER_SECONDS = 2.0
 
@@ -41,21 +45,13 @@ class CloseUnread:
                        send: Callable[[dict], Awaitable[None]]) -> None:
         if scope["type"] != "http" or not has_body(scope["headers"]):
             return await self.app(scope, receive, send)
-        complete = False
-
-        async def receiver() -> dict[str, Any]:
-            nonlocal complete
-            message = await receive()
-            if message["type"] == "http.request" and not message.get("more_body", False):
-                complete = True
-            return message
 
         async def sender(message: dict) -> None:
-            if message["type"] == "http.response.start" and not complete:
+            if message["type"] == "http.response.start" and not scope.get(READ_KEY):
                 message = {**message, "headers": [*message.get("headers", ()), CLOSE]}
             await send(message)
 
-        await self.app(scope, receiver, sender)
+        await self.app(scope, receive, sender)
 
 
 class LingeringTransport:
