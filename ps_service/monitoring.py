@@ -3,7 +3,7 @@
 Read-only views of the core; nothing here changes training state. The
 response shapes (and their documentation in ``/docs``) are in
 :mod:`ps_service.monitoring_models`; the straggler definition is in
-:mod:`ps_service.core.stragglers`. Routes are ``async`` so they read the core on the
+:mod:`ps_service.core.rounds`. Routes are ``async`` so they read the core on the
 event loop, never concurrently with a push.
 """
 from __future__ import annotations

@@ -17,7 +17,7 @@ from ps_service.core import ParameterServerCore
 from tests.configs import core_config
 from ps_service.monitoring import current_round, throughput
 from ps_service.core.rounds import Arrival
-from ps_service.core.stragglers import straggler
+from ps_service.core.rounds import straggler
 from shared.protocol import ModelInit, PushRequest
 
 STEPS = 16
