@@ -186,7 +186,7 @@ async def answer_push(rt, result, step: int, worker_id: str, via: str, pull: boo
 def answer_via(core, via: str) -> str:
     """The transport weights go back through. In async/ssp always the body: the optimizer updates the
     same-host weights file in place at every push, while a worker would read it (a torn read); a body's
-    bytes never change once it is handed out (ps_service/core/store.py; same-host pushes still go through
+    bytes never change once it is handed out (ps_service/core/model.py; same-host pushes still go through
     the worker's file)."""
     return via if core.modes is None else "http"
 

@@ -9,7 +9,7 @@ import threading
 
 import numpy as np
 
-from ps_service.core.store import WeightsStore
+from ps_service.core.model import WeightsStore
 from shared import frame
 from tests.live_ps import live_ps
 

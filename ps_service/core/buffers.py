@@ -5,7 +5,7 @@ faults (more than copying into it), and at 1e7 parameters over TCP, where every 
 bodies' pages (``clear_page_erms``, under the socket reads) was 17 % of the PS's CPU
 (bench/results/2026-12-01-body-buffers-reused-at-every-size-eleventh-session.jsonl).
 So the PS takes its body buffers, its snapshot frames and the frame the weights
-live in (:mod:`ps_service.core.store`) from :data:`POOL`.
+live in (:class:`ps_service.core.model.WeightsStore`) from :data:`POOL`.
 
 Contract:
 - :meth:`BufferPool.take` gives a writable view of ``n`` bytes that nothing else uses: the smallest kept buffer

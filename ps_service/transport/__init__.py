@@ -16,7 +16,7 @@ With ``PS_COMPRESSION`` on, a body push carries its float32 gradients compressed
 the seam decodes them to float32 here (422 ``compression_mismatch`` / ``bad_encoding``), so the core
 validates and applies the decoded arrays (a top-k push whose k values are finite, or a 2-bit one, is finite by
 construction: the core does not read its dense tensors for NaN/Inf again). Same-host pushes are never compressed.
-Weights go back as a float32 frame: the weights themselves, kept in that frame (:mod:`ps_service.core.store`,
+Weights go back as a float32 frame: the weights themselves, kept in that frame (:class:`ps_service.core.model.WeightsStore`,
 copy on write), moved there out of the same-host weights file at the first body answer; that file then gets a
 copy once per step, before the step's first same-host answer, and takes the weights back (no copy per step at
 all) once two steps pass with no body answer (:meth:`TensorSeam._file_current`): a body answer, maybe megabytes

@@ -5,7 +5,7 @@ Contract:
   ``PS_SHM_DIR``, kind ``W``): from then on the optimizer updates them there, in place, and every
   same-host worker maps them read-only. It returns the file's name, nonce and size; a worker that maps
   it and reads the same nonce is on this host. :meth:`published` writes the global step into its marker.
-  The weights may move out again (the frame of the body answers, ``core/store.py``): then
+  The weights may move out again (the frame of the body answers, ``core/model.py``): then
   :meth:`mirror` copies a step's weights into the file (marker -1 meanwhile, then the step), and
   :meth:`adopt` makes the file's arrays the core's again; :meth:`holds` says where they are
   (the policy is the seam's: ``TensorSeam._file_current``).
