@@ -51,9 +51,8 @@ class NaiveRound(Round):
         return min((self.key(w) for w in self.eligible if w not in self.acc and w not in self.skipped and w != but),
                    default=None)
 
-    def accept(self, *args, **kwargs) -> Progress:
-        super().accept(*args, **kwargs)
-        return self.naive_progress(args[5])  # where the round stands, by the scans
+    def progress(self, rule, now: float | None) -> Progress:
+        return self.naive_progress(now)  # where the round stands, by the scans
 
 
 def naive_progress(rule, r: Round, alive, now: float | None = None, deadline_from: float | None = None) -> Progress:

@@ -399,11 +399,14 @@ class ParameterServerCore(ModelState):
             return
         eligible = {m.worker_id: m.rank for m in self.members.active()}
         self.round = Round(self.global_step, now, eligible, Accumulator(tuple(self.weights), self.config.aggregation),
-                           self.members.is_active)
+                           self.members.is_active, lambda w: self.members.by_id[w].name)
 
     def _close(self, now: float, reason: str) -> None:
+        self._closed(now, *self.round.close(now, reason, self.rule.replicas_to_aggregate))
+
+    def _closed(self, now: float, rec: RoundRecord, total, n: int) -> None:
+        """The open round closed (its record, its sum or None, the mean's n): observers, the update, the next round."""
         r = self.round
-        rec, total, n = r.close(now, reason, lambda w: self.members.by_id[w].name, self.rule.replicas_to_aggregate)
         if self.on_decided is not None:
             self.on_decided(rec)
         if self.on_step is not None:
@@ -572,7 +575,9 @@ class ParameterServerCore(ModelState):
             elif status is PushStatus.LATE:  # for the round that just closed: its record lists it
                 self.rounds[-1] = replace(self.rounds[-1], late=(*self.rounds[-1].late, at))
             return
-        if p.reason is not None:
+        if p.closed is not None:  # the round's rule closed it (Round.accept)
+            self._closed(now, *p.closed)
+        elif p.reason is not None:
             self._close(now, p.reason)
         elif p.stuck:
             self.tick(now)  # recalls

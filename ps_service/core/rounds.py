@@ -134,6 +134,8 @@ class Progress:
     effective: int  # contributions it closes with (R; R out of reach or elastic: what its live members bring)
     round: Round | None = field(default=None, repr=False, compare=False)
     but: str | None = field(default=None, repr=False, compare=False)  # a member taken as not alive
+    #: the push that this progress follows closed the round: :meth:`Round.close`'s (record, sum, n)
+    closed: tuple | None = field(default=None, repr=False, compare=False)
 
     @cached_property
     def awaited(self) -> tuple[str, ...]:
@@ -150,6 +152,10 @@ def _always(worker_id: str) -> bool:
     return True
 
 
+def _itself(worker_id: str) -> str:
+    return worker_id
+
+
 @dataclass
 class Round:
     step: int
@@ -158,6 +164,8 @@ class Round:
     acc: Accumulator
     #: alive(worker_id): an active member (the round's counts follow :meth:`member_changed`)
     alive: Callable[[str], bool] = field(default=_always, repr=False, compare=False)
+    #: name_of(worker_id): a member's name (the record's ``missing``)
+    name_of: Callable[[str], str] = field(default=_itself, repr=False, compare=False)
     arrivals: list[Arrival] = field(default_factory=list)
     late: list[Arrival] = field(default_factory=list)
     losses: list[tuple[float, int]] = field(default_factory=list)  # (loss, examples)
@@ -261,10 +269,10 @@ class Round:
 
     def accept(self, arrival: Arrival, grads, loss: float | None, examples: int | None, rule: CloseRule,
                now: float | None, onto=None) -> Progress:
-        """An accepted gradient, and where the round stands then (``rule.progress`` at ``now``). Elastic (every
+        """An accepted gradient, and where the round stands then (:meth:`progress` at ``now``); when the rule says it
+        closes, it is closed at the arrival's time (the progress's ``closed``: :meth:`close`'s). Elastic (every
         eligible member may still push), the sum starts on the lowest ranks before they all are in. ``onto``: what it
-        was summed onto
-        (:meth:`Accumulator.apply`)."""
+        was summed onto (:meth:`Accumulator.apply`)."""
         wid = arrival.worker_id
         before = self.standing(wid, True)  # an active member: its push was just admitted
         pending = self._pending(wid, not rule.replicas_to_aggregate)
@@ -274,6 +282,13 @@ class Round:
         if loss is not None:
             self.losses.append((loss, examples or 1))
         self.examples += examples or 0
+        p = self.progress(rule, now)
+        if p.reason is not None:
+            p.closed = self.close(arrival.at, p.reason, rule.replicas_to_aggregate)
+        return p
+
+    def progress(self, rule: CloseRule, now: float | None) -> Progress:
+        """Where the round stands by ``rule`` at ``now`` (None: the deadline ignored)."""
         return rule.progress(self, now)
 
     def skip(self, arrival: Arrival) -> None:
@@ -311,13 +326,13 @@ class Round:
         loss = sum(v * n for v, n in self.losses) / total if total else None
         return loss if loss is not None and math.isfinite(loss) else None  # huge losses can overflow the mean
 
-    def close(self, now: float, reason: str, name_of: Callable[[str], str], replicas: int | None):
+    def close(self, now: float, reason: str, replicas: int | None):
         """(its :class:`RoundRecord`, the rank-order sum to apply or None, n: the sum / n is the mean): the round's
         gradients summed and checked; a sum that overflows applies none of them, and the record says so."""
         keys = self.acc.keys
         total, n = self.acc.take_sum() if keys else (None, 1)
         applied = keys if total is not None else {}
-        missing = [(name_of(w), rank) for w, rank in self.eligible.items()
+        missing = [(self.name_of(w), rank) for w, rank in self.eligible.items()
                    if w not in applied and w not in self.skipped]
         came = sorted([*self.arrivals, *self.skips], key=lambda a: a.at) if self.skips else self.arrivals
         return RoundRecord(
