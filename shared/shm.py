@@ -186,15 +186,13 @@ class PeerRegion:
         self.mapping = mmap.mmap(fd, region_bytes(layout), access=mmap.ACCESS_READ)
         at = HEADER_BYTES + len(frame.header(layout))
         self.data = np.frombuffer(self.mapping, np.uint8, layout.data_bytes, at)
+        #: the tensors over the mapping (read-only arrays), made once
+        self.tensors: dict[str, np.ndarray] | None = layout.views(self.data)
 
     @property
     def marker(self) -> int:
         return _MARKER.unpack_from(self.mapping, _MARKER_AT)[0]
 
-    def views(self) -> dict[str, np.ndarray]:
-        """The tensors over the mapping (read-only arrays)."""
-        return self.layout.views(self.data)
-
     def close(self) -> None:
         """Drop this object's hold on the mapping (it goes with the last array over it)."""
-        self.data = None
+        self.data = self.tensors = None

@@ -208,8 +208,8 @@ class ShmHub:
             raise ProtocolError(409, "shm_torn", "the gradient file does not hold that push (rewritten?)")
 
         out = self.layout.views(self._buffer())
-        if base is None or read_checked(region.views(), out, base) is not None:  # a sum not finite: alone then
-            base, bad = None, read_checked(region.views(), out)
+        if base is None or read_checked(region.tensors, out, base) is not None:  # a sum not finite: alone then
+            base, bad = None, read_checked(region.tensors, out)
         else:
             bad = None
         if region.marker != seq:  # rewritten while it was read: what was read may mix two pushes
