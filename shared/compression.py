@@ -270,19 +270,20 @@ def check_declared(spec: Spec, declared: str | None, via_body: bool) -> None:
 
 
 def decode_push(spec: Spec, declared: str | None, tensors: Mapping[str, np.ndarray],
-                model: Mapping[str, np.ndarray], alloc: Alloc = fresh) -> Mapping[str, np.ndarray | SparseTensor]:
+                model: Mapping[str, np.ndarray], alloc: Alloc = fresh
+                ) -> tuple[Mapping[str, np.ndarray | SparseTensor], bool]:
     """A body push's tensors as the core takes them: the compressed ones decoded to float32 (top-k ones as
-    :class:`SparseTensor`; dense ones into memory from ``alloc``). Tensors the model does not have are left as they
-    are (the core refuses them)."""
+    :class:`SparseTensor`; dense ones into memory from ``alloc``), and whether they are :func:`known_finite`. Tensors
+    the model does not have are left as they are (the core refuses them)."""
     check_declared(spec, declared, via_body=True)
     if not spec.on:
-        return tensors
+        return tensors, False
     out = dict(tensors)
     for name, wire in tensors.items():
         ref = model.get(name)
         if ref is not None and spec.compresses(name, ref.dtype):
             out[name] = decode_tensor(spec, name, tuple(ref.shape), wire, alloc)
-    return out
+    return out, known_finite(spec, tensors, model)
 
 
 def known_finite(spec: Spec, wire: Mapping[str, np.ndarray], model: Mapping[str, np.ndarray]) -> bool:

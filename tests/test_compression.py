@@ -43,7 +43,7 @@ def test_round_trip_and_residual(name, n, seed, ratio, threshold):
         before = comp.residuals.get("w", np.zeros(n, F32)).copy()
         wire = comp.encode(g)
         assert wire["d"] is g["d"]  # float64 tensors travel as they are
-        dec = {k: C.dense(v) for k, v in C.decode_push(spec, name, wire, model).items()}
+        dec = {k: C.dense(v) for k, v in C.decode_push(spec, name, wire, model)[0].items()}
         assert dec["w"].dtype == F32 and dec["w"].shape == (n,)
         if name in ("bf16", "fp16"):
             assert np.array_equal(dec["w"], g["w"].astype(bfloat16() if name == "bf16" else np.float16).astype(F32))
@@ -144,7 +144,7 @@ def test_nonfinite():
     comp = C.Compressor(spec)
     g = np.ones(1000, F32)
     g[500] = np.nan
-    dec = {k: C.dense(v) for k, v in C.decode_push(spec, "topk", comp.encode({"w": g}), {"w": g}).items()}
+    dec = {k: C.dense(v) for k, v in C.decode_push(spec, "topk", comp.encode({"w": g}), {"w": g})[0].items()}
     assert np.isnan(dec["w"][500])  # sent, so the PS refuses (or skips) it ...
     assert not comp.residuals["w"].any()  # ... and the residual does not keep poison
     with pytest.raises(C.NonFiniteGradient):
@@ -189,10 +189,10 @@ def test_hostile_tensors_are_422():
     ]
     for spec, tensors in cases:
         assert refused(C.decode_push, spec, spec.name, tensors, model).code == "bad_encoding", (spec, tensors)
-    ok = C.decode_push(two, "2bit", {"w": np.array([0xC0, 0x000000C0], np.uint32)}, model)["w"].reshape(-1)
+    ok = C.decode_push(two, "2bit", {"w": np.array([0xC0, 0x000000C0], np.uint32)}, model)[0]["w"].reshape(-1)
     assert ok[0] == 0.5 and ok[16] == 0.5 and np.count_nonzero(ok) == 2
     stray = {"w": u([0], val(1)), "zz": np.zeros(2, F32)}  # a name the model lacks: left to the core
-    assert C.decode_push(topk, "topk", stray, model)["zz"] is stray["zz"]
+    assert C.decode_push(topk, "topk", stray, model)[0]["zz"] is stray["zz"]
     for spec, declared in [(topk, None), (topk, "2bit"), (C.Spec(), "topk")]:
         assert refused(C.decode_push, spec, declared, {}, model).code == "compression_mismatch"
     assert refused(C.check_declared, topk, "topk", via_body=False).code == "compression_mismatch"  # same-host
@@ -230,7 +230,7 @@ def test_live_ps_applies_the_decoded_gradients_exactly(name):
                 assert c.pull(step, regs[i]["worker_id"], 5.0).step == step
                 assert c.push(regs[i]["worker_id"], step, grads_of(rng, SHAPES), 1.0, 8)["status"] == "accepted"
             # replay: decode what each rank sent, sum in rank order, mean, w -= g * lr (float32)
-            decoded = [C.decode_push(C.Spec(name, 0.05, 0.25), name, sent[i][step], init) for i in (0, 1)]
+            decoded = [C.decode_push(C.Spec(name, 0.05, 0.25), name, sent[i][step], init)[0] for i in (0, 1)]
             for k in weights:
                 acc = C.dense(decoded[0][k]).copy()
                 acc += C.dense(decoded[1][k])

@@ -162,8 +162,8 @@ class TensorSeam:
         declared = f.meta.get("compression")
         if seq is None:
             self.bytes_in += size
-            tensors = compression.decode_push(self.compression, declared, f.tensors, core.weights, _pooled)
-            checked = compression.known_finite(self.compression, f.tensors, core.weights)  # top-k values, 2-bit
+            # decoded, and known finite (top-k values, 2-bit) or not
+            tensors, checked = compression.decode_push(self.compression, declared, f.tensors, core.weights, _pooled)
             return replace(push, tensors=tensors, finite_checked=checked), "http"
         if declared not in (None, "none"):  # same-host pushes are never compressed
             compression.check_declared(self.compression, declared, via_body=False)
