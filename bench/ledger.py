@@ -52,12 +52,6 @@ PATHS: dict[str, FastPath] = {
           'return RawConnection(base_url) if base_url.startswith("http://") else HttpxConnection(base_url)',
           "return HttpxConnection(base_url)"),),
         ("http:1000:2", "http:1000000:2", "http:10000000:2")),
-    "shm-onto": FastPath(
-        "ps_service/transport/__init__.py (a same-host push read onto the sum it joins, as core.admit offers it)",
-        "each same-host push copied alone, then folded into the sum",
-        (("ps_service/transport/__init__.py",
-          "push.step if join and seq is not None else None)", "None)"),),
-        ("shm:1000000:4", "shm:10000000:4")),
 }
 
 

@@ -78,9 +78,6 @@ class PushRequest:
     #: the values were checked for NaN/Inf already, in memory nobody else writes (a same-host push copied and
     #: checked as read, a top-k push's finite values, a shard's held pieces): the core checks only their layout
     finite_checked: bool = False
-    #: ``tensors`` are these arrays (what the core's ``admit`` offered) plus the push, made as it was read and
-    #: checked finite: the core takes them as the push folded into its sum
-    onto: Mapping[str, np.ndarray] | None = None
 
 
 @dataclass(frozen=True)

@@ -95,19 +95,9 @@ def operation(op, now: float):
     if kind == "push":
         offset, finite = op[2], op[3]
         value = np.float32(np.nan) if not finite else np.float32(0.1 * 3.7 ** NAMES.index(name))
-        return lambda c: c.push(pushed(c, wid(c), c.global_step + offset,
-                                       {"w": np.full(3, value + c.global_step, np.float32)}), now)
+        return lambda c: c.push(PushRequest(wid(c), c.global_step + offset,
+                                            {"w": np.full(3, value + c.global_step, np.float32)}), now)
     return lambda c: getattr(c, kind)(wid(c), now)
-
-
-def pushed(core, worker_id: str, step: int, tensors: dict) -> PushRequest:
-    """The push; into the incremental core, as a same-host read makes it when the core offers a sum to join
-    (``admit`` with the step: the base plus the push, finite, ``onto`` the base), so the oracle checks that path too."""
-    base = None if isinstance(core, NaiveCore) or worker_id not in core.members.active_by_id \
-        else core.admit(worker_id, step)
-    if base is None or not all(np.isfinite(t).all() for t in tensors.values()):
-        return PushRequest(worker_id, step, tensors)
-    return PushRequest(worker_id, step, {k: base[k] + t for k, t in tensors.items()}, finite_checked=True, onto=base)
 
 
 def snapshot(core: ParameterServerCore, now: float) -> dict:
@@ -165,25 +155,3 @@ def test_the_incremental_core_decides_exactly_as_the_scans(cfg, first, script):
         check_counts(cores[0], now)
         assert snapshot(cores[0], now) == snapshot(cores[1], now), step
     assert cores[0].weights["w"].tobytes() == cores[1].weights["w"].tobytes()
-
-
-@settings(max_examples=30, deadline=None)
-@given(order=st.permutations(range(4)))
-def test_pushes_summed_onto_what_the_core_offers_give_the_same_bits(order):
-    """Four workers pushing in any order: read-and-summed onto what ``admit`` offers (the running sum, or the gradient
-    next in rank order) or pushed alone, the weights are the same bits; in every order a push finds a sum to join."""
-    weights, joined = [], 0
-    for summed in (False, True):
-        core = ParameterServerCore(core_config(min_workers=4, startup_grace_seconds=0.0))
-        core.init_model(ModelInit({"w": np.zeros(1000, np.float32)}, {"name": "sgd", "learning_rate": 0.5}), 0.0)
-        ids = [core.register(f"w{i}", 0.0)[0].worker_id for i in range(4)]
-        rng = np.random.default_rng(7)
-        grads = [rng.standard_normal(1000).astype(np.float32) * 10.0 ** i for i in range(4)]
-        for i in order:
-            req = pushed(core, ids[i], 0, {"w": grads[i]}) if summed else PushRequest(ids[i], 0, {"w": grads[i]})
-            joined += req.onto is not None
-            assert core.push(req, 1.0).status.value == "accepted"
-        assert core.global_step == 1
-        weights.append(core.weights["w"].tobytes())
-    assert weights[0] == weights[1]
-    assert joined >= 1

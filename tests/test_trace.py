@@ -10,7 +10,7 @@ from bench import trace
 #: the most moves between files from the route's entry to the optimizer's apply that each scenario may take (what
 #: docs/architecture.md quotes; issue 48 aims at 25 for TCP and 30 for same-host). A sharded commit's count varies
 #: with the follower's apply, which runs in another thread of the same process meanwhile (49-95 seen)
-ROUTE_MOVES = {"tcp": 26, "shm": 44, "topk": 34, "sharded": 110}
+ROUTE_MOVES = {"tcp": 26, "shm": 40, "topk": 34, "sharded": 110}
 
 
 @pytest.mark.parametrize("scenario", trace.SCENARIOS)

@@ -425,19 +425,12 @@ class ParameterServerCore(ModelState):
         self.rates.sample(now, (self.rounds_closed, self.examples, self.gradients_applied))
 
     # ---- pushes ------------------------------------------------------------------------
-    def admit(self, worker_id: str | None, step: int | None = None) -> dict[str, np.ndarray] | None:
+    def admit(self, worker_id: str | None) -> None:
         """The refusals a push meets before its tensors are read (docs/protocol.md's order): the model must be
         initialised (``not_initialized``), the worker known (``unknown_worker``) and active (``not_active``);
         ``worker_id`` None: the model only (a sharded PS's held pieces). The transports ask this first, so a push
-        they cannot decode without the model, or from a worker that must register, is refused as the core would.
-        With ``step``: the arrays a finite push of that step would join at once (:meth:`Round.base_for`), or None: a
-        transport may read the push as ``base + push``, checked, and push that at once with ``onto=base``."""
-        m = self._member(worker_id)
-        r = self.round
-        if step is None or m is None or r is None or self.modes is not None \
-                or self.classify(m, step, True) is not PushStatus.ACCEPTED:
-            return None
-        return r.base_for(m.worker_id, eager=not self.rule.replicas_to_aggregate)
+        they cannot decode without the model, or from a worker that must register, is refused as the core would."""
+        self._member(worker_id)
 
     def claim(self, worker_id: str, step: int, overdue: bool = False) -> bool:
         """May the tensors of ``worker_id``'s push for ``step`` be read now (:mod:`ps_service.core.intake`: in rank
@@ -564,7 +557,7 @@ class ParameterServerCore(ModelState):
     def _take(self, m: Member, req: PushRequest, status: PushStatus, now: float, grads) -> None:
         r, wid, at = self.round, m.worker_id, Arrival(m.worker_id, m.name, m.rank, now)
         if status is PushStatus.ACCEPTED:  # the round's rule then (leases and start-up are the tick's)
-            p = r.accept(at, grads, req.loss, req.num_examples, self.rule, self._rule_now(r, now), req.onto)
+            p = r.accept(at, grads, req.loss, req.num_examples, self.rule, self._rule_now(r, now))
             self.examples += req.num_examples or 0
         elif status is PushStatus.SKIPPED and req.step == self.global_step and wid in r.eligible and wid not in r.acc:
             r.skip(at)  # its part in the round is over: do not wait for it

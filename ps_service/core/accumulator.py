@@ -21,9 +21,6 @@ Contract:
 - One gradient type: owned arrays (dense, or a top-k push's :class:`~shared.compression.SparseTensor`). Whatever
   carried them (a body, a same-host file: its transport copied and checked it into a buffer of the PS's own,
   ps_service/transport/shm.py), the accumulator owns them once they are applied and never reads a sender's memory.
-  A push may come summed already: ``apply(..., onto=base)`` with ``base`` what :meth:`Accumulator.base_for` gave
-  just before (the running sum, or the waiting gradient next in rank order) and the arrays ``base + gradient``,
-  made and checked finite as its transport read it (one pass): they are the running sum from then on, same bits.
 - **What is applied is finite.** Every sum that was added to in place unchecked is read once for NaN/Inf when the
   round ends (``take_sum``): finite gradients can overflow when added (two float32 3e38 make inf). Not finite:
   :attr:`~Accumulator.spoiled` (:attr:`~Accumulator.overflow` names the tensor), the round applies nothing.
@@ -49,7 +46,6 @@ from shared.compression import F32, SparseTensor, dense
 from ps_service.core.errors import CoreError
 
 Key = tuple[int, str]  # (rank, worker_id): the order of the sum
-_TOP: Key = (float("inf"), "")  # after every key
 
 
 #: elements read and checked at a time by :func:`read_checked` (a chunk stays in the cache)
@@ -86,25 +82,15 @@ def finite(g: np.ndarray | SparseTensor) -> bool:
     return True
 
 
-def read_checked(src: Mapping[str, np.ndarray], out: Mapping[str, np.ndarray],
-                 base: Mapping[str, np.ndarray] | None = None) -> str | None:
-    """``out = src`` (or ``out = base + src``), then ``out`` checked for NaN/Inf while it is in the cache (whole up
+def read_checked(src: Mapping[str, np.ndarray], out: Mapping[str, np.ndarray]) -> str | None:
+    """``out = src``, then ``out`` checked for NaN/Inf while it is in the cache (whole up
     to :data:`WHOLE_BYTES` a tensor, else chunk by chunk): ``src`` is read exactly once and what is checked is
     what is kept, whatever writes into ``src`` meanwhile. The first tensor with a NaN/Inf in ``out`` (from
-    ``src``, or a sum that overflows) at which it stopped, or None (``out`` is complete)."""
-    with np.errstate(over="ignore", invalid="ignore"):  # an overflowing sum is found below, not warned about
-        return _read_checked(src, out, base)
-
-
-def _read_checked(src, out, base) -> str | None:
+    ``src``) at which it stopped, or None (``out`` is complete)."""
     for name, o in out.items():
         s, o1 = src[name].reshape(-1), o.reshape(-1)
-        b = None if base is None else base[name].reshape(-1)
         if o1.nbytes <= WHOLE_BYTES:  # whole: it stays in the last-level cache for its check
-            if b is None:
-                np.copyto(o1, s)
-            else:
-                np.add(b, s, out=o1)
+            np.copyto(o1, s)
             if not finite(o1):
                 return name
             continue
@@ -112,10 +98,7 @@ def _read_checked(src, out, base) -> str | None:
         for lo in range(0, o1.size, CHUNK_ELEMENTS):
             hi = lo + CHUNK_ELEMENTS
             oc = o1[lo:hi]
-            if b is None:
-                np.copyto(oc, s[lo:hi])
-            else:
-                np.add(b[lo:hi], s[lo:hi], out=oc)
+            np.copyto(oc, s[lo:hi])
             if zeros is None:
                 if not finite(oc):
                     return name
@@ -232,42 +215,16 @@ class Accumulator:
     def __contains__(self, worker_id: object) -> bool:
         return worker_id in self.keys
 
-    def base_for(self, key: Key, pending: Iterable[Key] | None) -> dict[str, np.ndarray] | None:
-        """The arrays a gradient of ``key`` would be added to at once by :meth:`apply` with ``pending``: the running
-        sum, or, none yet, the lowest waiting gradient (next in rank order); None: it would wait (or not arrays)."""
-        queue = self.queue
-        if pending is None or self.spoiled or (queue and queue[0] < key) or not key < min(pending, default=_TOP):
-            return None
-        if self.acc is not None:
-            base = self.acc
-        elif queue and queue[0] < min(pending, default=_TOP):
-            base = self.waiting[queue[0][1]]
-        else:
-            return None
-        return base if all(type(a) is np.ndarray for a in base.values()) else None
-
     def apply(self, worker_id: str, rank: int, grads: Mapping[str, np.ndarray | SparseTensor],
-              pending: Iterable[Key] | None = None, onto: Mapping[str, np.ndarray] | None = None) -> None:
+              pending: Iterable[Key] | None = None) -> None:
         """Take ``worker_id``'s validated gradient (its arrays are the accumulator's from now on); fold in what
-        sorts before every key in ``pending`` (the gradients still possible; None: unknown, fold nothing yet).
-        ``onto``: ``grads`` is that :meth:`base_for` plus the gradient, checked finite: the running sum from now on."""
+        sorts before every key in ``pending`` (the gradients still possible; None: unknown, fold nothing yet)."""
         key = (rank, worker_id)
         if worker_id in self.keys or (self.folded and key < self.folded[-1]):
             raise AssertionError(f"gradient {key} is a repeat or sorts before the summed prefix {self.folded}")
-        if onto is not None and onto is not self.base_for(key, pending):
-            raise AssertionError(f"gradient {key} was summed onto what base_for no longer gives")
         self.keys[worker_id] = key
-        if onto is not None:
-            if onto is not self.acc:  # the lowest waiting gradient's: both are the sum's start
-                second = heapq.heappop(self.queue)
-                del self.waiting[second[1]]
-                self.folded.append(key)
-                key = second
-            self.folded.append(key)
-            self.acc, self._finite = {name: grads[name] for name in self.names}, True
-        else:
-            self.waiting[worker_id] = grads
-            heapq.heappush(self.queue, key)
+        self.waiting[worker_id] = grads
+        heapq.heappush(self.queue, key)
         if pending is not None:
             self._fold(min(pending, default=None))
 

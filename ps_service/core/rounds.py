@@ -222,12 +222,10 @@ class Round:
         """The waiting members' ids in rank order (O(K): monitoring); ``but`` is taken as not alive."""
         return tuple(w for _, w in self.order if w != but and self.standing(w)[1])
 
-    def _first_pending(self, but: str | None, move: bool = True) -> Key | None:
+    def _first_pending(self, but: str | None) -> Key | None:
         """The lowest key that may still bring a gradient (``but`` is bringing its own now); the frontier moves
-        there unless ``move`` is False (the keys before ``but``'s never go back to pending once it is in)."""
-        i = self._pending_at(self.frontier, but)
-        if move:
-            self.frontier = i
+        there (the keys before ``but``'s never go back to pending once it is in)."""
+        i = self.frontier = self._pending_at(self.frontier, but)
         return self.order[i] if i < len(self.order) else None
 
     def _pending_at(self, i: int, but: str | None) -> int:
@@ -256,27 +254,22 @@ class Round:
         j = self._pending_at(i + 1, None)
         return (order[i][1],) if j == len(order) else (order[i][1], order[j][1])
 
-    def _pending(self, worker_id: str, eager: bool, move: bool = True) -> tuple[Key, ...] | None:
+    def _pending(self, worker_id: str, eager: bool) -> tuple[Key, ...] | None:
         """What may still sort before ``worker_id``'s gradient: the lowest pending key (eager), or None (unknown)."""
         if not eager:
             return None
-        first = self._first_pending(worker_id, move)
+        first = self._first_pending(worker_id)
         return () if first is None else (first,)
 
-    def base_for(self, worker_id: str, eager: bool):
-        """What an accepted gradient of this member would be added to at once (:meth:`Accumulator.base_for`)."""
-        return self.acc.base_for(self.key(worker_id), self._pending(worker_id, eager, move=False))
-
     def accept(self, arrival: Arrival, grads, loss: float | None, examples: int | None, rule: CloseRule,
-               now: float | None, onto=None) -> Progress:
+               now: float | None) -> Progress:
         """An accepted gradient, and where the round stands then (:meth:`progress` at ``now``); when the rule says it
         closes, it is closed at the arrival's time (the progress's ``closed``: :meth:`close`'s). Elastic (every
-        eligible member may still push), the sum starts on the lowest ranks before they all are in. ``onto``: what it
-        was summed onto (:meth:`Accumulator.apply`)."""
+        eligible member may still push), the sum starts on the lowest ranks before they all are in."""
         wid = arrival.worker_id
         before = self.standing(wid, True)  # an active member: its push was just admitted
         pending = self._pending(wid, not rule.replicas_to_aggregate)
-        self.acc.apply(wid, self.eligible[wid], grads, pending, onto)
+        self.acc.apply(wid, self.eligible[wid], grads, pending)
         self._count(wid, before, True)
         self.arrivals.append(arrival)
         if loss is not None:

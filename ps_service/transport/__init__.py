@@ -120,7 +120,7 @@ class TensorSeam:
                    ) -> tuple[PushResult, PushRequest, str]:
         """A worker's push read and given to the core at ``clock()``: (the core's result, the push, the transport
         to answer through). A dense push in the body is one core call (its checks first); a compressed or same-host
-        one is admitted first, and a same-host one read onto the sum it joins at once, if the core offers one.
+        one is admitted first.
         ``turn``: the tensors of a large push are read only once it returns (ps_service/core/intake.py): a body's
         after its frame header, a same-host file's after the body."""
         claimed: list[str] = []
@@ -131,7 +131,7 @@ class TensorSeam:
                 await turn(push.worker_id, push.step, self.settings.lease_seconds)
                 claimed.append(push.worker_id)
             if seq is not None or self.compression.name != "none" or f.meta.get("compression") is not None:
-                push, via = self._tensors(push, seq, f, size, True, join=True)
+                push, via = self._tensors(push, seq, f, size, True)
             else:
                 self.bytes_in, via = self.bytes_in + size, "http"
             result = self.core.push(push, clock())
@@ -153,12 +153,12 @@ class TensorSeam:
         f, size = await self._frame(request, turn=turn, claimed=claimed)
         return *parse_push_meta(f.meta, f.tensors), f, size
 
-    def _tensors(self, push: PushRequest, seq: int | None, f: frame.Frame, size: int, members: bool,
-                 join: bool = False) -> tuple[PushRequest, str]:
-        """The push with the arrays the core takes, after the core's refusals: decoded, or read out of the worker's
-        same-host file (``join``: onto the sum the core offers; the push then goes to the core at once)."""
+    def _tensors(self, push: PushRequest, seq: int | None, f: frame.Frame, size: int, members: bool
+                 ) -> tuple[PushRequest, str]:
+        """The push with the arrays the core takes, after the core's refusals: decoded, or copied out of the worker's
+        same-host file."""
         core = self.core
-        base = core.admit(push.worker_id if members else None, push.step if join and seq is not None else None)
+        core.admit(push.worker_id if members else None)
         declared = f.meta.get("compression")
         if seq is None:
             self.bytes_in += size
@@ -169,8 +169,8 @@ class TensorSeam:
             compression.check_declared(self.compression, declared, via_body=False)
         if f.tensors:
             raise bad_request("bad_field", "a push with shm_seq carries no tensors in its body")
-        tensors, finite, onto = self.shm.gradients(push.worker_id, seq, base)  # base + push, in the pass that reads
-        return replace(push, tensors=tensors, finite_checked=finite, onto=onto), "shm"
+        tensors, finite = self.shm.gradients(push.worker_id, seq)
+        return replace(push, tensors=tensors, finite_checked=finite), "shm"
 
     async def receive_model(self, request: Request) -> ModelInit:
         """A model's upload. Every worker of a new job may send one at once: a large one is read one at a time, and

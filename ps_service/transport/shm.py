@@ -194,11 +194,9 @@ class ShmHub:
         for worker_id in [w for w in self.attached if w not in keep]:
             self.detach(worker_id)
 
-    def gradients(self, worker_id: str, seq: object, base: dict[str, np.ndarray] | None = None
-                  ) -> tuple[dict[str, np.ndarray], bool, dict[str, np.ndarray] | None]:
-        """One push's gradients, copied out of the worker's file into a buffer of the PS's own (``base + push``,
-        finite, when ``base`` is given and that sum is), whether they are finite (checked as copied; not: the core's
-        own check refuses or skips the push), and the base they were added to (None: the push alone)."""
+    def gradients(self, worker_id: str, seq: object) -> tuple[dict[str, np.ndarray], bool]:
+        """One push's gradients, copied out of the worker's file into a buffer of the PS's own, and whether they are
+        finite (checked as copied; not: the core's own check refuses or skips the push)."""
         region = self.attached.get(worker_id)
         if region is None or self.layout is None:
             raise ProtocolError(409, "shm_not_attached", "this worker has no gradient file here: attach again")
@@ -208,14 +206,11 @@ class ShmHub:
             raise ProtocolError(409, "shm_torn", "the gradient file does not hold that push (rewritten?)")
 
         out = self.layout.views(self._buffer())
-        if base is None or read_checked(region.tensors, out, base) is not None:  # a sum not finite: alone then
-            base, bad = None, read_checked(region.tensors, out)
-        else:
-            bad = None
+        bad = read_checked(region.tensors, out)
         if region.marker != seq:  # rewritten while it was read: what was read may mix two pushes
             raise ProtocolError(409, "shm_torn", "the gradient file was rewritten during the push")
         self.bytes_in += self.layout.data_bytes
-        return out, bad is None, base
+        return out, bad is None
 
     def _buffer(self) -> np.ndarray:
         """A buffer that no round holds any more, else a fresh one (kept for reuse up to MAX_SPARE + attached)."""
