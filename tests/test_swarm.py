@@ -1,11 +1,13 @@
 """``docker stack deploy`` for real: the repository's docker-stack.yml and deploy/swarm/deploy.sh on a swarm
 made by the test, on one node and on two (``../shared/docker/swarm-2node.sh``: a second Docker engine joined
-as a worker node, reached over the overlay network as another host).
+as a worker node, reached over the overlay network as another host), and on two nodes the hot-standby pair of
+deploy/swarm/standby.yml, its primary's node cut off (issue 51's drill).
 
 Each test makes its own swarm and leaves it in its teardown, also after a failure: stacks removed with their
 volumes, secrets removed, node 2 and its image store removed, ``docker swarm leave --force``; the teardown
 checks nothing is left. Node 2's engine, with the image copied into it, is started by a thread while the
-one-node tests run (not joined to their swarms), so the two-node test only has to join it. Skipped (and
+one-node tests run (not joined to their swarms), so the first two-node test only has to join it (the next one
+starts it again: each test's teardown removes node 2). Skipped (and
 listed under "degraded checks") like the compose tests when no Docker engine answers or ``SYNCPS_SKIP_COMPOSE`` is set, and when this engine is already in a swarm (never touched).
 Measured times are printed past the capture (``pytest -m compose`` runs these with the compose tests).
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import re
 import shlex
 import time
+from types import SimpleNamespace
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
@@ -24,7 +27,7 @@ import yaml
 
 from ps_service.settings import PSSettings
 from tests.compose_util import IMAGE, build_image, docker
-from cluster.processes import wait_for
+from cluster.processes import free_port, wait_for
 from tests.conftest import degraded
 from tests.reference import train_reference
 from tests.timing import allow
@@ -226,19 +229,9 @@ def test_two_nodes_train_exactly_then_lose_node_2_and_finish(swarm, node2_starte
     workers finish the job. The three stacks are deployed together (their container start-up overlaps); job 2 is
     paced (~25 rounds/s measured here), so it is still early in its 800 steps when jobs 1 and 3 (60 unpaced steps)
     are done and node 2 may go."""
-    reason = two_nodes_unavailable()
-    if reason:
-        skip(request, "two-node swarm test (test_swarm.py)", reason)
     t0 = time.monotonic()
-    try:
-        ahead = node2_started.result(timeout=600) if node2_started is not None else None
-    except Exception as exc:  # started the usual way below (swarm-2node.sh up copies the image)
-        print(f"node 2 could not be started ahead: {exc}")
-        ahead = None
-    swarm.join_node2(IMAGE, started=ahead is not None)
-    run(shlex.split(DOCUMENTED["heartbeat"]))  # as the guide says: a node cut off for less than 40 s keeps its tasks
+    how = _join_node2(swarm, node2_started, request, "two-node swarm test (test_swarm.py)")
     t_node = time.monotonic() - t0
-    how = f"started ahead in {ahead:.1f} s, joined" if ahead is not None else "up"
     swarm.create_secrets()
     spread = {"placement": {"max_replicas_per_node": 2}}
     start = {"PS_MIN_WORKERS": 4, "PS_STARTUP_GRACE_SECONDS": 0}
@@ -305,6 +298,25 @@ def test_two_nodes_train_exactly_then_lose_node_2_and_finish(swarm, node2_starte
         assert swarm.nodes().get(manager) == "Ready"
 
 
+def _join_node2(swarm: Swarm, node2_started, request, check: str) -> str:
+    """Node 2 joined to ``swarm`` with the image in it (started ahead by :func:`node2_started` if it still runs: an
+    earlier two-node test's teardown removes it), the dispatcher heartbeat as the guide sets it (a node cut off for
+    less than 40 s keeps its tasks); how, for the report. Skips (loudly) without the two-node script."""
+    reason = two_nodes_unavailable()
+    if reason:
+        skip(request, check, reason)
+    try:
+        ahead = node2_started.result(timeout=600) if node2_started is not None else None
+    except Exception as exc:  # started the usual way below (swarm-2node.sh up copies the image)
+        print(f"node 2 could not be started ahead: {exc}")
+        ahead = None
+    if ahead is not None and not docker("ps", "-q", "--filter", f"name=^{NODE2}$").stdout.split():
+        ahead = None
+    swarm.join_node2(IMAGE, started=ahead is not None)
+    run(shlex.split(DOCUMENTED["heartbeat"]))
+    return f"started ahead in {ahead:.1f} s, joined" if ahead is not None else "up"
+
+
 def _cut_node_2_and_back(fault: Stack, swarm: Swarm, remote: list[str], lease: float) -> tuple[float, float, int]:
     """Node 2 cut off for :data:`CUT` s (longer than job 2's lease, shorter than Swarm's node-down time): its
     workers are expired during the cut, the manager's go on, and once the network is back node 2's workers
@@ -353,3 +365,93 @@ def _colocated_job_checked(colo: Stack, swarm: Swarm, manager: str, steps: int, 
     for k in want:
         assert own[k].tobytes() == np.ascontiguousarray(want[k]).tobytes(), f"{k}: not bit-identical"
     return time.monotonic() - deployed
+
+
+# -- two nodes, a hot-standby pair ---------------------------------------------------------------------
+@pytest.mark.slow
+def test_two_nodes_standby_pair_goes_on_on_node_2_when_the_primarys_node_is_cut_off(swarm, node2_started, request,
+                                                                                   tmp_path):
+    """deploy/swarm/standby.yml as its comment says (nodes labelled syncps.host=0/1): the primary ``ps`` on the
+    manager, ``ps-standby`` on node 2, and the 4 workers on node 2 (the primary's host is a PS host of its own). Node
+    2 is cut off from the manager mid-training (every packet of its link dropped: the primary's node is cut off from
+    the standby and every worker): the standby takes over (term 2) holding every step a worker saw, the old primary
+    closes at most the round that was open (no worker saw it: the only step redone) and takes no round after, and
+    the job finishes on node 2 with final weights bit-identical to one process training on the 4 shards (float64).
+    Once the network is back, the old primary is the standby of term 2. The standby is watched at its host-mode
+    published port on node 2's address, which the cut leaves open (forwarded, not node 2's own traffic)."""
+    t0 = time.monotonic()
+    how = _join_node2(swarm, node2_started, request, "two-node swarm standby drill (test_swarm.py)")
+    t_node = time.monotonic() - t0
+    swarm.create_secrets()
+    manager = docker("info", "-f", "{{.Name}}").stdout.strip()
+    for host, node in enumerate((manager, NODE2)):  # as standby.yml says
+        docker("node", "update", "--label-add", f"syncps.host={host}", node)
+    steps = 400
+    job = {"PS_MAX_STEPS": steps, "PS_MIN_WORKERS": 4, "PS_STARTUP_GRACE_SECONDS": 0}
+    standby_port = free_port()
+    extra = tmp_path / "standby-settings.yml"  # ps-standby's settings as ps's, and its port published on node 2
+    extra.write_text(yaml.safe_dump({"version": "3.8", "services": {"ps-standby": {
+        "environment": [f"{k}={v}" for k, v in job.items()],
+        "ports": [{"target": 8000, "published": standby_port, "protocol": "tcp", "mode": "host"}]}}}))
+    st = swarm.stack("standby", ps=job, worker={"WORKER_DTYPE": "float64", "WORKER_COMPUTE_DELAY_SECONDS": 0.02},
+                     worker_deploy={"placement": {"constraints": ["node.role == worker"]}},
+                     files=(for_node2(STANDBY_FILE, tmp_path, "ps-standby"), extra))
+    auth = {"Authorization": f"Bearer {swarm.tokens[TOKEN]}"}
+    node2_ip = docker("inspect", "-f", "{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}", NODE2).stdout.strip()
+    primary, standby = st.url, f"http://{node2_ip}:{standby_port}"
+
+    ha = lambda url: _get(url, "/v1/ha", auth)  # noqa: E731
+    status = lambda url: _get(url, "/v1/status", auth)  # noqa: E731
+
+    with logs_on_failure(st):
+        t1 = time.monotonic()
+        st.deploy()
+        wait_for(lambda: (s := status(primary)) and s["global_step"] >= 60 and s["workers"]["active"] == 4
+                 and (ha(standby) or {}).get("synced"), allow(150), "4 workers training, the standby in sync",
+                 interval=0.2)
+        t_train = time.monotonic() - t1
+        assert [t["Node"] for t in st.tasks("ps")] == [manager] and [t["Node"] for t in st.tasks("ps-standby")] == [NODE2]
+        assert sorted(st.running_on("worker").values()) == [NODE2] * 4
+        with swarm.cut_node2() as cut:
+            at_cut = ha(primary)["step"]
+            took = wait_for(lambda: _when(ha(standby), role="primary", term=2), allow(30), "the standby to take over",
+                            interval=0.1)
+            t_takeover = time.monotonic() - cut[0]
+            seen = [ha(primary)]
+            done = wait_for(lambda: _when(status(standby), state="done"), allow(120), "the job to finish on node 2",
+                            interval=0.2)
+            t_done = time.monotonic() - cut[0]
+            seen.append(ha(primary))
+            got = final_weights(SimpleNamespace(url=standby), swarm.tokens[TOKEN])
+        healed = wait_for(lambda: _when(ha(primary), role="standby", term=2), allow(30),
+                          "the old primary to be the standby of term 2", interval=0.2)
+        t_back = time.monotonic() - cut[1]
+        report(request, f"[swarm] standby drill: node 2 {how} in {t_node:.1f} s; training with a synced standby "
+                        f"{t_train:.1f} s after deploy; node 2 cut off at step {at_cut}: the standby took over at "
+                        f"step {took['step']} (term 2) {t_takeover:.1f} s into the cut, the job done ({steps} steps) "
+                        f"{t_done:.1f} s into it; the old primary stood at step {seen[-1]['step']} and was the "
+                        f"standby of term 2 {t_back:.1f} s after the network came back")
+    # every step a worker saw is on the standby: the old primary closed at most the round open at the cut, after it
+    # took no round (term 1, not serving), and the job's bits are one process's
+    assert all(h is not None and h["term"] == 1 and h["role"] != "primary" for h in seen), seen
+    assert took["step"] >= at_cut - 1 and all(h["step"] <= took["step"] + 1 for h in seen), (at_cut, took, seen)
+    assert done["global_step"] == steps
+    _, ref = train_reference("linear", 4, steps, seed=0, dtype="float64")
+    assert got.keys() == ref.keys()
+    for k in ref:
+        assert got[k].dtype == np.float64 and got[k].tobytes() == ref[k].tobytes(), f"{k}: not bit-identical"
+    assert healed["role"] == "standby" and healed["term"] == 2
+
+
+def _get(url: str, path: str, headers: dict) -> dict | None:
+    """``GET url+path``'s JSON, None when it does not answer 200 (a PS cut off, or not up yet)."""
+    try:
+        r = httpx.get(f"{url}{path}", headers=headers, timeout=2.0)
+        return r.json() if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+def _when(answer: dict | None, **fields) -> dict | None:
+    """``answer`` if it has every one of ``fields``' values, else None (a :func:`wait_for` predicate)."""
+    return answer if answer is not None and all(answer.get(k) == v for k, v in fields.items()) else None
