@@ -20,7 +20,11 @@ load falls on them alike:
   over the overlay network as another host; left at the end), the PS on the manager and half the workers on each node
   (``max_replicas_per_node``), every tensor over the overlay (TCP); deployed and removed each run. Node 2 cannot mount
   this host's bench/, so the workers run ``--image`` with it copied in (``<image>-swarm``, copied into node 2). CPU
-  from the containers' cgroups.
+  from the containers' cgroups. More swarm sides (:data:`SWARM_LAYOUTS`, each named only) take the same stack
+  apart: ``swarm-published``, placed as ``swarm`` but the workers reach the PS at the manager's published port
+  (``WORKER_PS_URL=http://<manager>:<port>``: the nodes' own network, no overlay); ``swarm-manager``, the 4 workers
+  on the manager beside the PS (the overlay network, no packet crossing nodes); ``swarm-node2``, the 4 on node 2
+  (every tensor through VXLAN between the nodes); ``swarm-node2-published``, the 4 on node 2 at the published port.
 
 Every side gets the same settings (:func:`job_settings`): ``PS_TOTAL_NUM_REPLICAS`` and ``PS_MIN_WORKERS`` = N, no
 start grace, ``PS_MAX_STEPS`` (``--max-steps``) far beyond the runs, checkpoints every 100 steps (compose's volume;
@@ -62,11 +66,15 @@ from shared.protocol import PHASES
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = ROOT / "docker-compose.yml"
-SIDES = ("local-http", "local-auto", "compose", "swarm")
-#: the sides run without --sides (swarm brings up a second Docker engine: asked for by name)
+#: the swarm sides: where the workers run (``spread``: half on each node; ``manager``; ``worker``: node 2) and
+#: whether they reach the PS at the manager's published port instead of over the overlay network (``ps:8000``)
+SWARM_LAYOUTS = {"swarm": ("spread", False), "swarm-published": ("spread", True), "swarm-manager": ("manager", False),
+                 "swarm-node2": ("worker", False), "swarm-node2-published": ("worker", True)}
+SIDES = ("local-http", "local-auto", "compose", *SWARM_LAYOUTS)
+#: the sides run without --sides (a swarm side brings up a second Docker engine: asked for by name)
 DEFAULT_SIDES = SIDES[:3]
 #: the sides that run in containers, each measured against the local side of its workers' transport
-CONTAINED = ("compose", "swarm")
+CONTAINED = ("compose", *SWARM_LAYOUTS)
 TARGET = 0.9
 SCRUBBED = ("PS_", "WORKER_", "SYNCPS_", "COMPOSE_")
 COLUMNS = ("side", "run", "steps_per_s", "median_steps_per_s", "against", "ratio", "ratio_to_local_http",
@@ -213,15 +221,24 @@ def swarm_image(image: str, workdir: Path) -> str:
     return tag
 
 
+def swarm_layout(side: str, workers: int, manager: str, port: int) -> tuple[dict, dict]:
+    """(the worker service's ``deploy`` additions, its extra settings) of a swarm side (:data:`SWARM_LAYOUTS`)."""
+    where, published = SWARM_LAYOUTS[side]
+    placement = ({"max_replicas_per_node": (workers + 1) // 2} if where == "spread"
+                 else {"constraints": [f"node.role == {where}"]})
+    return {"placement": placement}, ({"WORKER_PS_URL": f"http://{manager}:{port}"} if published else {})
+
+
 def measure_swarm(swarm: TwoNodes, image: str, workers: int, params: int, max_steps: int, seconds: float,
-                  warmup: float, start_deadline: float = 300.0) -> dict:
+                  warmup: float, side: str = "swarm", start_deadline: float = 120.0) -> dict:
     """One run on the two-node swarm: docker-stack.yml with the job's settings, the PS on the manager and the workers
-    spread over both nodes (``max_replicas_per_node``: half on each), every tensor over the overlay network; the
-    window; ``docker stack rm``. CPU from the containers' cgroups (node 2's are in this host's tree)."""
+    where ``side`` puts them (:func:`swarm_layout`; ``swarm``: half on each node, every tensor over the overlay
+    network); the window; ``docker stack rm``. CPU from the containers' cgroups (node 2's are in this host's tree)."""
     out = _line(workers, params)
     ps_env, worker_env = job_settings(params, workers, max_steps)
-    job = swarm.job("steps", image, ps=ps_env, worker=worker_env,
-                    worker_deploy={"placement": {"max_replicas_per_node": (workers + 1) // 2}})
+    port = free_port()
+    deploy, reach = swarm_layout(side, workers, swarm.address, port)
+    job = swarm.job(side, image, ps=ps_env, worker={**worker_env, **reach}, worker_deploy=deploy, port=port)
 
     def cgroups(ids: list[str]) -> float | None:
         values = [cgroup_cpu_seconds(c) for c in ids]
@@ -253,9 +270,9 @@ def run_side(side: str, args: argparse.Namespace, job: ComposeJob | None, swarm:
     ps_env, worker_env = job_settings(args.params, args.workers, args.max_steps)
     if side == "compose":
         return measure_compose(job, args.workers, args.params, args.seconds, args.warmup)
-    if side == "swarm":
+    if side in SWARM_LAYOUTS:
         return measure_swarm(swarm, args.swarm_image, args.workers, args.params, args.max_steps, args.seconds,
-                             args.warmup)
+                             args.warmup, side)
     with tempfile.TemporaryDirectory(prefix="syncps-bench-ckpt-") as ckpt:
         return measure(args.workers, args.params, args.seconds, args.warmup, ps_env={**ps_env, "PS_CHECKPOINT_DIR": ckpt},
                        worker_env=worker_env, transport=side.removeprefix("local-"))
@@ -335,13 +352,13 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="syncps-bench-containers-") as tmp, \
             Results(args.json, columns=COLUMNS, prog="python -m bench.containers") as results:
         job = swarm = None
-        if {"compose", "swarm"} & set(args.sides):
+        if set(CONTAINED) & set(args.sides):
             ps_env, worker_env = job_settings(args.params, args.workers, args.max_steps)
             job = ComposeJob(args.project, args.image, {**ps_env, **worker_env}, Path(tmp))
         try:
             if job is not None and not args.no_build:
                 job.compose("build", "ps", timeout=900)
-            if "swarm" in args.sides:
+            if set(SWARM_LAYOUTS) & set(args.sides):
                 args.swarm_image = swarm_image(args.image, Path(tmp))
                 swarm = TwoNodes()
                 swarm.up(args.swarm_image)

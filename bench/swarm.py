@@ -112,7 +112,7 @@ class TwoNodes:
     def __init__(self) -> None:
         self.tokens = {TOKEN: secrets.token_hex(16), MONITOR_TOKEN: secrets.token_hex(16)}
         self.jobs: list[StackJob] = []
-        self.manager = ""
+        self.manager = self.address = ""  # the manager's hostname and its address in the swarm (docker0's)
 
     def up(self, *images: str) -> float:
         """Swarm init, node 2 joined with ``images`` copied into it, the secrets; seconds taken."""
@@ -127,6 +127,7 @@ class TwoNodes:
         for name, token in self.tokens.items():
             run(["docker", "secret", "create", name, "-"], input=token)
         self.manager = run(["docker", "info", "-f", "{{.Name}}"]).stdout.strip()
+        self.address = run(["docker", "info", "-f", "{{.Swarm.NodeAddr}}"]).stdout.strip()
         return time.monotonic() - t0
 
     def load(self, *images: str) -> None:
@@ -222,13 +223,14 @@ def settings_file(stack: str, ps: dict | None = None, worker: dict | None = None
 
 class StackJob(PublishedPS):
     """docker-stack.yml with ``ps`` / ``worker`` settings and ``worker_deploy`` (merged into the worker service's
-    ``deploy``) in a last stack file, deployed by deploy/swarm/deploy.sh under a name and a host port of its own."""
+    ``deploy``) in a last stack file, deployed by deploy/swarm/deploy.sh under a name and a host port of its own
+    (``port``, else a free one)."""
 
     def __init__(self, swarm: TwoNodes, label: str, image: str, ps: dict | None = None, worker: dict | None = None,
-                 worker_deploy: dict | None = None) -> None:
+                 worker_deploy: dict | None = None, port: int | None = None) -> None:
         self.swarm = swarm
         self.name = f"syncpsbench-{label}-{secrets.token_hex(2)}".lower()
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.headers = {"Authorization": f"Bearer {swarm.tokens[MONITOR_TOKEN]}"}
         self.settings_file = settings_file(self.name, ps, worker, worker_deploy)

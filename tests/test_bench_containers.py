@@ -28,7 +28,7 @@ def test_the_sides_take_turns_going_first():
     assert [containers.order(r, sides)[0] for r in range(4)] == ["local-http", "local-auto", "compose", "local-http"]
     assert all(sorted(containers.order(r, sides)) == sorted(sides) for r in range(3))
     every = list(containers.SIDES)
-    assert [containers.order(r, every)[0] for r in range(5)] == [*every, "local-http"]
+    assert [containers.order(r, every)[0] for r in range(len(every) + 1)] == [*every, "local-http"]
 
 
 def _lines(compose_transport: str) -> list[dict]:
@@ -64,6 +64,20 @@ def test_the_swarm_side_is_measured_against_the_local_side_of_its_transport():
     assert rows["local-http"]["against"] == "local-auto"  # the local sides: against compose's reference, as before
     slower = [{**line, "steps_per_s": 9.0} for line in swarm]
     assert {row["side"]: row for row in containers.summarize(_lines("shm") + slower)}["swarm"]["within_10pct"] is False
+
+
+def test_the_swarm_sides_place_the_workers_and_say_how_they_reach_the_ps():
+    """Each swarm side is the same stack with the workers elsewhere; only the published one changes their PS URL."""
+    layouts = {side: containers.swarm_layout(side, 4, "172.17.0.1", 23456) for side in containers.SWARM_LAYOUTS}
+    assert layouts["swarm"] == ({"placement": {"max_replicas_per_node": 2}}, {})
+    assert layouts["swarm-published"] == (layouts["swarm"][0], {"WORKER_PS_URL": "http://172.17.0.1:23456"})
+    assert layouts["swarm-manager"] == ({"placement": {"constraints": ["node.role == manager"]}}, {})
+    assert layouts["swarm-node2"] == ({"placement": {"constraints": ["node.role == worker"]}}, {})
+    assert layouts["swarm-node2-published"] == (layouts["swarm-node2"][0], {"WORKER_PS_URL": "http://172.17.0.1:23456"})
+    assert set(containers.SWARM_LAYOUTS) <= set(containers.CONTAINED) and not set(containers.SWARM_LAYOUTS) & set(
+        containers.DEFAULT_SIDES)
+    args = containers.parse(["--sides", "local-http,swarm-manager,swarm-node2-published"])
+    assert args.sides == ["local-http", "swarm-manager", "swarm-node2-published"]
 
 
 def test_the_table_has_a_row_per_run_and_per_median():
