@@ -59,7 +59,7 @@ class Pair:
         self.feeding = False  # the standby has (or is getting) our state of this term: steps are queued for it
         self.gated = False  # every answer waits for its acknowledgement (from the snapshot on: its transfer too)
         self.transferring = False  # the snapshot taken, the standby has not acknowledged the state yet
-        self.queue: deque[tuple[int, bytes, frozenset | None]] = deque()
+        self.queue: deque[tuple[int, memoryview, frozenset | None]] = deque()  # (seq, body, roster)
         self.sent_changes = -1  # the membership version last queued
         self.roster_acked: frozenset[str] = frozenset()  # the roster of the last message acknowledged with one
         self.state_roster: frozenset[str] = frozenset()  # the roster of the last state sent

@@ -223,7 +223,9 @@ class Link:
                 status, answer = None, f"{type(exc).__name__}: {exc}"
             if status == 200:
                 self._done = (epoch, seq)
-            self.loop.call_soon_threadsafe(self._step_answered, epoch, seq, len(body), members, status, answer)
+            size = len(body)
+            del job, body  # its pool buffer is free once the event loop drops the acknowledged message
+            self.loop.call_soon_threadsafe(self._step_answered, epoch, seq, size, members, status, answer)
             if status != 200:
                 time.sleep(min(p.failover / 4, 0.02 * 2 ** min(self.failures, 6)))
 

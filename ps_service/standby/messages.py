@@ -7,7 +7,9 @@ Contract:
   sparse sums as ``<name>#indices`` / ``<name>#values`` with their shapes in meta ``sparse``), or none (``total``
   false: the step passes without an update); meta ``mean_of``, ``contributors``, ``step`` (the global step the
   update applies to), and, when they changed, ``members`` (the membership export) and ``staleness`` (async/ssp
-  clocks). A message with ``step`` null carries only those. Encoding copies the arrays (the core consumes them).
+  clocks). A message with ``step`` null carries only those. Encoding copies the arrays once (the core consumes
+  them), into a buffer of :data:`ps_service.core.buffers.POOL` (warm memory: a fresh 4 MB costs ~2 ms of page
+  faults), which goes back to the pool once nothing views it (the message acknowledged).
 - :func:`encode_state` / :func:`decode_state`: the state transfer is a checkpoint file's bytes
   (:mod:`ps_service.checkpoint`: checksummed, every field checked on decode).
 """
@@ -19,6 +21,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from ps_service import checkpoint
+from ps_service.core.buffers import POOL
 from shared import frame
 from shared.compression import SparseTensor
 from shared.errors import ProtocolError
@@ -27,7 +30,7 @@ SPARSE_INDICES, SPARSE_VALUES = "#indices", "#values"
 
 
 def encode_step(step: int | None, total: Mapping[str, Any] | None, mean_of: int, contributors: int,
-                extra: Mapping[str, Any]) -> bytes:
+                extra: Mapping[str, Any]) -> memoryview:
     tensors: dict[str, np.ndarray] = {}
     sparse: dict[str, list[int]] = {}
     for k, v in (total or {}).items():
@@ -38,7 +41,10 @@ def encode_step(step: int | None, total: Mapping[str, Any] | None, mean_of: int,
             tensors[k] = v
     meta = {"step": step, "total": total is not None, "mean_of": mean_of, "contributors": contributors,
             "sparse": sparse, **extra}
-    return frame.encode_bytes(tensors, meta)
+    layout = frame.Layout.of(tensors)
+    body = POOL.take(frame.frame_bytes(layout, meta))
+    frame.write_into(body, tensors, meta, layout)
+    return body
 
 
 def _owned(a: np.ndarray) -> np.ndarray:
