@@ -32,7 +32,7 @@ run: $(BASE_STAMP)
 # tests wait on real processes, sockets and containers; those that share one resource run in one process, in turn).
 TEST_PROCESSES ?= 2
 test: $(TEST_STAMP)
-	$(PY) -m pytest -n $(TEST_PROCESSES) --dist loadgroup $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_PROCESSES) --dist loadfile $(PYTEST_ARGS)
 
 lint-imports: $(TEST_STAMP)
 	$(VENV)/bin/lint-imports

@@ -17,12 +17,13 @@ imported the stack once (cluster/forkserver.py), instead of paying Python's star
 whatever a zygote cannot start exactly as ``python -m`` would is exec'd as before. ``tests/test_install.py``
 unsets it (the real exec path, as users get it); ``SYNCPS_FORK_SERVER=0 make test`` execs every process.
 
-**Processes.** ``make test`` runs the suite over ``TEST_PROCESSES`` pytest-xdist processes (``--dist loadgroup``):
+**Processes.** ``make test`` runs the suite over ``TEST_PROCESSES`` pytest-xdist processes (``--dist loadfile``):
 the tests spend most of their time waiting on the real processes, sockets and containers they start (the suite's
-own processes used 0.3 of a core on average). Tests that share something of the machine run in one process, one
-after another (:data:`SHARED`): every Docker test (the engine, its swarm, the image), and every test that builds
-emulated hosts (network namespaces and iptables rules). Each process has its own fork server and log folder; the
-"degraded checks" and kept log folders of every process reach the final summary.
+own processes used 0.3 of a core on average). A test module runs whole in one process, in its order: the swarm
+tests (tests/test_swarm.py: the engine's one swarm) one after another. What two processes may run at once is kept
+apart by name: compose projects, the image tag (one per process), ports, emulated hosts' namespaces. Each process
+has its own fork server and log folder; the "degraded checks" and kept log folders of every process reach the final
+summary.
 
 **SIGINT.** A suite started in the background of a non-interactive shell (``make test &``, ``( .ci/run & )``)
 inherits SIGINT *ignored*, and so would every process it starts, since an ignored signal stays ignored across
@@ -53,18 +54,6 @@ _LOG_ROOT: Path | None = None
 _SAVED_ENV: dict[str, str | None] = {}
 #: log folders kept by the session's test processes (xdist's, reported at their end)
 _KEPT: list[str] = []
-
-
-#: xdist group -> test modules (or, "docker", the ``compose`` marker) whose tests run in one process, in turn
-SHARED = {"hosts": ("test_outage.py", "test_liveness.py", "test_bench_hosts.py")}
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        if item.get_closest_marker("compose") is not None:
-            item.add_marker(pytest.mark.xdist_group("docker"))
-        elif item.path.name in SHARED["hosts"]:
-            item.add_marker(pytest.mark.xdist_group("hosts"))
 
 
 def degraded(check: str, reason: str) -> None:
