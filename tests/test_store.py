@@ -1,4 +1,4 @@
-"""ps_service/core/store.py: the weights kept in their answers' frame, copied only when an answer still holds it.
+"""The weights store (ps_service/core/model.py): the weights kept in their answers' frame, copied only when an answer still holds it.
 
 The rule under test: once an answer is handed out, its bytes never change, whatever the optimizer does next; and
 a synchronous job's steps copy nothing."""
