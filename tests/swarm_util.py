@@ -46,6 +46,8 @@ STACK_FILE = ROOT / "docker-stack.yml"
 COLOCATED_FILE = ROOT / "deploy" / "swarm" / "colocated.yml"
 #: the hot-standby pair's extra stack file (docs/guides/standby.md: the primary and its standby on two nodes)
 STANDBY_FILE = ROOT / "deploy" / "swarm" / "standby.yml"
+#: the workers at the PS node's published port (docs/guides/swarm.md: Two nodes against local processes)
+PUBLISHED_FILE = ROOT / "deploy" / "swarm" / "published.yml"
 #: the stack's Docker secrets: the training token, the monitoring token
 TOKEN, MONITOR_TOKEN = "syncps_token", "syncps_monitor_token"
 
@@ -60,13 +62,13 @@ DOCUMENTED = {
 }
 
 
-def stack_config(*files: Path) -> dict | None:
+def stack_config(*files: Path, **env: str) -> dict | None:
     """``docker stack config -c f1 -c f2 ...``: the stack files merged and interpolated as ``docker stack deploy`` does
-    (the CLI alone: no engine, no swarm), with the files' defaults (no SYNCPS_* from the caller); None without a
-    docker CLI."""
+    (the CLI alone: no engine, no swarm), with the files' defaults (no SYNCPS_* from the caller, only ``env``); None
+    without a docker CLI; RuntimeError with the CLI's message if it refuses them."""
     if shutil.which("docker") is None:
         return None
-    out = run(["docker", "stack", "config", *(a for f in files for a in ("-c", str(f)))], env=scrubbed_env(),
+    out = run(["docker", "stack", "config", *(a for f in files for a in ("-c", str(f)))], env=scrubbed_env(**env),
               timeout=30).stdout
     return yaml.safe_load(out)
 

@@ -32,7 +32,8 @@ from tests.conftest import degraded
 from tests.reference import train_reference
 from tests.timing import allow
 from shared import shards
-from tests.swarm_util import (COLOCATED_FILE, DOCUMENTED, MONITOR_TOKEN, NODE2, ROOT, STACK_FILE, STANDBY_FILE, TOKEN,
+from tests.swarm_util import (COLOCATED_FILE, DOCUMENTED, MONITOR_TOKEN, NODE2, PUBLISHED_FILE, ROOT, STACK_FILE,
+                              STANDBY_FILE, TOKEN,
                               Stack, Swarm, for_node2, remove_node2, run, stack_config, start_node2, swarm_unavailable,
                               two_nodes_unavailable)
 from worker_service.client import PSClient
@@ -148,6 +149,22 @@ def test_the_standby_stack_puts_a_pair_with_the_same_settings_on_two_nodes(reque
     assert standby["ports"] == [{**ps["ports"][0], "published": 8001}]
     guide = (ROOT / "docs" / "guides" / "standby.md").read_text()
     assert f"`{DOCUMENTED['deploy']} -c deploy/swarm/standby.yml`" in guide
+
+
+def test_the_published_stack_needs_the_ps_address_and_sends_every_worker_there(request):
+    """deploy/swarm/published.yml over docker-stack.yml: without SYNCPS_PS_HOST the CLI refuses it and says what to set
+    (a worker URL with no host would only fail to connect, task after task); with it, the workers' PS URL is that
+    address at the published port, and nothing else changes."""
+    if stack_config(STACK_FILE) is None:
+        skip(request, "swarm stack files (test_swarm.py)", "no docker CLI on PATH")
+    with pytest.raises(RuntimeError, match="SYNCPS_PS_HOST"):
+        stack_config(STACK_FILE, PUBLISHED_FILE)
+    plain, published = stack_config(STACK_FILE), stack_config(STACK_FILE, PUBLISHED_FILE, SYNCPS_PS_HOST="10.0.0.5")
+    port = plain["services"]["ps"]["ports"][0]["published"]
+    env = published["services"]["worker"]["environment"]
+    assert env.pop("WORKER_PS_URL") == f"http://10.0.0.5:{port}" and env.pop("SYNCPS_PS_HOST") == "10.0.0.5"
+    plain["services"]["worker"]["environment"].pop("WORKER_PS_URL")
+    assert published == plain
 
 
 # -- one node -----------------------------------------------------------------------------------------
