@@ -216,15 +216,6 @@ def test_checkpoint_keeps_clocks_and_floor_but_no_duplicate_memory():
     assert again.push("w1", 0, 0, True, 103.0).applies  # the restored PS is at an older step: not a duplicate
 
 
-def test_reconcile_makes_the_live_set_exact():
-    m = BoundedStaleness(1)
-    for w in ("w0", "w1"):
-        m.join(w, 0.0)
-    m.push("w1", 0, 0, True, 1.0)
-    m.reconcile(["w1", "w2"], 2.0)
-    assert {w for w, rec in m.workers.items() if rec.live} == {"w1", "w2"} and m.floor == 1
-
-
 def test_percentiles_are_nearest_rank_over_the_applied_gradients():
     m = BoundedStaleness()
     assert m.percentile(50) is None

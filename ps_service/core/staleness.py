@@ -1,11 +1,10 @@
 """Bounded staleness: the async and SSP modes' state machine (``PS_MODE=async|ssp``). Pure: no I/O, no clock.
 
-Who is live comes in as events (:meth:`BoundedStaleness.join` on a registration, :meth:`drop` on a leave
-or an expired lease; :meth:`reconcile` repairs from a full live set). Time comes in as ``now``; the global
-step is the caller's (the core's model) and comes in as an argument. The caller does what the
-:class:`Verdict` says: one optimizer step with the gradient when it ``applies`` (``accepted``), and
-``global_step += 1`` when it ``advances`` (``accepted``, or ``skipped``: the step passes without an update,
-as a sync round whose every gradient was skipped). So ``global_step`` counts the iterations completed.
+Who is live comes in as events (:meth:`BoundedStaleness.join` on a registration, :meth:`drop` on a leave or an
+expired lease). Time comes in as ``now``; the global step is the caller's (the core's model) and comes in as an
+argument. The caller does what the :class:`Verdict` says: one optimizer step with the gradient when it ``applies``
+(``accepted``), and ``global_step += 1`` when it ``advances`` (``accepted``, or ``skipped``: the step passes without
+an update, as a sync round whose every gradient was skipped). So ``global_step`` counts the iterations completed.
 
 Contract:
 
@@ -40,7 +39,6 @@ Contract:
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 from shared.protocol import PushStatus
@@ -134,14 +132,6 @@ class BoundedStaleness:
         if w is not None and w.live:
             w.live = False
             self._remove(worker_id, w.clock)
-
-    def reconcile(self, live: Iterable[str], now: float) -> None:
-        """Make the live set exactly ``live`` (O(K): after a restore, or as a safety net on a tick)."""
-        live = set(live)
-        for wid in [w for w, rec in self.workers.items() if rec.live and w not in live]:
-            self.drop(wid, now)
-        for wid in sorted(live):
-            self.join(wid, now)
 
     # ---- pushes ------------------------------------------------------------------------
     def push(self, worker_id: str, step: int, global_step: int, finite: bool, now: float) -> Verdict:
