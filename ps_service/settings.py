@@ -171,57 +171,40 @@ class PSSettings(BaseSettings):
                                "(the standby to take over, the primary to go on alone).")
 
     @model_validator(mode="after")
-    def _pair_settings(self) -> "PSSettings":
-        if self.role is None:
-            return self
-        if not self.peer_url.strip():
+    def _combinations(self) -> "PSSettings":
+        """Settings that only go together: a pair's, the barrier's (sync only), the shards'."""
+        if self.role is not None and not self.peer_url.strip():
             raise ValueError("PS_ROLE needs PS_PEER_URL: the other PS of the pair")
-        if self.shards > 1:
+        if self.role is not None and self.shards > 1:
             raise ValueError("PS_ROLE (a hot standby) needs PS_SHARDS=1: shards have no standby yet")
-        return self
-
-    @model_validator(mode="after")
-    def _token_required(self) -> "PSSettings":
-        """PS_REQUIRE_AUTH: no start without a training token. Runs before _tokens, whose errors it explains."""
-        if not self.require_auth:
-            return self
-        refusal = "PS_REQUIRE_AUTH=true: the PS does not start without a training token"
-        try:
-            token = resolve_token(self.auth_token, self.auth_token_file, "PS_AUTH_TOKEN")
-        except ValueError as exc:
-            if self.auth_token is not None and self.auth_token_file is not None:  # two tokens: not a missing one
-                raise ValueError(f"PS_REQUIRE_AUTH=true: {exc}") from None
-            raise ValueError(f"{refusal} ({exc}). {MAKE_A_TOKEN}") from None
-        if token is None:
-            raise ValueError(f"{refusal}, and neither PS_AUTH_TOKEN nor PS_AUTH_TOKEN_FILE is set. {MAKE_A_TOKEN}")
+        given = [n for n, on in (("PS_REPLICAS_TO_AGGREGATE", self.replicas_to_aggregate is not None),
+                                 ("PS_ROUND_TIMEOUT_SECONDS", self.round_timeout_seconds is not None),
+                                 ("PS_MIN_REPLICAS", self.min_replicas > 1)) if on]
+        if self.mode != "sync" and given:
+            raise ValueError(f"{', '.join(given)} configure the barrier: PS_MODE={self.mode} has none")
+        if self.shards > 1 and self.shard_index >= self.shards:
+            raise ValueError(f"PS_SHARD_INDEX {self.shard_index} is not below PS_SHARDS {self.shards}")
+        if self.shards > 1 and len(self.shard_url_list) != self.shards:
+            raise ValueError(f"PS_SHARD_URLS must list the {self.shards} shards' base URLs, comma-separated")
+        if self.shards > 1 and (self.mode != "sync" or self.nonfinite_policy != "reject"):
+            raise ValueError("PS_SHARDS > 1 needs PS_MODE=sync and PS_NONFINITE_POLICY=reject")
         return self
 
     @model_validator(mode="after")
     def _tokens(self) -> "PSSettings":
-        self.auth_token = resolve_token(self.auth_token, self.auth_token_file, "PS_AUTH_TOKEN")
+        """The tokens (or their files'); with PS_REQUIRE_AUTH, no start without a training token."""
+        refusal = "PS_REQUIRE_AUTH=true: the PS does not start without a training token"
+        try:
+            self.auth_token = resolve_token(self.auth_token, self.auth_token_file, "PS_AUTH_TOKEN")
+        except ValueError as exc:
+            if not self.require_auth:
+                raise
+            if self.auth_token is not None and self.auth_token_file is not None:  # two tokens: not a missing one
+                raise ValueError(f"PS_REQUIRE_AUTH=true: {exc}") from None
+            raise ValueError(f"{refusal} ({exc}). {MAKE_A_TOKEN}") from None
+        if self.require_auth and self.auth_token is None:
+            raise ValueError(f"{refusal}, and neither PS_AUTH_TOKEN nor PS_AUTH_TOKEN_FILE is set. {MAKE_A_TOKEN}")
         self.monitor_token = resolve_token(self.monitor_token, self.monitor_token_file, "PS_MONITOR_TOKEN")
-        return self
-
-    @model_validator(mode="after")
-    def _barrier_settings_need_sync(self) -> "PSSettings":
-        if self.mode != "sync":
-            given = [n for n, on in (("PS_REPLICAS_TO_AGGREGATE", self.replicas_to_aggregate is not None),
-                                     ("PS_ROUND_TIMEOUT_SECONDS", self.round_timeout_seconds is not None),
-                                     ("PS_MIN_REPLICAS", self.min_replicas > 1)) if on]
-            if given:
-                raise ValueError(f"{', '.join(given)} configure the barrier: PS_MODE={self.mode} has none")
-        return self
-
-    @model_validator(mode="after")
-    def _shard_settings(self) -> "PSSettings":
-        if self.shards == 1:
-            return self
-        if self.shard_index >= self.shards:
-            raise ValueError(f"PS_SHARD_INDEX {self.shard_index} is not below PS_SHARDS {self.shards}")
-        if len(self.shard_url_list) != self.shards:
-            raise ValueError(f"PS_SHARD_URLS must list the {self.shards} shards' base URLs, comma-separated")
-        if self.mode != "sync" or self.nonfinite_policy != "reject":
-            raise ValueError("PS_SHARDS > 1 needs PS_MODE=sync and PS_NONFINITE_POLICY=reject")
         return self
 
     @property
