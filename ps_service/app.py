@@ -7,7 +7,6 @@ import asyncio
 import logging
 import os
 import contextlib
-from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 from fastapi_offline import FastAPIOffline
@@ -41,7 +40,7 @@ def create_app(settings: PSSettings | None = None, exit_on_refusal: bool = False
     one logged line and exit code 2 (``python -m ps_service``); else it raises (tests, in-process servers)."""
     settings = settings or PSSettings()
 
-    @asynccontextmanager
+    @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         rt = Runtime(settings)
         rt.shard(sharding.role(settings, rt.core))  # None: one PS
@@ -55,7 +54,7 @@ def create_app(settings: PSSettings | None = None, exit_on_refusal: bool = False
                 logging.shutdown()
                 os._exit(2)
             raise
-        app.state.metrics = metrics.attach(rt)
+        app.state.metrics = metrics.PSMetrics(rt)  # hooked into rt.observers
         task = asyncio.create_task(rt.ticker())
         deployment = asyncio.create_task(rt.deployment())  # PS_WORKERS_DNS: ends at step 0 (or at once if unset)
         if rt.shards is not None:

@@ -14,6 +14,8 @@ Two sources, one registry per app (no process-global state):
 """
 from __future__ import annotations
 
+from itertools import takewhile
+
 from fastapi import APIRouter, Request, Response
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -93,8 +95,8 @@ class StateCollector:
             yield _gauge("ps_worker_clock_slowest", "Slowest live worker's clock (async/ssp).", modes.floor if live else None)
             yield _gauge("ps_worker_clock_fastest", "Fastest live worker's clock (async/ssp).", modes.fastest if live else None)
             yield _gauge("ps_worker_clock_spread", "Fastest minus slowest live clock (ssp: <= bound + 1).", modes.spread)
-        yield _counter("ps_received_bytes", "Bytes of model and gradient request bodies received.", rt.bytes_in)
-        yield _counter("ps_sent_bytes", "Bytes of weight response bodies sent.", rt.bytes_out)
+        yield _counter("ps_received_bytes", "Bytes of model and gradient request bodies received.", rt.tensors.bytes_in)
+        yield _counter("ps_sent_bytes", "Bytes of weight response bodies sent.", rt.tensors.bytes_out)
         yield _counter("ps_shm_received_bytes", "Gradient bytes read from same-host workers' files.", rt.shm.bytes_in)
         yield _gauge("ps_shm_workers", "Workers whose tensors go through the same-host transport.", len(rt.shm.attached))
         yield _counter("ps_shm_weights_copies", "Copies of a step's weights into the same-host weights file (made while "
@@ -163,22 +165,17 @@ class PSMetrics:
 
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
-        self.registry = CollectorRegistry()
-        reg = self.registry
+        self.registry = reg = CollectorRegistry()
         self.rounds = Counter("ps_rounds", f"Rounds closed, by what closed them ({' | '.join(CLOSE_REASONS)}).",
                               ["reason"], registry=reg)
         for reason in CLOSE_REASONS:
             self.rounds.labels(reason)
-        self.round_duration = Histogram("ps_round_duration_seconds", "Round duration, open to close.",
-                                        buckets=TIME_BUCKETS, registry=reg)
-        self.barrier_wait = Histogram("ps_barrier_wait_seconds",
-                                      "Per accepted gradient: from its arrival to the round's close.",
-                                      buckets=TIME_BUCKETS, registry=reg)
-        self.straggler_wait = Histogram("ps_straggler_wait_seconds",
-                                        "Per round with a straggler: what the straggler cost it (waited_seconds).",
-                                        buckets=TIME_BUCKETS, registry=reg)
-        self.checkpoint_duration = Histogram("ps_checkpoint_duration_seconds", "Checkpoint write duration.",
-                                             buckets=TIME_BUCKETS, registry=reg)
+        self.round_duration, self.barrier_wait, self.straggler_wait, self.checkpoint_duration = (
+            Histogram(f"ps_{name}_seconds", doc, buckets=TIME_BUCKETS, registry=reg) for name, doc in (
+                ("round_duration", "Round duration, open to close."),
+                ("barrier_wait", "Per accepted gradient: from its arrival to the round's close."),
+                ("straggler_wait", "Per round with a straggler: what the straggler cost it (waited_seconds)."),
+                ("checkpoint_duration", "Checkpoint write duration.")))
         reg.register(StateCollector(rt))
         self._last_step = rt.core.rounds[-1].step if rt.core.rounds else None
         self._checkpoints = 0
@@ -186,14 +183,10 @@ class PSMetrics:
 
     def observe(self) -> None:
         """Account the rounds closed and the checkpoint written since the last call."""
-        new, core = [], self.rt.core
-        if self._last_step is not None and self._last_step >= core.global_step:  # went back to a checkpoint
-            self._last_step = core.global_step - 1
-        for rec in reversed(self.rt.core.rounds):
-            if self._last_step is not None and rec.step <= self._last_step:
-                break
-            new.append(rec)
-        for rec in reversed(new):
+        core, last = self.rt.core, self._last_step
+        if last is not None and last >= core.global_step:  # went back to a checkpoint
+            last = core.global_step - 1
+        for rec in list(takewhile(lambda r: last is None or r.step > last, reversed(core.rounds)))[::-1]:
             self.rounds.labels(rec.reason if rec.reason in CLOSE_REASONS else "full").inc()
             self.round_duration.observe(rec.duration)
             for c in rec.contributors:
@@ -212,11 +205,6 @@ class PSMetrics:
         self.observe()
         encoder, content_type = choose_encoder(accept or "")
         return encoder(self.registry), content_type
-
-
-def attach(rt: Runtime) -> PSMetrics:
-    """Create the metrics of ``rt`` and hook them into it."""
-    return PSMetrics(rt)
 
 
 @router.get("/metrics", response_class=Response,

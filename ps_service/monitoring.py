@@ -8,8 +8,8 @@ event loop, never concurrently with a push.
 """
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import asdict
+from itertools import islice, takewhile
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
@@ -73,8 +73,7 @@ def round_record(rt: Runtime, rec: RoundRecord) -> dict:
 
 def last_rounds(rt: Runtime, limit: int) -> list[RoundRecord]:
     """The last ``limit`` core round records, newest first."""
-    rounds = rt.core.rounds
-    return [rounds[-i] for i in range(1, min(limit, len(rounds)) + 1)]
+    return list(islice(reversed(rt.core.rounds), limit))
 
 
 def straggler_totals(records: list[RoundRecord]) -> list[dict]:
@@ -121,12 +120,6 @@ def staleness_view(core: ParameterServerCore) -> dict | None:
             "p99": modes.percentile(99), "max": max(counts) if counts else None}
 
 
-def checkpoint_view(info: dict | None) -> dict | None:
-    if info is None:
-        return None
-    return {**info, "path": None if info.get("path") is None else str(info["path"])}
-
-
 def wait_reason(rt: Runtime, now: float) -> str | None:
     refusal = None if rt.ha is None else rt.ha.refusal()
     if refusal is not None:  # a pair's standby, or an election: no worker trains here now
@@ -161,12 +154,12 @@ def status_view(rt: Runtime) -> dict:
                  "moving_average": sum(losses) / len(losses) if losses else None,
                  "moving_average_rounds": len(losses)},
         "throughput": throughput(core, now),
-        "examples": core.examples, "bytes_received": rt.bytes_in, "bytes_sent": rt.bytes_out,
+        "examples": core.examples, "bytes_received": rt.tensors.bytes_in, "bytes_sent": rt.tensors.bytes_out,
         "shm_bytes_received": rt.shm.bytes_in, "compression": rt.tensors.compression.to_wire(),
         "auth_failures": rt.auth_failures, "started_at": rt.started_wall,
         "training_started_at": None if core.started_at is None else wall(rt, core.started_at),
         "uptime_seconds": now - rt.started_mono,
-        "checkpoint": checkpoint_view(rt.checkpoint_info),
+        "checkpoint": rt.checkpoint_info,
         "shard": None if rt.shards is None else rt.shards.view(),
         "pair": None if rt.ha is None else rt.ha.status(),
     }
@@ -244,11 +237,9 @@ async def rounds(request: Request,
 async def one_round(step: DecimalInt, request: Request) -> dict:
     """One closed round: who slowed round ``step`` and by how much."""
     rt = runtime(request)
-    kept = rt.core.rounds
-    if kept and kept[0].step <= step <= kept[-1].step:
-        for rec in kept:  # steps are increasing; restarts from a checkpoint keep them so
-            if rec.step == step:
-                return round_record(rt, rec)
+    for rec in rt.core.rounds:
+        if rec.step == step:
+            return round_record(rt, rec)
     raise ProtocolError(404, "unknown_round", f"round {step} is not among the kept closed rounds")
 
 
@@ -257,11 +248,7 @@ async def loss(request: Request,
                since: Annotated[DecimalInt, Query(ge=-1, description="Only rounds with step > since.")] = -1) -> dict:
     """The loss curve (one point per closed round, the last 10000): what the dashboard plots."""
     core = runtime(request).core
-    points: deque = deque()
-    for step, value in reversed(core.loss_history):
-        if step <= since:
-            break
-        points.appendleft((step, value))
+    points = list(takewhile(lambda p: p[0] > since, reversed(core.loss_history)))[::-1]
     return {"steps": [p[0] for p in points], "loss": [p[1] for p in points], "global_step": core.global_step}
 
 

@@ -213,14 +213,6 @@ class Runtime:
         """The same-host transport's hub (monitoring reads its counters)."""
         return self.tensors.shm
 
-    @property
-    def bytes_in(self) -> int:
-        return self.tensors.bytes_in
-
-    @property
-    def bytes_out(self) -> int:
-        return self.tensors.bytes_out
-
     async def wait_for(self, predicate: Callable[[], bool], timeout: float, worker_id: str | None = None,
                        first: bool = False) -> bool:
         """:meth:`wait_until`, at most ``PS_PULL_TIMEOUT_MAX_SECONDS``; with ``worker_id`` the wait keeps that
@@ -229,18 +221,16 @@ class Runtime:
         timeout = min(timeout, self.settings.pull_timeout_max_seconds)
         if worker_id is None:
             ok = await self.wait_until(predicate, timeout, first)
-            if self.ha is not None:
-                self.ha.refuse()  # 503 if this PS stopped being the primary meanwhile
-            return ok
-        members = self.core.members
-        self.core.begin_wait(worker_id, self.now())
-        try:
-            ok = await self.wait_until(lambda: predicate() or not members.is_active(worker_id), timeout, first)
-        finally:
-            self.core.end_wait(worker_id, self.now())
-        members.active_member(worker_id)  # (not a heartbeat: the PS ending a wait has not heard from its worker)
+        else:
+            members = self.core.members
+            self.core.begin_wait(worker_id, self.now())
+            try:
+                ok = await self.wait_until(lambda: predicate() or not members.is_active(worker_id), timeout, first)
+            finally:
+                self.core.end_wait(worker_id, self.now())
+            members.active_member(worker_id)  # (not a heartbeat: the PS ending a wait has not heard from its worker)
         if self.ha is not None:
-            self.ha.refuse()
+            self.ha.refuse()  # 503 if this PS stopped being the primary meanwhile
         return ok
 
     async def deployment(self, every: float = 1.0, timeout: float = 2.0) -> None:

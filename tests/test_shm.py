@@ -120,9 +120,9 @@ def test_same_host_worker_moves_no_tensor_bytes(shm_dir):
         pulled = a.pull(0, wa, wait=5.0)
         assert pulled.tensors is channel.weights
         np.testing.assert_array_equal(pulled.tensors["w"], W0["w"])
-        before = ps.rt.bytes_in, ps.rt.bytes_out
+        before = ps.rt.tensors.bytes_in, ps.rt.tensors.bytes_out
         assert a.push(wa, 0, grads(1.0))["status"] == "accepted"
-        assert ps.rt.bytes_in == before[0]  # the HTTP body carried no tensor
+        assert ps.rt.tensors.bytes_in == before[0]  # the HTTP body carried no tensor
         assert b.push(wb, 0, grads(3.0))["step"] == 1
         assert a.pull(1, wa, wait=5.0).step == 1
         expect = W0["w"] - np.float32(0.5) * np.float32(2.0)
