@@ -36,21 +36,14 @@ _CONTENT = {name: (STATIC / name).read_bytes() for name in FILES}
 router = APIRouter(tags=["monitoring"])
 
 
-def _serve(name: str) -> Response:
-    return Response(_CONTENT[name], media_type=FILES[name], headers={"Cache-Control": "no-cache"})
+def _file(name: str):
+    async def serve() -> Response:
+        return Response(_CONTENT[name], media_type=FILES[name], headers={"Cache-Control": "no-cache"})
+    return serve
 
 
-@router.get("/", response_class=Response, responses={200: {"content": {"text/html": {}}}})
-async def index() -> Response:
-    """The live dashboard (HTML): job state, step, loss curve, rounds/s, workers with the straggler highlighted."""
-    return _serve("dashboard.html")
-
-
-@router.get("/dashboard.js", include_in_schema=False)
-async def script() -> Response:
-    return _serve("dashboard.js")
-
-
-@router.get("/dashboard.css", include_in_schema=False)
-async def style() -> Response:
-    return _serve("dashboard.css")
+router.add_api_route("/", _file("dashboard.html"), name="index", response_class=Response,
+                     responses={200: {"content": {"text/html": {}}}}, description="The live dashboard (HTML): job "
+                     "state, step, loss curve, rounds/s, workers with the straggler highlighted.")
+for _name in ("dashboard.js", "dashboard.css"):
+    router.add_api_route(f"/{_name}", _file(_name), include_in_schema=False)
