@@ -132,6 +132,8 @@ def decode(data: bytes, step: int | None = None) -> dict[str, Any]:
 def _validated(meta: dict, tensors: dict[str, np.ndarray]) -> dict[str, Any]:
     if set(meta) - {"staleness"} != {"global_step", "written_at", "optimizer", "members", "config"}:
         raise CheckpointError(f"meta has the fields {sorted(meta)}")
+    if not isinstance(meta["config"], dict):
+        raise CheckpointError("config must be a map")
     step = _int(meta["global_step"], "global_step")
     written_at = meta["written_at"]
     if isinstance(written_at, bool) or not isinstance(written_at, (int, float)) or not math.isfinite(written_at):
@@ -170,7 +172,7 @@ def _validated(meta: dict, tensors: dict[str, np.ndarray]) -> dict[str, Any]:
                 raise CheckpointError(f"{key!r} has NaN or Inf values")
     return {"global_step": step, "written_at": float(written_at), "weights": weights,
             "optimizer": {"spec": spec, "iterations": iterations, "slots": slots},
-            "members": _members(meta["members"]), "config": _config(meta["config"]),
+            "members": _members(meta["members"]), "config": dict(meta["config"]),
             "staleness": _staleness(meta.get("staleness"))}
 
 
@@ -207,12 +209,6 @@ def _members(members: Any) -> list[dict]:
     return out
 
 
-def _config(config: Any) -> dict:
-    if not isinstance(config, dict):
-        raise CheckpointError("config must be a map")
-    return dict(config)
-
-
 def atomic_write(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` so that a crash leaves the old file or the new one: temp, fsync, rename."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -236,14 +232,6 @@ def read_manifest(directory: str | Path) -> dict:
         return {}
 
 
-def _entry_ok(entry: Any) -> bool:
-    """An entry of an existing manifest that may be written back: its file a checkpoint's name, its step that
-    name's (anything else, edited or damaged, is dropped: the files are the truth)."""
-    if not (isinstance(entry, dict) and isinstance(entry.get("file"), str) and NAME_RE.match(entry["file"])):
-        return False
-    return type(entry.get("step")) is int and entry["step"] == step_of(Path(entry["file"]))
-
-
 def write_checkpoint(directory: str | Path, state: dict[str, Any], keep: int) -> dict[str, Any]:
     """Write one checkpoint, keep the newest ``keep``, rewrite the manifest; the new manifest entry."""
     d = Path(directory)
@@ -256,7 +244,11 @@ def write_checkpoint(directory: str | Path, state: dict[str, Any], keep: int) ->
     for old in files[keep:]:
         old.unlink(missing_ok=True)
     kept = {p.name for p in files[:keep]}
-    known = {e["file"]: e for e in read_manifest(d).get("checkpoints", []) if _entry_ok(e)}
+    # the old manifest's entries of kept files, each with its file's step (anything else, edited or damaged, is
+    # dropped: the files are the truth)
+    known = {e["file"]: e for e in read_manifest(d).get("checkpoints", []) if isinstance(e, dict)
+             and isinstance(e.get("file"), str) and e["file"] in kept and type(e.get("step")) is int
+             and e["step"] == step_of(Path(e["file"]))}
     known[path.name] = entry
     entries = sorted((e for name, e in known.items() if name in kept), key=lambda e: e["step"], reverse=True)
     atomic_write(d / MANIFEST, json.dumps({"format": f"{FORMAT}-manifest", "version": VERSION,

@@ -27,11 +27,12 @@ import asyncio
 import json
 import logging
 import secrets
+from itertools import takewhile
 from pathlib import Path
 
 import numpy as np
 
-from ps_service.checkpoint import NAME_RE, CheckpointError, checkpoint_name, decode, list_checkpoints
+from ps_service.checkpoint import CheckpointError, checkpoint_name, decode, list_checkpoints, step_of
 from ps_service.core.model import check_weights
 from ps_service.sharding import receipts, rollback
 from ps_service.sharding.holds import Holds
@@ -142,12 +143,8 @@ class ShardRole:
         if core.rounds_closed == self._seen_closed:
             return
         self._seen_closed = core.rounds_closed
-        new = []
-        for rec in reversed(core.rounds):
-            if rec.step <= self._sent_step:
-                break
-            new.append(rec)
-        for rec in reversed(new):
+        sent = self._sent_step
+        for rec in list(takewhile(lambda r: r.step > sent, reversed(core.rounds)))[::-1]:
             self._send(rec)
         self.holds.drop_through(self._sent_step)  # pieces held for a closed round and never committed
 
@@ -166,19 +163,14 @@ class ShardRole:
         self.initialising = True
         try:
             meta = {"optimizer": spec, "map": m.to_wire(), "receipt_key": self.receipt_key.hex()}
-            bodies = {i: b"".join(bytes(p) for p in frame.encode(split(init.tensors, m.pieces[i]), meta))
-                      for i in range(1, self.count)}
-            await self.links.init_followers(bodies)
+            await self.links.init_followers({i: frame.encode_bytes(split(init.tensors, m.pieces[i]), meta)
+                                             for i in range(1, self.count)})
         finally:
             self.initialising = False
         self._keep_map(m)
         return ModelInit(split(init.tensors, m.pieces[0]), spec)
 
     # ---- hold receipts (.receipts) ----------------------------------------------------------
-    def new_receipt_key(self) -> None:
-        """The coordinator: a new key (a rollback: no receipt given before is good any more)."""
-        self.receipt_key = receipts.new_key()
-
     def restore_body(self, step: int) -> dict:
         """The coordinator's ``POST /v1/shard/restore`` body: go back to ``step``, with the current receipt key."""
         return {"step": step, "receipt_key": self.receipt_key.hex()}
@@ -237,9 +229,7 @@ class ShardRole:
     # ---- checkpoints (the coordinator's choice of one step for every shard) --------------------
     def checkpoint_steps(self) -> list[int]:
         """The steps of this shard's checkpoints on disk, newest first ([] without PS_CHECKPOINT_DIR)."""
-        if self.sidecar is None:
-            return []
-        return [int(NAME_RE.match(p.name).group(1)) for p in list_checkpoints(self.sidecar.parent)]
+        return [step_of(p) for p in list_checkpoints(self.sidecar.parent)] if self.sidecar else []
 
     def step_state(self, step: int) -> dict:
         """The model of ``step``: its checkpoint's, or, with none, the live one if this shard is at ``step``.
@@ -273,10 +263,9 @@ class ShardRole:
         if self.checkpointer is not None:
             for write in self.checkpointer.rewound(step):
                 await asyncio.wrap_future(write)
-        if self.sidecar is not None:
-            for newer in list_checkpoints(self.sidecar.parent):
-                if int(NAME_RE.match(newer.name).group(1)) > step:
-                    newer.unlink(missing_ok=True)
+        for newer in self.checkpoint_steps():
+            if newer > step:
+                (self.sidecar.parent / checkpoint_name(newer)).unlink(missing_ok=True)
 
     async def restore_step(self, step: int, key: bytes, now: float) -> dict:
         """``POST /v1/shard/restore``: a follower goes back live to its checkpoint of ``step`` (the coordinator

@@ -176,9 +176,8 @@ class Links:
         """PUT each follower its pieces (``bodies``: index -> the frame)."""
         async def one(f: Follower) -> None:
             try:
-                resp = await self._exchange(f, "PUT", "/shard/model", time.monotonic() + INIT_DEADLINE_SECONDS,
-                                            content=bodies[f.index],
-                                            headers={"content-type": FRAME})
+                resp = await self.ask(f, "PUT", "/shard/model", content=bodies[f.index],
+                                      headers={"content-type": FRAME})
             except TimeoutError as exc:
                 raise ProtocolError(503, "shard_unreachable", str(exc)) from None
             if resp.status_code >= 400:

@@ -29,6 +29,7 @@ import asyncio
 import logging
 
 from ps_service.sharding.links import common_step
+from ps_service.sharding.receipts import new_key
 
 log = logging.getLogger("ps_service")
 
@@ -77,7 +78,7 @@ async def _roll_back(role, why: str, was: int) -> None:
     log.info("%s: rolling the job back (registration refused meanwhile)", why)
     await links.stop()  # no apply of an abandoned round reaches a restored follower
     await role.go_back(core.model_state(), rt.now())  # the job stops here: every worker out, no round open
-    role.new_receipt_key()  # no receipt of the abandoned steps is good again (every member is out by now)
+    role.receipt_key = new_key()  # no receipt of the abandoned steps is good again (every member is out)
     states = await _states(role)
     step = common_step(set(role.checkpoint_steps()) | {was}, states)
     if step is None:
