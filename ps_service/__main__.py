@@ -31,11 +31,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("".join(f"{ap.prog}: {line}\n" for line in settings_errors(exc, "PS_")))
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s ps %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a shard's links log their own failures, not every request
-    # httptools, with large bodies written straight into the routes' buffers (ps_service/transport/bodysink.py).
-    # PS_EVENT_LOOP: uvloop (default) reads large bodies at half asyncio's CPU (1e7 params over TCP: 98-104 against
-    # 194-203 ms of PS CPU per step); asyncio's loop accepts every pending connection at once where uvloop (libuv
-    # 1.52) accepts one per loop turn, which matters with a thousand workers opening connections under load
-    # (bench/results/2026-11-30-load-many-workers-on-one-ps.jsonl).
+    # httptools, with large bodies written straight into the routes' buffers (ps_service/transport/bodysink.py);
+    # the event loop: PS_EVENT_LOOP (docs/performance.md says when each one wins)
     app = create_app(settings, exit_on_refusal=True)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                 timeout_graceful_shutdown=5, loop=settings.event_loop, **server_options(settings))

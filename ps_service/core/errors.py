@@ -15,6 +15,3 @@ class CoreError(Exception):
         super().__init__(f"{code}: {detail}")
         self.code = code
         self.detail = detail
-
-    def body(self) -> dict:
-        return {"error": self.code, "detail": self.detail}

@@ -333,24 +333,23 @@ class Membership:
                 gone.append(m)
             else:
                 self.leases.schedule(m)
-        gone.sort(key=lambda m: self._order[m.worker_id])
-        for m in gone:
-            self._set_state(m, EXPIRED)
-            self._event(now, "expired", m)
-        return gone
+        return self._expire(gone, now)
 
     def recall(self, m: Member, now: float) -> None:
         """Expire an active member at once, waiting or not (event ``recalled``): a stuck round needs it to register
         again (:meth:`ps_service.core.ParameterServerCore.tick`)."""
-        self._set_state(m, EXPIRED)
-        self._event(now, "recalled", m)
+        self._expire([m], now, "recalled")
 
     def expire_all(self, now: float) -> list[Member]:
         """Expire every active member at once, waiting or not (a live rollback: each must register again)."""
-        gone = sorted(self.active_by_id.values(), key=lambda m: self._order[m.worker_id])
+        return self._expire(list(self.active_by_id.values()), now)
+
+    def _expire(self, gone: list[Member], now: float, event: str = "expired") -> list[Member]:
+        """Expire ``gone``, in registration order."""
+        gone.sort(key=lambda m: self._order[m.worker_id])
         for m in gone:
             self._set_state(m, EXPIRED)
-            self._event(now, "expired", m)
+            self._event(now, event, m)
         return gone
 
     def export(self) -> list[dict]:
