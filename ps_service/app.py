@@ -43,8 +43,7 @@ def create_app(settings: PSSettings | None = None, exit_on_refusal: bool = False
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         rt = Runtime(settings)
-        rt.shard(sharding.role(settings, rt.core))  # None: one PS
-        rt.pair(standby.pair(settings, rt.core))  # None: no hot standby
+        rt.take_parts(sharding.role(settings, rt.core), standby.pair(settings, rt.core))  # None: one PS, no pair
         app.state.runtime = rt
         try:
             checkpointer = checkpoint.attach(rt)  # restores the newest valid checkpoint first

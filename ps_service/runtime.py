@@ -64,22 +64,19 @@ class Runtime:
         #: called with no argument after each change of the core (e.g. metrics observing closed rounds)
         self.observers: list[Callable[[], None]] = []
         #: this process's part in a sharded PS (PS_SHARDS > 1; None: one PS): ps_service/sharding, a layer above the
-        #: core that the app gives the runtime (:meth:`shard`)
+        #: core that the app gives the runtime (:meth:`take_parts`)
         self.shards = None
         #: this process's part in a hot-standby pair (PS_ROLE; None: no pair): ps_service/standby
         self.ha = None
         #: waits in flight answer at once when it moves (:meth:`abort_waits`)
         self.aborts = 0
 
-    def shard(self, role) -> None:
-        """Take this process's part in a sharded PS (``ps_service.sharding.role``; None: one PS)."""
-        self.shards = role
-        if role is not None and role.coordinator:
-            self.observers.append(role.observe)  # closed rounds go to the followers
-
-    def pair(self, ha) -> None:
-        """Take this process's part in a hot-standby pair (``ps_service.standby.pair``; None: none)."""
-        self.ha = ha
+    def take_parts(self, shards, ha) -> None:
+        """Take this process's parts in a sharded PS (``ps_service.sharding.role``; None: one PS) and in a hot-standby
+        pair (``ps_service.standby.pair``; None: none)."""
+        self.shards, self.ha = shards, ha
+        if shards is not None and shards.coordinator:
+            self.observers.append(shards.observe)  # closed rounds go to the followers
         if ha is not None:
             self.observers.append(ha.observe)  # membership changes go to the standby
 

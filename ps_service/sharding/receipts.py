@@ -46,11 +46,6 @@ def receipt(key: bytes, shard: int, worker_id: str, step: int) -> str:
 def refused(key: bytes, shards: int, worker_id: str, step: int, receipts: Any) -> list[int]:
     """The followers (1..``shards``-1) whose receipt in ``receipts`` (a list, follower i's at i - 1) is absent or
     not :func:`receipt`'s; [] when every follower's is good."""
-    got = receipts if isinstance(receipts, list) else []
-    bad = []
-    for i in range(1, shards):
-        r = got[i - 1] if i - 1 < len(got) else None
-        if not isinstance(r, str) or not hmac.compare_digest(r.encode("ascii", "replace"),
-                                                             receipt(key, i, worker_id, step).encode()):
-            bad.append(i)
-    return bad
+    got = (receipts if isinstance(receipts, list) else []) + [None] * shards
+    return [i for i in range(1, shards) if not isinstance(got[i - 1], str) or not hmac.compare_digest(
+        got[i - 1].encode("ascii", "replace"), receipt(key, i, worker_id, step).encode())]
