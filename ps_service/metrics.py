@@ -185,7 +185,7 @@ class PSMetrics:
         """Account the rounds closed and the checkpoint written since the last call."""
         core, last = self.rt.core, self._last_step
         if last is not None and last >= core.global_step:  # went back to a checkpoint
-            last = core.global_step - 1
+            last = self._last_step = core.global_step - 1
         for rec in list(takewhile(lambda r: last is None or r.step > last, reversed(core.rounds)))[::-1]:
             self.rounds.labels(rec.reason if rec.reason in CLOSE_REASONS else "full").inc()
             self.round_duration.observe(rec.duration)

@@ -159,3 +159,32 @@ def test_scrape_while_training_shows_the_open_round(job):
     assert s[("ps_round_open_seconds", ())] >= 0 and 0 <= s[("ps_round_awaited_workers", ())] <= WORKERS
     assert s[("ps_workers", (("state", "active"),))] == WORKERS
     assert s[("ps_rounds_total", (("reason", "full"),))] == s[("ps_global_step", ())]
+
+
+def test_rounds_closed_after_a_rewind_are_counted_once_each():
+    """A live rollback (a sharded PS) takes the core back to an older step: the rounds it closes from there on are
+    counted, each once, whether or not anything observed the core between the rewind and the next close."""
+    from collections import deque
+    from types import SimpleNamespace
+
+    from ps_service.metrics import PSMetrics
+
+    core = SimpleNamespace(rounds=deque(), global_step=0)
+    rt = SimpleNamespace(core=core, observers=[], checkpoint_info=None)
+    metrics = PSMetrics(rt)
+
+    def close(step: int) -> None:
+        core.rounds.append(SimpleNamespace(step=step, reason="full", duration=0.1, contributors=(), straggler=None,
+                                           closed_at=1.0))
+        core.global_step = step + 1
+        metrics.observe()
+
+    for step in range(10):
+        close(step)
+    while core.rounds[-1].step >= 5:  # back to step 5: the records of the abandoned steps are dropped
+        core.rounds.pop()
+    core.global_step = 5
+    metrics.observe()  # the runtime's notify after the rewind
+    for step in range(5, 8):
+        close(step)
+    assert metrics.registry.get_sample_value("ps_rounds_total", {"reason": "full"}) == 13
