@@ -122,3 +122,16 @@ def test_dashboard_shows_live_training_and_fits_1280px(chromium, tmp_path):
     # The straggler card shows the whole name on one line.
     s = layout["straggler"]
     assert s["text"] == SLOW and s["lines"] == 1 and s["scroll"] <= s["client"], s
+
+
+def test_the_page_and_its_assets_are_served_as_they_are_with_their_types_and_never_cached():
+    from ps_service.dashboard import STATIC
+    from tests.live_ps import live_ps
+
+    with live_ps() as ps, ps.http() as h:
+        for path, kind, file in (("/", "text/html", "dashboard.html"), ("/dashboard.js", "text/javascript", None),
+                                 ("/dashboard.css", "text/css", None)):
+            r = h.get(path, params={"name": "dashboard.html"})  # (no route takes a parameter)
+            assert r.status_code == 200 and r.headers["content-type"].startswith(kind), (path, r.headers)
+            assert r.headers["cache-control"] == "no-cache"
+            assert r.content == (STATIC / (file or path[1:])).read_bytes()
