@@ -18,7 +18,7 @@ from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, Field
 
 from ps_service import api
-from ps_service.http import JSON_BODY_LIMIT, parse_json
+from ps_service.http import JSON_BODY_LIMIT, json_body, parse_json
 from ps_service.runtime import runtime
 from ps_service.sharding.holds import Held, apply_round, hold_tensors
 from ps_service.transport.body import read_body
@@ -151,17 +151,13 @@ class ApplyRound(BaseModel):
     mean_of: int = Field(ge=1, le=MAX_INT)
 
 
-def _json_body(model: type[BaseModel]) -> dict:
-    return {"requestBody": {"required": True, "content": {JSON: {"schema": model.model_json_schema()}}}}
-
-
 async def _from_coordinator(request: Request, model: type[BaseModel], limit: int):
     """A follower's (runtime, role, JSON body parsed as ``model``)."""
     rt, role = _role(request, coordinator=False)
     return rt, role, parse_json(await read_body(request, limit, JSON, rt.settings.body_idle_timeout_seconds), model)
 
 
-@router.post("/shard/apply", openapi_extra=_json_body(ApplyRound))
+@router.post("/shard/apply", openapi_extra=json_body(ApplyRound))
 async def apply(request: Request) -> dict:
     """Coordinator -> follower: apply round ``step`` with these contributors (a repeat: answered, not applied again)."""
     rt, role, msg = await _from_coordinator(request, ApplyRound, APPLY_BODY_LIMIT)
@@ -185,7 +181,7 @@ class RestoreStep(BaseModel):
     receipt_key: str = Field(pattern="^[0-9a-f]{64}$", description="The coordinator's hold receipt key, 64 hex digits.")
 
 
-@router.post("/shard/restore", openapi_extra=_json_body(RestoreStep))
+@router.post("/shard/restore", openapi_extra=json_body(RestoreStep))
 async def restore(request: Request) -> dict:
     """Coordinator -> follower: go back live to your checkpoint of ``step`` (the step the coordinator chose)."""
     rt, role, msg = await _from_coordinator(request, RestoreStep, JSON_BODY_LIMIT)
