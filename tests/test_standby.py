@@ -174,3 +174,54 @@ def test_terms_fence_an_old_primary_and_a_standby_checks_its_primarys_messages()
         assert (err.value.status, err.value.code) == (409, code), (term, seq)
     pair.from_primary(3, 6, 2.0)  # the next message of its term: taken, the primary heard from
     assert pair.heard == 2.0
+
+
+def test_a_standby_acknowledges_a_step_before_it_applies_it_and_applies_it_before_anything_reads_its_model():
+    """Sans-IO: ``Pair.apply``'s answer (the acknowledgement) counts the message while its optimizer step is pending;
+    the step is applied by ``settle`` (the route's, once the answer went out) or first thing by the next message, a
+    digest or a takeover, so the standby's bits are the primary's at each of those; a repeat is not applied again; a
+    message that does not fit the model is refused (409 ``ha_gap``: the state again) and changes nothing."""
+    from types import SimpleNamespace
+
+    from ps_service.settings import PSSettings
+    from ps_service.standby import Pair
+    settings = {"min_workers": 2, "startup_grace_seconds": 0.0}
+    primary = ParameterServerCore(core_config(**settings))
+    sent: list[bytes] = []
+    primary.on_step = lambda total, mean_of, n: sent.append(bytes(messages.encode_step(
+        primary.global_step, total, mean_of, n, {"members": primary.members.export()})))
+    primary.init_model(ModelInit({k: v.copy() for k, v in W.items()}, {"name": "adam", "learning_rate": 0.1}), 0.0)
+    ids = [primary.register(f"w{i}", 0.0)[0].worker_id for i in range(2)]
+    core = ParameterServerCore(core_config(**settings))
+    pair = Pair(PSSettings(role="standby", peer_url="http://peer:8000"), core)
+    pair.rt = SimpleNamespace(now=lambda: 9.0, notify=lambda: None, abort_waits=lambda: None)
+    pair.adopt(1, 0, messages.decode_state(messages.encode_state(primary.export_state())), 0, 0.0)
+    states = [state_bytes(primary)]
+    for step in range(4):
+        for rank, wid in enumerate(ids):
+            primary.push(PushRequest(wid, primary.global_step, grads(step, rank, False)), 1.0)
+        states.append(state_bytes(primary))
+    assert len(sent) == 4 and primary.global_step == 4
+
+    answer = pair.apply(1, 1, True, bytearray(sent[0]), 1.0)
+    assert (answer["applied"], answer["step"], answer["synced"]) == (1, 1, True)
+    assert state_bytes(core) == states[0] and pair.pending is not None  # acknowledged, not applied yet
+    pair.settle()
+    assert state_bytes(core) == states[1] and pair.pending is None
+    assert pair.apply(1, 1, True, bytearray(sent[0]), 1.1)["applied"] == 1 and state_bytes(core) == states[1]
+    pair.apply(1, 2, True, bytearray(sent[1]), 1.2)
+    pair.apply(1, 3, True, bytearray(sent[2]), 1.3)  # message 2's step first, then 3's pending
+    assert state_bytes(core) == states[2] and pair.answer()["step"] == 3
+    wrong = {"b": np.zeros(3, np.float32), "w": np.zeros((3, 4), np.float32)}  # w is (4, 3)
+    bad = bytearray(messages.encode_step(3, wrong, 2, 2, {}))
+    with pytest.raises(ProtocolError) as err:
+        pair.apply(1, 4, True, bad, 1.4)
+    assert err.value.code == "ha_gap" and pair.applied == 3 and state_bytes(core) == states[3]  # (3's step applied)
+    assert pair.digest() is not None and pair.costs["messages"] == 3 and pair.costs["apply_s"] > 0
+    pair.apply(1, 4, True, bytearray(sent[3]), 1.5)
+    assert state_bytes(core) == states[3]
+    # the primary is gone: the standby takes over with every step it acknowledged applied first
+    pair.watch(10.0)
+    assert pair.role == "candidate"
+    pair.vote(2, "w0"), pair.vote(2, "w1")
+    assert (pair.role, pair.term) == ("primary", 2) and state_bytes(core) == states[4]

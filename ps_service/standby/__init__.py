@@ -3,18 +3,21 @@ hold the same bits (docs/guides/standby.md; the wire is docs/protocol.md, Hot st
 
 Roles: ``primary`` (serves the workers; sends every step's input to its standby, :mod:`.link`, and answers a worker
 only once the standby acknowledged every step taken so far: :meth:`Pair.replicated`), ``standby`` (serves no worker:
-503 ``standby``; applies each step through :meth:`~ps_service.core.ParameterServerCore.apply_round`, the path a
-sharded PS's follower takes, so weights, optimizer slots and step stay bit-identical), ``candidate`` (either one,
-after ``PS_FAILOVER_TIMEOUT_SECONDS`` without the other: it asks the workers for their votes, 503 ``election``, and
-takes the next term when :mod:`.election` says it won). Every answer carries the pair's *term*
+503 ``standby``; acknowledges a step's message once it read and checked it, and applies it right after the answer
+went out, :meth:`Pair.settle`, through :meth:`~ps_service.core.ParameterServerCore.apply_round`, the path a sharded
+PS's follower takes, so weights, optimizer slots and step stay bit-identical; the next message, a ping, a digest and a
+takeover settle first: every step it acknowledged is in the model it digests or takes over with), ``candidate``
+(either one, after ``PS_FAILOVER_TIMEOUT_SECONDS`` without the other: it asks the workers for their votes, 503
+``election``, and takes the next term when :mod:`.election` says it won). Every answer carries the pair's *term*
 (``x-syncps-term``) and this process's role (``x-syncps-role``, :mod:`.gate`); a PS whose term is older than a
 request's, or than its peer's, accepts no push and becomes the standby of the newer term (a state transfer: the
 primary's checkpoint data, :mod:`.messages`).
 
-The standby's copy is as new as the last step it acknowledged, which is at least every step a worker saw: the
-primary's answers wait for it (``gated``), from the moment it snapshots its state for a standby that joins (or comes
-back): the workers wait for the state transfer once. Only a standby that took the state of its term may take over
-(``synced``); a primary that fed a standby asks the workers before it goes on without it.
+The standby's copy is as new as the last step it acknowledged (applied, or applied before anything reads it), which
+is at least every step a worker saw: the primary's answers wait for it (``gated``), from the moment it snapshots its
+state for a standby that joins (or comes back): the workers wait for the state transfer once. Only a standby that
+took the state of its term may take over (``synced``); a primary that fed a standby asks the workers before it goes
+on without it.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import asyncio
 import hashlib
 import logging
 import secrets
+import time
 from collections import deque
 
 import numpy as np
@@ -38,6 +42,14 @@ PRIMARY, STANDBY, CANDIDATE = "primary", "standby", "candidate"
 REPORTED_SILENCE_SECONDS = 0.4
 #: the longest a worker's answer waits for the standby's acknowledgement before it is refused (503, retried)
 REPLICATED_WAIT_SECONDS = 10.0
+#: what replication has cost this process (``GET /v1/ha`` ``costs``: sums over its messages, seconds of the wall
+#: clock but for ``writer_cpu_s``). The primary: ``messages`` queued, ``encode_s`` (each step's input copied into its
+#: message), ``send_s`` (the writer thread's requests, from the first byte out to the acknowledgement in),
+#: ``writer_cpu_s`` (that thread's CPU in them), ``exposed_s`` and ``exposed`` (answers to workers held for an
+#: acknowledgement: from the first such wait of a message to the acknowledgement, and how many messages held one).
+#: The standby: ``messages`` taken, ``read_s`` (a message's body read), ``decode_s`` (decoded and checked),
+#: ``apply_s`` (its optimizer step, after the acknowledgement went out).
+COSTS = ("messages", "encode_s", "send_s", "writer_cpu_s", "exposed_s", "exposed", "read_s", "decode_s", "apply_s")
 
 
 def pair(settings, core) -> "Pair | None":
@@ -68,8 +80,11 @@ class Pair:
         self.transfers = 0
         self.epoch = 0  # snapshots taken: a step answered for an older one is not this standby's
         self._acked = asyncio.Event()
+        self._held_since: float | None = None  # the first answer held for message `seq`'s acknowledgement (perf)
+        self.costs = dict.fromkeys(COSTS, 0.0)
         # ---- as standby
-        self.applied = 0  # the last message applied
+        self.applied = 0  # the last message taken (acknowledged: applied, or `pending`)
+        self.pending: tuple | None = None  # (total, mean_of, contributors) of message `applied`, not applied yet
         self.heard = 0.0  # when the primary was last heard from (monotonic)
         self.synced = False  # the primary gates on us: we may take over
         self.members: list[dict] = []
@@ -108,6 +123,7 @@ class Pair:
         self.feeding = self.gated = self.transferring = False  # a new standby (if any) gets our state first
         self.queue.clear()
         self.alone_since = self.rt.now() if self.rt and role == PRIMARY else None
+        self._held_since = None
         self._acked.set()
         if self.rt is not None:
             self.rt.abort_waits()  # waits in flight look again (a standby answers none)
@@ -133,7 +149,10 @@ class Pair:
         if core.modes is not None:
             extra["staleness"] = core.modes.export()
         self.seq += 1
+        t = time.perf_counter()
         self.queue.append((self.seq, messages.encode_step(step, total, mean_of, contributors, extra), members))
+        self.costs["encode_s"] += time.perf_counter() - t
+        self.costs["messages"] += 1
         self.link.wake()
 
     def snapshot(self) -> tuple[int, dict]:
@@ -159,6 +178,10 @@ class Pair:
             if self.role == CANDIDATE and self.election.incumbent:  # it answers again, and has our state: no election
                 self.role, self.election = PRIMARY, None
                 self.rt.abort_waits()
+        if self._held_since is not None and self.acked >= self.seq:
+            self.costs["exposed_s"] += time.perf_counter() - self._held_since
+            self.costs["exposed"] += 1
+            self._held_since = None
         self._acked.set()
 
     def lost_standby(self, why: str) -> None:
@@ -196,6 +219,8 @@ class Pair:
         if self.role == PRIMARY and (not self.gated or self.acked >= self.seq):
             return
         target, loop = self.seq, asyncio.get_running_loop()
+        if self._held_since is None and self.role == PRIMARY:
+            self._held_since = time.perf_counter()
         end = loop.time() + REPLICATED_WAIT_SECONDS
         while True:
             self.refuse()
@@ -244,7 +269,11 @@ class Pair:
         now = self.rt.now()
         if self.role == CANDIDATE and e.incumbent:  # the standby is gone: go on alone
             self._become(PRIMARY, e.term, f"won the election ({len(e.votes)} vote(s)): goes on without a standby")
-        else:  # the standby takes over: the model it holds, the members the primary last replicated
+        else:  # the standby takes over: the model it holds (every step it acknowledged), the members last replicated
+            self.settle()
+            if not self.synced:  # its step did not apply: it does not hold what it acknowledged
+                self.role, self.election = STANDBY, None
+                return
             state = {**self.core.model_state(), "members": self.members, "staleness": self.staleness}
             self.core.adopt(state, now)
             self.takeovers += 1
@@ -283,25 +312,49 @@ class Pair:
             self.last_change = f"standby of term {self.term}: the primary answers again"
 
     def apply(self, term: int, seq: int, gated: bool, body, now: float) -> dict:
+        """Take message ``seq``: checked (its step this PS's next, its tensors the model's), the answer acknowledges it;
+        its optimizer step is pending until :meth:`settle`, which the route runs once the answer went out, and which
+        anything that reads or replaces the model runs first (the next message, a ping, a digest, a takeover)."""
+        self.settle()  # (first: a step that failed to apply leaves no message taken, and this one a gap)
         self.from_primary(term, seq, now)
         if seq <= self.applied:
             return self.answer()
+        t = time.perf_counter()
         meta, total = messages.decode_step(body)
         core = self.core
         if meta["step"] is not None:
             if meta["step"] != core.global_step:
                 raise ProtocolError(409, "ha_gap", f"a step of {meta['step']} for a standby at step {core.global_step}")
-            core.apply_round(total, meta["mean_of"], meta["contributors"])
+            messages.check_fits(total, core.weights)
+            self.pending = (total, meta["mean_of"], meta["contributors"])
         if "members" in meta:
             self.members = meta["members"]
         if "staleness" in meta:
             self.staleness = meta["staleness"]
         self.applied, self.synced = seq, gated
         self.bytes_received += len(body)
+        self.costs["decode_s"] += time.perf_counter() - t
+        self.costs["messages"] += 1
         return self.answer()
+
+    def settle(self) -> None:
+        """Apply the pending step (of the message taken last), if any. Should it fail (it cannot, for a message that
+        fits the model), this PS no longer holds the primary's bits: it may not take over, and the primary's next
+        message gets 409 ``ha_gap`` (the state again)."""
+        if self.pending is None:
+            return
+        (total, mean_of, contributors), self.pending = self.pending, None
+        t = time.perf_counter()
+        try:
+            self.core.apply_round(total, mean_of, contributors)
+        except Exception:
+            log.exception("hot standby: the step of message %d did not apply: the state again", self.applied)
+            self.applied, self.synced = 0, False
+        self.costs["apply_s"] += time.perf_counter() - t
 
     def ping(self, term: int, seq: int, gated: bool, now: float) -> dict:
         self.from_primary(term, None, now)
+        self.settle()
         if seq > self.applied:
             raise ProtocolError(409, "ha_gap", f"the primary acknowledged message {seq}; this PS has {self.applied}")
         self.synced = gated  # (a ping comes when every message is acknowledged)
@@ -311,6 +364,7 @@ class Pair:
         """A primary's state (the transfer): become its standby at message ``seq`` of ``term``."""
         if term < self.term or (term == self.term and self.role == PRIMARY):
             raise ProtocolError(409, "stale_term", f"this PS is the {self.role} of term {self.term}")
+        self.pending = None  # the state holds it
         self.core.adopt(state, now)
         self.core.follow()
         self.members, self.staleness = state["members"], state.get("staleness")
@@ -320,12 +374,14 @@ class Pair:
         return self.answer()
 
     def answer(self) -> dict:
-        return {"role": self.role, "term": self.term, "applied": self.applied, "step": self.core.global_step,
+        return {"role": self.role, "term": self.term, "applied": self.applied,
+                "step": self.core.global_step + (self.pending is not None),
                 "boot": self.boot, "synced": self.synced, "gated": self.gated}
 
     def digest(self) -> str | None:
         """sha256 of the step, the optimizer's iterations, every weight's and slot's bytes in name order (None: no
         model): two PS with the same digest hold the same bits."""
+        self.settle()
         core = self.core
         if not core.initialized:
             return None

@@ -216,11 +216,14 @@ class Link:
                 return
             epoch, (seq, body, members) = job
             target = f"{API}/ha/steps?term={p.term}&seq={seq}&gated={int(p.gated)}"
+            t, cpu = time.perf_counter(), time.thread_time()
             try:
                 resp = self.conn.request("POST", target, self._step_headers, (body,), p.failover)
                 status, answer = resp.status_code, resp.text
             except (ConnectionLost, httpx.HTTPError) as exc:
                 status, answer = None, f"{type(exc).__name__}: {exc}"
+            p.costs["send_s"] += time.perf_counter() - t  # (this thread's own keys: no other writes them)
+            p.costs["writer_cpu_s"] += time.thread_time() - cpu
             if status == 200:
                 self._done = (epoch, seq)
             size = len(body)

@@ -70,6 +70,17 @@ def decode_step(body) -> tuple[dict[str, Any], dict[str, Any] | None]:
     return meta, total
 
 
+def check_fits(total: Mapping[str, Any] | None, weights: Mapping[str, np.ndarray]) -> None:
+    """409 ``ha_gap`` unless ``total`` (:func:`decode_step`'s) is a step of ``weights``: the same names, each of its
+    weight's shape, a sparse one's indices inside it (so that applying it cannot fail once it is acknowledged)."""
+    if total is None:
+        return
+    if total.keys() != weights.keys() or any(tuple(v.shape) != weights[k].shape or (
+            isinstance(v, SparseTensor) and len(v.indices) and not 0 <= int(v.indices.min()) <= int(v.indices.max())
+            < weights[k].size) for k, v in total.items()):
+        raise ProtocolError(409, "ha_gap", "the step's tensors are not this PS's model: send the state")
+
+
 def encode_state(state: dict[str, Any]) -> bytes:
     return checkpoint.encode(state, time.time())[0]
 

@@ -1,16 +1,19 @@
 """The routes of a hot-standby pair (docs/protocol.md, Hot standby); app.py mounts them only when ``PS_ROLE`` is set.
 
 Primary -> standby: ``PUT /v1/ha/state`` (the whole state), ``POST /v1/ha/steps`` (one step's input, in order),
-``POST /v1/ha/ping`` (idle). Anyone: ``GET /v1/ha`` (role, term, messages applied, step, boot id). Workers:
+``POST /v1/ha/ping`` (idle). Anyone: ``GET /v1/ha`` (role, term, messages taken, step, boot id, costs). Workers:
 ``POST /v1/ha/vote`` (a vote in an election). Thin drivers of :class:`ps_service.standby.Pair`.
 """
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
+from starlette.background import BackgroundTask
 
 from ps_service.http import JSON_BODY_LIMIT, parse_json
 from ps_service.runtime import runtime
@@ -27,9 +30,9 @@ Count = Annotated[int, Query(ge=0, le=MAX_INT)]
 async def info(request: Request, digest: bool = Query(False, description=(
         "Add `digest`: sha256 of the step, the optimizer's iterations, weights and slots (two PS holding the same "
         "bits have the same one; reads the whole model)."))) -> dict:
-    """This PS's role, term, the primary's messages it applied, its step and boot id."""
+    """This PS's role, term, the primary's messages it took, its step and boot id, what replication cost it."""
     ha = runtime(request).ha
-    return {**ha.answer(), **({"digest": ha.digest()} if digest else {})}
+    return {**ha.answer(), "costs": ha.costs, **({"digest": ha.digest()} if digest else {})}
 
 
 @router.put("/state", openapi_extra=FRAME_BODY)
@@ -44,13 +47,22 @@ async def state(request: Request, term: Count, seq: Count) -> dict:
 
 @router.post("/steps", openapi_extra=FRAME_BODY)
 async def steps(request: Request, term: Count, seq: Count, gated: bool = Query(False, description=(
-        "The primary waits for this standby's acknowledgements: it may take over."))) -> dict:
-    """Primary -> standby: apply message ``seq`` (one step's input, or the membership); a repeat is answered."""
+        "The primary waits for this standby's acknowledgements: it may take over."))) -> JSONResponse:
+    """Primary -> standby: take message ``seq`` (one step's input, or the membership), its step applied once this
+    answer (its acknowledgement) went out; a repeat is answered."""
     rt = runtime(request)
     s = rt.settings
     rt.ha.from_primary(term, seq, rt.now())  # refusals before the body is read
+    t = time.perf_counter()
     body = await read_body(request, s.max_body_bytes, frame.MEDIA_TYPE, s.body_idle_timeout_seconds)
-    return rt.run_guarded(lambda: rt.ha.apply(term, seq, gated, body, rt.now()))
+    rt.ha.costs["read_s"] += time.perf_counter() - t
+    answer = rt.run_guarded(lambda: rt.ha.apply(term, seq, gated, body, rt.now()))
+    return JSONResponse(answer, background=BackgroundTask(_settle, rt))
+
+
+async def _settle(rt) -> None:
+    """The step just acknowledged, applied (a coroutine function: on the event loop, as every core call)."""
+    rt.run_guarded(rt.ha.settle)
 
 
 @router.post("/ping")
