@@ -34,6 +34,13 @@ Workers run as ``make run`` starts them (:class:`~cluster.processes.LocalCluster
 there are no more workers than CPUs; ``pinned_cpus`` lists each worker's CPU (null: not pinned). ``--no-pin``
 leaves them wherever the OS puts them.
 
+``--standby`` runs a hot-standby pair (docs/guides/standby.md): ``ps_cpu_s`` is then both PS processes' CPU, and the
+line gets ``cpu_ms_per_step_of`` (the primary's, the standby's and the workers' CPU a step, in ms) and ``pair_ms``
+(the ``costs`` of each PS's ``GET /v1/ha`` over the window, ms a step: where replication's time goes, and
+``exposed``, the share of steps whose answers waited for the acknowledgement). ``--alternate`` (with ``--standby``)
+measures its cost: each repeat runs the job alone and with a pair, the order swapped every other repeat, every line
+with ``load_1min`` (``os.getloadavg``, as the run ends) and ``machine``.
+
 ``--task cnn`` measures the torch ``cnn`` task instead (syncps/cnn.py, batch 32 per
 worker; ``--params`` does not apply): its side-by-side with torch DDP is ``python -m bench.ddp_cnn``.
 """
@@ -135,6 +142,23 @@ def _shard_cpu(procs: list) -> list[float | None]:
     return [_cpu_seconds(p.pid) for p in procs]
 
 
+def _pair_costs(cluster) -> list[dict] | None:
+    """A hot-standby pair's ``costs`` (``GET /v1/ha``), the primary's then the standby's (None: no pair)."""
+    if cluster.peer_url is None:
+        return None
+    return [httpx.get(f"{url}/v1/ha", timeout=10.0).json()["costs"] for url in (cluster.url, cluster.peer_url)]
+
+
+def _pair_lines(costs0: list[dict], costs1: list[dict], steps: int, cpu: list, wcpu: list) -> dict:
+    """A pair's fields (the module's docstring, ``--standby``): CPU a step per process kind, ``costs`` a step."""
+    ms = lambda x: None if x is None else round(1e3 * x / steps, 3)  # noqa: E731
+    pair = {side: {k: ms(b[k] - a[k]) for k in a if k.endswith("_s")} for side, a, b in
+            zip(("primary", "standby"), costs0, costs1)}
+    pair["primary"]["exposed"] = round((costs1[0]["exposed"] - costs0[0]["exposed"]) / steps, 3)
+    return {"cpu_ms_per_step_of": {"primary": ms(cpu[0]), "standby": ms(cpu[-1]),
+                                   "workers": ms(None if None in wcpu else sum(wcpu))}, "pair_ms": pair}
+
+
 def measure(workers: int, params: int, seconds: float, warmup: float = 2.0, dtype: str = "float32",
             ps_env: dict | None = None, worker_env: dict | None = None, start_deadline: float = 120.0,
             transport: str = "auto", task: str = "linear", compression: str = "none", shards: int = 1,
@@ -179,12 +203,14 @@ def measure(workers: int, params: int, seconds: float, warmup: float = 2.0, dtyp
             if step_aligned:
                 _wait_next_step(client)
             cpu0, wcpu0, shard_wire0 = _shard_cpu(procs), _shard_cpu(cluster.workers), _wire_bytes(urls)
+            costs0 = _pair_costs(cluster)
             t0, g0, _ = _global_step(client)
             time.sleep(seconds)
             if step_aligned:
                 _wait_next_step(client)
             t1, g1, st = _global_step(client)
             cpu1, wcpu1, shard_wire1 = _shard_cpu(procs), _shard_cpu(cluster.workers), _wire_bytes(urls)
+            costs1 = _pair_costs(cluster)
             members = client.get("/v1/workers").json()["workers"]
         rate = (g1 - g0) / (t1 - t0)
         cpu, wcpu = ([None if a is None or b is None else round(b - a, 3) for a, b in zip(*ab)]
@@ -216,6 +242,8 @@ def measure(workers: int, params: int, seconds: float, warmup: float = 2.0, dtyp
             "worker_phase_ms": {k: round(1e3 * sum(m["mean_seconds"][k] for m in members) / len(members), 2)
                                 for k in PHASES},
         })
+        if costs0 is not None and g1 > g0:
+            out.update(_pair_lines(costs0, costs1, g1 - g0, cpu, wcpu))
         if out["ps_cpu_s"] is not None and out["workers_cpu_s"] is not None and g1 > g0:
             job_cpu = out["ps_cpu_s"] + out["workers_cpu_s"]
             out.update(cpu_ms_per_step=round(1e3 * job_cpu / (g1 - g0), 2),
@@ -248,16 +276,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shards", type=int, default=1, help="PS processes (PS_SHARDS; docs/scaling.md)")
     ap.add_argument("--standby", action="store_true",
                     help="a hot-standby pair (PS_ROLE: every step also applied on a second PS; docs/guides/standby.md)")
+    ap.add_argument("--alternate", action="store_true",
+                    help="with --standby: each repeat runs the job alone and with a pair, alternating (its cost)")
     ap.add_argument("--no-pin", action="store_true",
                     help="workers not pinned to CPUs (a local cluster pins each to its own when workers <= CPUs)")
     add_json_option(ap)
     args = ap.parse_args(argv)
+    from bench.table import machine  # (bench.table imports this module)
     with Results(args.json, prog=ap.prog) as out:
-        for _ in range(args.repeat):
-            out.add(measure(args.workers, args.params, args.seconds, args.warmup, args.dtype, transport=args.transport,
-                            task=args.task, compression=args.compression, shards=args.shards,
-                            cluster_options={**({"pin_workers": False} if args.no_pin else {}),
-                                             **({"standby": True} if args.standby else {})} or None))
+        for i in range(args.repeat):
+            sides = ((False, True) if i % 2 == 0 else (True, False)) if args.alternate else (args.standby,)
+            for standby in sides:
+                line = measure(args.workers, args.params, args.seconds, args.warmup, args.dtype,
+                               transport=args.transport, task=args.task, compression=args.compression,
+                               shards=args.shards, cluster_options={**({"pin_workers": False} if args.no_pin else {}),
+                                                                   **({"standby": True} if standby else {})} or None)
+                if args.alternate:
+                    line.update(standby=standby, pair=i, load_1min=round(os.getloadavg()[0], 2), machine=machine())
+                out.add(line)
     return 0 if all(line.get("steps_per_s") is not None for line in out.lines) else 1
 
 
