@@ -176,26 +176,33 @@ def test_terms_fence_an_old_primary_and_a_standby_checks_its_primarys_messages()
     assert pair.heard == 2.0
 
 
+def fed_pair(optimizer: str, workers: int):
+    """A primary core whose steps are encoded as the primary's link would (``sent``), its workers' ids, and a standby
+    ``Pair`` (over a core of its own, with a stand-in runtime) that took the primary's state at message 0 of term 1."""
+    from types import SimpleNamespace
+
+    from ps_service.settings import PSSettings
+    from ps_service.standby import Pair
+    settings = {"min_workers": workers, "startup_grace_seconds": 0.0}
+    primary = ParameterServerCore(core_config(**settings))
+    sent: list[bytes] = []
+    primary.on_step = lambda total, mean_of, n: sent.append(bytes(messages.encode_step(
+        primary.global_step, total, mean_of, n, {"members": primary.members.export()})))
+    primary.init_model(ModelInit({k: v.copy() for k, v in W.items()}, {"name": optimizer, "learning_rate": 0.1}), 0.0)
+    ids = [primary.register(f"w{i}", 0.0)[0].worker_id for i in range(workers)]
+    pair = Pair(PSSettings(role="standby", peer_url="http://peer:8000"), ParameterServerCore(core_config(**settings)))
+    pair.rt = SimpleNamespace(now=lambda: 9.0, notify=lambda: None, abort_waits=lambda: None)
+    pair.adopt(1, 0, messages.decode_state(messages.encode_state(primary.export_state())), 0, 0.0)
+    return primary, ids, sent, pair
+
+
 def test_a_standby_acknowledges_a_step_before_it_applies_it_and_applies_it_before_anything_reads_its_model():
     """Sans-IO: ``Pair.apply``'s answer (the acknowledgement) counts the message while its optimizer step is pending;
     the step is applied by ``settle`` (the route's, once the answer went out) or first thing by the next message, a
     digest or a takeover, so the standby's bits are the primary's at each of those; a repeat is not applied again; a
     message that does not fit the model is refused (409 ``ha_gap``: the state again) and changes nothing."""
-    from types import SimpleNamespace
-
-    from ps_service.settings import PSSettings
-    from ps_service.standby import Pair
-    settings = {"min_workers": 2, "startup_grace_seconds": 0.0}
-    primary = ParameterServerCore(core_config(**settings))
-    sent: list[bytes] = []
-    primary.on_step = lambda total, mean_of, n: sent.append(bytes(messages.encode_step(
-        primary.global_step, total, mean_of, n, {"members": primary.members.export()})))
-    primary.init_model(ModelInit({k: v.copy() for k, v in W.items()}, {"name": "adam", "learning_rate": 0.1}), 0.0)
-    ids = [primary.register(f"w{i}", 0.0)[0].worker_id for i in range(2)]
-    core = ParameterServerCore(core_config(**settings))
-    pair = Pair(PSSettings(role="standby", peer_url="http://peer:8000"), core)
-    pair.rt = SimpleNamespace(now=lambda: 9.0, notify=lambda: None, abort_waits=lambda: None)
-    pair.adopt(1, 0, messages.decode_state(messages.encode_state(primary.export_state())), 0, 0.0)
+    primary, ids, sent, pair = fed_pair("adam", 2)
+    core = pair.core
     states = [state_bytes(primary)]
     for step in range(4):
         for rank, wid in enumerate(ids):
@@ -225,3 +232,24 @@ def test_a_standby_acknowledges_a_step_before_it_applies_it_and_applies_it_befor
     assert pair.role == "candidate"
     pair.vote(2, "w0"), pair.vote(2, "w1")
     assert (pair.role, pair.term) == ("primary", 2) and state_bytes(core) == states[4]
+
+
+def test_a_step_that_fails_to_apply_after_its_acknowledgement_leaves_the_standby_unable_to_take_over():
+    """Should the pending step not apply (it cannot, for a message that fits the model), the standby no longer holds
+    what it acknowledged: not ``synced`` (no takeover), no message taken (the primary's next message: 409 ``ha_gap``,
+    the state again)."""
+    primary, (wid,), sent, pair = fed_pair("sgd", 1)
+    for step in range(2):
+        primary.push(PushRequest(wid, primary.global_step, grads(step, 0, False)), 1.0)
+    assert pair.apply(1, 1, True, bytearray(sent[0]), 1.0)["applied"] == 1 and pair.synced
+
+    def broken(*args):
+        raise MemoryError("no memory for the step")
+    pair.core.apply_round = broken
+    pair.settle()
+    assert (pair.applied, pair.synced, pair.pending) == (0, False, None)
+    pair.watch(10.0)
+    assert pair.role == "standby"  # not synced: it never becomes a candidate
+    with pytest.raises(ProtocolError) as err:
+        pair.apply(1, 2, True, bytearray(sent[1]), 11.0)
+    assert err.value.code == "ha_gap"
