@@ -2,7 +2,9 @@
 
 - sans-IO: an election can never be won by both PS of a pair (every split of every roster's votes); a core fed the
   messages of another (``on_step`` -> :mod:`ps_service.standby.messages` -> ``apply_round``), after its state
-  transfer, holds the same bits, in every mode and for a top-k job's sparse sums;
+  transfer, holds the same bits, in every mode and for a top-k job's sparse sums; a standby ``Pair`` acknowledges a
+  step before it applies it, and applies it before anything reads its model (the next message, a digest, a
+  takeover); a step that fails to apply leaves it unable to take over;
 - live (real PS and worker processes, tests/test_standby_live.py): the pair in each mode, the crash loop, the standby
   killed, a partition between the two.
 """
