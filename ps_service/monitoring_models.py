@@ -107,7 +107,7 @@ class PairStatus(BaseModel):
     lag_rounds: int | None = Field(description="On the primary: messages (steps, membership) the standby has not "
                                                "acknowledged yet.")
     lag_bytes: int | None = Field(description="On the primary: the bytes of those messages.")
-    applied: int = Field(description="On a standby: the primary's messages applied (of this term).")
+    applied: int = Field(description="On a standby: the primary's messages taken (of this term): read, checked and acknowledged; the last one may still be applying (it is applied right after its answer, before anything else).")
     synced: bool = Field(description="On a standby: it took the state of its term (it may take over).")
     election: Election | None = Field(description="An election under way on this PS (null: none).")
     takeovers: int = Field(description="Times this process took over as primary.")
