@@ -24,7 +24,9 @@ load falls on them alike:
   apart: ``swarm-published``, placed as ``swarm`` but the workers reach the PS at the manager's published port
   (``WORKER_PS_URL=http://<manager>:<port>``: the nodes' own network, no overlay); ``swarm-manager``, the 4 workers
   on the manager beside the PS (the overlay network, no packet crossing nodes); ``swarm-node2``, the 4 on node 2
-  (every tensor through VXLAN between the nodes); ``swarm-node2-published``, the 4 on node 2 at the published port.
+  (every tensor through VXLAN between the nodes); ``swarm-node2-published``, the 4 on node 2 at the published port;
+  ``swarm-hostnet``, placed as ``swarm`` with deploy/swarm/hostnet.yml (the PS and the workers on each node's
+  ``host`` network, the workers at the manager's address: no container network on the way).
 
 Every side gets the same settings (:func:`job_settings`): ``PS_TOTAL_NUM_REPLICAS`` and ``PS_MIN_WORKERS`` = N, no
 start grace, ``PS_MAX_STEPS`` (``--max-steps``) far beyond the runs, checkpoints every 100 steps (compose's volume;
@@ -66,10 +68,13 @@ from shared.protocol import PHASES
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = ROOT / "docker-compose.yml"
-#: the swarm sides: where the workers run (``spread``: half on each node; ``manager``; ``worker``: node 2) and
-#: whether they reach the PS at the manager's published port instead of over the overlay network (``ps:8000``)
-SWARM_LAYOUTS = {"swarm": ("spread", False), "swarm-published": ("spread", True), "swarm-manager": ("manager", False),
-                 "swarm-node2": ("worker", False), "swarm-node2-published": ("worker", True)}
+#: the swarm sides: where the workers run (``spread``: half on each node; ``manager``; ``worker``: node 2) and how
+#: they reach the PS: ``overlay`` (``ps:8000``), ``published`` (the manager's published port), ``hostnet`` (the PS and
+#: the workers on each node's ``host`` network, deploy/swarm/hostnet.yml: the manager's address, no container network)
+SWARM_LAYOUTS = {"swarm": ("spread", "overlay"), "swarm-published": ("spread", "published"),
+                 "swarm-hostnet": ("spread", "hostnet"), "swarm-manager": ("manager", "overlay"),
+                 "swarm-node2": ("worker", "overlay"), "swarm-node2-published": ("worker", "published")}
+HOSTNET_FILE = ROOT / "deploy" / "swarm" / "hostnet.yml"
 SIDES = ("local-http", "local-auto", "compose", *SWARM_LAYOUTS)
 #: the sides run without --sides (a swarm side brings up a second Docker engine: asked for by name)
 DEFAULT_SIDES = SIDES[:3]
@@ -221,12 +226,15 @@ def swarm_image(image: str, workdir: Path) -> str:
     return tag
 
 
-def swarm_layout(side: str, workers: int, manager: str, port: int) -> tuple[dict, dict]:
-    """(the worker service's ``deploy`` additions, its extra settings) of a swarm side (:data:`SWARM_LAYOUTS`)."""
-    where, published = SWARM_LAYOUTS[side]
+def swarm_layout(side: str, workers: int, manager: str, port: int) -> tuple[dict, dict, dict]:
+    """(the worker service's ``deploy`` additions, its extra settings, :class:`bench.swarm.StackJob`'s ``files`` and
+    ``env``) of a swarm side (:data:`SWARM_LAYOUTS`)."""
+    where, reach = SWARM_LAYOUTS[side]
     placement = ({"max_replicas_per_node": (workers + 1) // 2} if where == "spread"
                  else {"constraints": [f"node.role == {where}"]})
-    return {"placement": placement}, ({"WORKER_PS_URL": f"http://{manager}:{port}"} if published else {})
+    settings = {"WORKER_PS_URL": f"http://{manager}:{port}"} if reach == "published" else {}
+    stack = {"files": (HOSTNET_FILE,), "env": {"SYNCPS_PS_HOST": manager}} if reach == "hostnet" else {}
+    return {"placement": placement}, settings, stack
 
 
 def measure_swarm(swarm: TwoNodes, image: str, workers: int, params: int, max_steps: int, seconds: float,
@@ -237,8 +245,8 @@ def measure_swarm(swarm: TwoNodes, image: str, workers: int, params: int, max_st
     out = _line(workers, params)
     ps_env, worker_env = job_settings(params, workers, max_steps)
     port = free_port()
-    deploy, reach = swarm_layout(side, workers, swarm.address, port)
-    job = swarm.job(side, image, ps=ps_env, worker={**worker_env, **reach}, worker_deploy=deploy, port=port)
+    deploy, reach, stack = swarm_layout(side, workers, swarm.address, port)
+    job = swarm.job(side, image, ps=ps_env, worker={**worker_env, **reach}, worker_deploy=deploy, port=port, **stack)
 
     def cgroups(ids: list[str]) -> float | None:
         values = [cgroup_cpu_seconds(c) for c in ids]

@@ -224,17 +224,20 @@ def settings_file(stack: str, ps: dict | None = None, worker: dict | None = None
 class StackJob(PublishedPS):
     """docker-stack.yml with ``ps`` / ``worker`` settings and ``worker_deploy`` (merged into the worker service's
     ``deploy``) in a last stack file, deployed by deploy/swarm/deploy.sh under a name and a host port of its own
-    (``port``, else a free one)."""
+    (``port``, else a free one); ``files``: stack files added before the last (e.g. deploy/swarm/hostnet.yml), ``env``:
+    variables they need (e.g. ``SYNCPS_PS_HOST``)."""
 
     def __init__(self, swarm: TwoNodes, label: str, image: str, ps: dict | None = None, worker: dict | None = None,
-                 worker_deploy: dict | None = None, port: int | None = None) -> None:
+                 worker_deploy: dict | None = None, port: int | None = None, files: tuple[Path, ...] = (),
+                 env: dict[str, str] | None = None) -> None:
         self.swarm = swarm
         self.name = f"syncpsbench-{label}-{secrets.token_hex(2)}".lower()
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.headers = {"Authorization": f"Bearer {swarm.tokens[MONITOR_TOKEN]}"}
         self.settings_file = settings_file(self.name, ps, worker, worker_deploy)
-        self.env = scrubbed_env(SYNCPS_STACK=self.name, SYNCPS_IMAGE=image, SYNCPS_PORT=str(self.port))
+        self.env = scrubbed_env(SYNCPS_STACK=self.name, SYNCPS_IMAGE=image, SYNCPS_PORT=str(self.port), **(env or {}))
+        self.files = files
 
     def stop_workers(self, deadline: float = 120.0) -> dict:
         """``docker service scale <stack>_worker=0``: every worker leaves (SIGTERM), the job's counts stop moving; the
@@ -243,7 +246,8 @@ class StackJob(PublishedPS):
         return self.wait_status(lambda s: s["workers"]["active"] == 0, deadline, "every worker to leave")
 
     def deploy(self) -> None:
-        run([str(DEPLOY), "-c", str(self.settings_file)], cwd=ROOT, env=self.env, timeout=180)
+        extra = [a for f in self.files for a in ("-c", str(f))]
+        run([str(DEPLOY), *extra, "-c", str(self.settings_file)], cwd=ROOT, env=self.env, timeout=180)
 
     def tasks(self, service: str = "worker") -> list[dict]:
         """``docker service ps``: every task of the service (ID, Name ``<stack>_worker.3``, Node, states)."""

@@ -48,6 +48,8 @@ COLOCATED_FILE = ROOT / "deploy" / "swarm" / "colocated.yml"
 STANDBY_FILE = ROOT / "deploy" / "swarm" / "standby.yml"
 #: the workers at the PS node's published port (docs/guides/swarm.md: Two nodes against local processes)
 PUBLISHED_FILE = ROOT / "deploy" / "swarm" / "published.yml"
+#: the PS and the workers on each node's `host` network (docs/guides/swarm.md: Two nodes against local processes)
+HOSTNET_FILE = ROOT / "deploy" / "swarm" / "hostnet.yml"
 #: the stack's Docker secrets: the training token, the monitoring token
 TOKEN, MONITOR_TOKEN = "syncps_token", "syncps_monitor_token"
 
@@ -149,17 +151,19 @@ def remove_node2() -> list[str]:
 class Stack(PublishedPS):
     """One deployment of docker-stack.yml: ``ps`` / ``worker`` settings and ``worker_deploy`` (merged into
     the worker service's ``deploy``) go into a last stack file, as a user adds one to deploy.sh; ``files``: stack
-    files to add before it (e.g. :func:`for_node2` of :data:`COLOCATED_FILE`)."""
+    files to add before it (e.g. :func:`for_node2` of :data:`COLOCATED_FILE`), ``env``: variables they need (e.g.
+    ``SYNCPS_PS_HOST`` for :data:`HOSTNET_FILE`)."""
 
     def __init__(self, swarm: "Swarm", label: str, ps: dict | None = None, worker: dict | None = None,
-                 worker_deploy: dict | None = None, files: tuple[Path, ...] = ()) -> None:
+                 worker_deploy: dict | None = None, files: tuple[Path, ...] = (),
+                 env: dict[str, str] | None = None) -> None:
         self.files = files
         self.name = f"syncpstest-{label}-{os.getpid()}-{secrets.token_hex(2)}".lower()
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.headers = bearer_header(SecretStr(swarm.tokens[MONITOR_TOKEN]))
         self.settings_file = settings_file(self.name, ps, worker, worker_deploy)
-        self.env = scrubbed_env(SYNCPS_STACK=self.name, SYNCPS_IMAGE=IMAGE, SYNCPS_PORT=str(self.port))
+        self.env = scrubbed_env(SYNCPS_STACK=self.name, SYNCPS_IMAGE=IMAGE, SYNCPS_PORT=str(self.port), **(env or {}))
 
     def argv(self, key: str) -> list[str]:
         """The guide's command ``DOCUMENTED[key]`` for this stack: its name in place of ``syncps``."""

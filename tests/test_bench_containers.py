@@ -67,13 +67,18 @@ def test_the_swarm_side_is_measured_against_the_local_side_of_its_transport():
 
 
 def test_the_swarm_sides_place_the_workers_and_say_how_they_reach_the_ps():
-    """Each swarm side is the same stack with the workers elsewhere; only the published one changes their PS URL."""
+    """Each swarm side is the same stack with the workers elsewhere; the published ones change their PS URL, the
+    hostnet one adds deploy/swarm/hostnet.yml with the manager's address (the file sets the URL)."""
     layouts = {side: containers.swarm_layout(side, 4, "172.17.0.1", 23456) for side in containers.SWARM_LAYOUTS}
-    assert layouts["swarm"] == ({"placement": {"max_replicas_per_node": 2}}, {})
-    assert layouts["swarm-published"] == (layouts["swarm"][0], {"WORKER_PS_URL": "http://172.17.0.1:23456"})
-    assert layouts["swarm-manager"] == ({"placement": {"constraints": ["node.role == manager"]}}, {})
-    assert layouts["swarm-node2"] == ({"placement": {"constraints": ["node.role == worker"]}}, {})
-    assert layouts["swarm-node2-published"] == (layouts["swarm-node2"][0], {"WORKER_PS_URL": "http://172.17.0.1:23456"})
+    published = {"WORKER_PS_URL": "http://172.17.0.1:23456"}
+    assert layouts["swarm"] == ({"placement": {"max_replicas_per_node": 2}}, {}, {})
+    assert layouts["swarm-published"] == (layouts["swarm"][0], published, {})
+    assert layouts["swarm-hostnet"] == (layouts["swarm"][0], {}, {"files": (containers.HOSTNET_FILE,),
+                                                                  "env": {"SYNCPS_PS_HOST": "172.17.0.1"}})
+    assert containers.HOSTNET_FILE.is_file()
+    assert layouts["swarm-manager"] == ({"placement": {"constraints": ["node.role == manager"]}}, {}, {})
+    assert layouts["swarm-node2"] == ({"placement": {"constraints": ["node.role == worker"]}}, {}, {})
+    assert layouts["swarm-node2-published"] == (layouts["swarm-node2"][0], published, {})
     assert set(containers.SWARM_LAYOUTS) <= set(containers.CONTAINED) and not set(containers.SWARM_LAYOUTS) & set(
         containers.DEFAULT_SIDES)
     args = containers.parse(["--sides", "local-http,swarm-manager,swarm-node2-published"])

@@ -32,10 +32,10 @@ from tests.conftest import degraded
 from tests.reference import train_reference
 from tests.timing import allow
 from shared import shards
-from tests.swarm_util import (COLOCATED_FILE, DOCUMENTED, MONITOR_TOKEN, NODE2, PUBLISHED_FILE, ROOT, STACK_FILE,
-                              STANDBY_FILE, TOKEN,
-                              Stack, Swarm, for_node2, remove_node2, run, stack_config, start_node2, swarm_unavailable,
-                              two_nodes_unavailable)
+from tests.swarm_util import (COLOCATED_FILE, DOCUMENTED, HOSTNET_FILE, MONITOR_TOKEN, NODE2, PUBLISHED_FILE, ROOT,
+                              STACK_FILE, STANDBY_FILE, TOKEN,
+                              Stack, Swarm, docker0_address, for_node2, remove_node2, run, stack_config, start_node2,
+                              swarm_unavailable, two_nodes_unavailable)
 from worker_service.client import PSClient
 from tests.test_compose import assert_linear_solved, final_weights, report
 from worker_service.settings import WorkerSettings
@@ -167,6 +167,33 @@ def test_the_published_stack_needs_the_ps_address_and_sends_every_worker_there(r
     assert published == plain
 
 
+def test_the_hostnet_stack_puts_the_ps_and_the_workers_on_each_nodes_own_network(request):
+    """deploy/swarm/hostnet.yml over docker-stack.yml, merged by ``docker stack config`` as deploy.sh -c merges them:
+    without SYNCPS_PS_HOST the CLI refuses it and says what to set; with it, the PS and the workers are on Swarm's
+    predefined ``host`` network only (no overlay), the PS listens on the published port itself (its healthcheck asks
+    that port), the workers' PS URL is the given address at that port, and nothing else changes; docs/guides/swarm.md
+    shows the command."""
+    if stack_config(STACK_FILE) is None:
+        skip(request, "swarm stack files (test_swarm.py)", "no docker CLI on PATH")
+    with pytest.raises(RuntimeError, match="SYNCPS_PS_HOST"):
+        stack_config(STACK_FILE, HOSTNET_FILE)
+    plain = stack_config(STACK_FILE, SYNCPS_PORT="8123")
+    hostnet = stack_config(STACK_FILE, HOSTNET_FILE, SYNCPS_PS_HOST="10.0.0.5", SYNCPS_PORT="8123")
+    assert hostnet.pop("networks") == {"host": {"name": "host", "external": True}} and "networks" not in plain
+    ps, worker = hostnet["services"]["ps"], hostnet["services"]["worker"]
+    assert ps.pop("networks") == worker.pop("networks") == {"host": None}
+    assert ps["ports"] == [{"mode": "host", "target": 8000, "published": 8123, "protocol": "tcp"}]
+    assert ps["environment"].pop("PS_PORT") == "8123" and plain["services"]["ps"]["environment"].pop("PS_PORT") == "8000"
+    assert "os.environ.get('PS_PORT', '8000')" in " ".join(ps["healthcheck"]["test"])  # the port it listens on
+    env = worker["environment"]
+    assert env.pop("WORKER_PS_URL") == "http://10.0.0.5:8123" and env.pop("SYNCPS_PS_HOST") == "10.0.0.5"
+    plain["services"]["worker"]["environment"].pop("WORKER_PS_URL")
+    for config in (plain, hostnet):  # a merge may reorder the list
+        config["services"]["ps"]["secrets"].sort(key=str)
+    assert hostnet == plain
+    assert f"`SYNCPS_PS_HOST=<the PS node's address> {DOCUMENTED['deploy']} -c deploy/swarm/hostnet.yml`" in GUIDE
+
+
 # -- one node -----------------------------------------------------------------------------------------
 def test_deploy_without_the_secrets_fails_and_says_how_to_make_them(swarm):
     st = swarm.stack("nosecret")
@@ -237,7 +264,8 @@ def test_one_node_stack_trains_to_done_over_tcp_then_scales_to_6(swarm, request)
 @pytest.mark.slow
 def test_two_nodes_train_exactly_then_lose_node_2_and_finish(swarm, node2_started, request, tmp_path):
     """PS on the manager, 2 workers on each node (max_replicas_per_node: 2). Job 1 ends bit-identical to one
-    process training on the 4 shards. Job 3, deployed with deploy/swarm/colocated.yml: shard 0 on the manager,
+    process training on the 4 shards, and so does job 4, deployed with deploy/swarm/hostnet.yml (the PS and the
+    workers on each node's ``host`` network, the workers at the manager's address: no overlay). Job 3, deployed with deploy/swarm/colocated.yml: shard 0 on the manager,
     shard 1 on node 2, 2 workers beside each, each reaching its own shard by files (the node's tmpfs volume) and
     the other over the overlay; its pieces end bit-identical too. Job 2: node 2 is cut off the network for
     :data:`CUT` s mid-training (the swarm's dispatcher heartbeat set as docs/guides/swarm.md says): its workers
@@ -259,29 +287,24 @@ def test_two_nodes_train_exactly_then_lose_node_2_and_finish(swarm, node2_starte
                         worker={"WORKER_COMPUTE_DELAY_SECONDS": 0.02}, worker_deploy=spread)
     colo = swarm.stack("colo", ps={"PS_MAX_STEPS": steps, **start}, worker={"WORKER_DTYPE": "float64"},
                        files=(for_node2(COLOCATED_FILE, tmp_path, "ps-1"),))
+    hostnet = swarm.stack("hostnet", ps={"PS_MAX_STEPS": steps, **start}, worker={"WORKER_DTYPE": "float64"},
+                          worker_deploy=spread, files=(HOSTNET_FILE,), env={"SYNCPS_PS_HOST": docker0_address()})
     manager = docker("info", "-f", "{{.Name}}").stdout.strip()
     for host, node in enumerate((manager, NODE2)):  # as colocated.yml says
         docker("node", "update", "--label-add", f"syncps.host={host}", node)
-    with logs_on_failure(exact, fault, colo):
-        # job 1: exact across two hosts
+    with logs_on_failure(exact, fault, colo, hostnet):
+        # job 1: exact across two hosts (and job 4 on the hosts' own networks)
         t1 = time.monotonic()
         exact.deploy()
         colo.deploy()
+        hostnet.deploy()
         fault.deploy()
-        done = exact.wait_status(lambda s: s["state"] == "done", 180, "job 1 to finish")
-        t_exact = time.monotonic() - t1
-        assert done["global_step"] == steps and done["pushes"]["accepted"] == 4 * steps
-        placed = sorted(t["Node"] for t in exact.tasks("worker"))  # finished tasks: 2 on each node
-        assert placed == sorted([manager] * 2 + [NODE2] * 2), placed
-        workers = by_name(exact)
-        assert len(workers) == 4 and {w["transport"] for w in workers.values()} == {"http"}
-        assert all(w["pushes"]["accepted"] == steps for w in workers.values())
         _, ref = train_reference("linear", 4, steps, seed=0, dtype="float64")
-        got = final_weights(exact, swarm.tokens[TOKEN])
-        assert got.keys() == ref.keys()
-        for k in ref:
-            assert got[k].dtype == np.float64 and got[k].tobytes() == ref[k].tobytes(), f"{k}: not bit-identical"
+        _spread_job_checked(exact, swarm, manager, steps, ref)
+        t_exact = time.monotonic() - t1
         t_colo = _colocated_job_checked(colo, swarm, manager, steps, ref, t1)
+        _spread_job_checked(hostnet, swarm, manager, steps, ref)
+        t_hostnet = time.monotonic() - t1
 
         # job 2: node 2 cut off the network for CUT s, then killed, mid-training
         fault.wait_status(lambda s: s["state"] == "training" and s["workers"]["active"] == 4 and s["global_step"] >= 30,
@@ -299,7 +322,8 @@ def test_two_nodes_train_exactly_then_lose_node_2_and_finish(swarm, node2_starte
         done = fault.wait_status(lambda s: s["state"] == "done", 120, "job 2 to finish on the manager's workers")
         report(request, f"[swarm] 2 nodes: node 2 with {IMAGE} copied {how} in {t_node:.1f} s; exact job "
                         f"({steps} steps) "
-                        f"done {t_exact:.1f} s after deploy, the co-located one {t_colo:.1f} s; job 2: node 2 cut off "
+                        f"done {t_exact:.1f} s after deploy, the co-located one {t_colo:.1f} s, the hostnet one "
+                        f"{t_hostnet:.1f} s; job 2: node 2 cut off "
                         f"for {CUT} s at step {cut_at}: its workers expired {t_cut_expired:.1f} s into the cut and were "
                         f"back {t_back:.1f} s after it, in their tasks; then killed, its workers expired "
                         f"{t_expired:.1f} s later (lease {lease} s) at step {at}, done ({fault_steps} steps) "
@@ -356,6 +380,22 @@ def _cut_node_2_and_back(fault: Stack, swarm: Swarm, remote: list[str], lease: f
     rejoined = [e["name"] for e in fault.workers()["events"] if e["event"] == "rejoined" and e["time"] >= wall]
     assert sorted(rejoined) == remote, rejoined  # each once, under its name
     return expired, back, at
+
+
+def _spread_job_checked(st: Stack, swarm: Swarm, manager: str, steps: int, ref: dict) -> None:
+    """A job of ``steps`` float64 steps, 2 workers on each node, done: every worker pushed every round over TCP, and
+    the final weights are bit-identical to one process training on the 4 shards (``ref``)."""
+    done = st.wait_status(lambda s: s["state"] == "done", 180, f"{st.name} to finish")
+    assert done["global_step"] == steps and done["pushes"]["accepted"] == 4 * steps
+    placed = sorted(t["Node"] for t in st.tasks("worker"))  # finished tasks: 2 on each node
+    assert placed == sorted([manager] * 2 + [NODE2] * 2), placed
+    workers = by_name(st)
+    assert len(workers) == 4 and {w["transport"] for w in workers.values()} == {"http"}
+    assert all(w["pushes"]["accepted"] == steps for w in workers.values())
+    got = final_weights(st, swarm.tokens[TOKEN])
+    assert got.keys() == ref.keys()
+    for k in ref:
+        assert got[k].dtype == np.float64 and got[k].tobytes() == ref[k].tobytes(), f"{k}: not bit-identical"
 
 
 def _colocated_job_checked(colo: Stack, swarm: Swarm, manager: str, steps: int, ref: dict, deployed: float) -> float:
