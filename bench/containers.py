@@ -26,7 +26,8 @@ load falls on them alike:
   on the manager beside the PS (the overlay network, no packet crossing nodes); ``swarm-node2``, the 4 on node 2
   (every tensor through VXLAN between the nodes); ``swarm-node2-published``, the 4 on node 2 at the published port;
   ``swarm-hostnet``, placed as ``swarm`` with deploy/swarm/hostnet.yml (the PS and the workers on each node's
-  ``host`` network, the workers at the manager's address: no container network on the way).
+  ``host`` network, the workers at the manager's address: no container network on the way); ``swarm-node2-hostnet``,
+  the 4 on node 2 with it.
 
 Every side gets the same settings (:func:`job_settings`): ``PS_TOTAL_NUM_REPLICAS`` and ``PS_MIN_WORKERS`` = N, no
 start grace, ``PS_MAX_STEPS`` (``--max-steps``) far beyond the runs, checkpoints every 100 steps (compose's volume;
@@ -73,7 +74,8 @@ COMPOSE_FILE = ROOT / "docker-compose.yml"
 #: the workers on each node's ``host`` network, deploy/swarm/hostnet.yml: the manager's address, no container network)
 SWARM_LAYOUTS = {"swarm": ("spread", "overlay"), "swarm-published": ("spread", "published"),
                  "swarm-hostnet": ("spread", "hostnet"), "swarm-manager": ("manager", "overlay"),
-                 "swarm-node2": ("worker", "overlay"), "swarm-node2-published": ("worker", "published")}
+                 "swarm-node2": ("worker", "overlay"), "swarm-node2-published": ("worker", "published"),
+                 "swarm-node2-hostnet": ("worker", "hostnet")}
 HOSTNET_FILE = ROOT / "deploy" / "swarm" / "hostnet.yml"
 SIDES = ("local-http", "local-auto", "compose", *SWARM_LAYOUTS)
 #: the sides run without --sides (a swarm side brings up a second Docker engine: asked for by name)

@@ -79,6 +79,7 @@ def test_the_swarm_sides_place_the_workers_and_say_how_they_reach_the_ps():
     assert layouts["swarm-manager"] == ({"placement": {"constraints": ["node.role == manager"]}}, {}, {})
     assert layouts["swarm-node2"] == ({"placement": {"constraints": ["node.role == worker"]}}, {}, {})
     assert layouts["swarm-node2-published"] == (layouts["swarm-node2"][0], published, {})
+    assert layouts["swarm-node2-hostnet"] == (layouts["swarm-node2"][0], {}, layouts["swarm-hostnet"][2])
     assert set(containers.SWARM_LAYOUTS) <= set(containers.CONTAINED) and not set(containers.SWARM_LAYOUTS) & set(
         containers.DEFAULT_SIDES)
     args = containers.parse(["--sides", "local-http,swarm-manager,swarm-node2-published"])
