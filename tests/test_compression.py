@@ -12,7 +12,7 @@ from shared.codec import bfloat16
 from shared.errors import ProtocolError
 from tests.live_ps import live_ps, state_hash
 from tests.wire import push_frame
-from worker_service.transport.compressed import CompressedBodyTransport
+from worker_service.transport.http import BodyTransport
 
 ENCODINGS = ("bf16", "fp16", "topk", "2bit")
 F32 = np.float32
@@ -94,7 +94,7 @@ def test_topk_warmup_sends_more_first_then_the_ratio():
         with pytest.raises(ValueError):
             C.Spec.from_wire({"name": "topk", "topk_warmup_steps": bad})
     # the worker's transport encodes with the step of the push's weights
-    t = CompressedBodyTransport(endpoint=None, spec=spec)
+    t = BodyTransport(endpoint=None, spec=spec)
     sent = [frame.decode(b"".join(bytes(b) for b in t.push_body({"step": s}, g))) for s in (0, 100)]
     assert [f.tensors["w"].shape for f in sent] == [(2, 2500), (2, 100)] and sent[0].meta["step"] == 0
 

@@ -27,7 +27,7 @@ from tests.clusters import final_weights
 from tests.live_ps import live_ps, state_hash
 from tests.reference import train_reference
 from ps_service.transport.shm import ShmHub
-from worker_service.transport.shm import ShmChannel
+from worker_service.transport.shm import ShmTransport
 
 W0 = {"w": np.arange(6, dtype=np.float32).reshape(3, 2) / 10, "b": np.array([0.5, -0.5], np.float32)}
 
@@ -72,13 +72,13 @@ def shm_dir(tmp_path):
 
 
 def test_gradients_computed_into_the_file_are_pushed_without_a_copy(tmp_path):
-    """A task that takes ``out`` computes into the worker's gradient file (ShmChannel.buffers): the marker says
+    """A task that takes ``out`` computes into the worker's gradient file (``gradient_buffers``): the marker says
     "writing" meanwhile, the push finds its arrays there and copies nothing; other arrays are copied in."""
     layout = frame.Layout.of(W0)
     fd, weights = shm.create_region(str(tmp_path), "syncps-w-" + "b" * 32, shm.KIND_WEIGHTS, layout, bytes(16), 0)
     os.close(fd)
-    ch = ShmChannel(str(tmp_path), weights)
-    out = ch.buffers()
+    ch = ShmTransport(None, str(tmp_path), weights)
+    out = ch.gradient_buffers()
     assert ch._region.marker == shm.WRITING and set(out) == set(W0)
     for name, g in grads(1.5).items():
         np.copyto(out[name], g)
@@ -115,10 +115,10 @@ def test_same_host_worker_moves_no_tensor_bytes(shm_dir):
         wa, wb = a.register("a")["worker_id"], b.register("b")["worker_id"]
         assert a.init_model(W0, {"name": "sgd", "learning_rate": 0.5})
         assert a.attach(wa) == "shm" and a.transport == "shm"
-        channel = a.tensors.current.channel
+        channel = a.tensors.current
         assert os.listdir(shm_dir) == [ps.rt.shm.weights_name]  # the worker's file is unlinked once attached
         pulled = a.pull(0, wa, wait=5.0)
-        assert pulled.tensors is channel.weights
+        assert pulled.tensors is channel.live
         np.testing.assert_array_equal(pulled.tensors["w"], W0["w"])
         before = ps.rt.tensors.bytes_in, ps.rt.tensors.bytes_out
         assert a.push(wa, 0, grads(1.0))["status"] == "accepted"
@@ -126,7 +126,7 @@ def test_same_host_worker_moves_no_tensor_bytes(shm_dir):
         assert b.push(wb, 0, grads(3.0))["step"] == 1
         assert a.pull(1, wa, wait=5.0).step == 1
         expect = W0["w"] - np.float32(0.5) * np.float32(2.0)
-        np.testing.assert_array_equal(channel.weights["w"], expect)  # the PS's live weights, mapped
+        np.testing.assert_array_equal(channel.live["w"], expect)  # the PS's live weights, mapped
         np.testing.assert_array_equal(b.pull(1, wb, wait=5.0).tensors["w"], expect)
         status = ps.http().get("/v1/status").json()
         assert status["shm_bytes_received"] == channel.layout.data_bytes
@@ -146,7 +146,7 @@ def test_with_body_answers_the_weights_live_in_their_frame_and_the_file_gets_a_c
         a, b = ps.client(shm_dir=shm_dir), ps.client()
         wa, wb = a.register("a")["worker_id"], b.register("b")["worker_id"]
         assert a.init_model(W0, {"name": "sgd", "learning_rate": 0.5}) and a.attach(wa) == "shm"
-        core, hub, store, channel = ps.rt.core, ps.rt.shm, ps.rt.core.store, a.tensors.current.channel
+        core, hub, store, channel = ps.rt.core, ps.rt.shm, ps.rt.core.store, a.tensors.current
         region = hub._weights  # the file's mapping (its marker: the step of the weights it holds)
 
         def round_(step: int, body_pull: bool) -> None:
@@ -157,7 +157,7 @@ def test_with_body_answers_the_weights_live_in_their_frame_and_the_file_gets_a_c
             if body_pull:  # the body answer first, as a co-located shard wakes them
                 np.testing.assert_array_equal(b.pull(step + 1, wb, wait=5.0).tensors["w"], want)
             assert a.pull(step + 1, wa, wait=5.0).step == step + 1
-            np.testing.assert_array_equal(channel.weights["w"], want)
+            np.testing.assert_array_equal(channel.live["w"], want)
             assert region.marker == step + 1
 
         for step in range(6):
@@ -187,7 +187,7 @@ def test_an_async_job_answers_from_the_frame_and_leaves_the_file_alone(shm_dir):
             assert a.push(wa, step, grads(1.0))["status"] == "accepted"
             pulled = a.pull(step + 1, wa, wait=5.0)
             np.testing.assert_array_equal(pulled.tensors["w"], W0["w"] - np.float32(0.5 * (step + 1)))
-            assert pulled.tensors is not a.tensors.current.channel.weights  # a body answer
+            assert pulled.tensors is not a.tensors.current.live  # a body answer
             assert ps.rt.core.store.holds(ps.rt.core.weights) and ps.rt.shm.mirrored == 0
         a.close()
 
@@ -205,7 +205,7 @@ def test_hostile_attach_and_push_change_nothing(shm_dir):
         assert c.init_model(W0, {"name": "adam", "learning_rate": 0.1})
         h = ps.http()
         offer = h.get("/v1/shm").json()
-        real = ShmChannel.open(shm_dir, offer)  # a well-formed file of the right size, not yet attached
+        real = ShmTransport.open(None, shm_dir, offer)  # a well-formed file of the right size, not yet attached
 
         def attach(file, nonce=real.nonce.hex(), worker=wid):
             return h.post(f"/v1/workers/{worker}/shm", json={"file": file, "nonce": nonce})
@@ -259,7 +259,7 @@ def test_a_push_rewritten_after_it_was_accepted_changes_nothing(shm_dir):
         assert a.init_model(W0, {"name": "sgd", "learning_rate": 0.5})
         assert a.attach(wa) == b.attach(wb) == "shm"
         assert a.push(wa, 0, grads(1.0))["status"] == "accepted"
-        for view in a.tensors.current.channel._grads.values():  # the file, marker untouched: NaN where the push was
+        for view in a.tensors.current._grads.values():  # the file, marker untouched: NaN where the push was
             view[...] = np.nan
         assert b.push(wb, 0, grads(3.0))["step"] == 1  # closes the round
         mean = (grads(1.0)["w"] + grads(3.0)["w"]) / np.float32(2)
@@ -279,7 +279,7 @@ def test_a_push_rewritten_while_it_waits_for_a_lower_rank_changes_nothing(shm_di
         assert a.init_model(W0, {"name": "sgd", "learning_rate": 0.5})
         assert a.attach(wa) == b.attach(wb) == "shm"
         assert b.push(wb, 0, grads(3.0))["status"] == "accepted"
-        for view in b.tensors.current.channel._grads.values():
+        for view in b.tensors.current._grads.values():
             view[...] = np.nan
         assert a.push(wa, 0, grads(1.0))["step"] == 1
         w1 = W0["w"] - np.float32(0.5) * np.float32(2.0)
@@ -307,7 +307,7 @@ def test_nan_in_the_file_is_found_as_it_is_read(policy, shm_dir):
             for bad in (np.nan, np.inf):
                 g = grads(1.0)
                 g["w"][1, 1] = bad
-                resp = shm_push(h, wb, 0, b.tensors.current.channel.write(g))
+                resp = shm_push(h, wb, 0, b.tensors.current.write(g))
                 if policy == "reject":
                     assert (resp.status_code, resp.json()["error"]) == (422, "nonfinite_gradient"), resp.text
                     assert "'w'" in resp.json()["detail"] and state_hash(ps.rt) == before
@@ -315,7 +315,7 @@ def test_nan_in_the_file_is_found_as_it_is_read(policy, shm_dir):
                     assert resp.json()["status"] == "skipped", resp.text
                     break
             if policy == "reject":
-                assert shm_push(h, wb, 0, b.tensors.current.channel.write(grads(1.0))).json()["status"] == "accepted"
+                assert shm_push(h, wb, 0, b.tensors.current.write(grads(1.0))).json()["status"] == "accepted"
         assert ps.rt.core.global_step == 1
         mean = (np.float32(3e38) + np.float32(1.0)) / 2 if policy == "reject" else np.float32(3e38)
         np.testing.assert_array_equal(ps.rt.core.weights["b"], W0["b"] - np.float32(0.5) * np.float32(mean))
@@ -340,7 +340,7 @@ def test_a_ps_that_lost_the_file_gets_it_again(shm_dir):
         assert ps.rt.core.global_step == 1 and wid in ps.rt.shm.attached
         with ps.http() as h:
             h.delete(f"/v1/workers/{wid}")
-            seq = c.tensors.current.channel.write(grads(1.0))
+            seq = c.tensors.current.write(grads(1.0))
             for resp in (shm_push(h, wid, 1, seq),
                          h.post(f"/v1/workers/{wid}/shm", json={"file": "syncps-g-" + "0" * 32, "nonce": "00" * 16})):
                 assert (resp.status_code, resp.json()["error"]) == (409, "not_active"), resp.text

@@ -1,5 +1,5 @@
 """Exact weight deltas PS -> worker (docs/protocol.md, "Weight deltas"; shared/weight_deltas.py,
-ps_service/transport/deltas.py, worker_service/transport/compressed.py): the encoding applies bit for bit,
+ps_service/transport/deltas.py, worker_service/transport/http.py): the encoding applies bit for bit,
 the PS finds the changed entries once per step, a worker's copy stays bit-identical to the PS's weights over
 a live job, anything but the previous served step gets the dense weights, hostile ``since`` values are
 refused and change nothing, and a real job ends with the same bits with and without deltas."""
@@ -17,7 +17,7 @@ from shared import compression as C, frame, weight_deltas as wd
 from shared.errors import ProtocolError
 from tests.clusters import run_job
 from tests.live_ps import live_ps, state_hash
-from worker_service.transport.compressed import HeldWeights
+from worker_service.transport.http import HeldWeights
 
 F32, U32 = np.float32, np.uint32
 FRAME = {"content-type": frame.MEDIA_TYPE}

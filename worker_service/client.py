@@ -32,7 +32,6 @@ from shared.rawhttp import ConnectionLost
 from worker_service.settings import default
 from worker_service.transport.attach import Attached
 from worker_service.transport.base import Pulled, PushAnswer, Response, TensorTransport, Transport
-from worker_service.transport.compressed import body_transport
 from worker_service.transport.endpoint import Endpoint, connect, split_urls
 from worker_service.transport.http import BodyTransport
 from worker_service.transport.sharded import ShardedTransport
@@ -132,7 +131,7 @@ class PSClient:
         """Choose this worker's tensor transport (same-host files if the PS is on this host, else request bodies;
         through every shard when the PS is sharded). Its name."""
         self.tensors.close()
-        self.tensors = body_transport(self.endpoint, self.compression)  # if choosing fails: a usable one
+        self.tensors = BodyTransport(self.endpoint, self.compression)  # if choosing fails: a usable one
         if self.shards > 1:
             self.tensors = ShardedTransport.open(self.endpoint, worker_id, self.shm_dir, self.compression)
         else:

@@ -18,10 +18,10 @@ from shared.compression import Spec
 from shared.errors import ProtocolError
 from shared.protocol import API
 from worker_service.transport.base import Pulled, PushAnswer, TensorTransport
-from worker_service.transport.compressed import body_transport
 from worker_service.transport.endpoint import Endpoint
+from worker_service.transport.http import BodyTransport
 from worker_service.transport.oneps import OnePS
-from worker_service.transport.shm import ShmChannel, ShmTransport
+from worker_service.transport.shm import ShmTransport
 
 log = logging.getLogger("worker")
 #: PS answers to a same-host push that mean "attach the gradient file again" (e.g. the PS restarted)
@@ -39,26 +39,26 @@ class Attached(TensorTransport):
         return self.current.name
 
     def _choose(self) -> OnePS:
-        body = body_transport(self.endpoint, self.compression)
+        body = BodyTransport(self.endpoint, self.compression)
         if self.worker_id is None or not self.shm_dir:
             return body
         try:
-            channel = ShmChannel.open(self.shm_dir, self.endpoint.call_json("GET", f"{API}/shm"))
+            t = ShmTransport.open(self.endpoint, self.shm_dir, self.endpoint.call_json("GET", f"{API}/shm"))
         except (ProtocolError, OSError, ValueError) as exc:
             log.info("tensors in request bodies (same-host transport unavailable: %s)", exc)
             return body
         try:
             self.endpoint.call_json("POST", f"{API}/workers/{self.worker_id}/shm",
-                                    {"file": channel.gradient_file, "nonce": channel.nonce.hex()})
+                                    {"file": t.gradient_file, "nonce": t.nonce.hex()})
         except ProtocolError as exc:
-            channel.close()
+            t.close()
             log.info("tensors in request bodies (the PS cannot use our gradient file: %s)", exc)
             return body
-        channel.unlink()  # the PS holds it mapped: it vanishes with the last mapping
+        t.unlink()  # the PS holds it mapped: it vanishes with the last mapping
         log.info("tensors through %s (same host as the PS)%s", self.shm_dir,
                  f": float32, not compressed (the job's compression {self.compression.name} applies to request "
                  "bodies; WORKER_SHM_DIR= sends this worker's over HTTP)" if self.compression.on else "")
-        return ShmTransport(self.endpoint, channel)
+        return t
 
     def send(self, fn: Callable[[OnePS], T]) -> T:
         """``fn(transport)``; if the PS says the same-host file is gone or rewritten (it restarted), choose the
@@ -77,7 +77,7 @@ class Attached(TensorTransport):
                 if again.code not in SHM_AGAIN:
                     raise
                 log.warning("PS says %s again: this push goes in the request body", again.code)
-                return fn(body_transport(self.endpoint, self.compression))
+                return fn(BodyTransport(self.endpoint, self.compression))
 
     def push(self, meta: dict, grads: Mapping[str, np.ndarray], wait: float, timeout: float,
              on_way: Callable[[], None] | None = None) -> PushAnswer:

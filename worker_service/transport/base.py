@@ -6,9 +6,8 @@
   exchanges in drills; :class:`~worker_service.transport.mock.MockTransport` answers with a function, for tests).
   :class:`~worker_service.transport.endpoint.Endpoint` composes one with the token, timeouts and retries.
 - :class:`TensorTransport`: where a step's tensors travel, over an endpoint: ``push`` and ``pull``. One PS:
-  :class:`~worker_service.transport.oneps.OnePS` (request bodies, ``http.py`` and ``compressed.py``; same-host
-  files, ``shm.py``), chosen and
-  chosen again by :class:`~worker_service.transport.attach.Attached`; a sharded PS:
+  :class:`~worker_service.transport.oneps.OnePS` (request bodies, ``http.py``; same-host files, ``shm.py``), chosen
+  and chosen again by :class:`~worker_service.transport.attach.Attached`; a sharded PS:
   :class:`~worker_service.transport.sharded.ShardedTransport`, composed of one ``Attached`` per shard.
 """
 from __future__ import annotations

@@ -175,5 +175,5 @@ class Endpoint:
         return self.call(method, path, body=body, headers=headers, **kw).json()
 
     def close(self) -> None:
-        for t in {id(t): t for t in (self.transport, *self._transports.values())}.values():
+        for t in self._transports.values():  # the current one among them
             t.close()

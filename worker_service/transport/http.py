@@ -1,24 +1,113 @@
-"""Tensors in the request and response bodies: each push body and each weights answer is one frame."""
+"""Tensors in the request and response bodies: each push body and each weights answer is one frame.
+
+Compression: the job's choice comes with the registration answer (``compression``:
+:class:`shared.compression.Spec`). Each push's float32 gradients are encoded once by the transport's
+:class:`shared.compression.Compressor`, which keeps the error-feedback residuals of ``topk`` and ``2bit`` for as long
+as the transport lives (a new attach, e.g. after a PS restart, starts from zero residuals); the frame's meta says
+``"compression": <name>``. A retried exchange resends the same bytes. Weights come back in float32.
+
+Weight deltas (docs/protocol.md, "Weight deltas"): when the PS's answers name a ``lineage``, the transport
+keeps its own copy of the weights (:class:`HeldWeights`) and asks every push-with-pull and pull
+``since=<the step it holds>``; an answer with ``since`` carries some tensors as their changed entries, which
+are written into the copy in place (bit-exact). The task gets read-only views of the copy, so its compute
+cannot change it. A delta the copy cannot take (another step or lineage, a malformed entry) makes the
+transport forget its copy and answer None: the client then pulls the dense weights. A new transport (a new
+attach) holds nothing. An answer without ``lineage`` is used as it is: views of the answer's buffer.
+"""
 from __future__ import annotations
 
 from typing import Mapping
 
 import numpy as np
 
-from shared import frame
+from shared import frame, weight_deltas
+from shared.compression import Compressor, Spec
+from shared.errors import ProtocolError
+from worker_service.transport.endpoint import Endpoint
 from worker_service.transport.oneps import OnePS
 
 
+class HeldWeights:
+    """The worker's own copy of the last weights a PS with weight deltas served it."""
+
+    def __init__(self) -> None:
+        self.step: int | None = None
+        self.lineage: str | None = None
+        self.tensors: dict[str, np.ndarray] = {}
+
+    def params(self) -> dict:
+        """The query parameters naming what is held."""
+        return {} if self.lineage is None else {"since": self.step}
+
+    def forget(self) -> None:
+        self.step, self.lineage, self.tensors = None, None, {}
+
+    def take(self, answer: frame.Frame) -> dict[str, np.ndarray] | None:
+        """Keep an answer's weights (a delta: applied to the copy) and return read-only views of them; None
+        (and nothing held) for a delta this copy cannot take. An answer without ``lineage``: not kept."""
+        meta, tensors = answer.meta, answer.tensors
+        lineage = meta.get("lineage")
+        if not isinstance(lineage, str):
+            self.forget()
+            # views of the answer's buffer; copied only if the buffer leaves them unaligned (BLAS wants aligned)
+            return {k: v if v.flags.aligned else v.copy() for k, v in tensors.items()}
+        try:
+            if "since" in meta:
+                self._apply(meta, tensors, lineage)
+            else:
+                self.tensors = {k: _own(v) for k, v in tensors.items()}
+        except (ProtocolError, ValueError, TypeError, KeyError):
+            self.forget()
+            return None
+        self.step, self.lineage = meta["step"], lineage
+        return {k: _read_only(v) for k, v in self.tensors.items()}
+
+    def _apply(self, meta: dict, tensors: Mapping[str, np.ndarray], lineage: str) -> None:
+        held, sparse = self.tensors, meta.get("sparse")
+        if (meta["since"] != self.step or lineage != self.lineage or not isinstance(sparse, list)
+                or set(tensors) != set(held) or not set(sparse) <= set(held)):
+            raise ValueError("a delta from weights this worker does not hold")
+        for name, wire in tensors.items():
+            if name in sparse:
+                weight_deltas.apply(held[name], wire, name)
+            elif wire.dtype != held[name].dtype or wire.shape != held[name].shape:
+                raise ValueError(f"tensor {name!r} is not the one held")
+            else:  # copied in: a view would keep this answer's whole buffer for one small tensor
+                np.copyto(held[name], wire)
+
+
+def _own(v: np.ndarray) -> np.ndarray:
+    """An array the worker may write: the answer's view when it is writable (a buffer of the connection that
+    stays this array's while it is viewed), else a copy."""
+    return v if v.flags.writeable and v.flags.aligned and v.flags.c_contiguous else v.copy()
+
+
+def _read_only(v: np.ndarray) -> np.ndarray:
+    out = v.view()
+    out.flags.writeable = False
+    return out
+
+
 class BodyTransport(OnePS):
-    name = "http"
+    """Frames in request bodies, compressed as ``spec`` says (none by default)."""
+
+    def __init__(self, endpoint: Endpoint, spec: Spec = Spec()) -> None:
+        super().__init__(endpoint)
+        self.name = f"http+{spec.name}" if spec.on else "http"
+        self.compressor = Compressor(spec) if spec.on else None
+        self.held = HeldWeights()
 
     def push_body(self, meta: dict, grads: Mapping[str, np.ndarray]) -> list[bytes | memoryview]:
-        return frame.encode(grads, meta)  # the arrays' memory is sent as it is (scatter-gather)
+        if self.compressor is None:
+            return frame.encode(grads, meta)  # the arrays' memory is sent as it is (scatter-gather)
+        encoded = self.compressor.encode(grads, meta["step"])
+        return frame.encode(encoded, {**meta, "compression": self.compressor.spec.name})
 
-    def weights(self, answer: frame.Frame) -> dict[str, np.ndarray]:
-        return self.views(answer.tensors)
+    def answer_params(self) -> dict:
+        return self.held.params()
 
-    @staticmethod
-    def views(tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Views of the answer's buffer; copied only if the buffer leaves them unaligned (BLAS wants aligned)."""
-        return {k: v if v.flags.aligned else v.copy() for k, v in tensors.items()}
+    def pull_params(self) -> dict:
+        return self.held.params()
+
+    def weights(self, answer: frame.Frame) -> dict[str, np.ndarray] | None:
+        return self.held.take(answer)

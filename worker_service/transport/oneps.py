@@ -37,15 +37,13 @@ class OnePS(TensorTransport):
         """Query parameters this transport adds to a push that asks for the next weights."""
         return {}
 
-    def pulled(self, body: bytes | memoryview) -> Pulled | None:
-        """The weights of an answer (None: see :meth:`weights`)."""
+    def _pulled(self, body: bytes | memoryview) -> tuple[dict, Pulled | None]:
+        """An answer's meta and its weights (None: see :meth:`weights`)."""
         f = frame.decode(body)
-        return self._pulled(f, self.weights(f), len(body))
-
-    @staticmethod
-    def _pulled(f: frame.Frame, tensors: dict[str, np.ndarray] | None, nbytes: int) -> Pulled | None:
-        m = f.meta
-        return None if tensors is None else Pulled(m["step"], m["done"], list(m.get("ranks", [])), tensors, nbytes)
+        m, tensors = f.meta, self.weights(f)
+        if tensors is None:
+            return m, None
+        return m, Pulled(m["step"], m["done"], list(m.get("ranks", [])), tensors, len(body))
 
     def push(self, meta: dict, grads: Mapping[str, np.ndarray], wait: float, timeout: float,
              on_way: Callable[[], None] | None = None) -> PushAnswer:
@@ -61,9 +59,8 @@ class OnePS(TensorTransport):
     def push_answer(self, resp: Response) -> PushAnswer:
         """A push's answer: the next weights (a frame, the status in a header), or JSON without them."""
         if resp.headers.get("content-type", "").startswith(frame.MEDIA_TYPE):
-            f = frame.decode(resp.content)
-            got = self._pulled(f, self.weights(f), len(resp.content))  # None: the client pulls
-            return PushAnswer(resp.headers[PUSH_STATUS_HEADER.lower()], f.meta["step"], f.meta["done"], got)
+            m, got = self._pulled(resp.content)  # got None: the client pulls
+            return PushAnswer(resp.headers[PUSH_STATUS_HEADER.lower()], m["step"], m["done"], got)
         obj = resp.json()
         return PushAnswer(obj["status"], obj["step"], obj["done"], None)
 
@@ -75,6 +72,6 @@ class OnePS(TensorTransport):
                                   what=f"GET {API}/model (step {min_step})")
         if resp.status_code == 204:
             return None
-        got = self.pulled(resp.content)
+        got = self._pulled(resp.content)[1]
         # an answer the transport cannot use made it forget what it held: the next pull asks densely
         return got if got is not None else self.pull(min_step, worker_id, wait, timeout)

@@ -94,13 +94,6 @@ class ShardedTransport(TensorTransport):
 
         return self.links[i].send(once)
 
-    def _commit(self, meta: dict, wait: float, timeout: float) -> PushAnswer:
-        t = self.links[0].current
-        resp = t.endpoint.call("POST", f"{API}/shard/commit", params={"pull": 1, "timeout": wait},
-                               body=frame.encode({}, meta), headers={"content-type": frame.MEDIA_TYPE},
-                               timeout=timeout + wait, what=f"commit (step {meta['step']})")
-        return t.push_answer(resp)
-
     def push(self, meta: dict, grads: Mapping[str, np.ndarray], wait: float, timeout: float,
              on_way: Callable[[], None] | None = None) -> PushAnswer:
         step = meta["step"]
@@ -113,7 +106,12 @@ class ShardedTransport(TensorTransport):
         into = self._target()
 
         def commit() -> PushAnswer:
-            answer = self._commit({**meta, "receipts": receipts}, wait, timeout)
+            t = self.links[0].current
+            resp = t.endpoint.call("POST", f"{API}/shard/commit", params={"pull": 1, "timeout": wait},
+                                   body=frame.encode({}, {**meta, "receipts": receipts}),
+                                   headers={"content-type": frame.MEDIA_TYPE}, timeout=timeout + wait,
+                                   what=f"commit (step {step})")
+            answer = t.push_answer(resp)
             self._placed(0, answer.pulled, into)
             return answer
 

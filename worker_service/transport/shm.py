@@ -1,15 +1,17 @@
 """Tensors through same-host files (shared/shm.py): gradients into the worker's file, weights from the PS's.
 
-Contract: :meth:`ShmChannel.open` maps the PS's weights file named by ``GET /v1/shm`` read-only from
+Contract: :meth:`ShmTransport.open` maps the PS's weights file named by ``GET /v1/shm`` read-only from
 the worker's shared directory and checks it (kind, nonce, frame: OSError/ValueError otherwise: the PS
 is on another host, and the worker stays on HTTP), then makes and maps the worker's own gradient file
 (``0600``, random name, random nonce, the same layout). Once the PS attached it, :meth:`unlink` removes
 its name: the mappings keep it alive until both sides are gone. :meth:`write` stores one push under a
 fresh sequence number (the marker is -1 while writing); a task can compute them straight into the file
-(:meth:`ShmChannel.buffers`, the loop's ``out``), and the push then copies nothing. :attr:`weights` are read-only arrays over the
-PS's live weights: they hold the step the last pull named until the PS closes that step's round, which
-needs this worker's push (or refuses it as late). The PS reads a push out of the file once, checking what it
-reads, by the time the round closes: the worker writes its next push only after the next step's weights.
+(:meth:`ShmTransport.gradient_buffers`, the loop's ``out``), and the push then copies nothing. A push's frame
+names the sequence number (``shm_seq``) and holds no tensor; gradients that do not fit the layout go in the body.
+:attr:`live` are read-only arrays over the PS's live weights: they hold the step the last pull named until the PS
+closes that step's round, which needs this worker's push (or refuses it as late). The PS reads a push out of the
+file once, checking what it reads, by the time the round closes: the worker writes its next push only after the
+next step's weights.
 """
 from __future__ import annotations
 
@@ -27,11 +29,14 @@ from worker_service.transport.oneps import OnePS
 SEQ_START_BITS = 48
 
 
-class ShmChannel:
-    def __init__(self, directory: str, weights: shm.Region) -> None:
+class ShmTransport(OnePS):
+    name = "shm"
+
+    def __init__(self, endpoint: Endpoint | None, directory: str, weights: shm.Region) -> None:
+        super().__init__(endpoint)
         self.layout = weights.layout
         self._weights_region = weights
-        self.weights: dict[str, np.ndarray] = weights.views()
+        self.live: dict[str, np.ndarray] = weights.views()
         self.nonce = secrets.token_bytes(shm.NONCE_BYTES)
         self.gradient_file = f"syncps-g-{secrets.token_hex(16)}"
         self._path: str | None = os.path.join(directory, self.gradient_file)
@@ -39,18 +44,18 @@ class ShmChannel:
                                              self.nonce, shm.WRITING)
         os.close(fd)
         self._grads = self._region.views()
-        # a random start: a push of an earlier channel still in flight can never match this file's marker
+        # a random start: a push of an earlier transport still in flight can never match this file's marker
         self._seq = secrets.randbits(SEQ_START_BITS)
 
     @classmethod
-    def open(cls, directory: str, offer: dict) -> "ShmChannel":
+    def open(cls, endpoint: Endpoint | None, directory: str, offer: dict) -> "ShmTransport":
         name, size, nonce = offer.get("weights_file"), offer.get("region_bytes"), offer.get("nonce")
         if not (isinstance(name, str) and shm.WEIGHTS_FILE.fullmatch(name) and type(size) is int
                 and isinstance(nonce, str)):
             raise ValueError("the PS's shm offer is malformed")
         region, _ = shm.map_existing(directory, name, shm.KIND_WEIGHTS, bytes.fromhex(nonce), writable=False,
                                      size=size)
-        return cls(directory, region)
+        return cls(endpoint, directory, region)
 
     def unlink(self) -> None:
         if self._path is not None:
@@ -60,15 +65,15 @@ class ShmChannel:
                 pass
             self._path = None
 
-    def buffers(self) -> dict[str, np.ndarray]:
+    def gradient_buffers(self) -> dict[str, np.ndarray]:
         """The file's arrays, for the next push's gradients to be computed straight into (the marker says
         "writing" from now until :meth:`write`)."""
         self._region.marker = shm.WRITING
         return self._grads
 
     def write(self, grads: Mapping[str, np.ndarray]) -> int | None:
-        """Store the gradients (those that are the file's own arrays, from :meth:`buffers`, are there already); the
-        sequence number to push, or None if they do not fit the layout."""
+        """Store the gradients (those that are the file's own arrays, from :meth:`gradient_buffers`, are there
+        already); the sequence number to push, or None if they do not fit the layout."""
         if not self.layout.matches(grads):
             return None
         self._seq += 1
@@ -79,22 +84,8 @@ class ShmChannel:
         self._region.marker = self._seq
         return self._seq
 
-    def close(self) -> None:
-        """Drop our name and references; the mappings go with the last array over them."""
-        self.unlink()
-        self._grads = {}
-        self.weights = {}
-
-
-class ShmTransport(OnePS):
-    name = "shm"
-
-    def __init__(self, endpoint: Endpoint, channel: ShmChannel) -> None:
-        super().__init__(endpoint)
-        self.channel = channel
-
     def push_body(self, meta: dict, grads: Mapping[str, np.ndarray]) -> list[bytes | memoryview]:
-        seq = self.channel.write(grads)
+        seq = self.write(grads)
         if seq is None:  # not the model's layout: send them in the body, the PS says what is wrong
             return frame.encode(grads, meta)
         return frame.encode({}, {**meta, "shm_seq": seq})
@@ -102,13 +93,11 @@ class ShmTransport(OnePS):
     def pull_params(self) -> dict:
         return {"shm": 1}
 
-    def gradient_buffers(self) -> dict[str, np.ndarray]:
-        return self.channel.buffers()
-
     def weights(self, answer: frame.Frame) -> dict[str, np.ndarray]:
-        if answer.meta.get("shm") is True:
-            return self.channel.weights
-        return dict(answer.tensors)
+        return self.live if answer.meta.get("shm") is True else dict(answer.tensors)
 
     def close(self) -> None:
-        self.channel.close()
+        """Drop our name and references; the mappings go with the last array over them."""
+        self.unlink()
+        self._grads = {}
+        self.live = {}
