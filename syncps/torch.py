@@ -53,7 +53,7 @@ from syncps.spec import optimizer_spec
 from syncps.tensors import ModelMismatch, ModelTensors
 from worker_service.threads import torch_threads
 from worker_service.client import PSClient
-from worker_service.loop import REJOIN_CODES, Heartbeat
+from worker_service.loop import REJOIN_CODES, Heartbeat, pull_wait
 from worker_service.settings import WorkerSettings
 from worker_service.stopping import StopFlag
 
@@ -104,11 +104,8 @@ class DistributedOptimizer:
         except BaseException:
             self.client.close()
             raise
-        lease = float(reg["lease_seconds"])
-        self._wait = max(0.5, min(10.0, lease / 2))
-        self.heartbeat = Heartbeat(self.client.ps_url, self.worker_id, max(0.2, lease / 3), self.client.timeout,
-                                   self.client.token, lambda: self.client.lease_renewed)
-        self.heartbeat.start()
+        self._wait = pull_wait(reg["lease_seconds"])
+        self.heartbeat = Heartbeat.of(self.client, self.worker_id, reg["lease_seconds"])
         if handle_sigterm and threading.current_thread() is threading.main_thread():
             self._old_sigterm = signal.signal(signal.SIGTERM, lambda *_: self._stop.set())
         log.info("registered as %r: rank %d, tensors through %s; %s", self.name, self.rank, self.client.transport,
@@ -185,11 +182,8 @@ class DistributedOptimizer:
 
     # ---- joining ------------------------------------------------------------------------------
     def _join(self) -> dict:
-        reg = self.client.register(self.name)
-        if not reg["model_initialized"] and self.client.init_model(self.tensors.init_tensors(), self.spec):
-            log.info("initialised the PS with this model (%d tensors)", len(self.tensors.all))
+        reg = self.client.join(self.name, lambda mode: (self.tensors.init_tensors(), self.spec))
         self.worker_id, self.rank = reg["worker_id"], reg["rank"]
-        self.client.attach(self.worker_id)
         return reg
 
     def _advance(self, min_step: int) -> None:

@@ -108,6 +108,17 @@ class PSClient:
         self.mode = reg.get("mode", "sync")
         return reg
 
+    def join(self, name: str, model: Callable[[str], tuple[Mapping[str, np.ndarray], Mapping[str, Any]]]) -> dict:
+        """Register, initialise an empty PS with ``model(mode)`` (the tensors and the optimizer spec for the job's
+        mode), attach; the registration answer."""
+        reg = self.register(name)
+        if not reg["model_initialized"]:
+            tensors, optimizer = model(self.mode)
+            if self.init_model(tensors, optimizer):  # False: another worker's came first
+                log.info("initialised the PS with this worker's model (%d tensors)", len(tensors))
+        self.attach(reg["worker_id"])
+        return reg
+
     def leave(self, worker_id: str) -> None:
         self.call("DELETE", f"{API}/workers/{worker_id}")
 

@@ -69,6 +69,11 @@ def check_model(pulled: Mapping[str, np.ndarray], expected: Mapping[str, str]) -
         % (missing[:5] or "none", extra[:5] or "none", other[:3] or "none"))
 
 
+def pull_wait(lease: float) -> float:
+    """How long a pull waits for its round: half the ``lease``, 0.5 to 10 s (the PS holds the lease meanwhile)."""
+    return max(0.5, min(10.0, float(lease) / 2))
+
+
 @dataclass
 class Summary:
     name: str = ""
@@ -103,6 +108,14 @@ class Heartbeat(threading.Thread):
         self.sent = self.failed = self.failed_in_a_row = 0
         self.stale = 0  # kept connections the PS had closed (each heartbeat then sent again on a new one)
 
+    @classmethod
+    def of(cls, client: PSClient, worker_id: str, lease: float) -> "Heartbeat":
+        """``client``'s worker's heartbeat, started: one every third of the ``lease`` without a renewal."""
+        hb = cls(client.ps_url, worker_id, max(0.2, lease / 3), client.timeout, client.token,
+                 lambda: client.lease_renewed)
+        hb.start()
+        return hb
+
     def run(self) -> None:
         last = time.monotonic()
         while not self.halt.wait(max(0.0, last + self.period - time.monotonic())):
@@ -135,21 +148,14 @@ def train(client: PSClient, task: Task, name: str, batch_size: int, stop: StopFl
           log_every: float = 5.0, compute_delay: float = 0.0, prefetch: bool = True) -> Summary:
     stop = stop if stop is not None else StopFlag()
     summary = Summary(name=name)
-    reg = client.register(name)
     initial = task.init_params()
     expected = model_layout(initial)
-    if not reg["model_initialized"]:
-        if client.init_model(initial, optimizer_for(task, client.mode)):
-            log.info("initialised the model on the PS")
+    reg = client.join(name, lambda mode: (initial, optimizer_for(task, mode)))
     del initial
     worker_id, rank, step = reg["worker_id"], reg["rank"], reg["start_step"]
     summary.rank = rank
-    client.attach(worker_id)
-    lease = float(reg["lease_seconds"])
-    wait = max(0.5, min(10.0, lease / 2))
-    hb = Heartbeat(client.ps_url, worker_id, max(0.2, lease / 3), client.timeout, client.token,
-                   lambda: client.lease_renewed)
-    hb.start()
+    wait = pull_wait(reg["lease_seconds"])
+    hb = Heartbeat.of(client, worker_id, reg["lease_seconds"])
     log.info("registered as %r: rank %d, worker_id %s, starting at step %d", name, rank, worker_id, step)
     times = {"fetch": 0.0, "compute": 0.0, "push": 0.0}
     progress = ProgressLog(log, log_every)
@@ -191,11 +197,14 @@ def train(client: PSClient, task: Task, name: str, batch_size: int, stop: StopFl
             except ProtocolError as exc:
                 if exc.code not in REJOIN_CODES:
                     raise
-                reg = _rejoin(client, task, name, exc, step)
+                log.warning("PS says %s (%s): registering again", exc.code, exc.detail)
+                reg = client.join(name, lambda mode: (task.init_params(), optimizer_for(task, mode)))
+                # a PS restarted from a checkpoint is behind: step - global_step rounds are redone
+                log.warning("registered again as rank %d: the PS is at step %d, this worker was at step %d, resuming "
+                            "at %d", reg["rank"], reg["global_step"], step, reg["start_step"])
                 worker_id, step, summary.rank = reg["worker_id"], reg["start_step"], reg["rank"]
                 checked = False
                 hb.worker_id = worker_id
-                client.attach(worker_id)
                 continue
             t3 = time.monotonic()
             times["push"] = t3 - t2
@@ -219,13 +228,3 @@ def train(client: PSClient, task: Task, name: str, batch_size: int, stop: StopFl
     progress.final(summary.done, summary.final_step, summary.last_loss, summary.metrics)
     return summary
 
-
-def _rejoin(client: PSClient, task: Task, name: str, exc: ProtocolError, step: int) -> dict:
-    log.warning("PS says %s (%s): registering again", exc.code, exc.detail)
-    reg = client.register(name)
-    if not reg["model_initialized"]:
-        client.init_model(task.init_params(), optimizer_for(task, client.mode))
-    # a PS restarted from a checkpoint is behind: step - global_step rounds are redone
-    log.warning("registered again as rank %d: the PS is at step %d, this worker was at step %d, resuming at %d",
-                reg["rank"], reg["global_step"], step, reg["start_step"])
-    return reg
