@@ -26,7 +26,7 @@ picks k). Pure numpy; no I/O.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
 import numpy as np
@@ -34,11 +34,9 @@ import numpy as np
 from shared import scan
 from shared.codec import bfloat16
 from shared.errors import unprocessable
-from shared.halves import F16, Alloc, fresh, from_bf16, from_fp16, to_bf16, to_fp16
+from shared.halves import F16, F32, U32, Alloc, fresh, from_bf16, from_fp16, to_bf16, to_fp16
 
 NAMES = ("none", "bf16", "fp16", "topk", "2bit")
-F32 = np.dtype("<f4")
-U32 = np.dtype("<u4")
 #: torch buffers (running statistics, taken as the round's aggregate): never compressed
 BUFFER_PREFIX = "buffer:"
 #: candidate pruning of top-k: the magnitude threshold is estimated on a strided sample of this size
@@ -66,7 +64,8 @@ class Spec:
             raise ValueError(f"compression {self.name!r} is not one of {NAMES}")
         if not 0 < self.topk_ratio <= 1 or not 0 < self.threshold < math.inf:
             raise ValueError("compression: topk_ratio must be in (0, 1] and threshold a positive finite number")
-        if not isinstance(self.topk_warmup_steps, int) or not 0 <= self.topk_warmup_steps < 2 ** 53:
+        w = self.topk_warmup_steps
+        if isinstance(w, bool) or not isinstance(w, int) or not 0 <= w < 2 ** 53:
             raise ValueError("compression: topk_warmup_steps must be a non-negative integer")
 
     @property
@@ -74,8 +73,7 @@ class Spec:
         return self.name != "none"
 
     def to_wire(self) -> dict:
-        return {"name": self.name, "topk_ratio": self.topk_ratio, "threshold": self.threshold,
-                "topk_warmup_steps": self.topk_warmup_steps}
+        return asdict(self)
 
     @classmethod
     def from_wire(cls, obj: Any) -> "Spec":
@@ -84,11 +82,9 @@ class Spec:
             return cls()
         if not isinstance(obj, dict):
             raise ValueError("compression must be a map")
-        warmup = obj.get("topk_warmup_steps", 0)
-        if isinstance(warmup, bool) or not isinstance(warmup, int):
-            raise ValueError("topk_warmup_steps must be an integer")
-        return cls(str(obj.get("name", "none")), float(obj.get("topk_ratio", 0.01)), float(obj.get("threshold", 0.5)),
-                   warmup)
+        d = cls()  # an absent field: its default
+        return cls(str(obj.get("name", d.name)), float(obj.get("topk_ratio", d.topk_ratio)),
+                   float(obj.get("threshold", d.threshold)), obj.get("topk_warmup_steps", d.topk_warmup_steps))
 
     def compresses(self, name: str, dtype: np.dtype) -> bool:
         """Whether a tensor of the model travels compressed."""
@@ -136,6 +132,7 @@ def top_k(x: np.ndarray, k: int) -> np.ndarray:
 
 
 def pack_topk(indices: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """The top-k layout: uint32 ``[2, k]`` of ``indices`` and the float32 ``values``' bits."""
     out = np.empty((2, indices.size), U32)
     out[0] = indices
     out[1] = np.ascontiguousarray(values, F32).view(U32)
@@ -171,12 +168,6 @@ class SparseTensor:
 def dense(g: np.ndarray | SparseTensor) -> np.ndarray:
     """``g`` as an array (a :class:`SparseTensor` made dense)."""
     return g.dense() if isinstance(g, SparseTensor) else g
-
-
-def sparse_topk(wire: np.ndarray, shape: tuple[int, ...], name: str) -> SparseTensor:
-    """A top-k tensor's entries, checked (422 bad_encoding), as a :class:`SparseTensor`."""
-    idx = check_topk(wire, math.prod(shape), name)
-    return SparseTensor(shape, idx.astype(np.intp), wire[1].view(F32))
 
 
 # ---- 2-bit (MXNet) ---------------------------------------------------------------------------------------
@@ -255,8 +246,8 @@ def decode_tensor(spec: Spec, name: str, shape: tuple[int, ...], wire: np.ndarra
             raise _bad(name, f"{spec.name} wants {want.name} of shape {list(shape)}; "
                              f"got {wire.dtype} {list(wire.shape)}")
         return (from_bf16 if spec.name == "bf16" else from_fp16)(wire, alloc)
-    if spec.name == "topk":
-        return sparse_topk(wire, shape, name)
+    if spec.name == "topk":  # its entries, checked
+        return SparseTensor(shape, check_topk(wire, math.prod(shape), name).astype(np.intp), wire[1].view(F32))
     return dequantize_2bit(wire, shape, np.float32(spec.threshold), name, alloc)
 
 

@@ -17,9 +17,6 @@ class ProtocolError(Exception):
         self.code = code
         self.detail = detail
 
-    def body(self) -> dict:
-        return {"error": self.code, "detail": self.detail}
-
 
 def bad_request(code: str, detail: str) -> ProtocolError:
     return ProtocolError(400, code, detail)

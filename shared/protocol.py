@@ -18,7 +18,6 @@ from shared.errors import bad_request, unprocessable
 from shared.frame import MEDIA_TYPE as FRAME
 
 API = "/v1"
-MSGPACK = "application/msgpack"
 JSON = "application/json"
 #: Response header carrying the PS's global step on every tensor route.
 STEP_HEADER = "X-Syncps-Step"
@@ -48,9 +47,6 @@ MAX_NUM_EXAMPLES = 1 << 32
 #: every place one flows (a JSON number in a browser, a Prometheus sample: float64; msgpack; numpy int64), with
 #: room to count on (the global step stops there: the job is done). Larger: refused (docs/protocol.md).
 MAX_INT = (1 << 53) - 1
-
-#: Optimizer names the PS implements.
-OPTIMIZERS = ("sgd", "momentum", "adam", "adagrad")
 
 
 @dataclass(frozen=True)
@@ -114,10 +110,7 @@ PUSH_FIELDS = frozenset({"worker_id", "step", "loss", "num_examples", "timings",
 MODEL_FIELDS = frozenset({"optimizer"})
 
 
-_NO_TENSORS: Mapping = MappingProxyType({})
-
-
-def parse_push_meta(meta: dict, tensors: Mapping = _NO_TENSORS) -> tuple[PushRequest, int | None]:
+def parse_push_meta(meta: dict, tensors: Mapping = MappingProxyType({})) -> tuple[PushRequest, int | None]:
     """(the push, with ``tensors``, its ``shm_seq`` or None) from a push frame's meta, every field checked in turn
     (400/422 naming the first that is wrong)."""
     what = "push"

@@ -9,8 +9,8 @@ request; this connection does neither:
   one of two numpy byte arrays, taken only when nothing still views it, so the
   arrays a caller decoded from the previous answer stay valid.
 
-Only what the PS speaks is supported: ``Content-Length`` or chunked bodies,
-keep-alive, ``http://`` URLs. Every call has a timeout.
+Only what the PS speaks is supported: ``Content-Length`` bodies (the PS never
+answers chunked), keep-alive, ``http://`` URLs. Every call has a timeout.
 
 A kept-alive socket is reused only while it has been idle for less than half
 the server's keep-alive timeout (its ``keep-alive: timeout=N`` answer header;
@@ -241,12 +241,10 @@ class RawConnection:
         extra = memoryview(buf)[end + 4:]
         if method == "HEAD" or status in (204, 304) or 100 <= status < 200:
             content: bytes | memoryview = b""
-        elif "chunked" in headers.get("transfer-encoding", "").lower():
-            content = self._chunked(bytes(extra))
-        elif "content-length" in headers:
+        elif "content-length" in headers and "transfer-encoding" not in headers:
             content = self._exactly(int(headers["content-length"]), extra)
         else:
-            raise ValueError("response without content-length")
+            raise ValueError("response not framed by content-length")
         if headers.get("connection", "").lower() == "close":
             self.close()
         return RawResponse(status, headers, content)
@@ -254,15 +252,8 @@ class RawConnection:
     def _exactly(self, n: int, extra: memoryview) -> bytes | memoryview:
         if len(extra) > n:
             raise ValueError("more bytes than content-length")
-        if n < POOL_MIN_BYTES:
-            data = bytearray(extra)
-            while len(data) < n:
-                chunk = self.sock.recv(n - len(data))
-                if not chunk:
-                    raise ValueError("connection closed inside the body")
-                data += chunk
-            return bytes(data)
-        view = memoryview(self._buffer(n))[:n]
+        small = n < POOL_MIN_BYTES  # plain bytes: a pooled buffer is not worth it
+        view = memoryview(bytearray(n) if small else self._buffer(n))[:n]
         view[:len(extra)] = extra
         got = len(extra)
         while got < n:
@@ -270,7 +261,7 @@ class RawConnection:
             if not r:
                 raise ValueError("connection closed inside the body")
             got += r
-        return view
+        return bytes(view) if small else view
 
     def _buffer(self, n: int) -> np.ndarray:
         """A byte array of at least n bytes that no earlier answer's arrays still view."""
@@ -283,28 +274,6 @@ class RawConnection:
         if len(self._pool) < 2:
             self._pool.append(arr)
         return arr
-
-    def _chunked(self, data: bytes) -> bytes:
-        out = bytearray()
-        buf = bytearray(data)
-        while True:
-            while b"\r\n" not in buf:
-                self._more(buf)
-            line, _, rest = bytes(buf).partition(b"\r\n")
-            size = int(line.split(b";")[0], 16)
-            buf = bytearray(rest)
-            while len(buf) < size + 2:
-                self._more(buf)
-            if size == 0:
-                return bytes(out)
-            out += buf[:size]
-            buf = buf[size + 2:]
-
-    def _more(self, buf: bytearray) -> None:
-        chunk = self.sock.recv(65536)
-        if not chunk:
-            raise ValueError("connection closed inside a chunked body")
-        buf += chunk
 
 
 class _Closed(Exception):

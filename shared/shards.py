@@ -15,9 +15,9 @@ Workers and shards compute it the same way; :attr:`ShardMap.digest` (a SHA-256 o
 pieces) lets them check they agree. On a shard a piece is a tensor of its own: a whole tensor keeps its
 name and shape, a slice is the 1-D tensor ``name[start:stop]`` (:attr:`Piece.key`). Every optimizer of
 the PS is elementwise, so stepping the pieces on S shards gives the bits of stepping the whole model on one.
-:func:`split` cuts a worker's tensors into one shard's pieces (views, no copy); :func:`assemble` makes the
-whole tensors from every shard's pieces (:func:`place` copies one shard's slices in, as its answer arrives;
-:func:`gathered` returns the whole tensors once every shard's are in).
+:func:`split` cuts a worker's tensors into one shard's pieces (views, no copy); :func:`place` copies one shard's
+slices of the split tensors into :func:`split_memory` as its answer arrives, and :func:`gathered` returns the whole
+tensors once every shard's are in.
 """
 from __future__ import annotations
 
@@ -30,9 +30,6 @@ from functools import cached_property
 from typing import Mapping, Sequence
 
 import numpy as np
-
-#: the default split bound in elements (MXNet's MXNET_KVSTORE_BIGARRAY_BOUND default)
-DEFAULT_SPLIT_ELEMENTS = 1_000_000
 
 Spec = Mapping[str, tuple[tuple[int, ...], str]]  # name -> (shape, dtype name)
 
@@ -136,15 +133,9 @@ def split_memory(m: ShardMap) -> dict[str, np.ndarray]:
     return {name: np.empty(m.spec[name][0], m.spec[name][1]) for name in m.split_names}
 
 
-def fits(m: ShardMap, into: Mapping[str, np.ndarray]) -> bool:
-    """``into`` holds an array of the right shape and dtype for every split tensor of ``m``."""
-    return all(name in into and into[name].shape == tuple(m.spec[name][0])
-               and into[name].dtype == np.dtype(m.spec[name][1]) for name in m.split_names)
-
-
 def place(m: ShardMap, index: int, tensors: Mapping[str, np.ndarray], into: Mapping[str, np.ndarray]) -> None:
-    """Copy shard ``index``'s slices of the split tensors (``tensors``: its pieces by key) into ``into`` (arrays of
-    :func:`fits`). Shards write disjoint ranges: one call per shard may run in its own thread."""
+    """Copy shard ``index``'s slices of the split tensors (``tensors``: its pieces by key) into ``into`` (arrays
+    shaped as :func:`split_memory`'s). Shards write disjoint ranges: one call per shard may run in its own thread."""
     for p in m.pieces[index]:
         if not p.whole:
             into[p.name].reshape(-1)[p.start:p.stop] = tensors[p.key].reshape(-1)
@@ -161,13 +152,3 @@ def gathered(m: ShardMap, parts: Sequence[Mapping[str, np.ndarray]],
                 out[p.name] = parts[i][p.key]
     return dict(sorted(out.items()))
 
-
-def assemble(m: ShardMap, parts: Sequence[Mapping[str, np.ndarray]],
-             into: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
-    """The whole tensors from every shard's pieces (``parts[i]``: shard i's tensors by key). A whole piece is
-    returned as it is (no copy); a split tensor is copied into ``into[name]`` when ``into`` :func:`fits` (the
-    caller's to reuse: fresh memory costs page faults), else into new arrays."""
-    target = into if into is not None and fits(m, into) else split_memory(m)
-    for i, part in enumerate(parts):
-        place(m, i, part, target)
-    return gathered(m, parts, target)

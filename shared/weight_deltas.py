@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from shared import scan
-from shared.compression import F32, U32, check_topk
+from shared.compression import F32, U32, check_topk, pack_topk
 
 
 def changed_indices(old: np.ndarray, new: np.ndarray, limit: int | None = None) -> np.ndarray | None:
@@ -35,10 +35,7 @@ def sparse_limit(n: int) -> int:
 def pack(indices: np.ndarray, new: np.ndarray, values: np.ndarray | None = None) -> np.ndarray:
     """The wire form: uint32 ``[2, k]`` of ``indices`` and ``new``'s bits there (``values``, float32: those bits,
     known already: no gather)."""
-    out = np.empty((2, indices.size), U32)
-    out[0] = indices
-    out[1] = new.reshape(-1).view(U32)[indices] if values is None else values.view(U32)
-    return out
+    return pack_topk(indices, new.reshape(-1).view(U32)[indices].view(F32) if values is None else values)
 
 
 def apply(held: np.ndarray, wire: np.ndarray, name: str) -> None:

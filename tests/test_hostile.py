@@ -20,7 +20,7 @@ import pytest
 
 from cluster.processes import wait_for
 from shared import frame
-from shared.protocol import MAX_INT, MSGPACK
+from shared.protocol import MAX_INT
 from tests.live_ps import live_ps, raw_exchange, read_response, state_hash
 from tests.wire import FRAME, Packed, hand_frame, msgpack_map, pack, parts, push_frame, raw_frame, repeated, tampered
 
@@ -131,7 +131,7 @@ CASES = [
     # content type: 415
     Case("push-json-content-type", 415, "unsupported_media_type", body=push, ctype=JSON),
     Case("push-no-content-type", 415, "unsupported_media_type", body=push, ctype=None),
-    Case("push-old-msgpack-format", 415, "unsupported_media_type", body=old_msgpack_push, ctype=MSGPACK),
+    Case("push-old-msgpack-format", 415, "unsupported_media_type", body=old_msgpack_push, ctype="application/msgpack"),
     Case("init-text-plain", 415, "unsupported_media_type", "PUT", "/v1/model", body=lambda c: b"hello", ctype="text/plain"),
     Case("register-frame", 415, "unsupported_media_type", path="/v1/workers",
          body=lambda c: frame.encode_bytes({}, {"name": "x"})),
@@ -385,7 +385,7 @@ INIT_CASES = [
          body=lambda c: tampered(W0, edit=lambda h: h.pop("tensors"))),
     Case("init-duplicate-tensor-name", 400, "bad_frame", "PUT", "/v1/model",
          body=lambda c: hand_frame({}, ("w", "float32", [1], bytes(4)), ("w", "float32", [1], bytes(4)))),
-    Case("init-msgpack-content-type", 415, "unsupported_media_type", "PUT", "/v1/model", body=init(), ctype=MSGPACK),
+    Case("init-msgpack-content-type", 415, "unsupported_media_type", "PUT", "/v1/model", body=init(), ctype="application/msgpack"),
     Case("push-before-init", 409, "not_initialized", body=push),
     Case("pull-before-init", 409, "not_initialized", "GET", "/v1/model", ctype=None, params={"timeout": 0}),
 ]

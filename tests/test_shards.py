@@ -30,6 +30,16 @@ from tests.live_ps import live_ps, state_hash
 from tests.reference import train_reference
 from worker_service.tasks import load_task
 
+
+def assemble(m, parts):
+    """The whole tensors from every shard's pieces (``parts[i]``: shard i's tensors by key), as a sharded worker
+    makes them: each shard's slices placed into new memory, then gathered."""
+    into = shards.split_memory(m)
+    for i, part in enumerate(parts):
+        shards.place(m, i, part, into)
+    return shards.gathered(m, parts, into)
+
+
 # ---- the map -------------------------------------------------------------------------------------------
 
 specs = st.dictionaries(st.text("abcdefgh", min_size=1, max_size=4),
@@ -66,7 +76,7 @@ def test_split_and_assemble_give_back_the_tensors():
     m = shards.plan(shards.spec_of(tensors), 3, 6)
     parts = [shards.split(tensors, ps) for ps in m.pieces]
     assert sorted(k for p in parts for k in p) == sorted(p.key for ps in m.pieces for p in ps)
-    back = shards.assemble(m, parts)
+    back = assemble(m, parts)
     assert all(back[k].tobytes() == tensors[k].tobytes() and back[k].shape == tensors[k].shape for k in tensors)
 
 
@@ -306,7 +316,7 @@ def test_pieces_held_on_one_shard_without_a_commit_never_count():
         assert hc.delete(f"/v1/workers/{a}").status_code == 200  # the round closes with b alone
         wait_for(lambda: f.rt.core.global_step == 1, 10, "shard 1 to apply round 0")
         want = {k: W0[k] - gb[k] * 0.5 for k in W0}
-        whole = shards.assemble(m, [c.rt.core.weights, f.rt.core.weights])
+        whole = assemble(m, [c.rt.core.weights, f.rt.core.weights])
         assert all(whole[k].tobytes() == want[k].tobytes() for k in W0)
         assert len(f.rt.shards.holds) == 0  # a's held pieces were dropped with the round
         assert [r["contributors"][0]["worker_id"] for r in hc.get("/v1/rounds").json()["rounds"]] == [b]
@@ -330,7 +340,7 @@ def test_a_restore_never_mixes_steps(tmp_path):
         hc, hf, m, ids = start_job(c, f)
         one_round(hc, hf, m, ids, 0, {"w": np.ones((3, 1)), "b": np.ones(1)})
         wait_for(lambda: f.rt.core.global_step == 1, 10, "shard 1 to apply round 0")
-        before = shards.assemble(m, [dict(c.rt.core.weights), dict(f.rt.core.weights)])
+        before = assemble(m, [dict(c.rt.core.weights), dict(f.rt.core.weights)])
     with live_ps(port=ports[1], shard_index=1, **shard_settings(ports), **dirs[1]) as f:  # the follower alone
         assert f.rt.core.global_step == 1  # restored, but no coordinator gave it a receipt key: it holds nothing
         r = hold(f.http(), m, 1, ids[0], 1, {"w": np.ones((3, 1)), "b": np.ones(1)})
@@ -340,7 +350,7 @@ def test_a_restore_never_mixes_steps(tmp_path):
         hc, hf = c.http(), f.http()
         ids = [hc.post("/v1/workers", json={"name": f"w{i}"}).json()["worker_id"] for i in range(2)]
         wait_for(lambda: c.rt.core.round is not None, 10, "round 1")
-        whole = shards.assemble(m, [c.rt.core.weights, f.rt.core.weights])
+        whole = assemble(m, [c.rt.core.weights, f.rt.core.weights])
         assert c.rt.core.global_step == 1 and all(whole[k].tobytes() == before[k].tobytes() for k in W0)
         one_round(hc, hf, m, ids, 1, {"w": np.ones((3, 1)), "b": np.ones(1)})
         wait_for(lambda: f.rt.core.global_step == 2, 10, "shard 1 to apply round 1")
@@ -392,7 +402,7 @@ def scripted_job(bad_at: int | None, steps: int = 4) -> tuple[dict, list, dict]:
             if step == 0:  # the receipt shard 1 gave a's hold of step 0
                 first = receipts.receipt(f.rt.shards.receipt_key, 1, a, 0)
             wait_for(lambda: f.rt.core.global_step == step + 1, 10, f"shard 1 to apply round {step}")
-        whole = shards.assemble(m, [dict(c.rt.core.weights), dict(f.rt.core.weights)])
+        whole = assemble(m, [dict(c.rt.core.weights), dict(f.rt.core.weights)])
         rounds = [sorted(x["rank"] for x in r["contributors"]) for r in hc.get("/v1/rounds").json()["rounds"]]
         def heard() -> dict | None:  # the coordinator's view of shard 1 is as its link last heard
             st = hc.get("/v1/status").json()["shard"]
@@ -514,7 +524,7 @@ def test_a_coordinator_restored_behind_a_follower_has_it_restore_the_same_step(t
         hc, hf, m, ids = start_job(c, f)
         one_round(hc, hf, m, ids, 0, grads)
         wait_for(lambda: f.rt.core.global_step == 1, 10, "shard 1 to apply round 0")
-        at_1 = shards.assemble(m, [{k: v.copy() for k, v in r.core.weights.items()} for r in (c.rt, f.rt)])
+        at_1 = assemble(m, [{k: v.copy() for k, v in r.core.weights.items()} for r in (c.rt, f.rt)])
         one_round(hc, hf, m, ids, 1, grads)
         wait_for(lambda: f.rt.core.global_step == 2, 10, "shard 1 to apply round 1")
         wait_for(lambda: f.http().get("/v1/shard/state").json()["checkpoints"][:2] == [2, 1], 10,
@@ -523,7 +533,7 @@ def test_a_coordinator_restored_behind_a_follower_has_it_restore_the_same_step(t
     with two_shards(ports, dirs) as (c, f):
         wait_for(lambda: c.rt.shards.links.blocked is None, 20, "the coordinator to have shard 1 restore step 1")
         assert (c.rt.core.global_step, f.rt.core.global_step) == (1, 1)
-        whole = shards.assemble(m, [c.rt.core.weights, f.rt.core.weights])
+        whole = assemble(m, [c.rt.core.weights, f.rt.core.weights])
         assert all(whole[k].tobytes() == at_1[k].tobytes() for k in W0)
         assert f.http().get("/v1/shard/state").json()["checkpoints"][0] == 1  # its step-2 future is gone
         hc = c.http()
