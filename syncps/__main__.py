@@ -12,7 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from syncps.export import FORMATS, WRITERS, ExportError, from_checkpoint, from_ps
+from syncps.export import WRITERS, ExportError, from_checkpoint, from_ps
 
 SUFFIX = {"safetensors": ".safetensors", "torch": ".pt"}
 
@@ -31,7 +31,7 @@ def parser() -> argparse.ArgumentParser:
                      help="a checkpoint file (ckpt-*.msgpack), or a PS_CHECKPOINT_DIR: its newest valid checkpoint")
     ex.add_argument("--out", metavar="FILE", help="the file to write (default model.safetensors, or model.pt "
                                                    "with --format torch); replaced whole if it exists")
-    ex.add_argument("--format", choices=FORMATS, default="safetensors",
+    ex.add_argument("--format", choices=list(WRITERS), default="safetensors",
                     help="safetensors (default) or torch (torch.save of a state_dict; needs PyTorch)")
     ex.add_argument("--token-file", metavar="FILE", type=Path,
                     help="a file holding the PS's PS_AUTH_TOKEN (the training token: the pull is a training route)")

@@ -35,7 +35,6 @@ from shared.compression import BUFFER_PREFIX
 
 #: safetensors' dtype codes of the dtypes a PS model holds (docs/protocol.md: model tensors are floating point)
 ST_DTYPES = {"float16": "F16", "float32": "F32", "float64": "F64", "bfloat16": "BF16"}
-FORMATS = ("safetensors", "torch")
 
 
 class ExportError(Exception):
@@ -57,14 +56,9 @@ class Model:
         return {"syncps_global_step": str(self.step), "syncps_source": self.source, **self.metadata}
 
 
-def model_name(ps_name: str) -> str:
-    """The model's name of a PS tensor: an averaged buffer loses its ``buffer:`` prefix (:mod:`syncps.tensors`)."""
-    return ps_name[len(BUFFER_PREFIX):] if ps_name.startswith(BUFFER_PREFIX) else ps_name
-
-
 def renamed(ps_tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The PS's tensors under the model's names; ExportError if two PS names give one model name."""
-    names = {n: model_name(n) for n in ps_tensors}
+    names = {n: n.removeprefix(BUFFER_PREFIX) for n in ps_tensors}  # an averaged buffer's name: the module's
     if len(set(names.values())) != len(names):
         clash = sorted(n for n in names if n.startswith(BUFFER_PREFIX) and names[n] in ps_tensors)
         raise ExportError(f"the PS holds both {clash[0]!r} and {names[clash[0]]!r}: one name in the file for two")

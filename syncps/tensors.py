@@ -8,7 +8,7 @@ Contract:
 - **Buffers** (``buffers="mean"``, the default): every persistent floating-point buffer (BatchNorm's
   ``running_mean`` / ``running_var``) is a PS tensor named ``"buffer:" + name``. A worker pushes the
   buffer's value after its forward pass where a parameter pushes its gradient; the PS sets the buffer
-  to the mean of the round's values (``ps_service.core.optimizers.BUFFER_PREFIX``). Integer buffers
+  to the mean of the round's values (``shared.compression.BUFFER_PREFIX``). Integer buffers
   (``num_batches_tracked``) and non-persistent ones stay local. ``buffers="local"``: none goes to the PS.
 - :meth:`ModelTensors.grads` gives numpy **views** of the gradients (no copy for contiguous CPU
   tensors; a copy otherwise), valid until the next backward pass; a missing ``.grad`` is left out
@@ -26,9 +26,8 @@ from typing import Mapping
 import numpy as np
 import torch
 
-from syncps.export import model_name
+from shared.compression import BUFFER_PREFIX
 
-BUFFER_PREFIX = "buffer:"  # ps_service.core.optimizers.BUFFER_PREFIX (the PS is not imported here)
 BUFFER_RULES = ("mean", "local")
 
 
@@ -98,7 +97,3 @@ class ModelTensors:
                     raise ModelMismatch(f"the PS holds {name!r} with shape {list(arr.shape)}, "
                                         f"this model has {list(t.shape)}")
                 t.copy_(torch.from_numpy(arr))
-
-    def torch_name(self, ps_name: str) -> str:
-        """The module's name of a PS tensor (buffers lose their prefix)."""
-        return model_name(ps_name)

@@ -46,6 +46,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised by tests/test_torch_free.py
     raise ImportError("syncps.torch needs PyTorch: pip install -e '.[torch]'") from exc
 
+from shared.compression import BUFFER_PREFIX
 from shared.errors import ProtocolError
 from syncps.job import TorchJob
 from syncps.sampling import RoundBatchSampler
@@ -230,7 +231,7 @@ class DistributedOptimizer:
             hint = "check the loss and the learning rate"
         elif "dtype" in exc.detail:
             hint = "build the model in the PS's dtype, e.g. model.float()"
-        return GradientRejected(exc, self.tensors.torch_name(ps_name) if ps_name else None, hint)
+        return GradientRejected(exc, ps_name.removeprefix(BUFFER_PREFIX) if ps_name else None, hint)
 
     # ---- leaving ------------------------------------------------------------------------------
     def close(self) -> None:

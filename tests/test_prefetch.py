@@ -8,7 +8,7 @@ import pytest
 from cluster.processes import LocalCluster
 from tests.clusters import final_weights, wait_for
 from tests.reference import train_reference
-from worker_service.prefetch import BatchAhead, wants_prefetch
+from worker_service.prefetch import BatchAhead
 from worker_service.settings import WorkerSettings
 
 
@@ -83,10 +83,12 @@ def test_disabled_by_the_setting_or_by_the_task():
     class OptsOut(Recorder):
         prefetch = False
 
-    assert wants_prefetch(Recorder()) and not wants_prefetch(Recorder(), enabled=False)
-    assert not wants_prefetch(OptsOut())
+    on = BatchAhead(Recorder(), 4)
+    assert on._pool is not None
+    on.close()
     for task, enabled in ((Recorder(), False), (OptsOut(), True)):
         ahead = BatchAhead(task, 4, enabled)
+        assert ahead._pool is None
         ahead.ahead(1, 0, 1)
         assert ahead.get(1, 0, 1) == ("batch", 1, 0, 1)
         ahead.close()

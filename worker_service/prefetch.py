@@ -28,17 +28,13 @@ log = logging.getLogger("worker")
 Place = tuple[int, int, int]
 
 
-def wants_prefetch(task: Any, enabled: bool = True) -> bool:
-    """Prefetch for ``task``: the setting allows it and the task does not opt out (``prefetch = False``)."""
-    return enabled and bool(getattr(task, "prefetch", True))
-
-
 class BatchAhead:
     """Draws ``task.batch(step, position, count, batch_size)`` for a guessed place in one background thread."""
 
     def __init__(self, task: Any, batch_size: int, enabled: bool = True) -> None:
         self.task, self.batch_size = task, batch_size
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="prefetch") if wants_prefetch(task, enabled) else None
+        on = enabled and getattr(task, "prefetch", True)  # the setting allows it and the task does not opt out
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="prefetch") if on else None
         self._guess: tuple[Place, Future] | None = None
         self.used = self.dropped = 0  # guesses handed over / drawn again (for logs and tests)
 

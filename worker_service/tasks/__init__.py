@@ -40,22 +40,22 @@ class Task(Protocol):
         """Metrics of final weights (for logs and tests)."""
 
 
+def _takes(fn: Any, parameter: str) -> bool:
+    try:
+        return parameter in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # no signature to read (a builtin): it does not
+        return False
+
+
 def optimizer_for(task: Task, mode: str) -> dict[str, Any]:
     """The spec ``task`` brings for a job in ``mode``: ``task.optimizer(mode=mode)`` when it takes the mode, else
     ``task.optimizer()``."""
-    try:
-        takes_mode = "mode" in inspect.signature(task.optimizer).parameters
-    except (TypeError, ValueError):
-        takes_mode = False
-    return task.optimizer(mode=mode) if takes_mode else task.optimizer()
+    return task.optimizer(mode=mode) if _takes(task.optimizer, "mode") else task.optimizer()
 
 
 def writes_into(task: Task) -> bool:
     """Does ``task.loss_and_grads`` take ``out`` (the gradients computed into given arrays)?"""
-    try:
-        return "out" in inspect.signature(task.loss_and_grads).parameters
-    except (TypeError, ValueError):  # no signature to read (a builtin): it does not
-        return False
+    return _takes(task.loss_and_grads, "out")
 
 
 def shard_batch_indices(n: int, step: int, shard_index: int, shard_count: int, batch_size: int) -> np.ndarray:
@@ -65,22 +65,16 @@ def shard_batch_indices(n: int, step: int, shard_index: int, shard_count: int, b
     return shard[(step * batch_size + np.arange(batch_size)) % len(shard)]
 
 
-#: built-in tasks of the layer above (syncps, torch), loaded by name as a ``package.module:factory`` is
-BY_NAME = {"cnn": "syncps.cnn:CNNTask"}
+#: the built-in tasks, loaded by name as a ``package.module:factory`` is (cnn: the layer above's, syncps with torch)
+BY_NAME = {"linear": "worker_service.tasks.linear:LinearTask", "mlp": "worker_service.tasks.mlp:MLPTask",
+           "cnn": "syncps.cnn:CNNTask"}
 
 
 def load_task(spec: str, seed: int = 0, dtype: str = "float32") -> Task:
     """A built-in task by name, or what ``package.module:factory`` returns: a task, or a
     :class:`syncps.job.TorchJob` (anything without ``loss_and_grads``), wrapped into a task."""
-    from worker_service.tasks.linear import LinearTask
-    from worker_service.tasks.mlp import MLPTask
-
-    builtin = {"linear": LinearTask, "mlp": MLPTask}
-    if spec in builtin:
-        return builtin[spec](seed=seed, dtype=dtype)
     if ":" not in spec and spec not in BY_NAME:
-        raise ValueError(f"unknown task {spec!r}: use one of {sorted([*builtin, *BY_NAME])} or "
-                         "'package.module:factory'")
+        raise ValueError(f"unknown task {spec!r}: use one of {sorted(BY_NAME)} or 'package.module:factory'")
     module, attr = BY_NAME.get(spec, spec).split(":", 1)
     task = getattr(importlib.import_module(module), attr)(seed=seed, dtype=dtype)
     if not hasattr(task, "loss_and_grads"):
