@@ -18,7 +18,7 @@ from cluster.processes import LocalCluster
 from shared import keepalive
 from tests.live_ps import live_ps
 from shared.rawhttp import ConnectionLost, RawConnection
-from worker_service.transport.httpx import HttpxConnection
+from shared.httpxconn import HttpxConnection
 
 
 @pytest.mark.parametrize("value, seconds", [("timeout=5", 5.0), ("timeout=0.4", 0.4), ("max=100, timeout=3", 3.0),

@@ -29,7 +29,7 @@ from cluster.processes import LocalCluster, wait_for
 from ps_service.sharding.links import Links
 from shared import liveness
 from shared.rawhttp import ConnectionLost, RawConnection
-from worker_service.transport.httpx import HttpxConnection
+from shared.httpxconn import HttpxConnection
 
 #: named after this process, so that two test runs on one machine never share (and remove) each other's hosts
 PREFIX, SUBNET = f"spl{os.getpid() % 10000:04d}", f"10.91.{os.getpid() % 250}"

@@ -26,6 +26,7 @@ import httpx
 from ps_service.standby import messages
 from shared import liveness
 from shared.frame import MEDIA_TYPE as FRAME
+from shared.httpxconn import HttpxConnection
 from shared.protocol import API
 from shared.rawhttp import ConnectionLost, RawConnection
 from shared.tokens import bearer_header
@@ -44,20 +45,6 @@ async def probe(url: str, token, timeout: float) -> dict | None:
         return resp.json() if resp.status_code == 200 else None
     except (httpx.HTTPError, ValueError):
         return None
-
-
-class _Httpx:
-    """The writer thread's connection to an ``https://`` peer (``http://``: :class:`RawConnection`)."""
-
-    def __init__(self, url: str) -> None:
-        self.client = httpx.Client(base_url=url)
-
-    def request(self, method: str, target: str, headers, body, timeout: float) -> httpx.Response:
-        return self.client.request(method, target, headers=headers, content=b"".join(bytes(b) for b in body),
-                                   timeout=timeout)
-
-    def close(self) -> None:
-        self.client.close()
 
 
 class Unanswered(Exception):
@@ -79,7 +66,7 @@ class Link:
         self.task: asyncio.Task | None = None
         self.transferred = -1  # the snapshot epoch (Pair.epoch) the standby took the state of
         # the writer thread of the steps (one request at a time, on a kept-alive connection of its own)
-        self.conn = RawConnection(pair.peer) if pair.peer.startswith("http://") else _Httpx(pair.peer)
+        self.conn = RawConnection(pair.peer) if pair.peer.startswith("http://") else HttpxConnection(pair.peer)
         self._step_headers = {**bearer_header(pair.settings.auth_token), "content-type": FRAME}
         self._ready = threading.Condition()
         self._done = (-1, 0)  # (epoch, seq): the newest step the writer got acknowledged

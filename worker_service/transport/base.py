@@ -1,7 +1,7 @@
 """The worker's transports, in two layers, each called only from above (nothing here imports the client).
 
 - :class:`Transport`, as httpx's ``BaseTransport``: one method, one HTTP exchange over plain values
-  (:class:`shared.rawhttp.RawConnection` for ``http://``; :class:`~worker_service.transport.httpx.HttpxConnection`
+  (:class:`shared.rawhttp.RawConnection` for ``http://``; :class:`shared.httpxconn.HttpxConnection`
   for ``https://``; :class:`~worker_service.transport.faults.FaultyConnection` wraps any to drop or duplicate
   exchanges in drills; :class:`~worker_service.transport.mock.MockTransport` answers with a function, for tests).
   :class:`~worker_service.transport.endpoint.Endpoint` composes one with the token, timeouts and retries.

@@ -31,7 +31,7 @@ from shared.rawhttp import ConnectionLost, RawConnection
 from shared.tokens import bearer_header
 from worker_service import retry
 from worker_service.transport.base import Response, Transport
-from worker_service.transport.httpx import HttpxConnection
+from shared.httpxconn import HttpxConnection
 
 
 class ServerError(Exception):

@@ -1,6 +1,7 @@
-"""A :class:`~worker_service.transport.base.Transport` over httpx, for PS URLs the raw connection does
-not speak (``https://``, a PS behind a TLS proxy). Slower (it copies bodies), same contract. A connection idle for
-half the keep-alive the answers announce is not reused (shared/keepalive.py): httpx's pool takes that as its
+"""An HTTP connection over httpx, for PS URLs the raw connection does not speak (``https://``, a PS behind a TLS
+proxy): a worker's calls, a primary's steps to its hot standby. Slower (it copies bodies), the contract of
+:class:`shared.rawhttp.RawConnection`'s ``request`` (``ConnectionLost`` when it breaks; never retries). A connection
+idle for half the keep-alive the answers announce is not reused (shared/keepalive.py): httpx's pool takes that as its
 ``keepalive_expiry``, so the client is made again, once, when an answer announces another timeout than assumed."""
 from __future__ import annotations
 
