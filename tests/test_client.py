@@ -73,6 +73,6 @@ def test_defaults_are_the_settings():
 
     client = PSClient("http://ps", connection=MockTransport(OneWorkerPS()))
     fields = WorkerSettings.model_fields
-    assert (client.attempts, client.timeout, client.retry_timeout) == (
+    assert (client.endpoint.attempts, client.timeout, client.endpoint.retry_timeout) == (
         fields["retry_attempts"].default, fields["request_timeout_seconds"].default,
         fields["retry_timeout_seconds"].default)

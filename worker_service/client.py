@@ -75,8 +75,6 @@ class PSClient:
     ps_url = property(lambda self: ",".join(self.endpoint.urls), doc="every PS URL (a hot-standby pair: both)")
     conn = property(lambda self: self.endpoint.transport, doc="the transport every exchange goes through")
     timeout = property(lambda self: self.endpoint.timeout)
-    attempts = property(lambda self: self.endpoint.attempts)
-    retry_timeout = property(lambda self: self.endpoint.retry_timeout)
     token = property(lambda self: self.endpoint.token)
 
     @property
