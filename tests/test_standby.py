@@ -255,3 +255,157 @@ def test_a_step_that_fails_to_apply_after_its_acknowledgement_leaves_the_standby
     with pytest.raises(ProtocolError) as err:
         pair.apply(1, 2, True, bytearray(sent[1]), 11.0)
     assert err.value.code == "ha_gap"
+
+
+# ---- the term kept on disk (PS_CHECKPOINT_DIR): a primary that restarts while its peer does not answer --------------
+def restarted_primary(tmp_path, monkeypatch, kept_term: int | None, peer: dict | None = None, workers: int = 3):
+    """A PS configured ``primary`` started (``Pair.start``) with its peer answering ``peer`` (None: not at all), its
+    checkpoint directory holding term ``kept_term`` (None: no directory) and a core restored from a state with
+    ``workers`` members (back as expired, as from a checkpoint); no network (the probe and the link stubbed)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import ps_service.standby as standby
+    from ps_service.settings import PSSettings
+    from ps_service.standby.kept import KeptTerm
+
+    class NoLink:
+        def __init__(self, pair) -> None:
+            pass
+
+        def start(self) -> None:
+            pass
+
+    async def probe(*args):
+        return peer
+
+    monkeypatch.setattr(standby, "Link", NoLink)
+    monkeypatch.setattr(standby, "probe", probe)
+    settings = {"min_workers": max(workers, 1), "startup_grace_seconds": 0.0}
+    old = ParameterServerCore(core_config(**settings))
+    old.init_model(ModelInit({k: v.copy() for k, v in W.items()}, {"name": "sgd", "learning_rate": 0.1}), 0.0)
+    for i in range(workers):
+        old.register(f"w{i}", 0.0)
+    core = ParameterServerCore(core_config(**settings))
+    core.adopt(old.export_state(), 1.0)  # what the checkpoint's restore does: every member back as expired
+    if kept_term is not None:
+        KeptTerm(tmp_path).save(kept_term, "primary")
+    ckpt = None if kept_term is None else str(tmp_path)
+    pair = standby.Pair(PSSettings(role="primary", peer_url="http://peer:8000", checkpoint_dir=ckpt), core)
+    asyncio.run(pair.start(SimpleNamespace(now=lambda: 5.0, notify=lambda: None, abort_waits=lambda: None)))
+    return pair
+
+
+def kept_on_disk(tmp_path) -> dict:
+    import json
+
+    from ps_service.standby.kept import NAME
+    return json.loads((tmp_path / NAME).read_text())
+
+
+def test_a_primary_of_term_3_restarted_alone_is_a_candidate_for_term_4_and_wins_only_with_the_votes(tmp_path,
+                                                                                                 monkeypatch):
+    """(1) Term 3 kept, the peer unreachable: not the primary of term 1 but a candidate for term 4, taking no push
+    (503 ``election``), winning with more than half of its checkpoint's members (a stranger's vote does not count),
+    then the primary of term 4 from its own state, the term on disk before it acts in it."""
+    pair = restarted_primary(tmp_path, monkeypatch, 3)
+    assert (pair.role, pair.term, pair.election.term, pair.election.incumbent) == ("candidate", 3, 4, False)
+    assert pair.refusal().code == "election" and pair.refusal(3).code == "election"  # no push taken
+    assert pair.status()["election"] == {"term": 4, "votes": [], "needed": 2}
+    assert pair.vote(3, "w0")["counted"] is False  # another term's vote
+    assert pair.vote(4, "stranger")["counted"] is False and pair.vote(4, "w0")["counted"] and pair.role == "candidate"
+    assert kept_on_disk(tmp_path)["term"] == 3  # nothing served in term 4 yet
+    assert pair.vote(4, "w1")["role"] == "primary" and pair.term == 4 and pair.refusal() is None
+    assert kept_on_disk(tmp_path) == {"term": 4, "role": "primary"}
+    assert pair.core.global_step == 0 and not pair.restarted
+
+
+def served_by(pair):
+    """A worker transport's handler that answers as the pair's gate and vote route would (ps_service/standby/gate.py,
+    routes.py): a training request refused unless this PS is the primary (``fenced`` deposes it), the term marked."""
+    from worker_service.transport.mock import Answer
+
+    def handle(req):
+        term = str(pair.term)
+        if req.path == "/v1/ha/vote":
+            ans = Answer.of_json(pair.vote(req.json()["term"], req.json()["name"]))
+        else:
+            seen = req.headers.get("x-syncps-term")
+            exc = pair.refusal(int(seen) if seen else None)
+            if exc is not None and exc.code == "fenced":
+                pair.deposed(0, exc.detail)
+            ans = (Answer.of_json({"ok": True}) if exc is None
+                   else Answer.of_json({"error": exc.code, "detail": exc.detail}, exc.status))
+        ans.headers["x-syncps-term"] = term
+        return ans
+    return handle
+
+
+def test_a_restarted_primary_whose_workers_voted_for_the_other_ps_never_becomes_primary(tmp_path, monkeypatch):
+    """(2) Term 3 kept, the peer unreachable from it, but the workers' clients (worker_service.transport.endpoint)
+    voted in term 4 for the other PS: w0 saw it serve term 4 (its requests fence this PS: it becomes a standby), w1
+    voted for it and did not see it win yet (its ballot sends it back there), w2 never reached it and votes here:
+    1 vote of 3, never the primary."""
+    from shared.rawhttp import ConnectionLost
+    from worker_service.client import PSClient
+    from worker_service.transport.endpoint import ServerError
+    from worker_service.transport.mock import Answer, MockTransport
+
+    a, b = "http://a:1", "http://b:2"
+
+    def other(name):  # the other PS: the primary of term 4 to w0, unreachable to the others
+        def handle(req):
+            if name != "w0":
+                raise ConnectionLost("unreachable")
+            ans = Answer.of_json({"ok": True})
+            ans.headers["x-syncps-term"] = "4"
+            return ans
+        return handle
+
+    for first in ("w2", "w1", "w0"), ("w0", "w1", "w2"):
+        pair = restarted_primary(tmp_path, monkeypatch, 3)
+        roles, asked = [], served_by(pair)
+        for name in first:
+            seen = []
+            client = PSClient(f"{a},{b}", connection=MockTransport(lambda req: seen.append(req) or asked(req)),
+                              attempts=2, retry_timeout=0.5)
+            client.endpoint._transports[b] = MockTransport(other(name))
+            ep = client.endpoint
+            ep.voter = name
+            if name != "w2":
+                ep.ballot = {4: b}
+                ep.term = 4 if name == "w0" else 3
+            try:
+                assert client.call_json("GET", "/v1/model") == {"ok": True} and name == "w0"  # from the other PS
+            except (ProtocolError, ServerError, ConnectionLost):  # (w1: the PS it voted for does not answer; w2: this PS does not win)
+                assert name != "w0"
+            assert seen, name  # each asked this PS first
+            roles.append(pair.role)
+            # w0 and w1 voted for the other; w2 here, unless this PS is a standby by then (no vote asked)
+            assert ep.ballot.get(4) == (b if name != "w2" else a if roles[-1] == "candidate" else None)
+        assert "primary" not in roles and pair.term == 3, (first, roles)
+        # a candidate with w2's vote alone until w0 asks, which fences it: a standby (of term 3) waiting for a state
+        assert roles == (["candidate", "candidate", "standby"] if first[0] == "w2" else ["standby"] * 3), roles
+        assert kept_on_disk(tmp_path)["term"] == 3
+
+
+def test_without_a_checkpoint_directory_a_primary_starts_as_before(tmp_path, monkeypatch):
+    """(3) No directory: nothing kept; the peer unreachable: the primary of term 1 (as before this file existed)."""
+    pair = restarted_primary(tmp_path, monkeypatch, None)
+    assert (pair.role, pair.term, pair.kept) == ("primary", 1, None) and not list(tmp_path.iterdir())
+
+
+def test_a_restarted_primary_with_a_term_kept_follows_its_peer_when_it_answers(tmp_path, monkeypatch):
+    """A peer that answers: as before, it serves a term (its standby), or it has none (both restarted): the primary of
+    the term after the one kept (a worker that saw it is not sent away, 503 ``fenced``). No roster (no member in its
+    checkpoint): a candidate that cannot win, until its peer answers without a term."""
+    pair = restarted_primary(tmp_path, monkeypatch, 3, peer={"role": "primary", "term": 4})
+    assert (pair.role, pair.term) == ("standby", 0) and kept_on_disk(tmp_path) == {"term": 3, "role": "standby"}
+    pair = restarted_primary(tmp_path, monkeypatch, 3, peer={"role": "standby", "term": 0})
+    assert (pair.role, pair.term) == ("primary", 4) and pair.refusal(3) is None and pair.refusal(4) is None
+    lone = restarted_primary(tmp_path, monkeypatch, 4, workers=0)
+    assert lone.role == "candidate" and not lone.election.won and lone.status()["election"]["needed"] == 1
+    lone.peer_answers({"role": "primary", "term": 5})  # its state will come
+    assert lone.role == "candidate"
+    lone.peer_answers({"role": "standby", "term": 0})
+    assert (lone.role, lone.term) == ("primary", 5) and kept_on_disk(tmp_path) == {"term": 5, "role": "primary"}

@@ -201,3 +201,51 @@ def test_the_pytorch_bridge_carries_on_when_the_primary_dies():
     assert not any(t.is_alive() for t in threads) and set(results) == {"p", "q"}
     assert st["state"] == "done" and st["global_step"] == steps
     assert st["pair"]["role"] == "primary" and st["pair"]["term"] == 2 and st["pair"]["takeovers"] == 1
+
+
+def test_a_primary_restarted_while_its_peer_is_down_asks_the_workers_for_the_term_after_the_one_it_kept(tmp_path):
+    """The term kept on disk (``PS_CHECKPOINT_DIR``): the standby killed, the primary goes on alone in term 2 (kept);
+    then it is killed too and started again while its peer is still down, its workers frozen (SIGSTOP): a candidate
+    for term 3, not the primary of term 1, refusing a push (503 ``election``); the workers, let go, vote: the primary
+    of term 3 from its checkpoint, and the job ends."""
+    import json
+    import os
+    import signal
+
+    import httpx
+
+    from ps_service.standby.kept import NAME
+    steps = 80
+    env = {"PS_MAX_STEPS": steps, "PS_TOTAL_NUM_REPLICAS": 3, "PS_CHECKPOINT_DIR": str(tmp_path),
+           "PS_CHECKPOINT_EVERY_STEPS": 5}
+    with LocalCluster(3, ps_env=env, worker_env={**TASK, "WORKER_COMPUTE_DELAY_SECONDS": 0.02}, standby=True) as c:
+        try:
+            wait_for(lambda: (ha(c.peer_url) or {}).get("synced") and status(c.url)["global_step"] >= 5, allow(30),
+                     "a standby in sync")
+            assert json.loads((tmp_path / NAME).read_text()) == {"term": 1, "role": "primary"}
+            c.kill(c.peer)
+            wait_for(lambda: status(c.url)["pair"]["term"] == 2 and status(c.url)["global_step"] >= 12, allow(15),
+                     "the primary to go on alone, past a checkpoint")
+            assert json.loads((tmp_path / NAME).read_text()) == {"term": 2, "role": "primary"}
+            for w in c.workers:
+                os.kill(w.pid, signal.SIGSTOP)
+            try:
+                c.kill(c.ps)
+                c.ps = c._spawn("ps_service", c.shard_env(0), "ps.log")  # the primary alone (start_ps: both)
+                wait_for(lambda: ha(c.url) is not None, allow(30), "the primary to answer again")
+                back = ha(c.url)
+                push = httpx.post(f"{c.url}/v1/workers", json={"name": "worker-0"}, timeout=5)
+            finally:
+                for w in c.workers:
+                    os.kill(w.pid, signal.SIGCONT)
+            wait_for(lambda: (ha(c.url) or {}).get("role") == "primary", allow(30), "the workers' votes")
+            won = status(c.url)["pair"]
+            assert c.wait_workers(allow(90)) == [0, 0, 0]
+            done = status(c.url)
+        except Exception:
+            raise AssertionError(f"job failed; logs:\n{c.logs()}")
+    assert (back["role"], back["term"]) == ("candidate", 2)
+    assert push.status_code == 503 and push.json()["error"] == "election" and push.headers["x-syncps-term"] == "2"
+    assert won["term"] == 3 and "won the election after a restart" in won["last_change"]
+    assert done["state"] == "done" and done["global_step"] == steps and done["pair"]["term"] == 3
+    assert json.loads((tmp_path / NAME).read_text()) == {"term": 3, "role": "primary"}

@@ -11,7 +11,9 @@ takeover settle first: every step it acknowledged is in the model it digests or 
 ``election``, and takes the next term when :mod:`.election` says it won). Every answer carries the pair's *term*
 (``x-syncps-term``) and this process's role (``x-syncps-role``, :mod:`.gate`); a PS whose term is older than a
 request's, or than its peer's, accepts no push and becomes the standby of the newer term (a state transfer: the
-primary's checkpoint data, :mod:`.messages`).
+primary's checkpoint data, :mod:`.messages`). With a checkpoint directory every change of term or role is on disk
+before the PS acts in it (:mod:`.kept`): a primary that restarts alone asks the workers for the next term
+(:meth:`Pair._restarted`) rather than serving term 1 again.
 
 The standby's copy is as new as the last step it acknowledged (applied, or applied before anything reads it), which
 is at least every step a worker saw: the primary's answers wait for it (``gated``), from the moment it snapshots its
@@ -32,6 +34,7 @@ import numpy as np
 
 from ps_service.standby import messages
 from ps_service.standby.election import Election, roster
+from ps_service.standby.kept import kept
 from ps_service.standby.link import Link, probe
 from shared.errors import ProtocolError
 
@@ -62,6 +65,9 @@ class Pair:
         self.peer = settings.peer_url.rstrip("/")
         self.failover = settings.failover_timeout_seconds
         self.role, self.term = STANDBY, 0
+        self.kept = kept(settings.checkpoint_dir)  # the term on disk (None: no checkpoint directory)
+        self.stored = 0  # the newest term this PS knew (kept on disk)
+        self.restarted = False  # a candidate that restarted with its own (checkpoint) state: wins, it serves that
         self.boot = secrets.token_hex(8)
         self.rt = None
         self.link = None  # the primary's sender (.link), started by start()
@@ -99,13 +105,19 @@ class Pair:
     # ---- lifecycle ----------------------------------------------------------------------
     async def start(self, rt) -> None:
         """A PS configured primary asks its peer first: a peer that has a term (it served, or serves) makes this one
-        its standby (a primary that comes back after a takeover accepts no push); unreachable: primary of term 1."""
+        its standby (a primary that comes back after a takeover accepts no push). A peer without a term: the primary
+        of the term after the one kept on disk (:mod:`.kept`; 1 if none). Unreachable: the primary of term 1 if no
+        term is kept, else a candidate for the term after it (:meth:`_restarted`): the workers decide."""
         self.rt = rt
         self.heard = rt.now()
         self.link = Link(self)
+        self.stored = stored = self.kept.load() if self.kept is not None else 0
         peer = await probe(self.peer, self.settings.auth_token, self.failover * 2)
-        if self.settings.role == PRIMARY and (peer is None or not peer.get("term")):
-            self._become(PRIMARY, 1, "started as the primary" + (" (its peer does not answer)" if peer is None else ""))
+        if self.settings.role == PRIMARY and peer is None and stored:
+            self._restarted(stored)
+        elif self.settings.role == PRIMARY and (peer is None or not peer.get("term")):
+            self._become(PRIMARY, stored + 1, "started as the primary" + (
+                " (its peer does not answer)" if peer is None else f" (its peer has no term; term {stored} kept)"))
         else:
             self.core.follow()
             self._become(STANDBY, 0, "started as the standby" + (
@@ -116,8 +128,31 @@ class Pair:
         if self.link is not None:
             await self.link.close()
 
+    def _restarted(self, term: int) -> None:
+        """Back with term ``term`` kept on disk and a peer that does not answer (it may serve a newer term): a candidate
+        for ``term + 1``, as a standby would be (more than half of the roster: the names of its checkpoint's members
+        that had not left), serving from its own state if it wins. A worker that voted in that term for the other PS,
+        or saw a newer one (503 ``fenced``: this PS becomes a standby), gives it no vote; no roster (no checkpoint):
+        it cannot win, and waits for its peer (:meth:`peer_answers`)."""
+        self.role, self.term, self.restarted = CANDIDATE, term, True
+        self.election = Election(term + 1, (roster(self.core.members.export(), kept=True),), incumbent=False)
+        self.last_change = (f"candidate for term {term + 1}: restarted with term {term} kept and its peer does not "
+                            "answer")
+        log.warning("hot standby: %s", self.last_change)
+        self._check_won()
+
+    def peer_answers(self, answer: dict) -> None:
+        """The link's look at the peer while :attr:`restarted`: a peer without a term (it restarted too, a standby
+        waiting for a state) leaves the term to this PS: the primary of the next one. A peer with a term: its state
+        comes (a primary's link sends it) or its election decides."""
+        if self.role == CANDIDATE and self.restarted and not answer.get("term"):
+            self._become(PRIMARY, self.election.term, f"its peer answers with no term (the {answer.get('role')})")
+
     def _become(self, role: str, term: int, why: str) -> None:
-        self.role, self.term, self.election = role, term, None
+        if self.kept is not None:  # on disk before this PS acts in it (never below the term kept: a standby that
+            self.stored = max(self.stored, term)  # starts is at term 0 until it gets a state)
+            self.kept.save(self.stored, role)
+        self.role, self.term, self.election, self.restarted = role, term, None, False
         self.last_change = f"{role} of term {term}: {why}"
         log.warning("hot standby: %s", self.last_change)
         self.feeding = self.gated = self.transferring = False  # a new standby (if any) gets our state first
@@ -269,6 +304,9 @@ class Pair:
         now = self.rt.now()
         if self.role == CANDIDATE and e.incumbent:  # the standby is gone: go on alone
             self._become(PRIMARY, e.term, f"won the election ({len(e.votes)} vote(s)): goes on without a standby")
+        elif self.restarted:  # back after a restart: its own state (its checkpoint's), as a primary that starts
+            self._become(PRIMARY, e.term, f"won the election after a restart ({len(e.votes)} vote(s)): serves from "
+                                          f"step {self.core.global_step}")
         else:  # the standby takes over: the model it holds (every step it acknowledged), the members last replicated
             self.settle()
             if not self.synced:  # its step did not apply: it does not hold what it acknowledged
@@ -303,7 +341,7 @@ class Pair:
         ``ha_gap`` when this PS needs the whole state first (another term, a gap in the steps)."""
         if term < self.term or (term == self.term and self.role == PRIMARY):
             raise ProtocolError(409, "stale_term", f"this PS is the {self.role} of term {self.term}")
-        if term > self.term or self.role == PRIMARY or (seq is not None and seq > self.applied + 1):
+        if term > self.term or self.role == PRIMARY or self.restarted or (seq is not None and seq > self.applied + 1):
             raise ProtocolError(409, "ha_gap", f"this PS is at message {self.applied} of term {self.term}: send the "
                                                "state (PUT /v1/ha/state)")
         self.heard = now

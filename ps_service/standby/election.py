@@ -4,7 +4,8 @@ Contract:
 - An :class:`Election` is for one term (the pair's term + 1) on one PS, with the *rosters* it knows: the names of the
   job's active members as the primary last replicated them (the primary knows the last roster its standby
   acknowledged and those of the messages not acknowledged yet, one of which the standby holds; the standby knows the
-  one it applied).
+  one it applied; a primary restarted alone with a term kept, the members of its checkpoint that had not left, and it
+  is no incumbent).
 - A worker votes at most once per term, for the PS it can reach (its client keeps the ballot:
   :mod:`worker_service.transport.endpoint`); a vote counts only if its name is on a roster.
 - The *incumbent* (the primary of the term that ends) wins with at least half of every roster it knows, the standby
@@ -17,9 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-def roster(members: list[dict] | None) -> frozenset[str]:
-    """The names of the active members of a membership export (:meth:`Membership.export`)."""
-    return frozenset(m["name"] for m in members or () if m.get("state") == "active")
+def roster(members: list[dict] | None, kept: bool = False) -> frozenset[str]:
+    """The names of the active members of a membership export (:meth:`Membership.export`); ``kept``: of every member
+    that has not left (a restored checkpoint's members are all back as expired)."""
+    return frozenset(m["name"] for m in members or ()
+                     if (m.get("state") != "left" if kept else m.get("state") == "active"))
 
 
 @dataclass

@@ -13,6 +13,8 @@ Contract (one asyncio task, :meth:`Link.run`, while this PS is the primary or an
   An incumbent candidate keeps sending the state: a standby that takes it has given up its own election, and the
   primary serves again (:meth:`Pair.acknowledged`).
   Retries back off up to a quarter of the failover timeout.
+- A candidate that restarted with a term kept on disk (:attr:`Pair.restarted`) asks its peer ``GET /v1/ha`` every
+  quarter of the failover timeout (:meth:`Pair.peer_answers`).
 """
 from __future__ import annotations
 
@@ -117,6 +119,11 @@ class Link:
             try:
                 if p.role == PRIMARY or (p.role == CANDIDATE and p.election.incumbent):
                     await self._once()
+                elif p.restarted:  # a candidate back with a kept term: does its peer answer, and with a term?
+                    resp = await self._request("GET", "")
+                    if resp.status_code == 200:
+                        p.peer_answers(resp.json())
+                    await self._sleep(p.failover / 4)
                 else:
                     self.last_ok = time.monotonic()
                     await self._sleep(p.failover / 4)

@@ -1,0 +1,41 @@
+"""The pair's term kept on disk (``PS_CHECKPOINT_DIR``/``pair-term.json``): what a PS that restarts knows of the terms
+it served, so that it never serves an older one again (docs/guides/standby.md).
+
+Contract: :meth:`KeptTerm.save` is called on every change of this PS's term or role, before the PS acts in it (the
+file written whole, fsynced and renamed: a crash leaves the old term or the new one, never a torn file);
+:meth:`KeptTerm.load` gives the term last saved, 0 if none (no file, or one that does not parse: logged). No
+directory, no file: :func:`kept` returns None and a restart knows no term (term 1 as before).
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from ps_service.checkpoint import atomic_write
+
+log = logging.getLogger("ps_service")
+NAME = "pair-term.json"
+
+
+def kept(directory: str | None) -> "KeptTerm | None":
+    return KeptTerm(Path(directory)) if directory else None
+
+
+class KeptTerm:
+    def __init__(self, directory: Path) -> None:
+        self.path = directory / NAME
+
+    def load(self) -> int:
+        try:
+            term = json.loads(self.path.read_bytes())["term"]
+        except FileNotFoundError:
+            return 0
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.error("hot standby: %s does not hold a term (%s): none kept", self.path, exc)
+            return 0
+        return term if isinstance(term, int) and term >= 0 else 0
+
+    def save(self, term: int, role: str) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(self.path, json.dumps({"term": term, "role": role}).encode())
