@@ -3,8 +3,9 @@ it served, so that it never serves an older one again (docs/guides/standby.md).
 
 Contract: :meth:`KeptTerm.save` is called on every change of this PS's term or role, before the PS acts in it (the
 file written whole, fsynced and renamed: a crash leaves the old term or the new one, never a torn file);
-:meth:`KeptTerm.load` gives the term last saved, 0 if none (no file, or one that does not parse: logged). No
-directory, no file: :func:`kept` returns None and a restart knows no term (term 1 as before).
+:meth:`KeptTerm.load` (at start) gives the term last saved, 0 if none (no file, or one that does not parse:
+logged), and removes the temp files of a write cut short. No directory: :func:`kept` returns None, nothing is kept
+and a restart knows no term (the primary of term 1, as a first start).
 """
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ class KeptTerm:
         self.path = directory / NAME
 
     def load(self) -> int:
+        for stale in self.path.parent.glob(f".{NAME}.*.tmp"):  # a write cut short by a crash
+            stale.unlink(missing_ok=True)
         try:
             term = json.loads(self.path.read_bytes())["term"]
         except FileNotFoundError:
