@@ -117,7 +117,8 @@ class PSSettings(BaseSettings):
     pull_timeout_max_seconds: float = Field(60.0, gt=0, description="Upper bound of a pull's ?timeout=.")
     tick_seconds: float = Field(0.1, gt=0, description="How often leases and round deadlines are checked.")
     checkpoint_dir: str | None = Field(
-        None, description="Directory of checkpoints (restored on start, written periodically and on SIGTERM). Unset: off.")
+        None, description="Directory of checkpoints (restored on start, written periodically and on SIGTERM), and of a "
+                         "hot-standby pair's term (pair-term.json, docs/guides/standby.md). Unset: off.")
     checkpoint_every_steps: int = Field(
         100, ge=0, description="Checkpoint when the global step moved this many steps since the last one (0: off).")
     checkpoint_every_seconds: float = Field(
