@@ -9,13 +9,14 @@ bodies), ``sharded`` (two shards: holds, the commit, the follower's apply; pulls
 What it counts, over the PS's project files (``ps_service/``, ``shared/``; library frames are skipped, the
 nearest project frame stands for them):
 
-- ``files``: the project files whose code ran for the request;
+- ``files``: the project files whose code ran for the request (``--files``: in the order of their first call);
 - ``moves``: how often the running project file changed (a call into another file, or a return to one);
 - ``route_to_optimizer``: those moves from the route's entry (``api.push``, or the commit on a sharded PS) to the
   optimizer's ``apply``;
 - ``core_calls_out``: calls from ``ps_service/core/`` into the transport or HTTP layers (the seam is one-way: 0).
 
-Prints a table with a row per scenario and request (``--json``: a JSON line each; ``--files``: the files too).
+Prints a table with a row per scenario and request (``--json``: a JSON line each; ``--files``: the files too;
+``--route``: each move of a push from the route to the optimizer).
 tests/test_trace.py runs it and asserts the targets of docs/architecture.md.
 """
 from __future__ import annotations
@@ -95,14 +96,16 @@ class Recorder:
 
 def summarise(events: list) -> dict:
     """files, moves, route_to_optimizer, core_calls_out (see the module's docstring) of one request's events."""
-    files, moves, current, calls_out = set(), 0, None, []
-    segment, route_moves = None, None
+    files, moves, current, calls_out = {}, 0, None, []
+    segment, route_moves, route = None, None, []
     for event, rel, name, after, caller in events:
         if after is not None and after != current:
             moves += current is not None
+            if segment is not None and route_moves is None:
+                route.append(f"{_short(current)} -> {_short(after)}: {name}" + (" returns" if event == "return" else ""))
             current = after
         if event == "call":
-            files.add(rel)
+            files.setdefault(rel)
             if caller is not None and caller.startswith(CORE) and rel.startswith(OUTER):
                 calls_out.append(f"{caller} -> {rel}:{name}")
             if segment is None and (rel, name) in ROUTES:
@@ -110,7 +113,13 @@ def summarise(events: list) -> dict:
             if segment is not None and route_moves is None and (rel, name) == OPTIMIZER:
                 route_moves = moves - segment
     return {"files": len(files), "moves": moves, "route_to_optimizer": route_moves,
-            "core_calls_out": len(calls_out), "calls_out": sorted(set(calls_out)), "file_list": sorted(files)}
+            "core_calls_out": len(calls_out), "calls_out": sorted(set(calls_out)), "file_list": list(files),
+            "route": route}
+
+
+def _short(rel: str) -> str:
+    """``ps_service/core/rounds.py`` as ``core/rounds``; ``shared/frame.py`` as ``shared/frame``."""
+    return rel.removeprefix("ps_service/").removesuffix(".py")
 
 
 W0 = {"dense/kernel": np.linspace(-1, 1, 4096, dtype=np.float32).reshape(64, 64),
@@ -173,15 +182,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scenario", choices=SCENARIOS, action="append",
                         help="trace only this scenario (repeatable; default: all)")
     parser.add_argument("--files", action="store_true", help="list the files each request crosses")
+    parser.add_argument("--route", action="store_true", help="list a push's moves from the route to the optimizer")
     add_json_option(parser)
     args = parser.parse_args(argv)
     with Results(args.json, COLUMNS, parser.prog) as out:
         for row in (line for s in args.scenario or SCENARIOS for line in trace(s)):
-            if not args.files:
-                row.pop("file_list")
+            for flag, field in ((args.files, "file_list"), (args.route, "route")):
+                if not flag:
+                    row.pop(field)
             out.add(row)
-    for row in out.lines if args.files and not args.json else []:
-        print(f"\n{row['scenario']} {row['request']}: {' '.join(row['file_list'])}")
+    for row in out.lines if not args.json else []:
+        if args.files:
+            print(f"\n{row['scenario']} {row['request']}: {' '.join(map(_short, row['file_list']))}")
+        if args.route and row["route"]:
+            print(f"\n{row['scenario']} {row['request']}, route to optimizer:", *row["route"], sep="\n  ")
     return 0
 
 

@@ -126,12 +126,7 @@ async def pull(request: Request, min_step: Annotated[DecimalInt, Query(ge=0)] = 
         raise ProtocolError(409, "not_initialized", "the model is not initialised yet (PUT /v1/model)")
     if not ok:
         return Response(status_code=204, headers={STEP_HEADER: str(core.global_step)})
-    if rt.ha is not None:
-        await rt.ha.replicated()  # a hot standby holds these weights before a worker sees them
-    via = answer_via(core, rt.tensors.via(shm))
-    if via == "shm":
-        await rt.body_answers_first()
-    return rt.tensors.weights_response(via, since=since)
+    return await answer_weights(rt, answer_via(core, rt.tensors.via(shm)), {}, since)
 
 
 @router.post("/gradients", responses={200: {"description": '{"status": accepted|stale|duplicate|late|skipped, "step", "done"}'}},
@@ -175,12 +170,18 @@ async def answer_push(rt, result, step: int, worker_id: str, via: str, pull: boo
     if woke:
         if before_weights is not None:
             await before_weights()
-        if rt.ha is not None:
-            await rt.ha.replicated()  # a hot standby holds these weights before a worker sees them
-        if via == "shm":
-            await rt.body_answers_first()
-        return rt.tensors.weights_response(via, {PUSH_STATUS_HEADER: result.status.value}, since)
+        return await answer_weights(rt, via, {PUSH_STATUS_HEADER: result.status.value}, since)
     return {"status": result.status.value, "step": result.step, "done": core.done}
+
+
+async def answer_weights(rt, via: str, headers: dict, since: int | None) -> Response:
+    """The weights answer through ``via``, once a hot standby holds them and, for a same-host one, once the body
+    answers went first."""
+    if rt.ha is not None:
+        await rt.ha.replicated()  # a hot standby holds these weights before a worker sees them
+    if via == "shm":
+        await rt.body_answers_first()
+    return rt.tensors.weights_response(via, headers, since)
 
 
 def answer_via(core, via: str) -> str:

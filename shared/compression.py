@@ -153,7 +153,7 @@ def check_topk(wire: np.ndarray, n: int, name: str) -> np.ndarray:
 class SparseTensor:
     """A decoded top-k tensor as the PS keeps it: float32 of ``shape``, zero but at the flat ``indices`` (strictly
     increasing) where it holds ``values``. ``dense()`` makes the array; the PS's rank-order sum adds it without
-    making it (ps_service/core/accumulator.py): the same bits, O(k) instead of O(n)."""
+    making it (ps_service/core/rounds.py): the same bits, O(k) instead of O(n)."""
     dtype = F32
 
     def __init__(self, shape: tuple[int, ...], indices: np.ndarray, values: np.ndarray) -> None:

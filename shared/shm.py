@@ -186,13 +186,11 @@ class PeerRegion:
         self.mapping = mmap.mmap(fd, region_bytes(layout), access=mmap.ACCESS_READ)
         at = HEADER_BYTES + len(frame.header(layout))
         self.data = np.frombuffer(self.mapping, np.uint8, layout.data_bytes, at)
+        #: the marker as a one-element array over the mapping: ``marker[0]`` is its value as the peer last wrote it
+        self.marker: np.ndarray | None = np.frombuffer(self.mapping, "<i8", 1, _MARKER_AT)
         #: the tensors over the mapping (read-only arrays), made once
         self.tensors: dict[str, np.ndarray] | None = layout.views(self.data)
 
-    @property
-    def marker(self) -> int:
-        return _MARKER.unpack_from(self.mapping, _MARKER_AT)[0]
-
     def close(self) -> None:
         """Drop this object's hold on the mapping (it goes with the last array over it)."""
-        self.data = self.tensors = None
+        self.data = self.marker = self.tensors = None

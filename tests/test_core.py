@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ps_service.core.accumulator import Accumulator
+from ps_service.core.rounds import Accumulator
 from ps_service.core import ParameterServerCore
 from tests.configs import core_config
 from shared.compression import SparseTensor
@@ -261,10 +261,10 @@ def test_finite_gradients_whose_sum_overflows_never_reach_the_weights(sparse):
 def test_a_sum_added_in_place_is_read_once_for_overflow(monkeypatch, dtype, scale, applied):
     """Finite gradients can overflow when added (two float32 3e38 make inf): a sum added to in place unchecked is read
     once for NaN/Inf when the round ends, and an overflow keeps the round from applying anything."""
-    import ps_service.core.accumulator as accumulator
+    from ps_service.core import checks
     reads = []
-    real = accumulator.finite
-    monkeypatch.setattr(accumulator, "finite", lambda g: reads.append(g.shape) or real(g))
+    real = checks.finite
+    monkeypatch.setattr(checks, "finite", lambda g: reads.append(g.shape) or real(g))
     core = ParameterServerCore(core_config(min_workers=2, startup_grace_seconds=0.0))
     w0 = {k: v.astype(dtype) for k, v in W0.items()}
     core.init_model(ModelInit({k: v.copy() for k, v in w0.items()}, {"name": "sgd", "learning_rate": 0.5}), 0.0)
@@ -645,9 +645,9 @@ def test_the_core_config_comes_from_the_settings_in_one_mapping():
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
 def test_the_finiteness_check_finds_every_nan_and_inf_wherever_it_sits(dtype):
-    """ps_service.core.accumulator.finite (a BLAS dot product with zeros, chunk by chunk): any NaN, +Inf or -Inf
+    """ps_service.core.checks.finite (a BLAS dot product with zeros, chunk by chunk): any NaN, +Inf or -Inf
     at the start, inside, at a chunk's edge or in the last partial chunk is found; huge finite values are not."""
-    from ps_service.core.accumulator import FINITE_CHUNK, finite
+    from ps_service.core.checks import FINITE_CHUNK, finite
     n = 2 * FINITE_CHUNK + 77
     big = np.finfo(dtype).max
     g = np.full(n, big, dtype)

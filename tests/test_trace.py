@@ -9,8 +9,8 @@ from bench import trace
 
 #: the most moves between files from the route's entry to the optimizer's apply that each scenario may take (what
 #: docs/architecture.md quotes; issue 48 aims at 25 for TCP and 30 for same-host). A sharded commit's count varies
-#: with the follower's apply, which runs in another thread of the same process meanwhile (49-95 seen)
-ROUTE_MOVES = {"tcp": 26, "shm": 40, "topk": 34, "sharded": 110}
+#: with the follower's apply, which runs in another thread of the same process meanwhile (45-88 seen)
+ROUTE_MOVES = {"tcp": 22, "shm": 30, "topk": 28, "sharded": 100}
 
 
 @pytest.mark.parametrize("scenario", trace.SCENARIOS)
@@ -41,6 +41,8 @@ def test_moves_are_counted_between_project_files_only():
               ("return", "ps_service/core/__init__.py", "push", "ps_service/api.py", None)]
     out = trace.summarise(events)
     assert (out["files"], out["moves"], out["route_to_optimizer"], out["core_calls_out"]) == (3, 4, 2, 0)
+    assert out["route"] == ["api -> core/__init__: push", "core/__init__ -> core/optimizers: apply"]
+    assert out["file_list"] == ["ps_service/api.py", "ps_service/core/__init__.py", "ps_service/core/optimizers.py"]
     out = trace.summarise([("call", "ps_service/core/model.py", "update", "ps_service/core/model.py", None),
                            ("call", "ps_service/transport/shm.py", "x", "ps_service/transport/shm.py",
                             "ps_service/core/model.py")])

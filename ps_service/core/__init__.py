@@ -3,8 +3,8 @@
 Nothing here does I/O or reads a clock: every entry point takes ``now`` (seconds, monotonic)
 and returns what happened; the routes are thin drivers and the tests drive it by simulation.
 The parts: :mod:`ps_service.core.membership` (names, ranks, leases, waits), :mod:`ps_service.core.rounds`
-(the open round, its closing rule, the round record), :mod:`ps_service.core.accumulator` (gradient
-validation, the rank-order sum), :mod:`ps_service.core.model` (weights, optimizer, global step).
+(the open round, its rank-order sum, its closing rule, the round record), :mod:`ps_service.core.checks` (gradient
+validation), :mod:`ps_service.core.model` (weights, optimizer, global step).
 Cost (issue 17), K members: a push, heartbeat or wait does amortised O(log K) work, a tick
 O(log K) per lease that ended or was renewed (the parts keep their counts, heaps and orders up
 to date at each change); only opening and closing a round (once per round), a newcomer joining
@@ -53,13 +53,13 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from ps_service.core import on_arrival
-from ps_service.core.accumulator import Accumulator, validate
+from ps_service.core.checks import validate
 from ps_service.core.config import CoreConfig
 from ps_service.core.intake import Intake
 from ps_service.core.membership import Member, Membership
 from ps_service.core.model import ModelState
 from ps_service.core.rates import RateMeter
-from ps_service.core.rounds import Arrival, Progress, Round, RoundRecord
+from ps_service.core.rounds import Accumulator, Arrival, Progress, Round, RoundRecord
 from ps_service.core.staleness import BoundedStaleness
 from ps_service.core.errors import CoreError
 from shared.protocol import MAX_INT, JobState, PushRequest, PushStatus

@@ -1,11 +1,12 @@
-"""Byte buffers for large request bodies and weights frames, reused instead of freshly faulted in.
+"""Byte buffers for large request bodies, same-host gradient copies and weights frames, reused instead of freshly
+faulted in.
 
 The kernel zeroes every page of fresh memory at its first write: on our VMs a fresh 4 MB buffer costs ~2 ms of page
 faults (more than copying into it), and at 1e7 parameters over TCP, where every push body is 40 MB, zeroing the
 bodies' pages (``clear_page_erms``, under the socket reads) was 17 % of the PS's CPU
 (bench/results/2026-12-01-body-buffers-reused-at-every-size-eleventh-session.jsonl).
-So the PS takes its body buffers, its snapshot frames and the frame the weights
-live in (:class:`ps_service.core.model.WeightsStore`) from :data:`POOL`.
+So the PS takes its body buffers, the copies of same-host pushes (:mod:`ps_service.transport.shm`), its snapshot
+frames and the frame the weights live in (:class:`ps_service.core.model.WeightsStore`) from :data:`POOL`.
 
 Contract:
 - :meth:`BufferPool.take` gives a writable view of ``n`` bytes that nothing else uses: the smallest kept buffer

@@ -5,7 +5,7 @@ The transport reads the tensors of a large push only once :meth:`Intake.claim` s
 they are (in the kernel's socket buffers and the worker's memory, or in the worker's file), and the transport waits
 for a turn (:meth:`Intake.readers` names who may read next).
 
-- **Sync, elastic** (R unset): the round sums in rank order as gradients arrive (:mod:`ps_service.core.accumulator`),
+- **Sync, elastic** (R unset): the round sums in rank order as gradients arrive (:mod:`ps_service.core.rounds`),
   so the push next in rank order (:meth:`~ps_service.core.rounds.Round.turns`: the lowest key still pending; a member
   that expired, left or came back mid-round is passed) joins the running sum at once: it may be read. While the
   round holds no gradient yet, the one after it may be read too (both then make the first sum). Every other push of

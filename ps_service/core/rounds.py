@@ -1,12 +1,12 @@
-"""A barrier round: the open round's state, the rule that closes it, and the frozen record it leaves (with its
-straggler: who slowed it, and by how much).
+"""A barrier round: the open round's state, the rank-order sum of its gradients, the rule that closes it, and the
+frozen record it leaves (with its straggler: who slowed it, and by how much).
 
 Pure, no I/O, no clock: who is alive and what time it is are arguments.
 
 The open :class:`Round` ``g`` has a fixed *eligible* set (worker_id -> rank, chosen when it opens;
 it grows only when the round cannot close without a newcomer). An eligible member counts unless it
 came back mid-round (``gone``: it registered again; the round does not wait for it again). Its
-*contributions* are the accepted gradients (in its :class:`~ps_service.core.accumulator.Accumulator`)
+*contributions* are the accepted gradients (in its :class:`Accumulator`)
 plus the pushes skipped for NaN/Inf (``skipped``: done, nothing applied). *Awaited* are the live
 counted members that have contributed nothing yet.
 
@@ -34,6 +34,33 @@ key has contributed: the lowest key still pending, which bounds the early rank-o
 amortised O(1). Opening a round (sorting its members) and :attr:`Progress.awaited` (the names,
 for monitoring) are O(K).
 
+The round's sum (:class:`Accumulator`, the PS's ConditionalAccumulator):
+
+- It holds the round's validated gradients (:func:`ps_service.core.checks.validate`), one per worker:
+  ``apply(worker_id, rank, grads, pending)``. It owns the arrays it is given: the first one in
+  rank order becomes the running sum and is written into (copied first if it is read-only or
+  not C-contiguous), the others are read once and released.
+- ``take_sum()`` returns their sum in (rank, worker_id) order, ``acc = g[first]; acc += g[next] ...``,
+  then ``acc /= n`` under ``aggregation="mean"`` when n > 1: element-wise in that order whatever
+  the arrival order, so a run is bit-reproducible. The worker id breaks rank ties (a newcomer can
+  reuse the rank of a member that left mid-round).
+- Part of the sum is done while the round fills, as arrivals allow: a gradient is folded in once no
+  gradient still possible (``pending``) sorts before it. When that is not known (``pending=None``:
+  fixed R, whose first R arrivals win) everything waits for ``take_sum()``. Folding early or late
+  gives the same bits. The gradients not summed yet wait in a heap by key: O(log K) per gradient.
+- One gradient type: owned arrays (dense, or a top-k push's :class:`~shared.compression.SparseTensor`). Whatever
+  carried them (a body, a same-host file: its transport copied it into a buffer of the PS's own,
+  ps_service/transport/shm.py), the sum owns them once they are applied and never reads a sender's memory.
+- **What is applied is finite.** Every sum that was added to in place unchecked is read once for NaN/Inf when the
+  round ends (``take_sum``): finite gradients can overflow when added (two float32 3e38 make inf). Not finite:
+  :attr:`~Accumulator.spoiled` (:attr:`~Accumulator.overflow` names the tensor), the round applies nothing.
+- A top-k push's tensors (:class:`~shared.compression.SparseTensor`: k entries, zero elsewhere) are kept as the
+  running sum's :class:`Terms` while that tensor's sum came only from such pushes, and added at once when the sum is
+  taken (:func:`sparse_sum`: over the union of their indices, the dense sum's bits there, +0.0 elsewhere as the
+  dense sum has it; O(k log k), the sums checked as made); ``take_sum`` then gives that tensor as a
+  :class:`~shared.compression.SparseTensor` (its support: the entries a round can change).
+  A dense push, or a same-host one, makes it dense first.
+
 The straggler of a closed round (:func:`straggler`; ``/v1/rounds``, ``/metrics``, the dashboard and ``make run``):
 
 - If the push that closed the round was the last one it waited for (the close time equals the last arrival: an
@@ -52,13 +79,19 @@ Also reported: ``after_seconds`` (straggler's arrival, or the close, after the r
 from __future__ import annotations
 
 import bisect
+import heapq
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
 from statistics import median
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
-from ps_service.core.accumulator import Accumulator, Key
+import numpy as np
+
+from ps_service.core import checks
+from shared.compression import F32, SparseTensor
+
+Key = tuple[int, str]  # (rank, worker_id): the order of the sum
 
 CLOSE_REASONS = ("full", "membership", "deadline", "unreachable")
 
@@ -370,3 +403,159 @@ class CloseRule:
                 and now - r.deadline_from >= self.round_timeout and got >= self.quorum:
             reason = "deadline"
         return Progress(waiting, needed, unreachable, reason, effective, r, but)
+
+
+# ---- the round's rank-order sum -----------------------------------------------------------------------------
+def _writable(g: np.ndarray | SparseTensor) -> np.ndarray:
+    """``g`` itself to sum into, or a C-contiguous copy when it cannot be written in place (a sparse one: dense)."""
+    if isinstance(g, SparseTensor):
+        return g.dense()
+    return g if g.flags.writeable and g.flags.c_contiguous else np.array(g, order="C", copy=True)
+
+
+class Terms(list):
+    """The top-k pushes of one tensor of the running sum, in rank order, not yet added (:func:`sparse_sum` adds
+    them at once when the sum is taken)."""
+
+
+def _owned(g: np.ndarray | SparseTensor) -> np.ndarray | Terms:
+    """The running sum's start from a gradient: a sparse one as the first of its :class:`Terms`, a dense one
+    :func:`_writable`."""
+    return Terms([g]) if isinstance(g, SparseTensor) else _writable(g)
+
+
+def sparse_sum(terms: list[SparseTensor]) -> SparseTensor:
+    """The rank-order sum ``dense(t0) + dense(t1) + ...`` of top-k tensors (indices strictly increasing) as
+    entries, bit for bit: over the union of their indices, each entry's values added in rank order (the same
+    additions as the dense sum's, which adds +0.0 for every term that holds none there: that changes only a -0.0,
+    to +0.0, so an entry not held by every term has +0.0 added at the end); off the union the dense sum is +0.0,
+    which no entry stands for. One stable sort of all their indices (O(k log k) for k entries in all), then a pass
+    per term an entry can hold."""
+    first = terms[0]
+    if len(terms) == 1:
+        return SparseTensor(first.shape, first.indices, np.array(first.values, F32, copy=True))
+    both = np.concatenate([t.indices for t in terms])
+    order = np.argsort(both, kind="stable")  # equal indices stay in rank order
+    where, values = both[order], np.concatenate([t.values for t in terms])[order]
+    if not where.size:
+        return SparseTensor(first.shape, where, values)
+    starts = np.empty(where.size, bool)
+    starts[0] = True
+    np.not_equal(where[1:], where[:-1], out=starts[1:])
+    firsts = np.flatnonzero(starts)
+    held = np.diff(firsts, append=where.size)  # how many terms hold each entry
+    out = values[firsts]
+    for j in range(1, int(held.max())):
+        more = np.flatnonzero(held > j)
+        out[more] += values[firsts[more] + j]
+    out[held < len(terms)] += np.float32(0)
+    return SparseTensor(first.shape, where[firsts], out)
+
+
+@dataclass
+class Accumulator:
+    """One round's gradients and their rank-order sum (the module's contract)."""
+    names: tuple[str, ...]  # the model's tensors, in the order of the sum's dict
+    aggregation: str = "mean"
+    #: every contributor's sort key, in arrival order
+    keys: dict[str, Key] = field(default_factory=dict)
+    #: gradients not summed yet, by worker id, and their keys as a heap (the next one to sum first)
+    waiting: dict[str, Mapping[str, np.ndarray | SparseTensor]] = field(default_factory=dict)
+    queue: list[Key] = field(default_factory=list)
+    #: the rank-order prefix of ``keys`` already summed into ``acc``
+    folded: list[Key] = field(default_factory=list)
+    acc: dict[str, np.ndarray | Terms] | None = None
+    #: the sum is not finite (finite gradients that overflow when added): it is not applied
+    spoiled: bool = False
+    #: the first tensor of the final sum found not finite, None if none
+    overflow: str | None = None
+    #: the running sum is known finite (one checked gradient, or a sum checked as made); False once something was
+    #: added in place unchecked, and then :meth:`_check_sum` reads it once when the round ends
+    _finite: bool = field(default=True, repr=False)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __contains__(self, worker_id: object) -> bool:
+        return worker_id in self.keys
+
+    def apply(self, worker_id: str, rank: int, grads: Mapping[str, np.ndarray | SparseTensor],
+              pending: Iterable[Key] | None = None) -> None:
+        """Take ``worker_id``'s validated gradient (its arrays are the accumulator's from now on); fold in what
+        sorts before every key in ``pending`` (the gradients still possible; None: unknown, fold nothing yet)."""
+        key = (rank, worker_id)
+        if worker_id in self.keys or (self.folded and key < self.folded[-1]):
+            raise AssertionError(f"gradient {key} is a repeat or sorts before the summed prefix {self.folded}")
+        self.keys[worker_id] = key
+        self.waiting[worker_id] = grads
+        heapq.heappush(self.queue, key)
+        if pending is not None:
+            self._fold(min(pending, default=None))
+
+    def take_sum(self) -> tuple[dict[str, np.ndarray | SparseTensor] | None, int]:
+        """(the rank-order sum of every gradient applied, n): ``sum / n`` is the mean (n is 1 under
+        ``aggregation="sum"``), the division left to the caller's update; None if the sum is :attr:`spoiled`. Every
+        waiting gradient is summed and the sum checked first; the accumulator is empty afterwards. A tensor summed
+        only from top-k pushes comes as a :class:`~shared.compression.SparseTensor` (+0.0 off its entries; the caller
+        may write into its values)."""
+        if not self.keys:
+            raise AssertionError("nothing to take")
+        self._fold(None)
+        self._check_sum()
+        out, n = (None, 0) if self.spoiled else (self.acc, len(self.keys))
+        self.keys, self.folded, self.acc = {}, [], None
+        self._finite = True
+        return out, n if self.aggregation == "mean" and n > 1 else 1
+
+    def _check_sum(self) -> None:
+        """The sum is what gets applied: unless it is known finite, read it once for NaN/Inf (finite
+        gradients can overflow when added); not finite: :attr:`spoiled`, the round applies nothing."""
+        self._sparse_summed()
+        if self.acc is None or self.spoiled or self._finite:
+            return
+        self._finite = True
+        self.overflow = next((name for name, a in self.acc.items() if not checks.finite(a)), None)
+        self.spoiled = self.overflow is not None
+
+    def _fold(self, bound: Key | None) -> None:
+        """Sum the waiting gradients in key order, up to (not including) ``bound``."""
+        queue, waiting = self.queue, self.waiting
+        while queue and (bound is None or queue[0] < bound):
+            key = heapq.heappop(queue)
+            grads = waiting.pop(key[1])
+            self.folded.append(key)
+            if self.acc is None:
+                self.acc = {name: _owned(grads[name]) for name in self.names}  # validated: finite
+                self._finite = True
+            else:
+                self._fold_owned(grads)
+
+    def _fold_owned(self, grads: Mapping[str, np.ndarray | SparseTensor]) -> None:
+        """``acc += grads``: a sparse tensor onto a sum of such (:class:`Terms`, added when the sum is taken); else in
+        place, the sum made dense first, unchecked: the whole sum is checked once, :meth:`_check_sum`."""
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflowing sum is found by the check, not warned about
+            for name, acc in self.acc.items():
+                g = grads[name]
+                if isinstance(acc, Terms) and isinstance(g, SparseTensor):
+                    acc.append(g)
+                else:
+                    acc = self._summed(name, acc)
+                    acc = self.acc[name] = acc.dense() if isinstance(acc, SparseTensor) else acc
+                    np.add(acc, g.dense() if isinstance(g, SparseTensor) else g, out=acc)
+                    self._finite = False
+
+    def _summed(self, name: str, acc: np.ndarray | Terms) -> np.ndarray | SparseTensor:
+        """``acc`` with its :class:`Terms` added (:func:`sparse_sum`), their sums checked as made: not finite (finite
+        values can overflow when added), the sum is :attr:`spoiled`."""
+        if not isinstance(acc, Terms):
+            return acc
+        with np.errstate(over="ignore", invalid="ignore"):
+            total = sparse_sum(acc)
+            if not np.isfinite(total.values).all():
+                self.spoiled, self.overflow = True, self.overflow or name
+        return total
+
+    def _sparse_summed(self) -> None:
+        """Every :class:`Terms` of the running sum added (its tensors then arrays or entries)."""
+        if self.acc is not None and any(isinstance(a, Terms) for a in self.acc.values()):
+            self.acc = {name: self._summed(name, a) for name, a in self.acc.items()}

@@ -8,7 +8,7 @@ No I/O, no clock. Contract:
 - :class:`Holds` keeps one held push per worker (the newest: a later push replaces it).
 - :func:`apply_round` (a follower, told by the coordinator "apply round s with contributors C") sums the
   held pieces of C in (rank, worker_id) order exactly as the coordinator's round does
-  (:class:`~ps_service.core.accumulator.Accumulator`), steps the same optimizer once with the coordinator's
+  (:class:`~ps_service.core.rounds.Accumulator`), steps the same optimizer once with the coordinator's
   ``mean_of``, bumps the global step, and drops every hold of step <= s. An apply of a round already applied
   is answered as done (the coordinator retries); one ahead of the shard, or naming a gradient the shard does
   not hold, is refused (409) and changes nothing: the shard never mixes steps.
@@ -20,7 +20,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from ps_service.core.accumulator import Accumulator, validate
+from ps_service.core.checks import validate
+from ps_service.core.rounds import Accumulator
 from shared.errors import ProtocolError
 from shared.protocol import PushRequest
 

@@ -44,7 +44,7 @@ from ps_service.core.buffers import POOL
 from ps_service.transport.deltas import WeightDeltas
 from ps_service.transport.shm import ShmHub
 from shared import compression, frame, liveness
-from shared.errors import bad_request
+from shared.errors import ProtocolError, bad_request
 from shared.protocol import STEP_HEADER, ModelInit, PushRequest, parse_model_meta, parse_push_meta
 
 
@@ -119,8 +119,8 @@ class TensorSeam:
     async def push(self, request: Request, clock: Callable[[], float], turn: Turn | None = None
                    ) -> tuple[PushResult, PushRequest, str]:
         """A worker's push read and given to the core at ``clock()``: (the core's result, the push, the transport
-        to answer through). A dense push in the body is one core call (its checks first); a compressed or same-host
-        one is admitted first.
+        to answer through): one core call (its checks first), once a compressed push is decoded or a same-host one
+        copied out of its file.
         ``turn``: the tensors of a large push are read only once it returns (ps_service/core/intake.py): a body's
         after its frame header, a same-host file's after the body."""
         claimed: list[str] = []
@@ -131,7 +131,7 @@ class TensorSeam:
                 await turn(push.worker_id, push.step, self.settings.lease_seconds)
                 claimed.append(push.worker_id)
             if seq is not None or self.compression.name != "none" or f.meta.get("compression") is not None:
-                push, via = self._tensors(push, seq, f, size, True)
+                push, via = self._tensors(push, seq, f, size)
             else:
                 self.bytes_in, via = self.bytes_in + size, "http"
             result = self.core.push(push, clock())
@@ -145,7 +145,8 @@ class TensorSeam:
         """A shard's held pieces (ps_service/sharding): the push, its arrays the core may keep, and its transport;
         404/409 for a worker that must register (``members`` False: no membership check, a follower)."""
         push, seq, f, size = await self._push_frame(request)
-        return self._tensors(push, seq, f, size, members)
+        self.core.admit(push.worker_id if members else None)  # no core.push follows a hold: the core's refusals here
+        return self._tensors(push, seq, f, size, admitted=True)
 
     async def _push_frame(self, request: Request, turn: Turn | None = None, claimed: list | None = None
                           ) -> tuple[PushRequest, int | None, frame.Frame, int]:
@@ -153,24 +154,29 @@ class TensorSeam:
         f, size = await self._frame(request, turn=turn, claimed=claimed)
         return *parse_push_meta(f.meta, f.tensors), f, size
 
-    def _tensors(self, push: PushRequest, seq: int | None, f: frame.Frame, size: int, members: bool
+    def _tensors(self, push: PushRequest, seq: int | None, f: frame.Frame, size: int, admitted: bool = False
                  ) -> tuple[PushRequest, str]:
-        """The push with the arrays the core takes, after the core's refusals: decoded, or copied out of the worker's
-        same-host file."""
-        core = self.core
-        core.admit(push.worker_id if members else None)
+        """The push with the arrays the core takes: decoded (tensors the model lacks left for the core to refuse), or
+        copied out of the worker's same-host file. The core's refusals (``core.push`` makes them) come first: when the
+        transport refuses the push, they are asked for here first (``admitted``: the caller had them made)."""
         declared = f.meta.get("compression")
-        if seq is None:
-            self.bytes_in += size
-            # decoded, and known finite (top-k values, 2-bit) or not
-            tensors, checked = compression.decode_push(self.compression, declared, f.tensors, core.weights, _pooled)
-            return replace(push, tensors=tensors, finite_checked=checked), "http"
-        if declared not in (None, "none"):  # same-host pushes are never compressed
-            compression.check_declared(self.compression, declared, via_body=False)
-        if f.tensors:
-            raise bad_request("bad_field", "a push with shm_seq carries no tensors in its body")
-        tensors, finite = self.shm.gradients(push.worker_id, seq)
-        return replace(push, tensors=tensors, finite_checked=finite), "shm"
+        try:
+            if seq is None:
+                self.bytes_in += size
+                # decoded, and known finite (top-k values, 2-bit) or not
+                tensors, checked = compression.decode_push(self.compression, declared, f.tensors,
+                                                           self.core.weights or {}, _pooled)
+            else:
+                if declared not in (None, "none"):  # same-host pushes are never compressed
+                    compression.check_declared(self.compression, declared, via_body=False)
+                if f.tensors:
+                    raise bad_request("bad_field", "a push with shm_seq carries no tensors in its body")
+                tensors, checked = self.shm.gradients(push.worker_id, seq)
+        except ProtocolError:
+            if not admitted:
+                self.core.admit(push.worker_id)  # docs/protocol.md's order: the core's refusals first
+            raise
+        return replace(push, tensors=tensors, finite_checked=checked), "http" if seq is None else "shm"
 
     async def receive_model(self, request: Request) -> ModelInit:
         """A model's upload. Every worker of a new job may send one at once: a large one is read one at a time, and

@@ -15,12 +15,12 @@ Contract:
   while the worker is attached: its pages are the worker's file's (shared, in the tmpfs, charged to the worker),
   counted in the PS's RSS but not in its anonymous memory; dropped after each read (``MADV_DONTNEED``) they fault in
   again at the next push, 7 ms more CPU a read of a 40 MB file on the 2-core VM.
-- :meth:`ShmHub.gradients` checks the worker's file holds the push (its marker), copies it once into a pooled buffer
-  of the PS's own (or ``base + push``, ``base`` the sum the core's ``admit`` offered), checking for NaN/Inf as it
-  copies (:func:`ps_service.core.accumulator.read_checked`, chunks in the cache), then checks the marker again (409
-  ``shm_torn``: rewritten while read). The core gets arrays it owns, as from a body: what it applies is what was
-  checked, whatever the worker writes into its file afterwards; buffers are reused once no round holds them (a fresh
-  40 MB one costs page faults).
+- :meth:`ShmHub.gradients` checks the worker's file holds the push (its marker), copies it once into a buffer of
+  the PS's own (from :data:`ps_service.core.buffers.POOL`, as a body's: reused once no round holds it, where a fresh
+  40 MB one costs page faults), checking for NaN/Inf as it copies (:func:`ps_service.core.checks.read_checked`,
+  chunks in the cache), then checks the marker again (409 ``shm_torn``: rewritten while read). The core gets arrays
+  it owns, as from a body: what it applies is what was checked, whatever the worker writes into its file
+  afterwards.
 - Refusals: 409 ``shm_unavailable`` (the worker then uses plain HTTP), 409 ``shm_not_attached`` /
   ``shm_torn`` (attach again, or push over HTTP), 400 for malformed names.
 The weights file is unlinked on shutdown; files left by a PS that was killed (no flock held on them)
@@ -34,8 +34,9 @@ import secrets
 
 import numpy as np
 
-from ps_service.core.accumulator import read_checked
-from shared import frame, refs, shm
+from ps_service.core.buffers import POOL
+from ps_service.core.checks import read_checked
+from shared import frame, shm
 from shared.errors import ProtocolError, bad_request
 
 try:
@@ -44,12 +45,6 @@ except ImportError:  # not a POSIX system: no same-host transport
     fcntl = None
 
 log = logging.getLogger("ps_service")
-
-
-#: buffers kept for reuse, beyond one per attached worker (each push is copied into one, held until it is summed):
-#: the running sum, and the previous round's while it is applied; a fresh buffer costs page faults (~10 ms for
-#: 40 MB here), so the pool grows with the workers
-MAX_SPARE = 2
 
 
 def _hold_lock(fd: int) -> None:
@@ -74,8 +69,6 @@ class ShmHub:
         self._lock_fd: int | None = None
         #: worker_id -> its gradient file, mapped read-only
         self.attached: dict[str, shm.PeerRegion] = {}
-        #: buffers of copied pushes and running sums, reused once no round holds them (at most MAX_SPARE + one per attached worker)
-        self._copies: list[np.ndarray] = []
         #: worker_id -> the transport of its last accepted push ("shm" or "http"), for monitoring
         self.last_transport: dict[str, str] = {}
         self.bytes_in = 0
@@ -202,25 +195,14 @@ class ShmHub:
             raise ProtocolError(409, "shm_not_attached", "this worker has no gradient file here: attach again")
         if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
             raise bad_request("bad_field", "push: shm_seq must be an int >= 0")
-        if region.marker != seq:
+        if region.marker[0] != seq:
             raise ProtocolError(409, "shm_torn", "the gradient file does not hold that push (rewritten?)")
-
-        out = self.layout.views(self._buffer())
+        out = self.layout.views(POOL.take(self.layout.data_bytes))
         bad = read_checked(region.tensors, out)
-        if region.marker != seq:  # rewritten while it was read: what was read may mix two pushes
+        if region.marker[0] != seq:  # rewritten while it was read: what was read may mix two pushes
             raise ProtocolError(409, "shm_torn", "the gradient file was rewritten during the push")
         self.bytes_in += self.layout.data_bytes
         return out, bad is None
-
-    def _buffer(self) -> np.ndarray:
-        """A buffer that no round holds any more, else a fresh one (kept for reuse up to MAX_SPARE + attached)."""
-        for buf in self._copies:
-            if refs.free(buf):  # no view of it is alive
-                return buf
-        buf = np.empty(self.layout.data_bytes, np.uint8)
-        if len(self._copies) < MAX_SPARE + len(self.attached):
-            self._copies.append(buf)
-        return buf
 
     def close(self) -> None:
         """Unlink the weights file (the core's arrays keep the mapping until they go)."""

@@ -1,0 +1,118 @@
+"""What the core checks of a gradient before it takes it. Pure, no I/O.
+
+Contract:
+
+- :func:`validate` says whether a gradient fits the model, before anything changes: exactly the
+  model's tensor names, and per tensor exactly its shape and dtype (422 ``tensor_mismatch``
+  otherwise; nothing is ever cast), then no NaN/Inf in those very arrays (422
+  ``nonfinite_gradient`` under the ``reject`` policy; False under ``skip``).
+- NaN/Inf checks (:func:`finite`) are a BLAS dot product of the tensor with itself, chunk by chunk: NaN or Inf
+  exactly when an element is (squares are >= 0: nothing cancels), unless the squares overflow (|x| > 1.8e19 in
+  float32), where that chunk is checked exactly by a dot product with zeros. The round's sum is checked so too
+  when it could overflow (:mod:`ps_service.core.rounds`).
+- :func:`read_checked` copies memory another process may write (a same-host worker's file,
+  ps_service/transport/shm.py) into the PS's own and checks the copy while it is in the cache: what is checked is
+  what is kept.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+
+from shared.compression import SparseTensor
+from ps_service.core.errors import CoreError
+
+#: elements read and checked at a time by :func:`read_checked` (a chunk stays in the cache)
+CHUNK_ELEMENTS = 1 << 16
+#: elements :func:`finite` checks at a time (fewer, larger calls: 0.17 against 0.22 ms for 4 MB)
+FINITE_CHUNK = 1 << 18
+#: :func:`read_checked` takes tensors up to this size whole, then checks them (they stay in the last-level cache:
+#: 0.66 against 0.92 ms for a checked sum of two 4 MB files, process CPU; 14.9 against 14.0 ms at 40 MB)
+WHOLE_BYTES = 8 << 20
+#: a chunk of zeros per BLAS dtype: the exact check of a chunk whose squares overflow
+_ZEROS = {np.dtype(np.float32): np.zeros(FINITE_CHUNK, np.float32),
+          np.dtype(np.float64): np.zeros(FINITE_CHUNK, np.float64)}
+#: the largest finite square sum per BLAS dtype
+_TOP_SQUARES = {dt: np.finfo(dt).max for dt in _ZEROS}
+
+
+def finite(g: np.ndarray | SparseTensor) -> bool:
+    """No NaN/Inf in ``g``. float32/float64, chunk by chunk: ``dot(c, c)`` (BLAS, at memory speed, no temporary
+    array) is NaN or +Inf exactly when an element of ``c`` is, since squares are >= 0 and nothing cancels; when it is
+    not finite the chunk is checked exactly (``dot(c, zeros)``, NaN iff an element is NaN/Inf: ``0 * Inf`` is NaN),
+    which tells a finite chunk whose squares overflow. Other dtypes: the element-wise check."""
+    if isinstance(g, SparseTensor):
+        g = g.values  # zero elsewhere
+    flat = g.reshape(-1)
+    zeros = _ZEROS.get(flat.dtype)
+    if zeros is None:
+        return bool(np.isfinite(flat).all())
+    top, dot = _TOP_SQUARES[flat.dtype], np.dot
+    with np.errstate(over="ignore", invalid="ignore"):
+        for lo in range(0, flat.size, FINITE_CHUNK):
+            c = flat[lo:lo + FINITE_CHUNK]
+            if not dot(c, c) <= top and not np.isfinite(dot(c, zeros[:c.size])):  # NaN/Inf, or overflowing squares
+                return False
+    return True
+
+
+def read_checked(src: Mapping[str, np.ndarray], out: Mapping[str, np.ndarray]) -> str | None:
+    """``out = src``, then ``out`` checked for NaN/Inf while it is in the cache (whole up
+    to :data:`WHOLE_BYTES` a tensor, else chunk by chunk): ``src`` is read exactly once and what is checked is
+    what is kept, whatever writes into ``src`` meanwhile. The first tensor with a NaN/Inf in ``out`` (from
+    ``src``) at which it stopped, or None (``out`` is complete)."""
+    for name, o in out.items():
+        s, o1 = src[name].reshape(-1), o.reshape(-1)
+        if o1.nbytes <= WHOLE_BYTES:  # whole: it stays in the last-level cache for its check
+            np.copyto(o1, s)
+            if not finite(o1):
+                return name
+            continue
+        zeros, top, dot, isfinite = _ZEROS.get(o1.dtype), _TOP_SQUARES.get(o1.dtype), np.dot, np.isfinite
+        for lo in range(0, o1.size, CHUNK_ELEMENTS):
+            hi = lo + CHUNK_ELEMENTS
+            oc = o1[lo:hi]
+            np.copyto(oc, s[lo:hi])
+            if zeros is None:
+                if not finite(oc):
+                    return name
+            elif not dot(oc, oc) <= top and not isfinite(dot(oc, zeros[:oc.size])):  # as finite()
+                return name
+    return None
+
+
+def _dtype(dt: np.dtype) -> str:
+    return dt.name if dt.isnative else dt.str
+
+
+def validate(weights: Mapping[str, np.ndarray], grads: Mapping[str, np.ndarray],
+             nonfinite_policy: str = "reject", check_finite: bool = True) -> bool:
+    """Raise 422 unless ``grads`` fits ``weights`` (names, shapes, dtypes); False if it has NaN/Inf under policy
+    ``skip``, else True. Reads only. ``check_finite`` False: the values were checked already (by the transport that
+    read them: ``PushRequest.finite_checked``): only the layout is checked here."""
+    missing, extra = weights.keys() - grads.keys(), grads.keys() - weights.keys()
+    if missing or extra:
+        name = sorted(missing or extra)[0]
+        raise CoreError("tensor_mismatch", f"tensor {name!r} is {'missing' if missing else 'not in the model'}")
+    for name, w in weights.items():
+        g = grads[name]
+        if not isinstance(g, (np.ndarray, SparseTensor)) or g.dtype != w.dtype:
+            got = _dtype(g.dtype) if isinstance(g, (np.ndarray, SparseTensor)) else type(g).__name__
+            raise CoreError("tensor_mismatch", f"tensor {name!r} is {got}, the model's is {_dtype(w.dtype)}: "
+                                                   "a gradient must have its weight's dtype")
+        if g.shape != w.shape:
+            raise CoreError("tensor_mismatch",
+                                f"tensor {name!r} has shape {list(g.shape)}, the model has {list(w.shape)}")
+    if not check_finite:
+        return True
+    return finite_or_refuse(next((name for name, g in grads.items() if not finite(g)), None), nonfinite_policy)
+
+
+def finite_or_refuse(nonfinite: str | None, nonfinite_policy: str) -> bool:
+    """True if ``nonfinite`` is None (no tensor has NaN/Inf); else 422 under policy ``reject``, False under ``skip``."""
+    if nonfinite is not None:
+        if nonfinite_policy == "reject":
+            raise CoreError("nonfinite_gradient", f"tensor {nonfinite!r} has NaN or Inf values")
+        return False
+    return True
