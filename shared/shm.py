@@ -127,25 +127,6 @@ def _check_header(raw: bytes, name: str, kind: bytes, nonce: bytes) -> None:
         raise ValueError(f"{name} does not hold the expected nonce")
 
 
-def open_peer(directory: str, name: str, kind: bytes, nonce: bytes, layout: frame.Layout) -> tuple[int, os.stat_result]:
-    """Open the peer's file ``name`` read-only and check it is the file meant: exact size, magic, ``kind``,
-    ``nonce``, and exactly the frame header of ``layout``. (its descriptor, for the caller to keep; its
-    stat). OSError if it cannot be opened here, ValueError if it is not the file meant. Nothing is mapped."""
-    fd = open_in(directory, name, os.O_RDONLY)
-    try:
-        st = os.fstat(fd)
-        if st.st_size != region_bytes(layout):
-            raise ValueError(f"{name} is {st.st_size} bytes, not {region_bytes(layout)}")
-        _check_header(os.pread(fd, HEADER_BYTES, 0), name, kind, nonce)
-        head = frame.header(layout)
-        if os.pread(fd, len(head), HEADER_BYTES) != head:
-            raise ValueError(f"{name} does not hold the model's layout")
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, st
-
-
 def map_existing(directory: str, name: str, kind: bytes, nonce: bytes, writable: bool,
                  layout: frame.Layout | None = None, size: int | None = None) -> tuple[Region, os.stat_result]:
     """Map the peer's file ``name`` and check it is the file meant: magic, ``kind``, ``nonce``, a valid
@@ -177,20 +158,16 @@ def map_existing(directory: str, name: str, kind: bytes, nonce: bytes, writable:
 
 
 class PeerRegion:
-    """A peer's region mapped read-only: its marker, and its frame's data as bytes the peer may rewrite at
-    any time (every read of it is a copy or a sum that checks what it read; shared/shm.py's users never
-    keep a view of it past one push). Its pages count in this process's RSS (they are the peer's file's)."""
+    """A peer's region mapped read-only (:func:`map_existing`): its marker, and its tensors over bytes the peer may
+    rewrite at any time (every read of it is a copy that checks what it read; shared/shm.py's users never keep a view
+    of it past one push). Its pages count in this process's RSS (they are the peer's file's)."""
 
-    def __init__(self, fd: int, layout: frame.Layout) -> None:
-        self.layout = layout
-        self.mapping = mmap.mmap(fd, region_bytes(layout), access=mmap.ACCESS_READ)
-        at = HEADER_BYTES + len(frame.header(layout))
-        self.data = np.frombuffer(self.mapping, np.uint8, layout.data_bytes, at)
+    def __init__(self, region: Region) -> None:
         #: the marker as a one-element array over the mapping: ``marker[0]`` is its value as the peer last wrote it
-        self.marker: np.ndarray | None = np.frombuffer(self.mapping, "<i8", 1, _MARKER_AT)
+        self.marker: np.ndarray | None = np.frombuffer(region.mapping, "<i8", 1, _MARKER_AT)
         #: the tensors over the mapping (read-only arrays), made once
-        self.tensors: dict[str, np.ndarray] | None = layout.views(self.data)
+        self.tensors: dict[str, np.ndarray] | None = region.views()
 
     def close(self) -> None:
         """Drop this object's hold on the mapping (it goes with the last array over it)."""
-        self.data = self.marker = self.tensors = None
+        self.marker = self.tensors = None

@@ -163,19 +163,15 @@ class ShmHub:
         if self.layout is None:
             raise unavailable("GET /v1/shm first")
         try:
-            fd, st = shm.open_peer(self.directory, name, shm.KIND_GRADIENTS, want, self.layout)
+            region, st = shm.map_existing(self.directory, name, shm.KIND_GRADIENTS, want, False, self.layout)
         except OSError as exc:
             raise unavailable(f"cannot open {name} here (another host?): {exc.strerror or exc}") from None
         except ValueError as exc:
             raise unavailable(str(exc)) from None
         if (st.st_dev, st.st_ino) == self._weights_id:
-            os.close(fd)
             raise unavailable(f"{name} is the PS's weights file")
         self.detach(worker_id)
-        try:
-            self.attached[worker_id] = shm.PeerRegion(fd, self.layout)
-        finally:
-            os.close(fd)
+        self.attached[worker_id] = shm.PeerRegion(region)
 
     def detach(self, worker_id: str) -> None:
         peer = self.attached.pop(worker_id, None)
