@@ -22,6 +22,8 @@ import numpy as np
 
 from ps_service import checkpoint
 from ps_service.core.buffers import POOL
+from ps_service.core.checks import validate
+from ps_service.core.errors import CoreError
 from shared import frame
 from shared.compression import SparseTensor
 from shared.errors import ProtocolError
@@ -71,14 +73,19 @@ def decode_step(body) -> tuple[dict[str, Any], dict[str, Any] | None]:
 
 
 def check_fits(total: Mapping[str, Any] | None, weights: Mapping[str, np.ndarray]) -> None:
-    """409 ``ha_gap`` unless ``total`` (:func:`decode_step`'s) is a step of ``weights``: the same names, each of its
-    weight's shape, a sparse one's indices inside it (so that applying it cannot fail once it is acknowledged)."""
+    """409 ``ha_gap`` unless ``total`` (:func:`decode_step`'s) is a step of ``weights``: what the core checks of a
+    push's tensors (:func:`ps_service.core.checks.validate`: names, shapes, dtypes; the values were checked on the
+    primary), and a sparse one's indices inside its weight (so that applying it cannot fail once acknowledged)."""
     if total is None:
         return
-    if total.keys() != weights.keys() or any(tuple(v.shape) != weights[k].shape or (
-            isinstance(v, SparseTensor) and len(v.indices) and not 0 <= int(v.indices.min()) <= int(v.indices.max())
-            < weights[k].size) for k, v in total.items()):
-        raise ProtocolError(409, "ha_gap", "the step's tensors are not this PS's model: send the state")
+    try:
+        validate(weights, total, check_finite=False)
+    except CoreError as exc:
+        raise ProtocolError(409, "ha_gap", f"the step's tensors are not this PS's model ({exc.detail}): send the "
+                                           "state") from None
+    if any(isinstance(v, SparseTensor) and len(v.indices) and not 0 <= int(v.indices.min()) <= int(v.indices.max())
+           < weights[k].size for k, v in total.items()):
+        raise ProtocolError(409, "ha_gap", "a sparse tensor of the step has indices outside its weight: send the state")
 
 
 def encode_state(state: dict[str, Any]) -> bytes:

@@ -9,9 +9,9 @@ fresh sequence number (the marker is -1 while writing); a task can compute them 
 (:meth:`ShmTransport.gradient_buffers`, the loop's ``out``), and the push then copies nothing. A push's frame
 names the sequence number (``shm_seq``) and holds no tensor; gradients that do not fit the layout go in the body.
 :attr:`live` are read-only arrays over the PS's live weights: they hold the step the last pull named until the PS
-closes that step's round, which needs this worker's push (or refuses it as late). The PS reads a push out of the
-file once, checking what it reads, by the time the round closes: the worker writes its next push only after the
-next step's weights.
+closes that step's round, which needs this worker's push (or refuses it as late). The PS copies a push out of the
+file once, checking what it copies, when it takes the push (before its answer): a rewrite after the answer changes
+nothing; the worker writes its next push only after the next step's weights.
 """
 from __future__ import annotations
 
