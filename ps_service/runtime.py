@@ -243,8 +243,9 @@ class Runtime:
                 count = None
             if count != self.core.deployed:
                 log.info("the deployment runs %s workers (%s)", count or "no", name)
-            self.core.deploy(count)
-            self.core.tick(self.now())
+            now = self.now()
+            self.core.deploy(count, now)
+            self.core.tick(now)
             self.notify()
             await asyncio.sleep(every)
 

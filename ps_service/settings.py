@@ -63,7 +63,8 @@ class PSSettings(BaseSettings):
     min_workers: int = Field(1, ge=1, description="Workers that must be registered before step 0.")
     startup_grace_seconds: float = Field(
         2.0, ge=0, description="After min_workers have registered, wait this long for more before step 0 (when no "
-                               "worker count is expected: else PS_START_TIMEOUT_SECONDS).")
+                               "worker count is expected: else PS_START_TIMEOUT_SECONDS); a count from "
+                               "PS_WORKERS_DNS is taken once it has not changed for this long.")
     start_timeout_seconds: float = Field(
         120.0, ge=0, description="With an expected worker count (PS_TOTAL_NUM_REPLICAS, else "
                                  "PS_REPLICAS_TO_AGGREGATE, or the deployment's count: PS_WORKERS_DNS), step 0 waits "
@@ -72,7 +73,8 @@ class PSSettings(BaseSettings):
     workers_dns: str = Field(
         "", description="A DNS name with one address per deployed worker (compose: `worker`; Swarm: "
                         "`tasks.worker`; Kubernetes: the workers' headless Service): until step 0 the PS resolves it "
-                        "every second and waits for that many workers (PS_START_TIMEOUT_SECONDS). Empty: off.")
+                        "every second and waits for that many workers (PS_START_TIMEOUT_SECONDS), once the count has not changed "
+                        "for PS_STARTUP_GRACE_SECONDS (containers add their addresses as they start). Empty: off.")
     aggregation: Literal["mean", "sum"] = Field("mean", description="Mean (TF) or sum of the round's gradients.")
     lease_seconds: float = Field(10.0, gt=0, description="A worker silent this long is expired and leaves its round.")
     round_timeout_seconds: float | None = Field(

@@ -80,3 +80,28 @@ def test_a_live_ps_counts_the_addresses_of_ps_workers_dns_and_waits_for_that_man
         assert len(core.round.eligible) == addresses == len(ids)
         for c in clients:
             c.close()
+
+
+def test_a_deployment_count_still_growing_holds_step_0_until_it_held_for_the_grace():
+    """Compose starts its worker containers one after another and each adds its address as it starts: a count that
+    changed less than PS_STARTUP_GRACE_SECONDS ago is not taken yet, so the first worker up does not start the job
+    alone (the compose test's failure: `the deployment runs 1 workers`, then 400 steps by one worker)."""
+    core = core_with()
+    core.deploy(1, 0.0)
+    core.register("w0", 0.5)  # one of one resolved so far: the count has held 0.5 of 2 s
+    assert not core.started and core.wait_reason(0.5).startswith("waiting for the deployment's worker count to settle")
+    core.deploy(3, 1.0)  # more containers started
+    core.register("w1", 1.2)
+    core.register("w2", 1.4)
+    core.tick(2.9)
+    assert not core.started  # 3 of 3 in, but the count changed 1.9 s ago
+    core.tick(3.0)
+    assert core.started and len(core.round.eligible) == 3
+
+
+def test_a_deployment_count_no_larger_than_n_needs_no_settling():
+    core = core_with(total_num_replicas=2)
+    core.deploy(2, 0.0)
+    core.register("w0", 0.1)
+    core.register("w1", 0.2)  # N = 2 says as much: step 0 at once
+    assert core.started and len(core.round.eligible) == 2

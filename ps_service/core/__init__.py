@@ -37,7 +37,7 @@ Barrier semantics (TensorFlow's SyncReplicasOptimizer, done right; docs/protocol
   before any state changes.
 - Start: round 0 opens once the model is initialised and ``min_workers`` are active, after
   ``startup_grace_seconds`` (at once when N or R, or the members of a restored checkpoint,
-  are active). ``max_steps`` (or, unset, :data:`~shared.protocol.MAX_INT`): at that step the job is done.
+  are active; a larger count of the deployment's, :meth:`deploy`, once it held for the grace). ``max_steps`` (or, unset, :data:`~shared.protocol.MAX_INT`): at that step the job is done.
 
 Modes (``config.mode``): the above is ``sync``. In ``async`` and ``ssp`` no round ever opens: each accepted
 gradient is applied on arrival (:mod:`ps_service.core.on_arrival`), the clocks, the SSP bound and the staleness
@@ -250,11 +250,20 @@ class ParameterServerCore(ModelState):
             return "the deployment's workers, PS_WORKERS_DNS"
         return "PS_TOTAL_NUM_REPLICAS" if n else "PS_REPLICAS_TO_AGGREGATE"
 
-    def deploy(self, count: int | None) -> None:
-        """The deployment runs ``count`` workers (the runtime resolves ``PS_WORKERS_DNS``; None or 0: not known)."""
+    def deploy(self, count: int | None, now: float | None = None) -> None:
+        """The deployment runs ``count`` workers (the runtime resolves ``PS_WORKERS_DNS`` at ``now``; None or 0: not
+        known)."""
         if (count or None) != self.deployed:
-            self.deployed = count or None
+            self.deployed, self.deployed_since = count or None, now
             self._changed()
+
+    def _deployment_settling(self, now: float) -> bool:
+        """Step 0 expects the deployment's count (larger than N or R), and it changed less than
+        ``startup_grace_seconds`` ago: its containers may still be starting (each adds its address as it starts), so
+        the count is taken only once it has held that long."""
+        n, r = self.config.total_num_replicas, self.config.replicas_to_aggregate
+        return bool(self.deployed and self.deployed > (n or r or 0) and self.deployed_since is not None
+                    and now - self.deployed_since < self.config.startup_grace_seconds)
 
     def _progress(self, r: Round, now: float | None = None, but: str | None = None) -> Progress:
         return self.rule.progress(r, self._rule_now(r, now), but)
@@ -305,6 +314,10 @@ class ParameterServerCore(ModelState):
             if active < want:
                 return f"waiting for workers: {active} of min_workers {want} registered"
             expected = self.expected_workers()
+            if expected and active >= expected and self._deployment_settling(now):
+                return (f"waiting for the deployment's worker count to settle: {self.deployed} resolved "
+                        f"(PS_WORKERS_DNS), unchanged for {now - self.deployed_since:.1f} of "
+                        f"{self.config.startup_grace_seconds:g} s (PS_STARTUP_GRACE_SECONDS)")
             if expected and self._ready_since is not None:
                 left = max(0.0, self.config.start_timeout_seconds - (now - self._ready_since))
                 return (f"waiting for workers: {active} of {expected} expected ({self._expected_from()}) registered; "
@@ -355,8 +368,9 @@ class ParameterServerCore(ModelState):
                 if self._ready_since is None:
                     self._ready_since = now
                 expected, waited = self.expected_workers(), now - self._ready_since
-                if expected:  # N, R or the deployment's count: wait for them, up to the start timeout
-                    go = active >= expected or waited >= self.config.start_timeout_seconds
+                if expected:  # N, R or the deployment's count (once settled): wait for them, up to the start timeout
+                    go = (active >= expected and not self._deployment_settling(now)) or \
+                        waited >= self.config.start_timeout_seconds
                 else:  # a restored checkpoint's members, back at once; else the grace for more
                     go = (self.resume_expected and active >= self.resume_expected) or \
                         waited >= self.config.startup_grace_seconds

@@ -81,6 +81,8 @@ class ModelState:
         self.resume_expected: int | None = None
         #: the workers the deployment runs (``PS_WORKERS_DNS``, told by the runtime): step 0 waits for them
         self.deployed: int | None = None
+        #: when that count last changed (None: given without a time, taken as settled)
+        self.deployed_since: float | None = None
         #: where the weights live for their answers (copy on write while an answer still sends them)
         self.store = WeightsStore()
 
