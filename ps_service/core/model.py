@@ -47,7 +47,7 @@ the seam copies them into a snapshot then. The same-host weights file's arrays a
 from __future__ import annotations
 
 import sys
-from typing import Any, Hashable, Mapping
+from typing import Any, Hashable, Mapping, Sequence
 
 import numpy as np
 
@@ -57,6 +57,7 @@ from shared import frame
 from shared.codec import FLOAT_DTYPES, dtype_name
 from ps_service.core.errors import CoreError
 from shared.protocol import ModelInit
+from shared.shards import Piece
 
 
 def check_weights(tensors: Mapping[str, np.ndarray]) -> None:
@@ -146,10 +147,13 @@ class ModelState:
         """The weights are about to change in place (:meth:`update`, a rewind)."""
         self.store.before_change()
 
-    def update(self, grads: Mapping[str, np.ndarray], consume: bool = False, mean_of: int = 1) -> None:
-        """One optimizer step of the weights, in place (:meth:`Optimizer.apply`), after ``before_change``."""
+    def update(self, grads: Mapping[str, np.ndarray], consume: bool = False, mean_of: int = 1,
+               pieces: Sequence[Piece] | None = None, advance: bool = True) -> None:
+        """One optimizer step of the weights, in place (:meth:`Optimizer.apply`), after ``before_change``. ``pieces``:
+        one partition of the step (:mod:`ps_service.core.partitions`; ``grads`` keyed by their keys), ``advance``
+        False for the step's partitions after its first."""
         self.before_change()
-        self.optimizer.apply(self.weights, grads, consume=consume, mean_of=mean_of)
+        self.optimizer.apply(self.weights, grads, consume=consume, mean_of=mean_of, pieces=pieces, advance=advance)
 
     def model_state(self) -> dict[str, Any]:
         """global_step, weights and optimizer (spec, iterations, slots), arrays copied."""

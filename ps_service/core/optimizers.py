@@ -35,12 +35,13 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from ps_service.core import torch_rules
 from shared.compression import SparseTensor
+from shared.shards import Piece, split
 from ps_service.core.errors import CoreError
 
 #: names of tensors that are set to the round's aggregate instead of being stepped
@@ -202,7 +203,7 @@ class Optimizer:
         self.touched = Touched(self.serial, self.iterations)
 
     def apply(self, weights: dict[str, np.ndarray], grads: Mapping[str, np.ndarray], consume: bool = False,
-              mean_of: int = 1) -> None:
+              mean_of: int = 1, pieces: Sequence[Piece] | None = None, advance: bool = True) -> None:
         """One update of every weight from its (already aggregated) gradient, in place; buffers
         (:data:`BUFFER_PREFIX`) take the aggregate as it is.
 
@@ -212,14 +213,27 @@ class Optimizer:
         ``g /= n``); SGD does the division and its update chunk by chunk in one pass, the same operations on
         every element, so the bits are those of dividing first. A :class:`~shared.compression.SparseTensor`
         gradient (with ``consume``): TF1's SGD updates its entries only (:func:`_sgd_entries`, recorded in
-        :attr:`touched`); any other rule, or without ``consume``, takes it made dense."""
-        self.iterations += 1
-        touched: dict[str, np.ndarray] = {}
-        self.touched = Touched(self.serial, self.iterations, touched, {})
+        :attr:`touched`); any other rule, or without ``consume``, takes it made dense.
+
+        ``pieces`` (one partition of a round, :mod:`ps_service.core.partitions`): update only those pieces of the
+        weights, each with its slots, as views; ``grads`` is keyed by :attr:`Piece.key`. Every rule is elementwise,
+        so the pieces of a model stepped one partition at a time get the bits of the whole step. ``advance`` False:
+        a later partition of the same step (the iteration count, and with it Adam's bias correction, stays; the
+        :attr:`touched` of the step's first partition stays, its entries none of a partition's)."""
+        slots = self.slots
+        if pieces is not None:
+            weights = split(weights, pieces)
+            slots = {s: split(t, pieces) for s, t in slots.items()}
+        if advance:
+            self.iterations += 1
+            self.touched = Touched(self.serial, self.iterations, {}, {})
+        touched = self.touched.entries
         tf1_sgd_in_place = self.name == "sgd" and not self.torch and consume  # the fused and the O(k) updates
         for key, w in weights.items():
             g = grads[key]
             stepped = tf1_sgd_in_place and not key.startswith(BUFFER_PREFIX)
+            if isinstance(g, SparseTensor) and pieces is not None:  # the entries of a slice: not a tensor's
+                g = g.dense()
             if isinstance(g, SparseTensor):
                 if stepped and g.dtype == w.dtype and w.flags.c_contiguous:
                     touched[key], self.touched.values[key] = _sgd_entries(w, g, mean_of,
@@ -234,11 +248,11 @@ class Optimizer:
             if key.startswith(BUFFER_PREFIX):
                 np.copyto(w, g)
             elif self.torch:
-                torch_rules.apply(self.spec, self.iterations, w, g, {s: t[key] for s, t in self.slots.items()})
+                torch_rules.apply(self.spec, self.iterations, w, g, {s: t[key] for s, t in slots.items()})
             else:
-                self._tf1(key, w, g, consume)
+                self._tf1(w, g, consume, {s: t[key] for s, t in slots.items()})
 
-    def _tf1(self, key: str, w: np.ndarray, g: np.ndarray, consume: bool) -> None:
+    def _tf1(self, w: np.ndarray, g: np.ndarray, consume: bool, slots: Mapping[str, np.ndarray]) -> None:
         s = self.spec
         dt = w.dtype.type
         lr = dt(s["learning_rate"])
@@ -250,7 +264,7 @@ class Optimizer:
             else:
                 w -= g * lr
         elif self.name == "momentum":
-            a = self.slots["accum"][key]
+            a = slots["accum"]
             m = dt(s["momentum"])
             a *= m
             a += g
@@ -262,12 +276,12 @@ class Optimizer:
             p1, p2 = self._beta_powers(w.dtype)
             one = dt(1)
             alpha = lr * np.sqrt(one - p2) / (one - p1)
-            m, v = self.slots["m"][key], self.slots["v"][key]
+            m, v = slots["m"], slots["v"]
             m += (g - m) * (one - dt(s["beta1"]))
             v += (g * g - v) * (one - dt(s["beta2"]))
             w -= m * alpha / (np.sqrt(v) + dt(s["epsilon"]))
         else:  # adagrad
-            a = self.slots["accum"][key]
+            a = slots["accum"]
             r = np.square(g)
             a += r
             rsqrt(a, out=r)
