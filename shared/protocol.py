@@ -74,6 +74,9 @@ class PushRequest:
     #: the values were checked for NaN/Inf already, in memory nobody else writes (a same-host push copied and
     #: checked as read, a top-k push's finite values, a shard's held pieces): the core checks only their layout
     finite_checked: bool = False
+    #: the partition of the push's step these tensors are (docs/partitions.md): 0, the push itself (its whole
+    #: gradient, or with partitions its first partition's pieces); q >= 1 a later partition's pieces, after 0
+    partition: int = 0
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import pytest
 
 from ps_service.core import ParameterServerCore
 from ps_service.core.rounds import Accumulator
+from ps_service.core.errors import CoreError
 from ps_service.core.partitions import plan
 from shared.protocol import ModelInit, PushRequest, PushStatus
 from shared.shards import spec_of
@@ -45,8 +46,8 @@ def gradient(step: int, rank: int, dtype: str) -> dict[str, np.ndarray]:
     return {k: rng.standard_normal(s).astype(dtype) for k, s in SHAPES.items()}
 
 
-def core(optimizer: dict, aggregation: str, dtype: str) -> tuple[ParameterServerCore, list[str]]:
-    c = ParameterServerCore(core_config(min_workers=WORKERS, startup_grace_seconds=0.0, aggregation=aggregation))
+def core(optimizer: dict, aggregation: str, dtype: str, **cfg) -> tuple[ParameterServerCore, list[str]]:
+    c = ParameterServerCore(core_config(min_workers=WORKERS, startup_grace_seconds=0.0, aggregation=aggregation, **cfg))
     c.init_model(ModelInit(weights0(dtype), dict(optimizer)), 0.0)
     return c, [c.register(f"w{i}", 0.0)[0].worker_id for i in range(WORKERS)]
 
@@ -139,3 +140,105 @@ def test_split_gives_views_of_the_partitions_elements():
     assert got.tobytes() == flat.tobytes()
     some = p.split(w, p.count - 1)
     assert all(np.shares_memory(v, w[x.name]) for x, v in zip(p.partitions[-1], (some[x.key] for x in p.partitions[-1])))
+
+
+# ---- the core's partitioned rounds (ParameterServerCore.partition_bytes) ---------------------------------------
+def partitioned_core(optimizer: dict, partition_bytes: int, workers: int = WORKERS, dtype: str = "float32",
+                     **cfg) -> tuple[ParameterServerCore, list[str]]:
+    c = ParameterServerCore(core_config(min_workers=workers, startup_grace_seconds=0.0, **cfg))
+    c.partition_bytes = partition_bytes
+    c.init_model(ModelInit(weights0(dtype), dict(optimizer)), 0.0)
+    return c, [c.register(f"w{i}", 0.0)[0].worker_id for i in range(workers)]
+
+
+def frame(c: ParameterServerCore, wid: str, step: int, rank: int, q: int, now: float = 0.0, dtype: str = "float32"):
+    g = {k: v.copy() for k, v in c.partitions.split(gradient(step, rank, dtype), q).items()}
+    return c.push(PushRequest(wid, step, g, partition=q), now)
+
+
+@pytest.mark.parametrize("optimizer", [OPTIMIZERS[0], OPTIMIZERS[3], OPTIMIZERS[8]], ids=["sgd", "adam", "torch-adamw"])
+@pytest.mark.parametrize("aggregation", ["mean", "sum"])
+@pytest.mark.parametrize("partition_bytes", [4, 24, 60])
+def test_the_cores_partitioned_rounds_end_with_todays_bits(optimizer, aggregation, partition_bytes):
+    """Each worker's frames in partition order, workers interleaved at random: every frame accepted, the step
+    advancing only with a round's last partition, and the weights, slots and iteration count today's."""
+    want = today(optimizer, aggregation, "float32", seed=1)
+    for seed in (1, 2, 3):
+        c, ids = partitioned_core(optimizer, partition_bytes, aggregation=aggregation)
+        q_count, rng = c.partitions.count, random.Random(seed)
+        assert q_count > 1
+        for step in range(STEPS):
+            sent = {rank: 0 for rank in range(WORKERS)}
+            while any(n < q_count for n in sent.values()):
+                rank = rng.choice([r for r in range(WORKERS) if sent[r] < q_count])
+                assert c.global_step == step
+                assert frame(c, ids[rank], step, rank, sent[rank]).status is PushStatus.ACCEPTED
+                sent[rank] += 1
+            assert c.global_step == step + 1 and not c.deciding
+        assert state(c) == want
+
+
+def test_a_round_is_decided_by_partition_0_and_closes_with_its_last_partition():
+    c, ids = partitioned_core(OPTIMIZERS[0], 100, workers=2)
+    assert c.partitions.count == 3
+    assert frame(c, ids[0], 0, 0, 0).status is PushStatus.ACCEPTED
+    assert frame(c, ids[0], 0, 0, 2).status is PushStatus.ACCEPTED  # before the decision: held, not folded
+    assert not c.deciding and c.global_step == 0
+    assert frame(c, ids[1], 0, 1, 0).status is PushStatus.ACCEPTED  # the decision
+    assert c.deciding and c.global_step == 0 and "partitions [1, 2]" in c.wait_reason(0.0)
+    late, start = c.register("late", 0.0)
+    assert start == 1 and frame(c, late.worker_id, 0, 2, 0).status is PushStatus.LATE
+    for rank, q in ((0, 1), (1, 2)):
+        assert frame(c, ids[rank], 0, rank, q).status is PushStatus.ACCEPTED
+    assert c.deciding and c.global_step == 0 and "partitions [1]" in c.wait_reason(0.0)
+    assert frame(c, ids[1], 0, 1, 1).status is PushStatus.ACCEPTED
+    assert not c.deciding and c.global_step == 1 and c.rounds[-1].aggregated == 2
+    assert late.worker_id in c.round.eligible  # the newcomer is in the next round
+
+
+def test_frames_out_of_order_repeated_or_of_a_push_not_counted_change_nothing():
+    c, ids = partitioned_core(OPTIMIZERS[3], 100, workers=2, replicas_to_aggregate=1)
+    with pytest.raises(CoreError) as e:
+        frame(c, ids[0], 0, 0, 1)
+    assert e.value.code == "not_started"
+    with pytest.raises(CoreError) as e:
+        c.push(PushRequest(ids[0], 0, {}, partition=3), 0.0)
+    assert e.value.code == "tensor_mismatch"
+    assert frame(c, ids[0], 0, 0, 0).status is PushStatus.ACCEPTED  # R = 1: decided
+    assert frame(c, ids[1], 0, 1, 0).status is PushStatus.LATE
+    assert frame(c, ids[1], 0, 1, 1).status is PushStatus.LATE  # dropped with its push
+    assert frame(c, ids[0], 0, 0, 1).status is PushStatus.ACCEPTED
+    assert frame(c, ids[0], 0, 0, 1).status is PushStatus.DUPLICATE
+    assert frame(c, ids[0], 0, 0, 2).status is PushStatus.ACCEPTED and c.global_step == 1
+    # the weights: one Adam step of worker 0's gradient alone, as today's core makes it with R = 1
+    ref, rids = core(OPTIMIZERS[3], "mean", "float32", replicas_to_aggregate=1)
+    ref.push(PushRequest(rids[0], 0, gradient(0, 0, "float32")), 0.0)
+    assert {k: v.tobytes() for k, v in c.weights.items()} == {k: v.tobytes() for k, v in ref.weights.items()}
+
+
+def test_a_member_lost_after_the_decision_is_not_waited_for_in_its_missing_partitions():
+    c, ids = partitioned_core(OPTIMIZERS[0], 100, workers=3, lease_seconds=5.0)
+    p = c.partitions
+    for rank in range(3):
+        assert frame(c, ids[rank], 0, rank, 0).status is PushStatus.ACCEPTED
+    for rank in (0, 1):
+        for q in (1, 2):
+            assert frame(c, ids[rank], 0, rank, q, now=4.0).status is PushStatus.ACCEPTED
+    assert c.deciding and c.global_step == 0
+    c.tick(6.0)  # worker 2's lease ends: partitions 1 and 2 close with workers 0 and 1
+    assert c.global_step == 1 and not c.deciding and c.rounds[-1].aggregated == 3
+    lr, w0 = np.float32(0.1), weights0("float32")
+    for q, n in ((0, 3), (1, 2), (2, 2)):
+        for piece in p.partitions[q]:
+            total = None
+            for rank in range(n):
+                g = p.split(gradient(0, rank, "float32"), q)[piece.key].copy()
+                total = g if total is None else np.add(total, g, out=total)
+            mean = total / np.float32(n)
+            want = mean if piece.name.startswith("buffer:") else p.split(w0, q)[piece.key] - mean * lr
+            assert p.split(c.weights, q)[piece.key].tobytes() == want.tobytes(), (q, piece.key)
+
+
+def test_async_and_ssp_keep_one_partition():
+    c, _ = partitioned_core(OPTIMIZERS[0], 24, workers=1, mode="async")
+    assert c.partitions is None and c.parts is None

@@ -58,11 +58,13 @@ from ps_service.core.config import CoreConfig
 from ps_service.core.intake import Intake
 from ps_service.core.membership import Member, Membership
 from ps_service.core.model import ModelState
+from ps_service.core.partitions import Plan, RoundParts, plan as partition_plan
 from ps_service.core.rates import RateMeter
 from ps_service.core.rounds import Accumulator, Arrival, Progress, Round, RoundRecord
 from ps_service.core.staleness import BoundedStaleness
 from ps_service.core.errors import CoreError
 from shared.protocol import MAX_INT, JobState, PushRequest, PushStatus
+from shared.shards import spec_of
 
 RECENT_STEPS = 16  # per-worker memory of pushed steps, for duplicate detection
 RATE_WINDOW_SECONDS = 10.0
@@ -84,6 +86,13 @@ class ParameterServerCore(ModelState):
         self.started = False
         self.round: Round | None = None
         self.last_round: Round | None = None
+        #: partitions 1.. of the open round, and its decision once partition 0 closed (None: one partition)
+        self.parts: RoundParts | None = None
+        self._decision: RoundRecord | None = None
+        self._plan: tuple[Plan | None] | None = None  # (the plan or None: one partition,), once the model is in
+        #: sync rounds close partition by partition, of about this many bytes each (docs/partitions.md); 0: one
+        #: partition, the whole model. Not a setting yet (no transport sends partition frames): set before the model
+        self.partition_bytes = 0
         self.rounds: deque[RoundRecord] = deque(maxlen=config.max_rounds_kept)
         self.rounds_closed = 0  # since this process started
         self.gradients_applied = 0  # since this process started, every mode
@@ -119,6 +128,8 @@ class ParameterServerCore(ModelState):
         """What a checkpoint keeps, as plain data with copied arrays (safe to encode off the event loop):
         weights, optimizer (spec, iterations, slots), global step, members (ids, names, ranks), config; in
         async/ssp the clocks too (``staleness``)."""
+        if self.deciding:
+            raise AssertionError("a checkpoint between a round's partitions: weights of two steps")
         extra = {} if self.modes is None else {"staleness": self.modes.export()}
         return {**self.model_state(), "members": self.members.export(), **extra,
                 "config": {f: dict(v) if isinstance(v, Mapping) else v for f, v in vars(self.config).items()}}
@@ -166,6 +177,7 @@ class ParameterServerCore(ModelState):
                 self.modes.load(state["staleness"], now)
         self.resume_expected = len(gone) or self.resume_expected
         self.round = self.last_round = None
+        self.parts = self._decision = None
         self.started, self._ready_since = False, None
         while self.rounds and self.rounds[-1].step >= self.global_step:
             self.rounds.pop()
@@ -188,8 +200,15 @@ class ParameterServerCore(ModelState):
         wid, start, r = m.worker_id, self.global_step, self.round
         if self.modes is not None:
             self.modes.join(wid, now)
-        if r is not None:
+        if r is not None and self.deciding:  # the round's partitions still close: it joins the next one
             r.member_changed(wid, not returning, True)
+            start += 1
+            if returning:  # a member of the round that came back brings no more frames of it
+                self._close_parts(now, self.parts.drop(wid))
+        elif r is not None:
+            r.member_changed(wid, not returning, True)
+            if returning and self.parts is not None:
+                self.parts.drop(wid)  # (undecided: the decision will not wait for its later partitions)
             if wid in r.acc:
                 start += 1  # its gradient for this round is in
             elif returning or not r.counts(wid):
@@ -213,6 +232,8 @@ class ParameterServerCore(ModelState):
             self.modes.drop(m.worker_id, now)
         if self.round is not None:
             self.round.member_changed(m.worker_id, was_alive, False)
+        if self.parts is not None:
+            self._close_parts(now, self.parts.drop(m.worker_id))
         self._changed()
         self.tick(now)
         return m
@@ -329,6 +350,9 @@ class ParameterServerCore(ModelState):
                     "them or paused): no lease runs out and no round closes by its deadline until one is")
         if self.modes is not None:
             return on_arrival.wait_reason(self, now)
+        if self.deciding:
+            left = [q for q in range(1, self.parts.plan.count) if q not in self.parts.closed]
+            return f"step {self.global_step} is decided: waiting for its contributors' partitions {left}"
         r, p = self.round, self._progress(self.round)
         got, quorum, want = len(r.acc), self.rule.quorum, self.rule.replicas_to_aggregate
         if p.stuck and not got and not r.live:
@@ -361,6 +385,8 @@ class ParameterServerCore(ModelState):
                 self.round.member_changed(m.worker_id, True, False)
             if self.modes is not None:
                 self.modes.drop(m.worker_id, now)
+        if gone and self.parts is not None:  # members that will bring no more frames of the round
+            self._close_parts(now, [q for m in gone for q in self.parts.drop(m.worker_id)])
         changed = bool(gone)
         if not self.started and self.initialized and not self.done:
             active = self.members.active_count
@@ -381,7 +407,7 @@ class ParameterServerCore(ModelState):
                     changed = True
             else:
                 self._ready_since = None
-        if self.round is not None:
+        if self.round is not None and not self.deciding:
             p = self._progress(self.round, now)
             if p.reason is not None:
                 self._close(now, p.reason)
@@ -409,24 +435,70 @@ class ParameterServerCore(ModelState):
 
     def _open_round(self, now: float) -> None:
         if self.done:
-            self.round = None
+            self.round = self.parts = None
             return
         eligible = {m.worker_id: m.rank for m in self.members.active()}
-        self.round = Round(self.global_step, now, eligible, Accumulator(tuple(self.weights), self.config.aggregation),
+        p = self.partitions
+        names = tuple(self.weights) if p is None else p.keys(0)
+        self.round = Round(self.global_step, now, eligible, Accumulator(names, self.config.aggregation),
                            self.members.is_active, lambda w: self.members.by_id[w].name)
+        self.parts = None if p is None else RoundParts.open(p, self.config.aggregation)
+
+    @property
+    def partitions(self) -> Plan | None:
+        """The partitions of a sync round (:attr:`partition_bytes`; :mod:`ps_service.core.partitions`), None: one,
+        the whole model (today's round; always in async/ssp)."""
+        if self._plan is None:
+            if self.weights is None:
+                return None
+            p = partition_plan(spec_of(self.weights), self.partition_bytes) \
+                if self.partition_bytes and self.modes is None else None
+            self._plan = (p if p is not None and not p.whole else None,)
+        return self._plan[0]
+
+    @property
+    def deciding(self) -> bool:
+        """The open round is decided (its partition 0 closed) and its later partitions are still closing."""
+        return self.parts is not None and self.parts.decided
 
     def _close(self, now: float, reason: str) -> None:
         self._closed(now, *self.round.close(now, reason, self.rule.replicas_to_aggregate))
 
     def _closed(self, now: float, rec: RoundRecord, total, n: int) -> None:
-        """The open round closed (its record, its sum or None, the mean's n): observers, the update, the next round."""
+        """The open round's rule is met (its record, its sum or None, the mean's n): with one partition the round
+        closes (observers, the update, the next round); with several it is decided (partition 0 closes, C is fixed)
+        and closes once its other partitions did (:meth:`_close_parts`)."""
         r = self.round
         if self.on_decided is not None:
             self.on_decided(rec)
-        if self.on_step is not None:
+        parts = self.parts
+        if parts is None and self.on_step is not None:  # (a standby of a partitioned PS: not built)
             self.on_step(total, n, rec.aggregated)
-        if total is not None:  # None when every contribution was skipped (NaN/Inf) or the sum overflows: no update
-            self.update(total, consume=True, mean_of=n)
+        # total None when every contribution was skipped (NaN/Inf) or the sum overflows: no update
+        if total is not None:
+            self.update(total, consume=True, mean_of=n, pieces=None if parts is None else parts.plan.partitions[0])
+        if parts is None:
+            self._finish(now, r, rec)
+        else:
+            self._decision = rec
+            self._close_parts(now, parts.decide({a.worker_id: r.key(a.worker_id) for a in rec.contributors},
+                                                total is not None))
+
+    def _close_parts(self, now: float, qs) -> None:
+        """Close the decided round's partitions ``qs`` (each applied, the step's iteration kept); the round closes
+        with its last."""
+        parts = self.parts
+        for q in dict.fromkeys(qs):
+            if q not in parts.closed:
+                total, n = parts.close(q)
+                if total is not None:
+                    self.update(total, consume=True, mean_of=n, pieces=parts.plan.partitions[q], advance=False)
+        if parts.done:
+            rec, self._decision = self._decision, None
+            self._finish(now, self.round, rec)
+
+    def _finish(self, now: float, r: Round, rec: RoundRecord) -> None:
+        """The round closed: its record, the counters, ``global_step += 1``, the next round."""
         if rec.loss is not None:
             self.loss_history.append((r.step, rec.loss))
         self.rounds.append(rec)
@@ -467,7 +539,7 @@ class ParameterServerCore(ModelState):
         if self.modes is not None:
             return () if self.intake.reading else None
         r = self.round
-        return () if r is None or self.rule.replicas_to_aggregate else r.turns()
+        return () if r is None or self.rule.replicas_to_aggregate or self.deciding else r.turns()
 
     def release(self, worker_id: str) -> None:
         """The claim of ``worker_id``'s push ends (taken by :meth:`push`, or its read failed): the next may begin."""
@@ -491,10 +563,13 @@ class ParameterServerCore(ModelState):
         m = self._member(req.worker_id)
         if req.step > self.global_step:
             raise CoreError("future_step", f"step {req.step} is ahead of the global step {self.global_step}")
+        if req.partition:
+            return self._frame(m, req, now)
         if self.modes is None and req.step == self.global_step and self.round is None and not self.done:
             raise CoreError("not_started", "training has not started (waiting for workers)")
-        finite = validate(self.weights, req.tensors, self.config.nonfinite_policy,  # every check first
-                          check_finite=not req.finite_checked)
+        p = self.partitions
+        finite = validate(self.weights if p is None else p.split(self.weights, 0), req.tensors,  # every check first
+                          self.config.nonfinite_policy, check_finite=not req.finite_checked)
         if self.modes is not None:  # async/ssp: classify; applied below
             verdict, grads = on_arrival.classify(self, m, req, finite, now)
             status = verdict.status
@@ -523,6 +598,36 @@ class ParameterServerCore(ModelState):
         self._changed()
         return PushResult(status, self.global_step, self.global_step != before)
 
+    def _frame(self, m: Member, req: PushRequest, now: float) -> PushResult:
+        """A later partition's frame of a push (docs/partitions.md): it joins its partition when the push's partition 0
+        was accepted by the open round and the partition still waits for it; else it is dropped with the push's
+        status (``duplicate`` a second time). Checked as a push is, first."""
+        p, parts, g, q = self.partitions, self.parts, self.global_step, req.partition
+        if p is None or not 0 < q < p.count:
+            raise CoreError("tensor_mismatch", f"partition {q}: the model has {1 if p is None else p.count}")
+        seen = m.recent.get(req.step)
+        if seen is None:
+            raise CoreError("not_started", f"partition {q} of step {req.step} came before the push's partition 0")
+        if not validate(p.split(self.weights, q), req.tensors, self.config.nonfinite_policy,
+                        check_finite=not req.finite_checked):
+            raise CoreError("nonfinite_gradient", f"partition {q} of step {req.step} is not finite, its partition 0 "
+                            "was: a push is skipped whole or not at all")
+        self.members.renew(m, now)
+        status = PushStatus(seen)
+        if status is PushStatus.ACCEPTED:
+            if req.step != g or parts is None:
+                status = PushStatus.STALE  # its round closed without this partition (the member was lost)
+            elif parts.has(q, m.worker_id):
+                status = PushStatus.DUPLICATE
+            elif q in parts.closed or (parts.decided and m.worker_id not in parts.missing[q]):
+                status = PushStatus.LATE  # the partition no longer waits for it
+            elif parts.decided:
+                self._close_parts(now, parts.frame(q, m.worker_id, self.round.eligible[m.worker_id], req.tensors))
+            else:
+                parts.frame(q, m.worker_id, self.round.eligible[m.worker_id], req.tensors)
+        self._changed()
+        return PushResult(status, self.global_step, self.global_step != g)
+
     def classify(self, m: Member, step: int, finite: bool) -> PushStatus:
         """What a push of ``step`` by active member ``m`` would be now (sync; ``finite``: its values are), changing
         nothing: ``duplicate``, ``stale``, ``accepted``, ``skipped`` or ``late``."""
@@ -531,6 +636,8 @@ class ParameterServerCore(ModelState):
             return PushStatus.DUPLICATE
         if step == g and self.done:  # PS_MAX_STEPS reached: no round will take it
             return PushStatus.STALE
+        if step == g and self.deciding:  # decided: its contributors are fixed
+            return PushStatus.LATE
         r = self.round  # (r.counts(wid), read inline: a push classifies once or twice)
         if step == g and wid in r.eligible and wid not in r.gone:  # NaN/Inf under policy skip: skipped, this round
             return PushStatus.ACCEPTED if finite else PushStatus.SKIPPED
@@ -571,6 +678,8 @@ class ParameterServerCore(ModelState):
     def _take(self, m: Member, req: PushRequest, status: PushStatus, now: float, grads) -> None:
         r, wid, at = self.round, m.worker_id, Arrival(m.worker_id, m.name, m.rank, now)
         if status is PushStatus.ACCEPTED:  # the round's rule then (leases and start-up are the tick's)
+            if self.parts is not None:  # (a member that came back and joined a stuck round brings its frames)
+                self.parts.lost.discard(wid)
             p = r.accept(at, grads, req.loss, req.num_examples, self.rule, self._rule_now(r, now))
             self.examples += req.num_examples or 0
         elif status is PushStatus.SKIPPED and req.step == self.global_step and wid in r.eligible and wid not in r.acc:
