@@ -24,7 +24,7 @@ GROUPS = {
         ("Job, barrier and start", [
             "max_steps", "replicas_to_aggregate", "total_num_replicas", "min_workers", "startup_grace_seconds",
             "start_timeout_seconds", "workers_dns", "aggregation", "lease_seconds", "round_timeout_seconds",
-            "min_replicas", "nonfinite_policy"]),
+            "min_replicas", "nonfinite_policy", "partition_bytes"]),
         ("Modes", ["mode", "ssp_staleness", "max_staleness"]),
         ("Requests and limits", [
             "max_body_bytes", "body_idle_timeout_seconds", "http_keepalive_seconds", "pull_timeout_max_seconds"]),

@@ -53,6 +53,9 @@ class Registered(BaseModel):
                                     "shard (GET /v1/shards; docs/protocol-shards.md).")
     mode: str = Field(description='The job\'s mode (PS_MODE): "sync", "async" or "ssp" (a task may bring another '
                                   "learning rate for async and SSP, which apply every gradient on its own).")
+    partition_bytes: int = Field(0, description="The job's partition size (PS_PARTITION_BYTES; 0: one partition): a "
+                                                "push may carry its partitions as frames "
+                                                "(docs/protocol-partitions.md).")
 
 
 @router.post("/workers", response_model=Registered, openapi_extra={"requestBody": {
@@ -69,7 +72,8 @@ async def register(request: Request) -> Registered:
                       global_step=rt.core.global_step, model_initialized=rt.core.initialized,
                       rejoined=m.registrations > 1, lease_seconds=rt.settings.lease_seconds,
                       state=rt.core.state().value, compression=rt.tensors.compression.to_wire(),
-                      shards=rt.settings.shards, mode=rt.settings.mode)
+                      shards=rt.settings.shards, mode=rt.settings.mode,
+                      partition_bytes=rt.settings.partition_bytes)
 
 
 def coordinator_only(rt, what: str) -> None:

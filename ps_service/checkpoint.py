@@ -314,8 +314,8 @@ class Checkpointer:
         return core.global_step
 
     def due(self, core, now: float) -> bool:
-        if not core.initialized or core.global_step == self.last_step:
-            return False
+        if not core.initialized or core.global_step == self.last_step or core.deciding:
+            return False  # (deciding: some of the round's partitions applied, not all: weights of two steps)
         if core.done and (self.every_steps or self.every_seconds):
             # the job's last step, at once: a PS that crashed after it must not come back to rounds that its
             # workers, exited when the job was done, will never run
@@ -376,7 +376,9 @@ class Checkpointer:
         checkpoint if the step moved since the last one, stop the writer thread."""
         self.wait_for_write()
         info = None
-        if core.initialized and core.global_step != self.written_step:
+        if core.initialized and core.deciding:  # some of the round's partitions applied: no step's weights
+            log.warning("shutdown between the partitions of step %d: no final checkpoint", core.global_step)
+        elif core.initialized and core.global_step != self.written_step:
             self.last_step = core.global_step
             info = self._write(core.export_state(), "shutdown")
         elif core.initialized:

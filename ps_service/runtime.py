@@ -45,6 +45,7 @@ class Runtime:
         self.settings = settings
         self.clock = clock
         self.core = ParameterServerCore(CoreConfig.from_settings(settings))
+        self.core.partition_bytes = settings.partition_bytes  # (before the model: its partitions)
         self.started_wall = time.time()
         self.started_mono = self._read_at = clock()
         #: the waits in flight (:meth:`wait_until`), each a future :meth:`notify` resolves when the barrier moves,

@@ -189,6 +189,11 @@ class Frame:
     data_start: int
     tensors: dict[str, np.ndarray]  # views of the decoded buffer, in header order
 
+    @property
+    def end(self) -> int:
+        """The frame's length: where it ends in the buffer it was decoded from (from its start)."""
+        return self.data_start + self.layout.data_bytes
+
 
 def decode(buf: bytes | bytearray | memoryview, exact: bool = True, max_tensor_bytes: int | None = None) -> Frame:
     """Check and view a frame (see the module docstring). ``exact``: ``buf`` is the frame and nothing
@@ -224,6 +229,41 @@ def decode(buf: bytes | bytearray | memoryview, exact: bool = True, max_tensor_b
     if any(mv[lo:hi] != _PAD[:hi - lo] for lo, hi in gaps):
         raise bad_frame("padding bytes must be zero")
     return Frame(meta, layout, start, layout.views(mv[start:end]))
+
+
+def decode_following(buf: bytes | bytearray | memoryview, first: Frame, count: int) -> list[Frame]:
+    """The ``count`` frames of a body that holds several (a partitioned push, docs/protocol.md): ``first`` (decoded
+    from the start of ``buf``, not ``exact``) and those after it, each starting at the first multiple of
+    :data:`ALIGN` at or after the end of the one before (zero bytes between), the last ending ``buf``. Each frame
+    is checked as :func:`decode` checks one (offsets and lengths within the frame; 400 ``bad_frame``)."""
+    mv = memoryview(buf).cast("B")
+    frames, at, end = [first], 0, first.end
+    for _ in range(count - 1):
+        start = aligned(at + end)
+        if start > len(mv):
+            raise bad_frame(f"the body ends after {len(frames)} of its {count} frames")
+        if mv[at + end:start] != _PAD[:start - at - end]:
+            raise bad_frame("padding bytes must be zero")
+        f = decode(mv[start:], exact=False)
+        frames.append(f)
+        at, end = start, f.end
+    if at + end != len(mv):
+        raise bad_frame(f"the body is {len(mv)} bytes; its {count} frames end at {at + end}")
+    return frames
+
+
+def encode_many(frames: list[tuple[Mapping[str, np.ndarray], Mapping[str, Any]]]) -> list[bytes | memoryview]:
+    """Several frames (tensors, meta) as one body's buffers (:func:`decode_following`'s layout)."""
+    parts: list[bytes | memoryview] = []
+    size = 0
+    for tensors, meta in frames:
+        if size % ALIGN:
+            parts.append(_PAD[:aligned(size) - size])
+            size = aligned(size)
+        more = encode(tensors, meta)
+        parts += more
+        size += sum(len(p) if isinstance(p, bytes) else p.nbytes for p in more)
+    return parts
 
 
 _EMPTY = Layout(())  # a frame with no tensors (a same-host push, an answer whose weights are in the file)

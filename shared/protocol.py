@@ -109,7 +109,10 @@ def _only(obj: dict, allowed: frozenset, what: str) -> None:
         raise bad_request("bad_field", f"{what}: unknown fields {sorted(map(str, unknown))[:8]}")
 
 
-PUSH_FIELDS = frozenset({"worker_id", "step", "loss", "num_examples", "timings", "shm_seq", "compression"})
+PUSH_FIELDS = frozenset({"worker_id", "step", "loss", "num_examples", "timings", "shm_seq", "compression",
+                         "partitions"})
+#: most partition frames one push body holds (docs/protocol.md, Partitioned push)
+MAX_PARTITIONS = 4096
 MODEL_FIELDS = frozenset({"optimizer"})
 
 
@@ -143,6 +146,23 @@ def parse_push_meta(meta: dict, tensors: Mapping = MappingProxyType({})) -> tupl
         raise bad_request("bad_field", f"push: shm_seq must be an int in [0, {MAX_INT}]")
     push = PushRequest(worker_id, step, tensors, None if loss is None else float(loss), n, PhaseTimes(**times))
     return push, seq
+
+
+def push_partitions(meta: dict) -> int:
+    """Q, the frames of a push body (its head frame's ``partitions``; absent or nil: 1, today's push): an int in
+    [1, :data:`MAX_PARTITIONS`], else 400 ``bad_field``."""
+    q = meta.get("partitions")
+    if q is None:
+        return 1
+    if isinstance(q, bool) or not isinstance(q, int) or not 1 <= q <= MAX_PARTITIONS:
+        raise bad_request("bad_field", f"push: partitions must be an int in [1, {MAX_PARTITIONS}]")
+    return q
+
+
+def check_partition_meta(meta: dict, q: int) -> None:
+    """A partitioned push's frame ``q`` >= 1 has the meta ``{"partition": q}`` and nothing else (400 ``bad_field``)."""
+    if set(meta) != {"partition"} or type(meta["partition"]) is not int or meta["partition"] != q:
+        raise bad_request("bad_field", f'push: frame {q} of a partitioned push must have the meta {{"partition": {q}}}')
 
 
 def parse_model_meta(meta: dict, tensors: dict[str, np.ndarray]) -> ModelInit:

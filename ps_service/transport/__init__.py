@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import math
 from dataclasses import replace
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Mapping
 
 import numpy as np
 
@@ -44,8 +44,9 @@ from ps_service.core.buffers import POOL
 from ps_service.transport.deltas import WeightDeltas
 from ps_service.transport.shm import ShmHub
 from shared import compression, frame, liveness
-from shared.errors import ProtocolError, bad_request
-from shared.protocol import STEP_HEADER, ModelInit, PushRequest, parse_model_meta, parse_push_meta
+from shared.errors import ProtocolError, bad_request, unprocessable
+from shared.protocol import (STEP_HEADER, ModelInit, PushRequest, check_partition_meta, parse_model_meta,
+                             parse_push_meta, push_partitions)
 
 
 #: a push's tensors from this size on are read in their turn (ps_service/core/intake.py); smaller ones at once (a
@@ -87,6 +88,12 @@ class TensorSeam:
                      claimed: list | None = None) -> tuple[frame.Frame, int]:
         """The body's frame. With ``turn``, a large body's frame header is read first, and the rest once ``turn``
         (the pusher's worker id, step) returns: its turn came (its id is then appended to ``claimed``)."""
+        body = await self._body(request, recurring, turn, claimed)
+        return frame.decode(body), len(body)
+
+    async def _body(self, request: Request, recurring: bool = True, turn: Turn | None = None,
+                    claimed: list | None = None) -> memoryview | bytearray:
+        """The body (:meth:`_frame`'s reading)."""
         s = self.settings
         prefix = None
         if turn is not None and _length(request) >= GATED_BYTES:
@@ -96,9 +103,8 @@ class TensorSeam:
             if who is not None:
                 prefix = await self._body_turn(request, turn, who, prefix)
                 claimed.append(who[0])
-        body = await read_body(request, s.max_body_bytes, frame.MEDIA_TYPE, s.body_idle_timeout_seconds, recurring,
+        return await read_body(request, s.max_body_bytes, frame.MEDIA_TYPE, s.body_idle_timeout_seconds, recurring,
                                prefix)
-        return frame.decode(body), len(body)
 
     async def _body_turn(self, request: Request, turn: Turn, who: tuple[str, int], prefix: tuple[bytearray, bool]
                          ) -> tuple[bytearray, bool]:
@@ -125,34 +131,87 @@ class TensorSeam:
         after its frame header, a same-host file's after the body."""
         claimed: list[str] = []
         try:
-            push, seq, f, size = await self._push_frame(request, turn, claimed)
+            push, seq, frames, size = await self._push_frame(request, turn, claimed)
+            f = frames[0]
             if seq is not None and turn is not None and not claimed and self.shm.layout is not None \
                     and self.shm.layout.data_bytes >= GATED_BYTES:
                 await turn(push.worker_id, push.step, self.settings.lease_seconds)
                 claimed.append(push.worker_id)
-            if seq is not None or self.compression.name != "none" or f.meta.get("compression") is not None:
+            if len(frames) > 1:
+                self._check_partitioned(push, seq, frames)
+                self.bytes_in, via = self.bytes_in + size, "http"
+            elif seq is not None or self.compression.name != "none" or f.meta.get("compression") is not None:
                 push, via = self._tensors(push, seq, f, size)
             else:
                 self.bytes_in, via = self.bytes_in + size, "http"
-            result = self.core.push(push, clock())
+            result = self._give(push, [g.tensors for g in frames] if len(frames) > 1 else None, clock())
         finally:
             for worker_id in claimed:
                 self.core.release(worker_id)
         self.shm.last_transport[push.worker_id] = via  # monitoring: how its tensors travel
         return result, push, via
 
+    def _give(self, push: PushRequest, parts: list[dict] | None, now: float) -> PushResult:
+        """The core's calls for one push: one per partition frame, the head's (partition 0: the push's status) first,
+        all at ``now``; the result: the head's status, the global step after the last frame (docs/partitions.md, The seam). ``parts``: the tensors of the body's frames; None: one frame,
+        today's push, which a partitioned round takes cut into its partitions (views): it must hold every tensor of
+        the model as the model has it (else 422 ``tensor_mismatch``)."""
+        core = self.core
+        if parts is None:
+            plan = core.partitions if self.settings.partition_bytes else None
+            if plan is None:
+                return core.push(push, now)
+            if not _whole(push.tensors, core.weights):  # (partition 0 alone would pass for a head)
+                core.admit(push.worker_id)
+                raise unprocessable("tensor_mismatch", "a push of one frame carries every model tensor, of its dtype "
+                                    f"and shape (this job's rounds have {plan.count} partitions)")
+            parts = [plan.split(push.tensors, q) for q in range(plan.count)]
+        before, status = core.global_step, core.push(replace(push, tensors=parts[0]), now).status
+        for q, tensors in enumerate(parts[1:], 1):
+            core.push(PushRequest(push.worker_id, push.step, tensors, finite_checked=push.finite_checked,
+                                  partition=q), now)
+        return PushResult(status, core.global_step, core.global_step != before)
+
+    def _check_partitioned(self, push: PushRequest, seq: int | None, frames: list[frame.Frame]) -> None:
+        """A body of several frames (a partitioned push): each later frame's meta names its partition, and every
+        frame carries its tensors plain (no same-host file, no compression): else 400 ``bad_field``; as many frames
+        as the job's rounds have partitions: else 422 ``tensor_mismatch``; after the core's refusals (docs/protocol.md's
+        order)."""
+        try:
+            if seq is not None or frames[0].meta.get("compression") not in (None, "none"):
+                raise bad_request("bad_field", "a partitioned push carries its tensors in its body, uncompressed")
+            for q, g in enumerate(frames[1:], 1):
+                check_partition_meta(g.meta, q)
+            plan = self.core.partitions
+            if self.core.weights is not None and len(frames) != (1 if plan is None else plan.count):
+                raise unprocessable("tensor_mismatch", f"a push of {len(frames)} partitions: this job's rounds have "
+                                    f"{1 if plan is None else plan.count} (PS_PARTITION_BYTES "
+                                    f"{self.settings.partition_bytes})")
+        except ProtocolError:
+            self.core.admit(push.worker_id)
+            raise
+
     async def receive_push(self, request: Request, members: bool = True) -> tuple[PushRequest, str]:
         """A shard's held pieces (ps_service/sharding): the push, its arrays the core may keep, and its transport;
         404/409 for a worker that must register (``members`` False: no membership check, a follower)."""
-        push, seq, f, size = await self._push_frame(request)
+        push, seq, frames, size = await self._push_frame(request)
         self.core.admit(push.worker_id if members else None)  # no core.push follows a hold: the core's refusals here
-        return self._tensors(push, seq, f, size, admitted=True)
+        if len(frames) > 1:
+            raise bad_request("bad_field", "a shard's hold is one frame (partitions: a PS_SHARDS=1 job's)")
+        return self._tensors(push, seq, frames[0], size, admitted=True)
 
     async def _push_frame(self, request: Request, turn: Turn | None = None, claimed: list | None = None
-                          ) -> tuple[PushRequest, int | None, frame.Frame, int]:
+                          ) -> tuple[PushRequest, int | None, list[frame.Frame], int]:
+        """(the push of the body's first frame, its ``shm_seq``, the body's frames: one, or a partitioned push's Q,
+        the body's size)."""
         self.drop_body()  # its buffer may serve this push's body (bounds the PS's memory)
-        f, size = await self._frame(request, turn=turn, claimed=claimed)
-        return *parse_push_meta(f.meta, f.tensors), f, size
+        body = await self._body(request, turn=turn, claimed=claimed)
+        f = frame.decode(body, exact=False)
+        count = 1 if f.meta.get("partitions") is None else push_partitions(f.meta)
+        if count == 1 and f.data_start + f.layout.data_bytes != len(body):
+            frame.decode(body)  # refused as one frame, as ever
+        frames = [f] if count == 1 else frame.decode_following(body, f, count)
+        return *parse_push_meta(f.meta, f.tensors), frames, len(body)
 
     def _tensors(self, push: PushRequest, seq: int | None, f: frame.Frame, size: int, admitted: bool = False
                  ) -> tuple[PushRequest, str]:
@@ -317,6 +376,12 @@ def _pusher(meta: dict | int | None) -> tuple[str, int] | None:
     if not isinstance(worker_id, str) or type(step) is not int:
         return None
     return worker_id, step
+
+
+def _whole(tensors: Mapping[str, np.ndarray], weights: Mapping[str, np.ndarray]) -> bool:
+    """``tensors`` are one of each of the model's, of its dtype and shape (a push a partition plan may cut)."""
+    return len(tensors) == len(weights) and all(
+        (w := weights.get(k)) is not None and t.dtype == w.dtype and t.shape == w.shape for k, t in tensors.items())
 
 
 def _pooled(n: int) -> np.ndarray:
