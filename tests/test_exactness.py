@@ -15,11 +15,15 @@ CASES = [
     ("linear", "float32", 4, 40, "http"),
     ("mlp", "float64", 2, 25, "http"),
 ]
+#: partitioned rounds (docs/partitions.md): the stock worker's whole pushes, cut by the PS into ~10 partitions of the
+#: mlp (w1 in 8 slices), summed and applied one by one
+PARTITIONED = [("mlp", "float64", 4, 25, "http"), ("mlp", "float64", 4, 25, "shm")]
 
 
-@pytest.mark.parametrize("task,dtype,workers,steps,transport", CASES, ids=lambda v: str(v))
-def test_sync_workers_equal_single_process(task, dtype, workers, steps, transport):
-    job = run_job(workers, {"PS_MAX_STEPS": steps},
+@pytest.mark.parametrize("task,dtype,workers,steps,transport,partition_bytes",
+                         [(*c, 0) for c in CASES] + [(*c, 4096) for c in PARTITIONED], ids=lambda v: str(v))
+def test_sync_workers_equal_single_process(task, dtype, workers, steps, transport, partition_bytes):
+    job = run_job(workers, {"PS_MAX_STEPS": steps, **({"PS_PARTITION_BYTES": partition_bytes} if partition_bytes else {})},
                   {"WORKER_TASK": task, "WORKER_DTYPE": dtype, "WORKER_SEED": 7, "WORKER_BATCH_SIZE": 16,
                    **({"WORKER_SHM_DIR": ""} if transport == "http" else {})})
     assert {w["transport"] for w in job.workers} == {transport}
