@@ -189,11 +189,6 @@ class Frame:
     data_start: int
     tensors: dict[str, np.ndarray]  # views of the decoded buffer, in header order
 
-    @property
-    def end(self) -> int:
-        """The frame's length: where it ends in the buffer it was decoded from (from its start)."""
-        return self.data_start + self.layout.data_bytes
-
 
 def decode(buf: bytes | bytearray | memoryview, exact: bool = True, max_tensor_bytes: int | None = None) -> Frame:
     """Check and view a frame (see the module docstring). ``exact``: ``buf`` is the frame and nothing
@@ -231,29 +226,65 @@ def decode(buf: bytes | bytearray | memoryview, exact: bool = True, max_tensor_b
     return Frame(meta, layout, start, layout.views(mv[start:end]))
 
 
-def decode_following(buf: bytes | bytearray | memoryview, first: Frame, count: int) -> list[Frame]:
-    """The ``count`` frames of a body that holds several (a partitioned push, docs/protocol.md): ``first`` (decoded
-    from the start of ``buf``, not ``exact``) and those after it, each starting at the first multiple of
-    :data:`ALIGN` at or after the end of the one before (zero bytes between), the last ending ``buf``. Each frame
-    is checked as :func:`decode` checks one (offsets and lengths within the frame; 400 ``bad_frame``)."""
-    mv = memoryview(buf).cast("B")
-    frames, at, end = [first], 0, first.end
-    for _ in range(count - 1):
-        start = aligned(at + end)
-        if start > len(mv):
-            raise bad_frame(f"the body ends after {len(frames)} of its {count} frames")
-        if mv[at + end:start] != _PAD[:start - at - end]:
-            raise bad_frame("padding bytes must be zero")
-        f = decode(mv[start:], exact=False)
-        frames.append(f)
-        at, end = start, f.end
-    if at + end != len(mv):
-        raise bad_frame(f"the body is {len(mv)} bytes; its {count} frames end at {at + end}")
+class FrameReader:
+    """The frames of a body that holds several one after another (a partitioned push, docs/protocol-partitions.md):
+    frame 0 at offset 0, each next one at the first multiple of :data:`ALIGN` at or after the end of the one before
+    (zero bytes between), the last ending the body. :meth:`feed` decodes each frame once its bytes are in (checked as
+    :func:`decode` checks one: 400 ``bad_frame``), :meth:`finish` checks the body's end."""
+
+    def __init__(self) -> None:
+        self.end = 0  # where the last decoded frame ends
+        self.count = 0  # frames decoded
+
+    def feed(self, buf: bytes | bytearray | memoryview, got: int, limit: int) -> list[Frame]:
+        """The frames ``buf[:got]`` completes (at most ``limit`` frames in all)."""
+        mv = memoryview(buf).cast("B")
+        out = []
+        while self.count < limit:
+            start = aligned(self.end) if self.count else 0
+            size = _extent(mv[start:got]) if got >= start else None
+            if size is None or start + size > got:
+                break
+            if mv[self.end:start] != _PAD[:start - self.end]:
+                raise bad_frame("padding bytes must be zero")
+            out.append(decode(mv[start:start + size]))
+            self.end, self.count = start + size, self.count + 1
+        return out
+
+    def finish(self, total: int, count: int) -> None:
+        """The body ended at ``total`` bytes: it held exactly ``count`` frames."""
+        if self.count < count:
+            raise bad_frame(f"the body ends after {self.count} of its {count} frames")
+        if self.end != total:
+            raise bad_frame(f"the body is {total} bytes; its {count} frames end at {self.end}")
+
+
+def _extent(mv: memoryview) -> int | None:
+    """The length of the frame ``mv`` starts, once its prefix and header are in (None: not yet)."""
+    if len(mv) < PREFIX.size:
+        return None
+    magic, hlen, reserved = PREFIX.unpack_from(mv, 0)
+    if magic != MAGIC or reserved != 0 or hlen > MAX_HEADER_BYTES:
+        decode(mv)  # refused as :func:`decode` refuses it
+    if len(mv) < PREFIX.size + hlen:
+        return None
+    head = unpack(mv[PREFIX.size:PREFIX.size + hlen])
+    size = head.get("data_bytes") if isinstance(head, dict) else None
+    if type(size) is not int or size < 0:
+        raise bad_frame("header.data_bytes must be the end of the last tensor")
+    return aligned(PREFIX.size + hlen) + size
+
+
+def decode_following(buf: bytes | bytearray | memoryview, count: int) -> list[Frame]:
+    """The ``count`` frames of a whole body that holds several (:class:`FrameReader`)."""
+    reader = FrameReader()
+    frames = reader.feed(buf, len(buf), count)
+    reader.finish(len(buf), count)
     return frames
 
 
 def encode_many(frames: list[tuple[Mapping[str, np.ndarray], Mapping[str, Any]]]) -> list[bytes | memoryview]:
-    """Several frames (tensors, meta) as one body's buffers (:func:`decode_following`'s layout)."""
+    """Several frames (tensors, meta) as one body's buffers (:class:`FrameReader`'s layout)."""
     parts: list[bytes | memoryview] = []
     size = 0
     for tensors, meta in frames:

@@ -6,6 +6,9 @@ partitions). A whole push to a partitioned PS is cut by the PS (the same bits); 
 refused 4xx JSON and changes nothing; PS_PARTITION_BYTES is refused at start where it is not built."""
 from __future__ import annotations
 
+import json
+import socket
+
 import httpx
 import numpy as np
 import pytest
@@ -17,7 +20,7 @@ from ps_service.settings import PSSettings
 from shared import frame
 from shared.protocol import API
 from shared.shards import spec_of
-from tests.live_ps import live_ps, state_hash
+from tests.live_ps import live_ps, read_response, state_hash
 from tests.timing import allow
 
 SHAPES = {"a": ((6, 5), "float32"), "b": ((41,), "float32"), "c": ((9,), "float64"), "d": ((3,), "float32")}
@@ -104,39 +107,72 @@ def test_q_1_is_todays_push_byte_for_byte():
     assert p.count == 1 and p.whole
 
 
-def test_malformed_partitioned_pushes_are_refused_and_change_nothing():
+def one_push(bodies) -> tuple[list[tuple[int, str | None]], dict[str, bytes], int]:
+    """A one-worker job at Q = 4 sent ``bodies(meta, parts)`` in turn for step 0: each answer (status, error code),
+    then the weights and slots, and the global step."""
     size = size_for(4)
     with live_ps(min_workers=1, startup_grace_seconds=0, partition_bytes=size) as ps:
         c = ps.client()
         wid = c.register("w")["worker_id"]
         assert c.init_model(weights0(), OPTIMIZERS["adam"])
         wait_for(lambda: ps.rt.core.started, allow(10), "training to start")
-        meta, g = {"worker_id": wid, "step": 0}, gradient(0, 0)
-        good = partitioned_body(meta, g, size)
+        g = gradient(0, 0)
         p = plan(spec_of(g), size)
-        parts = [p.split(g, q) for q in range(p.count)]
-        wrong_index = frame.encode_many([(parts[0], {**meta, "partitions": 4}), (parts[1], {"partition": 2}),
-                                         (parts[2], {"partition": 2}), (parts[3], {"partition": 3})])
-        too_few = frame.encode_many([(parts[0], {**meta, "partitions": 3}), (parts[1], {"partition": 1}),
-                                     (parts[2], {"partition": 2})])
-        cases = [
-            (good[:-8], 400, "bad_frame"),  # the last frame cut short
-            (good + bytes(64), 400, "bad_frame"),  # bytes after the last frame
-            (b"".join(bytes(b) for b in wrong_index), 400, "bad_field"),
-            (b"".join(bytes(b) for b in too_few), 422, "tensor_mismatch"),
-            (frame.encode_bytes(parts[0], {**meta, "partitions": 0}), 400, "bad_field"),
-            (frame.encode_bytes(parts[0], meta), 422, "tensor_mismatch"),  # partition 0 alone, not the model
-        ]
+        answers = []
         with ps.http() as http:
-            before = state_hash(ps.rt)
-            for body, status, code in cases:
+            for body, unchanged in bodies({"worker_id": wid, "step": 0}, [p.split(g, q) for q in range(p.count)]):
+                before = state_hash(ps.rt)
                 r = post(http, body)
-                assert (r.status_code, r.json().get("error")) == (status, code), (code, r.text)
-                assert state_hash(ps.rt) == before
-            r = post(http, good)
-            assert r.status_code == 200 and r.json() == {"status": "accepted", "step": 1, "done": False}
-            assert post(http, good).json()["status"] == "duplicate"
+                answers.append((r.status_code, r.json().get("error") or r.json().get("status")))
+                assert not unchanged or state_hash(ps.rt) == before, answers[-1]
+        core = ps.rt.core
+        out = {f"w/{k}": v.tobytes() for k, v in core.weights.items()}
         c.close()
+        return answers, out | {f"{s}/{k}": v.tobytes() for s, t in core.optimizer.slots.items() for k, v in t.items()}, \
+            core.global_step
+
+
+def joined(frames) -> bytes:
+    return b"".join(bytes(b) for b in frame.encode_many(frames))
+
+
+def test_pushes_refused_at_their_head_change_nothing():
+    def bodies(meta, parts):
+        def head(q):
+            return (parts[0], {**meta, "partitions": q})
+        yield joined([head(3), *[(t, {"partition": q}) for q, t in enumerate(parts[1:3], 1)]]), True  # Q is 4
+        yield frame.encode_bytes(parts[0], {**meta, "partitions": 0}), True
+        yield frame.encode_bytes(parts[0], meta), True  # partition 0 alone is not the model
+        yield joined([(parts[0], {**meta, "partitions": 4, "shm_seq": 1}),
+                      *[(t, {"partition": q}) for q, t in enumerate(parts[1:], 1)]]), True
+        yield joined([head(4), *[(t, {"partition": q}) for q, t in enumerate(parts[1:], 1)]]), False
+    answers, _, step = one_push(bodies)
+    assert answers == [(422, "tensor_mismatch"), (400, "bad_field"), (422, "tensor_mismatch"), (400, "bad_field"),
+                       (200, "accepted")]
+    assert step == 1
+
+
+def test_a_push_refused_after_its_head_is_completed_by_sending_it_again():
+    """Frames before a refused one stand; the push sent again is a duplicate whose missing frames are taken: the
+    weights are those of the good push alone."""
+    def good(meta, parts):
+        yield joined([(parts[0], {**meta, "partitions": 4}), *[(t, {"partition": q}) for q, t in
+                                                                 enumerate(parts[1:], 1)]]), False
+    _, alone, _ = one_push(good)
+
+    def bodies(meta, parts):
+        frames = [(parts[0], {**meta, "partitions": 4}), *[(t, {"partition": q}) for q, t in enumerate(parts[1:], 1)]]
+        whole = joined(frames)
+        yield whole[:-8], False  # the last frame cut short: frames 0-2 taken
+        yield whole + bytes(64), False  # bytes after the last frame: it is not taken
+        yield joined([*frames[:2], (parts[2], {"partition": 3}), frames[3]]), False
+        yield joined([*frames[:2], ({k: v.astype(np.float64) for k, v in parts[2].items()}, {"partition": 2}),
+                      frames[3]]), False
+        yield whole, False
+    answers, after, step = one_push(bodies)
+    assert answers == [(400, "bad_frame"), (400, "bad_frame"), (400, "bad_field"), (422, "tensor_mismatch"),
+                       (200, "duplicate")]
+    assert step == 1 and after == alone
 
 
 @pytest.mark.parametrize("other", [{"mode": "async"}, {"mode": "ssp"}, {"compression": "bf16"},
@@ -145,3 +181,34 @@ def test_partition_bytes_is_refused_where_it_is_not_built(other):
     with pytest.raises(ValidationError, match="PS_PARTITION_BYTES"):
         PSSettings(partition_bytes=1024, **other)
     PSSettings(partition_bytes=0, **other)
+
+
+def test_a_partitioned_push_reaches_the_core_frame_by_frame_as_it_arrives():
+    """The first 6 MB of a 12 MB push (1 MB partitions) are in the core, their partitions closed and applied, while
+    the rest of the body has not been sent."""
+    big = {"w": np.linspace(-1, 1, 3_000_000, dtype=np.float32)}
+    size = 1 << 20
+    with live_ps(min_workers=1, startup_grace_seconds=0, partition_bytes=size) as ps:
+        c = ps.client()
+        wid = c.register("w")["worker_id"]
+        assert c.init_model(big, OPTIMIZERS["sgd"])
+        wait_for(lambda: ps.rt.core.started, allow(10), "training to start")
+        p = plan(spec_of(big), size)
+        assert p.count == 12
+        g = {"w": np.full(3_000_000, 0.5, np.float32)}
+        body = partitioned_body({"worker_id": wid, "step": 0}, g, size)
+        head = (f"POST {API}/gradients HTTP/1.1\r\nhost: x\r\ncontent-type: {frame.MEDIA_TYPE}\r\n"
+                f"content-length: {len(body)}\r\n\r\n").encode()
+        with socket.create_connection(("127.0.0.1", ps.port), timeout=allow(20)) as s:
+            s.sendall(head + body[:6 << 20])
+            core = ps.rt.core
+            wait_for(lambda: core.parts is not None and {1, 2} <= core.parts.closed, allow(10),
+                     "partitions 1 and 2 to close before the body's end")
+            assert core.global_step == 0 and core.deciding
+            w = core.weights["w"]
+            assert w[0] == np.float32(-1) - np.float32(0.05) and w[-1] == np.float32(1)  # 0 and 1 applied, 11 not
+            s.sendall(body[6 << 20:])
+            status, answer = read_response(s)
+        assert status == 200 and json.loads(answer) == {"status": "accepted", "step": 1, "done": False}
+        np.testing.assert_array_equal(core.weights["w"], big["w"] - np.float32(0.1) * np.float32(0.5))
+        c.close()

@@ -42,6 +42,7 @@ from ps_service.transport.body import declared_length, read_body, read_prefix
 from ps_service.core import PushResult
 from ps_service.core.buffers import POOL
 from ps_service.transport.deltas import WeightDeltas
+from ps_service.transport.partitioned import Feed, check_head
 from ps_service.transport.shm import ShmHub
 from shared import compression, frame, liveness
 from shared.errors import ProtocolError, bad_request, unprocessable
@@ -92,8 +93,8 @@ class TensorSeam:
         return frame.decode(body), len(body)
 
     async def _body(self, request: Request, recurring: bool = True, turn: Turn | None = None,
-                    claimed: list | None = None) -> memoryview | bytearray:
-        """The body (:meth:`_frame`'s reading)."""
+                    claimed: list | None = None, progress: Feed | None = None) -> memoryview | bytearray:
+        """The body (:meth:`_frame`'s reading; ``progress``: :func:`read_body`'s)."""
         s = self.settings
         prefix = None
         if turn is not None and _length(request) >= GATED_BYTES:
@@ -104,7 +105,7 @@ class TensorSeam:
                 prefix = await self._body_turn(request, turn, who, prefix)
                 claimed.append(who[0])
         return await read_body(request, s.max_body_bytes, frame.MEDIA_TYPE, s.body_idle_timeout_seconds, recurring,
-                               prefix)
+                               prefix, progress)
 
     async def _body_turn(self, request: Request, turn: Turn, who: tuple[str, int], prefix: tuple[bytearray, bool]
                          ) -> tuple[bytearray, bool]:
@@ -131,20 +132,27 @@ class TensorSeam:
         after its frame header, a same-host file's after the body."""
         claimed: list[str] = []
         try:
-            push, seq, frames, size = await self._push_frame(request, turn, claimed)
+            partition_bytes = self.settings.partition_bytes
+            feed = Feed(self.core, partition_bytes, clock) if partition_bytes else None
+            push, seq, frames, size = await self._push_frame(request, turn, claimed, feed)
             f = frames[0]
             if seq is not None and turn is not None and not claimed and self.shm.layout is not None \
                     and self.shm.layout.data_bytes >= GATED_BYTES:
                 await turn(push.worker_id, push.step, self.settings.lease_seconds)
                 claimed.append(push.worker_id)
-            if len(frames) > 1:
+            if feed is not None and feed.partitioned:  # its frames went to the core as they came
+                self.bytes_in, via = self.bytes_in + size, "http"
+            elif len(frames) > 1:
                 self._check_partitioned(push, seq, frames)
                 self.bytes_in, via = self.bytes_in + size, "http"
             elif seq is not None or self.compression.name != "none" or f.meta.get("compression") is not None:
                 push, via = self._tensors(push, seq, f, size)
             else:
                 self.bytes_in, via = self.bytes_in + size, "http"
-            result = self._give(push, [g.tensors for g in frames] if len(frames) > 1 else None, clock())
+            if feed is not None and feed.partitioned:
+                result = feed.result()
+            else:
+                result = self._give(push, [g.tensors for g in frames] if len(frames) > 1 else None, clock())
         finally:
             for worker_id in claimed:
                 self.core.release(worker_id)
@@ -173,20 +181,13 @@ class TensorSeam:
         return PushResult(status, core.global_step, core.global_step != before)
 
     def _check_partitioned(self, push: PushRequest, seq: int | None, frames: list[frame.Frame]) -> None:
-        """A body of several frames (a partitioned push): each later frame's meta names its partition, and every
-        frame carries its tensors plain (no same-host file, no compression): else 400 ``bad_field``; as many frames
-        as the job's rounds have partitions: else 422 ``tensor_mismatch``; after the core's refusals (docs/protocol.md's
-        order)."""
+        """A body of several frames read whole (a partitioned push at ``PS_PARTITION_BYTES`` 0, or chunked): the
+        head's refusals (:func:`check_head`), then each later frame's meta names its partition (400 ``bad_field``);
+        after the core's refusals (docs/protocol.md's order)."""
+        check_head(self.core, self.settings.partition_bytes, push, seq, frames[0].meta, len(frames))
         try:
-            if seq is not None or frames[0].meta.get("compression") not in (None, "none"):
-                raise bad_request("bad_field", "a partitioned push carries its tensors in its body, uncompressed")
             for q, g in enumerate(frames[1:], 1):
                 check_partition_meta(g.meta, q)
-            plan = self.core.partitions
-            if self.core.weights is not None and len(frames) != (1 if plan is None else plan.count):
-                raise unprocessable("tensor_mismatch", f"a push of {len(frames)} partitions: this job's rounds have "
-                                    f"{1 if plan is None else plan.count} (PS_PARTITION_BYTES "
-                                    f"{self.settings.partition_bytes})")
         except ProtocolError:
             self.core.admit(push.worker_id)
             raise
@@ -200,17 +201,21 @@ class TensorSeam:
             raise bad_request("bad_field", "a shard's hold is one frame (partitions: a PS_SHARDS=1 job's)")
         return self._tensors(push, seq, frames[0], size, admitted=True)
 
-    async def _push_frame(self, request: Request, turn: Turn | None = None, claimed: list | None = None
-                          ) -> tuple[PushRequest, int | None, list[frame.Frame], int]:
+    async def _push_frame(self, request: Request, turn: Turn | None = None, claimed: list | None = None,
+                          feed: Feed | None = None) -> tuple[PushRequest, int | None, list[frame.Frame], int]:
         """(the push of the body's first frame, its ``shm_seq``, the body's frames: one, or a partitioned push's Q,
-        the body's size)."""
+        the body's size). ``feed``: a partitioned push's frames go to the core as they arrive
+        (:mod:`ps_service.transport.partitioned`)."""
         self.drop_body()  # its buffer may serve this push's body (bounds the PS's memory)
-        body = await self._body(request, turn=turn, claimed=claimed)
+        body = await self._body(request, turn=turn, claimed=claimed, progress=feed)
+        if feed is not None and feed.partitioned:
+            feed.finish(len(body))
+            return feed.push, None, feed.frames, len(body)
         f = frame.decode(body, exact=False)
         count = 1 if f.meta.get("partitions") is None else push_partitions(f.meta)
         if count == 1 and f.data_start + f.layout.data_bytes != len(body):
             frame.decode(body)  # refused as one frame, as ever
-        frames = [f] if count == 1 else frame.decode_following(body, f, count)
+        frames = [f] if count == 1 else frame.decode_following(body, count)
         return *parse_push_meta(f.meta, f.tensors), frames, len(body)
 
     def _tensors(self, push: PushRequest, seq: int | None, f: frame.Frame, size: int, admitted: bool = False

@@ -101,10 +101,12 @@ async def read_prefix(request: Request, want: Callable[[bytearray], int], idle_t
 
 async def read_body(request: Request, limit: int, media_types: tuple[str, ...] | str,
                     idle_timeout: float = BODY_IDLE_TIMEOUT, recurring: bool = True,
-                    prefix: tuple[bytearray, bool] | None = None) -> memoryview | bytearray:
+                    prefix: tuple[bytearray, bool] | None = None,
+                    progress: Callable[[memoryview, int], None] | None = None) -> memoryview | bytearray:
     """The request body, refused with 415 for another content type, 413 past ``limit``, 408 if it stalls.
     ``recurring`` False: bodies of this kind come once (a model's upload): a buffer made for it is not kept.
-    ``prefix``: what :func:`read_prefix` received of it already."""
+    ``prefix``: what :func:`read_prefix` received of it already. ``progress``: called with the body's buffer and the
+    bytes in it so far each time more came (a ``Content-Length`` body's; what it raises ends the read)."""
     declared = declared_length(request, limit, media_types)
     sink = BodySink(POOL.take(declared, keep=recurring)) if declared is not None else None
     chunks = bytearray() if sink is None else None
@@ -113,6 +115,8 @@ async def read_body(request: Request, limit: int, media_types: tuple[str, ...] |
         if sink is not None:
             if chunk:
                 sink.write(chunk)
+            if progress is not None:
+                progress(sink.view, sink.at)
         else:
             chunks.extend(chunk)
             if len(chunks) > limit:

@@ -1,0 +1,91 @@
+"""A partitioned push, given to the core frame by frame as its body arrives (docs/protocol-partitions.md).
+
+Contract: in a job with ``PS_PARTITION_BYTES`` > 0 the seam reads a push body with a :class:`Feed` as its
+``progress`` (:func:`ps_service.transport.body.read_body`). Once the body's first frame header is in, the feed knows
+whether the push is partitioned (``partitions`` > 1 in the head's meta); if not it does nothing (the seam takes the
+push whole, as at 0). If so, each frame is decoded as soon as its last byte is in (:class:`shared.frame.FrameReader`)
+and given to the core at once, the last one once the body has ended with it (bytes after it refuse the push first):
+the head first, as the push (its status, counts, the round's rule; :func:`check_head`'s refusals before it: nothing
+changed then), then frame q as ``PushRequest(partition=q)``. A frame refused after its head (its meta, its layout,
+its values) ends the read with that refusal; the frames given before it stand (the round waits for the rest from
+that worker until it sends the push again, leaves or its lease ends). :meth:`Feed.finish` checks the body's end
+once it is all in; :meth:`Feed.result` is the push's: the head's status, the global step after the last frame. A
+body read without ``progress`` (chunked) is taken whole: the seam checks it with :func:`check_head` and gives the
+core its frames in the same order.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from ps_service.core import PushResult
+from shared import frame
+from shared.errors import ProtocolError, bad_request, unprocessable
+from shared.protocol import PushRequest, check_partition_meta, parse_push_meta, push_partitions
+
+
+def check_head(core, partition_bytes: int, push: PushRequest, seq: int | None, meta: dict, count: int) -> None:
+    """A push of ``count`` > 1 frames: its tensors in its body, uncompressed (400 ``bad_field``), as many frames as the
+    job's rounds have partitions (422 ``tensor_mismatch``); the core's refusals first (docs/protocol.md's order)."""
+    try:
+        if seq is not None or meta.get("compression") not in (None, "none"):
+            raise bad_request("bad_field", "a partitioned push carries its tensors in its body, uncompressed")
+        plan = core.partitions
+        want = 1 if plan is None else plan.count
+        if core.weights is not None and count != want:
+            raise unprocessable("tensor_mismatch", f"a push of {count} partitions: this job's rounds have {want} "
+                                f"(PS_PARTITION_BYTES {partition_bytes})")
+    except ProtocolError:
+        core.admit(push.worker_id)
+        raise
+
+
+class Feed:
+    def __init__(self, core, partition_bytes: int, clock: Callable[[], float]) -> None:
+        self.core, self.partition_bytes, self.clock = core, partition_bytes, clock
+        self.reader = frame.FrameReader()
+        #: the body's frames (None: its head is not in yet; 1: not partitioned, the feed does nothing)
+        self.count: int | None = None
+        self.push: PushRequest | None = None
+        self.frames: list[frame.Frame] = []
+        self._status = None
+        self._before = 0
+        self._last: frame.Frame | None = None
+
+    @property
+    def partitioned(self) -> bool:
+        return bool(self.count and self.count > 1)
+
+    def __call__(self, buf: memoryview, got: int) -> None:
+        if self.count is None:
+            meta = frame.peek_meta(buf[:got])
+            if isinstance(meta, int):
+                return  # its header is not all in yet
+            self.count = 1 if meta is None else push_partitions(meta)  # None: not a frame, refused once read
+        if self.count > 1:
+            for f in self.reader.feed(buf, got, self.count):
+                if len(self.frames) < self.count - 1:  # the last waits for the body's end (:meth:`finish`)
+                    self._give(f)
+                else:
+                    self._last = f
+
+    def _give(self, f: frame.Frame) -> None:
+        core, q = self.core, len(self.frames)
+        self.frames.append(f)
+        if q == 0:
+            push, seq = parse_push_meta(f.meta, f.tensors)
+            check_head(core, self.partition_bytes, push, seq, f.meta, self.count)
+            self.push, self._before = push, core.global_step
+            self._status = core.push(push, self.clock()).status
+            return
+        check_partition_meta(f.meta, q)
+        core.push(PushRequest(self.push.worker_id, self.push.step, f.tensors, partition=q), self.clock())
+
+    def finish(self, total: int) -> None:
+        """The body is all in (``total`` bytes): it must end with its last frame (400 ``bad_frame``), which then goes
+        to the core (a well-formed body's last frame ends with it: no wait)."""
+        self.reader.finish(total, self.count)
+        self._give(self._last)
+
+    def result(self) -> PushResult:
+        """The push's result: the head's status, the global step after its last frame."""
+        return PushResult(self._status, self.core.global_step, self.core.global_step != self._before)
