@@ -1,9 +1,9 @@
-"""Partitions of a round (ps_service/core/partitions.py, docs/partitions.md), by simulation: the plan covers every
-element once, in order; and a round summed and applied partition by partition (one rank-order accumulator per
-partition, arrivals shuffled across workers and partitions, partitions closing in the order their last gradient
-comes, the optimizer's step advanced by the first) ends with the weights, slots and iteration count of today's core,
-bit for bit, for every optimizer of either flavor, mean and sum, float32 and float64, at Q = 1 to one element a
-partition."""
+"""Partitions of a round (shared/partitions.py, ps_service/core/partitions.py, docs/partitions.md), by simulation: the
+plan covers every element once, in order; and a round summed and applied partition by partition (one rank-order
+accumulator per partition, arrivals shuffled across workers and partitions, partitions closing in the order their
+last gradient comes, the optimizer's step advanced by the first) ends with the weights, slots and iteration count of
+today's core, bit for bit, for every optimizer of either flavor, mean and sum, float32 and float64, at Q = 1 to one
+element a partition."""
 from __future__ import annotations
 
 import math
@@ -15,7 +15,7 @@ import pytest
 from ps_service.core import ParameterServerCore
 from ps_service.core.rounds import Accumulator
 from ps_service.core.errors import CoreError
-from ps_service.core.partitions import plan
+from shared.partitions import plan
 from shared.protocol import ModelInit, PushRequest, PushStatus
 from shared.shards import spec_of
 from tests.configs import core_config

@@ -15,7 +15,7 @@ import pytest
 from pydantic import ValidationError
 
 from cluster.processes import wait_for
-from ps_service.core.partitions import plan
+from shared.partitions import plan
 from ps_service.settings import PSSettings
 from shared import frame
 from shared.protocol import API
@@ -212,3 +212,11 @@ def test_a_partitioned_push_reaches_the_core_frame_by_frame_as_it_arrives():
         assert status == 200 and json.loads(answer) == {"status": "accepted", "step": 1, "done": False}
         np.testing.assert_array_equal(core.weights["w"], big["w"] - np.float32(0.1) * np.float32(0.5))
         c.close()
+
+
+def test_the_workers_body_transport_sends_the_documented_frames():
+    from worker_service.transport.http import BodyTransport
+    size, g, meta = size_for(4), gradient(1, 0), {"worker_id": "x", "step": 1}
+    body = b"".join(bytes(b) for b in BodyTransport(None, partition_bytes=size).push_body(meta, g))
+    assert body == partitioned_body(meta, g, size)
+    assert b"".join(bytes(b) for b in BodyTransport(None).push_body(meta, g)) == frame.encode_bytes(g, meta)

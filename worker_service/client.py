@@ -65,6 +65,8 @@ class PSClient:
         self.tensors: TensorTransport = BodyTransport(self.endpoint)
         #: the job's gradient compression of request bodies (from the last registration answer)
         self.compression = Spec()
+        #: the job's partition size (PS_PARTITION_BYTES, from the last registration answer; 0: one partition)
+        self.partition_bytes = 0
         #: the PS's shard count (from the last registration answer; > 1: tensors through every shard)
         self.shards = 1
         self.mode = "sync"  # the job's (PS_MODE), from the registration answer
@@ -102,6 +104,7 @@ class PSClient:
         self.endpoint.voter = name  # a hot-standby pair's elections: this worker's vote
         reg = self.call_json("POST", f"{API}/workers", {"name": name})
         self.compression = Spec.from_wire(reg.get("compression"))
+        self.partition_bytes = int(reg.get("partition_bytes") or 0)  # docs/protocol-partitions.md
         self.shards = reg.get("shards", 1)
         self.mode = reg.get("mode", "sync")
         return reg
@@ -144,7 +147,7 @@ class PSClient:
         if self.shards > 1:
             self.tensors = ShardedTransport.open(self.endpoint, worker_id, self.shm_dir, self.compression)
         else:
-            self.tensors = Attached(self.endpoint, worker_id, self.shm_dir, self.compression)
+            self.tensors = Attached(self.endpoint, worker_id, self.shm_dir, self.compression, self.partition_bytes)
         return self.transport
 
     # ---- tensors ------------------------------------------------------------------------

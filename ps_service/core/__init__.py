@@ -58,12 +58,13 @@ from ps_service.core.config import CoreConfig
 from ps_service.core.intake import Intake
 from ps_service.core.membership import Member, Membership
 from ps_service.core.model import ModelState
-from ps_service.core.partitions import Plan, RoundParts, plan as partition_plan
+from ps_service.core.partitions import RoundParts
 from ps_service.core.rates import RateMeter
 from ps_service.core.rounds import Accumulator, Arrival, Progress, Round, RoundRecord
 from ps_service.core.staleness import BoundedStaleness
 from ps_service.core.errors import CoreError
 from shared.protocol import MAX_INT, JobState, PushRequest, PushStatus
+from shared.partitions import Plan, plan as partition_plan
 from shared.shards import spec_of
 
 RECENT_STEPS = 16  # per-worker memory of pushed steps, for duplicate detection

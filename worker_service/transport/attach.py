@@ -30,8 +30,10 @@ T = TypeVar("T")
 
 
 class Attached(TensorTransport):
-    def __init__(self, endpoint: Endpoint, worker_id: str | None, shm_dir: str | None, compression: Spec) -> None:
+    def __init__(self, endpoint: Endpoint, worker_id: str | None, shm_dir: str | None, compression: Spec,
+                 partition_bytes: int = 0) -> None:
         self.endpoint, self.worker_id, self.shm_dir, self.compression = endpoint, worker_id, shm_dir, compression
+        self.partition_bytes = partition_bytes  # the job's (registration): a body push's partitions
         self.current: OnePS = self._choose()
 
     @property
@@ -39,7 +41,7 @@ class Attached(TensorTransport):
         return self.current.name
 
     def _choose(self) -> OnePS:
-        body = BodyTransport(self.endpoint, self.compression)
+        body = BodyTransport(self.endpoint, self.compression, self.partition_bytes)
         if self.worker_id is None or not self.shm_dir:
             return body
         try:
@@ -77,7 +79,7 @@ class Attached(TensorTransport):
                 if again.code not in SHM_AGAIN:
                     raise
                 log.warning("PS says %s again: this push goes in the request body", again.code)
-                return fn(BodyTransport(self.endpoint, self.compression))
+                return fn(BodyTransport(self.endpoint, self.compression, self.partition_bytes))
 
     def push(self, meta: dict, grads: Mapping[str, np.ndarray], wait: float, timeout: float,
              on_way: Callable[[], None] | None = None) -> PushAnswer:

@@ -6,6 +6,10 @@ Compression: the job's choice comes with the registration answer (``compression`
 as the transport lives (a new attach, e.g. after a PS restart, starts from zero residuals); the frame's meta says
 ``"compression": <name>``. A retried exchange resends the same bytes. Weights come back in float32.
 
+Partitions (docs/protocol-partitions.md): in a job with ``partition_bytes`` (the registration answer's; not with
+compression) a push body is the job's partitions' frames, head first (:func:`shared.partitions.plan` of the
+gradients' spec, computed once), each frame's tensors views of the gradients: the PS takes each frame as it arrives.
+
 Weight deltas (docs/protocol.md, "Weight deltas"): when the PS's answers name a ``lineage``, the transport
 keeps its own copy of the weights (:class:`HeldWeights`) and asks every push-with-pull and pull
 ``since=<the step it holds>``; an answer with ``since`` carries some tensors as their changed entries, which
@@ -20,9 +24,10 @@ from typing import Mapping
 
 import numpy as np
 
-from shared import frame, weight_deltas
+from shared import frame, partitions, weight_deltas
 from shared.compression import Compressor, Spec
 from shared.errors import ProtocolError
+from shared.shards import spec_of
 from worker_service.transport.endpoint import Endpoint
 from worker_service.transport.oneps import OnePS
 
@@ -89,19 +94,37 @@ def _read_only(v: np.ndarray) -> np.ndarray:
 
 
 class BodyTransport(OnePS):
-    """Frames in request bodies, compressed as ``spec`` says (none by default)."""
+    """Frames in request bodies, compressed as ``spec`` says (none by default); with ``partition_bytes`` (the job's,
+    uncompressed) a push is its partitions' frames (docs/protocol-partitions.md), the head first."""
 
-    def __init__(self, endpoint: Endpoint, spec: Spec = Spec()) -> None:
+    def __init__(self, endpoint: Endpoint, spec: Spec = Spec(), partition_bytes: int = 0) -> None:
         super().__init__(endpoint)
         self.name = f"http+{spec.name}" if spec.on else "http"
         self.compressor = Compressor(spec) if spec.on else None
         self.held = HeldWeights()
+        self.partition_bytes = 0 if spec.on else partition_bytes
+        self._plan: tuple[dict, partitions.Plan] | None = None  # (the gradients' spec, its plan)
 
     def push_body(self, meta: dict, grads: Mapping[str, np.ndarray]) -> list[bytes | memoryview]:
+        if self.compressor is None and self.partition_bytes:
+            return self._partitioned(meta, grads)
         if self.compressor is None:
             return frame.encode(grads, meta)  # the arrays' memory is sent as it is (scatter-gather)
         encoded = self.compressor.encode(grads, meta["step"])
         return frame.encode(encoded, {**meta, "compression": self.compressor.spec.name})
+
+    def _partitioned(self, meta: dict, grads: Mapping[str, np.ndarray]) -> list[bytes | memoryview]:
+        """The push as its partitions' frames: views of the gradients, sent as they are (no copy); one partition:
+        today's frame."""
+        spec = spec_of(grads)
+        if self._plan is None or self._plan[0] != spec:
+            self._plan = (spec, partitions.plan(spec, self.partition_bytes))
+        p = self._plan[1]
+        if p.count == 1:
+            return frame.encode(grads, meta)
+        parts = [p.split(grads, q) for q in range(p.count)]
+        return frame.encode_many([(parts[0], {**meta, "partitions": p.count}),
+                                  *[(t, {"partition": q}) for q, t in enumerate(parts[1:], 1)]])
 
     def answer_params(self) -> dict:
         return self.held.params()
