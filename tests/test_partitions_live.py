@@ -127,9 +127,9 @@ def one_push(bodies) -> tuple[list[tuple[int, str | None]], dict[str, bytes], in
                 assert not unchanged or state_hash(ps.rt) == before, answers[-1]
         core = ps.rt.core
         out = {f"w/{k}": v.tobytes() for k, v in core.weights.items()}
+        out |= {f"{s}/{k}": v.tobytes() for s, t in core.optimizer.slots.items() for k, v in t.items()}
         c.close()
-        return answers, out | {f"{s}/{k}": v.tobytes() for s, t in core.optimizer.slots.items() for k, v in t.items()}, \
-            core.global_step
+        return answers, out, core.global_step
 
 
 def joined(frames) -> bytes:

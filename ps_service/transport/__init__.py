@@ -127,7 +127,8 @@ class TensorSeam:
                    ) -> tuple[PushResult, PushRequest, str]:
         """A worker's push read and given to the core at ``clock()``: (the core's result, the push, the transport
         to answer through): one core call (its checks first), once a compressed push is decoded or a same-host one
-        copied out of its file.
+        copied out of its file; one per partition in a partitioned job (:meth:`_give`; a partitioned body's frames as
+        they arrive: :mod:`ps_service.transport.partitioned`).
         ``turn``: the tensors of a large push are read only once it returns (ps_service/core/intake.py): a body's
         after its frame header, a same-host file's after the body."""
         claimed: list[str] = []
@@ -142,16 +143,15 @@ class TensorSeam:
                 claimed.append(push.worker_id)
             if feed is not None and feed.partitioned:  # its frames went to the core as they came
                 self.bytes_in, via = self.bytes_in + size, "http"
-            elif len(frames) > 1:
-                self._check_partitioned(push, seq, frames)
-                self.bytes_in, via = self.bytes_in + size, "http"
-            elif seq is not None or self.compression.name != "none" or f.meta.get("compression") is not None:
-                push, via = self._tensors(push, seq, f, size)
-            else:
-                self.bytes_in, via = self.bytes_in + size, "http"
-            if feed is not None and feed.partitioned:
                 result = feed.result()
             else:
+                if len(frames) > 1:
+                    self._check_partitioned(push, seq, frames)
+                    self.bytes_in, via = self.bytes_in + size, "http"
+                elif seq is not None or self.compression.name != "none" or f.meta.get("compression") is not None:
+                    push, via = self._tensors(push, seq, f, size)
+                else:
+                    self.bytes_in, via = self.bytes_in + size, "http"
                 result = self._give(push, [g.tensors for g in frames] if len(frames) > 1 else None, clock())
         finally:
             for worker_id in claimed:
@@ -160,10 +160,11 @@ class TensorSeam:
         return result, push, via
 
     def _give(self, push: PushRequest, parts: list[dict] | None, now: float) -> PushResult:
-        """The core's calls for one push: one per partition frame, the head's (partition 0: the push's status) first,
-        all at ``now``; the result: the head's status, the global step after the last frame (docs/partitions.md, The seam). ``parts``: the tensors of the body's frames; None: one frame,
-        today's push, which a partitioned round takes cut into its partitions (views): it must hold every tensor of
-        the model as the model has it (else 422 ``tensor_mismatch``)."""
+        """The core's calls for one push read whole: one per partition frame, the head's (partition 0: the push's
+        status) first, all at ``now``; the result: the head's status, the global step after the last frame
+        (docs/partitions.md, The seam). ``parts``: the tensors of the body's frames; None: one frame, today's push,
+        which a partitioned round takes cut into its partitions (views): it must hold every tensor of the model as
+        the model has it (else 422 ``tensor_mismatch``)."""
         core = self.core
         if parts is None:
             plan = core.partitions if self.settings.partition_bytes else None
