@@ -40,16 +40,19 @@ def test_bench_run_prints_the_anchor_fields():
 
 
 def test_bench_ab_alternates_two_trees_and_sums_each_cell_up():
+    """One cell with one PS, one with two shards (``:S2``)."""
     from pathlib import Path
     root = str(Path(__file__).resolve().parent.parent)
     out = subprocess.run([sys.executable, "-m", "bench.ab", root, root, "--json", "--runs", "1", "--seconds", "1",
-                          "--warmup", "0.3", "--cells", "http:4:2"], capture_output=True, text=True, timeout=300)
+                          "--warmup", "0.3", "--cells", "http:4:2,http:4:2:S2"], capture_output=True, text=True,
+                         timeout=600)
     lines = [json.loads(x) for x in out.stdout.splitlines()]
     assert out.returncode == 0, out.stderr[-2000:]
     runs, sums = [x for x in lines if "summary" not in x], [x for x in lines if "summary" in x]
-    assert [r["cell"] for r in runs] == ["http:4:2"] * 2 and all(r["transport"] == "http" for r in runs)
+    assert [r["cell"] for r in runs] == ["http:4:2"] * 2 + ["http:4:2:S2"] * 2
+    assert all(r["transport"] == "http" for r in runs) and [r.get("shards", 1) for r in runs] == [1, 1, 2, 2]
     assert all(r["steps_per_s"] > 0 and r["ps_ms"] > 0 and r["workers_ms"] > 0 for r in runs)
-    assert len(sums) == 2 and all(s["runs"] == 1 and s["failed"] == 0 and s["median"] > 0 for s in sums)
+    assert len(sums) == 4 and all(s["runs"] == 1 and s["failed"] == 0 and s["median"] > 0 for s in sums)
 
 
 @pytest.mark.parametrize("p,dims", [(4, (3, 1)), (999, (998, 1)), (1_000_000, (999, 1000)),
