@@ -16,6 +16,14 @@ When round s closes with contributors C, :meth:`ShardRole.decided` (the core's
 (:mod:`.links`), who sum the held pieces of C in rank order and step the same optimizer. The routes are
 :mod:`.routes`. :func:`role` is None on an unsharded PS: nothing here runs then.
 
+A follower's memory stays flat in the worker count (pieces of 1 MiB or more, :mod:`.turns`): while round s fills,
+the coordinator tells each such follower, in order, which keys its round has summed and whose push it awaits next
+(:meth:`ShardRole.observe`); the follower sums those held pieces in that order as told (:meth:`.holds.Holds.progress`)
+and reads a hold only in its worker's turn (:meth:`ShardRole.turn`), so it holds the running sum and the pieces of
+the next one or two in rank order, as one PS does. It never sums on a guess: a key the coordinator summed is an
+accepted commit, which stays a contributor, so the apply's C begins with the keys summed, and the rest of C is summed
+at the apply: the same additions in the same order, bit for bit.
+
 A follower that restarts (kill -9, then started again from its checkpoints) comes back without the pieces
 held for the open round and maybe at an older step: the coordinator rolls the whole job back live to the
 newest checkpoint step every shard has (:mod:`.rollback`); each process has a ``boot`` id (in the follower's
@@ -37,6 +45,7 @@ from ps_service.core.model import check_weights
 from ps_service.sharding import receipts, rollback
 from ps_service.sharding.holds import Holds
 from ps_service.sharding.links import Links
+from ps_service.sharding.turns import FOLD_BYTES, Gate, Tracker
 from shared import frame
 from shared.errors import ProtocolError, unprocessable
 from shared.protocol import ModelInit
@@ -73,6 +82,9 @@ class ShardRole:
         # the hold receipts' key (.receipts): the coordinator's own; a follower's as the coordinator last gave it
         self.receipt_key: bytes | None = receipts.new_key() if self.coordinator else None
         self._rolling: asyncio.Task | None = None
+        self.tracker = Tracker()  # the coordinator: the open round's order, as its folding followers last heard it
+        self.gate = Gate()  # a follower: holds waiting for their turn
+        self._folding: list[int] = []  # the coordinator: the followers that sum as told (their pieces' bytes)
         if not self.coordinator:
             core.follow()
         else:
@@ -93,7 +105,7 @@ class ShardRole:
         core = self.core
         self.rt, self.checkpointer = rt, checkpointer
         if core.initialized and self.sidecar is not None and self.sidecar.exists():
-            self.map = from_wire(json.loads(self.sidecar.read_text()))
+            self._set_map(from_wire(json.loads(self.sidecar.read_text())))
         if not self.coordinator:
             return
         self._seen_closed, self._sent_step = core.rounds_closed, core.global_step - 1
@@ -104,8 +116,17 @@ class ShardRole:
             self.links.tasks.append(asyncio.create_task(self.links.check_steps(
                 core.global_step, self.checkpoint_steps(), self.restore_body(core.global_step))))
 
-    def _keep_map(self, m: ShardMap) -> None:
+    def _set_map(self, m: ShardMap) -> None:
         self.map = m
+        self._folding = [i for i in range(1, self.count) if self.folds(i)]
+
+    def folds(self, index: int) -> bool:
+        """Shard ``index`` (a follower) sums a round as the coordinator's is summed and reads holds in their turn:
+        its pieces weigh :data:`.turns.FOLD_BYTES` or more."""
+        return self.map is not None and self.map.bytes_owned(index) >= FOLD_BYTES
+
+    def _keep_map(self, m: ShardMap) -> None:
+        self._set_map(m)
         if self.sidecar is not None:
             self.sidecar.parent.mkdir(parents=True, exist_ok=True)
             self.sidecar.write_text(json.dumps(m.to_wire()))
@@ -138,15 +159,19 @@ class ShardRole:
 
     def observe(self) -> None:
         """Runtime observer (O(1) unless a round closed): queue each newly closed round :meth:`decided` did not send
-        for the followers, and drop what was held for closed rounds."""
+        for the followers, and drop what was held for closed rounds; then, for the followers that sum as told, the
+        open round's progress if it moved (:class:`.turns.Tracker`)."""
         core = self.core
-        if core.rounds_closed == self._seen_closed:
-            return
-        self._seen_closed = core.rounds_closed
-        sent = self._sent_step
-        for rec in list(takewhile(lambda r: r.step > sent, reversed(core.rounds)))[::-1]:
-            self._send(rec)
-        self.holds.drop_through(self._sent_step)  # pieces held for a closed round and never committed
+        if core.rounds_closed != self._seen_closed:
+            self._seen_closed = core.rounds_closed
+            sent = self._sent_step
+            for rec in list(takewhile(lambda r: r.step > sent, reversed(core.rounds)))[::-1]:
+                self._send(rec)
+            self.holds.drop_through(self._sent_step)  # pieces held for a closed round and never committed
+        if self._folding and self.links.tasks:
+            msg = self.tracker.message(core)
+            if msg is not None:
+                self.links.progress(msg, self._folding)
 
     async def init_model(self, init: ModelInit) -> ModelInit:
         """Plan the map of the brought model, give every follower its pieces, and return the coordinator's own
@@ -226,6 +251,22 @@ class ShardRole:
         self.receipt_key = key
         return {"step": core.global_step, "digest": m.digest}
 
+    async def turn(self, worker_id: str, step: int, seconds: float, last: bool = True) -> bool:
+        """A follower's hold waits for its turn (the seam's ``turn``): True once the coordinator awaits that worker's
+        push, or at once if this shard does not sum as told; at the end of ``seconds`` False, or (``last``) True, read
+        out of turn."""
+        if not self.folds(self.index):
+            return True
+        return await self.gate.wait(lambda: self.holds.may_read(worker_id, step, self.core.global_step), seconds, last)
+
+    def progress(self, step: int, start: int, keys, turns) -> bool:
+        """``POST /v1/shard/progress``: the coordinator's open round summed ``keys`` (from its ``start``-th) and awaits
+        ``turns``: sum them here (:meth:`.holds.Holds.progress`), wake the holds whose turn came."""
+        try:
+            return self.holds.progress(tuple(self.core.weights), self.core.global_step, step, start, keys, turns)
+        finally:
+            self.gate.wake()
+
     # ---- checkpoints (the coordinator's choice of one step for every shard) --------------------
     def checkpoint_steps(self) -> list[int]:
         """The steps of this shard's checkpoints on disk, newest first ([] without PS_CHECKPOINT_DIR)."""
@@ -253,8 +294,10 @@ class ShardRole:
         step = state["global_step"]
         self.core.rewind(state, now)
         self.holds = Holds()
+        self.gate.wake()  # holds waiting for their turn: their step is gone
         if self.coordinator:  # the rounds closed from now on go to the followers
             self._seen_closed, self._sent_step = self.core.rounds_closed, step - 1
+            self.tracker.reset()
         else:
             self.core.follow()
         if self.rt is not None:
@@ -276,7 +319,7 @@ class ShardRole:
         await self.go_back(state, now)
         self.receipt_key = key
         if self.sidecar is not None and self.sidecar.exists():
-            self.map = from_wire(json.loads(self.sidecar.read_text()))
+            self._set_map(from_wire(json.loads(self.sidecar.read_text())))
         log.warning("shard %d: back at step %d at the coordinator's request", self.index, step)
         return {"step": self.core.global_step, "boot": self.boot}
 

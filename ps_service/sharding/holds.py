@@ -1,22 +1,33 @@
-"""The sans-IO half of a shard: pushes held until a round names them, and a follower's apply of a round.
+"""The sans-IO half of a shard: pushes held until a round names them, and a follower's rank-order sum of a round.
 
 No I/O, no clock. Contract:
 
 - :func:`hold_tensors` checks a push's pieces exactly as the core checks a push (names, exact dtypes,
   shapes: 422 ``tensor_mismatch``; NaN/Inf: 422 ``nonfinite_gradient``) before anything changes, and
   returns them: the seam handed them over in memory the shard owns, whatever carried them.
-- :class:`Holds` keeps one held push per worker (the newest: a later push replaces it).
-- :func:`apply_round` (a follower, told by the coordinator "apply round s with contributors C") sums the
-  held pieces of C in (rank, worker_id) order exactly as the coordinator's round does
-  (:class:`~ps_service.core.rounds.Accumulator`), steps the same optimizer once with the coordinator's
-  ``mean_of``, bumps the global step, and drops every hold of step <= s. An apply of a round already applied
-  is answered as done (the coordinator retries); one ahead of the shard, or naming a gradient the shard does
-  not hold, is refused (409) and changes nothing: the shard never mixes steps.
+- :class:`Holds` keeps one held push per worker (the newest: a later push replaces it) and, on a follower, the
+  open round's running sum as the coordinator's round makes it (:meth:`Holds.progress`):
+  the coordinator says, in order, which keys its own :class:`~ps_service.core.rounds.Accumulator` has summed so far
+  (its ``folded``: the rank-order prefix of the round's contributors, each an accepted commit, which never leaves
+  the round) and whose pushes it awaits next in rank order (its :meth:`~ps_service.core.rounds.Round.turns`; None:
+  no order, fixed R). The follower sums the held pieces of exactly those keys, in that order, into the same
+  kind of accumulator and drops them: so it holds the running sum and the pieces not summed yet, and a hold
+  whose worker is not in ``turns`` may wait unread (:meth:`Holds.may_read`: the sharding layer's gate,
+  :meth:`ps_service.sharding.ShardRole.turn`), as one PS reads a push in its turn (:mod:`ps_service.core.intake`).
+  Nothing is summed on a guess: every key summed is a contributor, in the coordinator's order.
+- :func:`apply_round` (a follower, told by the coordinator "apply round s with contributors C") checks that the
+  keys summed so far are the first of C, sums the held pieces of the rest of C in (rank, worker_id) order exactly
+  as the coordinator's round does, steps the same optimizer once with the coordinator's ``mean_of``, bumps the
+  global step, and drops every hold of step <= s. The sum is the one a single accumulator makes of C's pieces in
+  that order: ``acc = g[c0]; acc += g[c1] ...``, bit for bit, however the additions were spread in time. An apply
+  of a round already applied is answered as done (the coordinator retries); one ahead of the shard, naming a
+  gradient the shard does not hold, or whose first keys are not those summed, is refused (409) and changes nothing:
+  the shard never mixes steps.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -24,6 +35,8 @@ from ps_service.core.checks import validate
 from ps_service.core.rounds import Accumulator
 from shared.errors import ProtocolError
 from shared.protocol import PushRequest
+
+Key = tuple[int, str]  # (rank, worker_id): the sum's order
 
 
 @dataclass(frozen=True)
@@ -42,6 +55,12 @@ def hold_tensors(weights: Mapping[str, np.ndarray], push: PushRequest) -> Mappin
 class Holds:
     def __init__(self) -> None:
         self.by_worker: dict[str, Held] = {}
+        #: the round the coordinator last spoke of (:meth:`progress`), the keys summed of it in order, its running
+        #: sum, and whose pieces may be read now (None: anyone)
+        self.step: int | None = None
+        self.folded: list[Key] = []
+        self.sum: Accumulator | None = None
+        self.turns: frozenset[str] | None = frozenset()
 
     def __len__(self) -> int:
         return len(self.by_worker)
@@ -58,12 +77,82 @@ class Holds:
             del self.by_worker[worker_id]
 
     def drop_through(self, step: int) -> None:
-        """Forget every hold of a round that is over (step <= ``step``)."""
+        """Forget every hold of a round that is over (step <= ``step``), and its sum."""
         for w in [w for w, h in self.by_worker.items() if h.step <= step]:
             del self.by_worker[w]
+        if self.step is not None and self.step <= step:
+            self.step, self.folded, self.sum, self.turns = None, [], None, frozenset()
+
+    # ---- a follower: the round's sum as the coordinator makes it ---------------------------------------------
+    def summed(self, worker_id: str, step: int) -> bool:
+        """``worker_id``'s pieces of ``step`` are in the running sum already (a hold of them again keeps nothing)."""
+        return self.step == step and self.sum is not None and worker_id in self.sum
+
+    def may_read(self, worker_id: str, step: int, global_step: int) -> bool:
+        """May a hold of (``worker_id``, ``step``) be read now: not of the open round (it is answered at once, as
+        before), or the coordinator awaits that worker's push next, or reads in no order, or it is summed (a
+        retry: nothing kept)."""
+        if step != global_step:
+            return True
+        if self.step != step:  # the coordinator has not spoken of this round yet
+            return False
+        return self.turns is None or worker_id in self.turns or self.summed(worker_id, step)
+
+    def progress(self, names: Iterable[str], global_step: int, step: int, start: int, keys: Sequence[Key],
+                 turns: Sequence[str] | None) -> bool:
+        """The coordinator's round ``step`` has summed ``keys`` from its ``start``-th key on (a repeat of keys
+        already summed here is skipped), and awaits ``turns`` next: sum their held pieces in that order. False if
+        the round is applied here already (nothing to do); 409 and nothing changed if ahead of this shard, if the
+        keys do not follow those summed, or a piece is not held."""
+        if step < global_step:
+            return False
+        if step > global_step:
+            raise ProtocolError(409, "shard_behind", f"this shard is at step {global_step}, told of round {step}: it "
+                                                     "restarted from an older state than the coordinator")
+        if self.step != step:
+            self.step, self.folded, self.sum = step, [], None
+        done = len(self.folded)
+        keys = [tuple(k) for k in keys]
+        if start > done or self.folded[start:start + len(keys)] != keys[:done - start]:
+            raise ProtocolError(409, "order_mismatch", f"round {step}: keys {keys[:4]} from the {start}-th do not "
+                                                       f"follow the {done} summed here")
+        new = keys[done - start:]
+        self._check_held(step, new)
+        if new and self.sum is None:
+            self.sum = Accumulator(tuple(names), "sum")
+        for rank, w in new:
+            self.sum.apply(w, rank, self.by_worker.pop(w).tensors, ())  # nothing still possible sorts before it
+            self.folded.append((rank, w))
+        self.turns = None if turns is None else frozenset(turns)
+        return True
+
+    def _check_held(self, step: int, keys: Sequence[Key]) -> None:
+        missing = [w for _, w in keys if self.get(w, step) is None]
+        if missing:
+            raise ProtocolError(409, "missing_gradient", f"round {step}: no held push of {missing[:4]} here (this "
+                                                         "shard restarted since they pushed?)")
+
+    def take(self, names: Iterable[str], step: int, contributors: Sequence[Key]) -> tuple[dict | None, int]:
+        """The rank-order sum of round ``step`` over ``contributors`` (the keys summed so far must be their first):
+        the held pieces of the others summed on; (the sum or None if it overflows, its count). 409 and nothing
+        changed if a piece is missing or the order differs."""
+        contributors = [tuple(k) for k in contributors]
+        folded = self.folded if self.step == step else []
+        if contributors[:len(folded)] != folded:
+            raise ProtocolError(409, "order_mismatch", f"round {step}: its contributors {contributors[:4]} do not "
+                                                       f"begin with the {len(folded)} summed here {folded[:4]}")
+        rest = contributors[len(folded):]
+        self._check_held(step, rest)
+        if not contributors:
+            return None, 0
+        acc = self.sum if folded else Accumulator(tuple(names), "sum")
+        for rank, w in rest:
+            acc.apply(w, rank, self.by_worker[w].tensors)
+        total, _ = acc.take_sum()  # None: this shard's pieces of the round overflow when summed; nothing applied
+        return total, len(contributors)
 
 
-def apply_round(core, holds: Holds, step: int, contributors: Sequence[tuple[int, str]], mean_of: int) -> bool:
+def apply_round(core, holds: Holds, step: int, contributors: Sequence[Key], mean_of: int) -> bool:
     """Apply round ``step`` with ``contributors`` ((rank, worker_id) pairs) on a follower's ``core`` (its
     weights, optimizer and global step). True if applied now, False if it was already."""
     g = core.global_step
@@ -72,18 +161,9 @@ def apply_round(core, holds: Holds, step: int, contributors: Sequence[tuple[int,
     if step > g:
         raise ProtocolError(409, "shard_behind", f"this shard is at step {g}, asked to apply round {step}: it "
                                                  "restarted from an older state than the coordinator")
-    missing = [w for _, w in contributors if holds.get(w, step) is None]
-    if missing:
-        raise ProtocolError(409, "missing_gradient", f"round {step}: no held push of {missing[:4]} here (this "
-                                                     "shard restarted since they pushed?)")
     if mean_of < 1:
         raise ProtocolError(400, "bad_field", "mean_of must be >= 1")
-    total = None
-    if contributors:
-        acc = Accumulator(tuple(core.weights), "sum")
-        for rank, w in contributors:
-            acc.apply(w, rank, holds.get(w, step).tensors)
-        total, _ = acc.take_sum()  # None: this shard's pieces of the round overflow when summed; nothing applied
+    total, n = holds.take(tuple(core.weights), step, contributors)
     holds.drop_through(step)
-    core.apply_round(total, mean_of, len(contributors))
+    core.apply_round(total, mean_of, n)
     return True

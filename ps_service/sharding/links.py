@@ -12,6 +12,9 @@ Contract:
   (:meth:`shared.rawhttp.RawConnection.send_now`), or, when that connection is not ready, by a thread of its own
   (its *early writer*: one blocking request); that thread reads the answer, which the sender then takes as its
   own (lost or 5xx: the sender sends it again). The follower's step overlaps the coordinator's.
+  :meth:`Links.progress` queues the open round's progress (:mod:`.turns`) for the followers named, on the same queue:
+  a follower gets the messages of a round after the apply of the round before, in order
+  (``POST /v1/shard/progress``, retried as an apply; it never goes early and :meth:`Links.sent` counts applies only).
   :meth:`Links.sent` waits (at most the seconds it is given) until every working link has written the apply of a
   round to its connection: the coordinator's weights answers wait for it, so that the apply leaves before megabytes
   of weights on the coordinator's network interface (a FIFO queue) and the followers' answers are not late by the
@@ -223,6 +226,14 @@ class Links:
             if f.unanswered_since is None:
                 f.unanswered_since = time.monotonic()
 
+    def progress(self, msg: dict, indices: list[int]) -> None:
+        """Queue the open round's progress ``msg`` (:class:`.turns.Tracker`'s) for the followers of ``indices``."""
+        for f in self.followers:
+            if f.index in indices:
+                f.queue.put_nowait(({**msg, "path": "/shard/progress"}, None))
+                if f.unanswered_since is None:
+                    f.unanswered_since = time.monotonic()
+
     def silent(self, now: float | None = None) -> list[Follower]:
         """The followers that do not answer now (their link not stopped by a restart: :mod:`.rollback` handles
         those): the last exchange got no answer, or an apply has waited more than ``SILENT_SECONDS`` for one."""
@@ -273,13 +284,17 @@ class Links:
                                                 timeout=PROBE_TIMEOUT_SECONDS)
                 else:
                     resp = None if early is None else await self._early_answer(f, early)
-                    if resp is None:
+                    if resp is None and "path" in msg:  # the open round's progress
+                        resp = await self._exchange(f, "POST", msg["path"], float("inf"),
+                                                    json={k: v for k, v in msg.items() if k != "path"})
+                    elif resp is None:
                         async def trace(event: str, info: dict, step: int = msg["step"]) -> None:
                             if event == "http11.send_request_body.complete":  # httpcore's "trace" request extension
                                 self._mark_sent(f, step)
                         resp = await self._exchange(f, "POST", "/shard/apply", float("inf"), json=msg,
                                                     extensions={"trace": trace})
-                    self._mark_sent(f, msg["step"])
+                    if "path" not in msg:
+                        self._mark_sent(f, msg["step"])
             except TimeoutError:
                 continue  # a probe that got no answer: the next one asks again
             if resp.status_code >= 400:

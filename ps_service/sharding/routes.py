@@ -3,6 +3,7 @@
 Workers: ``GET /v1/shards`` (the coordinator: shard URLs and the map), ``POST /v1/shard/gradients`` (any
 shard: hold this worker's pieces for a step), ``POST /v1/shard/commit`` (the coordinator: count the push
 whose pieces every shard holds). Coordinator -> follower: ``PUT /v1/shard/model`` (its pieces),
+``POST /v1/shard/progress`` (the open round's summed keys and turns, to a follower that sums as told),
 ``POST /v1/shard/apply`` (apply a closed round), ``POST /v1/shard/restore`` (load the checkpoint of a step).
 ``GET /v1/shard/state``: a shard's step and checkpoint steps (start-up check).
 Thin drivers, as :mod:`ps_service.api`: every check of the pieces is :func:`.holds.hold_tensors`'s, every
@@ -70,7 +71,9 @@ async def hold(request: Request, map: str = Query(..., max_length=64, descriptio
     if map != role.digest:
         raise ProtocolError(409, "shard_map_mismatch", f"shard {role.index}'s map is {role.digest}, the push's "
                                                        f"{map}: fetch GET /v1/shards again")
-    push, via = await rt.tensors.receive_push(request, members=role.coordinator)  # a follower has no membership
+    # a follower has no membership; it reads a large hold in its turn (.turns)
+    push, via = await rt.tensors.receive_push(request, members=role.coordinator,
+                                              turn=None if role.coordinator else role.turn)
     step, g = push.step, rt.core.global_step
     if step > g and not role.coordinator:  # this follower restarted or went back: the worker registers again
         raise ProtocolError(409, "shard_behind", f"step {step} is ahead of shard {role.index}'s global step {g} "
@@ -83,7 +86,8 @@ async def hold(request: Request, map: str = Query(..., max_length=64, descriptio
     answer = {"status": "held", "step": step, "shard": role.index, "global_step": g}
     if not role.coordinator:  # 409 shard_behind before anything is kept, if it has no key (it restarted)
         answer["receipt"] = role.receipt(push.worker_id, step)
-    role.holds.put(push.worker_id, Held(step, tensors, via))
+    if not role.holds.summed(push.worker_id, step):  # (summed: a retry of a hold whose pieces are in the sum)
+        role.holds.put(push.worker_id, Held(step, tensors, via))
     rt.tensors.shm.last_transport[push.worker_id] = via
     return answer
 
@@ -162,8 +166,27 @@ async def apply(request: Request) -> dict:
     """Coordinator -> follower: apply round ``step`` with these contributors (a repeat: answered, not applied again)."""
     rt, role, msg = await _from_coordinator(request, ApplyRound, APPLY_BODY_LIMIT)
     _initialized(rt.core)
-    applied = rt.run_guarded(lambda: apply_round(rt.core, role.holds, msg.step, msg.contributors, msg.mean_of))
+    try:
+        applied = rt.run_guarded(lambda: apply_round(rt.core, role.holds, msg.step, msg.contributors, msg.mean_of))
+    finally:
+        role.gate.wake()  # holds waiting for their turn: the next round's come once the coordinator says
     return {"step": rt.core.global_step, "applied": applied, "boot": role.boot}
+
+
+class Progress(BaseModel):
+    step: Count
+    start: Count = Field(description="The index of the first key of ``folded`` in the round's summed prefix.")
+    folded: list[tuple[Count, str]] = Field(description="(rank, worker_id) summed since the last message, in order.")
+    turns: list[str] | None = Field(description="Whose pushes the round awaits next (null: any, no order).")
+
+
+@router.post("/shard/progress", openapi_extra=json_body(Progress))
+async def progress(request: Request) -> dict:
+    """Coordinator -> follower: the open round summed these keys and awaits these workers next (a repeat: skipped)."""
+    rt, role, msg = await _from_coordinator(request, Progress, APPLY_BODY_LIMIT)
+    _initialized(rt.core)
+    done = rt.run_guarded(lambda: role.progress(msg.step, msg.start, msg.folded, msg.turns))
+    return {"step": rt.core.global_step, "summed": done, "boot": role.boot}
 
 
 @router.get("/shard/state")

@@ -123,6 +123,13 @@ class TensorSeam:
                 got += more
         return got, ended
 
+    async def _file_turn(self, push: PushRequest, seq: int | None, turn: Turn | None, claimed: list) -> None:
+        """A large same-host push's turn, once its body (no tensors) is read: its file is read after it."""
+        if seq is not None and turn is not None and not claimed and self.shm.layout is not None \
+                and self.shm.layout.data_bytes >= GATED_BYTES:
+            await turn(push.worker_id, push.step, self.settings.lease_seconds)
+            claimed.append(push.worker_id)
+
     async def push(self, request: Request, clock: Callable[[], float], turn: Turn | None = None
                    ) -> tuple[PushResult, PushRequest, str]:
         """A worker's push read and given to the core at ``clock()``: (the core's result, the push, the transport
@@ -137,10 +144,7 @@ class TensorSeam:
             feed = Feed(self.core, partition_bytes, clock) if partition_bytes else None
             push, seq, frames, size = await self._push_frame(request, turn, claimed, feed)
             f = frames[0]
-            if seq is not None and turn is not None and not claimed and self.shm.layout is not None \
-                    and self.shm.layout.data_bytes >= GATED_BYTES:
-                await turn(push.worker_id, push.step, self.settings.lease_seconds)
-                claimed.append(push.worker_id)
+            await self._file_turn(push, seq, turn, claimed)
             if feed is not None and feed.partitioned:  # its frames went to the core as they came
                 self.bytes_in, via = self.bytes_in + size, "http"
                 result = feed.result()
@@ -193,14 +197,22 @@ class TensorSeam:
             self.core.admit(push.worker_id)
             raise
 
-    async def receive_push(self, request: Request, members: bool = True) -> tuple[PushRequest, str]:
+    async def receive_push(self, request: Request, members: bool = True, turn: Turn | None = None
+                           ) -> tuple[PushRequest, str]:
         """A shard's held pieces (ps_service/sharding): the push, its arrays the core may keep, and its transport;
-        404/409 for a worker that must register (``members`` False: no membership check, a follower)."""
-        push, seq, frames, size = await self._push_frame(request)
-        self.core.admit(push.worker_id if members else None)  # no core.push follows a hold: the core's refusals here
-        if len(frames) > 1:
-            raise bad_request("bad_field", "a shard's hold is one frame (partitions: a PS_SHARDS=1 job's)")
-        return self._tensors(push, seq, frames[0], size, admitted=True)
+        404/409 for a worker that must register (``members`` False: no membership check, a follower). ``turn``: a
+        large push's tensors are read only once it returns, as :meth:`push`'s."""
+        claimed: list[str] = []
+        try:
+            push, seq, frames, size = await self._push_frame(request, turn, claimed)
+            self.core.admit(push.worker_id if members else None)  # no core.push follows a hold: the core's refusals
+            if len(frames) > 1:
+                raise bad_request("bad_field", "a shard's hold is one frame (partitions: a PS_SHARDS=1 job's)")
+            await self._file_turn(push, seq, turn, claimed)
+            return self._tensors(push, seq, frames[0], size, admitted=True)
+        finally:
+            for worker_id in claimed:
+                self.core.release(worker_id)
 
     async def _push_frame(self, request: Request, turn: Turn | None = None, claimed: list | None = None,
                           feed: Feed | None = None) -> tuple[PushRequest, int | None, list[frame.Frame], int]:

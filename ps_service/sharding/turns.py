@@ -1,0 +1,76 @@
+"""The open round's order, coordinator -> followers: what keeps a follower's memory flat in the worker count.
+
+A follower knows no membership; the coordinator's round knows who contributes and in what order. Contract:
+
+- :class:`Tracker` (the coordinator): after every change of its core (the runtime's observer), the message a
+  folding follower needs when the open round moved, else None: ``{"step", "start", "folded", "turns"}``, the keys
+  its :class:`~ps_service.core.rounds.Accumulator` summed since the last message (``start``: the index of the
+  first of them in the round's summed prefix) and whose pushes the round awaits next in rank order
+  (:meth:`~ps_service.core.rounds.Round.turns`; None: any, when no order holds: fixed R, no round open). O(1)
+  when nothing moved; each summed key is sent once.
+- :class:`Gate` (a follower): a hold of the open round waits unread (the seam's turn, as one PS's intake) until
+  :meth:`~ps_service.sharding.holds.Holds.may_read` says its worker is awaited, at most its transport's patience
+  (a lease); then it is read out of turn (``overdue``: held beyond the bound, as one PS's intake does). The
+  coordinator's messages, applies and rollbacks wake it.
+
+Only followers whose pieces are large enough to be gated (:data:`FOLD_BYTES`, the seam's bound: smaller bodies
+are read at once) get these messages and gate their holds: both sides decide from the shard map.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Callable
+
+from ps_service.transport import GATED_BYTES
+
+#: a follower whose pieces weigh this much or more sums as told and reads holds in their turn
+FOLD_BYTES = GATED_BYTES
+
+
+class Tracker:
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Nothing sent (a new job state: start, rollback)."""
+        self._step, self._sent, self._turns = -1, 0, ()
+
+    def message(self, core) -> dict | None:
+        g, r = core.global_step, core.round
+        if r is None or r.step != g or core.rule.replicas_to_aggregate:
+            folded, turns = (), None
+        else:
+            folded, turns = r.acc.folded, r.turns()
+        if g != self._step:
+            self._step, self._sent, self._turns = g, 0, ()
+        elif len(folded) == self._sent and turns == self._turns:
+            return None
+        msg = {"step": g, "start": self._sent, "folded": [list(k) for k in folded[self._sent:]],
+               "turns": None if turns is None else list(turns)}
+        self._sent, self._turns = len(folded), turns
+        return msg
+
+
+class Gate:
+    def __init__(self) -> None:
+        self._moved = asyncio.Event()
+        self.overdue = 0  # holds read out of turn, having waited their patience
+
+    def wake(self) -> None:
+        moved, self._moved = self._moved, asyncio.Event()
+        moved.set()
+
+    async def wait(self, may: Callable[[], bool], seconds: float, last: bool) -> bool:
+        """True once ``may()``; after ``seconds``, False, or (``last``) True, out of turn."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + seconds
+        while not may():
+            left = end - loop.time()
+            if left <= 0:
+                self.overdue += last
+                return last
+            try:
+                await asyncio.wait_for(self._moved.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+        return True

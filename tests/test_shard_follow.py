@@ -1,0 +1,99 @@
+"""A follower's memory is flat in the worker count (ps_service/sharding/turns.py): with pieces of 1 MiB or more it
+sums a round as the coordinator's round is summed, as told, and reads a hold only in its worker's turn; the result is
+the rank-order sum of the round's contributors, bit for bit, also when a worker that held its pieces never commits.
+
+In-process shards (uvicorn threads) so the test can count what the follower holds; workers are threads that do what
+a worker does (hold on both shards, then commit with the follower's receipt), all at once, in reverse rank order."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from cluster.processes import wait_for
+from shared import shards
+from tests.test_shards import assemble, commit, hold, two_shards
+from tests.timing import allow
+
+#: float32 elements: split in two pieces of 2.4 MB, one per shard (above the gate, FOLD_BYTES)
+P = 1_200_000
+W0 = {"w": np.zeros(P, np.float32)}
+LR = 0.5
+
+
+def gradient(i: int) -> dict[str, np.ndarray]:
+    return {"w": np.random.default_rng(i).standard_normal(P).astype(np.float32)}
+
+
+def start(c, f, n: int):
+    hc, hf = c.http(), f.http()
+    ids = [hc.post("/v1/workers", json={"name": f"w{i}"}).json()["worker_id"] for i in range(n)]
+    from shared import frame
+    body = b"".join(bytes(p) for p in frame.encode(W0, {"optimizer": {"name": "sgd", "learning_rate": LR}}))
+    assert hc.put("/v1/model", content=body, headers={"content-type": frame.MEDIA_TYPE}).status_code == 201
+    m = shards.from_wire(hc.get("/v1/shards").json()["map"])
+    assert [len(p) for p in m.pieces] == [1, 1] and f.rt.shards.folds(1)
+    wait_for(lambda: c.rt.core.round is not None, allow(10), "round 0")
+    assert [c.rt.core.members.by_id[w].rank for w in ids] == list(range(n))
+    return hc, hf, m, ids
+
+
+def counting(role) -> list[int]:
+    """The most pieces the follower ``role`` held at once (as a list of one, updated on every hold)."""
+    most, put = [0], role.holds.put
+
+    def counted(worker_id, held):
+        put(worker_id, held)
+        most[0] = max(most[0], len(role.holds))
+    role.holds.put = counted
+    return most
+
+
+def rank_order_weights(contributors: list[int]) -> np.ndarray:
+    """One PS's result: W0 - lr * (the rank-order sum / n), float32."""
+    total = None
+    for i in contributors:
+        g = gradient(i)["w"]
+        total = g.copy() if total is None else np.add(total, g, out=total)
+    if len(contributors) > 1:
+        total /= np.float32(len(contributors))
+    return W0["w"] - np.float32(LR) * total
+
+
+@pytest.mark.parametrize("absent", [None, "holds and never commits"])
+def test_a_follower_holds_at_most_two_pieces_and_sums_bit_identical(absent):
+    n = 5
+    with two_shards(min_workers=n, lease_seconds=2.0, shard_split_elements=P // 2) as (c, f):
+        hc, hf, m, ids = start(c, f, n)
+        most = counting(f.rt.shards)
+        answers: dict[int, str] = {}
+        barrier = threading.Barrier(n)
+
+        def worker(i: int) -> None:
+            with c.http() as hc_i, f.http() as hf_i:
+                hc_i.timeout = hf_i.timeout = allow(30)
+                barrier.wait()
+                assert hold(hc_i, m, 0, ids[i], 0, gradient(i)).status_code == 200
+                r = hold(hf_i, m, 1, ids[i], 0, gradient(i))
+                assert r.status_code == 200, r.text
+                if absent and i == 1:  # its pieces are held on both shards; it is gone before its commit
+                    assert hc_i.delete(f"/v1/workers/{ids[i]}").status_code == 200
+                    return
+                answers[i] = commit(hc_i, ids[i], 0, [r.json()["receipt"]]).json()["status"]
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in reversed(range(n))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(allow(60))
+        wait_for(lambda: f.rt.core.global_step == 1 and c.rt.core.global_step == 1, allow(20), "round 0 applied")
+        contributors = [i for i in range(n) if not (absent and i == 1)]
+        assert answers == {i: "accepted" for i in contributors}
+        record = c.rt.core.rounds[-1]
+        assert sorted(a.rank for a in record.contributors) == contributors
+        whole = assemble(m, [dict(c.rt.core.weights), dict(f.rt.core.weights)])
+        assert whole["w"].tobytes() == rank_order_weights(contributors).tobytes(), "not the rank-order sum"
+        assert most[0] <= 2, f"the follower held {most[0]} pieces at once"
+        assert f.rt.shards.gate.overdue == 0 and len(f.rt.shards.holds) == 0
+        hc.close(), hf.close()
