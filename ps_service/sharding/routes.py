@@ -71,9 +71,10 @@ async def hold(request: Request, map: str = Query(..., max_length=64, descriptio
     if map != role.digest:
         raise ProtocolError(409, "shard_map_mismatch", f"shard {role.index}'s map is {role.digest}, the push's "
                                                        f"{map}: fetch GET /v1/shards again")
-    # a follower has no membership; it reads a large hold in its turn (.turns)
+    # a large hold is read in its turn, in rank order: the coordinator's core's (ps_service/core/intake.py: the holds of
+    # the members its round awaits next), a follower's as the coordinator tells it (.turns); a follower has no members
     push, via = await rt.tensors.receive_push(request, members=role.coordinator,
-                                              turn=None if role.coordinator else role.turn)
+                                              turn=rt.turn if role.coordinator else role.turn)
     step, g = push.step, rt.core.global_step
     if step > g and not role.coordinator:  # this follower restarted or went back: the worker registers again
         raise ProtocolError(409, "shard_behind", f"step {step} is ahead of shard {role.index}'s global step {g} "
