@@ -1,7 +1,8 @@
 """The PS's memory does not grow with the worker count (ps_service/core/intake.py): a real PS reads large pushes in
 rank order, leaving the others unread in the kernel (or in the worker's same-host file) until their turn; a
 contributor that dies mid-body, or never pushes, holds nobody up past its lease; and the PS's peak RSS of a real job
-with 6 workers stays within a model copy of the one with 2, over TCP and same-host files."""
+with 6 workers stays within a model copy of the one with 2, over TCP and same-host files (and a sharded follower's
+within a piece copy)."""
 from __future__ import annotations
 
 import json
@@ -73,10 +74,10 @@ def test_a_contributor_that_dies_mid_body_or_never_pushes_holds_the_others_up_on
                 c.close()
 
 
-def _peak_rss_mb(workers: int, params: int, transport: str) -> dict:
+def _peak_rss_mb(workers: int, params: int, transport: str, shards: int = 1) -> dict:
     out = subprocess.run([sys.executable, "-m", "bench.run", "--json", "--workers", str(workers), "--params",
-                          str(params), "--seconds", "1.5", "--warmup", "1", "--transport", transport],
-                         capture_output=True, text=True, timeout=240)
+                          str(params), "--seconds", "1.5", "--warmup", "1", "--transport", transport,
+                          "--shards", str(shards)], capture_output=True, text=True, timeout=240)
     line = json.loads(out.stdout.strip().splitlines()[-1])
     assert out.returncode == 0 and line["steps"] > 0, line
     return line
@@ -92,6 +93,16 @@ def test_the_ps_peak_memory_does_not_grow_with_the_workers(transport):
     field = "peak_rss_MB" if transport == "http" else "peak_anon_MB"
     two, six = (_peak_rss_mb(n, params, transport) for n in (2, 6))
     assert six[field] - two[field] < model_mb, (two, six)
+
+
+def test_a_followers_peak_memory_does_not_grow_with_the_workers():
+    """Two shards over TCP, 5e6 parameters (a 20 MB model, a 10 MB piece a shard): at 6 workers the follower's peak RSS
+    is within a piece copy of its peak at 2 (it held every worker's piece until the round's apply before: 4 pieces more
+    at 6 workers; ps_service/sharding/turns.py). The coordinator's RSS varies by more than a piece between runs of one
+    N here (its encoded answers): tests/test_shard_follow.py counts what it holds instead."""
+    params, piece_mb = 5_000_000, 10.0
+    two, six = (_peak_rss_mb(n, params, "http", shards=2) for n in (2, 6))
+    assert six["shard_peak_rss_MB"][1] - two["shard_peak_rss_MB"][1] < piece_mb, (two, six)
 
 
 def test_a_push_that_waits_its_turn_longer_than_the_tcp_user_timeout_keeps_its_connection():

@@ -16,11 +16,12 @@ When round s closes with contributors C, :meth:`ShardRole.decided` (the core's
 (:mod:`.links`), who sum the held pieces of C in rank order and step the same optimizer. The routes are
 :mod:`.routes`. :func:`role` is None on an unsharded PS: nothing here runs then.
 
-A follower's memory stays flat in the worker count (pieces of 1 MiB or more, :mod:`.turns`): while round s fills,
-the coordinator tells each such follower, in order, which keys its round has summed and whose push it awaits next
-(:meth:`ShardRole.observe`); the follower sums those held pieces in that order as told (:meth:`.holds.Holds.progress`)
-and reads a hold only in its worker's turn (:meth:`ShardRole.turn`), so it holds the running sum and the pieces of
-the next one or two in rank order, as one PS does. It never sums on a guess: a key the coordinator summed is an
+A shard's memory stays flat in the worker count (pieces of 1 MiB or more, :mod:`.turns`). The coordinator reads a
+hold in its round's turn, as one PS reads a push (its core's intake: the hold route gives the seam the runtime's
+``turn``). While round s fills, it tells each such follower, in order, which keys its round has summed and whose push
+it awaits next (:meth:`ShardRole.observe`); the follower sums those held pieces in that order as told
+(:meth:`.holds.Holds.progress`) and reads a hold only in its worker's turn (:meth:`ShardRole.turn`). So each holds
+the running sum and the pieces of the next one or two in rank order, as one PS does. It never sums on a guess: a key the coordinator summed is an
 accepted commit, which stays a contributor, so the apply's C begins with the keys summed, and the rest of C is summed
 at the apply: the same additions in the same order, bit for bit.
 
