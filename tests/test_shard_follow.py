@@ -103,3 +103,26 @@ def test_a_follower_holds_at_most_two_pieces_and_sums_bit_identical(absent):
         assert coordinator[0] <= 2, f"the coordinator held {coordinator[0]} pieces at once"
         assert f.rt.shards.gate.overdue == c.rt.core.intake.overdue == 0 and len(f.rt.shards.holds) == 0
         hc.close(), hf.close()
+
+
+@pytest.mark.parametrize("transport", ["http", "shm"])
+def test_a_job_whose_shards_sum_in_turn_trains_bit_identical_to_one_ps(transport):
+    """Real processes: 4 workers, 2 shards, a model whose pieces are 1.2 MB a shard (summed as told, read in turn, over
+    request bodies and same-host files): the final weights are those of the same job on one PS, 0 ulp."""
+    from ps_service.sharding.turns import FOLD_BYTES
+    from tests.clusters import run_job
+    from worker_service.tasks import load_task
+
+    steps, workers, task, split = 12, 4, "bench.task:params_600000", 300_000
+    params = load_task(task, 7, "float32").init_params()
+    m = shards.plan(shards.spec_of(params), 2, split)
+    assert min(m.bytes_owned(0), m.bytes_owned(1)) >= FOLD_BYTES
+    ps_env = {"PS_MAX_STEPS": steps, "PS_OPTIMIZER": "momentum", "PS_SHARD_SPLIT_ELEMENTS": split}
+    worker_env = {"WORKER_TASK": task, "WORKER_DTYPE": "float32", "WORKER_SEED": 7, "WORKER_BATCH_SIZE": 16,
+                  **({"WORKER_SHM_DIR": ""} if transport == "http" else {})}
+    job = run_job(workers, ps_env, worker_env, deadline=allow(120), shards=2)
+    assert job.exit_codes == [0] * workers and job.status["global_step"] == steps
+    assert {w["transport"] for w in job.workers} == {transport}
+    ref = run_job(workers, ps_env, worker_env, deadline=allow(120)).tensors  # the same job on one PS process
+    assert job.tensors.keys() == ref.keys()
+    assert all(job.tensors[k].tobytes() == ref[k].tobytes() for k in ref), "not bit-identical (0 ulp)"
