@@ -86,6 +86,7 @@ class ShardRole:
         self.tracker = Tracker()  # the coordinator: the open round's order, as its folding followers last heard it
         self.gate = Gate()  # a follower: holds waiting for their turn
         self._folding: list[int] = []  # the coordinator: the followers that sum as told (their pieces' bytes)
+        self._folds_here = False  # a follower that sums as told
         if not self.coordinator:
             core.follow()
         else:
@@ -120,6 +121,7 @@ class ShardRole:
     def _set_map(self, m: ShardMap) -> None:
         self.map = m
         self._folding = [i for i in range(1, self.count) if self.folds(i)]
+        self._folds_here = not self.coordinator and self.folds(self.index)
 
     def folds(self, index: int) -> bool:
         """Shard ``index`` (a follower) sums a round as the coordinator's is summed and reads holds in their turn:
@@ -256,7 +258,7 @@ class ShardRole:
         """A follower's hold waits for its turn (the seam's ``turn``): True once the coordinator awaits that worker's
         push, or at once if this shard does not sum as told; at the end of ``seconds`` False, or (``last``) True, read
         out of turn."""
-        if not self.folds(self.index):
+        if not self._folds_here:
             return True
         return await self.gate.wait(lambda: self.holds.may_read(worker_id, step, self.core.global_step), seconds, last)
 
