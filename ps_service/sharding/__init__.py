@@ -256,9 +256,10 @@ class ShardRole:
 
     async def turn(self, worker_id: str, step: int, seconds: float, last: bool = True) -> bool:
         """A follower's hold waits for its turn (the seam's ``turn``): True once the coordinator awaits that worker's
-        push, or at once if this shard does not sum as told; at the end of ``seconds`` False, or (``last``) True, read
-        out of turn."""
-        if not self._folds_here:
+        push, or at once if this shard does not sum as told or has no receipt key (it restarted: the hold is refused,
+        409 ``shard_behind``, as soon as read); at the end of ``seconds`` False, or (``last``) True, read out of
+        turn."""
+        if not self._folds_here or self.receipt_key is None:
             return True
         return await self.gate.wait(lambda: self.holds.may_read(worker_id, step, self.core.global_step), seconds, last)
 
