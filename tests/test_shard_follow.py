@@ -3,8 +3,10 @@ follower sums a round as the coordinator's round is summed, as told, and every s
 turn (the coordinator's core's intake, ps_service/core/intake.py); the result is the rank-order sum of the round's
 contributors, bit for bit, also when a worker that held its pieces never commits.
 
-In-process shards (uvicorn threads) so the test can count what the follower holds; workers are threads that do what
-a worker does (hold on both shards, then commit with the follower's receipt), all at once, in reverse rank order."""
+In-process shards (uvicorn threads) so the test can count what each shard holds; workers are threads that do what
+a worker does (hold on both shards, then commit with the follower's receipt), all at once, in reverse rank order.
+Then real processes: a job trains bit-identical to the same job on one PS, over bodies and same-host files, and also
+when a follower is killed (kill -9) and started again mid-job (the live rollback)."""
 from __future__ import annotations
 
 import threading
@@ -12,10 +14,13 @@ import threading
 import numpy as np
 import pytest
 
-from cluster.processes import wait_for
-from shared import shards
+from cluster.processes import LocalCluster, wait_for
+from ps_service.sharding.turns import FOLD_BYTES
+from shared import frame, shards
+from tests.clusters import final_weights, run_job
 from tests.test_shards import assemble, commit, hold, two_shards
 from tests.timing import allow
+from worker_service.tasks import load_task
 
 #: float32 elements: split in two pieces of 2.4 MB, one per shard (above the gate, FOLD_BYTES)
 P = 1_200_000
@@ -30,7 +35,6 @@ def gradient(i: int) -> dict[str, np.ndarray]:
 def start(c, f, n: int):
     hc, hf = c.http(), f.http()
     ids = [hc.post("/v1/workers", json={"name": f"w{i}"}).json()["worker_id"] for i in range(n)]
-    from shared import frame
     body = b"".join(bytes(p) for p in frame.encode(W0, {"optimizer": {"name": "sgd", "learning_rate": LR}}))
     assert hc.put("/v1/model", content=body, headers={"content-type": frame.MEDIA_TYPE}).status_code == 201
     m = shards.from_wire(hc.get("/v1/shards").json()["map"])
@@ -110,9 +114,6 @@ def test_a_follower_holds_at_most_two_pieces_and_sums_bit_identical(absent):
 def test_a_job_whose_shards_sum_in_turn_trains_bit_identical_to_one_ps(transport):
     """Real processes: 4 workers, 2 shards, a model whose pieces are 1.2 MB a shard (summed as told, read in turn, over
     request bodies and same-host files): the final weights are those of the same job on one PS, 0 ulp."""
-    from ps_service.sharding.turns import FOLD_BYTES
-    from tests.clusters import run_job
-    from worker_service.tasks import load_task
 
     steps, workers, task, split = 12, 4, "bench.task:params_600000", 300_000
     params = load_task(task, 7, "float32").init_params()
@@ -127,3 +128,31 @@ def test_a_job_whose_shards_sum_in_turn_trains_bit_identical_to_one_ps(transport
     ref = run_job(workers, ps_env, worker_env, deadline=allow(120)).tensors  # the same job on one PS process
     assert job.tensors.keys() == ref.keys()
     assert all(job.tensors[k].tobytes() == ref[k].tobytes() for k in ref), "not bit-identical (0 ulp)"
+
+
+@pytest.mark.slow
+def test_a_follower_killed_while_it_sums_in_turn_rolls_the_job_back_and_it_finishes_bit_identical(tmp_path):
+    """kill -9 of a follower that sums as told (1.2 MB pieces), started again from its checkpoints: the coordinator
+    rolls the job back live (its next progress or apply names pieces the follower lost, or its boot id changed) and
+    the job ends with the weights of the same job on one PS, 0 ulp."""
+
+    steps, workers, kill_at = 30, 3, 10
+    base = {"PS_MAX_STEPS": steps, "PS_TOTAL_NUM_REPLICAS": workers, "PS_SHARD_SPLIT_ELEMENTS": 300_000}
+    ckpt = {"PS_CHECKPOINT_DIR": str(tmp_path / "ckpt"), "PS_CHECKPOINT_EVERY_STEPS": 1,
+            "PS_CHECKPOINT_EVERY_SECONDS": 0, "PS_CHECKPOINT_KEEP": 8}
+    worker_env = {"WORKER_TASK": "bench.task:params_600000", "WORKER_DTYPE": "float32", "WORKER_SEED": 7,
+                  "WORKER_BATCH_SIZE": 16, "WORKER_SHM_DIR": ""}
+    with LocalCluster(workers, ps_env={**base, **ckpt}, worker_env=worker_env, shards=2) as c:
+        try:
+            wait_for(lambda: c.status()["global_step"] >= kill_at, allow(60), f"step {kill_at}")
+            c.kill(c.followers[0])
+            c.start_ps()  # only shard 1 is not running: it comes back from its checkpoint directory
+            assert c.wait_workers(allow(120)) == [0] * workers
+            wait_for(lambda: c.status()["state"] == "done", allow(10), "the PS to report done")
+            st, got = c.status(), final_weights(c)
+        except Exception:
+            raise AssertionError(f"job failed; logs:\n{c.logs()}")
+    assert st["shard"]["rollbacks"] == 1 and st["shard"]["blocked"] is None, st["shard"]
+    ref = run_job(workers, base, worker_env, deadline=allow(120)).tensors  # the same job on one PS process
+    assert got.keys() == ref.keys()
+    assert all(got[k].tobytes() == ref[k].tobytes() for k in ref), "not bit-identical to one PS (0 ulp)"
