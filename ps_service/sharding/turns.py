@@ -14,7 +14,10 @@ A follower knows no membership; the coordinator's round knows who contributes an
   coordinator's messages, applies and rollbacks wake it.
 
 Only followers whose pieces are large enough to be gated (:data:`FOLD_BYTES`, the seam's bound: smaller bodies
-are read at once) get these messages and gate their holds: both sides decide from the shard map.
+are read at once) get these messages and gate their holds: both sides decide from the shard map. (The coordinator
+reads its own holds in the same turns through its core's intake, :mod:`ps_service.core.intake`.) What stays held
+beyond the bound: the pieces of a worker that held them and never committed (to the round's apply), and a hold read
+out of turn.
 """
 from __future__ import annotations
 
