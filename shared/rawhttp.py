@@ -1,4 +1,4 @@
-"""A lean HTTP/1.1 keep-alive client connection: the worker's tensor calls (pull, push), the coordinator's applies.
+"""A lean HTTP/1.1 keep-alive client connection: the worker's tensor calls (pull, push), the standby link's steps.
 
 What httpx does for a 40 MB body costs several copies and fresh allocations per
 request; this connection does neither:
@@ -26,11 +26,6 @@ answering (it closed an idle connection as the request arrived) the error is
 idempotent request again at once on a new connection (the heartbeat thread
 does, without counting a failure). An answer the server sent before it
 stopped reading (e.g. a 413) is still returned.
-
-A request can also go in two halves: :meth:`RawConnection.send_now` writes a
-small one on a kept-alive socket without ever blocking (from an event loop's
-thread: nothing sent, False, when no socket is ready for it), and
-:meth:`RawConnection.receive` reads its answer later, in another thread.
 """
 from __future__ import annotations
 
@@ -40,7 +35,7 @@ import select
 import socket
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping
+from typing import Iterable, Mapping
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -50,8 +45,6 @@ from shared import keepalive, liveness, refs
 HEADER_LIMIT = 64 * 1024
 #: bodies smaller than this are plain bytes (a buffer pool is not worth it)
 POOL_MIN_BYTES = 64 * 1024
-#: :meth:`RawConnection.send_now`: how long the rest of a request its first send cut short may take, blocking
-REST_SECONDS = 1.0
 
 
 class ConnectionLost(Exception):
@@ -94,12 +87,11 @@ class RawConnection:
             self.sock = None
 
     def request(self, method: str, target: str, headers: Mapping[str, str], body: Iterable[bytes | memoryview] = (),
-                timeout: float = 30.0, on_sent: Callable[[], None] | None = None) -> RawResponse:
+                timeout: float = 30.0) -> RawResponse:
         """Send one request (``body``: buffers sent as they are, in order) and read its answer.
 
         ``timeout`` bounds each socket operation (connect, every send, every receive). Raises
-        :class:`ConnectionLost` when the request failed; it is never sent twice from here. ``on_sent`` is
-        called once the whole request is written, before its answer is read.
+        :class:`ConnectionLost` when the request failed; it is never sent twice from here.
         """
         parts = self._message(method, target, headers, body)
         self._drop_stale()
@@ -117,37 +109,6 @@ class RawConnection:
                     raise
                 self.close()  # our request was cut short: the connection is done with
                 return early
-            if on_sent is not None:
-                on_sent()
-            return self._answered(method)
-
-    def send_now(self, method: str, target: str, headers: Mapping[str, str], body: bytes = b"") -> bool:
-        """Write a small request on the kept-alive socket without blocking: False (nothing sent) when there is none
-        ready (none yet, idle too long, closed by the server) or its send buffer cannot take the request at once. True:
-        it is written; :meth:`receive` reads the answer. Raises :class:`ConnectionLost` when the socket failed."""
-        self._drop_stale()
-        if self.sock is None:
-            return False
-        message = b"".join(bytes(p) for p in self._message(method, target, headers, (body,)))
-        with self._failures(REST_SECONDS):
-            self.sock.setblocking(False)
-            try:
-                sent = self.sock.send(message)
-            except BlockingIOError:
-                sent = 0
-            if sent == 0:
-                return False
-            if sent < len(message):  # never for a few hundred bytes on an idle socket: the rest goes blocking
-                self.sock.settimeout(REST_SECONDS)
-                self.sock.sendall(message[sent:])
-        return True
-
-    def receive(self, method: str, timeout: float = 30.0) -> RawResponse:
-        """The answer to the request :meth:`send_now` wrote (``timeout`` bounds every receive)."""
-        if self.sock is None:
-            raise ConnectionLost("no request is waiting for an answer on this connection")
-        with self._failures(timeout):
-            self.sock.settimeout(timeout)
             return self._answered(method)
 
     def _drop_stale(self) -> None:

@@ -113,13 +113,11 @@ async def _until(cond, seconds: float, what: str) -> None:
         await asyncio.sleep(0.005)
 
 
-async def _idle_link(url: str) -> tuple[Links, Follower]:
-    """Started links to one follower at ``url``, once its sender waits on its queue (an idle link)."""
+async def _started_link(url: str) -> tuple[Links, Follower]:
+    """Started links to one follower at ``url``."""
     links = Links(["http://coordinator.invalid", url], None)
     links.start()
-    f = links.followers[0]
-    await _until(lambda: f.waiting, 10, "an idle sender")
-    return links, f
+    return links, links.followers[0]
 
 
 def test_sent_returns_once_the_apply_is_written_before_the_follower_answers():
@@ -165,7 +163,7 @@ def test_sent_is_bounded_when_a_follower_cannot_be_reached_and_ends_for_a_stoppe
 def test_a_follower_is_silent_while_an_apply_waits_too_long_for_its_answer_and_answers_again_once_answered():
     async def main() -> None:
         async with (follower := HeldFollower()) as url:
-            links, f = await _idle_link(url)
+            links, f = await _started_link(url)
             try:
                 assert links.silent() == []
                 links.round_closed(0, [(0, "w0")], 1)
@@ -241,100 +239,22 @@ def test_stop_ends_a_sender_whose_cancellation_wait_for_dropped():
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("statuses", [(), (503,)])
-def test_an_apply_decided_while_the_event_loop_is_busy_reaches_an_idle_follower_at_once(statuses):
-    """``round_closed`` is called as the coordinator decides a round, before it steps its own share in the event loop's
-    thread: an idle link's early writer writes the apply meanwhile, and the sender takes its answer (a 5xx: sent
-    again)."""
-    follower = ThreadFollower(statuses)
-
-    async def main() -> None:
-        links, f = await _idle_link(follower.url)
-        try:
-            links.round_closed(7, [(0, "w0"), (1, "w1")], 2)
-            end = time.monotonic() + 10
-            while not follower.applies and time.monotonic() < end:
-                time.sleep(0.005)  # the coordinator's own step: the event loop does nothing else meanwhile
-            assert follower.applies, "the apply did not leave while the event loop was busy"
-            await asyncio.wait_for(links.sent(7, 30.0), 5.0)
-            await _until(lambda: f.step == 1 and f.sent == 7, 10, "the follower's answer")
-            assert [b for _, b in follower.applies] == [follower.applies[0][1]] * (1 + len(statuses))
-            assert b'"step": 7' in follower.applies[0][1] or b'"step":7' in follower.applies[0][1]
-            links.round_closed(8, [(0, "w0")], 1)  # the next round goes by the early writer again, in order
-            await _until(lambda: f.sent == 8 and len(follower.applies) == 2 + len(statuses), 10, "round 8")
-            await links.stop()
-            assert f.error is None
-        finally:
-            await links.close()
-            follower.close()
-    asyncio.run(main())
-
-
-def test_an_apply_on_a_kept_alive_link_is_written_in_the_event_loops_thread_at_once():
-    """Once the early applies' connection is kept alive, ``round_closed`` writes the apply itself before it returns (no
-    thread to wake: the follower has it even while the link's writer thread is held), and that thread only reads the
-    answer; ``sent`` is marked at once."""
-    follower = ThreadFollower()
-
-    async def main() -> None:
-        links, f = await _idle_link(follower.url)
-        try:
-            links.round_closed(3, [(0, "w0")], 1)  # no connection yet: the writer thread connects and writes
-            await _until(lambda: f.step == 1 and f.sent == 3 and f.waiting, 10, "round 3's answer")
-            assert f.early.sock is not None  # kept alive for the next apply
-            held, release = threading.Event(), threading.Event()
-            f.writer.submit(lambda: (held.set(), release.wait(10)))
-            assert held.wait(10)
-            links.round_closed(4, [(0, "w0")], 1)
-            assert f.sent == 4  # written before round_closed returned
-            end = time.monotonic() + 10
-            while len(follower.applies) < 2 and time.monotonic() < end:
-                time.sleep(0.002)  # the event loop and the writer thread are both held: only a written apply arrives
-            assert len(follower.applies) == 2 and b'"step":4' in follower.applies[1][1]
-            release.set()
-            await _until(lambda: f.queue.empty() and f.waiting, 10, "the sender to take round 4's answer")
-            assert len(follower.applies) == 2 and f.error is None  # answered once: not sent again
-        finally:
-            await links.close()
-            follower.close()
-    asyncio.run(main())
-
-
-def test_a_follower_behind_https_gets_its_applies_from_the_sender_alone():
-    """The raw connection speaks http:// only: a follower URL behind TLS has no early connection, and its applies go by
-    the sender's httpx client (queued, in order)."""
-    async def main() -> None:
-        links = Links(["http://coordinator.invalid", "https://follower.invalid:8443"], None)
-        f = links.followers[0]
-        assert f.early is None
-        f.waiting = True  # as if its sender waited: no early write is tried all the same
-        links.round_closed(0, [(0, "w0")], 1)
-        msg, early = f.queue.get_nowait()
-        assert early is None and msg["step"] == 0
-        await links.close()
-    asyncio.run(main())
-
-
-def test_every_apply_presents_the_training_token_whichever_way_it_goes():
-    """The early applies (by the writer thread, then written in the event loop's thread) and the sender's carry the
-    coordinator's bearer token: a follower that requires it never refuses them (a 401 would stop the link)."""
+def test_every_apply_presents_the_training_token_and_one_answered_5xx_is_sent_again():
+    """The sender's applies carry the coordinator's bearer token (a follower that requires it never refuses them: a
+    401 would stop the link), in step order; an apply answered with a 5xx is sent again, once it answers 200."""
     from pydantic import SecretStr
 
-    follower = ThreadFollower()
+    follower = ThreadFollower((503,))
 
     async def main() -> None:
         links = Links(["http://coordinator.invalid", follower.url], SecretStr("s3cret"))
         links.start()
         f = links.followers[0]
         try:
-            for step in (0, 1):  # the first connects by the writer thread; the second is written at once
-                await _until(lambda: f.waiting and f.queue.empty(), 10, "an idle sender")
+            for step in (0, 1):
                 links.round_closed(step, [(0, "w0")], 1)
-                await _until(lambda: f.sent == step and f.queue.empty() and f.waiting, 10, f"round {step}")
-            assert f.early.sock is not None
-            f.waiting = False  # as if the sender were busy: the next apply goes by the sender's httpx client
-            links.round_closed(2, [(0, "w0")], 1)
-            await _until(lambda: f.sent == 2 and len(follower.heads) == 3, 10, "round 2")
+            await _until(lambda: f.sent == 1 and f.queue.empty() and len(follower.applies) == 3, 10, "rounds 0, 1")
+            assert [b'"step": 0' in b or b'"step":0' in b for _, b in follower.applies] == [True, True, False]
             assert all(b"authorization: bearer s3cret" in h.lower() for h in follower.heads), follower.heads
         finally:
             await links.close()

@@ -322,23 +322,3 @@ def test_a_request_that_stalled_before_failing_is_logged_with_its_duration(caplo
     assert len(stalls) == 2 and all(r.levelno == logging.WARNING for r in caplog.records if "got no answer" in r.getMessage())
     assert stalls[0].startswith("POST /v1/gradients (step 7) got no answer in 0.")
     assert stalls[0].endswith("s (ConnectionLost: timed out: no progress for 0.2 s)"), stalls[0]
-
-
-def test_send_now_writes_only_on_a_ready_kept_alive_socket_and_receive_reads_the_answer():
-    """``send_now`` never connects and never blocks: with no socket, or one the server closed, nothing is sent (False);
-    on a kept-alive socket the request is written at once (True) and ``receive`` reads its answer, the connection then
-    reused as after any request."""
-    with echo_server(keepalive=1.0) as url:
-        conn = RawConnection(url)
-        headers = {"content-type": "application/json"}
-        assert conn.send_now("POST", "/echo", headers, b"{}") is False and conn.sock is None
-        first = conn.request("POST", "/echo", headers, [b"{}"], timeout=10.0).json()
-        assert conn.send_now("POST", "/echo", headers, b'{"a": 1}') is True
-        answer = conn.receive("POST", timeout=10.0)
-        assert answer.status_code == 200 and answer.json()["length"] == 8 and answer.json()["port"] == first["port"]
-        wait_until_closed_by_server(conn)  # idle past the server's keep-alive: it closed the connection
-        assert conn.send_now("POST", "/echo", headers, b"{}") is False and conn.sock is None
-        assert conn.request("POST", "/echo", headers, [b"{}"], timeout=10.0).json()["port"] != first["port"]
-        conn.close()
-        with pytest.raises(ConnectionLost):
-            conn.receive("POST", timeout=1.0)  # nothing was sent on this connection

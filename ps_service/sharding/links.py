@@ -6,15 +6,9 @@ Contract:
   raised as a 409 ``shard_init_failed`` naming it, an unreachable one as 503 ``shard_unreachable``.
 - :meth:`Links.round_closed` queues "apply round s with contributors C" for every follower; one task per follower
   sends them in step order (``POST /v1/shard/apply``), retrying each (capped backoff) until the follower answers.
-  It is called as the round is decided, before the coordinator steps its own share (``core.on_decided``), in the
-  event loop's thread, which that step then keeps busy: so a follower whose sender is idle (its queue empty) gets
-  its apply at once, *early*: written right there on the link's own kept-alive connection without blocking
-  (:meth:`shared.rawhttp.RawConnection.send_now`), or, when that connection is not ready, by a thread of its own
-  (its *early writer*: one blocking request); that thread reads the answer, which the sender then takes as its
-  own (lost or 5xx: the sender sends it again). The follower's step overlaps the coordinator's.
   :meth:`Links.progress` queues the open round's progress (:mod:`.turns`) for the followers named, on the same queue:
   a follower gets the messages of a round after the apply of the round before, in order
-  (``POST /v1/shard/progress``, retried as an apply; it never goes early and :meth:`Links.sent` counts applies only).
+  (``POST /v1/shard/progress``, retried as an apply; :meth:`Links.sent` counts applies only).
   :meth:`Links.sent` waits (at most the seconds it is given) until every working link has written the apply of a
   round to its connection: the coordinator's weights answers wait for it, so that the apply leaves before megabytes
   of weights on the coordinator's network interface (a FIFO queue) and the followers' answers are not late by the
@@ -35,10 +29,8 @@ Contract:
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -48,7 +40,6 @@ from shared import keepalive, liveness
 from shared.errors import ProtocolError
 from shared.frame import MEDIA_TYPE as FRAME
 from shared.protocol import API
-from shared.rawhttp import ConnectionLost, RawConnection, RawResponse
 from shared.tokens import bearer_header
 
 log = logging.getLogger("ps_service")
@@ -75,10 +66,6 @@ class Follower:
     boot: str | None = None  # the follower process's boot id, as it last answered (another one: it restarted)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     sent: int = -1  # the newest round whose apply was written to its connection
-    waiting: bool = False  # its sender waits on its queue: a round decided now may go early, at once
-    writer: ThreadPoolExecutor | None = None  # one thread: early applies' answers (and their writes, when not at once)
-    early: RawConnection | None = None  # the early applies' connection (the writer's, or idle)
-    in_flight: Future | None = None  # the last early apply's answer
     unanswered_since: float | None = None  # when the oldest apply still unanswered was queued (monotonic)
 
 
@@ -97,15 +84,10 @@ class Links:
         a connection idle for half of it is not reused (shared/keepalive.py)."""
         self.followers = [Follower(i, url) for i, url in enumerate(urls) if i > 0]
         self.headers = dict(bearer_header(token))
-        self._apply_headers = {**self.headers, "content-type": "application/json"}  # of an early apply
         limits = httpx.Limits(keepalive_expiry=keepalive.reuse_seconds(keepalive_seconds))
         transport = httpx.AsyncHTTPTransport(limits=limits, socket_options=liveness.socket_options())  # liveness.py
         timeout = httpx.Timeout(REQUEST_TIMEOUT_SECONDS, connect=liveness.connect_timeout(REQUEST_TIMEOUT_SECONDS))
         self.client = httpx.AsyncClient(timeout=timeout, headers=self.headers, transport=transport)
-        for f in self.followers:
-            f.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"shard-{f.index}-writer")
-            # reused for half the followers' keep-alive at most, as the client's; http:// only (https: by the sender)
-            f.early = RawConnection(f.url) if f.url.startswith("http://") else None
         self.tasks: list[asyncio.Task] = []
         self.blocked: str | None = None
         #: called with the follower and the reason when it restarted (its link is stopped meanwhile)
@@ -116,27 +98,17 @@ class Links:
         self.tasks = [asyncio.create_task(self._sender(f)) for f in self.followers]
 
     async def stop(self) -> None:
-        """Stop every sender (an apply in flight is abandoned; one its early writer wrote gets its answer first, at most
-        ``REQUEST_TIMEOUT_SECONDS``), empty the queues, clear the errors (:meth:`start` starts them again)."""
+        """Stop every sender (an apply in flight is abandoned), empty the queues, clear the errors (:meth:`start`
+        starts them again)."""
         await self._cancel()
-        early = [asyncio.wrap_future(f.in_flight) for f in self.followers if f.in_flight is not None]
-        if early:
-            await asyncio.wait(early, timeout=REQUEST_TIMEOUT_SECONDS)
-            for fut in early:
-                if fut.done() and not fut.cancelled():
-                    fut.exception()  # retrieved: a failed one was the sender's to send again, and it is stopped
         for f in self.followers:
-            f.in_flight = f.unanswered_since = None
+            f.unanswered_since = None
             f.queue, f.error, f.sent = asyncio.Queue(), None, -1
         self._wake()
 
     async def close(self) -> None:
         await self._cancel()
         await self.client.aclose()
-        for f in self.followers:
-            if f.early is not None:
-                f.writer.submit(f.early.close)  # after its request in flight, if any
-            f.writer.shutdown(wait=False)
 
     async def _cancel(self) -> None:
         """Cancel every sender and wait until it ended. A sender still running after :data:`CANCEL_AGAIN_SECONDS` is
@@ -215,14 +187,8 @@ class Links:
 
     def round_closed(self, step: int, contributors: list[tuple[int, str]], mean_of: int) -> None:
         msg = {"step": step, "contributors": [list(c) for c in contributors], "mean_of": mean_of}
-        body = None
         for f in self.followers:
-            early = None
-            if f.waiting and f.error is None and f.queue.empty() and f.early is not None:  # nothing before it: early
-                # (its sender waits: the last early apply's answer was taken, the connection is idle)
-                body = body or json.dumps(msg, separators=(",", ":")).encode()
-                early = f.in_flight = self._write_early(f, step, body)
-            f.queue.put_nowait((msg, early))
+            f.queue.put_nowait(msg)
             if f.unanswered_since is None:
                 f.unanswered_since = time.monotonic()
 
@@ -241,41 +207,12 @@ class Links:
         return [f for f in self.followers if f.error is None and (
             f.reachable is False or (f.unanswered_since is not None and now - f.unanswered_since > SILENT_SECONDS))]
 
-    def _write_early(self, f: Follower, step: int, body: bytes) -> Future:
-        """``POST /v1/shard/apply`` once, early: written now if ``f.early`` can take it at once, else by ``f``'s writer
-        thread; either way that thread reads the answer (the future's; its sender takes it, or sends it again)."""
-        target, headers = f"{API}/shard/apply", self._apply_headers
-        try:
-            if f.early.send_now("POST", target, headers, body):
-                self._mark_sent(f, step)
-                return f.writer.submit(f.early.receive, "POST", REQUEST_TIMEOUT_SECONDS)
-        except ConnectionLost as exc:  # the connection broke under the write: the writer makes a fresh one
-            log.info("shard %d at %s: the early apply's connection broke (%s)", f.index, f.url, exc)
-        loop = asyncio.get_running_loop()
-        sent = lambda: loop.call_soon_threadsafe(self._mark_sent, f, step)  # noqa: E731
-        return f.writer.submit(f.early.request, "POST", target, headers, (body,), REQUEST_TIMEOUT_SECONDS, sent)
-
-    async def _early_answer(self, f: Follower, early: Future) -> httpx.Response | RawResponse | None:
-        """The answer to ``f``'s early apply; None if it got none, or a 5xx (the caller sends it again)."""
-        try:
-            resp = await asyncio.wrap_future(early)
-        except Exception as exc:  # httpx's errors, or anything else: never the sender's end
-            f.reachable = False
-            log.warning("shard %d at %s: POST /shard/apply failed (%s: %s); retrying", f.index, f.url,
-                        type(exc).__name__, exc)
-            return None
-        f.reachable = True
-        return resp if resp.status_code < 500 else None
-
     async def _sender(self, f: Follower) -> None:
         while True:
-            f.waiting = True
             try:
-                msg, early = await asyncio.wait_for(f.queue.get(), PROBE_SECONDS)
+                msg = await asyncio.wait_for(f.queue.get(), PROBE_SECONDS)
             except asyncio.TimeoutError:
-                msg = early = None
-            finally:
-                f.waiting = False
+                msg = None
             if f.error is not None:
                 continue
             try:
@@ -283,17 +220,15 @@ class Links:
                     resp = await self._exchange(f, "GET", "/shard/state", time.monotonic() + PROBE_SECONDS,
                                                 timeout=PROBE_TIMEOUT_SECONDS)
                 else:
-                    resp = None if early is None else await self._early_answer(f, early)
-                    if resp is None and "path" in msg:  # the open round's progress
+                    if "path" in msg:  # the open round's progress
                         resp = await self._exchange(f, "POST", msg["path"], float("inf"),
                                                     json={k: v for k, v in msg.items() if k != "path"})
-                    elif resp is None:
+                    else:
                         async def trace(event: str, info: dict, step: int = msg["step"]) -> None:
                             if event == "http11.send_request_body.complete":  # httpcore's "trace" request extension
                                 self._mark_sent(f, step)
                         resp = await self._exchange(f, "POST", "/shard/apply", float("inf"), json=msg,
                                                     extensions={"trace": trace})
-                    if "path" not in msg:
                         self._mark_sent(f, msg["step"])
             except TimeoutError:
                 continue  # a probe that got no answer: the next one asks again
