@@ -142,7 +142,83 @@ def test_async_and_ssp_read_one_push_at_a_time(mode):
     assert core.readers() is None and core.claim(ids[0], 0)
 
 
-def test_backup_workers_are_not_gated():
+def fixed_round(core, ids, step, order, fails, draw, most: int = 2) -> dict[int, PushStatus]:
+    """One fixed-R round and its late pushes, driven to the end: heads in ``order``; a push in ``fails`` has its first
+    read fail (the client went away, or the core refused it) and comes again after the others. Each push's answer."""
+    heads, waiting, reading, answers, failed = list(order), [], [], {}, set()
+    while heads or waiting or reading:
+        options = (["head"] if heads else []) + (["read"] if reading else [])
+        assert options, f"no push can move: waiting {waiting}, step {core.global_step}"
+        if draw(st.sampled_from(options)) == "head":
+            i = heads.pop(0)
+            (reading if core.claim(ids[i], step) else waiting).append(i)
+        else:
+            i = draw(st.sampled_from(reading))
+            reading.remove(i)
+            if i in fails and i not in failed:
+                failed.add(i)
+                heads.append(i)
+            else:
+                answers[i] = core.push(PushRequest(ids[i], step, gradient(step, i)), 0.0).status
+            core.release(ids[i])
+        for _ in range(2):
+            assert held(core) <= most and len(core.intake.refusing) <= 1, (held(core), core.intake.refusing)
+            wake(core, waiting, reading, ids, step)
+    return answers
+
+
+@settings(max_examples=80, deadline=None)
+@given(n=st.integers(1, 6), data=st.data())
+def test_fixed_r_counts_a_push_at_its_head_holds_two_gradients_and_one_refused_push_and_sums_in_rank_order(n, data):
+    """Backup workers (R < N): whatever order heads come and reads end in, with heads whose read fails and comes again,
+    the first R heads contribute (a failed one's place goes to the next head that may take it), every other push is
+    ``late``, the PS holds at most the running sum and two reads of the round (``min_replicas`` q above 2: q gradients,
+    unsummed until q are in: a stuck round may still take a worker of any rank) and one late push being read, and the
+    weights are bit for bit those of the same contributors' pushes taken with no gate."""
+    r = data.draw(st.integers(1, n))
+    q = data.draw(st.integers(1, r))
+    core, ids = make(n, replicas_to_aggregate=r, min_replicas=q)
+    reference, ref_ids = make(n, replicas_to_aggregate=r, min_replicas=q)
+    for step in range(2):
+        order = data.draw(st.permutations(range(n)))
+        fails = set(data.draw(st.lists(st.sampled_from(range(n)), max_size=2)))
+        answers = fixed_round(core, ids, step, order, fails, data.draw, max(2, q))
+        taken = sorted(i for i, status in answers.items() if status is PushStatus.ACCEPTED)
+        assert len(answers) == n and len(taken) == r and all(
+            status in (PushStatus.ACCEPTED, PushStatus.LATE) for status in answers.values()), answers
+        record = core.rounds[-1]
+        assert record.reason == "full" and sorted(ids.index(a.worker_id) for a in record.contributors) == taken
+        for i in data.draw(st.permutations(taken)):
+            reference.push(PushRequest(ref_ids[i], step, gradient(step, i)), 0.0)
+        assert core.global_step == reference.global_step == step + 1
+        assert core.intake.reading == core.intake.refusing == set()
+    for k in core.weights:
+        assert core.weights[k].tobytes() == reference.weights[k].tobytes()
+
+
+def test_backup_workers_the_first_r_heads_are_read_in_rank_order_the_others_are_late_at_their_head():
     core, ids = make(4, replicas_to_aggregate=2)
-    assert all(core.claim(w, 0) for w in reversed(ids)) and core.readers() == ()
-    assert core.intake.reading == set()
+    assert core.readers() == (ids[0], ids[1])  # nobody came: the lowest ranks may still
+    assert not core.claim(ids[3], 0)  # rank 0, 1 or 2 may still come first
+    assert core.claim(ids[2], 0)  # R heads came: ranks 2 and 3 contribute, in that order (nothing summed: both read)
+    assert core.round.heads.keys() == {ids[3], ids[2]} and core.readers() == (ids[2], ids[3])
+    assert core.claim(ids[3], 0)
+    assert core.claim(ids[0], 0)  # its head came after R others': late, read at once (no other late one is read)
+    assert not core.claim(ids[1], 0) and core.readers() == (ids[2], ids[3])  # late too: one is read at a time
+    late = core.push(PushRequest(ids[0], 0, gradient(0, 0)), 0.0)
+    core.release(ids[0])
+    assert (late.status, late.step) == (PushStatus.LATE, 0) and core.readers() == (ids[2], ids[3], ids[1])
+    core.release(ids[2])  # rank 2's read failed: its place goes back; rank 1 (not late yet) or 2 again may take it
+    assert list(core.round.heads) == [ids[3]] and core.readers() == (ids[1], ids[2], ids[1])  # (and the late lane's)
+    assert core.claim(ids[1], 0)  # rank 1 takes it: the lowest of the two now
+    assert core.push(PushRequest(ids[3], 0, gradient(0, 3)), 0.0).status is PushStatus.ACCEPTED
+    core.release(ids[3])
+    assert core.push(PushRequest(ids[1], 0, gradient(0, 1)), 0.0).closed
+    core.release(ids[1])
+    assert core.claim(ids[2], 0)  # its push again: the round closed, late
+    assert core.push(PushRequest(ids[2], 0, gradient(0, 2)), 0.0).status is PushStatus.LATE
+    core.release(ids[2])
+    record = core.rounds[-1]
+    assert [a.worker_id for a in record.contributors] == [ids[3], ids[1]]
+    assert [a.worker_id for a in record.late] == [ids[0], ids[2]]
+    assert core.intake.reading == core.intake.refusing == set() and core.intake.queued == {}

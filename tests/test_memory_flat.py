@@ -1,8 +1,8 @@
 """The PS's memory does not grow with the worker count (ps_service/core/intake.py): a real PS reads large pushes in
 rank order, leaving the others unread in the kernel (or in the worker's same-host file) until their turn; a
 contributor that dies mid-body, or never pushes, holds nobody up past its lease; and the PS's peak RSS of a real job
-with 6 workers stays within a model copy of the one with 2, over TCP and same-host files (and a sharded follower's
-within a piece copy)."""
+with 6 workers stays within a model copy of the one with 2 (with backup workers, R = 4 of 6 within a copy of R = 2
+of 3), over TCP and same-host files (and a sharded follower's within a piece copy)."""
 from __future__ import annotations
 
 import json
@@ -74,10 +74,16 @@ def test_a_contributor_that_dies_mid_body_or_never_pushes_holds_the_others_up_on
                 c.close()
 
 
-def _peak_rss_mb(workers: int, params: int, transport: str, shards: int = 1) -> dict:
-    out = subprocess.run([sys.executable, "-m", "bench.run", "--json", "--workers", str(workers), "--params",
-                          str(params), "--seconds", "1.5", "--warmup", "1", "--transport", transport,
-                          "--shards", str(shards)], capture_output=True, text=True, timeout=240)
+def _peak_rss_mb(workers: int, params: int, transport: str, shards: int = 1, replicas: int | None = None) -> dict:
+    """One ``bench.run`` job's line (``replicas``: with ``PS_REPLICAS_TO_AGGREGATE``, all N workers there at step 0)."""
+    if replicas is None:
+        command = ["-m", "bench.run", "--json", "--workers", str(workers), "--params", str(params), "--seconds", "1.5",
+                   "--warmup", "1", "--transport", transport, "--shards", str(shards)]
+    else:
+        command = ["-c", "import json; from bench.run import measure; print(json.dumps(measure("
+                   f"{workers}, {params}, 1.5, warmup=1.0, transport={transport!r}, ps_env={{"
+                   f"'PS_REPLICAS_TO_AGGREGATE': {replicas}, 'PS_MIN_WORKERS': {workers}}})))"]
+    out = subprocess.run([sys.executable, *command], capture_output=True, text=True, timeout=240)
     line = json.loads(out.stdout.strip().splitlines()[-1])
     assert out.returncode == 0 and line["steps"] > 0, line
     return line
@@ -103,6 +109,17 @@ def test_a_followers_peak_memory_does_not_grow_with_the_workers():
     params, piece_mb = 5_000_000, 10.0
     two, six = (_peak_rss_mb(n, params, "http", shards=2) for n in (2, 6))
     assert six["shard_peak_rss_MB"][1] - two["shard_peak_rss_MB"][1] < piece_mb, (two, six)
+
+
+@pytest.mark.parametrize("transport", ["http", "auto"])
+def test_with_backup_workers_the_ps_peak_memory_does_not_grow_with_the_workers(transport):
+    """Fixed R (backup workers, ps_service/core/intake.py): a push counts at its head, the R contributors are read in
+    rank order and the others are refused one at a time, so at 6 workers with R = 4 the PS's peak memory is within
+    one model copy of its peak at 3 workers with R = 2 (it read every push on arrival before: R held, N - R read)."""
+    params, model_mb = 2_500_000, 10.0
+    field = "peak_rss_MB" if transport == "http" else "peak_anon_MB"
+    three, six = (_peak_rss_mb(n, params, transport, r) for n, r in ((3, 2), (6, 4)))
+    assert six[field] - three[field] < model_mb, (three, six)
 
 
 def test_a_push_that_waits_its_turn_longer_than_the_tcp_user_timeout_keeps_its_connection():

@@ -442,7 +442,8 @@ class ParameterServerCore(ModelState):
         p = self.partitions
         names = tuple(self.weights) if p is None else p.keys(0)
         self.round = Round(self.global_step, now, eligible, Accumulator(names, self.config.aggregation),
-                           self.members.is_active, lambda w: self.members.by_id[w].name)
+                           self.members.is_active, lambda w: self.members.by_id[w].name,
+                           replicas=self.rule.replicas_to_aggregate)
         self.parts = None if p is None else RoundParts.open(p, self.config.aggregation)
 
     @property
@@ -523,15 +524,20 @@ class ParameterServerCore(ModelState):
         """May the tensors of ``worker_id``'s push for ``step`` be read now (:mod:`ps_service.core.intake`: in rank
         order, so that the PS holds at most two gradients of a round)? True: read them, then :meth:`push` (or
         :meth:`release`: the read failed); False: wait until :meth:`readers` names the worker. ``overdue``: it waited
-        long enough: read it now, out of turn if need be."""
+        long enough: read it now, out of turn if need be. Fixed R: the push counts here, at its head
+        (:meth:`~ps_service.core.rounds.Round.head`)."""
         m = self.members.active_by_id.get(worker_id)
         if m is None or self.weights is None:
             return True  # refused once read, as ever
         if self.modes is not None:
             return self.intake.claim(worker_id, _anyone, overdue)
-        r = self.round
-        if r is None or self.rule.replicas_to_aggregate or self.classify(m, step, True) is not PushStatus.ACCEPTED:
+        r, fixed = self.round, self.rule.replicas_to_aggregate
+        if r is None:
             return True
+        if self.classify(m, step, True) is not PushStatus.ACCEPTED:
+            return self.intake.claim_late(worker_id, overdue) if fixed else True
+        if fixed and r.head(worker_id):
+            self._changed()  # the turns may have moved (R heads came: who else may be read is known)
         return self.intake.claim(worker_id, r.turns, overdue)
 
     def readers(self) -> tuple[str, ...] | None:
@@ -540,11 +546,15 @@ class ParameterServerCore(ModelState):
         if self.modes is not None:
             return () if self.intake.reading else None
         r = self.round
-        return () if r is None or self.rule.replicas_to_aggregate or self.deciding else r.turns()
+        turns = () if r is None or self.deciding else r.turns()
+        return turns + self.intake.late_readers() if self.rule.replicas_to_aggregate else turns
 
     def release(self, worker_id: str) -> None:
-        """The claim of ``worker_id``'s push ends (taken by :meth:`push`, or its read failed): the next may begin."""
-        if self.intake.release(worker_id):
+        """The claim of ``worker_id``'s push ends (taken by :meth:`push`, or its read failed): the next may begin. Fixed R:
+        a head whose push the round did not take gives its place back (:meth:`~ps_service.core.rounds.Round.unhead`)."""
+        released = self.intake.release(worker_id)
+        r = self.round  # (its counts, hence its close, do not depend on the heads: only who may be read next does)
+        if (r is not None and r.replicas is not None and r.unhead(worker_id)) or released:
             self._changed()
 
     def _member(self, worker_id: str | None) -> Member | None:
@@ -640,8 +650,8 @@ class ParameterServerCore(ModelState):
         if step == g and self.deciding:  # decided: its contributors are fixed
             return PushStatus.LATE
         r = self.round  # (r.counts(wid), read inline: a push classifies once or twice)
-        if step == g and wid in r.eligible and wid not in r.gone:  # NaN/Inf under policy skip: skipped, this round
-            return PushStatus.ACCEPTED if finite else PushStatus.SKIPPED
+        if step == g and wid in r.eligible and wid not in r.gone and (r.replicas is None or r.may_head(wid)):
+            return PushStatus.ACCEPTED if finite else PushStatus.SKIPPED  # NaN/Inf under policy skip: skipped
         if step == g or (step == g - 1 and self.last_round is not None and wid in self.last_round.eligible):
             return PushStatus.LATE
         return PushStatus.STALE
@@ -688,7 +698,7 @@ class ParameterServerCore(ModelState):
             p = self._progress(r, now)
         else:
             if status is PushStatus.LATE and req.step == self.global_step:
-                r.late.append(at)
+                r.lose(at)  # fixed R: it came after R heads
             elif status is PushStatus.LATE:  # for the round that just closed: its record lists it
                 self.rounds[-1] = replace(self.rounds[-1], late=(*self.rounds[-1].late, at))
             return

@@ -23,6 +23,16 @@ Closing rule (:meth:`CloseRule.progress`), checked after every change:
 - either mode, deadline: open ``round_timeout`` seconds with at least ``min_replicas`` gradients
   in, reason ``deadline``.
 
+Fixed R counts a push at its *head* (:meth:`Round.head`: its worker id and step, before its tensors are read; the
+transport asks then, :mod:`ps_service.core.intake`): the round's contributors are its first R heads (``heads``, arrival
+order), and a push whose head comes after R others' is ``late`` (:meth:`Round.lose`: the member is done with the round,
+not waited for). A head whose push then fails (its body could not be read, or the core refused it: 4xx) gives its place
+back (:meth:`Round.unhead`): the next head to come takes it (the same push retried, or a member yet to push), provided it
+sorts after the part of the sum already made; else R is out of reach once those still awaited are in, and the round
+closes with what it has (``unreachable``, at least ``min_replicas``). As in TensorFlow's SyncReplicasOptimizer, a
+gradient that never made it does not count towards R; unlike it, the pushes already answered ``late`` are not taken
+back (their bodies were not kept).
+
 *Stuck* (:attr:`Progress.stuck`): the round cannot close with its own members (only a deadline
 could close it); a worker that registers then joins the open round instead of the next one.
 
@@ -45,8 +55,9 @@ The round's sum (:class:`Accumulator`, the PS's ConditionalAccumulator):
   the arrival order, so a run is bit-reproducible. The worker id breaks rank ties (a newcomer can
   reuse the rank of a member that left mid-round).
 - Part of the sum is done while the round fills, as arrivals allow: a gradient is folded in once no
-  gradient still possible (``pending``) sorts before it. When that is not known (``pending=None``:
-  fixed R, whose first R arrivals win) everything waits for ``take_sum()``. Folding early or late
+  gradient still possible (``pending``) sorts before it: elastic, a live member's yet to come; fixed R, once R heads
+  came, theirs only. When that is not known (``pending=None``: fixed R with fewer gradients in than ``min_replicas``,
+  where a stuck round may still take a worker of any rank) the gradients wait. Folding early or late
   gives the same bits. The gradients not summed yet wait in a heap by key: O(log K) per gradient.
 - One gradient type: owned arrays (dense, or a top-k push's :class:`~shared.compression.SparseTensor`). Whatever
   carried them (a body, a same-host file: its transport copied it into a buffer of the PS's own,
@@ -214,6 +225,12 @@ class Round:
     order: list[Key] = field(default_factory=list, init=False, repr=False)
     frontier: int = field(default=0, init=False, repr=False)
     _ranks: tuple[int, ...] | None = field(default=None, init=False, repr=False, compare=False)
+    #: R (fixed R; None: elastic)
+    replicas: int | None = None
+    #: fixed R: the members whose push counted at its head (at most R, arrival order), and those done with the round
+    #: without contributing (their push came after R heads: answered ``late``)
+    heads: dict[str, None] = field(default_factory=dict, repr=False)
+    lost: set[str] = field(default_factory=set, repr=False)
 
     def __post_init__(self) -> None:
         self.deadline_from = self.opened_at
@@ -239,7 +256,8 @@ class Round:
         """(live, waiting) of a member: counted and alive; and with no contribution yet."""
         live = worker_id in self.eligible and worker_id not in self.gone \
             and (self.alive(worker_id) if alive is None else alive)
-        return live, live and worker_id not in self.acc.keys and worker_id not in self.skipped
+        return live, live and worker_id not in self.acc.keys and worker_id not in self.skipped \
+            and worker_id not in self.lost
 
     def _count(self, worker_id: str, before: tuple[bool, bool], alive: bool | None = None) -> None:
         live, waiting = self.standing(worker_id, alive)
@@ -267,9 +285,14 @@ class Round:
         (elastic: stuck means nothing came), so such a member never joins it again; ``but`` (bringing its own now)
         is that contribution. Its key is passed for good (the frontier never goes back)."""
         order, acc, skipped, alive, gone = self.order, self.acc.keys, self.skipped, self.alive, self.gone
+        fixed = self.replicas is not None
+        if fixed:  # a member yet to push can no longer come once R heads came, nor below the sum already made
+            heads, lost, full = self.heads, self.lost, len(self.heads) >= self.replicas
+            floor = self.acc.folded[-1] if self.acc.folded else None
         while i < len(order):
             w = order[i][1]
-            if not (w in acc or w in skipped or w == but or not alive(w) or w in gone):
+            if not (w in acc or w in skipped or w == but or not alive(w) or w in gone) and not (
+                    fixed and (w in lost or (full and w not in heads) or (floor is not None and order[i] < floor))):
                 break
             i += 1
         return i
@@ -287,6 +310,39 @@ class Round:
         j = self._pending_at(i + 1, None)
         return (order[i][1],) if j == len(order) else (order[i][1], order[j][1])
 
+    def may_head(self, worker_id: str) -> bool:
+        """Fixed R: would a push of this counted member count (it did, or fewer than R heads came and it sorts after
+        the sum already made)?"""
+        if worker_id in self.heads:
+            return True
+        folded = self.acc.folded
+        return len(self.heads) < self.replicas and not (folded and self.key(worker_id) < folded[-1])
+
+    def head(self, worker_id: str) -> bool:
+        """Fixed R: a push of this counted member came (its head); True if it counts now and did not before."""
+        if worker_id in self.heads or not self.may_head(worker_id):
+            return False
+        self.heads[worker_id] = None
+        return True
+
+    def unhead(self, worker_id: str) -> bool:
+        """Fixed R: a head's push failed before the round took it: its place goes back (the pending keys are looked
+        at again from the sum already made). True if it had one."""
+        if worker_id not in self.heads or worker_id in self.acc.keys or worker_id in self.skipped:
+            return False
+        del self.heads[worker_id]
+        folded = self.acc.folded
+        self.frontier = bisect.bisect_right(self.order, folded[-1]) if folded else 0
+        return True
+
+    def lose(self, arrival: Arrival) -> None:
+        """A late push for this open round: a member's (fixed R: it came after R heads) is done with the round."""
+        self.late.append(arrival)
+        if arrival.worker_id in self.eligible:
+            before = self.standing(arrival.worker_id)
+            self.lost.add(arrival.worker_id)
+            self._count(arrival.worker_id, before)
+
     def _pending(self, worker_id: str, eager: bool) -> tuple[Key, ...] | None:
         """What may still sort before ``worker_id``'s gradient: the lowest pending key (eager), or None (unknown)."""
         if not eager:
@@ -301,7 +357,9 @@ class Round:
         eligible member may still push), the sum starts on the lowest ranks before they all are in."""
         wid = arrival.worker_id
         before = self.standing(wid, True)  # an active member: its push was just admitted
-        pending = self._pending(wid, not rule.replicas_to_aggregate)
+        if self.replicas is not None:
+            self.head(wid)  # a push that reached the core unclaimed counts here
+        pending = self._pending(wid, not self.replicas or len(self.acc.keys) + 1 >= rule.quorum)
         self.acc.apply(wid, self.eligible[wid], grads, pending)
         self._count(wid, before, True)
         self.arrivals.append(arrival)
@@ -320,6 +378,8 @@ class Round:
     def skip(self, arrival: Arrival) -> None:
         """A NaN/Inf push under policy skip: its part in the round is over (not waited for)."""
         before = self.standing(arrival.worker_id)
+        if self.replicas is not None:
+            self.head(arrival.worker_id)
         self.skipped.add(arrival.worker_id)
         self.skips.append(arrival)
         self._count(arrival.worker_id, before)
@@ -327,6 +387,7 @@ class Round:
     def drop(self, worker_id: str) -> None:
         """An eligible member came back mid-round: the round does not wait for it again."""
         before = self.standing(worker_id)
+        self.unhead(worker_id)
         self.gone.add(worker_id)
         self._count(worker_id, before)
 
@@ -334,6 +395,7 @@ class Round:
         """A member joins this open round (it is stuck without it), under ``rank``."""
         before = self.standing(worker_id)
         self.gone.discard(worker_id)
+        self.lost.discard(worker_id)
         old = self.eligible.get(worker_id)
         if old != rank:
             if old is not None:
@@ -342,8 +404,8 @@ class Round:
                 self.frontier -= i < self.frontier
             i = bisect.bisect_left(self.order, (rank, worker_id))
             self.order.insert(i, (rank, worker_id))
-            self.frontier = min(self.frontier, i)
             self._ranks = None
+        self.frontier = min(self.frontier, bisect.bisect_left(self.order, (rank, worker_id)))  # pending again
         self.eligible[worker_id] = rank
         self._count(worker_id, before)
 
