@@ -222,3 +222,14 @@ def test_backup_workers_the_first_r_heads_are_read_in_rank_order_the_others_are_
     assert [a.worker_id for a in record.contributors] == [ids[3], ids[1]]
     assert [a.worker_id for a in record.late] == [ids[0], ids[2]]
     assert core.intake.reading == core.intake.refusing == set() and core.intake.queued == {}
+
+
+def test_backup_workers_a_head_whose_request_went_away_while_it_waited_gives_its_place_back():
+    core, ids = make(4, replicas_to_aggregate=2)
+    assert not core.claim(ids[3], 0)  # counted; waits: ranks 0-2 may still come first
+    assert core.claim(ids[2], 0)  # R heads: rank 2 is read first
+    core.withdraw(ids[3])  # its client went away while it waited: its place goes back
+    core.withdraw(ids[2])  # being read: nothing to give back
+    assert list(core.round.heads) == [ids[2]] and core.intake.reading == {ids[2]}
+    assert core.claim(ids[0], 0) and list(core.round.heads) == [ids[2], ids[0]]  # takes it, and is read (nothing summed)
+    assert core.claim(ids[1], 0) and core.intake.refusing == {ids[1]}  # late at its head

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import threading
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -29,49 +30,84 @@ def gradient(i: int) -> dict[str, np.ndarray]:
     return {"w": np.random.default_rng(i).standard_normal(P).astype(np.float32)}
 
 
-@pytest.mark.parametrize("rank0", ["dies mid-body", "never pushes"])
-def test_a_contributor_that_dies_mid_body_or_never_pushes_holds_the_others_up_only_to_its_lease(rank0):
-    with live_ps(lease_seconds=1.5, min_workers=3, startup_grace_seconds=0, optimizer="sgd",
-                 learning_rate=0.5) as ps:
+@contextmanager
+def three_workers(**settings):
+    """A live PS (SGD, learning rate 0.5) with workers a, b, c (ranks 0, 1, 2) registered and W0 initialised, round 0
+    open: (the PS, their clients, their ids)."""
+    with live_ps(min_workers=3, startup_grace_seconds=0, optimizer="sgd", learning_rate=0.5, **settings) as ps:
         clients = [ps.client() for _ in range(3)]
         try:
             ids = [c.register(name)["worker_id"] for c, name in zip(clients, "abc")]
             assert clients[0].init_model(W0, {"name": "sgd", "learning_rate": 0.5})
-            core = ps.rt.core
-            wait_for(lambda: core.round is not None, allow(10), "round 0 to open")
-            assert [core.members.by_id[w].rank for w in ids] == [0, 1, 2]
-            dead = None
-            if rank0 == "dies mid-body":  # its frame's header and a part of its body, then it is gone
-                body = push_frame(ids[0], 0, gradient(0))
-                dead = socket.create_connection(("127.0.0.1", ps.port), timeout=10)
-                dead.sendall(f"POST /v1/gradients HTTP/1.1\r\nhost: x\r\ncontent-type: {FRAME}\r\n"
-                             f"content-length: {len(body)}\r\n\r\n".encode() + body[:200_000])
-                wait_for(lambda: ids[0] in core.intake.reading, allow(10), "the PS to read rank 0's push (next in order)")
-            answers: list = []
-            pushers = [threading.Thread(target=lambda i=i: answers.append(clients[i].push(ids[i], 0, gradient(i))))
-                       for i in (2, 1)]
-            for t in pushers:
-                t.start()
-            most = [0]
-
-            def closed() -> bool:
-                most[0] = max(most[0], held(core))
-                return core.global_step == 1
-            wait_for(lambda: closed() or core.intake.deferred > 0, allow(10), "a push to wait for its turn", 0.001)
-            if dead is not None:
-                dead.close()
-            wait_for(closed, allow(20), "the round to close without rank 0", 0.001)
-            for t in pushers:
-                t.join(allow(20))
-            assert sorted(a["status"] for a in answers) == ["accepted", "accepted"]
-            record = core.rounds[-1]
-            assert sorted(a.name for a in record.contributors) == ["b", "c"] and record.missing == ("a",)
-            mean = (gradient(1)["w"] + gradient(2)["w"]) / np.float32(2)  # rank order: b, then c
-            assert core.weights["w"].tobytes() == (W0["w"] - np.float32(0.5) * mean).tobytes()
-            assert most[0] <= 2 and core.intake.reading == set()
+            wait_for(lambda: ps.rt.core.round is not None, allow(10), "round 0 to open")
+            assert [ps.rt.core.members.by_id[w].rank for w in ids] == [0, 1, 2]
+            yield ps, clients, ids
         finally:
             for c in clients:
                 c.close()
+
+
+@pytest.mark.parametrize("rank0", ["dies mid-body", "never pushes"])
+def test_a_contributor_that_dies_mid_body_or_never_pushes_holds_the_others_up_only_to_its_lease(rank0):
+    with three_workers(lease_seconds=1.5) as (ps, clients, ids):
+        core = ps.rt.core
+        dead = None
+        if rank0 == "dies mid-body":  # its frame's header and a part of its body, then it is gone
+            body = push_frame(ids[0], 0, gradient(0))
+            dead = socket.create_connection(("127.0.0.1", ps.port), timeout=10)
+            dead.sendall(f"POST /v1/gradients HTTP/1.1\r\nhost: x\r\ncontent-type: {FRAME}\r\n"
+                         f"content-length: {len(body)}\r\n\r\n".encode() + body[:200_000])
+            wait_for(lambda: ids[0] in core.intake.reading, allow(10), "the PS to read rank 0's push (next in order)")
+        answers: list = []
+        pushers = [threading.Thread(target=lambda i=i: answers.append(clients[i].push(ids[i], 0, gradient(i))))
+                   for i in (2, 1)]
+        for t in pushers:
+            t.start()
+        most = [0]
+
+        def closed() -> bool:
+            most[0] = max(most[0], held(core))
+            return core.global_step == 1
+        wait_for(lambda: closed() or core.intake.deferred > 0, allow(10), "a push to wait for its turn", 0.001)
+        if dead is not None:
+            dead.close()
+        wait_for(closed, allow(20), "the round to close without rank 0", 0.001)
+        for t in pushers:
+            t.join(allow(20))
+        assert sorted(a["status"] for a in answers) == ["accepted", "accepted"]
+        record = core.rounds[-1]
+        assert sorted(a.name for a in record.contributors) == ["b", "c"] and record.missing == ("a",)
+        mean = (gradient(1)["w"] + gradient(2)["w"]) / np.float32(2)  # rank order: b, then c
+        assert core.weights["w"].tobytes() == (W0["w"] - np.float32(0.5) * mean).tobytes()
+        assert most[0] <= 2 and core.intake.reading == set()
+
+
+def test_with_backup_workers_the_first_r_heads_are_summed_in_rank_order_and_a_later_one_is_late():
+    """A real PS, R = 2 of 3, each push 1.6 MB (gated): rank 2's head comes first and waits (ranks 0 and 1 may still
+    come before it); rank 0's makes R, so ranks 0 and 2 contribute, read in rank order; rank 1's, after R heads, is
+    answered ``late``. The weights are the rank-order mean of ranks 0 and 2, bit for bit."""
+    with three_workers(lease_seconds=5.0, replicas_to_aggregate=2) as (ps, clients, ids):
+        core = ps.rt.core
+        answers: dict = {}
+
+        def push(i: int) -> None:
+            answers[i] = clients[i].push(ids[i], 0, gradient(i))
+        threads = {i: threading.Thread(target=push, args=(i,)) for i in range(3)}
+        threads[2].start()
+        wait_for(lambda: ids[2] in core.round.heads and core.intake.deferred >= 1, allow(10), "rank 2's head")
+        assert core.intake.reading == set()  # unread: rank 0 or 1 may still come and sort first
+        threads[0].start()
+        wait_for(lambda: core.global_step == 1 or len(core.round.heads) == 2, allow(10), "R heads")
+        threads[1].start()
+        for t in threads.values():
+            t.join(allow(30))
+        assert [answers[i]["status"] for i in range(3)] == ["accepted", "late", "accepted"], answers
+        record = core.rounds[0]
+        assert [a.worker_id for a in record.contributors] in ([ids[0], ids[2]], [ids[2], ids[0]])
+        assert [a.worker_id for a in record.late] == [ids[1]]
+        mean = (gradient(0)["w"] + gradient(2)["w"]) / np.float32(2)  # rank order: a, then c
+        assert core.weights["w"].tobytes() == (W0["w"] - np.float32(0.5) * mean).tobytes()
+        assert core.intake.reading == core.intake.refusing == set()
 
 
 def _peak_rss_mb(workers: int, params: int, transport: str, shards: int = 1, replicas: int | None = None) -> dict:
@@ -118,7 +154,7 @@ def test_with_backup_workers_the_ps_peak_memory_does_not_grow_with_the_workers(t
     one model copy of its peak at 3 workers with R = 2 (it read every push on arrival before: R held, N - R read)."""
     params, model_mb = 2_500_000, 10.0
     field = "peak_rss_MB" if transport == "http" else "peak_anon_MB"
-    three, six = (_peak_rss_mb(n, params, transport, r) for n, r in ((3, 2), (6, 4)))
+    three, six = (_peak_rss_mb(n, params, transport, replicas=r) for n, r in ((3, 2), (6, 4)))
     assert six[field] - three[field] < model_mb, (three, six)
 
 

@@ -557,6 +557,15 @@ class ParameterServerCore(ModelState):
         if (r is not None and r.replicas is not None and r.unhead(worker_id)) or released:
             self._changed()
 
+    def withdraw(self, worker_id: str) -> None:
+        """A push's wait for its turn ended unclaimed (its request went away): fixed R, its head gives its place back
+        (unless another push of the worker's is being read)."""
+        self.intake.queued.pop(worker_id, None)
+        r = self.round
+        if r is not None and r.replicas is not None and worker_id not in self.intake.reading \
+                and worker_id not in self.intake.refusing and r.unhead(worker_id):
+            self._changed()
+
     def _member(self, worker_id: str | None) -> Member | None:
         """:meth:`admit`'s refusals; the active member (None: ``worker_id`` None)."""
         if self.weights is None:  # (not self.initialized)

@@ -19,7 +19,10 @@ for a turn (:meth:`Intake.readers` names who may read next).
   fewer than R heads came, a member yet to push may still sort first). A push whose head comes after R others' is
   ``late`` (known from its head). Late, stale and duplicate pushes are read one at a time (:meth:`claim_late`): every
   round of a fixed-R job has N - R of them, and read at once they would hold N - R gradients' bodies. So the PS holds
-  the running sum, the push being read (two while nothing is summed) and one push being refused, whatever N.
+  the running sum, the push being read (two while nothing is summed) and one push being refused, whatever N (with
+  ``min_replicas`` q above 2, q: the first q gradients wait unsummed, as a stuck round may still take any rank). A
+  head whose push fails (:meth:`release` before the core took it) gives its place back
+  (:meth:`~ps_service.core.rounds.Round.unhead`).
 - A push waits for its turn at most a lease (the transport's patience: by then a member ahead of it that is gone
   has expired and passed its turn); then it is read out of turn (``overdue``), held like any gradient that came
   early: a round held up by a slow member holds more, as it would without the gate; steady rounds do not.

@@ -102,10 +102,21 @@ class TensorSeam:
             prefix = await read_prefix(request, _meta_needs, s.body_idle_timeout_seconds)
             who = _pusher(frame.peek_meta(prefix[0]))
             if who is not None:
-                prefix = await self._body_turn(request, turn, who, prefix)
-                claimed.append(who[0])
+                prefix = await self._claimed(who[0], self._body_turn(request, turn, who, prefix), claimed)
         return await read_body(request, s.max_body_bytes, frame.MEDIA_TYPE, s.body_idle_timeout_seconds, recurring,
                                prefix, progress)
+
+    async def _claimed(self, worker_id: str, waiting: Awaitable, claimed: list):
+        """What ``waiting`` (a push's wait for its turn) returns once it is claimed: the worker's id is then in
+        ``claimed``. A wait that ends otherwise (its request went away) is the core's to know: a fixed-R round counted
+        the push at its head, and gives its place back (:meth:`ParameterServerCore.withdraw`)."""
+        try:
+            out = await waiting
+        except BaseException:
+            self.core.withdraw(worker_id)
+            raise
+        claimed.append(worker_id)
+        return out
 
     async def _body_turn(self, request: Request, turn: Turn, who: tuple[str, int], prefix: tuple[bytearray, bool]
                          ) -> tuple[bytearray, bool]:
@@ -127,8 +138,7 @@ class TensorSeam:
         """A large same-host push's turn, once its body (no tensors) is read: its file is read after it."""
         if seq is not None and turn is not None and not claimed and self.shm.layout is not None \
                 and self.shm.layout.data_bytes >= GATED_BYTES:
-            await turn(push.worker_id, push.step, self.settings.lease_seconds)
-            claimed.append(push.worker_id)
+            await self._claimed(push.worker_id, turn(push.worker_id, push.step, self.settings.lease_seconds), claimed)
 
     async def push(self, request: Request, clock: Callable[[], float], turn: Turn | None = None
                    ) -> tuple[PushResult, PushRequest, str]:
