@@ -283,7 +283,9 @@ class Round:
         """The index of the first key from ``i`` on that may still bring a gradient (len(order): none). A member
         that is not alive, or came back mid-round, brings none: once the round has a contribution it cannot get stuck
         (elastic: stuck means nothing came), so such a member never joins it again; ``but`` (bringing its own now)
-        is that contribution. Its key is passed for good (the frontier never goes back)."""
+        is that contribution. Its key is passed for good (the frontier goes back only when a fixed-R round's place comes
+        free, :meth:`unhead`, or a member joins a stuck round). Fixed R also passes the members that can no longer
+        contribute: done without (``lost``), not among R heads that came, or sorting before the sum already made."""
         order, acc, skipped, alive, gone = self.order, self.acc.keys, self.skipped, self.alive, self.gone
         fixed = self.replicas is not None
         if fixed:  # a member yet to push can no longer come once R heads came, nor below the sum already made
@@ -338,7 +340,7 @@ class Round:
     def lose(self, arrival: Arrival) -> None:
         """A late push for this open round: a member's (fixed R: it came after R heads) is done with the round."""
         self.late.append(arrival)
-        if arrival.worker_id in self.eligible:
+        if self.replicas is not None and arrival.worker_id in self.eligible:
             before = self.standing(arrival.worker_id)
             self.lost.add(arrival.worker_id)
             self._count(arrival.worker_id, before)
