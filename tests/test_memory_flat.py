@@ -110,6 +110,48 @@ def test_with_backup_workers_the_first_r_heads_are_summed_in_rank_order_and_a_la
         assert core.intake.reading == core.intake.refusing == set()
 
 
+@pytest.mark.parametrize("rank1", ["comes after", "came before"])
+def test_with_backup_workers_a_contributor_whose_body_fails_gives_its_place_to_the_next_push_or_r_is_out_of_reach(
+        rank1):
+    """R = 2 of 3: ranks 2 and 0 count at their heads, rank 0 is read first and dies mid-body. Rank 1's push, coming
+    after that, takes its place: the round sums ranks 1 and 2 (``full``). Came before (while rank 0's body was read:
+    ``late`` at its head), nobody is left to take the place: once rank 0's lease ends (its client is gone; rank 1's
+    heartbeats) the round closes with rank 2 alone (``unreachable``, min_replicas 1)."""
+    with three_workers(lease_seconds=3.0, replicas_to_aggregate=2) as (ps, clients, ids):
+        core, answers = ps.rt.core, {}
+        threads = {i: threading.Thread(target=lambda i=i: answers.setdefault(i, clients[i].push(ids[i], 0, gradient(i))))
+                   for i in (1, 2)}
+        threads[2].start()
+        wait_for(lambda: ids[2] in core.round.heads and core.intake.deferred >= 1, allow(10), "rank 2's head")
+        body = push_frame(ids[0], 0, gradient(0))
+        clients[0].heartbeat(ids[0])  # its lease runs from here
+        dead = socket.create_connection(("127.0.0.1", ps.port), timeout=10)
+        dead.sendall(f"POST /v1/gradients HTTP/1.1\r\nhost: x\r\ncontent-type: {FRAME}\r\n"
+                     f"content-length: {len(body)}\r\n\r\n".encode() + body[:200_000])
+        wait_for(lambda: ids[0] in core.intake.reading, allow(10), "the PS to read rank 0's push (first in order)")
+        if rank1 == "came before":
+            threads[1].start()
+            wait_for(lambda: 1 in answers, allow(10), "rank 1's answer")
+        dead.close()
+        wait_for(lambda: core.global_step == 1 or ids[0] not in core.round.heads, allow(10), "rank 0's place back")
+        if rank1 == "comes after":
+            threads[1].start()
+        for t in threads.values():
+            t.join(allow(20))
+        # rank 1 lives on (a PS that hears from no worker holds every lease: membership.py)
+        wait_for(lambda: clients[1].heartbeat(ids[1]) and core.global_step == 1, allow(20), "the round to close", 0.1)
+        record, want = core.rounds[0], {"comes after": (1, 2), "came before": (2,)}[rank1]
+        assert sorted(ids.index(a.worker_id) for a in record.contributors) == list(want)
+        assert record.reason == ("full" if rank1 == "comes after" else "unreachable")
+        assert answers[1]["status"] == ("accepted" if rank1 == "comes after" else "late")
+        assert answers[2]["status"] == "accepted"
+        total = gradient(want[0])["w"]
+        if len(want) == 2:
+            total = (total + gradient(want[1])["w"]) / np.float32(2)  # rank order: b, then c
+        assert core.weights["w"].tobytes() == (W0["w"] - np.float32(0.5) * total).tobytes()
+        assert core.intake.reading == core.intake.refusing == set()
+
+
 def _peak_rss_mb(workers: int, params: int, transport: str, shards: int = 1, replicas: int | None = None) -> dict:
     """One ``bench.run`` job's line (``replicas``: with ``PS_REPLICAS_TO_AGGREGATE``, all N workers there at step 0)."""
     if replicas is None:
