@@ -196,7 +196,7 @@ class Links:
         """Queue the open round's progress ``msg`` (:class:`.turns.Tracker`'s) for the followers of ``indices``."""
         for f in self.followers:
             if f.index in indices:
-                f.queue.put_nowait(({**msg, "path": "/shard/progress"}, None))
+                f.queue.put_nowait({**msg, "path": "/shard/progress"})
                 if f.unanswered_since is None:
                     f.unanswered_since = time.monotonic()
 
