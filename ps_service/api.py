@@ -10,9 +10,10 @@ also called directly by ps_service/hotpath.py.
 """
 from __future__ import annotations
 
-from typing import Annotated, Awaitable, Callable
+from typing import Annotated, AsyncIterator, Awaitable, Callable
 
 from fastapi import APIRouter, Query, Request, Response
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 
 from ps_service.http import JSON_BODY_LIMIT, REFUSALS, DecimalInt, parse_json
@@ -22,6 +23,9 @@ from shared.errors import ProtocolError
 from shared.protocol import API, FRAME, FRAME_BODY, JSON, PUSH_STATUS_HEADER, STEP_HEADER, PushStatus
 
 router = APIRouter(prefix=API, tags=["training"])
+PARTITIONED = ("In a job with partitioned rounds (PS_PARTITION_BYTES > 0): a pull of step s + 1 made while round s is "
+               "decided and its partitions still close is answered partition by partition, each frame as its "
+               "partition closes (docs/protocol-partitions.md); else, and for a same-host answer, as without it.")
 SINCE = ("The step whose weights this worker holds, as a previous answer of this PS gave them (meta `lineage`): "
          "the answer may then carry the tensors that changed in few entries as those entries (meta `since`, "
          "`sparse`; docs/protocol.md, Weight deltas). Any other value: the dense weights.")
@@ -119,18 +123,45 @@ async def pull(request: Request, min_step: Annotated[DecimalInt, Query(ge=0)] = 
                worker_id: str | None = Query(None, max_length=64),
                shm: bool = Query(False, description="Same-host transport: answer without tensors (meta `\"shm\": true`); "
                                                     "the weights are in the weights file (GET /v1/shm)."),
-               since: Annotated[DecimalInt | None, Query(ge=0, description=SINCE)] = None) -> Response:
+               since: Annotated[DecimalInt | None, Query(ge=0, description=SINCE)] = None,
+               partitioned: bool = Query(False, description=PARTITIONED)) -> Response:
     rt = runtime(request)
     core = rt.core
     ready = lambda: core.initialized and (core.done or (  # noqa: E731
         core.started and core.global_step >= min_step and core.may_pull(worker_id)))  # SSP: the bound
     body = answer_via(core, rt.tensors.via(shm)) == "http"  # answered with the weights in the body: woken first
-    ok = await rt.wait_for(ready, timeout, worker_id, first=body)
+    parts = rt.tensors.partitions if partitioned and body else None
+    streamable = (lambda: False) if parts is None else (lambda: parts.streamable(min_step) is not None)  # noqa: E731
+    ok = await rt.wait_for(lambda: ready() or streamable(), timeout, worker_id, first=body)
     if not core.initialized:
         raise ProtocolError(409, "not_initialized", "the model is not initialised yet (PUT /v1/model)")
     if not ok:
         return Response(status_code=204, headers={STEP_HEADER: str(core.global_step)})
+    if not ready() and streamable():
+        return StreamingResponse(_partition_by_partition(rt, parts.streamable(min_step), worker_id),
+                                 media_type=FRAME, headers={STEP_HEADER: str(core.global_step)})
     return await answer_weights(rt, answer_via(core, rt.tensors.via(shm)), {}, since)
+
+
+async def _partition_by_partition(rt, frames, worker_id: str | None) -> AsyncIterator[bytes]:
+    """Step s + 1's frames in partition order, each once its partition closed (docs/protocol-partitions.md): the
+    worker's lease held meanwhile; if a partition does not close within ``PS_PULL_TIMEOUT_MAX_SECONDS``, the body
+    ends short."""
+    core, held = rt.core, False
+    if worker_id is not None:
+        try:
+            held = core.begin_wait(worker_id, rt.now()) is not None
+        except REFUSALS:  # it left or expired since its wait: the weights go out all the same
+            pass
+    try:
+        for q in range(frames.count):
+            if not frames.has(q) and not await rt.wait_until(lambda: frames.has(q),
+                                                             rt.settings.pull_timeout_max_seconds):
+                return
+            yield frames.frames[q]
+    finally:
+        if held:
+            core.end_wait(worker_id, rt.now())
 
 
 @router.post("/gradients", responses={200: {"description": '{"status": accepted|stale|duplicate|late|skipped, "step", "done"}'}},

@@ -91,7 +91,7 @@ ROUTES: dict[tuple[str, str], tuple[Callable, dict[str, Callable[[str], Any]], d
     ("POST", f"{API}/shard/commit"): _route(shard_routes.commit, {"pull": _bool, "timeout": _seconds}),
     ("POST", f"{API}/shard/apply"): _route(shard_routes.apply, {}),
     ("GET", f"{API}/model"): _route(api.pull, {"min_step": _step, "timeout": _seconds, "worker_id": _worker_id,
-                                               "shm": _bool, "since": _step}),
+                                               "shm": _bool, "since": _step, "partitioned": _bool}),
 }
 
 

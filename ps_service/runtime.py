@@ -58,6 +58,8 @@ class Runtime:
         self._seen_version = self.core.version
         self._seen_barrier = self.barrier()
         self.tensors = TensorSeam(settings, self.core)
+        if settings.partition_bytes:  # pulls answered partition by partition (ps_service/transport/streamed.py)
+            self.core.on_partition = self._partition_closed
         #: requests refused for a missing or wrong token (issue: access control)
         self.auth_failures = 0
         #: the last checkpoint written or restored: {"step", "path", "time", "duration_seconds", "count"}
@@ -84,10 +86,18 @@ class Runtime:
     def abort_waits(self) -> None:
         """Every wait in flight ends now and looks again (a pair's PS changed role: :meth:`wait_for` refuses)."""
         self.aborts += 1
+        self.wake_waits()
+
+    def wake_waits(self) -> None:
+        """Every wait in flight looks at its predicate again (partitions closed: the core's ``on_partition``)."""
         waiters, self._waiters = self._waiters, {}
         for fut in waiters:
             if not fut.done():
                 fut.set_result(False)
+
+    def _partition_closed(self) -> None:
+        self.tensors.partitions.closed()
+        self.wake_waits()
 
     def now(self) -> float:
         """The core's clock. The ticker reads it every ``PS_TICK_SECONDS``: a reading long after the one before means

@@ -118,6 +118,10 @@ class ParameterServerCore(ModelState):
         #: :meth:`apply_round` takes it (total or None, mean_of, contributors), before it is applied: a hot standby's
         #: primary sends it to the standby, which applies it through :meth:`apply_round` (ps_service/standby)
         self.on_step: Callable[[Mapping[str, Any] | None, int, int], None] | None = None
+        #: called with no argument after each call that closed partitions of a partitioned round (the last one's
+        #: after the step advanced): the transport copies their weights out for the pulls answered partition by
+        #: partition (ps_service/transport/streamed.py)
+        self.on_partition: Callable[[], None] | None = None
         #: whose push's tensors are being read, and whose may be next (:meth:`claim`)
         self.intake = Intake()
 
@@ -498,6 +502,8 @@ class ParameterServerCore(ModelState):
         if parts.done:
             rec, self._decision = self._decision, None
             self._finish(now, self.round, rec)
+        if self.on_partition is not None:
+            self.on_partition()
 
     def _finish(self, now: float, r: Round, rec: RoundRecord) -> None:
         """The round closed: its record, the counters, ``global_step += 1``, the next round."""

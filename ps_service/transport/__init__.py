@@ -43,6 +43,7 @@ from ps_service.core import PushResult
 from ps_service.core.buffers import POOL
 from ps_service.transport.deltas import WeightDeltas
 from ps_service.transport.partitioned import Feed, check_head
+from ps_service.transport.streamed import Partitions
 from ps_service.transport.shm import ShmHub
 from shared import compression, frame, liveness
 from shared.errors import ProtocolError, bad_request, unprocessable
@@ -84,6 +85,9 @@ class TensorSeam:
         self._shm_body = b""
         #: one large model upload read at a time (:meth:`receive_model`)
         self._model_reads = asyncio.Lock()
+        #: step s + 1's weights as round s's partitions close, for pulls answered partition by partition (None: the
+        #: job's rounds are not partitioned)
+        self.partitions = Partitions(core) if settings.partition_bytes else None
 
     async def _frame(self, request: Request, recurring: bool = True, turn: Turn | None = None,
                      claimed: list | None = None) -> tuple[frame.Frame, int]:

@@ -1,0 +1,82 @@
+"""A pull answered partition by partition (docs/protocol-partitions.md, Pull).
+
+Contract: in a job with partitioned rounds (``PS_PARTITION_BYTES`` > 0) the core calls :meth:`Partitions.closed`
+(its ``on_partition`` hook) after every call that closed partitions of the open round. While round s is decided
+and its partitions still close, :attr:`Partitions.current` is step s + 1's :class:`StepFrames`: each partition's
+frame of the weights is encoded (its bytes copied) as soon as the partition closed, so an answer in flight sends
+bytes that no later round changes; the last partition's frame waits for the round's close (its meta names the next
+round's ``ranks`` and ``done``, known only then). A pull may send a :class:`StepFrames` while it fills: its frames in
+partition order, each as soon as it is encoded (:meth:`StepFrames.has`). Frame 0 is the answer's head,
+``{"step": s + 1, "partitions": Q}`` and partition 0's pieces (partition 0 closes at the round's decision); frame q
+has the meta ``{"partition": q}`` (the last: ``{"partition": Q - 1, "done": bool, "ranks": [...]}``) and partition
+q's pieces, each frame at the first multiple of 64 bytes after the one before (zero bytes between), as a
+partitioned push's body. The default (no partitions) never makes one: :meth:`closed` is not installed.
+"""
+from __future__ import annotations
+
+from shared import frame
+
+
+class StepFrames:
+    """The frames of step ``step``'s weights, partition by partition (None: not closed yet)."""
+
+    def __init__(self, step: int, count: int) -> None:
+        self.step, self.count = step, count
+        self.frames: list[bytes | None] = [None] * count
+
+    def has(self, q: int) -> bool:
+        return self.frames[q] is not None
+
+    @property
+    def complete(self) -> bool:
+        return all(f is not None for f in self.frames)
+
+
+class Partitions:
+    def __init__(self, core) -> None:
+        self.core = core
+        #: the frames of the step whose round is closing (or closed last), None before the first decision
+        self.current: StepFrames | None = None
+
+    def streamable(self, min_step: int) -> StepFrames | None:
+        """The frames a pull of ``min_step`` may be answered with partition by partition: round ``min_step - 1``
+        is decided and still closing (else None: the pull waits, or is answered whole, as without partitions)."""
+        core, cur = self.core, self.current
+        if core.deciding and core.global_step + 1 == min_step and cur is not None and cur.step == min_step:
+            return cur
+        return None
+
+    def closed(self) -> None:
+        """The core's hook: encode each partition of the open round that closed since, at once (the weights of that
+        partition are step s + 1's until the next round's partition closes); when the round closed (the step
+        advanced), the partitions left, the last with the next round's ranks."""
+        core = self.core
+        plan = core.partitions
+        if plan is None:
+            return
+        if core.deciding:
+            step = core.global_step + 1
+            if self.current is None or self.current.step != step:
+                self.current = StepFrames(step, plan.count)
+            qs = [0, *sorted(core.parts.closed)]
+            last = False
+        else:
+            cur = self.current
+            if cur is None or cur.step != core.global_step or cur.complete:
+                return  # (a round decided and closed in one call: no pull was answered from it)
+            qs, last = range(plan.count), True
+        cur = self.current
+        for q in qs:
+            if cur.frames[q] is None and (last or q != plan.count - 1):
+                cur.frames[q] = self._encode(plan, q, cur.step)
+
+    def _encode(self, plan, q: int, step: int) -> bytes:
+        core, count = self.core, plan.count
+        if q == 0:
+            meta = {"step": step, "partitions": count}
+        elif q == count - 1:
+            meta = {"partition": q, "done": core.done, "ranks": list(core.ranks())}
+        else:
+            meta = {"partition": q}
+        body = frame.encode_bytes(plan.split(core.weights, q), meta)
+        return body if q == count - 1 else body + bytes(frame.aligned(len(body)) - len(body))
