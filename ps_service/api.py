@@ -138,7 +138,7 @@ async def pull(request: Request, min_step: Annotated[DecimalInt, Query(ge=0)] = 
     if not ok:
         return Response(status_code=204, headers={STEP_HEADER: str(core.global_step)})
     if not ready() and streamable():
-        return StreamingResponse(_partition_by_partition(rt, parts.streamable(min_step), worker_id),
+        return StreamingResponse(_partition_by_partition(rt, parts.answer(min_step), worker_id),
                                  media_type=FRAME, headers={STEP_HEADER: str(core.global_step)})
     return await answer_weights(rt, answer_via(core, rt.tensors.via(shm)), {}, since)
 

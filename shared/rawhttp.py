@@ -9,8 +9,9 @@ request; this connection does neither:
   one of two numpy byte arrays, taken only when nothing still views it, so the
   arrays a caller decoded from the previous answer stay valid.
 
-Only what the PS speaks is supported: ``Content-Length`` bodies (the PS never
-answers chunked), keep-alive, ``http://`` URLs. Every call has a timeout.
+Only what the PS speaks is supported: ``Content-Length`` bodies, chunked ones
+(a pull answered partition by partition: read whole, then returned as one
+buffer), keep-alive, ``http://`` URLs. Every call has a timeout.
 
 A kept-alive socket is reused only while it has been idle for less than half
 the server's keep-alive timeout (its ``keep-alive: timeout=N`` answer header;
@@ -204,6 +205,8 @@ class RawConnection:
             content: bytes | memoryview = b""
         elif "content-length" in headers and "transfer-encoding" not in headers:
             content = self._exactly(int(headers["content-length"]), extra)
+        elif headers.get("transfer-encoding", "").lower() == "chunked":
+            content = self._chunked(bytearray(extra))
         else:
             raise ValueError("response not framed by content-length")
         if headers.get("connection", "").lower() == "close":
@@ -223,6 +226,42 @@ class RawConnection:
                 raise ValueError("connection closed inside the body")
             got += r
         return bytes(view) if small else view
+
+    def _chunked(self, pending: bytearray) -> bytes:
+        """A chunked body (``pending``: its bytes already read), whole."""
+        parts = []
+        while True:
+            n = int(self._line(pending).split(b";")[0], 16)
+            if n == 0:
+                while self._line(pending):  # trailers, then the empty line
+                    pass
+                return b"".join(parts)
+            data = bytearray(n)
+            got = min(n, len(pending))
+            data[:got] = pending[:got]
+            del pending[:got]
+            with memoryview(data) as view:
+                while got < n:
+                    r = self.sock.recv_into(view[got:], n - got)
+                    if not r:
+                        raise ValueError("connection closed inside a chunk")
+                    got += r
+            parts.append(data)
+            if self._line(pending):
+                raise ValueError("a chunk does not end with CRLF")
+
+    def _line(self, pending: bytearray) -> bytes:
+        """The next CRLF-ended line of the body (taken off ``pending``, reading more as needed)."""
+        while (end := pending.find(b"\r\n")) < 0:
+            if len(pending) > HEADER_LIMIT:
+                raise ValueError("a chunk line too long")
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                raise ValueError("connection closed inside a chunked body")
+            pending += chunk
+        line = bytes(pending[:end])
+        del pending[:end + 2]
+        return line
 
     def _buffer(self, n: int) -> np.ndarray:
         """A byte array of at least n bytes that no earlier answer's arrays still view."""

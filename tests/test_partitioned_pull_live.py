@@ -3,11 +3,13 @@ docs/protocol-partitions.md, Pull): a raw-socket client that asks ``GET /v1/mode
 round s is between partitions reads the answer's head and partition 0's weights of step s + 1 before the last
 partition of step s was pushed, then each later partition as it closes; the frames put together are the PS's
 weights of step s + 1 bit for bit, the last names the next round's ranks. Without ``partitioned``, or at
-PS_PARTITION_BYTES=0, the pull is answered whole once the round closed, as ever."""
+PS_PARTITION_BYTES=0, the pull is answered whole once the round closed, as ever. The stock worker's transport pushes
+on one connection while it pulls so on a second, and gets the next weights whole, bit for bit."""
 from __future__ import annotations
 
 import json
 import socket
+import threading
 
 import numpy as np
 
@@ -18,6 +20,8 @@ from shared.protocol import API
 from shared.shards import spec_of
 from tests.live_ps import live_ps, read_response
 from tests.timing import allow
+from worker_service.client import PSClient
+from worker_service.transport.http import BodyTransport
 
 SIZE = 1 << 20  # 12 partitions of the model below
 W0 = {"w": np.linspace(-1, 1, 3_000_000, dtype=np.float32)}
@@ -161,3 +165,38 @@ def test_partitioned_is_ignored_where_rounds_are_not_partitioned():
     f = answered_whole(0, "min_step=1&partitioned=1&timeout=10")
     assert f.meta == {"step": 1, "done": False, "ranks": [0]}
     np.testing.assert_array_equal(f.tensors["w"], STEP1)
+
+
+def test_the_stock_worker_pulls_the_next_weights_partition_by_partition_while_it_pushes():
+    """Worker a (the stock transport, rank 0) pushes step 0 whole while its pull waits; worker b's push, half sent,
+    decides the round: a's pull is answered partition by partition; once b's push ends, a's push answer carries
+    step 1's weights, the PS's bit for bit."""
+    with live_ps(min_workers=2, startup_grace_seconds=0, partition_bytes=SIZE) as ps:
+        a = PSClient(ps.url, timeout=allow(20), attempts=1)
+        b = ps.client()
+        wa, wb = a.register("a")["worker_id"], b.register("b")["worker_id"]
+        assert b.init_model(W0, {"name": "sgd", "learning_rate": 0.1})
+        core, parts = ps.rt.core, ps.rt.tensors.partitions
+        wait_for(lambda: core.started, allow(10), "training to start")
+        transport = BodyTransport(a.endpoint, partition_bytes=SIZE)
+        out = {}
+        pusher = threading.Thread(target=lambda: out.update(answer=transport.push({"worker_id": wa, "step": 0}, G,
+                                                                                  allow(20), allow(20))))
+        pusher.start()
+        wait_for(lambda: core.parts is not None and wa in core.parts.came[11], allow(10), "a's push to be read")
+        s, rest = start_push(ps.port, wb, 6 << 20)
+        wait_for(lambda: parts.answered == 1, allow(10), "a's pull to be answered partition by partition")
+        assert core.global_step == 0 and core.deciding
+        s.sendall(rest)
+        assert read_response(s)[0] == 200
+        s.close()
+        pusher.join(allow(20))
+        answer = out["answer"]
+        assert (answer.status, answer.step, answer.done) == ("accepted", 1, False)
+        got = answer.pulled
+        assert (got.step, got.done, got.ranks) == (1, False, [0, 1]) and list(got.tensors) == ["w"]
+        np.testing.assert_array_equal(got.tensors["w"], core.weights["w"])
+        np.testing.assert_array_equal(got.tensors["w"], W0["w"] - np.float32(0.1) * np.float32(0.5))
+        transport.close()
+        a.close()
+        b.close()

@@ -20,7 +20,7 @@ import pytest
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from cluster.processes import free_port, wait_for
@@ -43,9 +43,18 @@ async def refuse(request: Request) -> JSONResponse:
     return JSONResponse({"error": "too_large"}, status_code=413, headers={"connection": "close"})
 
 
+async def chunked(request: Request) -> StreamingResponse:
+    """A chunked answer (what the PS sends for a pull answered partition by partition): 3 parts, the middle big."""
+    async def parts():
+        for p in (b"head", bytes(range(256)) * (BIG // 256), b"tail"):
+            yield p
+    return StreamingResponse(parts(), media_type="application/octet-stream")
+
+
 @contextmanager
 def echo_server(keepalive: float = 5.0) -> Iterator[str]:
-    app = Starlette(routes=[Route("/echo", echo, methods=["GET", "POST"]), Route("/refuse", refuse, methods=["POST"])])
+    app = Starlette(routes=[Route("/echo", echo, methods=["GET", "POST"]), Route("/refuse", refuse, methods=["POST"]),
+                               Route("/chunked", chunked)])
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False,
                                            timeout_keep_alive=keepalive, timeout_graceful_shutdown=1))
@@ -322,3 +331,17 @@ def test_a_request_that_stalled_before_failing_is_logged_with_its_duration(caplo
     assert len(stalls) == 2 and all(r.levelno == logging.WARNING for r in caplog.records if "got no answer" in r.getMessage())
     assert stalls[0].startswith("POST /v1/gradients (step 7) got no answer in 0.")
     assert stalls[0].endswith("s (ConnectionLost: timed out: no progress for 0.2 s)"), stalls[0]
+
+
+def test_a_chunked_answer_is_read_whole_and_the_connection_kept():
+    with echo_server() as url:
+        conn = RawConnection(url)
+        try:
+            for _ in range(2):
+                r = conn.request("GET", "/chunked", {}, timeout=allow(10))
+                assert r.status_code == 200 and r.headers["transfer-encoding"] == "chunked"
+                assert bytes(r.content) == b"head" + bytes(range(256)) * (BIG // 256) + b"tail"
+            first = conn.request("GET", "/echo", {}, timeout=allow(10)).json()["port"]
+            assert conn.request("GET", "/echo", {}, timeout=allow(10)).json()["port"] == first
+        finally:
+            conn.close()

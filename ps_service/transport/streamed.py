@@ -37,6 +37,8 @@ class Partitions:
         self.core = core
         #: the frames of the step whose round is closing (or closed last), None before the first decision
         self.current: StepFrames | None = None
+        #: pulls answered partition by partition so far
+        self.answered = 0
 
     def streamable(self, min_step: int) -> StepFrames | None:
         """The frames a pull of ``min_step`` may be answered with partition by partition: round ``min_step - 1``
@@ -45,6 +47,11 @@ class Partitions:
         if core.deciding and core.global_step + 1 == min_step and cur is not None and cur.step == min_step:
             return cur
         return None
+
+    def answer(self, min_step: int) -> StepFrames:
+        """The frames a pull of ``min_step`` is answered with now (:meth:`streamable` said so); counted."""
+        self.answered += 1
+        return self.streamable(min_step)
 
     def closed(self) -> None:
         """The core's hook: encode each partition of the open round that closed since, at once (the weights of that

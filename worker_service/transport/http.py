@@ -20,7 +20,7 @@ attach) holds nothing. An answer without ``lineage`` is used as it is: views of 
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Callable, Mapping
 
 import numpy as np
 
@@ -28,8 +28,10 @@ from shared import frame, partitions, weight_deltas
 from shared.compression import Compressor, Spec
 from shared.errors import ProtocolError
 from shared.shards import spec_of
+from worker_service.transport.base import PushAnswer
 from worker_service.transport.endpoint import Endpoint
 from worker_service.transport.oneps import OnePS
+from worker_service.transport.partitioned import Alongside
 
 
 class HeldWeights:
@@ -104,6 +106,7 @@ class BodyTransport(OnePS):
         self.held = HeldWeights()
         self.partition_bytes = 0 if spec.on else partition_bytes
         self._plan: tuple[dict, partitions.Plan] | None = None  # (the gradients' spec, its plan)
+        self._puller: Endpoint | None = None  # the connection pulls go on while pushes go on this one (partitions)
 
     def push_body(self, meta: dict, grads: Mapping[str, np.ndarray]) -> list[bytes | memoryview]:
         if self.compressor is None and self.partition_bytes:
@@ -125,6 +128,32 @@ class BodyTransport(OnePS):
         parts = [p.split(grads, q) for q in range(p.count)]
         return frame.encode_many([(parts[0], {**meta, "partitions": p.count}),
                                   *[(t, {"partition": q}) for q, t in enumerate(parts[1:], 1)]])
+
+    def push(self, meta: dict, grads: Mapping[str, np.ndarray], wait: float, timeout: float,
+             on_way: Callable[[], None] | None = None) -> PushAnswer:
+        """With partitions: the push on this connection (its JSON answer) while :class:`Alongside` pulls the next
+        weights on a second one as the PS sends them (worker_service/transport/partitioned.py); else one request
+        with ``pull=1``."""
+        body = self.push_body(meta, grads)
+        p = self._plan[1] if self._plan is not None and self.partition_bytes else None
+        if p is None or p.count == 1:
+            return super().push(meta, grads, wait, timeout, on_way, body=body)
+        if self._puller is None:
+            self._puller = self.endpoint.sibling(self.endpoint.base_url)
+        pull = Alongside(self._puller, meta["step"] + 1, meta["worker_id"], wait, timeout, p, self._plan[0])
+        try:
+            answer = super().push(meta, grads, 0.0, timeout, on_way, body=body, pull=False)
+        except BaseException:
+            if pull.running:  # its connection stays its own until it ends
+                self._puller = None
+            raise
+        got = pull.result()  # as a ``pull=1`` answer: the step and done of the weights it carries
+        return answer if got is None else PushAnswer(answer.status, got.step, got.done, got)
+
+    def close(self) -> None:
+        if self._puller is not None:
+            self._puller.close()
+        super().close()
 
     def answer_params(self) -> dict:
         return self.held.params()

@@ -46,13 +46,15 @@ class OnePS(TensorTransport):
         return m, Pulled(m["step"], m["done"], list(m.get("ranks", [])), tensors, len(body))
 
     def push(self, meta: dict, grads: Mapping[str, np.ndarray], wait: float, timeout: float,
-             on_way: Callable[[], None] | None = None) -> PushAnswer:
-        """One request, which this thread sends: ``on_way`` is called at once."""
+             on_way: Callable[[], None] | None = None, body: list | None = None, pull: bool = True) -> PushAnswer:
+        """One request, which this thread sends: ``on_way`` is called at once. ``body``: the push's, if made
+        already; ``pull``: ask for the next weights (``pull=1``), else the JSON answer only."""
         if on_way is not None:
             on_way()
-        resp = self.endpoint.call("POST", f"{API}/gradients",
-                                  params={"pull": 1, "timeout": wait, **self.answer_params()},
-                                  body=self.push_body(meta, grads), headers={"content-type": frame.MEDIA_TYPE},
+        params = {"pull": 1, "timeout": wait, **self.answer_params()} if pull else {}
+        resp = self.endpoint.call("POST", f"{API}/gradients", params=params,
+                                  body=self.push_body(meta, grads) if body is None else body,
+                                  headers={"content-type": frame.MEDIA_TYPE},
                                   timeout=timeout + wait, what=f"POST {API}/gradients (step {meta['step']})")
         return self.push_answer(resp)
 

@@ -1,0 +1,76 @@
+"""A worker's push and pull at once, in a job with partitioned rounds (docs/partitions.md, The worker;
+docs/protocol-partitions.md).
+
+Contract (:class:`Alongside`): while one thread sends a step's push (its partitions' frames, on the transport's
+connection, without ``pull=1``), a second thread on a second kept-alive connection to the same PS asks
+``GET /v1/model?min_step=s+1&partitioned=1`` and reads the next weights as the PS sends them, partition by partition;
+:meth:`Alongside.result` is those weights once the whole answer is in (the next step's compute starts then), or None
+(204: the PS had not closed the round within the wait; a refused or failed pull): the client then pulls as ever.
+The pull is tried once (no retry: the client's own pull is the retry). :func:`whole` puts an answer's frames back
+together: one frame is the usual answer (its meta ``step``, ``done``, ``ranks``); several are the plan's partitions,
+each piece a whole tensor or a slice of one, joined in plan order into the model's tensors (one copy of the sliced
+ones), the same bytes as the whole answer of that step.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Mapping
+
+import numpy as np
+
+from shared import frame
+from shared.partitions import Plan
+from shared.protocol import API
+from worker_service.transport.base import Pulled
+from worker_service.transport.endpoint import Endpoint
+
+
+def whole(body: bytes | memoryview, plan: Plan, spec: Mapping[str, tuple]) -> Pulled:
+    """The weights of a pull answer: one frame, or the Q frames of one answered partition by partition."""
+    meta = frame.peek_meta(body)
+    count = meta.get("partitions", 1) if isinstance(meta, dict) else 1
+    if count == 1:
+        f = frame.decode(body)
+        m = f.meta
+        return Pulled(m["step"], m["done"], list(m.get("ranks", [])), dict(f.tensors), len(body))
+    frames = frame.decode_following(body, count)
+    head, last = frames[0].meta, frames[-1].meta
+    pieces = {k: v for f in frames for k, v in f.tensors.items()}
+    tensors: dict[str, np.ndarray] = {}
+    for name in sorted(spec):
+        shape, dtype = spec[name]
+        parts = [pieces[p.key] for q in plan.partitions for p in q if p.name == name]
+        tensors[name] = parts[0] if len(parts) == 1 else np.concatenate(parts).reshape(shape)
+    return Pulled(head["step"], last["done"], list(last["ranks"]), tensors, len(body))
+
+
+class Alongside:
+    """The pull of step ``min_step``'s weights, on its own thread and connection (``endpoint``)."""
+
+    def __init__(self, endpoint: Endpoint, min_step: int, worker_id: str, wait: float, timeout: float,
+                 plan: Plan, spec: Mapping[str, tuple]) -> None:
+        self.endpoint, self.plan, self.spec = endpoint, plan, spec
+        self.params: dict[str, Any] = {"min_step": min_step, "timeout": wait, "worker_id": worker_id,
+                                       "partitioned": 1}
+        self.timeout = timeout + wait
+        self._got: Pulled | None = None
+        self.thread = threading.Thread(target=self._run, name=f"pull-{min_step}", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            resp = self.endpoint.call("GET", f"{API}/model", params=self.params, timeout=self.timeout, attempts=1,
+                                      what=f"GET {API}/model (step {self.params['min_step']}, partitioned)")
+            if resp.status_code == 200:
+                self._got = whole(resp.content, self.plan, self.spec)
+        except Exception:  # noqa: BLE001 (the client pulls again: that pull reports what is wrong)
+            self._got = None
+
+    def result(self) -> Pulled | None:
+        """The weights, once the answer is all in (None: the client pulls)."""
+        self.thread.join(self.timeout + 5.0)
+        return None if self.thread.is_alive() else self._got
+
+    @property
+    def running(self) -> bool:
+        return self.thread.is_alive()
