@@ -158,6 +158,7 @@ async def _partition_by_partition(rt, frames, worker_id: str | None) -> AsyncIte
             if not frames.has(q) and not await rt.wait_until(lambda: frames.has(q),
                                                              rt.settings.pull_timeout_max_seconds):
                 return
+            rt.tensors.bytes_out += len(frames.frames[q])
             yield frames.frames[q]
     finally:
         if held:

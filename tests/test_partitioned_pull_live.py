@@ -100,6 +100,7 @@ def test_a_pull_reads_partition_0_of_the_next_step_before_the_push_ends():
         p = plan(spec_of(W0), SIZE)
         assert p.count == 12
         core = ps.rt.core
+        sent_before = ps.rt.tensors.bytes_out
         pusher, rest = start_push(ps.port, wid, 6 << 20)  # partitions 0-4 whole, 5 begun
         wait_for(lambda: core.deciding and {1, 2} <= core.parts.closed, allow(10), "partitions 0-2 to close")
         with pull(ps.port, f"min_step=1&partitioned=1&worker_id={wid}&timeout=10") as s:
@@ -120,6 +121,7 @@ def test_a_pull_reads_partition_0_of_the_next_step_before_the_push_ends():
             frames = answer.until(13)
             assert answer.ended and len(frames) == 12
             answer.reader.finish(len(answer.body), 12)  # the body ends with the last frame
+        assert ps.rt.tensors.bytes_out - sent_before == len(answer.body)  # counted as every answer's bytes
         assert [f.meta for f in frames[1:-1]] == [{"partition": q} for q in range(1, 11)]
         assert frames[-1].meta == {"partition": 11, "done": False, "ranks": [0]}
         pieces = {k: v for f in frames for k, v in f.tensors.items()}
