@@ -4,7 +4,8 @@ round s is between partitions reads the answer's head and partition 0's weights 
 partition of step s was pushed, then each later partition as it closes; the frames put together are the PS's
 weights of step s + 1 bit for bit, the last names the next round's ranks. Without ``partitioned``, or at
 PS_PARTITION_BYTES=0, the pull is answered whole once the round closed, as ever. The stock worker's transport pushes
-on one connection while it pulls so on a second, and gets the next weights whole, bit for bit."""
+on one connection while it pulls so on a second, and gets the next weights whole, bit for bit. An answer in flight
+keeps its step's bytes while a fixed-R job's next round closes under it."""
 from __future__ import annotations
 
 import json
@@ -200,5 +201,34 @@ def test_the_stock_worker_pulls_the_next_weights_partition_by_partition_while_it
         np.testing.assert_array_equal(got.tensors["w"], core.weights["w"])
         np.testing.assert_array_equal(got.tensors["w"], W0["w"] - np.float32(0.1) * np.float32(0.5))
         transport.close()
+        a.close()
+        b.close()
+
+
+def test_an_answer_in_flight_keeps_its_steps_bytes_while_the_next_round_closes():
+    """Fixed R = 1 (backup workers): worker b's pull of step 1 is answered partition by partition while a's push of
+    step 0 goes; b reads nothing more until a has pushed step 1 too and round 1 closed (the weights changed again):
+    b's answer is still step 1's weights, bit for bit (each partition's bytes copied at its close)."""
+    with live_ps(min_workers=2, startup_grace_seconds=0, partition_bytes=SIZE, replicas_to_aggregate=1) as ps:
+        a, b = ps.client(), ps.client()
+        wa, wb = a.register("a")["worker_id"], b.register("b")["worker_id"]
+        assert a.init_model(W0, {"name": "sgd", "learning_rate": 0.1})
+        core = ps.rt.core
+        wait_for(lambda: core.started, allow(10), "training to start")
+        pusher, rest = start_push(ps.port, wa, 6 << 20)
+        wait_for(lambda: core.deciding, allow(10), "round 0's decision (a's head: R = 1)")
+        with pull(ps.port, f"min_step=1&partitioned=1&worker_id={wb}&timeout=10") as s:
+            answer = ChunkedFrames(s)
+            assert answer.until(1)[0].meta == {"step": 1, "partitions": 12}
+            pusher.sendall(rest)
+            assert read_response(pusher)[0] == 200
+            pusher.close()
+            assert core.global_step == 1
+            assert a.push(wa, 1, G)["status"] == "accepted"
+            assert core.global_step == 2  # round 1 closed: every partition of the weights changed again
+            frames = answer.until(13)
+        assert len(frames) == 12 and frames[-1].meta == {"partition": 11, "done": False, "ranks": [0, 1]}
+        np.testing.assert_array_equal(np.concatenate([v for f in frames for v in f.tensors.values()]), STEP1)
+        assert not np.array_equal(core.weights["w"], STEP1)
         a.close()
         b.close()
