@@ -1,7 +1,8 @@
 """A shard's memory is flat in the worker count (ps_service/sharding/turns.py): with pieces of 1 MiB or more a
 follower sums a round as the coordinator's round is summed, as told, and every shard reads a hold only in its worker's
 turn (the coordinator's core's intake, ps_service/core/intake.py); the result is the rank-order sum of the round's
-contributors, bit for bit, also when a worker that held its pieces never commits.
+contributors, bit for bit, also when a worker that held its pieces never commits, and with fixed R (the first R holds
+on the coordinator contribute; the others are answered late by every shard, kept by none).
 
 In-process shards (uvicorn threads) so the test can count what each shard holds; workers are threads that do what
 a worker does (hold on both shards, then commit with the follower's receipt), all at once, in reverse rank order.
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 
 from cluster.processes import LocalCluster, wait_for
+from ps_service.sharding.holds import Held, Holds
 from ps_service.sharding.turns import FOLD_BYTES
 from shared import frame, shards
 from tests.clusters import final_weights, run_job
@@ -69,26 +71,35 @@ def rank_order_weights(contributors: list[int]) -> np.ndarray:
     return W0["w"] - np.float32(LR) * total
 
 
-@pytest.mark.parametrize("absent", [None, "holds and never commits"])
-def test_a_follower_holds_at_most_two_pieces_and_sums_bit_identical(absent):
-    n = 5
-    with two_shards(min_workers=n, lease_seconds=30.0, shard_split_elements=P // 2) as (c, f):
+ABSENT, FIXED_R = "holds and never commits", "fixed R = 3"
+
+
+@pytest.mark.parametrize("case", [None, ABSENT, FIXED_R])
+def test_a_follower_holds_at_most_two_pieces_and_sums_bit_identical(case):
+    """5 workers at once. Elastic: every one contributes (but one that holds and leaves). Fixed R = 3: the first 3
+    holds on the coordinator are the contributors (their heads), read in rank order on both shards; the other 2 are
+    answered late by both shards, kept by neither, and their commits late."""
+    n, absent = 5, case == ABSENT
+    fixed = {"replicas_to_aggregate": 3} if case == FIXED_R else {}
+    with two_shards(min_workers=n, lease_seconds=30.0, shard_split_elements=P // 2, **fixed) as (c, f):
         hc, hf, m, ids = start(c, f, n)
         most, coordinator = counting(f.rt), counting(c.rt)
-        answers: dict[int, str] = {}
+        answers: dict[int, tuple[str, str, str]] = {}  # (coordinator's hold, follower's hold, commit)
         barrier = threading.Barrier(n)
 
         def worker(i: int) -> None:
             with c.http() as hc_i, f.http() as hf_i:
                 hc_i.timeout = hf_i.timeout = allow(30)
                 barrier.wait()
-                assert hold(hc_i, m, 0, ids[i], 0, gradient(i)).status_code == 200
+                rc = hold(hc_i, m, 0, ids[i], 0, gradient(i))
+                assert rc.status_code == 200, rc.text
                 r = hold(hf_i, m, 1, ids[i], 0, gradient(i))
                 assert r.status_code == 200, r.text
                 if absent and i == 1:  # its pieces are held on both shards; it is gone before its commit
                     assert hc_i.delete(f"/v1/workers/{ids[i]}").status_code == 200
                     return
-                answers[i] = commit(hc_i, ids[i], 0, [r.json()["receipt"]]).json()["status"]
+                got = commit(hc_i, ids[i], 0, [r.json().get("receipt")]).json()["status"]
+                answers[i] = (rc.json()["status"], r.json()["status"], got)
 
         threads = [threading.Thread(target=worker, args=(i,)) for i in reversed(range(n))]
         for t in threads:
@@ -96,18 +107,35 @@ def test_a_follower_holds_at_most_two_pieces_and_sums_bit_identical(absent):
         for t in threads:
             t.join(allow(60))
         wait_for(lambda: f.rt.core.global_step == 1 and c.rt.core.global_step == 1, allow(20), "round 0 applied")
-        contributors = [i for i in range(n) if not (absent and i == 1)]
-        assert answers == {i: "accepted" for i in contributors}
         record = c.rt.core.rounds[-1]
-        assert sorted(a.rank for a in record.contributors) == contributors
+        contributors = sorted(a.rank for a in record.contributors)
+        assert len(contributors) == (3 if fixed else n - absent)
+        assert answers == {i: ("held", "held", "accepted") if i in contributors else ("late", "late", "late")
+                           for i in range(n) if not (absent and i == 1)}
         whole = assemble(m, [dict(c.rt.core.weights), dict(f.rt.core.weights)])
         assert whole["w"].tobytes() == rank_order_weights(contributors).tobytes(), "not the rank-order sum"
         # (a lease of 30 s: no hold waits its whole patience and is read out of turn, however loaded the machine)
-        bound = 2 + (absent is not None)  # the pieces of a worker that left before its commit stay to the apply
+        bound = 2 + absent  # the pieces of a worker that left before its commit stay to the apply
         assert most[0] <= bound, f"the follower held {most[0]} pieces at once"
         assert coordinator[0] <= bound, f"the coordinator held {coordinator[0]} pieces at once"
         assert f.rt.shards.gate.overdue == c.rt.core.intake.overdue == 0 and len(f.rt.shards.holds) == 0
         hc.close(), hf.close()
+
+
+def test_a_follower_reads_a_late_workers_hold_and_keeps_none_of_it():
+    """Sans-IO (ps_service/sharding/holds.py): the coordinator names late workers (fixed R); the follower drops a piece
+    of one that it had read in its turn, lets a late worker's hold be read (to be answered late), and forgets them
+    with the round; a worker named in ``turns`` again is not late."""
+    h, piece = Holds(), {"w": np.ones(2, np.float32)}
+    h.put("a", Held(0, piece, "http"))
+    h.put("c", Held(0, piece, "http"))
+    assert h.progress(("w",), 0, 0, 0, [], ["a"]) and not h.may_read("b", 0, 0)
+    assert h.progress(("w",), 0, 0, 0, [], ["c"], late=["a", "b"])
+    assert h.get("a", 0) is None and h.get("c", 0) is not None  # a's piece: read in its turn, then refused
+    assert h.may_read("b", 0, 0) and h.late_for("b", 0) and not h.late_for("c", 0) and not h.may_read("d", 0, 0)
+    assert h.progress(("w",), 0, 0, 0, [], ["b"]) and not h.late_for("b", 0)  # named in turns: read and kept
+    h.drop_through(0)
+    assert not h.late_for("a", 0) and len(h) == 0
 
 
 @pytest.mark.parametrize("transport", ["http", "shm"])

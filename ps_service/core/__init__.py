@@ -546,6 +546,29 @@ class ParameterServerCore(ModelState):
             self._changed()  # the turns may have moved (R heads came: who else may be read is known)
         return self.intake.claim(worker_id, r.turns, overdue)
 
+    def hold(self, worker_id: str, step: int) -> bool:
+        """A sharded PS's coordinator has read the pieces ``worker_id`` holds for ``step`` (docs/protocol-shards.md):
+        keep them (True) or not (False: the hold is answered late). Fixed R: the hold is the push's head
+        (:meth:`~ps_service.core.rounds.Round.head`) and keeps its place until the commit takes the push (a claim's
+        place goes back when its read ends, :meth:`release`: here the commit follows), unless the member expires or
+        leaves first; a hold of a counted member after R heads is late: the member is done with the round
+        (:meth:`~ps_service.core.rounds.Round.refuse`), its commit answered late. Elastic, or not the open round: kept,
+        nothing counted."""
+        r, m = self.round, self.members.active_by_id.get(worker_id)
+        if r is None or r.replicas is None or m is None or step != self.global_step:
+            return True
+        status = self.classify(m, step, True)
+        if status is PushStatus.ACCEPTED:
+            if r.head(worker_id):
+                self._changed()
+            return True
+        if status is not PushStatus.LATE:
+            return True  # a retry of a push the round took (duplicate): as before
+        if r.counts(worker_id):
+            r.refuse(worker_id)
+            self._changed()
+        return False
+
     def readers(self) -> tuple[str, ...] | None:
         """The workers whose waiting push :meth:`claim` would let be read now (None: anyone, the one that waited
         longest; async/ssp)."""

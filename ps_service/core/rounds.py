@@ -31,7 +31,10 @@ back (:meth:`Round.unhead`): the next head to come takes it (the same push retri
 sorts after the part of the sum already made; else R is out of reach once those still awaited are in, and the round
 closes with what it has (``unreachable``, at least ``min_replicas``). As in TensorFlow's SyncReplicasOptimizer, a
 gradient that never made it does not count towards R; unlike it, the pushes already answered ``late`` are not taken
-back (their bodies were not kept).
+back (their bodies were not kept). A member that expires or leaves gives its place back too (its push can no longer
+count). On a sharded PS the coordinator's hold of a worker's pieces is its push's head, kept until its commit
+(:meth:`~ps_service.core.ParameterServerCore.hold`); a hold after R heads is late (:meth:`Round.refuse`: the member is
+done with the round, listed in ``refused``).
 
 *Stuck* (:attr:`Progress.stuck`): the round cannot close with its own members (only a deadline
 could close it); a worker that registers then joins the open round instead of the next one.
@@ -231,6 +234,9 @@ class Round:
     #: without contributing (their push came after R heads: answered ``late``)
     heads: dict[str, None] = field(default_factory=dict, repr=False)
     lost: set[str] = field(default_factory=set, repr=False)
+    #: fixed R, a sharded PS: the members whose hold came after R heads (:meth:`refuse`), in order (its coordinator
+    #: tells its followers, ps_service/sharding/turns.py)
+    refused: list[str] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         self.deadline_from = self.opened_at
@@ -268,6 +274,8 @@ class Round:
         """A member became alive or not (registered, left, expired): keep the counts."""
         if worker_id in self.eligible:
             self._count(worker_id, self.standing(worker_id, was_alive), is_alive)
+            if not is_alive:  # fixed R: its push can no longer count (its place goes back, as a failed push's)
+                self.unhead(worker_id)
 
     def awaited(self, but: str | None = None) -> tuple[str, ...]:
         """The waiting members' ids in rank order (O(K): monitoring); ``but`` is taken as not alive."""
@@ -318,7 +326,8 @@ class Round:
         if worker_id in self.heads:
             return True
         folded = self.acc.folded
-        return len(self.heads) < self.replicas and not (folded and self.key(worker_id) < folded[-1])
+        return len(self.heads) < self.replicas and worker_id not in self.lost \
+            and not (folded and self.key(worker_id) < folded[-1])
 
     def head(self, worker_id: str) -> bool:
         """Fixed R: a push of this counted member came (its head); True if it counts now and did not before."""
@@ -341,9 +350,19 @@ class Round:
         """A late push for this open round: a member's (fixed R: it came after R heads) is done with the round."""
         self.late.append(arrival)
         if self.replicas is not None and arrival.worker_id in self.eligible:
-            before = self.standing(arrival.worker_id)
-            self.lost.add(arrival.worker_id)
-            self._count(arrival.worker_id, before)
+            self._lose(arrival.worker_id)
+
+    def refuse(self, worker_id: str) -> None:
+        """Fixed R, a sharded PS: this counted member's hold came after R heads (answered late, nothing kept): it is done
+        with the round, as a late push's member (its commit is answered late), and listed in :attr:`refused`."""
+        if worker_id not in self.lost:
+            self._lose(worker_id)
+            self.refused.append(worker_id)
+
+    def _lose(self, worker_id: str) -> None:
+        before = self.standing(worker_id)
+        self.lost.add(worker_id)
+        self._count(worker_id, before)
 
     def _pending(self, worker_id: str, eager: bool) -> tuple[Key, ...] | None:
         """What may still sort before ``worker_id``'s gradient: the lowest pending key (eager), or None (unknown)."""

@@ -23,7 +23,10 @@ it awaits next (:meth:`ShardRole.observe`); the follower sums those held pieces 
 (:meth:`.holds.Holds.progress`) and reads a hold only in its worker's turn (:meth:`ShardRole.turn`). So each holds
 the running sum and the pieces of the next one or two in rank order, as one PS does. It never sums on a guess: a key the coordinator summed is an
 accepted commit, which stays a contributor, so the apply's C begins with the keys summed, and the rest of C is summed
-at the apply: the same additions in the same order, bit for bit.
+at the apply: the same additions in the same order, bit for bit. With fixed R the coordinator's hold is the push's head
+(:meth:`~ps_service.core.ParameterServerCore.hold`): the first R holds there are the contributors, read in rank order
+as above; a later one is late there, and the coordinator names it to the followers, who answer its hold late too and
+keep nothing of it.
 
 A follower that restarts (kill -9, then started again from its checkpoints) comes back without the pieces
 held for the open round and maybe at an older step: the coordinator rolls the whole job back live to the
@@ -261,13 +264,24 @@ class ShardRole:
         turn."""
         if not self._folds_here or self.receipt_key is None:
             return True
-        return await self.gate.wait(lambda: self.holds.may_read(worker_id, step, self.core.global_step), seconds, last)
+        holds, core = self.holds, self.core
 
-    def progress(self, step: int, start: int, keys, turns) -> bool:
-        """``POST /v1/shard/progress``: the coordinator's open round summed ``keys`` (from its ``start``-th) and awaits
-        ``turns``: sum them here (:meth:`.holds.Holds.progress`), wake the holds whose turn came."""
+        def may() -> bool:  # a late hold: one read at a time (the follower core's intake; the seam releases it)
+            return holds.may_read(worker_id, step, core.global_step) and (
+                not holds.late_for(worker_id, step) or core.intake.claim_late(worker_id))
+        return await self.gate.wait(may, seconds, last)
+
+    def hold_read(self) -> None:
+        """A follower's hold was read (or failed): a late hold waiting for the one being read may go now."""
+        if self.holds.late:
+            self.gate.wake()
+
+    def progress(self, step: int, start: int, keys, turns, late=()) -> bool:
+        """``POST /v1/shard/progress``: the coordinator's open round summed ``keys`` (from its ``start``-th), awaits
+        ``turns`` and will not take the pushes of ``late``: sum them here, drop those (:meth:`.holds.Holds.progress`),
+        wake the holds whose turn came."""
         try:
-            return self.holds.progress(tuple(self.core.weights), self.core.global_step, step, start, keys, turns)
+            return self.holds.progress(tuple(self.core.weights), self.core.global_step, step, start, keys, turns, late)
         finally:
             self.gate.wake()
 

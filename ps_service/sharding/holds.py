@@ -9,12 +9,14 @@ No I/O, no clock. Contract:
   open round's running sum as the coordinator's round makes it (:meth:`Holds.progress`):
   the coordinator says, in order, which keys its own :class:`~ps_service.core.rounds.Accumulator` has summed so far
   (its ``folded``: the rank-order prefix of the round's contributors, each an accepted commit, which never leaves
-  the round) and whose pushes it awaits next in rank order (its :meth:`~ps_service.core.rounds.Round.turns`; None:
-  no order, fixed R). The follower sums the held pieces of exactly those keys, in that order, into the same
-  kind of accumulator and drops them: so it holds the running sum and the pieces not summed yet, and a hold
-  whose worker is not in ``turns`` may wait unread (:meth:`Holds.may_read`: the sharding layer's gate,
-  :meth:`ps_service.sharding.ShardRole.turn`), as one PS reads a push in its turn (:mod:`ps_service.core.intake`).
-  Nothing is summed on a guess: every key summed is a contributor, in the coordinator's order.
+  the round), whose pushes it awaits next in rank order (its :meth:`~ps_service.core.rounds.Round.turns`; None:
+  any) and, fixed R, the workers whose pushes it will not take (``late``: their hold came after R heads). The
+  follower sums the held pieces of exactly those keys, in that order, into the same kind of accumulator and drops
+  them, and drops the pieces of late workers: so it holds the running sum and the pieces not summed yet, and a hold
+  whose worker is neither in ``turns`` nor late may wait unread (:meth:`Holds.may_read`: the sharding layer's gate,
+  :meth:`ps_service.sharding.ShardRole.turn`), as one PS reads a push in its turn (:mod:`ps_service.core.intake`);
+  a late worker's hold is read and answered late (:meth:`Holds.late_for`), kept nowhere. Nothing is summed on a
+  guess: every key summed is a contributor, in the coordinator's order.
 - :func:`apply_round` (a follower, told by the coordinator "apply round s with contributors C") checks that the
   keys summed so far are the first of C, sums the held pieces of the rest of C in (rank, worker_id) order exactly
   as the coordinator's round does, steps the same optimizer once with the coordinator's ``mean_of``, bumps the
@@ -61,6 +63,8 @@ class Holds:
         self.folded: list[Key] = []
         self.sum: Accumulator | None = None
         self.turns: frozenset[str] | None = frozenset()
+        #: of that round, the workers whose pushes it will not take (fixed R), unless named in ``turns`` since
+        self.late: set[str] = set()
 
     def __len__(self) -> int:
         return len(self.by_worker)
@@ -81,7 +85,7 @@ class Holds:
         for w in [w for w, h in self.by_worker.items() if h.step <= step]:
             del self.by_worker[w]
         if self.step is not None and self.step <= step:
-            self.step, self.folded, self.sum, self.turns = None, [], None, frozenset()
+            self.step, self.folded, self.sum, self.turns, self.late = None, [], None, frozenset(), set()
 
     # ---- a follower: the round's sum as the coordinator makes it ---------------------------------------------
     def summed(self, worker_id: str, step: int) -> bool:
@@ -91,26 +95,32 @@ class Holds:
     def may_read(self, worker_id: str, step: int, global_step: int) -> bool:
         """May a hold of (``worker_id``, ``step``) be read now: not of the open round (it is answered at once, as
         before), or the coordinator awaits that worker's push next, or reads in no order, or it is summed (a
-        retry: nothing kept)."""
+        retry: nothing kept), or late (read to be answered late: nothing kept)."""
         if step != global_step:
             return True
         if self.step != step:  # the coordinator has not spoken of this round yet
             return False
-        return self.turns is None or worker_id in self.turns or self.summed(worker_id, step)
+        return self.turns is None or worker_id in self.turns or self.summed(worker_id, step) or worker_id in self.late
+
+    def late_for(self, worker_id: str, step: int) -> bool:
+        """The coordinator's round ``step`` will not take ``worker_id``'s push (fixed R: its hold there came after R
+        heads): a hold of it is answered late and kept nowhere."""
+        return self.step == step and worker_id in self.late
 
     def progress(self, names: Iterable[str], global_step: int, step: int, start: int, keys: Sequence[Key],
-                 turns: Sequence[str] | None) -> bool:
+                 turns: Sequence[str] | None, late: Iterable[str] = ()) -> bool:
         """The coordinator's round ``step`` has summed ``keys`` from its ``start``-th key on (a repeat of keys
-        already summed here is skipped), and awaits ``turns`` next: sum their held pieces in that order. False if
-        the round is applied here already (nothing to do); 409 and nothing changed if ahead of this shard, if the
-        keys do not follow those summed, or a piece is not held."""
+        already summed here is skipped), awaits ``turns`` next and will not take the pushes of ``late``: sum their
+        held pieces in that order, drop the late ones' (a worker named in ``turns`` is not late). False if the round
+        is applied here already (nothing to do); 409 and nothing changed if ahead of this shard, if the keys do not
+        follow those summed, or a piece is not held."""
         if step < global_step:
             return False
         if step > global_step:
             raise ProtocolError(409, "shard_behind", f"this shard is at step {global_step}, told of round {step}: it "
                                                      "restarted from an older state than the coordinator")
         if self.step != step:
-            self.step, self.folded, self.sum = step, [], None
+            self.step, self.folded, self.sum, self.late = step, [], None, set()
         done = len(self.folded)
         keys = [tuple(k) for k in keys]
         if start > done or self.folded[start:start + len(keys)] != keys[:done - start]:
@@ -123,7 +133,12 @@ class Holds:
         for rank, w in new:
             self.sum.apply(w, rank, self.by_worker.pop(w).tensors, ())  # nothing still possible sorts before it
             self.folded.append((rank, w))
+        for w in late:
+            self.late.add(w)
+            self.discard(w, step)  # read in its turn before R heads came, then refused: never summed
         self.turns = None if turns is None else frozenset(turns)
+        if self.turns:
+            self.late -= self.turns
         return True
 
     def _check_held(self, step: int, keys: Sequence[Key]) -> None:

@@ -73,8 +73,12 @@ async def hold(request: Request, map: str = Query(..., max_length=64, descriptio
                                                        f"{map}: fetch GET /v1/shards again")
     # a large hold is read in its turn, in rank order: the coordinator's core's (ps_service/core/intake.py: the holds of
     # the members its round awaits next), a follower's as the coordinator tells it (.turns); a follower has no members
-    push, via = await rt.tensors.receive_push(request, members=role.coordinator,
-                                              turn=rt.turn if role.coordinator else role.turn)
+    try:
+        push, via = await rt.tensors.receive_push(request, members=role.coordinator,
+                                                  turn=rt.turn if role.coordinator else role.turn)
+    finally:
+        if not role.coordinator:
+            role.hold_read()
     step, g = push.step, rt.core.global_step
     if step > g and not role.coordinator:  # this follower restarted or went back: the worker registers again
         raise ProtocolError(409, "shard_behind", f"step {step} is ahead of shard {role.index}'s global step {g} "
@@ -82,8 +86,14 @@ async def hold(request: Request, map: str = Query(..., max_length=64, descriptio
     if step > g:  # never held: a hold outlives nothing but its own round
         raise unprocessable("future_step", f"step {step} is ahead of shard {role.index}'s global step {g}")
     tensors = hold_tensors(rt.core.weights, push)
+    late = {"status": "late", "step": step, "shard": role.index, "global_step": g}
     if step < g:  # its round is over here: nothing to keep (the commit says late or stale)
-        return {"status": "late", "step": step, "shard": role.index, "global_step": g}
+        return late
+    # fixed R: the coordinator's hold is the push's head; one after R heads is late there, and on every follower told so
+    kept = (rt.run_guarded(lambda: rt.core.hold(push.worker_id, step)) if role.coordinator
+            else not role.holds.late_for(push.worker_id, step))
+    if not kept:
+        return late
     answer = {"status": "held", "step": step, "shard": role.index, "global_step": g}
     if not role.coordinator:  # 409 shard_behind before anything is kept, if it has no key (it restarted)
         answer["receipt"] = role.receipt(push.worker_id, step)
@@ -179,6 +189,8 @@ class Progress(BaseModel):
     start: Count = Field(description="The index of the first key of ``folded`` in the round's summed prefix.")
     folded: list[tuple[Count, str]] = Field(description="(rank, worker_id) summed since the last message, in order.")
     turns: list[str] | None = Field(description="Whose pushes the round awaits next (null: any, no order).")
+    late: list[str] = Field(default_factory=list, description=(
+        "Workers whose pushes the round will not take (fixed R: their hold came after R heads), since the last message."))
 
 
 @router.post("/shard/progress", openapi_extra=json_body(Progress))
@@ -186,7 +198,7 @@ async def progress(request: Request) -> dict:
     """Coordinator -> follower: the open round summed these keys and awaits these workers next (a repeat: skipped)."""
     rt, role, msg = await _from_coordinator(request, Progress, APPLY_BODY_LIMIT)
     _initialized(rt.core)
-    done = rt.run_guarded(lambda: role.progress(msg.step, msg.start, msg.folded, msg.turns))
+    done = rt.run_guarded(lambda: role.progress(msg.step, msg.start, msg.folded, msg.turns, msg.late))
     return {"step": rt.core.global_step, "summed": done, "boot": role.boot}
 
 

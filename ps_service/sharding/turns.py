@@ -3,21 +3,25 @@
 A follower knows no membership; the coordinator's round knows who contributes and in what order. Contract:
 
 - :class:`Tracker` (the coordinator): after every change of its core (the runtime's observer), the message a
-  folding follower needs when the open round moved, else None: ``{"step", "start", "folded", "turns"}``, the keys
-  its :class:`~ps_service.core.rounds.Accumulator` summed since the last message (``start``: the index of the
-  first of them in the round's summed prefix) and whose pushes the round awaits next in rank order
-  (:meth:`~ps_service.core.rounds.Round.turns`; None: any, when no order holds: fixed R, no round open). O(1)
-  when nothing moved; each summed key is sent once.
+  folding follower needs when the open round moved, else None: ``{"step", "start", "folded", "turns", "late"}``,
+  the keys its :class:`~ps_service.core.rounds.Accumulator` summed since the last message (``start``: the index of
+  the first of them in the round's summed prefix), whose pushes the round awaits next in rank order
+  (:meth:`~ps_service.core.rounds.Round.turns`; fixed R: those of them whose head came, the coordinator's hold, so
+  that a follower never reads a push the round may not take; None: any, no round open) and, fixed R, the members
+  whose hold came after R heads since the last message (``refused``: their pushes will not count).
+  O(1) when nothing moved; each summed key and each late member is sent once.
 - :class:`Gate` (a follower): a hold of the open round waits unread (the seam's turn, as one PS's intake) until
-  :meth:`~ps_service.sharding.holds.Holds.may_read` says its worker is awaited, at most its transport's patience
-  (a lease); then it is read out of turn (``overdue``: held beyond the bound, as one PS's intake does). The
-  coordinator's messages, applies and rollbacks wake it.
+  :meth:`~ps_service.sharding.holds.Holds.may_read` says its worker is awaited or late, at most its transport's
+  patience (a lease); then it is read out of turn (``overdue``: held beyond the bound, as one PS's intake does). The
+  coordinator's messages, applies and rollbacks wake it. A late hold is read one at a time (the follower core's
+  intake, :meth:`~ps_service.core.intake.Intake.claim_late`, as one PS reads a late push) and kept nowhere.
 
 Only followers whose pieces are large enough to be gated (:data:`FOLD_BYTES`, the seam's bound: smaller bodies
 are read at once) get these messages and gate their holds: both sides decide from the shard map. (The coordinator
-reads its own holds in the same turns through its core's intake, :mod:`ps_service.core.intake`.) What stays held
-beyond the bound: the pieces of a worker that held them and never committed (to the round's apply), and a hold read
-out of turn.
+reads its own holds in the same turns through its core's intake, :mod:`ps_service.core.intake`; with fixed R its hold
+of a worker's pieces is that push's head, :meth:`ps_service.core.ParameterServerCore.hold`, so the round's R
+contributors are known at their holds and the others' holds are late everywhere.) What stays held beyond the bound:
+the pieces of a worker that held them and never committed (to the round's apply), and a hold read out of turn.
 """
 from __future__ import annotations
 
@@ -36,21 +40,23 @@ class Tracker:
 
     def reset(self) -> None:
         """Nothing sent (a new job state: start, rollback)."""
-        self._step, self._sent, self._turns = -1, 0, ()
+        self._step, self._sent, self._turns, self._late = -1, 0, (), 0
 
     def message(self, core) -> dict | None:
         g, r = core.global_step, core.round
-        if r is None or r.step != g or core.rule.replicas_to_aggregate:
-            folded, turns = (), None
+        if r is None or r.step != g:
+            folded, turns, late = (), None, ()
         else:
-            folded, turns = r.acc.folded, r.turns()
+            folded, turns, late = r.acc.folded, r.turns(), r.refused
+            if r.replicas is not None:  # fixed R: a member yet to push may still come after R heads (late)
+                turns = tuple(w for w in turns if w in r.heads)
         if g != self._step:
-            self._step, self._sent, self._turns = g, 0, ()
-        elif len(folded) == self._sent and turns == self._turns:
+            self._step, self._sent, self._turns, self._late = g, 0, (), 0
+        elif len(folded) == self._sent and turns == self._turns and len(late) == self._late:
             return None
         msg = {"step": g, "start": self._sent, "folded": [list(k) for k in folded[self._sent:]],
-               "turns": None if turns is None else list(turns)}
-        self._sent, self._turns = len(folded), turns
+               "turns": None if turns is None else list(turns), "late": list(late[self._late:])}
+        self._sent, self._turns, self._late = len(folded), turns, len(late)
         return msg
 
 
