@@ -149,8 +149,8 @@ class ShardRole:
     # ---- the coordinator ----------------------------------------------------------------
     def decided(self, rec) -> None:
         """The core's hook (``on_decided``): round ``rec.step`` is decided and not yet applied here; its apply goes to
-        the followers now (:meth:`.links.Links.round_closed` writes it at once on an idle link), so theirs runs while
-        the coordinator steps its own share."""
+        the followers now (:meth:`.links.Links.round_closed` queues it for each follower's sender), so theirs runs
+        while the coordinator steps its own share."""
         try:
             if rec.step > self._sent_step:
                 self._send(rec)
