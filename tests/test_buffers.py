@@ -57,6 +57,13 @@ def test_what_the_pool_keeps_is_bounded_in_count_and_bytes():
     del held
 
 
+@pytest.fixture(autouse=True)
+def _a_pool_with_room():
+    """The pool is the process's: earlier tests in this process may have left it its KEEP_BUFFERS buffers of other
+    sizes kept, so that a live PS here could keep none of its own (each push a fresh buffer). Start with none kept."""
+    buffers.POOL._kept.clear()
+
+
 def ones_rounds(clients, wids, size: int, rounds: int) -> int:
     """``rounds`` rounds of every client pushing ones; the pool's count of buffers made after the third."""
     made = 0
