@@ -163,10 +163,9 @@ def frame_bytes(layout: Layout, meta: Mapping[str, Any] | None = None) -> int:
     return len(header(layout, meta)) + layout.data_bytes
 
 
-def peek_meta(buf: bytes | bytearray) -> dict | int | None:
-    """The meta of the frame whose first bytes ``buf`` holds, read off its header alone (its tensors may not have
-    come yet; nothing else is checked: :func:`decode` checks the whole frame); or, an int, how many bytes that needs;
-    None if ``buf`` does not start a frame."""
+def _peek_head(buf: bytes | bytearray | memoryview) -> dict | int | None:
+    """The header of the frame whose first bytes ``buf`` holds, read before its tensors come; or, an int, how many
+    bytes that needs; None if ``buf`` does not start a frame (nothing else is checked: :func:`decode` checks it)."""
     if len(buf) < PREFIX.size:
         return PREFIX.size
     magic, hlen, reserved = PREFIX.unpack_from(buf, 0)
@@ -178,7 +177,16 @@ def peek_meta(buf: bytes | bytearray) -> dict | int | None:
         head = unpack(bytes(buf[PREFIX.size:PREFIX.size + hlen]))
     except ProtocolError:
         return None
-    meta = head.get("meta") if isinstance(head, dict) else None
+    return head if isinstance(head, dict) else None
+
+
+def peek_meta(buf: bytes | bytearray) -> dict | int | None:
+    """The meta of the frame whose first bytes ``buf`` holds, read off its header alone (:func:`_peek_head`); or, an
+    int, how many bytes that needs; None if ``buf`` does not start a frame."""
+    head = _peek_head(buf)
+    if not isinstance(head, dict):
+        return head
+    meta = head.get("meta")
     return meta if isinstance(meta, dict) else None
 
 
@@ -261,18 +269,15 @@ class FrameReader:
 
 def _extent(mv: memoryview) -> int | None:
     """The length of the frame ``mv`` starts, once its prefix and header are in (None: not yet)."""
-    if len(mv) < PREFIX.size:
+    head = _peek_head(mv)
+    if isinstance(head, int):
         return None
-    magic, hlen, reserved = PREFIX.unpack_from(mv, 0)
-    if magic != MAGIC or reserved != 0 or hlen > MAX_HEADER_BYTES:
+    if head is None:
         decode(mv)  # refused as :func:`decode` refuses it
-    if len(mv) < PREFIX.size + hlen:
-        return None
-    head = unpack(mv[PREFIX.size:PREFIX.size + hlen])
-    size = head.get("data_bytes") if isinstance(head, dict) else None
+    size = head.get("data_bytes")
     if type(size) is not int or size < 0:
         raise bad_frame("header.data_bytes must be the end of the last tensor")
-    return aligned(PREFIX.size + hlen) + size
+    return aligned(PREFIX.size + PREFIX.unpack_from(mv, 0)[1]) + size
 
 
 def decode_following(buf: bytes | bytearray | memoryview, count: int) -> list[Frame]:
