@@ -5,19 +5,44 @@ concatenated batch of the N shards as the mean of the per-shard gradients
 (summed in rank order: float addition is order-sensitive, and this is the
 order the PS uses), and applies the same optimizer. With N workers in sync
 mode the PS must end with exactly these weights.
+
+Exact given the same per-shard gradients: the replay computes each one with the BLAS threads of the stock worker
+(:func:`worker_blas_threads`), whatever this process's own BLAS uses. OpenBLAS splits one matrix product between
+its threads once M*N*K reaches 2 * 262,144 (bench.task's linear from ~33k parameters: the 16 x d x k products)
+and the split rounds differently (float64 at 1e5 parameters: as two partial sums over halves of K); with the
+pytest process's 2 threads (one per core) against the workers' 1, most weights of such a job differ in their last
+bits from step 1 on (1e5 float64, 2 workers, 3 steps: 76,546 of 99,540, median 2 ulp, at most 3.1e-16 of the
+largest weight; float32: 3.5e-7).
 """
 from __future__ import annotations
 
 import functools
+import os
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from ps_service.core.optimizers import Optimizer
 from worker_service.tasks import load_task
+from worker_service.threads import one_thread_unless_set
+
+
+def worker_blas_threads(environ=os.environ) -> int:
+    """The BLAS threads of a stock worker started with ``environ``: ``OPENBLAS_NUM_THREADS``, 1 unless set
+    (worker_service/threads.py)."""
+    env = dict(environ)
+    one_thread_unless_set(env)
+    return int(env["OPENBLAS_NUM_THREADS"])
 
 
 def train_reference(task_name: str, workers: int, steps: int, batch_size: int = 32, seed: int = 0,
-                    dtype: str = "float64", optimizer: dict | None = None):
+                    dtype: str = "float64", optimizer: dict | None = None, blas_threads: int | None = None):
+    """``blas_threads``: the workers' (default: a stock worker's started from this process's environment)."""
+    with threadpool_limits(blas_threads or worker_blas_threads(), "blas"):
+        return _train_reference(task_name, workers, steps, batch_size, seed, dtype, optimizer)
+
+
+def _train_reference(task_name, workers, steps, batch_size, seed, dtype, optimizer):
     task = load_task(task_name, seed, dtype)
     params = {k: np.array(v) for k, v in sorted(task.init_params().items())}
     opt = Optimizer(optimizer or task.optimizer(), params)
