@@ -24,10 +24,13 @@ No I/O, no clock. Contract:
   that order: ``acc = g[c0]; acc += g[c1] ...``, bit for bit, however the additions were spread in time. An apply
   of a round already applied is answered as done (the coordinator retries); one ahead of the shard, naming a
   gradient the shard does not hold, or whose first keys are not those summed, is refused (409) and changes nothing:
-  the shard never mixes steps.
+  the shard never mixes steps. An apply with no contributors (the coordinator's sum overflowed: nothing applied
+  there) applies nothing here either, whatever was summed; a sum that overflows here applies nothing here (logged:
+  the other shards apply theirs).
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
@@ -38,6 +41,7 @@ from ps_service.core.rounds import Accumulator
 from shared.errors import ProtocolError
 from shared.protocol import PushRequest
 
+log = logging.getLogger("ps_service")
 Key = tuple[int, str]  # (rank, worker_id): the sum's order
 
 
@@ -149,17 +153,18 @@ class Holds:
 
     def take(self, names: Iterable[str], step: int, contributors: Sequence[Key]) -> tuple[dict | None, int]:
         """The rank-order sum of round ``step`` over ``contributors`` (the keys summed so far must be their first):
-        the held pieces of the others summed on; (the sum or None if it overflows, its count). 409 and nothing
+        the held pieces of the others summed on; (the sum or None if it overflows, its count). No contributors (the
+        coordinator's sum overflowed: its round applies nothing): (None, 0), whatever was summed. 409 and nothing
         changed if a piece is missing or the order differs."""
         contributors = [tuple(k) for k in contributors]
+        if not contributors:  # the round applies nothing (its sum overflowed on the coordinator), whatever was summed
+            return None, 0
         folded = self.folded if self.step == step else []
         if contributors[:len(folded)] != folded:
             raise ProtocolError(409, "order_mismatch", f"round {step}: its contributors {contributors[:4]} do not "
                                                        f"begin with the {len(folded)} summed here {folded[:4]}")
         rest = contributors[len(folded):]
         self._check_held(step, rest)
-        if not contributors:
-            return None, 0
         acc = self.sum if folded else Accumulator(tuple(names), "sum")
         for rank, w in rest:
             acc.apply(w, rank, self.by_worker[w].tensors)
@@ -179,6 +184,9 @@ def apply_round(core, holds: Holds, step: int, contributors: Sequence[Key], mean
     if mean_of < 1:
         raise ProtocolError(400, "bad_field", "mean_of must be >= 1")
     total, n = holds.take(tuple(core.weights), step, contributors)
+    if total is None and n:
+        log.warning("round %d: the sum of this shard's pieces of its %d contributors overflows: nothing applied here "
+                    "(the other shards apply theirs)", step, n)
     holds.drop_through(step)
     core.apply_round(total, mean_of, n)
     return True
