@@ -68,6 +68,36 @@ def test_the_loop_trains_through_a_mock_transport_bit_identical_to_one_process()
     assert ps.seen[-1] == f"DELETE {API}/workers/w0" and client.conn.closed
 
 
+def test_a_push_refused_not_held_is_redone_after_registering_again():
+    """A sharded PS's 409 ``not_held`` (a follower answered the hold late: docs/protocol-shards.md): the stock loop
+    registers again, pulls and pushes that step again; the job ends as without it."""
+    ps = OneWorkerPS()
+    ps.lost = set(range(STEPS))  # no push lost on the way here
+    refuse = {2}
+
+    def handler(r: Request) -> Answer:
+        if (r.method, r.path) == ("POST", f"{API}/gradients") and r.frame().meta["step"] in refuse:
+            refuse.clear()
+            ps.seen.append(f"{r.method} {r.path}")
+            return Answer.of_json({"error": "not_held", "detail": "shard(s) [1] gave no receipt"}, 409)
+        if (r.method, r.path) == ("POST", f"{API}/workers") and ps.weights is not None:  # again: at the PS's step
+            ps.seen.append(f"{r.method} {r.path}")
+            return Answer.of_json({"worker_id": "w0", "rank": 0, "start_step": ps.step, "global_step": ps.step,
+                                   "lease_seconds": 30, "model_initialized": True})
+        return ps(r)
+
+    client = PSClient("http://ps", connection=MockTransport(handler), shm_dir=None)
+    summary = train(client, LinearTask(dtype="float64"), "w", 8, prefetch=False)
+    client.close()
+    assert summary.done and summary.statuses == {"accepted": STEPS}
+    assert ps.seen.count(f"POST {API}/workers") == 2 and ps.seen.count(f"POST {API}/gradients") == STEPS + 1
+    task, w = LinearTask(dtype="float64"), LinearTask(dtype="float64").init_params()
+    for step in range(STEPS):
+        _, g, _ = task.loss_and_grads(w, task.batch(step, 0, 1, 8))
+        w = {k: w[k] - LR * g[k] for k in w}
+    assert all(ps.weights[k].tobytes() == w[k].tobytes() for k in w)
+
+
 def test_defaults_are_the_settings():
     from worker_service.settings import WorkerSettings
 

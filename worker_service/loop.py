@@ -10,7 +10,7 @@ Contract:
 - While a push and its round are out, the next step's batch is drawn in a thread (:mod:`worker_service.prefetch`,
   ``prefetch``: WORKER_PREFETCH), for the same position among the same ranks; a guess that turns out wrong is
   drawn again, so the batches are those of a worker that does not prefetch.
-- A 404/409 from the PS (it restarted, or the lease expired) means register
+- A 404/409 from the PS (it restarted, or the lease expired; a sharded PS's ``not_held``) means register
   again and carry on from the PS's step.
 - The first weights pulled after each registration must be the task's model (the same tensor names,
   shapes and dtypes): a PS initialised, or restored from a checkpoint, for another model raises :class:`WrongModel`
@@ -39,8 +39,10 @@ from worker_service.tasks import Task, optimizer_for, writes_into
 
 log = logging.getLogger("worker")
 #: PS answers that mean "register again and carry on" (it restarted, or our lease expired; shard_behind: a
-#: shard of a sharded PS restarted and the job goes back to a checkpoint)
-REJOIN_CODES = frozenset({"unknown_worker", "not_active", "not_initialized", "not_started", "shard_behind"})
+#: shard of a sharded PS restarted and the job goes back to a checkpoint; not_held: a follower answered the hold late
+#: as the worker joined a stuck round again, docs/protocol-shards.md: the step is redone from its pull)
+REJOIN_CODES = frozenset({"unknown_worker", "not_active", "not_initialized", "not_started", "shard_behind",
+                          "not_held"})
 
 
 class WrongModel(RuntimeError):

@@ -34,7 +34,7 @@ gradient that never made it does not count towards R; unlike it, the pushes alre
 back (their bodies were not kept). A member that expires or leaves gives its place back too (its push can no longer
 count). On a sharded PS the coordinator's hold of a worker's pieces is its push's head, kept until its commit
 (:meth:`~ps_service.core.ParameterServerCore.hold`); a hold after R heads is late (:meth:`Round.refuse`: the member is
-done with the round, listed in ``refused``).
+done with the round, listed in ``refused``; in ``back`` too if it registers again into the stuck round, which takes it).
 
 *Stuck* (:attr:`Progress.stuck`): the round cannot close with its own members (only a deadline
 could close it); a worker that registers then joins the open round instead of the next one.
@@ -237,6 +237,8 @@ class Round:
     #: fixed R, a sharded PS: the members whose hold came after R heads (:meth:`refuse`), in order (its coordinator
     #: tells its followers, ps_service/sharding/turns.py)
     refused: list[str] = field(default_factory=list, repr=False)
+    #: of them, those it took back (they registered again into the stuck round, :meth:`join`), in order
+    back: list[str] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         self.deadline_from = self.opened_at
@@ -416,6 +418,8 @@ class Round:
         """A member joins this open round (it is stuck without it), under ``rank``."""
         before = self.standing(worker_id)
         self.gone.discard(worker_id)
+        if worker_id in self.lost and worker_id in self.refused:
+            self.back.append(worker_id)
         self.lost.discard(worker_id)
         old = self.eligible.get(worker_id)
         if old != rank:

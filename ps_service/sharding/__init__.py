@@ -276,12 +276,13 @@ class ShardRole:
         if self.holds.late:
             self.gate.wake()
 
-    def progress(self, step: int, start: int, keys, turns, late=()) -> bool:
+    def progress(self, step: int, start: int, keys, turns, late=(), back=()) -> bool:
         """``POST /v1/shard/progress``: the coordinator's open round summed ``keys`` (from its ``start``-th), awaits
-        ``turns`` and will not take the pushes of ``late``: sum them here, drop those (:meth:`.holds.Holds.progress`),
-        wake the holds whose turn came."""
+        ``turns``, will not take the pushes of ``late`` and takes those of ``back`` again: sum them here, drop those
+        (:meth:`.holds.Holds.progress`), wake the holds whose turn came."""
         try:
-            return self.holds.progress(tuple(self.core.weights), self.core.global_step, step, start, keys, turns, late)
+            return self.holds.progress(tuple(self.core.weights), self.core.global_step, step, start, keys, turns, late,
+                                       back)
         finally:
             self.gate.wake()
 

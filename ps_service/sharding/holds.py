@@ -10,7 +10,8 @@ No I/O, no clock. Contract:
   the coordinator says, in order, which keys its own :class:`~ps_service.core.rounds.Accumulator` has summed so far
   (its ``folded``: the rank-order prefix of the round's contributors, each an accepted commit, which never leaves
   the round), whose pushes it awaits next in rank order (its :meth:`~ps_service.core.rounds.Round.turns`; None:
-  any) and, fixed R, the workers whose pushes it will not take (``late``: their hold came after R heads). The
+  any) and, fixed R, the workers whose pushes it will not take (``late``: their hold came after R heads; ``back``:
+  late ones it takes again, having registered again into the stuck round). The
   follower sums the held pieces of exactly those keys, in that order, into the same kind of accumulator and drops
   them, and drops the pieces of late workers: so it holds the running sum and the pieces not summed yet, and a hold
   whose worker is neither in ``turns`` nor late may wait unread (:meth:`Holds.may_read`: the sharding layer's gate,
@@ -112,10 +113,11 @@ class Holds:
         return self.step == step and worker_id in self.late
 
     def progress(self, names: Iterable[str], global_step: int, step: int, start: int, keys: Sequence[Key],
-                 turns: Sequence[str] | None, late: Iterable[str] = ()) -> bool:
+                 turns: Sequence[str] | None, late: Iterable[str] = (), back: Iterable[str] = ()) -> bool:
         """The coordinator's round ``step`` has summed ``keys`` from its ``start``-th key on (a repeat of keys
-        already summed here is skipped), awaits ``turns`` next and will not take the pushes of ``late``: sum their
-        held pieces in that order, drop the late ones' (a worker named in ``turns`` is not late). False if the round
+        already summed here is skipped), awaits ``turns`` next, will not take the pushes of ``late`` and takes those
+        of ``back`` again (late before; they joined the stuck round): sum their held pieces in that order, drop the
+        late ones' (a worker named in ``turns`` or ``back`` is not late). False if the round
         is applied here already (nothing to do); 409 and nothing changed if ahead of this shard, if the keys do not
         follow those summed, or a piece is not held."""
         if step < global_step:
@@ -140,6 +142,7 @@ class Holds:
         for w in late:
             self.late.add(w)
             self.discard(w, step)  # read in its turn before R heads came, then refused: never summed
+        self.late.difference_update(back)  # its hold waits for its turn again
         self.turns = None if turns is None else frozenset(turns)
         if self.turns:
             self.late -= self.turns

@@ -191,6 +191,9 @@ class Progress(BaseModel):
     turns: list[str] | None = Field(description="Whose pushes the round awaits next (null: any, no order).")
     late: list[str] = Field(default_factory=list, description=(
         "Workers whose pushes the round will not take (fixed R: their hold came after R heads), since the last message."))
+    back: list[str] = Field(default_factory=list, description=(
+        "Workers named late whom the round takes again (they registered again into the stuck round), since the last "
+        "message."))
 
 
 @router.post("/shard/progress", openapi_extra=json_body(Progress))
@@ -198,7 +201,7 @@ async def progress(request: Request) -> dict:
     """Coordinator -> follower: the open round summed these keys and awaits these workers next (a repeat: skipped)."""
     rt, role, msg = await _from_coordinator(request, Progress, APPLY_BODY_LIMIT)
     _initialized(rt.core)
-    done = rt.run_guarded(lambda: role.progress(msg.step, msg.start, msg.folded, msg.turns, msg.late))
+    done = rt.run_guarded(lambda: role.progress(msg.step, msg.start, msg.folded, msg.turns, msg.late, msg.back))
     return {"step": rt.core.global_step, "summed": done, "boot": role.boot}
 
 

@@ -3,13 +3,14 @@
 A follower knows no membership; the coordinator's round knows who contributes and in what order. Contract:
 
 - :class:`Tracker` (the coordinator): after every change of its core (the runtime's observer), the message a
-  folding follower needs when the open round moved, else None: ``{"step", "start", "folded", "turns", "late"}``,
+  folding follower needs when the open round moved, else None: ``{"step", "start", "folded", "turns", "late", "back"}``,
   the keys its :class:`~ps_service.core.rounds.Accumulator` summed since the last message (``start``: the index of
   the first of them in the round's summed prefix), whose pushes the round awaits next in rank order
   (:meth:`~ps_service.core.rounds.Round.turns`; fixed R: those of them whose head came, the coordinator's hold, so
   that a follower never reads a push the round may not take; None: any, no round open) and, fixed R, the members
-  whose hold came after R heads since the last message (``refused``: their pushes will not count).
-  O(1) when nothing moved; each summed key and each late member is sent once.
+  whose hold came after R heads since the last message (``refused``: their pushes will not count), and those of them
+  the round took back since (``back``: they registered again into the stuck round, which they joined; not late again
+  since). O(1) when nothing moved; each summed key and each late member is sent once.
 - :class:`Gate` (a follower): a hold of the open round waits unread (the seam's turn, as one PS's intake) until
   :meth:`~ps_service.sharding.holds.Holds.may_read` says its worker is awaited or late, at most its transport's
   patience (a lease); then it is read out of turn (``overdue``: held beyond the bound, as one PS's intake does). The
@@ -40,23 +41,25 @@ class Tracker:
 
     def reset(self) -> None:
         """Nothing sent (a new job state: start, rollback)."""
-        self._step, self._sent, self._turns, self._late = -1, 0, (), 0
+        self._step, self._sent, self._turns, self._late, self._back = -1, 0, (), 0, 0
 
     def message(self, core) -> dict | None:
         g, r = core.global_step, core.round
         if r is None or r.step != g:
-            folded, turns, late = (), None, ()
+            folded, turns, late, back, lost = (), None, (), (), ()
         else:
-            folded, turns, late = r.acc.folded, r.turns(), r.refused
+            folded, turns, late, back, lost = r.acc.folded, r.turns(), r.refused, r.back, r.lost
             if r.replicas is not None:  # fixed R: a member yet to push may still come after R heads (late)
                 turns = tuple(w for w in turns if w in r.heads)
         if g != self._step:
-            self._step, self._sent, self._turns, self._late = g, 0, (), 0
-        elif len(folded) == self._sent and turns == self._turns and len(late) == self._late:
+            self._step, self._sent, self._turns, self._late, self._back = g, 0, (), 0, 0
+        elif len(folded) == self._sent and turns == self._turns and len(late) == self._late \
+                and len(back) == self._back:
             return None
         msg = {"step": g, "start": self._sent, "folded": [list(k) for k in folded[self._sent:]],
-               "turns": None if turns is None else list(turns), "late": list(late[self._late:])}
-        self._sent, self._turns, self._late = len(folded), turns, len(late)
+               "turns": None if turns is None else list(turns), "late": list(late[self._late:]),
+               "back": [w for w in back[self._back:] if w not in lost]}  # (late again since: it stays late)
+        self._sent, self._turns, self._late, self._back = len(folded), turns, len(late), len(back)
         return msg
 
 
