@@ -21,7 +21,11 @@ ProtocolError 422 ``compression_mismatch`` (the push declares another encoding t
 the worker chose). :class:`Compressor` is the worker side:
 ``topk`` and ``2bit`` keep per tensor the residual of what was not sent and add it to the next gradient
 (error feedback); ``topk`` sends more during the job's warm-up steps (:meth:`Spec.density`: the push's step
-picks k). Pure numpy; no I/O.
+picks k). With partitioned rounds (docs/protocol-partitions.md) :meth:`Compressor.encode_partitions` encodes each
+partition's pieces (a whole tensor, or a slice of its flat elements) as tensors of their own, keyed as the pieces,
+top-k's entries chosen over the whole tensor; the PS decodes a partition's frame with :func:`decode_push` against
+the partition's pieces. Every encoding is elementwise: the pieces decoded and put together are the whole tensor's
+encoding decoded, and the residuals the same, bit for bit. Pure numpy; no I/O.
 """
 from __future__ import annotations
 
@@ -35,6 +39,8 @@ from shared import scan
 from shared.codec import bfloat16
 from shared.errors import unprocessable
 from shared.halves import F16, F32, U32, Alloc, fresh, from_bf16, from_fp16, to_bf16, to_fp16
+from shared.partitions import Plan
+from shared.shards import Piece, split
 
 NAMES = ("none", "bf16", "fp16", "topk", "2bit")
 #: torch buffers (running statistics, taken as the round's aggregate): never compressed
@@ -301,30 +307,57 @@ class Compressor:
     def encode(self, grads: Mapping[str, np.ndarray], step: int = -1) -> dict[str, np.ndarray]:
         """The push's tensors, computed on ``step``'s weights, compressed where the job says (residuals
         updated)."""
+        whole = Plan((tuple(Piece(k, 0, np.size(g), True) for k, g in grads.items()),))
+        return self.encode_partitions(grads, whole, step)[0]
+
+    def encode_partitions(self, grads: Mapping[str, np.ndarray], plan: Plan, step: int = -1
+                          ) -> list[dict[str, np.ndarray]]:
+        """The push's partitions (``plan``: :func:`shared.partitions.plan` of the gradients), each its pieces'
+        tensors keyed by :attr:`~shared.shards.Piece.key`, compressed where the job says (docs/protocol-partitions.md):
+        bf16, fp16 and 2-bit encode each piece's elements (2-bit's words start at the piece's first element); top-k
+        chooses its entries over the whole tensor, as one piece would, and sends each in the piece that holds it, at
+        its flat index within the piece. Residuals are kept per tensor: every encoding is elementwise, so the
+        residuals and the values the PS decodes are those of the whole tensor's encoding, bit for bit."""
         spec = self.spec
         if spec.name == "2bit":
             bad = next((k for k, g in grads.items() if spec.compresses(k, g.dtype) and not np.isfinite(g).all()), None)
             if bad is not None:
                 raise NonFiniteGradient(f"gradient {bad!r} holds NaN/Inf: 2-bit quantisation cannot send it")
-        return {k: self._one(k, np.asarray(g), step) if spec.compresses(k, np.asarray(g).dtype) else g
-                for k, g in grads.items()}
+        where = {p.name: [] for ps in plan.partitions for p in ps}  # tensor -> its (partition, piece), in order
+        for q, ps in enumerate(plan.partitions):
+            for p in ps:
+                where[p.name].append((q, p))
+        out: list[dict[str, np.ndarray]] = [{} for _ in plan.partitions]
+        for name, g in grads.items():
+            g = np.asarray(g)
+            pieces = [p for _, p in where[name]]
+            wires = self._one(name, g, step, pieces) if spec.compresses(name, g.dtype) else _views(g, pieces)
+            for (q, p), wire in zip(where[name], wires):
+                out[q][p.key] = wire
+        return out
 
-    def _one(self, name: str, grad: np.ndarray, step: int) -> np.ndarray:
+    def _one(self, name: str, grad: np.ndarray, step: int, pieces: list[Piece]) -> list[np.ndarray]:
+        """The encodings of ``grad``'s ``pieces`` (in order, together the whole tensor)."""
         spec = self.spec
-        if spec.name == "bf16":
-            return to_bf16(grad)
-        if spec.name == "fp16":
-            return to_fp16(grad)  # beyond +-65504: Inf, which the PS refuses as non-finite
+        if spec.name in ("bf16", "fp16"):  # fp16 beyond +-65504: Inf, which the PS refuses as non-finite
+            return [(to_bf16 if spec.name == "bf16" else to_fp16)(v) for v in _views(grad, pieces)]
         acc = self.residuals.get(name)
         if acc is None or acc.shape != grad.shape:
             acc = self.residuals[name] = np.zeros(grad.shape, F32)
         acc += grad  # the residual plus this gradient: what is owed to the PS
         if spec.name == "2bit":
-            return quantize_2bit(acc, np.float32(spec.threshold))
+            return [quantize_2bit(v, np.float32(spec.threshold)) for v in _views(acc, pieces)]
         flat = acc.reshape(-1)
         idx = top_k(flat, spec.k(flat.size, step))
         values = flat[idx]
         flat[idx] = 0  # the residual keeps what was not sent
         if not np.isfinite(values).all():
             flat[:] = 0  # the PS refuses (or skips) this push; a NaN kept here would poison every later one
-        return pack_topk(idx, values)
+        cuts = np.searchsorted(idx, [p.start for p in pieces[1:]])  # idx ascending, the pieces in element order
+        return [pack_topk(i - np.uint32(p.start) if p.start else i, v)
+                for p, i, v in zip(pieces, np.split(idx, cuts), np.split(values, cuts))]
+
+
+def _views(t: np.ndarray, pieces: list[Piece]) -> list[np.ndarray]:
+    """``pieces`` of the tensor ``t`` (views: ``t`` itself for a whole piece, a slice of its flat elements else)."""
+    return list(split({pieces[0].name: t}, pieces).values())

@@ -66,6 +66,31 @@ def test_round_trip_and_residual(name, n, seed, ratio, threshold):
         assert np.allclose(total_sent + comp.residuals.get("w", 0), total_grad, atol=1e-4)
 
 
+@settings(max_examples=20, deadline=None)
+@given(st.sampled_from(ENCODINGS), st.integers(1, 300), st.integers(0, 2**32 - 1), st.integers(1, 700))
+def test_partitions_carry_the_whole_tensors_encoding_piece_by_piece(name, n, seed, partition_bytes):
+    """docs/protocol-partitions.md: each partition's pieces decoded and put back together are the whole push's decoded
+    tensors, bit for bit, and the residuals are the whole push's (top-k: entries chosen over the whole tensor)."""
+    from shared.partitions import plan
+    from shared.shards import spec_of
+    spec = C.Spec(name, 0.1, 0.5)
+    rng = np.random.default_rng(seed)
+    whole, cut = C.Compressor(spec), C.Compressor(spec)
+    model = {"w": np.zeros(n, F32), "m": np.zeros((3, 7), F32), "d": np.zeros(5, np.float64)}
+    p = plan(spec_of(model), partition_bytes)
+    for step in range(3):
+        g = {k: rng.standard_normal(v.shape).astype(v.dtype) for k, v in model.items()}
+        want = {k: C.dense(v) for k, v in C.decode_push(spec, name, whole.encode(g, step), model)[0].items()}
+        parts = cut.encode_partitions(g, p, step)
+        assert [sorted(t) for t in parts] == [list(p.keys(q)) for q in range(p.count)]
+        got = {k: np.empty_like(v) for k, v in model.items()}
+        for q, wire in enumerate(parts):
+            for key, piece in C.decode_push(spec, name, wire, p.split(model, q))[0].items():
+                np.copyto(p.split(got, q)[key], C.dense(piece))
+        assert {k: v.tobytes() for k, v in got.items()} == {k: v.tobytes() for k, v in want.items()}
+        assert {k: v.tobytes() for k, v in cut.residuals.items()} == {k: v.tobytes() for k, v in whole.residuals.items()}
+
+
 @pytest.mark.parametrize("n,k", [(2_000_000, 1), (2_000_000, 2000), (2_000_000, 20000), (1000, 10)])
 def test_top_k_is_exact_on_the_pruned_path(n, k):
     x = np.random.default_rng(n + k).standard_normal(n).astype(F32)

@@ -3,11 +3,13 @@ a head and Q partition frames (docs/protocol-partitions.md) gives the core one c
 such pushes ends with the weights, optimizer slots and iteration count of the same job pushed whole at
 PS_PARTITION_BYTES=0, bit for bit (SGD and Adam; Q = 1, 2, 4; float32 and float64 tensors, one cut across
 partitions). A whole push to a partitioned PS is cut by the PS (the same bits); a malformed partitioned push is
-refused 4xx JSON and changes nothing; PS_PARTITION_BYTES is refused at start where it is not built."""
+refused 4xx JSON and changes nothing; PS_PARTITION_BYTES is refused at start where it is not built. With compression
+(bf16, fp16, top-k, 2-bit) stock worker clients' partitioned pushes end with the bits of the same job at P = 0."""
 from __future__ import annotations
 
 import json
 import socket
+import threading
 
 import httpx
 import numpy as np
@@ -107,11 +109,11 @@ def test_q_1_is_todays_push_byte_for_byte():
     assert p.count == 1 and p.whole
 
 
-def one_push(bodies) -> tuple[list[tuple[int, str | None]], dict[str, bytes], int]:
-    """A one-worker job at Q = 4 sent ``bodies(meta, parts)`` in turn for step 0: each answer (status, error code),
-    then the weights and slots, and the global step."""
+def one_push(bodies, **settings) -> tuple[list[tuple[int, str | None]], dict[str, bytes], int]:
+    """A one-worker job at Q = 4 (and ``settings``) sent ``bodies(meta, parts)`` in turn for step 0: each answer
+    (status, error code), then the weights and slots, and the global step."""
     size = size_for(4)
-    with live_ps(min_workers=1, startup_grace_seconds=0, partition_bytes=size) as ps:
+    with live_ps(min_workers=1, startup_grace_seconds=0, partition_bytes=size, **settings) as ps:
         c = ps.client()
         wid = c.register("w")["worker_id"]
         assert c.init_model(weights0(), OPTIMIZERS["adam"])
@@ -175,7 +177,28 @@ def test_a_push_refused_after_its_head_is_completed_by_sending_it_again():
     assert step == 1 and after == alone
 
 
-@pytest.mark.parametrize("other", [{"mode": "async"}, {"mode": "ssp"}, {"compression": "bf16"},
+def test_a_compressed_partitioned_push_is_refused_for_its_encoding():
+    """bf16 job: a head declaring another encoding, or whose pieces are not bf16, changes nothing; a later frame that
+    is not bf16 is refused after its head, and the push sent again completes it."""
+    from shared.compression import Compressor, Spec
+
+    def bodies(meta, parts):
+        def push(heads_meta, encoded):
+            return joined([(encoded[0], {**meta, **heads_meta, "partitions": 4}),
+                           *[(t, {"partition": q}) for q, t in enumerate(encoded[1:], 1)]])
+        bf16 = Compressor(Spec("bf16")).encode_partitions(gradient(0, 0), plan(spec_of(weights0()), size_for(4)))
+        yield push({}, parts), True  # declares none
+        yield push({"compression": "fp16"}, bf16), True
+        yield push({"compression": "bf16"}, [parts[0], *bf16[1:]]), True  # the head's pieces are not bf16
+        yield push({"compression": "bf16"}, [*bf16[:2], parts[2], bf16[3]]), False  # frame 2 is not
+        yield push({"compression": "bf16"}, bf16), False
+    answers, _, step = one_push(bodies, compression="bf16", shm_dir="")
+    assert answers == [(422, "compression_mismatch"), (422, "compression_mismatch"), (422, "bad_encoding"),
+                       (422, "bad_encoding"), (200, "duplicate")]
+    assert step == 1
+
+
+@pytest.mark.parametrize("other", [{"mode": "async"}, {"mode": "ssp"},
                                    {"nonfinite_policy": "skip"}, {"role": "standby", "peer_url": "http://x:1"}])
 def test_partition_bytes_is_refused_where_it_is_not_built(other):
     with pytest.raises(ValidationError, match="PS_PARTITION_BYTES"):
@@ -220,3 +243,85 @@ def test_the_workers_body_transport_sends_the_documented_frames():
     body = b"".join(bytes(b) for b in BodyTransport(None, partition_bytes=size).push_body(meta, g))
     assert body == partitioned_body(meta, g, size)
     assert b"".join(bytes(b) for b in BodyTransport(None).push_body(meta, g)) == frame.encode_bytes(g, meta)
+
+
+# ---- compression (docs/partitions.md, Modes, compression ...): stock workers over TCP ------------------------------
+CODECS = ("bf16", "fp16", "topk", "2bit")
+#: the model of the compressed jobs: w (4000 bytes) cut into 4 slices of 250 elements at COMPRESSED_BYTES, one a
+#: partition; a, b (compressed) and c (float64, never compressed) whole in the head
+COMPRESSED = {"a": ((6, 5), "float32"), "b": ((41,), "float32"), "c": ((9,), "float64"), "w": ((40, 25), "float32")}
+COMPRESSED_BYTES = 1024
+
+
+def compressed_gradient(step: int, rank: int) -> dict[str, np.ndarray]:
+    """w's third slice (rows 20-29: elements 500-749) small, so top-k, chosen over the whole of w, sends none there."""
+    rng = np.random.default_rng(1000 + 100 * step + rank)
+    g = {k: rng.standard_normal(s).astype(d) for k, (s, d) in COMPRESSED.items()}
+    g["w"][20:30] *= np.float32(1e-4)
+    return g
+
+
+def stock_job(codec: str, partition_bytes: int) -> tuple[dict[str, bytes], list[bytes]]:
+    """WORKERS stock worker clients (PSClient, its body transport over loopback TCP, one thread each) push STEPS
+    steps of :func:`compressed_gradient` under ``codec`` (rank 0 partitioned as the job says, rank 1 one frame each):
+    the PS's weights and iteration count at the end, and rank 0's push bodies."""
+    rng = np.random.default_rng(5)
+    w0 = {k: rng.standard_normal(s).astype(d) for k, (s, d) in COMPRESSED.items()}
+    with live_ps(min_workers=WORKERS, startup_grace_seconds=0, partition_bytes=partition_bytes, shm_dir="",
+                 compression=codec, compression_topk_ratio=0.05, compression_2bit_threshold=0.25,
+                 compression_topk_warmup_steps=2) as ps:
+        clients = [ps.client() for _ in range(WORKERS)]
+        regs = [c.register(f"w{i}") for i, c in enumerate(clients)]
+        assert clients[0].init_model(w0, OPTIMIZERS["sgd"])
+        bodies: list[bytes] = []
+        for i, c in enumerate(clients):
+            c.attach(regs[i]["worker_id"])
+            assert c.tensors.name == f"http+{codec}"
+        clients[1].tensors.current.partition_bytes = 0  # rank 1's pushes go whole: the PS decodes and cuts them
+        t0 = clients[0].tensors.current
+        push_body = t0.push_body
+        t0.push_body = lambda meta, g: bodies.append(b"".join(map(bytes, push_body(meta, g)))) or [bodies[-1]]
+        errors: list[BaseException] = []
+
+        def work(rank: int) -> None:
+            c, wid = clients[rank], regs[rank]["worker_id"]
+            try:
+                for step in range(STEPS):
+                    assert c.pull(step, wid, allow(10)).step == step
+                    assert c.push(wid, step, compressed_gradient(step, rank))["status"] == "accepted"
+            except BaseException as exc:  # noqa: BLE001 (raised in the test's thread)
+                errors.append(exc)
+        threads = [threading.Thread(target=work, args=(r,)) for r in range(WORKERS)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(allow(30))
+        assert not errors, errors
+        wait_for(lambda: ps.rt.core.global_step == STEPS and not ps.rt.core.deciding, allow(10), "the last round")
+        core = ps.rt.core
+        assert (1 if core.partitions is None else core.partitions.count) == (5 if partition_bytes else 1)
+        assert all(not np.array_equal(core.weights[k], w0[k]) for k in w0)
+        out = {k: v.tobytes() for k, v in core.weights.items()} | {"iterations": str(core.optimizer.iterations).encode()}
+        for c in clients:
+            c.close()
+        return out, bodies
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_compressed_partitioned_pushes_end_with_the_bits_of_p_0(codec):
+    """Stock workers' compressed pushes: at P = 0 one frame each; at P > 0 rank 0's a head and 4 partition frames, each
+    piece encoded (top-k's entries chosen over the whole of w: none in its small third slice), decoded by the PS
+    partition by partition, and rank 1's one frame, decoded and cut by the PS. The final weights are the same bits."""
+    whole, flat = stock_job(codec, 0)
+    cut, parts = stock_job(codec, COMPRESSED_BYTES)
+    assert cut == whole
+    p = plan({k: (s, d) for k, (s, d) in COMPRESSED.items()}, COMPRESSED_BYTES)
+    assert p.count == 5 and len(flat) == len(parts) == STEPS
+    for one, body in zip(flat, parts):
+        assert frame.decode(one).meta["compression"] == codec
+        frames = frame.decode_following(body, p.count)
+        assert frames[0].meta["compression"] == codec and frames[0].meta["partitions"] == p.count
+        assert [sorted(f.tensors) for f in frames] == [list(p.keys(q)) for q in range(p.count)]
+        assert frames[0].tensors["c"].dtype == np.float64  # never compressed
+        if codec == "topk":
+            assert frames[3].tensors["w[500:750]"].shape == (2, 0)

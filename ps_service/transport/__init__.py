@@ -42,7 +42,7 @@ from ps_service.transport.body import declared_length, read_body, read_prefix
 from ps_service.core import PushResult
 from ps_service.core.buffers import POOL
 from ps_service.transport.deltas import WeightDeltas
-from ps_service.transport.partitioned import Feed, check_head
+from ps_service.transport.partitioned import Feed, check_head, decoded_head
 from ps_service.transport.streamed import Partitions
 from ps_service.transport.shm import ShmHub
 from shared import compression, frame, liveness
@@ -155,7 +155,7 @@ class TensorSeam:
         claimed: list[str] = []
         try:
             partition_bytes = self.settings.partition_bytes
-            feed = Feed(self.core, partition_bytes, clock) if partition_bytes else None
+            feed = Feed(self.core, partition_bytes, clock, self.compression, self._part) if partition_bytes else None
             push, seq, frames, size = await self._push_frame(request, turn, claimed, feed)
             f = frames[0]
             await self._file_turn(push, seq, turn, claimed)
@@ -163,26 +163,28 @@ class TensorSeam:
                 self.bytes_in, via = self.bytes_in + size, "http"
                 result = feed.result()
             else:
+                parts = None
                 if len(frames) > 1:
-                    self._check_partitioned(push, seq, frames)
+                    push, parts = self._check_partitioned(push, seq, frames)
                     self.bytes_in, via = self.bytes_in + size, "http"
                 elif seq is not None or self.compression.name != "none" or f.meta.get("compression") is not None:
                     push, via = self._tensors(push, seq, f, size)
                 else:
                     self.bytes_in, via = self.bytes_in + size, "http"
-                result = self._give(push, [g.tensors for g in frames] if len(frames) > 1 else None, clock())
+                result = self._give(push, parts, clock())
         finally:
             for worker_id in claimed:
                 self.core.release(worker_id)
         self.shm.last_transport[push.worker_id] = via  # monitoring: how its tensors travel
         return result, push, via
 
-    def _give(self, push: PushRequest, parts: list[dict] | None, now: float) -> PushResult:
+    def _give(self, push: PushRequest, parts: list[tuple[Mapping, bool]] | None, now: float) -> PushResult:
         """The core's calls for one push read whole: one per partition frame, the head's (partition 0: the push's
         status) first, all at ``now``; the result: the head's status, the global step after the last frame
-        (docs/partitions.md, The seam). ``parts``: the tensors of the body's frames; None: one frame, today's push,
-        which a partitioned round takes cut into its partitions (views): it must hold every tensor of the model as
-        the model has it (else 422 ``tensor_mismatch``)."""
+        (docs/partitions.md, The seam). ``parts``: the tensors of the body's frames after the head's and whether each
+        is known finite; None: one frame, today's push, which a partitioned round takes cut into its partitions
+        (views; a top-k tensor made dense first): it must hold every tensor of the model as the model has it (else 422
+        ``tensor_mismatch``)."""
         core = self.core
         if parts is None:
             plan = core.partitions if self.settings.partition_bytes else None
@@ -192,24 +194,43 @@ class TensorSeam:
                 core.admit(push.worker_id)
                 raise unprocessable("tensor_mismatch", "a push of one frame carries every model tensor, of its dtype "
                                     f"and shape (this job's rounds have {plan.count} partitions)")
-            parts = [plan.split(push.tensors, q) for q in range(plan.count)]
-        before, status = core.global_step, core.push(replace(push, tensors=parts[0]), now).status
-        for q, tensors in enumerate(parts[1:], 1):
-            core.push(PushRequest(push.worker_id, push.step, tensors, finite_checked=push.finite_checked,
-                                  partition=q), now)
+            whole = {k: compression.dense(t) for k, t in push.tensors.items()}
+            push, parts = replace(push, tensors=plan.split(whole, 0)), [(plan.split(whole, q), push.finite_checked)
+                                                                        for q in range(1, plan.count)]
+        before, status = core.global_step, core.push(push, now).status
+        for q, (tensors, checked) in enumerate(parts, 1):
+            core.push(PushRequest(push.worker_id, push.step, tensors, finite_checked=checked, partition=q), now)
         return PushResult(status, core.global_step, core.global_step != before)
 
-    def _check_partitioned(self, push: PushRequest, seq: int | None, frames: list[frame.Frame]) -> None:
+    def _check_partitioned(self, push: PushRequest, seq: int | None, frames: list[frame.Frame]
+                           ) -> tuple[PushRequest, list[tuple[Mapping, bool]]]:
         """A body of several frames read whole (a partitioned push at ``PS_PARTITION_BYTES`` 0, or chunked): the
-        head's refusals (:func:`check_head`), then each later frame's meta names its partition (400 ``bad_field``);
-        after the core's refusals (docs/protocol.md's order)."""
-        check_head(self.core, self.settings.partition_bytes, push, seq, frames[0].meta, len(frames))
+        head's refusals (:func:`check_head`), then each later frame's meta names its partition (400 ``bad_field``)
+        and its tensors decode (:meth:`_part`); after the core's refusals (docs/protocol.md's order). The head's push
+        and the later frames' tensors as :meth:`_give` takes them."""
+        head = frames[0].meta
+        check_head(self.core, self.settings.partition_bytes, push, seq, head, len(frames), self.compression)
+        push = decoded_head(self.core, push, self._part, head)
         try:
+            parts = []
             for q, g in enumerate(frames[1:], 1):
                 check_partition_meta(g.meta, q)
+                parts.append(self._part(q, g.tensors, head.get("compression")))
         except ProtocolError:
             self.core.admit(push.worker_id)
             raise
+        return push, parts
+
+    def _part(self, q: int, tensors: Mapping[str, np.ndarray], declared) -> tuple[Mapping, bool]:
+        """Partition ``q``'s frame's tensors as the core takes them (:data:`ps_service.transport.partitioned.Decode`):
+        decoded against the partition's pieces when the job compresses (docs/protocol-partitions.md), and whether
+        they are known finite; as they are otherwise (the core checks them). A frame of a job without partitions
+        (a partitioned push at ``PS_PARTITION_BYTES`` 0, refused by the core) is not decoded."""
+        core = self.core
+        p = core.partitions
+        if not self.compression.on or p is None:
+            return tensors, False
+        return compression.decode_push(self.compression, declared, tensors, p.split(core.weights, q), _pooled)
 
     async def receive_push(self, request: Request, members: bool = True, turn: Turn | None = None
                            ) -> tuple[PushRequest, str]:

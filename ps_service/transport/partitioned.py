@@ -6,8 +6,9 @@ whether the push is partitioned (``partitions`` > 1 in the head's meta); if not 
 push whole, as at 0). If so, each frame is decoded as soon as its last byte is in (:class:`shared.frame.FrameReader`)
 and given to the core at once, the last one once the body has ended with it (bytes after it refuse the push first):
 the head first, as the push (its status, counts, the round's rule; :func:`check_head`'s refusals before it: nothing
-changed then), then frame q as ``PushRequest(partition=q)``. A frame refused after its head (its meta, its layout,
-its values) ends the read with that refusal; the frames given before it stand (the round waits for the rest from
+changed then), then frame q as ``PushRequest(partition=q)``, each frame's tensors first decoded against its partition's
+pieces when the job compresses (the seam's :data:`Decode`). A frame refused after its head (its meta, its layout,
+its encoding, its values) ends the read with that refusal; the frames given before it stand (the round waits for the rest from
 that worker until it sends the push again, leaves or its lease ends). :meth:`Feed.finish` checks the body's end
 once it is all in; :meth:`Feed.result` is the push's: the head's status, the global step after the last frame. A
 body read without ``progress`` (chunked) is taken whole: the seam checks it with :func:`check_head` and gives the
@@ -15,20 +16,31 @@ core its frames in the same order.
 """
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import replace
+from typing import Any, Callable, Mapping
+
+import numpy as np
 
 from ps_service.core import PushResult
-from shared import frame
+from shared import compression, frame
 from shared.errors import ProtocolError, bad_request, unprocessable
 from shared.protocol import PushRequest, check_partition_meta, parse_push_meta, push_partitions
 
 
-def check_head(core, partition_bytes: int, push: PushRequest, seq: int | None, meta: dict, count: int) -> None:
-    """A push of ``count`` > 1 frames: its tensors in its body, uncompressed (400 ``bad_field``), as many frames as the
-    job's rounds have partitions (422 ``tensor_mismatch``); the core's refusals first (docs/protocol.md's order)."""
+#: a partition frame's tensors as the core takes them: (partition q, its tensors, the encoding its head declared) ->
+#: (the tensors decoded against partition q's pieces, whether known finite): the seam's
+Decode = Callable[[int, Mapping[str, np.ndarray], Any], tuple[Mapping[str, Any], bool]]
+
+
+def check_head(core, partition_bytes: int, push: PushRequest, seq: int | None, meta: dict, count: int,
+               spec: compression.Spec) -> None:
+    """A push of ``count`` > 1 frames: its tensors in its body (400 ``bad_field``), compressed as the job's (422
+    ``compression_mismatch``), as many frames as the job's rounds have partitions (422 ``tensor_mismatch``); the core's
+    refusals first (docs/protocol.md's order)."""
     try:
-        if seq is not None or meta.get("compression") not in (None, "none"):
-            raise bad_request("bad_field", "a partitioned push carries its tensors in its body, uncompressed")
+        if seq is not None:
+            raise bad_request("bad_field", "a partitioned push carries its tensors in its body")
+        compression.check_declared(spec, meta.get("compression"), via_body=True)
         plan = core.partitions
         want = 1 if plan is None else plan.count
         if core.weights is not None and count != want:
@@ -39,9 +51,22 @@ def check_head(core, partition_bytes: int, push: PushRequest, seq: int | None, m
         raise
 
 
+def decoded_head(core, push: PushRequest, decode: Decode, meta: dict) -> PushRequest:
+    """The head's push with partition 0's tensors decoded (:data:`Decode`); a refusal after the core's (docs/protocol.md's
+    order), nothing changed."""
+    try:
+        tensors, checked = decode(0, push.tensors, meta.get("compression"))
+    except ProtocolError:
+        core.admit(push.worker_id)
+        raise
+    return replace(push, tensors=tensors, finite_checked=checked)
+
+
 class Feed:
-    def __init__(self, core, partition_bytes: int, clock: Callable[[], float]) -> None:
+    def __init__(self, core, partition_bytes: int, clock: Callable[[], float], spec: compression.Spec,
+                 decode: Decode) -> None:
         self.core, self.partition_bytes, self.clock = core, partition_bytes, clock
+        self.spec, self.decode = spec, decode
         self.reader = frame.FrameReader()
         #: the body's frames (None: its head is not in yet; 1: not partitioned, the feed does nothing)
         self.count: int | None = None
@@ -73,12 +98,20 @@ class Feed:
         self.frames.append(f)
         if q == 0:
             push, seq = parse_push_meta(f.meta, f.tensors)
-            check_head(core, self.partition_bytes, push, seq, f.meta, self.count)
+            check_head(core, self.partition_bytes, push, seq, f.meta, self.count, self.spec)
+            push = decoded_head(core, push, self.decode, f.meta)
             self.push, self._before = push, core.global_step
             self._status = core.push(push, self.clock()).status
             return
         check_partition_meta(f.meta, q)
-        core.push(PushRequest(self.push.worker_id, self.push.step, f.tensors, partition=q), self.clock())
+        tensors, checked = self.decode(q, f.tensors, self.push_encoding)
+        core.push(PushRequest(self.push.worker_id, self.push.step, tensors, finite_checked=checked, partition=q),
+                  self.clock())
+
+    @property
+    def push_encoding(self) -> str | None:
+        """The encoding the head declared (every frame's)."""
+        return self.frames[0].meta.get("compression")
 
     def finish(self, total: int) -> None:
         """The body is all in (``total`` bytes): it must end with its last frame (400 ``bad_frame``), which then goes

@@ -6,9 +6,10 @@ Compression: the job's choice comes with the registration answer (``compression`
 as the transport lives (a new attach, e.g. after a PS restart, starts from zero residuals); the frame's meta says
 ``"compression": <name>``. A retried exchange resends the same bytes. Weights come back in float32.
 
-Partitions (docs/protocol-partitions.md): in a job with ``partition_bytes`` (the registration answer's; not with
-compression) a push body is the job's partitions' frames, head first (:func:`shared.partitions.plan` of the
-gradients' spec, computed once), each frame's tensors views of the gradients: the PS takes each frame as it arrives.
+Partitions (docs/protocol-partitions.md): in a job with ``partition_bytes`` (the registration answer's) a push body is
+the job's partitions' frames, head first (:func:`shared.partitions.plan` of the gradients' spec, computed once), each
+frame's tensors views of the gradients, or with compression the encodings of its pieces
+(:meth:`shared.compression.Compressor.encode_partitions`): the PS takes each frame as it arrives.
 
 Weight deltas (docs/protocol.md, "Weight deltas"): when the PS's answers name a ``lineage``, the transport
 keeps its own copy of the weights (:class:`HeldWeights`) and asks every push-with-pull and pull
@@ -96,36 +97,42 @@ def _read_only(v: np.ndarray) -> np.ndarray:
 
 
 class BodyTransport(OnePS):
-    """Frames in request bodies, compressed as ``spec`` says (none by default); with ``partition_bytes`` (the job's,
-    uncompressed) a push is its partitions' frames (docs/protocol-partitions.md), the head first."""
+    """Frames in request bodies, compressed as ``spec`` says (none by default); with ``partition_bytes`` (the job's)
+    a push is its partitions' frames (docs/protocol-partitions.md), the head first."""
 
     def __init__(self, endpoint: Endpoint, spec: Spec = Spec(), partition_bytes: int = 0) -> None:
         super().__init__(endpoint)
         self.name = f"http+{spec.name}" if spec.on else "http"
         self.compressor = Compressor(spec) if spec.on else None
         self.held = HeldWeights()
-        self.partition_bytes = 0 if spec.on else partition_bytes
+        self.partition_bytes = partition_bytes
         self._plan: tuple[dict, partitions.Plan] | None = None  # (the gradients' spec, its plan)
         self._puller: Endpoint | None = None  # the connection pulls go on while pushes go on this one (partitions)
 
     def push_body(self, meta: dict, grads: Mapping[str, np.ndarray]) -> list[bytes | memoryview]:
-        if self.compressor is None and self.partition_bytes:
-            return self._partitioned(meta, grads)
+        if self.partition_bytes and (p := self._partitions(grads)).count > 1:
+            return self._partitioned(meta, grads, p)
         if self.compressor is None:
             return frame.encode(grads, meta)  # the arrays' memory is sent as it is (scatter-gather)
         encoded = self.compressor.encode(grads, meta["step"])
         return frame.encode(encoded, {**meta, "compression": self.compressor.spec.name})
 
-    def _partitioned(self, meta: dict, grads: Mapping[str, np.ndarray]) -> list[bytes | memoryview]:
-        """The push as its partitions' frames: views of the gradients, sent as they are (no copy); one partition:
-        today's frame."""
+    def _partitions(self, grads: Mapping[str, np.ndarray]) -> partitions.Plan:
+        """The plan of the gradients' spec (computed once)."""
         spec = spec_of(grads)
         if self._plan is None or self._plan[0] != spec:
             self._plan = (spec, partitions.plan(spec, self.partition_bytes))
-        p = self._plan[1]
-        if p.count == 1:
-            return frame.encode(grads, meta)
-        parts = [p.split(grads, q) for q in range(p.count)]
+        return self._plan[1]
+
+    def _partitioned(self, meta: dict, grads: Mapping[str, np.ndarray], p: partitions.Plan
+                     ) -> list[bytes | memoryview]:
+        """The push as its partitions' frames: views of the gradients, sent as they are (no copy), or their pieces'
+        encodings (:meth:`Compressor.encode_partitions`; the head says ``compression``)."""
+        c = self.compressor
+        if c is None:
+            parts = [p.split(grads, q) for q in range(p.count)]
+        else:
+            parts, meta = c.encode_partitions(grads, p, meta["step"]), {**meta, "compression": c.spec.name}
         return frame.encode_many([(parts[0], {**meta, "partitions": p.count}),
                                   *[(t, {"partition": q}) for q, t in enumerate(parts[1:], 1)]])
 
