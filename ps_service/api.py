@@ -211,8 +211,12 @@ async def answer_push(rt, result, step: int, worker_id: str, via: str, pull: boo
 
 
 async def answer_weights(rt, via: str, headers: dict, since: int | None) -> Response:
-    """The weights answer through ``via``, once a hot standby holds them and, for a same-host one, once the body
-    answers went first."""
+    """The weights answer through ``via``, once no partitioned round is between partitions (its step's weights are
+    then all applied: an answer of step g never mixes in g + 1's first partitions), a hot standby holds them and, for
+    a same-host one, once the body answers went first."""
+    core = rt.core
+    while core.deciding:  # a partitioned round between partitions: its weights are of no one step until it closes
+        await rt.wait_until(lambda: not core.deciding, rt.settings.pull_timeout_max_seconds)
     if rt.ha is not None:
         await rt.ha.replicated()  # a hot standby holds these weights before a worker sees them
     if via == "shm":

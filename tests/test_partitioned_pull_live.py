@@ -132,6 +132,32 @@ def test_a_pull_reads_partition_0_of_the_next_step_before_the_push_ends():
         c.close()
 
 
+def test_a_pull_of_the_current_step_between_partitions_waits_for_the_rounds_close():
+    """A pull of step 0 (a newcomer's, an export's) made while round 0 is between partitions is not answered with the
+    weights as they are then (step 0's label on partitions of step 1 already applied): it waits for the close and
+    gets step 1 whole, bit for bit."""
+    with live_ps(min_workers=1, startup_grace_seconds=0, partition_bytes=SIZE) as ps:
+        c = ps.client()
+        wid = c.register("w")["worker_id"]
+        assert c.init_model(W0, {"name": "sgd", "learning_rate": 0.1})
+        wait_for(lambda: ps.rt.core.started, allow(10), "training to start")
+        core = ps.rt.core
+        pusher, rest = start_push(ps.port, wid, 6 << 20)  # partitions 0-4 whole, 5 begun
+        wait_for(lambda: core.deciding and {1, 2} <= core.parts.closed, allow(10), "partitions 0-2 to close")
+        with pull(ps.port, "min_step=0&timeout=10") as s:
+            wait_for(lambda: ps.rt._waiters, allow(10), "the pull to wait")  # not answered with mixed weights
+            assert core.deciding and core.global_step == 0
+            pusher.sendall(rest)
+            assert read_response(pusher)[0] == 200
+            pusher.close()
+            status, body = read_response(s)
+        assert status == 200
+        answer = frame.decode(body)
+        assert answer.meta["step"] == 1
+        np.testing.assert_array_equal(answer.tensors["w"], STEP1)
+        c.close()
+
+
 def answered_whole(partition_bytes: int, query: str) -> frame.Frame:
     """The pull ``query`` made between partitions (or at 0: while the push is on the way) is answered once the round
     closed, whole (today's frame)."""
