@@ -147,22 +147,23 @@ class ParameterServerCore(ModelState):
         opt = state["optimizer"]
         spec = self.resumed_spec(opt["spec"])  # the settings' hyper-parameters apply; another optimizer is refused
         self.restore(state["weights"], spec, opt["iterations"], opt["slots"], state["global_step"])
-        self.resume_expected = self.members.load(state["members"], now) or None
+        self._load_members(state, now)
+
+    def _load_members(self, state: Mapping[str, Any], now: float) -> None:
+        """``state``'s members, back as expired, and its async/ssp clocks (nobody live: each comes back at max(its
+        clock, floor))."""
+        self.resume_expected = self.members.load(list(state.get("members") or ()), now) or None
         if self.modes is not None and state.get("staleness") is not None:
-            self.modes.load(state["staleness"], now)  # nobody live: each comes back at max(its clock, floor)
+            self.modes.load(state["staleness"], now)
         self._changed()
 
     def rewind(self, state: Mapping[str, Any], now: float) -> list[Member]:
-        """Go back *live* to a checkpoint's model (a sharded PS's rollback when a follower restarted: the newest
-        step every shard has, docs/architecture.md, Shards). Weights, optimizer and global step become
-        ``state``'s (:meth:`export_state` data; its members are not read: the live ones stay); the open round and
-        its gradients are dropped; every active member is expired, waiting or not, so its next request gets 409
-        ``not_active`` and it registers again (same id and rank) and pulls, as after a one-PS restart, and the
-        first round opens when they are all back (or after the start-up grace); their memory of pushed steps is
-        cleared (the redone steps are not duplicates). The round records and loss history of the abandoned steps
-        (>= the checkpoint's) are dropped, so ``/v1/rounds`` lists each step once, as it ended up; the counters
-        since start (rounds closed, gradients applied, push counts, examples) keep counting the work done,
-        redone rounds included. The expired members, in registration order."""
+        """Go back *live* to a checkpoint's model (a sharded PS's rollback when a follower restarted:
+        docs/architecture.md, Shards): weights, optimizer and step become ``state``'s (its members are not read); the
+        open round is dropped; every active member is expired, waiting or not (409 ``not_active``: it registers again,
+        same id and rank, and pulls), its pushed steps forgotten (the redone ones are not duplicates). The records and
+        losses of steps >= the checkpoint's are dropped (``/v1/rounds`` lists each step once); the counters since start
+        keep counting, redone rounds included. The expired members, in registration order."""
         live = self.weights
         self.restore(state["weights"], state["optimizer"]["spec"], state["optimizer"]["iterations"],
                      state["optimizer"]["slots"], state["global_step"])
@@ -377,10 +378,7 @@ class ParameterServerCore(ModelState):
         """While ``held`` no member's lease runs out (:meth:`Membership.hold`) and no round closes by its deadline;
         released, every active member's lease lasts at least ``lease_seconds`` from ``now``, and the open round's
         deadline counts from ``now`` if it opened earlier (as after a silence: :class:`Membership`)."""
-        if held:
-            self.members.hold(now)
-        else:
-            self.members.release(now)
+        (self.members.hold if held else self.members.release)(now)
 
     def tick(self, now: float) -> bool:
         """Advance time: leases, start-up, round closing rule. True if anything changed."""
@@ -519,12 +517,17 @@ class ParameterServerCore(ModelState):
         self.rates.sample(now, (self.rounds_closed, self.examples, self.gradients_applied))
 
     # ---- pushes ------------------------------------------------------------------------
-    def admit(self, worker_id: str | None) -> None:
+    def admit(self, worker_id: str | None) -> Member | None:
         """The refusals a push meets before its tensors are read (docs/protocol.md's order): the model must be
         initialised (``not_initialized``), the worker known (``unknown_worker``) and active (``not_active``);
         ``worker_id`` None: the model only (a sharded PS's held pieces). The transports ask this first, so a push
-        they cannot decode without the model, or from a worker that must register, is refused as the core would."""
-        self._member(worker_id)
+        they cannot decode without the model, or from a worker that must register, is refused as the core would.
+        The active member (None: ``worker_id`` None)."""
+        if self.weights is None:  # (not self.initialized)
+            raise CoreError("not_initialized", "the model is not initialised yet (PUT /v1/model)")
+        if worker_id is None:
+            return None  # (the dict first: a push's path calls into membership only to refuse)
+        return self.members.active_by_id.get(worker_id) or self.members.active_member(worker_id)
 
     def claim(self, worker_id: str, step: int, overdue: bool = False) -> bool:
         """May the tensors of ``worker_id``'s push for ``step`` be read now (:mod:`ps_service.core.intake`: in rank
@@ -579,8 +582,9 @@ class ParameterServerCore(ModelState):
         return turns + self.intake.late_readers() if self.rule.replicas_to_aggregate else turns
 
     def release(self, worker_id: str) -> None:
-        """The claim of ``worker_id``'s push ends (taken by :meth:`push`, or its read failed): the next may begin. Fixed R:
-        a head whose push the round did not take gives its place back (:meth:`~ps_service.core.rounds.Round.unhead`)."""
+        """The claim of ``worker_id``'s push ends (taken by :meth:`push`, or its read failed): the next may begin. Fixed
+        R: a head whose push the round did not take gives its place back
+        (:meth:`~ps_service.core.rounds.Round.unhead`)."""
         released = self.intake.release(worker_id)
         r = self.round  # (its counts, hence its close, do not depend on the heads: only who may be read next does)
         if (r is not None and r.replicas is not None and r.unhead(worker_id)) or released:
@@ -595,21 +599,9 @@ class ParameterServerCore(ModelState):
                 and worker_id not in self.intake.refusing and r.unhead(worker_id):
             self._changed()
 
-    def _member(self, worker_id: str | None) -> Member | None:
-        """:meth:`admit`'s refusals; the active member (None: ``worker_id`` None)."""
-        if self.weights is None:  # (not self.initialized)
-            raise CoreError("not_initialized", "the model is not initialised yet (PUT /v1/model)")
-        if worker_id is None:
-            return None
-        m = self.members.active_by_id.get(worker_id)
-        if m is None:
-            m = self.members.get(worker_id)  # 404 unknown_worker, else not active
-            raise CoreError("not_active", f"worker {m.name!r} is {m.state}; register again (POST /v1/workers)")
-        return m
-
     def push(self, req: PushRequest, now: float) -> PushResult:
         """Check, classify, count and (if accepted) take a push; its tensors are the core's from now on."""
-        m = self._member(req.worker_id)
+        m = self.admit(req.worker_id)
         if req.step > self.global_step:
             raise CoreError("future_step", f"step {req.step} is ahead of the global step {self.global_step}")
         if req.partition:
@@ -626,10 +618,8 @@ class ParameterServerCore(ModelState):
             status, grads = self.classify(m, req.step, finite), req.tensors
         self.members.renew(m, now)  # active: checked above
         m.phase_reports += 1
-        sums, t = m.phase_sums, req.timings
-        sums["fetch"] += t.fetch
-        sums["compute"] += t.compute
-        sums["push"] += t.push
+        for k in m.phase_sums:
+            m.phase_sums[k] += getattr(req.timings, k)
         if req.loss is not None:
             m.last_loss = req.loss
         value = status.value
@@ -718,11 +708,8 @@ class ParameterServerCore(ModelState):
         self.rewind(state, now)
         self.members = Membership(self.config.lease_seconds)
         self.modes = BoundedStaleness.for_mode(self.config.mode, self.config.ssp_staleness, self.config.max_staleness)
-        self.resume_expected = self.members.load(list(state.get("members") or ()), now) or None
-        if self.modes is not None and state.get("staleness") is not None:
-            self.modes.load(state["staleness"], now)
         self._ranks = (-1, ())
-        self._changed()
+        self._load_members(state, now)
 
     def _take(self, m: Member, req: PushRequest, status: PushStatus, now: float, grads) -> None:
         r, wid, at = self.round, m.worker_id, Arrival(m.worker_id, m.name, m.rank, now)

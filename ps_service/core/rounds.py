@@ -283,11 +283,11 @@ class Round:
         """The waiting members' ids in rank order (O(K): monitoring); ``but`` is taken as not alive."""
         return tuple(w for _, w in self.order if w != but and self.standing(w)[1])
 
-    def _first_pending(self, but: str | None) -> Key | None:
-        """The lowest key that may still bring a gradient (``but`` is bringing its own now); the frontier moves
+    def _pending(self, but: str) -> list[Key]:
+        """The lowest key that may still bring a gradient, if any (``but`` is bringing its own now); the frontier moves
         there (the keys before ``but``'s never go back to pending once it is in)."""
         i = self.frontier = self._pending_at(self.frontier, but)
-        return self.order[i] if i < len(self.order) else None
+        return self.order[i:i + 1]
 
     def _pending_at(self, i: int, but: str | None) -> int:
         """The index of the first key from ``i`` on that may still bring a gradient (len(order): none). A member
@@ -366,13 +366,6 @@ class Round:
         self.lost.add(worker_id)
         self._count(worker_id, before)
 
-    def _pending(self, worker_id: str, eager: bool) -> tuple[Key, ...] | None:
-        """What may still sort before ``worker_id``'s gradient: the lowest pending key (eager), or None (unknown)."""
-        if not eager:
-            return None
-        first = self._first_pending(worker_id)
-        return () if first is None else (first,)
-
     def accept(self, arrival: Arrival, grads, loss: float | None, examples: int | None, rule: CloseRule,
                now: float | None) -> Progress:
         """An accepted gradient, and where the round stands then (:meth:`progress` at ``now``); when the rule says it
@@ -382,21 +375,17 @@ class Round:
         before = self.standing(wid, True)  # an active member: its push was just admitted
         if self.replicas is not None:
             self.head(wid)  # a push that reached the core unclaimed counts here
-        pending = self._pending(wid, not self.replicas or len(self.acc.keys) + 1 >= rule.quorum)
-        self.acc.apply(wid, self.eligible[wid], grads, pending)
+        eager = not self.replicas or len(self.acc.keys) + 1 >= rule.quorum  # else what may sort before it is unknown
+        self.acc.apply(wid, self.eligible[wid], grads, self._pending(wid) if eager else None)
         self._count(wid, before, True)
         self.arrivals.append(arrival)
         if loss is not None:
             self.losses.append((loss, examples or 1))
         self.examples += examples or 0
-        p = self.progress(rule, now)
+        p = rule.progress(self, now)
         if p.reason is not None:
             p.closed = self.close(arrival.at, p.reason, rule.replicas_to_aggregate)
         return p
-
-    def progress(self, rule: CloseRule, now: float | None) -> Progress:
-        """Where the round stands by ``rule`` at ``now`` (None: the deadline ignored)."""
-        return rule.progress(self, now)
 
     def skip(self, arrival: Arrival) -> None:
         """A NaN/Inf push under policy skip: its part in the round is over (not waited for)."""
@@ -493,22 +482,17 @@ class CloseRule:
 
 
 # ---- the round's rank-order sum -----------------------------------------------------------------------------
-def _writable(g: np.ndarray | SparseTensor) -> np.ndarray:
-    """``g`` itself to sum into, or a C-contiguous copy when it cannot be written in place (a sparse one: dense)."""
-    if isinstance(g, SparseTensor):
-        return g.dense()
-    return g if g.flags.writeable and g.flags.c_contiguous else np.array(g, order="C", copy=True)
-
-
 class Terms(list):
     """The top-k pushes of one tensor of the running sum, in rank order, not yet added (:func:`sparse_sum` adds
     them at once when the sum is taken)."""
 
 
 def _owned(g: np.ndarray | SparseTensor) -> np.ndarray | Terms:
-    """The running sum's start from a gradient: a sparse one as the first of its :class:`Terms`, a dense one
-    :func:`_writable`."""
-    return Terms([g]) if isinstance(g, SparseTensor) else _writable(g)
+    """The running sum's start from a gradient: a sparse one as the first of its :class:`Terms`, a dense one itself,
+    or a C-contiguous copy when it cannot be written in place."""
+    if isinstance(g, SparseTensor):
+        return Terms([g])
+    return g if g.flags.writeable and g.flags.c_contiguous else np.array(g, order="C", copy=True)
 
 
 def sparse_sum(terms: list[SparseTensor]) -> SparseTensor:
