@@ -253,8 +253,6 @@ async def shm_attach(worker_id: str, request: Request) -> dict:
     rt = runtime(request)
     body = await json_body(request, ShmAttach)
     if rt.shards is None or rt.shards.coordinator:  # a follower has no membership: any worker id may attach
-        m = rt.core.members.get(worker_id)
-        if not m.active:
-            raise ProtocolError(409, "not_active", f"worker {m.name!r} is {m.state}; register again (POST /v1/workers)")
+        rt.core.members.active_member(worker_id)  # 404 unknown_worker, 409 not_active
     rt.tensors.shm.attach(worker_id, body.file, body.nonce)
     return {"worker_id": worker_id, "transport": "shm"}
