@@ -49,10 +49,7 @@ def _read_name(msg: bytes, pos: int, hops: int = 0) -> tuple[str, int]:
 
 
 def reverse_dns(ip: str, server: str, timeout: float, port: int = 53) -> str | None:
-    """The PTR name of an IPv4 address, asked of ``server`` (UDP, one query, ``timeout`` seconds).
-
-    Asked of the DNS server directly: the C resolver would answer from /etc/hosts, where Docker
-    maps the container's address to its hostname (the container id)."""
+    """The PTR name of an IPv4 address, asked of ``server`` directly (UDP, one query, ``timeout`` seconds)."""
     qid = int.from_bytes(os.urandom(2), "big")
     qname = b"".join(bytes([len(x)]) + x.encode() for x in [*reversed(ip.split(".")), "in-addr", "arpa"]) + b"\0"
     query = struct.pack(">HHHHHH", qid, 0x0100, 1, 0, 0, 0) + qname + struct.pack(">HH", 12, 1)  # PTR, IN
@@ -77,13 +74,9 @@ def reverse_dns(ip: str, server: str, timeout: float, port: int = 53) -> str | N
 
 
 def compose_name(timeout: float = NAME_LOOKUP_SECONDS) -> str | None:
-    """The container's name on its Docker network (``syncps-worker-1``), or None.
-
-    Docker's embedded DNS answers a reverse lookup of a container's address on a user-defined
-    network (every compose network) with ``<container name>.<network>``; the first label is the
-    name ``docker compose ps`` shows. No Docker socket is needed. Every query has a timeout and the
-    whole lookup a deadline; it is retried until then (right after a container (re)starts, its
-    record may lag its process by a moment). Anything unexpected means None: hostname:pid then."""
+    """The container's name on its Docker network (``syncps-worker-1``: the first label of the PTR name), or None
+    (anything unexpected). Retried until ``timeout`` (right after a container (re)starts, its record may lag its
+    process by a moment)."""
     end = time.monotonic() + timeout
     server = _nameserver()
     if server is None:
@@ -108,12 +101,8 @@ def compose_name(timeout: float = NAME_LOOKUP_SECONDS) -> str | None:
 
 
 def default_name() -> str:
-    """The container's compose name (``syncps-worker-1``) when the worker is a container's main
-    process (PID 1, as in docker-compose.yml) on a network that names it; else hostname:pid.
-
-    Both are stable across a restart of the same container (its name, its hostname, PID 1 again),
-    so it re-registers under the same name and gets its rank back; processes sharing a host get
-    distinct names (their pids), and so do the containers of a service (their names)."""
+    """The compose name when the worker is a container's main process (PID 1); else hostname:pid. Both stay the same
+    across a restart of the container (it gets its rank back) and differ between processes and containers."""
     if os.getpid() == 1:
         name = compose_name()
         if name:
