@@ -133,8 +133,7 @@ async def pull(request: Request, min_step: Annotated[DecimalInt, Query(ge=0)] = 
     parts = rt.tensors.partitions if partitioned and body else None
     streamable = (lambda: False) if parts is None else (lambda: parts.streamable(min_step) is not None)  # noqa: E731
     ok = await rt.wait_for(lambda: ready() or streamable(), timeout, worker_id, first=body)
-    if not core.initialized:
-        raise ProtocolError(409, "not_initialized", "the model is not initialised yet (PUT /v1/model)")
+    core.admit(None)  # 409 not_initialized
     if not ok:
         return Response(status_code=204, headers={STEP_HEADER: str(core.global_step)})
     if not ready() and streamable():
@@ -241,8 +240,7 @@ class ShmAttach(BaseModel):
 async def shm_offer(request: Request) -> dict:
     """The same-host transport: the weights file (name, nonce, layout) of this PS (docs/protocol.md)."""
     rt = runtime(request)
-    if not rt.core.initialized:
-        raise ProtocolError(409, "not_initialized", "the model is not initialised yet (PUT /v1/model)")
+    rt.core.admit(None)  # 409 not_initialized
     return rt.tensors.shm.offer(rt.core.weights, rt.core.global_step)
 
 
