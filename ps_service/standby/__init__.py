@@ -134,12 +134,9 @@ class Pair:
         that had not left), serving from its own state if it wins. A worker that voted in that term for the other PS,
         or saw a newer one (503 ``fenced``: this PS becomes a standby), gives it no vote; no roster (no checkpoint):
         it cannot win, and waits for its peer (:meth:`peer_answers`)."""
-        self.role, self.term, self.restarted = CANDIDATE, term, True
-        self.election = Election(term + 1, (roster(self.core.members.export(), kept=True),), incumbent=False)
-        self.last_change = (f"candidate for term {term + 1}: restarted with term {term} kept and its peer does not "
-                            "answer")
-        log.warning("hot standby: %s", self.last_change)
-        self._check_won()
+        self.term, self.restarted = term, True
+        self._stand((roster(self.core.members.export(), kept=True),), False,
+                    f"restarted with term {term} kept and its peer does not answer")
 
     def peer_answers(self, answer: dict) -> None:
         """The link's look at the peer while :attr:`restarted`: a peer without a term (it restarted too, a standby
@@ -153,8 +150,7 @@ class Pair:
             self.stored = max(self.stored, term)  # starts is at term 0 until it gets a state)
             self.kept.save(self.stored, role)
         self.role, self.term, self.election, self.restarted = role, term, None, False
-        self.last_change = f"{role} of term {term}: {why}"
-        log.warning("hot standby: %s", self.last_change)
+        self._said(f"{role} of term {term}: {why}")
         self.feeding = self.gated = self.transferring = False  # a new standby (if any) gets our state first
         self.queue.clear()
         self.alone_since = self.rt.now() if self.rt and role == PRIMARY else None
@@ -208,8 +204,7 @@ class Pair:
             self.roster_acked = members
         if self.transferring and self.feeding:  # the state is there
             self.transferring, self.alone_since = False, None
-            self.last_change = f"{self.role} of term {self.term}: the standby took the state; every answer waits for it"
-            log.warning("hot standby: %s", self.last_change)
+            self._said(f"{self.role} of term {self.term}: the standby took the state; every answer waits for it")
             if self.role == CANDIDATE and self.election.incumbent:  # it answers again, and has our state: no election
                 self.role, self.election = PRIMARY, None
                 self.rt.abort_waits()
@@ -232,11 +227,7 @@ class Pair:
         if self.alone_since is None:
             self.alone_since = self.rt.now()
         if was_gated and self.role == PRIMARY:
-            self.role = CANDIDATE
-            self.election = Election(self.term + 1, rosters, incumbent=True)
-            self.last_change = f"candidate for term {self.term + 1}: {why}"
-            log.warning("hot standby: %s", self.last_change)
-            self._check_won()
+            self._stand(rosters, True, why)
             self._acked.set()  # answers waiting for the standby: refused now (vote)
             self.rt.abort_waits()
 
@@ -297,6 +288,16 @@ class Pair:
         self._check_won()
         return {"term": self.term, "role": self.role, "counted": name in e.votes, "needed": e.needed}
 
+    def _said(self, change: str) -> None:
+        self.last_change = change
+        log.warning("hot standby: %s", change)
+
+    def _stand(self, rosters: tuple, incumbent: bool, why: str) -> None:
+        """Become a candidate for the next term: the workers' votes decide (:mod:`.election`)."""
+        self.role, self.election = CANDIDATE, Election(self.term + 1, rosters, incumbent=incumbent)
+        self._said(f"candidate for term {self.term + 1}: {why}")
+        self._check_won()
+
     def _check_won(self) -> None:
         e = self.election
         if e is None or not e.won:
@@ -329,12 +330,8 @@ class Pair:
         """The ticker: a standby that took the state of its term and has not heard from its primary for the failover
         timeout (or ``silence``) becomes a candidate for the next term."""
         if self.role == STANDBY and self.synced and now - self.heard > (silence or self.failover):
-            self.role = CANDIDATE
-            self.election = Election(self.term + 1, (roster(self.members),), incumbent=False)
-            self.last_change = (f"candidate for term {self.term + 1}: the primary has not been heard from for "
-                                f"{now - self.heard:.1f} s")
-            log.warning("hot standby: %s", self.last_change)
-            self._check_won()
+            self._stand((roster(self.members),), False, f"the primary has not been heard from for "
+                                                        f"{now - self.heard:.1f} s")
 
     def from_primary(self, term: int, seq: int | None, now: float) -> None:
         """Checks of a primary's message (refusals change nothing): 409 ``stale_term`` for an older term, 409

@@ -143,7 +143,6 @@ class Link:
             if p.feeding:
                 log.warning("hot standby: the standby at %s does not answer (%s)", p.peer, why)
             p.lost_standby(f"the standby has not answered for {time.monotonic() - self.last_ok:.1f} s ({why})")
-        return None
 
     async def _request(self, method: str, path: str, timeout: float | None = None, **kw) -> httpx.Response:
         p = self.pair
@@ -165,10 +164,6 @@ class Link:
             await self._sleep(p.failover / 4)
         return resp
 
-    def _params(self, seq: int) -> dict:
-        p = self.pair
-        return {"term": p.term, "seq": seq, "gated": int(p.gated)}
-
     async def _once(self) -> None:
         p = self.pair
         if not p.feeding or self.transferred != p.epoch:  # (a candidate too: a standby that answers again gets the
@@ -179,7 +174,7 @@ class Link:
             if time.monotonic() - self.last_ok > p.failover:
                 self._failed(f"no acknowledgement for {time.monotonic() - self.last_ok:.1f} s")
         elif not woken and p.feeding:
-            resp = await self._request("POST", "/ping", params=self._params(p.acked))
+            resp = await self._request("POST", "/ping", params={"term": p.term, "seq": p.acked, "gated": int(p.gated)})
             if resp.status_code == 200:
                 p.acknowledged(p.acked, None)
 
