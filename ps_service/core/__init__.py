@@ -551,12 +551,9 @@ class ParameterServerCore(ModelState):
 
     def hold(self, worker_id: str, step: int) -> bool:
         """A sharded PS's coordinator has read the pieces ``worker_id`` holds for ``step`` (docs/protocol-shards.md):
-        keep them (True) or not (False: the hold is answered late). Fixed R: the hold is the push's head
-        (:meth:`~ps_service.core.rounds.Round.head`) and keeps its place until the commit takes the push (a claim's
-        place goes back when its read ends, :meth:`release`: here the commit follows), unless the member expires or
-        leaves first; a hold of a counted member after R heads is late: the member is done with the round
-        (:meth:`~ps_service.core.rounds.Round.refuse`), its commit answered late. Elastic, or not the open round: kept,
-        nothing counted."""
+        keep them (True) or not (False: answered late). Fixed R: the hold is the push's head, kept until the commit
+        (or the member expires or leaves); after R heads it is late (:meth:`~ps_service.core.rounds.Round.refuse`; the
+        module docstring of :mod:`ps_service.core.rounds`). Elastic, or not the open round: kept, nothing counted."""
         r, m = self.round, self.members.active_by_id.get(worker_id)
         if r is None or r.replicas is None or m is None or step != self.global_step:
             return True

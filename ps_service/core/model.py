@@ -15,16 +15,12 @@ Contract:
   may still be sending (copy on write) and counts the change (``store.changes``). The core calls nothing outside
   its package for it: the transports read the store, never the other way.
 
-The weights store (:class:`WeightsStore`): the weights kept inside the frame their answers carry (a weights answer
-over TCP copies nothing). Memory only, no I/O: the core writes to it (``ModelState.before_change``), the transports
-read answers out of it (``TensorSeam``); it calls nobody.
-
-Without it each new step's weights would be copied into a snapshot frame (one model-sized copy per step, on the
-round's critical path: ~6 % of the PS's CPU at 1e6 parameters, docs/performance.md), because the optimizer changes
-the weights in place while an answer may still be sending the old ones. Here the weights *are* that frame's tensors:
-:class:`WeightsStore` moves the core's arrays into one frame buffer (as the same-host weights file does,
-:mod:`ps_service.transport.shm`), the optimizer updates them there, and an answer is a view of the buffer with
-the step's header rewritten in place.
+Without the store (:class:`WeightsStore`: memory only, it calls nobody) each new step's weights would be copied into a
+snapshot frame (one model-sized copy per step, on the round's critical path: ~6 % of the PS's CPU at 1e6 parameters,
+docs/performance.md), because the optimizer changes the weights in place while an answer may still be sending the old
+ones. Here the weights *are* that frame's tensors: :class:`WeightsStore` moves the core's arrays into one frame buffer
+(as the same-host weights file does, :mod:`ps_service.transport.shm`), the optimizer updates them there, and an answer
+is a view of the buffer with the step's header rewritten in place.
 
 Contract, the one rule that keeps every answer's bytes fixed once it is handed to the server:
 - :meth:`answer` gives each answer its own ``memoryview`` of :attr:`_answer`, so the view's reference count

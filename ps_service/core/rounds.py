@@ -290,12 +290,10 @@ class Round:
         return self.order[i:i + 1]
 
     def _pending_at(self, i: int, but: str | None) -> int:
-        """The index of the first key from ``i`` on that may still bring a gradient (len(order): none). A member
-        that is not alive, or came back mid-round, brings none: once the round has a contribution it cannot get stuck
-        (elastic: stuck means nothing came), so such a member never joins it again; ``but`` (bringing its own now)
-        is that contribution. Its key is passed for good (the frontier goes back only when a fixed-R round's place comes
-        free, :meth:`unhead`, or a member joins a stuck round). Fixed R also passes the members that can no longer
-        contribute: done without (``lost``), not among R heads that came, or sorting before the sum already made."""
+        """The index of the first key from ``i`` on that may still bring a gradient (len(order): none). A member not
+        alive, or come back mid-round, brings none (a round with a contribution, ``but``'s, cannot get stuck, so it
+        never joins again); fixed R also passes those done without (``lost``), not among R heads that came, or sorting
+        before the sum already made. A key passed stays passed but for :meth:`unhead` and :meth:`join`."""
         order, acc, skipped, alive, gone = self.order, self.acc.keys, self.skipped, self.alive, self.gone
         fixed = self.replicas is not None
         if fixed:  # a member yet to push can no longer come once R heads came, nor below the sum already made
@@ -564,11 +562,9 @@ class Accumulator:
             self._fold(min(pending, default=None))
 
     def take_sum(self) -> tuple[dict[str, np.ndarray | SparseTensor] | None, int]:
-        """(the rank-order sum of every gradient applied, n): ``sum / n`` is the mean (n is 1 under
-        ``aggregation="sum"``), the division left to the caller's update; None if the sum is :attr:`spoiled`. Every
-        waiting gradient is summed and the sum checked first; the accumulator is empty afterwards. A tensor summed
-        only from top-k pushes comes as a :class:`~shared.compression.SparseTensor` (+0.0 off its entries; the caller
-        may write into its values)."""
+        """(the rank-order sum of every gradient applied, or None if :attr:`spoiled`; n, the caller's update divides by
+        it: 1 under ``aggregation="sum"``), every waiting gradient summed and checked first; the accumulator is empty
+        afterwards. A tensor summed only from top-k pushes comes as a SparseTensor (its values the caller's)."""
         if not self.keys:
             raise AssertionError("nothing to take")
         self._fold(None)
@@ -579,8 +575,7 @@ class Accumulator:
         return out, n if self.aggregation == "mean" and n > 1 else 1
 
     def _check_sum(self) -> None:
-        """The sum is what gets applied: unless it is known finite, read it once for NaN/Inf (finite
-        gradients can overflow when added); not finite: :attr:`spoiled`, the round applies nothing."""
+        """Unless known finite, read the sum once for NaN/Inf: not finite, :attr:`spoiled`."""
         self._sparse_summed()
         if self.acc is None or self.spoiled or self._finite:
             return
