@@ -90,14 +90,10 @@ class Summary:
 
 
 class Heartbeat(threading.Thread):
-    """Renews the lease (own client: one connection, kept alive while the PS's announced keep-alive allows,
-    shared/keepalive.py) whenever ``period`` s passed without a renewal: ``renewed()`` is the monotonic time of the
-    main loop's last exchange that renewed it (a push, a pull with the worker id), or now while a pull with the worker
-    id is under way, for at most its wait (the PS holds the lease while it waits: :attr:`PSClient.lease_renewed`), so
-    a worker whose steps are shorter than ``period`` sends no heartbeats at all, nor one that waits for a slow round
-    (a thousand of them are a thousand requests less per ``period`` on a PS that is busy already). A kept connection
-    the PS had closed (:class:`~shared.rawhttp.StaleConnection`) is tried once more on a new one, not counted as a
-    failure."""
+    """Renews the lease (own client and kept-alive connection) whenever ``period`` s passed without a renewal by the
+    main loop (``renewed()``: :attr:`PSClient.lease_renewed`), so a worker whose steps are shorter than ``period``, or
+    that waits for a slow round, sends none (a thousand fewer requests per ``period`` on a busy PS). A kept connection
+    the PS had closed (:class:`~shared.rawhttp.StaleConnection`) is tried once more on a new one, not a failure."""
 
     def __init__(self, base_url: str, worker_id: str, period: float, timeout: float, token=None,
                  renewed: Callable[[], float] = lambda: float("-inf")) -> None:
