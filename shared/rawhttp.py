@@ -219,13 +219,16 @@ class RawConnection:
         small = n < POOL_MIN_BYTES  # plain bytes: a pooled buffer is not worth it
         view = memoryview(bytearray(n) if small else self._buffer(n))[:n]
         view[:len(extra)] = extra
-        got = len(extra)
-        while got < n:
-            r = self.sock.recv_into(view[got:], n - got)
-            if not r:
-                raise ValueError("connection closed inside the body")
-            got += r
+        self._fill(view, len(extra), "the body")
         return bytes(view) if small else view
+
+    def _fill(self, view: memoryview, got: int, what: str) -> None:
+        """Receive into ``view`` from byte ``got`` to its end."""
+        while got < len(view):
+            r = self.sock.recv_into(view[got:], len(view) - got)
+            if not r:
+                raise ValueError(f"connection closed inside {what}")
+            got += r
 
     def _chunked(self, pending: bytearray) -> bytes:
         """A chunked body (``pending``: its bytes already read), whole."""
@@ -241,11 +244,7 @@ class RawConnection:
             data[:got] = pending[:got]
             del pending[:got]
             with memoryview(data) as view:
-                while got < n:
-                    r = self.sock.recv_into(view[got:], n - got)
-                    if not r:
-                        raise ValueError("connection closed inside a chunk")
-                    got += r
+                self._fill(view, got, "a chunk")
             parts.append(data)
             if self._line(pending):
                 raise ValueError("a chunk does not end with CRLF")
