@@ -69,15 +69,10 @@ def read_checked(src: Mapping[str, np.ndarray], out: Mapping[str, np.ndarray]) -
             if not finite(o1):
                 return name
             continue
-        zeros, top, dot, isfinite = _ZEROS.get(o1.dtype), _TOP_SQUARES.get(o1.dtype), np.dot, np.isfinite
         for lo in range(0, o1.size, CHUNK_ELEMENTS):
-            hi = lo + CHUNK_ELEMENTS
-            oc = o1[lo:hi]
-            np.copyto(oc, s[lo:hi])
-            if zeros is None:
-                if not finite(oc):
-                    return name
-            elif not dot(oc, oc) <= top and not isfinite(dot(oc, zeros[:oc.size])):  # as finite()
+            oc = o1[lo:lo + CHUNK_ELEMENTS]
+            np.copyto(oc, s[lo:lo + CHUNK_ELEMENTS])
+            if not finite(oc):
                 return name
     return None
 
@@ -106,13 +101,7 @@ def validate(weights: Mapping[str, np.ndarray], grads: Mapping[str, np.ndarray],
                                 f"tensor {name!r} has shape {list(g.shape)}, the model has {list(w.shape)}")
     if not check_finite:
         return True
-    return finite_or_refuse(next((name for name, g in grads.items() if not finite(g)), None), nonfinite_policy)
-
-
-def finite_or_refuse(nonfinite: str | None, nonfinite_policy: str) -> bool:
-    """True if ``nonfinite`` is None (no tensor has NaN/Inf); else 422 under policy ``reject``, False under ``skip``."""
-    if nonfinite is not None:
-        if nonfinite_policy == "reject":
-            raise CoreError("nonfinite_gradient", f"tensor {nonfinite!r} has NaN or Inf values")
-        return False
-    return True
+    nonfinite = next((name for name, g in grads.items() if not finite(g)), None)
+    if nonfinite is not None and nonfinite_policy == "reject":
+        raise CoreError("nonfinite_gradient", f"tensor {nonfinite!r} has NaN or Inf values")
+    return nonfinite is None
