@@ -155,13 +155,10 @@ class ModelState:
         """global_step, weights and optimizer (spec, iterations, slots), arrays copied."""
         if not self.initialized:
             raise CoreError("not_initialized", "nothing to checkpoint before the model is initialised")
-        opt = self.optimizer
-        return {
-            "global_step": self.global_step,
-            "weights": {k: v.copy() for k, v in self.weights.items()},
-            "optimizer": {"spec": dict(opt.spec), "iterations": opt.iterations,
-                          "slots": {s: {k: v.copy() for k, v in t.items()} for s, t in opt.slots.items()}},
-        }
+        opt = self.optimizer.state()
+        return {"global_step": self.global_step, "weights": {k: v.copy() for k, v in self.weights.items()},
+                "optimizer": {**opt, "slots": {s: {k: v.copy() for k, v in t.items()}
+                                               for s, t in opt["slots"].items()}}}
 
     def tick(self, now: float) -> bool:
         """Advance time (the core overrides it: leases, start-up, rounds)."""
