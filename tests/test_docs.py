@@ -87,6 +87,18 @@ def test_the_readme_gives_the_quick_start_and_links_the_reference():
     assert "| `PS_" not in README  # the settings live on the generated page, not in a table copied by hand
 
 
+def test_the_readme_tells_a_new_user_what_a_first_run_needs():
+    """What a new user following the README word for word met: a second `docker compose up` resumes the finished
+    job from the checkpoints volume (done at once) unless `down -v`; the by-hand commands need the venv activated
+    (the system python lacks the dependencies); the weights `make run` prints are the linear task's truth."""
+    from worker_service.tasks import linear
+    quick = README.split("## Your own PyTorch model")[0]
+    assert "docker compose down -v" in quick and "Ctrl-C" in quick
+    assert ". .venv/bin/activate" in quick
+    w = ", ".join(f"{v:g}" for v in linear.W_TRUE.ravel())
+    assert f"[{w}] + {linear.B_TRUE:g}" in quick and f"b = [{linear.B_TRUE:g}...]" in quick
+
+
 @pytest.mark.parametrize("service", ["ps", "worker"])
 def test_compose_passes_every_setting(service):
     """Every setting reaches the container: listed (passed from .env when set) or fixed by the file."""
