@@ -250,6 +250,9 @@ CASES = [
     Case("step-in-the-future", 422, "future_step", body=lambda c: push(c, step=c.step + 1)),
     Case("step-far-future", 422, "future_step", body=lambda c: push(c, step=MAX_INT)),
     Case("step-negative", 422, "bad_step", body=lambda c: push(c, step=-1)),
+    # a step that is not an int is mistyped (400 bad_field), not out of range (protocol.md, the push's bounds)
+    Case("step-true", 400, "bad_field", body=lambda c: push(c, step=True)),
+    Case("step-float", 400, "bad_field", body=lambda c: push(c, step=1.0)),
     # integers beyond 2^53 - 1 (docs/protocol.md, "Integers"): refused, never carried on into the state
     Case("step-2-53", 422, "bad_step", body=lambda c: push(c, step=MAX_INT + 1)),
     Case("step-2-64-minus-1", 422, "bad_step", body=lambda c: push(c, step=2**64 - 1)),
