@@ -236,7 +236,8 @@ def test_hostile_attach_and_push_change_nothing(shm_dir):
             resp = send()
             assert (resp.status_code, resp.json()["error"]) == (status, code), resp.text
         assert not ps.rt.shm.attached
-        assert attach(real.gradient_file).status_code == 200
+        ok = attach(real.gradient_file)  # protocol.md, Same-host transport item 3: the answer
+        assert (ok.status_code, ok.json()) == (200, {"worker_id": wid, "transport": "shm"})
         real.unlink()
         seq = real.write(grads(1.0))
         for bad_seq, status, code in ((seq + 1, 409, "shm_torn"), (-1, 400, "bad_field"), ("1", 400, "bad_field")):
