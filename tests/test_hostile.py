@@ -12,6 +12,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import msgpack
@@ -20,7 +21,7 @@ import pytest
 
 from cluster.processes import wait_for
 from shared import frame
-from shared.protocol import MAX_INT
+from shared.protocol import MAX_INT, JobState
 from tests.live_ps import live_ps, raw_exchange, read_response, state_hash
 from tests.wire import FRAME, Packed, hand_frame, msgpack_map, pack, parts, push_frame, raw_frame, repeated, tampered
 
@@ -651,6 +652,16 @@ def test_leave_twice_query_rules_and_the_loss_floor(ps):
         assert r.status_code == 405 and r.content == b""
         # protocol.md, Weight deltas: only a topk or 2bit job names a lineage; this one (none) sends none
         assert set(frame.decode(h.get("/v1/model", params={"timeout": 0}).content).meta) == {"step", "done", "ranks"}
+
+
+def test_the_registration_answer_says_the_ps_state_and_a_rejoin(ps):
+    """protocol.md, register: `state` is the PS's (shared.protocol.JobState), `rejoined` a name registered before."""
+    with ps.http() as h:
+        r = h.post("/v1/workers", json={"name": "a"}).json()
+    assert (r["worker_id"], r["rejoined"], r["state"], r["model_initialized"]) == (ps.ctx.a, True, "training", True)
+    page = (Path(__file__).parents[1] / "docs" / "protocol.md").read_text()
+    register = page.split("### `POST /v1/workers` — register")[1].split("### ")[0]
+    assert all(f"`{s.value}`" in register for s in JobState), "a JobState the register section does not name"
 
 
 def test_a_worker_that_leaves_while_its_counted_push_waits_gets_its_status_at_once():
