@@ -23,6 +23,8 @@ def documented_script(text: str, heading: str) -> str:
 def test_the_readme_shows_the_same_script():
     assert documented_script(README.read_text(), "## Your own PyTorch model") == \
         documented_script(DOC.read_text(), "## A training script")
+    readme = README.read_text()  # the commands after it run the file the README says to save it as
+    assert "saved as `train.py`" in readme and "python train.py" in readme
 
 
 def test_the_documented_script_trains_with_two_workers():
