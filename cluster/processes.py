@@ -285,21 +285,26 @@ class LocalCluster:
         return self._failed or any(p.poll() not in (None, 0) and p.pid not in self._killed for p in procs)
 
     def stop(self, grace: float = 10.0) -> None:
-        """SIGTERM whatever runs, SIGKILL what is still there after ``grace`` s; then remove the temporary
-        log folder unless logs are to be kept (``keep_logs``) or something failed (:attr:`failed`)."""
-        procs = [p for p in [*self.workers, self.ps, *self.followers, self.peer] if p is not None and p.poll() is None]
-        for p in procs:
-            p.send_signal(signal.SIGTERM)
-        end = time.monotonic() + grace
-        for p in procs:
-            try:
-                p.wait(max(0.1, end - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                self._failed = True  # it ignored SIGTERM: worth a look at its log
-                p.kill()
-                p.wait(5)
+        """SIGTERM the workers, then the PS processes, SIGKILL what is still there ``grace`` s after its SIGTERM; then
+        remove the temporary log folder unless logs are to be kept (``keep_logs``) or something failed (:attr:`failed`).
+        Workers first: a worker on SIGTERM leaves (``DELETE /v1/workers/{id}``), and retries that until killed when its
+        PS has gone first."""
+        stopped: list = []
+        for group in (self.workers, [self.ps, *self.followers, self.peer]):
+            procs = [p for p in group if p is not None and p.poll() is None]
+            for p in procs:
+                p.send_signal(signal.SIGTERM)
+            end = time.monotonic() + grace
+            for p in procs:
+                try:
+                    p.wait(max(0.1, end - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    self._failed = True  # it ignored SIGTERM: worth a look at its log
+                    p.kill()
+                    p.wait(5)
+            stopped += procs
         # A process that exits by our SIGTERM (code 0, or -15 without a handler) is no failure.
-        self._killed.update(p.pid for p in procs if p.returncode == -signal.SIGTERM)
+        self._killed.update(p.pid for p in stopped if p.returncode == -signal.SIGTERM)
         for f in self._files:
             f.close()
         self._files.clear()
