@@ -215,9 +215,10 @@ def crash(c: dict) -> bool:
 
 
 def test_kill_a_worker_crash_a_worker_crash_the_ps_job_finishes(compose, request):
-    steps, lease = 2500, 3.0
+    steps, lease = 1500, 3.0
     # WORKER_COMPUTE_DELAY_SECONDS: ~40 rounds/s at most, so the job outlasts the kills below on any machine (at
-    # ~230 rounds/s it was done before the PS crash on a loaded one)
+    # ~230 rounds/s it was done before the PS crash on a loaded one); the PS crash came at step 159 at load 11-18
+    # (rounds slower too), and the kills before it take ~10 s at most, 400 rounds at 40/s: 1500 steps leave room
     p = compose("kill", PS_MAX_STEPS=steps, WORKER_TASK="linear", PS_LEASE_SECONDS=lease,
                 PS_CHECKPOINT_EVERY_STEPS=100, WORKER_COMPUTE_DELAY_SECONDS=0.025)
     with logs_on_failure(p):
