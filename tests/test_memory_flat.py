@@ -5,16 +5,14 @@ with 6 workers stays within a model copy of the one with 2 (with backup workers,
 of 3), over TCP and same-host files (and a sharded follower's within a piece copy)."""
 from __future__ import annotations
 
-import json
 import socket
-import subprocess
-import sys
 import threading
 from contextlib import contextmanager
 
 import numpy as np
 import pytest
 
+from bench.run import measure
 from cluster.processes import wait_for
 from tests.live_ps import live_ps
 from tests.test_intake import held
@@ -153,17 +151,12 @@ def test_with_backup_workers_a_contributor_whose_body_fails_gives_its_place_to_t
 
 
 def _peak_rss_mb(workers: int, params: int, transport: str, shards: int = 1, replicas: int | None = None) -> dict:
-    """One ``bench.run`` job's line (``replicas``: with ``PS_REPLICAS_TO_AGGREGATE``, all N workers there at step 0)."""
-    if replicas is None:
-        command = ["-m", "bench.run", "--json", "--workers", str(workers), "--params", str(params), "--seconds", "1.5",
-                   "--warmup", "1", "--transport", transport, "--shards", str(shards)]
-    else:
-        command = ["-c", "import json; from bench.run import measure; print(json.dumps(measure("
-                   f"{workers}, {params}, 1.5, warmup=1.0, transport={transport!r}, ps_env={{"
-                   f"'PS_REPLICAS_TO_AGGREGATE': {replicas}, 'PS_MIN_WORKERS': {workers}}})))"]
-    out = subprocess.run([sys.executable, *command], capture_output=True, text=True, timeout=240)
-    line = json.loads(out.stdout.strip().splitlines()[-1])
-    assert out.returncode == 0 and line["steps"] > 0, line
+    """One ``bench.run`` job's line (``replicas``: with ``PS_REPLICAS_TO_AGGREGATE``, all N workers there at step 0),
+    measured from this process: its cluster forked from this process's warm fork server (cluster/forkserver.py), not
+    from the zygotes of a ``python -m bench.run`` of its own."""
+    ps_env = None if replicas is None else {"PS_REPLICAS_TO_AGGREGATE": replicas, "PS_MIN_WORKERS": workers}
+    line = measure(workers, params, 1.5, warmup=1.0, transport=transport, shards=shards, ps_env=ps_env)
+    assert line["steps_per_s"] is not None and line["steps"] > 0, line
     return line
 
 
