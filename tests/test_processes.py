@@ -1,10 +1,12 @@
-"""cluster/processes.py: the ports it hands out."""
+"""cluster/processes.py: the ports it hands out, and how a cluster stops mid-job."""
 from __future__ import annotations
 
 import socket
+import time
 
 from cluster import processes
-from cluster.processes import free_port
+from cluster.processes import LocalCluster, free_port, wait_for
+from tests.timing import allow
 
 
 def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range():
@@ -37,3 +39,24 @@ def test_without_a_readable_ephemeral_range_the_kernel_picks(monkeypatch):
     port = free_port()
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
+
+
+def test_a_cluster_stopped_mid_job_lets_its_workers_leave_before_its_ps_stops():
+    """Workers first: each leaves the running PS and exits 0 (WORKER_STOPPED_EXIT_CODE) before the PS is sent SIGTERM,
+    and nothing needs SIGKILL (a PS stopped with them could make each retry its leave until the grace ended: 10 s)."""
+    with LocalCluster(2, ps_env={"PS_MAX_STEPS": 1_000_000}, worker_env={"WORKER_TASK": "linear"}) as c:
+        wait_for(lambda: c.status()["global_step"] >= 5, allow(30), "training")
+        sent: list[tuple[str, list]] = []  # (to whom, the workers' exit codes then)
+
+        def recorded(name: str, proc) -> None:
+            send = proc.send_signal
+            proc.send_signal = lambda sig: (sent.append((name, [w.poll() for w in c.workers])), send(sig))
+        for i, w in enumerate(c.workers):
+            recorded(f"worker-{i}", w)
+        recorded("ps", c.ps)
+        t0 = time.monotonic()
+        c.stop()
+        took = time.monotonic() - t0
+        assert [name for name, _ in sent] == ["worker-0", "worker-1", "ps"] and sent[-1][1] == [0, 0], sent
+        assert not c.failed and all("retrying DELETE" not in c.log(f"worker-{i}") for i in range(2)), c.logs()
+        assert took < allow(5), f"stopped in {took:.1f} s"
