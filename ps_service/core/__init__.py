@@ -122,6 +122,10 @@ class ParameterServerCore(ModelState):
         #: after the step advanced): the transport copies their weights out for the pulls answered partition by
         #: partition (ps_service/transport/streamed.py)
         self.on_partition: Callable[[], None] | None = None
+        #: called with (step, worker_id) when a contributor of the decided round ``step`` will bring no more frames of
+        #: it (its lease ended, it left), before its partitions close without it: a sharded PS's coordinator tells its
+        #: followers, whose partitions then close without it too (ps_service/sharding/parts.py)
+        self.on_lost: Callable[[int, str], None] | None = None
         #: whose push's tensors are being read, and whose may be next (:meth:`claim`)
         self.intake = Intake()
 
@@ -210,7 +214,7 @@ class ParameterServerCore(ModelState):
             r.member_changed(wid, not returning, True)
             start += 1
             if returning:  # a member of the round that came back brings no more frames of it
-                self._close_parts(now, self.parts.drop(wid))
+                self._lose(now, (wid,))
         elif r is not None:
             r.member_changed(wid, not returning, True)
             if returning and self.parts is not None:
@@ -239,7 +243,7 @@ class ParameterServerCore(ModelState):
         if self.round is not None:
             self.round.member_changed(m.worker_id, was_alive, False)
         if self.parts is not None:
-            self._close_parts(now, self.parts.drop(m.worker_id))
+            self._lose(now, (m.worker_id,))
         self._changed()
         self.tick(now)
         return m
@@ -357,7 +361,7 @@ class ParameterServerCore(ModelState):
         if self.modes is not None:
             return on_arrival.wait_reason(self, now)
         if self.deciding:
-            left = [q for q in range(1, self.parts.plan.count) if q not in self.parts.closed]
+            left = [q for q in range(self.parts.plan.count) if q not in self.parts.closed]
             return f"step {self.global_step} is decided: waiting for its contributors' partitions {left}"
         r, p = self.round, self._progress(self.round)
         got, quorum, want = len(r.acc), self.rule.quorum, self.rule.replicas_to_aggregate
@@ -389,7 +393,7 @@ class ParameterServerCore(ModelState):
             if self.modes is not None:
                 self.modes.drop(m.worker_id, now)
         if gone and self.parts is not None:  # members that will bring no more frames of the round
-            self._close_parts(now, [q for m in gone for q in self.parts.drop(m.worker_id)])
+            self._lose(now, [m.worker_id for m in gone])
         changed = bool(gone)
         if not self.started and self.initialized and not self.done:
             active = self.members.active_count
@@ -471,7 +475,7 @@ class ParameterServerCore(ModelState):
     def _closed(self, now: float, rec: RoundRecord, total, n: int) -> None:
         """The open round's rule is met (its record, its sum or None, the mean's n): with one partition the round
         closes (observers, the update, the next round); with several it is decided (partition 0 closes, C is fixed)
-        and closes once its other partitions did (:meth:`_close_parts`)."""
+        and closes once its other partitions did (:meth:`close_parts`)."""
         r = self.round
         if self.on_decided is not None:
             self.on_decided(rec)
@@ -485,21 +489,38 @@ class ParameterServerCore(ModelState):
             self._finish(now, r, rec)
         else:
             self._decision = rec
-            self._close_parts(now, parts.decide({a.worker_id: r.key(a.worker_id) for a in rec.contributors},
-                                                total is not None))
+            self.close_parts(now, parts.decide({a.worker_id: r.key(a.worker_id) for a in rec.contributors},
+                                               total is not None))
 
-    def _close_parts(self, now: float, qs) -> None:
-        """Close the decided round's partitions ``qs`` (each applied, the step's iteration kept); the round closes
-        with its last."""
+    def _lose(self, now: float, worker_ids) -> None:
+        """Members that will bring no more frames of the open round (expired, left, came back): the partitions that
+        waited for them close without them; a contributor of the decided round is named to :attr:`on_lost` first."""
+        parts = self.parts
+        if parts.decided and self.on_lost is not None:
+            for w in worker_ids:
+                if w in parts.contributors and w not in parts.lost:
+                    self.on_lost(self.global_step, w)
+        self.close_parts(now, [q for w in worker_ids for q in parts.drop(w)])
+
+    def close_parts(self, now: float, qs) -> None:
+        """Close the decided round's partitions ``qs`` (each applied, the step's iteration advanced by the first
+        applied); the round closes with its last: this core's own round (:meth:`_finish`), or a round it follows (a
+        sharded PS's follower: ps_service/sharding/parts.py), whose step it takes (:meth:`_stepped`)."""
         parts = self.parts
         for q in dict.fromkeys(qs):
             if q not in parts.closed:
                 total, n = parts.close(q)
                 if total is not None:
-                    self.update(total, consume=True, mean_of=n, pieces=parts.plan.partitions[q], advance=False)
+                    self.update(total, consume=True, mean_of=n, pieces=parts.plan.partitions[q],
+                                advance=not parts.advanced)
+                    parts.advanced = True
         if parts.done:
-            rec, self._decision = self._decision, None
-            self._finish(now, self.round, rec)
+            if self.round is None:  # followed
+                self.parts = None
+                self._stepped(len(parts.contributors))
+            else:
+                rec, self._decision = self._decision, None
+                self._finish(now, self.round, rec)
         if self.on_partition is not None:
             self.on_partition()
 
@@ -658,7 +679,7 @@ class ParameterServerCore(ModelState):
             elif q in parts.closed or (parts.decided and m.worker_id not in parts.missing[q]):
                 status = PushStatus.LATE  # the partition no longer waits for it
             elif parts.decided:
-                self._close_parts(now, parts.frame(q, m.worker_id, self.round.eligible[m.worker_id], req.tensors))
+                self.close_parts(now, parts.frame(q, m.worker_id, self.round.eligible[m.worker_id], req.tensors))
             else:
                 parts.frame(q, m.worker_id, self.round.eligible[m.worker_id], req.tensors)
         self._changed()
@@ -687,6 +708,10 @@ class ParameterServerCore(ModelState):
         ``global_step += 1`` and the counters, as a closed round of this core's own."""
         if total is not None:
             self.update(total, consume=True, mean_of=mean_of)
+        self._stepped(contributors)
+
+    def _stepped(self, contributors: int) -> None:
+        """A round decided elsewhere is applied: ``global_step += 1`` and the counters."""
         self.global_step += 1
         self.rounds_closed += 1
         self.gradients_applied += contributors

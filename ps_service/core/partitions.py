@@ -4,9 +4,12 @@ The plan (:func:`shared.partitions.plan`: which pieces each partition holds) is 
 A partition's rank-order sum is an :class:`~ps_service.core.rounds.Accumulator` over :meth:`Plan.keys`, and its
 update ``ModelState.update(..., pieces=...)``: every rule elementwise, the bits of the whole step.
 
-:class:`RoundParts` holds a round's partitions after the first (the core's :class:`~ps_service.core.rounds.Round`
-holds partition 0, whose close decides the round): one rank-order accumulator each, which member's frame came,
-which of the decided contributors each still waits for, and which closed.
+:class:`RoundParts` holds a round's partitions from its ``first`` on: on a core that decides (one PS, a sharded PS's
+coordinator) from 1, the core's :class:`~ps_service.core.rounds.Round` holding partition 0, whose close decides the
+round; on a sharded PS's follower, told the decision by its coordinator (:mod:`ps_service.sharding.parts`), from 0.
+One rank-order accumulator each, which member's frame came, which of the decided contributors each still waits for,
+and which closed. A frame may come with its sender's rank unknown (a follower knows no ranks before the decision): it
+waits unsummed until the decision names the sender's key, and is dropped if the decision does not name it.
 """
 from __future__ import annotations
 
@@ -19,31 +22,40 @@ from shared.partitions import Plan
 
 @dataclass
 class RoundParts:
-    """Partitions 1..Q-1 of the open round. Partition 0 is the :class:`~ps_service.core.rounds.Round`'s own
-    accumulator, and its close is the round's *decision*: the contributors C (its accepted gradients), the mean's
-    divisor and the optimizer's iteration. A frame of partition q >= 1 comes only from a member whose partition 0
-    was accepted (so it is in C); it is summed in rank order once the decision says who else may come (before it,
+    """Partitions ``first``..Q-1 of the open round. With ``first`` = 1, partition 0 is the
+    :class:`~ps_service.core.rounds.Round`'s own accumulator, and its close is the round's *decision*: the
+    contributors C (its accepted gradients), the mean's divisor and the optimizer's iteration; a frame of partition
+    q >= 1 comes only from a member whose partition 0 was accepted. With ``first`` = 0 the decision comes from
+    elsewhere (:meth:`decide`). A frame is summed in rank order once the decision says who else may come (before it,
     nothing is folded). Partition q closes when every member of C still alive has its frame in (:meth:`drop`: one
-    that expired or left is not waited for)."""
+    that expired or left is not waited for); partitions below ``first`` count as closed from the decision on."""
     plan: Plan
-    accs: list[Accumulator | None]  # [None, partition 1's, ...]
+    accs: list[Accumulator | None]  # [None, partition 1's, ...] (first = 1)
     #: C's keys once decided (None: not yet)
     contributors: dict[str, Key] | None = None
     #: the decision's sum was applied (False: it applied nothing, none of the partitions does)
     applies: bool = True
     missing: list[set[str]] = field(default_factory=list)
     closed: set[int] = field(default_factory=set)
-    #: members that will bring no more frames of this round, dropped before its decision
+    #: members that will bring no more frames of this round (before its decision: it will not wait for them)
     lost: set[str] = field(default_factory=set)
     #: per partition, the members whose frame came (a second one is a duplicate)
     came: list[set[str]] = field(default_factory=list)
+    #: the first partition held here (below it: the Round's)
+    first: int = 1
+    #: per partition, frames whose sender's rank is not known yet (before the decision), by worker id
+    early: list[dict[str, object]] = field(default_factory=list)
+    #: this round's update advanced the optimizer's iteration (its first applied partition does)
+    advanced: bool = False
 
     def __post_init__(self) -> None:
         self.came = [set() for _ in self.accs]
+        self.early = [{} for _ in self.accs]
 
     @classmethod
-    def open(cls, p: Plan, aggregation: str) -> "RoundParts":
-        return cls(p, [None, *(Accumulator(p.keys(q), aggregation) for q in range(1, p.count))])
+    def open(cls, p: Plan, aggregation: str, first: int = 1) -> "RoundParts":
+        return cls(p, [*([None] * first), *(Accumulator(p.keys(q), aggregation) for q in range(first, p.count))],
+                   first=first)
 
     @property
     def decided(self) -> bool:
@@ -51,39 +63,54 @@ class RoundParts:
 
     @property
     def done(self) -> bool:
-        return self.decided and len(self.closed) == self.plan.count - 1
+        return self.decided and len(self.closed) == self.plan.count
 
     def has(self, q: int, worker_id: str) -> bool:
         """``worker_id``'s frame of partition q came."""
         return worker_id in self.came[q]
 
-    def frame(self, q: int, worker_id: str, rank: int, grads) -> list[int]:
-        """Take a member of C's frame of partition q (validated; its arrays are the accumulator's from now on); the
-        partitions that can close now."""
+    def frame(self, q: int, worker_id: str, rank: int | None, grads) -> list[int]:
+        """Take a member of C's frame of partition q (validated; its arrays are the accumulator's from now on; ``rank``
+        None: not known before the decision, which names it); the partitions that can close now."""
         self.came[q].add(worker_id)
         if not self.decided:
-            self.accs[q].apply(worker_id, rank, grads, None)
+            if rank is None:
+                self.early[q][worker_id] = grads
+            else:
+                self.accs[q].apply(worker_id, rank, grads, None)
             return []
         self.missing[q].discard(worker_id)
-        self.accs[q].apply(worker_id, rank, grads, tuple(self.contributors[w] for w in self.missing[q]))
+        self.accs[q].apply(worker_id, self.contributors[worker_id][0], grads,
+                           tuple(self.contributors[w] for w in self.missing[q]))
         return self._closable((q,))
 
     def decide(self, contributors: Mapping[str, Key], applies: bool) -> list[int]:
-        """The round is decided (partition 0 closed) with these contributors; the partitions that can close now."""
+        """The round is decided (partition 0 closed, or the decision told) with these contributors (worker id ->
+        (rank, worker id)); frames that waited for their sender's rank join their partitions (those of others are
+        dropped); the partitions that can close now."""
         self.contributors, self.applies = dict(contributors), applies
-        self.missing = [set()] + [set(contributors) - set(self.accs[q].keys) - self.lost
-                                  for q in range(1, self.plan.count)]
-        return self._closable(range(1, self.plan.count))
+        self.advanced = self.first > 0 and applies  # (partition 0's update, the Round's, advanced it)
+        self.closed.update(range(self.first))
+        self.missing = [set() for _ in range(self.first)] + [
+            set(contributors) - set(self.accs[q].keys) - set(self.early[q]) - self.lost
+            for q in range(self.first, self.plan.count)]
+        for q in range(self.first, self.plan.count):
+            early, self.early[q] = self.early[q], {}
+            self.came[q] -= set(early) - set(self.contributors)
+            pending = tuple(self.contributors[m] for m in self.missing[q])
+            for w in sorted((w for w in early if w in self.contributors), key=self.contributors.__getitem__):
+                self.accs[q].apply(w, self.contributors[w][0], early[w], pending)  # (rank order: folds as it goes)
+        return self._closable(range(self.first, self.plan.count))
 
     def drop(self, worker_id: str) -> list[int]:
         """A member will bring no more frames of this round (expired, left, came back): the partitions that can close
         now (before the decision: none; the decision will not wait for its frames)."""
+        self.lost.add(worker_id)
         if not self.decided:
-            self.lost.add(worker_id)
             return []
         if worker_id not in self.contributors:
             return []
-        touched = [q for q in range(1, self.plan.count) if worker_id in self.missing[q]]
+        touched = [q for q in range(self.first, self.plan.count) if worker_id in self.missing[q]]
         for q in touched:
             self.missing[q].discard(worker_id)
         return self._closable(touched)

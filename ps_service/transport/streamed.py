@@ -65,7 +65,7 @@ class Partitions:
             step = core.global_step + 1
             if self.current is None or self.current.step != step:
                 self.current = StepFrames(step, plan.count)
-            qs = [0, *sorted(core.parts.closed)]
+            qs = sorted(core.parts.closed)  # (partition 0 closed with the decision, or (a follower) later)
             last = False
         else:
             cur = self.current

@@ -1,0 +1,100 @@
+"""A follower's partitioned rounds (``PS_PARTITION_BYTES`` = P > 0 on a sharded PS; docs/partitions.md, Shards).
+Pure, no I/O, no clock.
+
+Contract: a follower's pieces are planned into partitions with the wire's plan (:func:`shared.partitions.plan` over
+the shard's own pieces as its model, and P: its core's :attr:`~ps_service.core.ParameterServerCore.partitions`, or
+one partition of them whole: :func:`plan_of`).
+Its core's open round is a :class:`~ps_service.core.partitions.RoundParts` from partition 0 (``first`` = 0), opened
+when the round's first frame or decision comes. Three inputs drive it, in any order:
+
+- :func:`frame`: a worker's frame of partition q of step s (a hold's head or later frame), checked as a push's
+  pieces are (names, dtypes, shapes: 422 ``tensor_mismatch``; NaN/Inf: 422 ``nonfinite_gradient``) before anything
+  changes. Kept (``held``) until the decision names its sender, then summed in rank order; ``duplicate`` if that
+  worker's frame of q came already, ``late`` (kept nowhere) if round s is over here, or decided without that worker
+  or without waiting for it there; 409 ``shard_behind`` if s is ahead of this shard.
+- :func:`decide`: the coordinator's decision of round s: the contributors C as (rank, worker_id) in sum order. Frames
+  of others are dropped. From then on each partition closes, summed over C in rank order and applied
+  (``ModelState.update(pieces=...)``, the iteration advanced by the first), as soon as C's frames of it are in;
+  the step advances with the last partition. A repeat, or a step this shard has passed: nothing done (False).
+- :func:`drop`: a member of round s will bring no more frames (its lease ended, it left): the partitions waiting for
+  it close without it (the mean over the others there), as on one PS.
+
+The sums are those of one accumulator over C's pieces of a partition in rank order, so the weights are those of the
+same round at P = 0, bit for bit, when no member is lost mid-round.
+"""
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from ps_service.core.checks import validate
+from ps_service.core.partitions import RoundParts
+from shared.errors import ProtocolError, unprocessable
+from shared.partitions import Plan, plan as partition_plan
+from shared.shards import spec_of
+
+Key = tuple[int, str]  # (rank, worker_id): the sum's order
+
+
+def _behind(core, step: int) -> ProtocolError:
+    return ProtocolError(409, "shard_behind", f"this shard is at step {core.global_step}, told of round {step}: it "
+                                              "restarted from an older state than the coordinator")
+
+
+def plan_of(core) -> Plan:
+    """This shard's partitions: its core's plan, or one partition of its pieces whole when they make one (the
+    core then has none: :attr:`~ps_service.core.ParameterServerCore.partitions`)."""
+    return core.partitions or partition_plan(spec_of(core.weights), 0)
+
+
+def _open(core) -> RoundParts:
+    if core.parts is None:
+        core.parts = RoundParts.open(plan_of(core), core.config.aggregation, first=0)
+    return core.parts
+
+
+def frame(core, worker_id: str, step: int, q: int, tensors: Mapping[str, np.ndarray], now: float) -> str:
+    """Take ``worker_id``'s frame of partition ``q`` of round ``step`` (its arrays are the round's from now on):
+    ``held``, ``duplicate`` or ``late``."""
+    p = plan_of(core)
+    if not 0 <= q < p.count:
+        raise unprocessable("tensor_mismatch", f"partition {q}: this shard's pieces make {p.count}")
+    validate(p.split(core.weights, q), tensors, "reject")
+    if step > core.global_step:
+        raise _behind(core, step)
+    if step < core.global_step:
+        return "late"
+    parts = _open(core)
+    if parts.has(q, worker_id):
+        return "duplicate"
+    if not parts.decided:
+        parts.frame(q, worker_id, None, tensors)
+    elif worker_id not in parts.missing[q]:
+        return "late"  # not a contributor, or the partition no longer waits for it
+    else:
+        core.close_parts(now, parts.frame(q, worker_id, None, tensors))
+    return "held"
+
+
+def decide(core, step: int, contributors: Sequence[Key], now: float) -> bool:
+    """Round ``step`` is decided with ``contributors`` ((rank, worker_id), sum order): its partitions close as their
+    frames are in. False: a repeat, or a round this shard has passed (nothing done)."""
+    if step > core.global_step:
+        raise _behind(core, step)
+    if step < core.global_step or (core.parts is not None and core.parts.decided):
+        return False
+    parts = _open(core)
+    core.close_parts(now, parts.decide({w: (int(r), w) for r, w in contributors}, True))
+    return True
+
+
+def drop(core, step: int, worker_id: str, now: float) -> bool:
+    """A member of round ``step`` brings no more frames of it: its partitions close without it. False: a round this
+    shard has passed (nothing to do)."""
+    if step > core.global_step:
+        raise _behind(core, step)
+    if step < core.global_step:
+        return False
+    core.close_parts(now, _open(core).drop(worker_id))
+    return True

@@ -1,0 +1,177 @@
+"""A sharded PS's follower closing its partitions itself (ps_service/sharding/parts.py, docs/partitions.md, Shards), by
+simulation: a follower's core holding one shard's pieces, planned into partitions over those pieces, takes the
+workers' frames interleaved at random with the coordinator's decision anywhere among them (before every frame, after
+all, in between); each partition closes when the decision is known and its contributors' frames are in, the step
+advances with the last, and the weights, slots and iteration count are those of one PS applying the same rounds
+whole, split to the shard's pieces, bit for bit. A member dropped mid-round is not waited for in its missing
+partitions (each then the mean of the others), frames of workers the decision does not name are dropped, and the
+partitions' frames for the pulls are those weights."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from ps_service.core import ParameterServerCore
+from ps_service.core.errors import CoreError
+from ps_service.sharding import parts
+from ps_service.transport.streamed import Partitions
+from shared import frame
+from shared.errors import ProtocolError
+from shared.protocol import ModelInit, PushRequest
+from shared.shards import plan as shard_plan, spec_of, split
+from tests.configs import core_config
+from tests.test_partitions import OPTIMIZERS, STEPS, WORKERS, core, gradient, state, weights0
+
+SHARD = 1  # of 2, at a split bound that cuts "a" (35 elements) into slices: pieces named "a[0:12]" etc.
+
+
+def shard_map():
+    return shard_plan(spec_of(weights0("float32")), 2, 12)
+
+
+def follower(optimizer: dict, aggregation: str, partition_bytes: int, **cfg) -> ParameterServerCore:
+    """A follower's core as ShardRole makes it: it follows, then takes its pieces."""
+    c = ParameterServerCore(core_config(aggregation=aggregation, **cfg))
+    c.partition_bytes = partition_bytes
+    c.follow()
+    c.init_model(ModelInit({k: v.copy() for k, v in split(weights0("float32"), shard_map().pieces[SHARD]).items()},
+                           dict(optimizer)), 0.0)
+    return c
+
+
+def pieces(step: int, rank: int) -> dict[str, np.ndarray]:
+    return split(gradient(step, rank, "float32"), shard_map().pieces[SHARD])
+
+
+def give(c, step: int, rank: int, q: int, now: float = 0.0) -> str:
+    g = {k: v.copy() for k, v in c.partitions.split(pieces(step, rank), q).items()}
+    return parts.frame(c, f"w{rank}", step, q, g, now)
+
+
+def contributors(ranks) -> list[tuple[int, str]]:
+    return [(r, f"w{r}") for r in sorted(ranks)]
+
+
+@pytest.mark.parametrize("optimizer", [OPTIMIZERS[0], OPTIMIZERS[3], OPTIMIZERS[8]], ids=["sgd", "adam", "torch-adamw"])
+@pytest.mark.parametrize("aggregation", ["mean", "sum"])
+def test_a_followers_partitions_closed_in_any_order_end_with_one_ps_bits(optimizer, aggregation):
+    ref, ids = core(optimizer, aggregation, "float32")  # one PS, whole pushes
+    for step in range(STEPS):
+        for rank in range(WORKERS):
+            ref.push(PushRequest(ids[rank], step, gradient(step, rank, "float32")), 0.0)
+    m = shard_map()
+    mine = m.pieces[SHARD]
+    want = {f"w/{k}": v.tobytes() for k, v in split(ref.weights, mine).items()}
+    want.update({f"{s}/{k}": v.tobytes() for s, t in ref.optimizer.slots.items() for k, v in split(t, mine).items()})
+    want["iterations"] = str(ref.optimizer.iterations).encode()
+    names = {p.key for p in mine}
+    for seed in (1, 2, 3, 4):
+        c = follower(optimizer, aggregation, 24)
+        pulls = Partitions(c)
+        c.on_partition = pulls.closed
+        q_count, rng = c.partitions.count, random.Random(seed)
+        assert q_count > 2 and any("[" in p.key for p in m.pieces[SHARD])
+        for step in range(STEPS):
+            events = [(r, q) for r in range(WORKERS) for q in range(q_count)]
+            rng.shuffle(events)
+            events.insert(rng.choice([0, len(events), rng.randrange(len(events) + 1)]), None)  # the decision
+            for i, ev in enumerate(events):
+                assert c.global_step == step, (i, len(events))
+                if ev is None:
+                    assert parts.decide(c, step, contributors(range(WORKERS)), 0.0)
+                    assert not parts.decide(c, step, contributors(range(WORKERS)), 0.0)  # a repeat
+                else:
+                    assert give(c, step, *ev) == "held"
+                    assert give(c, step, *ev) == ("duplicate" if c.global_step == step else "late")
+            assert c.global_step == step + 1 and not c.deciding and c.parts is None
+            # the pulls' frames of the step are its weights, partition by partition (none made when the decision
+            # came last and closed the round at once: no pull could be answered partition by partition)
+            cur = pulls.current
+            if events[-1] is None:
+                continue
+            assert cur.step == step + 1 and cur.complete
+            got = {}
+            for q, body in enumerate(cur.frames):
+                f = frame.decode(body.rstrip(b"\0") if q < q_count - 1 else body)
+                assert f.meta.get("partitions", None) == (q_count if q == 0 else None)
+                got.update(f.tensors)
+            assert {k: v.tobytes() for k, v in got.items()} == {
+                k: v.tobytes() for q in range(q_count) for k, v in c.partitions.split(c.weights, q).items()}
+        got = state(c)
+        assert set(k.split("/", 1)[-1] for k in got if "/" in k) == names
+        assert got == want
+
+
+def test_frames_before_the_decision_wait_and_others_are_dropped():
+    c = follower(OPTIMIZERS[0], "mean", 24)
+    q_count = c.partitions.count
+    for q in range(q_count):  # worker 2 is not a contributor (fixed R: its head was late on the coordinator)
+        assert give(c, 0, 2, q) == "held"
+    for q in range(q_count):
+        assert give(c, 0, 0, q) == "held"
+    assert not c.deciding and c.global_step == 0
+    assert parts.decide(c, 0, contributors([0, 1]), 0.0)
+    assert c.deciding and c.global_step == 0 and "partitions" in c.wait_reason(0.0)
+    assert give(c, 0, 2, 0) == "late"  # not named
+    for q in range(q_count - 1):
+        assert give(c, 0, 1, q) == "held"
+    assert c.deciding
+    assert give(c, 0, 1, q_count - 1) == "held"
+    assert c.global_step == 1 and c.gradients_applied == 2 and c.optimizer.iterations == 1
+    assert give(c, 0, 1, 0) == "late"  # its round is over here
+    lr, w0 = np.float32(0.1), split(weights0("float32"), shard_map().pieces[SHARD])
+    for k, w in c.weights.items():
+        total = pieces(0, 0)[k].copy()
+        total += pieces(0, 1)[k]
+        mean = total / np.float32(2)
+        assert w.tobytes() == (mean if k.startswith("buffer:") else w0[k] - mean * lr).tobytes(), k
+
+
+def test_a_member_dropped_mid_round_is_not_waited_for():
+    c = follower(OPTIMIZERS[0], "mean", 24)
+    p = c.partitions
+    assert give(c, 0, 2, 0) == "held"  # worker 2 sends its first partition only
+    for rank in (0, 1):
+        for q in range(p.count):
+            assert give(c, 0, rank, q) == "held"
+    assert parts.decide(c, 0, contributors(range(3)), 0.0)
+    assert c.deciding and c.global_step == 0
+    assert parts.drop(c, 0, "w2", 0.0)  # its lease ended: the partitions without it close
+    assert c.global_step == 1 and not c.deciding
+    assert not parts.drop(c, 0, "w2", 0.0)  # passed
+    lr, w0 = np.float32(0.1), split(weights0("float32"), shard_map().pieces[SHARD])
+    for q in range(p.count):
+        n = 3 if q == 0 else 2
+        for x in p.partitions[q]:
+            total = None
+            for rank in range(n):
+                g = p.split(pieces(0, rank), q)[x.key].copy()
+                total = g if total is None else np.add(total, g, out=total)
+            mean = total / np.float32(n)
+            want = mean if x.name.startswith("buffer:") else p.split(w0, q)[x.key] - mean * lr
+            assert p.split(c.weights, q)[x.key].tobytes() == want.tobytes(), (q, x.key)
+
+
+def test_an_empty_decision_steps_nothing_and_refusals_change_nothing():
+    c = follower(OPTIMIZERS[3], "mean", 24)
+    before = {k: v.copy() for k, v in c.weights.items()}
+    with pytest.raises(ProtocolError) as e:
+        parts.decide(c, 1, [], 0.0)
+    assert e.value.code == "shard_behind"
+    with pytest.raises(ProtocolError) as e:
+        give(c, 1, 0, 0)
+    assert e.value.code == "shard_behind"
+    with pytest.raises(ProtocolError) as e:
+        parts.frame(c, "w0", 0, c.partitions.count, {}, 0.0)
+    assert e.value.code == "tensor_mismatch"
+    bad = {k: np.full_like(v, np.nan) for k, v in c.partitions.split(pieces(0, 0), 0).items()}
+    with pytest.raises(CoreError) as e:
+        parts.frame(c, "w0", 0, 0, bad, 0.0)
+    assert e.value.code == "nonfinite_gradient"
+    assert c.parts is None or not c.parts.has(0, "w0")
+    assert parts.decide(c, 0, [], 0.0)  # nobody contributed: the step advances, no optimizer step
+    assert c.global_step == 1 and c.optimizer.iterations == 0
+    assert {k: v.tobytes() for k, v in c.weights.items()} == {k: v.tobytes() for k, v in before.items()}
+
