@@ -172,12 +172,18 @@ async def push(request: Request, pull: bool = Query(False, description=(
                timeout: float = Query(30.0, ge=0, allow_inf_nan=False),
                since: Annotated[DecimalInt | None, Query(ge=0, description=SINCE)] = None) -> dict:
     rt = request.app.state.runtime  # (runtime(request), without a call: the per-step route)
-    if rt.shards is not None:
+    if rt.shards is not None and not (rt.shards.coordinator and rt.shards.partitioned):
         raise ProtocolError(409, "sharded", f"this PS is shard {rt.shards.index} of {rt.shards.count}: push pieces "
                                             "to every shard "
-                                            "(POST /v1/shard/gradients), then commit (POST /v1/shard/commit)")
+                                            "(POST /v1/shard/gradients), then commit (POST /v1/shard/commit)"
+                                            if not rt.shards.partitioned else
+                                            "push the coordinator's pieces to shard 0, hold each follower's pieces "
+                                            "there (POST /v1/shard/gradients)")
+    # a sharded coordinator's partitioned pushes are read as they come, as its followers' holds (docs/partitions.md,
+    # Shards): its decision then comes with the last head, not after the pushes before it in rank order
+    turn = rt.turn if rt.shards is None else None
     try:
-        result, got, via = await rt.tensors.push(request, rt.now, rt.turn)
+        result, got, via = await rt.tensors.push(request, rt.now, turn)
     finally:
         rt.notify()  # as run_guarded: the waiters woken whatever happened
     step, worker_id = got.step, got.worker_id

@@ -148,9 +148,9 @@ class PSSettings(BaseSettings):
         0, ge=0, description="Partitioned rounds (docs/partitions.md): a round's tensors cut into partitions of about "
                              "this many bytes, each summed and applied once every contributor's frame of it is in; "
                              "a push body may carry them as frames (docs/protocol-partitions.md). 0: one "
-                             "partition, the whole model (today's round). Only with PS_MODE=sync, PS_SHARDS=1, no "
-                             "PS_ROLE and PS_NONFINITE_POLICY=reject (the rest is not built); with any "
-                             "PS_COMPRESSION.")
+                             "partition, the whole model (today's round). Only with PS_MODE=sync, no PS_ROLE and "
+                             "PS_NONFINITE_POLICY=reject (the rest is not built); with any PS_COMPRESSION on one PS "
+                             "(PS_SHARDS=1), none with shards.")
     log_level: str = Field("info", description="Log level of the PS.")
 
     # ---- sharded PS (docs/architecture.md, Shards): S processes, shard 0 coordinates ----
@@ -198,8 +198,9 @@ class PSSettings(BaseSettings):
             raise ValueError(f"PS_SHARD_URLS must list the {self.shards} shards' base URLs, comma-separated")
         if self.shards > 1 and (self.mode != "sync" or self.nonfinite_policy != "reject"):
             raise ValueError("PS_SHARDS > 1 needs PS_MODE=sync and PS_NONFINITE_POLICY=reject")
-        unbuilt = [n for n, on in (("PS_MODE=" + self.mode, self.mode != "sync"), ("PS_SHARDS > 1", self.shards > 1),
-                                   ("PS_ROLE", self.role is not None),
+        unbuilt = [n for n, on in (("PS_MODE=" + self.mode, self.mode != "sync"), ("PS_ROLE", self.role is not None),
+                                   ("PS_COMPRESSION=" + self.compression + " with PS_SHARDS > 1",
+                                    self.compression != "none" and self.shards > 1),
                                    ("PS_NONFINITE_POLICY=skip", self.nonfinite_policy != "reject")) if on]
         if self.partition_bytes and unbuilt:
             raise ValueError(f"PS_PARTITION_BYTES (partitioned rounds) is not built with {', '.join(unbuilt)}: "

@@ -5,7 +5,8 @@ all, in between); each partition closes when the decision is known and its contr
 advances with the last, and the weights, slots and iteration count are those of one PS applying the same rounds
 whole, split to the shard's pieces, bit for bit. A member dropped mid-round is not waited for in its missing
 partitions (each then the mean of the others), frames of workers the decision does not name are dropped, and the
-partitions' frames for the pulls are those weights."""
+partitions' frames for the pulls are those weights. And real shards (S = 2, 4) with stock workers pushing partitions
+and pulling alongside end bit-identical to one process."""
 from __future__ import annotations
 
 import random
@@ -21,8 +22,11 @@ from shared import frame
 from shared.errors import ProtocolError
 from shared.protocol import ModelInit, PushRequest
 from shared.shards import plan as shard_plan, spec_of, split
+from tests.clusters import run_job
 from tests.configs import core_config
+from tests.reference import train_reference
 from tests.test_partitions import OPTIMIZERS, STEPS, WORKERS, core, gradient, state, weights0
+from worker_service.tasks import load_task
 
 SHARD = 1  # of 2, at a split bound that cuts "a" (35 elements) into slices: pieces named "a[0:12]" etc.
 
@@ -175,3 +179,26 @@ def test_an_empty_decision_steps_nothing_and_refusals_change_nothing():
     assert c.global_step == 1 and c.optimizer.iterations == 0
     assert {k: v.tobytes() for k, v in c.weights.items()} == {k: v.tobytes() for k, v in before.items()}
 
+
+# ---- real shards and stock workers (uvicorn, worker processes) -----------------------------------------------------
+@pytest.mark.parametrize("shards", [2, 4])
+def test_partitioned_rounds_on_shards_train_bit_identical_to_one_process(shards):
+    """Stock workers over TCP, every shard's pieces pushed as partition frames while the next weights are pulled
+    alongside, partition by partition: the weights are those of one process training on the concatenated batches."""
+    steps, workers = 20, 4
+    # the linear task's pieces cut to 2 elements (S = 2) or 1 (S = 4), each partition one float64 element
+    ps_env = {"PS_MAX_STEPS": steps, "PS_OPTIMIZER": "momentum", "PS_SHARD_SPLIT_ELEMENTS": 4 // shards,
+              "PS_PARTITION_BYTES": 8}
+    worker_env = {"WORKER_TASK": "linear", "WORKER_DTYPE": "float64", "WORKER_SEED": 7, "WORKER_BATCH_SIZE": 16,
+                  "WORKER_SHM_DIR": ""}
+    job = run_job(workers, ps_env, worker_env, shards=shards)
+    assert job.exit_codes == [0] * workers and job.status["global_step"] == steps
+    assert all(w["pushes"]["accepted"] == steps for w in job.workers)
+    rows = job.status["shard"]["shards"]
+    assert [r["step"] for r in rows] == [steps] * shards and all(r["error"] is None for r in rows)
+    brought = load_task("linear", 7, "float64").optimizer()
+    spec = brought if brought["name"] == "momentum" else {"name": "momentum"}  # PS_OPTIMIZER replaces the task's
+    _, ref = train_reference("linear", workers, steps, batch_size=16, seed=7, dtype="float64", optimizer=spec)
+    assert job.tensors.keys() == ref.keys()
+    for k in ref:
+        assert job.tensors[k].tobytes() == ref[k].tobytes(), f"{k}: not bit-identical (0 ulp)"

@@ -145,7 +145,8 @@ class PSClient:
         self.tensors.close()
         self.tensors = BodyTransport(self.endpoint, self.compression)  # if choosing fails: a usable one
         if self.shards > 1:
-            self.tensors = ShardedTransport.open(self.endpoint, worker_id, self.shm_dir, self.compression)
+            self.tensors = ShardedTransport.open(self.endpoint, worker_id, self.shm_dir, self.compression,
+                                                 self.partition_bytes)
         else:
             self.tensors = Attached(self.endpoint, worker_id, self.shm_dir, self.compression, self.partition_bytes)
         return self.transport

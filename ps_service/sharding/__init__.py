@@ -90,10 +90,15 @@ class ShardRole:
         self.gate = Gate()  # a follower: holds waiting for their turn
         self._folding: list[int] = []  # the coordinator: the followers that sum as told (their pieces' bytes)
         self._folds_here = False  # a follower that sums as told
+        #: partitioned rounds (PS_PARTITION_BYTES > 0: .parts): the coordinator's decision goes to the followers at
+        #: once, each closes its own partitions; no receipts, no commits, no progress
+        self.partitioned = settings.partition_bytes > 0
         if not self.coordinator:
             core.follow()
         else:
             core.on_decided = self.decided
+            if self.partitioned:
+                core.on_lost = self.lost
 
     @property
     def coordinator(self) -> bool:
@@ -123,8 +128,8 @@ class ShardRole:
 
     def _set_map(self, m: ShardMap) -> None:
         self.map = m
-        self._folding = [i for i in range(1, self.count) if self.folds(i)]
-        self._folds_here = not self.coordinator and self.folds(self.index)
+        self._folding = [i for i in range(1, self.count) if self.folds(i) and not self.partitioned]
+        self._folds_here = not self.coordinator and self.folds(self.index) and not self.partitioned
 
     def folds(self, index: int) -> bool:
         """Shard ``index`` (a follower) sums a round as the coordinator's is summed and reads holds in their turn:
@@ -160,8 +165,17 @@ class ShardRole:
     def _send(self, rec) -> None:
         contributors = sorted((a.rank, a.worker_id) for a in rec.contributors)
         n = len(contributors)
-        self.links.round_closed(rec.step, contributors, n if self.aggregation == "mean" and n > 1 else 1)
+        parts = self.core.parts
+        lost = None if not self.partitioned else sorted(
+            parts.lost & {w for _, w in contributors} if parts is not None and rec.step == self.core.global_step
+            else ())  # (contributors lost before the decision)
+        self.links.round_closed(rec.step, contributors, n if self.aggregation == "mean" and n > 1 else 1, lost)
         self._sent_step = rec.step
+
+    def lost(self, step: int, worker_id: str) -> None:
+        """The core's hook (``on_lost``, partitioned rounds): a contributor of the decided round ``step`` will bring no
+        more frames of it; the followers close their partitions without it (``POST /v1/shard/lost``)."""
+        self.links.progress({"step": step, "workers": [worker_id]}, list(range(1, self.count)), "/shard/lost")
 
     def observe(self) -> None:
         """Runtime observer (O(1) unless a round closed): queue each newly closed round :meth:`decided` did not send

@@ -6,7 +6,8 @@ Contract:
   raised as a 409 ``shard_init_failed`` naming it, an unreachable one as 503 ``shard_unreachable``.
 - :meth:`Links.round_closed` queues "apply round s with contributors C" for every follower; one task per follower
   sends them in step order (``POST /v1/shard/apply``), retrying each (capped backoff) until the follower answers.
-  :meth:`Links.progress` queues the open round's progress (:mod:`.turns`) for the followers named, on the same queue:
+  :meth:`Links.progress` queues the open round's progress (:mod:`.turns`; partitioned rounds: a contributor lost
+  mid-round, ``POST /v1/shard/lost``) for the followers named, on the same queue:
   a follower gets the messages of a round after the apply of the round before, in order
   (``POST /v1/shard/progress``, retried as an apply; :meth:`Links.sent` counts applies only).
   :meth:`Links.sent` waits (at most the seconds it is given) until every working link has written the apply of a
@@ -185,18 +186,24 @@ class Links:
             f.sent = step
             self._wake()
 
-    def round_closed(self, step: int, contributors: list[tuple[int, str]], mean_of: int) -> None:
+    def round_closed(self, step: int, contributors: list[tuple[int, str]], mean_of: int,
+                     lost: list[str] | None = None) -> None:
+        """Queue round ``step``'s apply (partitioned rounds: its decision, and ``lost``: contributors that will bring
+        no more frames of it) for every follower."""
         msg = {"step": step, "contributors": [list(c) for c in contributors], "mean_of": mean_of}
+        if lost is not None:
+            msg["lost"] = lost
         for f in self.followers:
             f.queue.put_nowait(msg)
             if f.unanswered_since is None:
                 f.unanswered_since = time.monotonic()
 
-    def progress(self, msg: dict, indices: list[int]) -> None:
-        """Queue the open round's progress ``msg`` (:class:`.turns.Tracker`'s) for the followers of ``indices``."""
+    def progress(self, msg: dict, indices: list[int], path: str = "/shard/progress") -> None:
+        """Queue the open round's progress ``msg`` (:class:`.turns.Tracker`'s; ``path`` ``/shard/lost``: a contributor
+        lost mid-round, partitioned rounds) for the followers of ``indices``."""
         for f in self.followers:
             if f.index in indices:
-                f.queue.put_nowait({**msg, "path": "/shard/progress"})
+                f.queue.put_nowait({**msg, "path": path})
                 if f.unanswered_since is None:
                     f.unanswered_since = time.monotonic()
 

@@ -4,7 +4,8 @@ Workers: ``GET /v1/shards`` (the coordinator: shard URLs and the map), ``POST /v
 shard: hold this worker's pieces for a step), ``POST /v1/shard/commit`` (the coordinator: count the push
 whose pieces every shard holds). Coordinator -> follower: ``PUT /v1/shard/model`` (its pieces),
 ``POST /v1/shard/progress`` (the open round's summed keys and turns, to a follower that sums as told),
-``POST /v1/shard/apply`` (apply a closed round), ``POST /v1/shard/restore`` (load the checkpoint of a step).
+``POST /v1/shard/apply`` (apply a closed round; partitioned rounds: its decision), ``POST /v1/shard/lost`` (partitioned
+rounds: contributors lost mid-round), ``POST /v1/shard/restore`` (load the checkpoint of a step).
 ``GET /v1/shard/state``: a shard's step and checkpoint steps (start-up check).
 Thin drivers, as :mod:`ps_service.api`: every check of the pieces is :func:`.holds.hold_tensors`'s, every
 barrier decision the core's.
@@ -21,6 +22,7 @@ from pydantic import BaseModel, Field
 from ps_service import api
 from ps_service.http import JSON_BODY_LIMIT, json_body, parse_json
 from ps_service.runtime import runtime
+from ps_service.sharding import parts
 from ps_service.sharding.holds import Held, apply_round, hold_tensors
 from ps_service.transport.body import read_body
 from shared import frame
@@ -71,6 +73,8 @@ async def hold(request: Request, map: str = Query(..., max_length=64, descriptio
     if map != role.digest:
         raise ProtocolError(409, "shard_map_mismatch", f"shard {role.index}'s map is {role.digest}, the push's "
                                                        f"{map}: fetch GET /v1/shards again")
+    if role.partitioned:
+        return await _hold_parts(request, rt, role)
     # a large hold is read in its turn, in rank order: the coordinator's core's (ps_service/core/intake.py: the holds of
     # the members its round awaits next), a follower's as the coordinator tells it (.turns); a follower has no members
     try:
@@ -101,6 +105,23 @@ async def hold(request: Request, map: str = Query(..., max_length=64, descriptio
         role.holds.put(push.worker_id, Held(step, tensors, via))
     rt.tensors.shm.last_transport[push.worker_id] = via
     return answer
+
+
+async def _hold_parts(request: Request, rt, role) -> dict:
+    """A follower's hold in a job with partitioned rounds: its frames go to its partitions as they arrive
+    (:mod:`.parts`; the coordinator takes its pieces as a push: 409 ``sharded``); no receipt."""
+    if role.coordinator:
+        raise ProtocolError(409, "sharded", "partitioned rounds: push the coordinator's pieces (POST /v1/gradients)")
+    core = rt.core
+
+    def take(req, now):
+        return parts.frame(core, req.worker_id, req.step, req.partition, req.tensors, now)
+    try:
+        push, status = await rt.tensors.receive_parts(request, take, parts.plan_of(core), rt.now)
+    finally:
+        rt.notify()
+    return {"status": "held" if status == "duplicate" else status, "step": push.step, "shard": role.index,
+            "global_step": core.global_step, "done": core.done}
 
 
 @router.post("/shard/commit", openapi_extra=FRAME_BODY)
@@ -164,6 +185,8 @@ class ApplyRound(BaseModel):
     step: Count
     contributors: list[tuple[Count, str]] = Field(description="(rank, worker_id) of the round's contributors, in sum order.")
     mean_of: int = Field(ge=1, le=MAX_INT)
+    lost: list[str] = Field(default_factory=list, description=(
+        "Partitioned rounds: contributors that will bring no more frames of the round (lost before its decision)."))
 
 
 async def _from_coordinator(request: Request, model: type[BaseModel], limit: int):
@@ -177,6 +200,15 @@ async def apply(request: Request) -> dict:
     """Coordinator -> follower: apply round ``step`` with these contributors (a repeat: answered, not applied again)."""
     rt, role, msg = await _from_coordinator(request, ApplyRound, APPLY_BODY_LIMIT)
     _initialized(rt.core)
+    if role.partitioned:  # the decision: each partition closes here once its contributors' frames are in
+        def decide():
+            now = rt.now()
+            done = parts.decide(rt.core, msg.step, msg.contributors, now)
+            for w in msg.lost:
+                parts.drop(rt.core, msg.step, w, now)
+            return done
+        applied = rt.run_guarded(decide)
+        return {"step": rt.core.global_step, "applied": applied, "boot": role.boot}
     try:
         applied = rt.run_guarded(lambda: apply_round(rt.core, role.holds, msg.step, msg.contributors, msg.mean_of))
     finally:
@@ -203,6 +235,25 @@ async def progress(request: Request) -> dict:
     _initialized(rt.core)
     done = rt.run_guarded(lambda: role.progress(msg.step, msg.start, msg.folded, msg.turns, msg.late, msg.back))
     return {"step": rt.core.global_step, "summed": done, "boot": role.boot}
+
+
+class Lost(BaseModel):
+    step: Count
+    workers: list[str] = Field(description="Contributors of the decided round that will bring no more frames of it.")
+
+
+@router.post("/shard/lost", openapi_extra=json_body(Lost))
+async def lost(request: Request) -> dict:
+    """Coordinator -> follower (partitioned rounds): these contributors of round ``step`` are lost mid-round (lease
+    ended, left): its partitions close without them."""
+    rt, role, msg = await _from_coordinator(request, Lost, APPLY_BODY_LIMIT)
+    _initialized(rt.core)
+
+    def drop():
+        now = rt.now()
+        return [parts.drop(rt.core, msg.step, w, now) for w in msg.workers]
+    done = rt.run_guarded(drop)
+    return {"step": rt.core.global_step, "dropped": any(done), "boot": role.boot}
 
 
 @router.get("/shard/state")

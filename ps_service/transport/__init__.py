@@ -42,7 +42,7 @@ from ps_service.transport.body import declared_length, read_body, read_prefix
 from ps_service.core import PushResult
 from ps_service.core.buffers import POOL
 from ps_service.transport.deltas import WeightDeltas
-from ps_service.transport.partitioned import Feed, check_head, decoded_head
+from ps_service.transport.partitioned import Feed, Take, check_head, decoded_head, to_core
 from ps_service.transport.streamed import Partitions
 from ps_service.transport.shm import ShmHub
 from shared import compression, frame, liveness
@@ -178,29 +178,55 @@ class TensorSeam:
         self.shm.last_transport[push.worker_id] = via  # monitoring: how its tensors travel
         return result, push, via
 
-    def _give(self, push: PushRequest, parts: list[tuple[Mapping, bool]] | None, now: float) -> PushResult:
+    def _give(self, push: PushRequest, parts: list[tuple[Mapping, bool]] | None, now: float, take: Take | None = None,
+              plan=None) -> PushResult:
         """The core's calls for one push read whole: one per partition frame, the head's (partition 0: the push's
         status) first, all at ``now``; the result: the head's status, the global step after the last frame
         (docs/partitions.md, The seam). ``parts``: the tensors of the body's frames after the head's and whether each
         is known finite; None: one frame, today's push, which a partitioned round takes cut into its partitions
         (views; a top-k tensor made dense first): it must hold every tensor of the model as the model has it (else 422
-        ``tensor_mismatch``)."""
+        ``tensor_mismatch``). ``take``: who takes the frames (default: the core's round; a sharded PS's follower: its
+        partitions, cut by ``plan``)."""
         core = self.core
         if parts is None:
-            plan = core.partitions if self.settings.partition_bytes else None
+            if plan is None:
+                plan = core.partitions if self.settings.partition_bytes else None
             if plan is None:
                 return core.push(push, now)
             if not _whole(push.tensors, core.weights):  # (partition 0 alone would pass for a head)
-                core.admit(push.worker_id)
+                core.admit(push.worker_id if take is None else None)
                 raise unprocessable("tensor_mismatch", "a push of one frame carries every model tensor, of its dtype "
                                     f"and shape (this job's rounds have {plan.count} partitions)")
             whole = {k: compression.dense(t) for k, t in push.tensors.items()}
             push, parts = replace(push, tensors=plan.split(whole, 0)), [(plan.split(whole, q), push.finite_checked)
                                                                         for q in range(1, plan.count)]
-        before, status = core.global_step, core.push(push, now).status
+        take = take or to_core(core)
+        before, status = core.global_step, take(push, now)
         for q, (tensors, checked) in enumerate(parts, 1):
-            core.push(PushRequest(push.worker_id, push.step, tensors, finite_checked=checked, partition=q), now)
+            take(PushRequest(push.worker_id, push.step, tensors, finite_checked=checked, partition=q), now)
         return PushResult(status, core.global_step, core.global_step != before)
+
+    async def receive_parts(self, request: Request, take: Take, plan, clock: Callable[[], float]
+                            ) -> tuple[PushRequest, object]:
+        """A sharded PS's follower's hold in a job with partitioned rounds (ps_service/sharding/parts.py): its frames
+        given to ``take`` as they arrive (:class:`Feed`, no member checks: a follower knows no workers), or, a body
+        of one frame or read whole, cut by ``plan`` and given in partition order. (The push of its head, the head's
+        status.) In the body only, uncompressed (400 ``bad_field``)."""
+        feed = Feed(self.core, self.settings.partition_bytes, clock, take=take, members=False)
+        push, seq, frames, size = await self._push_frame(request, None, None, feed)
+        self.bytes_in += size
+        if feed.partitioned:
+            return push, feed.status
+        if seq is not None or frames[0].meta.get("compression") not in (None, "none"):
+            raise bad_request("bad_field", "a hold of a job with partitioned rounds carries its pieces in its body, "
+                                           "uncompressed")
+        parts = None
+        if len(frames) > 1:
+            check_head(self.core, self.settings.partition_bytes, push, seq, frames[0].meta, len(frames), None, False)
+            for q, g in enumerate(frames[1:], 1):
+                check_partition_meta(g.meta, q)
+            parts = [(g.tensors, False) for g in frames[1:]]
+        return push, self._give(push, parts, clock(), take, plan).status
 
     def _check_partitioned(self, push: PushRequest, seq: int | None, frames: list[frame.Frame]
                            ) -> tuple[PushRequest, list[tuple[Mapping, bool]]]:

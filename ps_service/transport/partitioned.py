@@ -12,7 +12,8 @@ its encoding, its values) ends the read with that refusal; the frames given befo
 that worker until it sends the push again, leaves or its lease ends). :meth:`Feed.finish` checks the body's end
 once it is all in; :meth:`Feed.result` is the push's: the head's status, the global step after the last frame. A
 body read without ``progress`` (chunked) is taken whole: the seam checks it with :func:`check_head` and gives the
-core its frames in the same order.
+core its frames in the same order. Who takes the frames is the feed's ``take`` (the core's round; on a sharded PS's
+follower, its partitions: :mod:`ps_service.sharding.parts`).
 """
 from __future__ import annotations
 
@@ -33,21 +34,25 @@ Decode = Callable[[int, Mapping[str, np.ndarray], Any], tuple[Mapping[str, Any],
 
 
 def check_head(core, partition_bytes: int, push: PushRequest, seq: int | None, meta: dict, count: int,
-               spec: compression.Spec) -> None:
+               spec: compression.Spec | None, members: bool = True) -> None:
     """A push of ``count`` > 1 frames: its tensors in its body (400 ``bad_field``), compressed as the job's (422
-    ``compression_mismatch``), as many frames as the job's rounds have partitions (422 ``tensor_mismatch``); the core's
-    refusals first (docs/protocol.md's order)."""
+    ``compression_mismatch``; ``spec`` None: uncompressed, 400 ``bad_field``), as many frames as the job's rounds have
+    partitions (422 ``tensor_mismatch``); the core's refusals first (docs/protocol.md's order; ``members`` False: a
+    sharded PS's follower, which knows no workers)."""
     try:
         if seq is not None:
             raise bad_request("bad_field", "a partitioned push carries its tensors in its body")
-        compression.check_declared(spec, meta.get("compression"), via_body=True)
+        if spec is not None:
+            compression.check_declared(spec, meta.get("compression"), via_body=True)
+        elif meta.get("compression") not in (None, "none"):
+            raise bad_request("bad_field", "a partitioned hold carries its pieces uncompressed")
         plan = core.partitions
         want = 1 if plan is None else plan.count
         if core.weights is not None and count != want:
             raise unprocessable("tensor_mismatch", f"a push of {count} partitions: this job's rounds have {want} "
                                 f"(PS_PARTITION_BYTES {partition_bytes})")
     except ProtocolError:
-        core.admit(push.worker_id)
+        core.admit(push.worker_id if members else None)
         raise
 
 
@@ -62,11 +67,24 @@ def decoded_head(core, push: PushRequest, decode: Decode, meta: dict) -> PushReq
     return replace(push, tensors=tensors, finite_checked=checked)
 
 
+#: a frame's taker: (the frame's push: the head's, or partition q's with ``partition=q``; now) -> its status
+Take = Callable[[PushRequest, float], object]
+
+
+def to_core(core) -> Take:
+    """The default taker: the core's partitioned round."""
+    return lambda req, now: core.push(req, now).status
+
+
 class Feed:
-    def __init__(self, core, partition_bytes: int, clock: Callable[[], float], spec: compression.Spec,
-                 decode: Decode) -> None:
+    def __init__(self, core, partition_bytes: int, clock: Callable[[], float], spec: compression.Spec | None = None,
+                 decode: Decode | None = None, take: Take | None = None, members: bool = True) -> None:
+        """``spec``/``decode``: the job's compression and the seam's decoder (None: frames taken as they are, a
+        follower's); ``take``: who takes each frame (default :func:`to_core`; a sharded PS's follower:
+        :func:`ps_service.sharding.parts.frame`); ``members`` False: the head names no member (a follower)."""
         self.core, self.partition_bytes, self.clock = core, partition_bytes, clock
         self.spec, self.decode = spec, decode
+        self.take, self.members = take or to_core(core), members
         self.reader = frame.FrameReader()
         #: the body's frames (None: its head is not in yet; 1: not partitioned, the feed does nothing)
         self.count: int | None = None
@@ -98,14 +116,15 @@ class Feed:
         self.frames.append(f)
         if q == 0:
             push, seq = parse_push_meta(f.meta, f.tensors)
-            check_head(core, self.partition_bytes, push, seq, f.meta, self.count, self.spec)
-            push = decoded_head(core, push, self.decode, f.meta)
+            check_head(core, self.partition_bytes, push, seq, f.meta, self.count, self.spec, self.members)
+            if self.decode is not None:
+                push = decoded_head(core, push, self.decode, f.meta)
             self.push, self._before = push, core.global_step
-            self._status = core.push(push, self.clock()).status
+            self._status = self.take(push, self.clock())
             return
         check_partition_meta(f.meta, q)
-        tensors, checked = self.decode(q, f.tensors, self.push_encoding)
-        core.push(PushRequest(self.push.worker_id, self.push.step, tensors, finite_checked=checked, partition=q),
+        tensors, checked = (f.tensors, False) if self.decode is None else self.decode(q, f.tensors, self.push_encoding)
+        self.take(PushRequest(self.push.worker_id, self.push.step, tensors, finite_checked=checked, partition=q),
                   self.clock())
 
     @property
@@ -118,6 +137,11 @@ class Feed:
         to the core (a well-formed body's last frame ends with it: no wait)."""
         self.reader.finish(total, self.count)
         self._give(self._last)
+
+    @property
+    def status(self):
+        """The head's status (what :attr:`take` answered for it)."""
+        return self._status
 
     def result(self) -> PushResult:
         """The push's result: the head's status, the global step after its last frame."""

@@ -28,6 +28,7 @@ import numpy as np
 from shared import frame, partitions, weight_deltas
 from shared.compression import Compressor, Spec
 from shared.errors import ProtocolError
+from shared.protocol import API
 from shared.shards import spec_of
 from worker_service.transport.base import PushAnswer
 from worker_service.transport.endpoint import Endpoint
@@ -137,19 +138,22 @@ class BodyTransport(OnePS):
                                   *[(t, {"partition": q}) for q, t in enumerate(parts[1:], 1)]])
 
     def push(self, meta: dict, grads: Mapping[str, np.ndarray], wait: float, timeout: float,
-             on_way: Callable[[], None] | None = None) -> PushAnswer:
+             on_way: Callable[[], None] | None = None, hold: dict | None = None) -> PushAnswer:
         """With partitions: the push on this connection (its JSON answer) while :class:`Alongside` pulls the next
         weights on a second one as the PS sends them (worker_service/transport/partitioned.py); else one request
-        with ``pull=1``."""
+        with ``pull=1``. ``hold``: the query of a sharded PS's follower's hold (``POST /v1/shard/gradients``, its
+        pull naming no worker), partitioned rounds only."""
         body = self.push_body(meta, grads)
         p = self._plan[1] if self._plan is not None and self.partition_bytes else None
-        if p is None or p.count == 1:
+        path = f"{API}/gradients" if hold is None else f"{API}/shard/gradients"
+        if (p is None or p.count == 1) and hold is None:
             return super().push(meta, grads, wait, timeout, on_way, body=body)
         if self._puller is None:
             self._puller = self.endpoint.sibling(self.endpoint.base_url)
-        pull = Alongside(self._puller, meta["step"] + 1, meta["worker_id"], wait, timeout, p, self._plan[0])
+        pull = Alongside(self._puller, meta["step"] + 1, None if hold is not None else meta["worker_id"], wait, timeout,
+                         p, self._plan[0])
         try:
-            answer = super().push(meta, grads, 0.0, timeout, on_way, body=body, pull=False)
+            answer = super().push(meta, grads, 0.0, timeout, on_way, body=body, pull=False, path=path, params=hold)
         except BaseException:
             if pull.running:  # its connection stays its own until it ends
                 self._puller = None

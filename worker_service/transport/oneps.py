@@ -46,16 +46,18 @@ class OnePS(TensorTransport):
         return m, Pulled(m["step"], m["done"], list(m.get("ranks", [])), tensors, len(body))
 
     def push(self, meta: dict, grads: Mapping[str, np.ndarray], wait: float, timeout: float,
-             on_way: Callable[[], None] | None = None, body: list | None = None, pull: bool = True) -> PushAnswer:
+             on_way: Callable[[], None] | None = None, body: list | None = None, pull: bool = True,
+             path: str = f"{API}/gradients", params: dict | None = None) -> PushAnswer:
         """One request, which this thread sends: ``on_way`` is called at once. ``body``: the push's, if made
-        already; ``pull``: ask for the next weights (``pull=1``), else the JSON answer only."""
+        already; ``pull``: ask for the next weights (``pull=1``), else the JSON answer only; ``path`` and ``params``:
+        another route's (a sharded PS's follower's hold, partitioned rounds)."""
         if on_way is not None:
             on_way()
-        params = {"pull": 1, "timeout": wait, **self.answer_params()} if pull else {}
-        resp = self.endpoint.call("POST", f"{API}/gradients", params=params,
+        params = {**({"pull": 1, "timeout": wait, **self.answer_params()} if pull else {}), **(params or {})}
+        resp = self.endpoint.call("POST", path, params=params,
                                   body=self.push_body(meta, grads) if body is None else body,
                                   headers={"content-type": frame.MEDIA_TYPE},
-                                  timeout=timeout + wait, what=f"POST {API}/gradients (step {meta['step']})")
+                                  timeout=timeout + wait, what=f"POST {path} (step {meta['step']})")
         return self.push_answer(resp)
 
     def push_answer(self, resp: Response) -> PushAnswer:

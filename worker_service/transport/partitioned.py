@@ -47,11 +47,13 @@ def whole(body: bytes | memoryview, plan: Plan, spec: Mapping[str, tuple]) -> Pu
 class Alongside:
     """The pull of step ``min_step``'s weights, on its own thread and connection (``endpoint``)."""
 
-    def __init__(self, endpoint: Endpoint, min_step: int, worker_id: str, wait: float, timeout: float,
+    def __init__(self, endpoint: Endpoint, min_step: int, worker_id: str | None, wait: float, timeout: float,
                  plan: Plan, spec: Mapping[str, tuple]) -> None:
+        """``worker_id`` None: a pull naming no worker (a sharded PS's follower's, which holds no lease)."""
         self.endpoint, self.plan, self.spec = endpoint, plan, spec
-        self.params: dict[str, Any] = {"min_step": min_step, "timeout": wait, "worker_id": worker_id,
-                                       "partitioned": 1}
+        self.params: dict[str, Any] = {"min_step": min_step, "timeout": wait, "partitioned": 1}
+        if worker_id is not None:
+            self.params["worker_id"] = worker_id
         self.timeout = timeout + wait
         self._got: Pulled | None = None
         self.thread = threading.Thread(target=self._run, name=f"pull-{min_step}", daemon=True)

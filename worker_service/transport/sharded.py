@@ -13,6 +13,10 @@ bodies, compressed as the job says). It is composed of those transports and call
   push's status, as on one PS), while the followers' next weights are pulled in parallel (``min_step = step + 1``).
   A refusal by any shard is raised and nothing is committed: a push that some shard did not take never counts (the
   coordinator refuses a commit without every follower's receipt: 409 ``not_held``).
+- Partitioned rounds (the registration's ``partition_bytes`` > 0, docs/protocol-shards.md): :meth:`push` sends every
+  shard its pieces at once, each a partitioned body (the coordinator's as ``POST /v1/gradients``, a follower's as
+  ``POST /v1/shard/gradients``) while that shard's next weights are pulled alongside (``partitioned=1``), all shards
+  in parallel; nothing is committed (the coordinator decides from the heads and tells the followers).
 - :meth:`pull`: every shard in parallel (only the coordinator's names the worker: it holds the lease);
   the answers must all be of one step, else they are asked again for the newest step among them; the
   whole tensors are reassembled (:mod:`shared.shards`); step, done and ranks are the coordinator's. Each shard's
@@ -42,8 +46,9 @@ AGREE_SECONDS = 30.0
 
 
 class ShardedTransport(TensorTransport):
-    def __init__(self, m: shards.ShardMap, links: list[Attached], worker_id: str | None) -> None:
-        self.map, self.links, self.worker_id = m, links, worker_id
+    def __init__(self, m: shards.ShardMap, links: list[Attached], worker_id: str | None,
+                 partitioned: bool = False) -> None:
+        self.map, self.links, self.worker_id, self.partitioned = m, links, worker_id, partitioned
         # room for one call per shard, and for the calls a failed batch left running (:meth:`_all`)
         self.pool = ThreadPoolExecutor(max_workers=2 * len(links), thread_name_prefix="shard")
         self._kept: list[dict[str, np.ndarray]] = []  # at most two sets of assembled split tensors
@@ -53,8 +58,8 @@ class ShardedTransport(TensorTransport):
         return "+".join(link.name for link in self.links)
 
     @classmethod
-    def open(cls, coordinator: Endpoint, worker_id: str | None, shm_dir: str | None, compression: Spec
-             ) -> "ShardedTransport":
+    def open(cls, coordinator: Endpoint, worker_id: str | None, shm_dir: str | None, compression: Spec,
+             partition_bytes: int = 0) -> "ShardedTransport":
         end = time.monotonic() + coordinator.retry_timeout
         while True:
             info = coordinator.call_json("GET", f"{API}/shards", params={"timeout": 10},
@@ -69,7 +74,10 @@ class ShardedTransport(TensorTransport):
             raise ProtocolError(409, "shard_map_mismatch",
                                 f"the coordinator's shard map does not check here: {exc}") from None
         urls = [coordinator.base_url, *info["urls"][1:]]
-        return cls(m, [Attached(coordinator.sibling(url), worker_id, shm_dir, compression) for url in urls], worker_id)
+        # partitioned rounds: a follower's hold is a request body (its frames go to its partitions as they arrive)
+        return cls(m, [Attached(coordinator.sibling(url), worker_id, None if i and partition_bytes else shm_dir,
+                                compression, partition_bytes) for i, url in enumerate(urls)], worker_id,
+                   partition_bytes > 0)
 
     def _all(self, calls, started: Callable[[], None] | None = None) -> list:
         """Run the calls in parallel; their results in order, or an error as soon as one fails (e.g. 409
@@ -96,6 +104,8 @@ class ShardedTransport(TensorTransport):
 
     def push(self, meta: dict, grads: Mapping[str, np.ndarray], wait: float, timeout: float,
              on_way: Callable[[], None] | None = None) -> PushAnswer:
+        if self.partitioned:
+            return self._push_parts(meta, grads, wait, timeout, on_way)
         step = meta["step"]
         held = {"worker_id": meta["worker_id"], "step": step}
         # on_way once the holds are with their threads: woken before, its thread took this one's core for 1.5-2 ms
@@ -121,11 +131,34 @@ class ShardedTransport(TensorTransport):
         pulled = self._joined(parts, into) if all(p is not None for p in parts) else None
         return PushAnswer(answer.status, answer.step, answer.done, pulled)
 
-    def _placing(self, into: dict[str, np.ndarray], calls) -> list:
+    def _push_parts(self, meta: dict, grads: Mapping[str, np.ndarray], wait: float, timeout: float,
+                    on_way: Callable[[], None] | None) -> PushAnswer:
+        """Partitioned rounds: every shard in parallel, each its pieces' partitions pushed while their next weights
+        are pulled alongside (worker_service/transport/partitioned.py): the coordinator's as a push (its status is
+        the push's), a follower's as a hold (no commit: the coordinator's decision names the contributors)."""
+        into = self._target()
+        hold, held = {"map": self.map.digest}, {"worker_id": meta["worker_id"], "step": meta["step"]}
+
+        def one(i: int) -> PushAnswer:
+            pieces = shards.split(grads, self.map.pieces[i])
+            if i == 0:
+                answer = self.links[0].push(meta, pieces, wait, timeout)
+            else:
+                answer = self.links[i].send(lambda t: t.push(held, pieces, wait, timeout, hold=hold))
+            self._placed(i, answer.pulled, into)
+            return answer
+
+        answers = self._placing(into, [lambda i=i: one(i) for i in range(len(self.links))], on_way)
+        parts = [a.pulled for a in answers]
+        pulled = self._joined(parts, into) if all(p is not None for p in parts) else None
+        head = answers[0]
+        return PushAnswer(head.status, head.step, head.done, pulled)
+
+    def _placing(self, into: dict[str, np.ndarray], calls, started: Callable[[], None] | None = None) -> list:
         """:meth:`_all` of calls that place their answers ``into``. If one fails, the others may still be running and
         writing there: that set is dropped, never handed out again."""
         try:
-            return self._all(calls)
+            return self._all(calls, started)
         except BaseException:
             self._kept = [k for k in self._kept if k is not into]
             raise
