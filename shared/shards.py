@@ -138,7 +138,9 @@ def place(m: ShardMap, index: int, tensors: Mapping[str, np.ndarray], into: Mapp
     shaped as :func:`split_memory`'s). Shards write disjoint ranges: one call per shard may run in its own thread."""
     for p in m.pieces[index]:
         if not p.whole:
-            into[p.name].reshape(-1)[p.start:p.stop] = tensors[p.key].reshape(-1)
+            dst, src = into[p.name].reshape(-1)[p.start:p.stop], tensors[p.key].reshape(-1)
+            if src.__array_interface__["data"][0] != dst.__array_interface__["data"][0]:  # (joined there already)
+                dst[...] = src
 
 
 def gathered(m: ShardMap, parts: Sequence[Mapping[str, np.ndarray]],

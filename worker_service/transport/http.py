@@ -138,11 +138,12 @@ class BodyTransport(OnePS):
                                   *[(t, {"partition": q}) for q, t in enumerate(parts[1:], 1)]])
 
     def push(self, meta: dict, grads: Mapping[str, np.ndarray], wait: float, timeout: float,
-             on_way: Callable[[], None] | None = None, hold: dict | None = None) -> PushAnswer:
+             on_way: Callable[[], None] | None = None, hold: dict | None = None,
+             into: Mapping[str, np.ndarray] | None = None) -> PushAnswer:
         """With partitions: the push on this connection (its JSON answer) while :class:`Alongside` pulls the next
         weights on a second one as the PS sends them (worker_service/transport/partitioned.py); else one request
         with ``pull=1``. ``hold``: the query of a sharded PS's follower's hold (``POST /v1/shard/gradients``, its
-        pull naming no worker), partitioned rounds only."""
+        pull naming no worker), partitioned rounds only; ``into``: where the pull joins cut tensors (:func:`whole`)."""
         body = self.push_body(meta, grads)
         p = self._plan[1] if self._plan is not None and self.partition_bytes else None
         path = f"{API}/gradients" if hold is None else f"{API}/shard/gradients"
@@ -151,7 +152,7 @@ class BodyTransport(OnePS):
         if self._puller is None:
             self._puller = self.endpoint.sibling(self.endpoint.base_url)
         pull = Alongside(self._puller, meta["step"] + 1, None if hold is not None else meta["worker_id"], wait, timeout,
-                         p, self._plan[0])
+                         p, self._plan[0], into)
         try:
             answer = super().push(meta, grads, 0.0, timeout, on_way, body=body, pull=False, path=path, params=hold)
         except BaseException:

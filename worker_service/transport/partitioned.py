@@ -25,8 +25,11 @@ from worker_service.transport.base import Pulled
 from worker_service.transport.endpoint import Endpoint
 
 
-def whole(body: bytes | memoryview, plan: Plan, spec: Mapping[str, tuple]) -> Pulled:
-    """The weights of a pull answer: one frame, or the Q frames of one answered partition by partition."""
+def whole(body: bytes | memoryview, plan: Plan, spec: Mapping[str, tuple],
+          into: Mapping[str, np.ndarray] | None = None) -> Pulled:
+    """The weights of a pull answer: one frame, or the Q frames of one answered partition by partition. ``into``:
+    1-D arrays (by tensor name) a tensor cut into several partitions is joined into, in place of new memory (a sharded
+    worker's assembled tensors: :func:`shared.shards.place` then has nothing to copy)."""
     meta = frame.peek_meta(body)
     count = meta.get("partitions", 1) if isinstance(meta, dict) else 1
     if count == 1:
@@ -40,7 +43,8 @@ def whole(body: bytes | memoryview, plan: Plan, spec: Mapping[str, tuple]) -> Pu
     for name in sorted(spec):
         shape, dtype = spec[name]
         parts = [pieces[p.key] for q in plan.partitions for p in q if p.name == name]
-        tensors[name] = parts[0] if len(parts) == 1 else np.concatenate(parts).reshape(shape)
+        out = None if into is None else into.get(name)
+        tensors[name] = parts[0] if len(parts) == 1 else np.concatenate(parts, out=out).reshape(shape)
     return Pulled(head["step"], last["done"], list(last["ranks"]), tensors, len(body))
 
 
@@ -48,9 +52,10 @@ class Alongside:
     """The pull of step ``min_step``'s weights, on its own thread and connection (``endpoint``)."""
 
     def __init__(self, endpoint: Endpoint, min_step: int, worker_id: str | None, wait: float, timeout: float,
-                 plan: Plan, spec: Mapping[str, tuple]) -> None:
-        """``worker_id`` None: a pull naming no worker (a sharded PS's follower's, which holds no lease)."""
-        self.endpoint, self.plan, self.spec = endpoint, plan, spec
+                 plan: Plan, spec: Mapping[str, tuple], into: Mapping[str, np.ndarray] | None = None) -> None:
+        """``worker_id`` None: a pull naming no worker (a sharded PS's follower's, which holds no lease); ``into``: as
+        :func:`whole`'s."""
+        self.endpoint, self.plan, self.spec, self.into = endpoint, plan, spec, into
         self.params: dict[str, Any] = {"min_step": min_step, "timeout": wait, "partitioned": 1}
         if worker_id is not None:
             self.params["worker_id"] = worker_id
@@ -64,7 +69,7 @@ class Alongside:
             resp = self.endpoint.call("GET", f"{API}/model", params=self.params, timeout=self.timeout, attempts=1,
                                       what=f"GET {API}/model (step {self.params['min_step']}, partitioned)")
             if resp.status_code == 200:
-                self._got = whole(resp.content, self.plan, self.spec)
+                self._got = whole(resp.content, self.plan, self.spec, self.into)
         except Exception:  # noqa: BLE001 (the client pulls again: that pull reports what is wrong)
             self._got = None
 

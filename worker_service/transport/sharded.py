@@ -144,7 +144,8 @@ class ShardedTransport(TensorTransport):
             if i == 0:
                 answer = self.links[0].push(meta, pieces, wait, timeout)
             else:
-                answer = self.links[i].send(lambda t: t.push(held, pieces, wait, timeout, hold=hold))
+                dest = {p.key: into[p.name].reshape(-1)[p.start:p.stop] for p in self.map.pieces[i] if not p.whole}
+                answer = self.links[i].send(lambda t: t.push(held, pieces, wait, timeout, hold=hold, into=dest))
             self._placed(i, answer.pulled, into)
             return answer
 
