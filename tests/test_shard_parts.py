@@ -20,12 +20,13 @@ from ps_service.sharding import parts
 from ps_service.transport.streamed import Partitions
 from shared import frame
 from shared.errors import ProtocolError
-from shared.protocol import ModelInit, PushRequest
+from shared.protocol import ModelInit, PushRequest, PushStatus
 from shared.shards import plan as shard_plan, spec_of, split
 from tests.clusters import run_job
 from tests.configs import core_config
 from tests.reference import train_reference
-from tests.test_partitions import OPTIMIZERS, STEPS, WORKERS, core, gradient, state, weights0
+from tests.test_partitions import OPTIMIZERS, STEPS, WORKERS, core, gradient, partitioned_core, state, weights0
+from tests.test_partitions import frame as pushed_frame
 from worker_service.tasks import load_task
 
 SHARD = 1  # of 2, at a split bound that cuts "a" (35 elements) into slices: pieces named "a[0:12]" etc.
@@ -178,6 +179,38 @@ def test_an_empty_decision_steps_nothing_and_refusals_change_nothing():
     assert parts.decide(c, 0, [], 0.0)  # nobody contributed: the step advances, no optimizer step
     assert c.global_step == 1 and c.optimizer.iterations == 0
     assert {k: v.tobytes() for k, v in c.weights.items()} == {k: v.tobytes() for k, v in before.items()}
+
+
+def test_the_coordinators_decision_and_lost_members_close_a_follower_as_the_coordinator():
+    """A coordinator's core names a contributor lost mid-round (``on_lost``, before its own partitions close without
+    it); a follower told the decision and the loss ends with the coordinator's weights, bit for bit."""
+    c, ids = partitioned_core(OPTIMIZERS[3], 100, workers=3, lease_seconds=5.0)
+    f = ParameterServerCore(core_config())
+    f.partition_bytes = 100
+    f.follow()
+    f.init_model(ModelInit(weights0("float32"), dict(OPTIMIZERS[3])), 0.0)
+    assert f.partitions == c.partitions
+    seen = []
+    c.on_lost = lambda step, w: seen.append((step, w, c.global_step, c.deciding))
+    c.on_decided = lambda rec: parts.decide(f, rec.step, sorted((a.rank, a.worker_id) for a in rec.contributors), 0.0)
+    p = c.partitions
+
+    def both(rank: int, q: int, now: float = 0.0) -> None:
+        g = p.split(gradient(0, rank, "float32"), q)
+        assert pushed_frame(c, ids[rank], 0, rank, q, now=now).status is PushStatus.ACCEPTED
+        assert parts.frame(f, ids[rank], 0, q, {k: v.copy() for k, v in g.items()}, now) == "held"
+    for rank in range(3):
+        both(rank, 0)
+    assert c.deciding and f.deciding
+    for rank in (0, 1):
+        for q in range(1, p.count):
+            both(rank, q, now=4.0)
+    c.on_lost = lambda step, w: (seen.append((step, w, c.global_step, c.deciding)), parts.drop(f, step, w, 6.0))
+    c.tick(6.0)  # worker 2's lease ends: named first, then every partition closes without it
+    assert seen == [(0, ids[2], 0, True)]
+    assert c.global_step == f.global_step == 1 and not f.deciding
+    assert {k: v.tobytes() for k, v in f.weights.items()} == {k: v.tobytes() for k, v in c.weights.items()}
+    assert f.optimizer.iterations == c.optimizer.iterations == 1
 
 
 # ---- real shards and stock workers (uvicorn, worker processes) -----------------------------------------------------

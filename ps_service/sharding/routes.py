@@ -129,6 +129,9 @@ async def commit(request: Request, pull: bool = Query(False), timeout: float = Q
     """Count the push of (worker, step) whose pieces every shard holds (the coordinator's hold, and each follower's
     receipt in ``receipts``): answered as ``POST /v1/gradients``."""
     rt, role = _role(request, coordinator=True)
+    if role.partitioned:
+        raise ProtocolError(409, "sharded", "partitioned rounds have no commit: push the coordinator's pieces "
+                                            "(POST /v1/gradients), hold each follower's (POST /v1/shard/gradients)")
     f = frame.decode(await read_body(request, JSON_BODY_LIMIT, frame.MEDIA_TYPE, rt.settings.body_idle_timeout_seconds))
     got = f.meta.pop("receipts", None)
     if got is not None and not (isinstance(got, list) and len(got) == role.count - 1
