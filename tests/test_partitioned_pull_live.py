@@ -92,12 +92,18 @@ def pull(port: int, query: str) -> socket.socket:
     return s
 
 
+def training(ps) -> tuple[PSClient, str]:
+    """One worker registered with ``ps``, the model W0 in and training started: (its client, its worker id)."""
+    c = ps.client()
+    wid = c.register("w")["worker_id"]
+    assert c.init_model(W0, {"name": "sgd", "learning_rate": 0.1})
+    wait_for(lambda: ps.rt.core.started, allow(10), "training to start")
+    return c, wid
+
+
 def test_a_pull_reads_partition_0_of_the_next_step_before_the_push_ends():
     with live_ps(min_workers=1, startup_grace_seconds=0, partition_bytes=SIZE) as ps:
-        c = ps.client()
-        wid = c.register("w")["worker_id"]
-        assert c.init_model(W0, {"name": "sgd", "learning_rate": 0.1})
-        wait_for(lambda: ps.rt.core.started, allow(10), "training to start")
+        c, wid = training(ps)
         p = plan(spec_of(W0), SIZE)
         assert p.count == 12
         core = ps.rt.core
@@ -137,10 +143,7 @@ def test_a_pull_of_the_current_step_between_partitions_waits_for_the_rounds_clos
     weights as they are then (step 0's label on partitions of step 1 already applied): it waits for the close and
     gets step 1 whole, bit for bit."""
     with live_ps(min_workers=1, startup_grace_seconds=0, partition_bytes=SIZE) as ps:
-        c = ps.client()
-        wid = c.register("w")["worker_id"]
-        assert c.init_model(W0, {"name": "sgd", "learning_rate": 0.1})
-        wait_for(lambda: ps.rt.core.started, allow(10), "training to start")
+        c, wid = training(ps)
         core = ps.rt.core
         pusher, rest = start_push(ps.port, wid, 6 << 20)  # partitions 0-4 whole, 5 begun
         wait_for(lambda: core.deciding and {1, 2} <= core.parts.closed, allow(10), "partitions 0-2 to close")
@@ -162,10 +165,7 @@ def answered_whole(partition_bytes: int, query: str) -> frame.Frame:
     """The pull ``query`` made between partitions (or at 0: while the push is on the way) is answered once the round
     closed, whole (today's frame)."""
     with live_ps(min_workers=1, startup_grace_seconds=0, partition_bytes=partition_bytes) as ps:
-        c = ps.client()
-        wid = c.register("w")["worker_id"]
-        assert c.init_model(W0, {"name": "sgd", "learning_rate": 0.1})
-        wait_for(lambda: ps.rt.core.started, allow(10), "training to start")
+        c, wid = training(ps)
         core = ps.rt.core
         if partition_bytes:
             pusher, rest = start_push(ps.port, wid, 6 << 20)
