@@ -84,7 +84,7 @@ def _stop_the_ps_before_the_pushes(c: LocalCluster, workers: int, answered: floa
 
 
 def test_a_ps_paused_for_longer_than_a_lease_loses_no_gradient():
-    workers, steps, lease = 3, 150, allow(LEASE)
+    workers, steps, lease = 3, 60, allow(LEASE)  # paused at step >= 30: 30 rounds after it to show a lost gradient
     pause = 3 * lease
     ps_env = {"PS_MAX_STEPS": steps, "PS_TOTAL_NUM_REPLICAS": workers, "PS_LEASE_SECONDS": lease}
     # the mlp in float64 (its weights move at every step: a lost gradient shows); steps slowed so that the pause
