@@ -83,9 +83,22 @@ class RawConnection:
         self._idle = keepalive.IdleClock()  # of ``sock``
 
     def close(self) -> None:
-        if self.sock is not None:
-            self.sock.close()
-            self.sock = None
+        """Close the connection; a request another thread has in flight on it fails at once (ConnectionLost), not
+        at its timeout: the socket is shut down first (a close alone wakes no thread blocked in it)."""
+        sock, self.sock = self.sock, None
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:  # not connected (any more)
+                pass
+            sock.close()
+
+    def _live(self) -> socket.socket:
+        """The socket a request goes on; closed under it (:meth:`close` from another thread): :class:`_Closed`."""
+        sock = self.sock
+        if sock is None:
+            raise _Closed("the connection was closed while the request was in flight")
+        return sock
 
     def request(self, method: str, target: str, headers: Mapping[str, str], body: Iterable[bytes | memoryview] = (),
                 timeout: float = 30.0) -> RawResponse:
@@ -137,6 +150,8 @@ class RawConnection:
                                      "the peer paused)") from None
             raise ConnectionLost(f"timed out: no progress for {timeout:g} s") from None
         except _Closed as exc:
+            if self.sock is None:  # closed under the request by :meth:`close`, not by the server
+                lost = ConnectionLost
             self.close()
             raise lost(str(exc)) from None
         except (BrokenPipeError, ConnectionResetError) as exc:
@@ -160,7 +175,7 @@ class RawConnection:
         """sendmsg until every byte of ``parts`` went out (consumes the list: build one per request)."""
         i = 0
         while i < len(parts):
-            sent = self.sock.sendmsg(parts[i:i + 512])  # Linux takes at most 1024 buffers a call
+            sent = self._live().sendmsg(parts[i:i + 512])  # Linux takes at most 1024 buffers a call
             while i < len(parts) and sent >= parts[i].nbytes:
                 sent -= parts[i].nbytes
                 i += 1
@@ -183,7 +198,7 @@ class RawConnection:
             if len(buf) > HEADER_LIMIT:
                 raise ValueError("response headers too large")
             try:
-                chunk = self.sock.recv(65536)
+                chunk = self._live().recv(65536)
             except ConnectionResetError:
                 chunk = b""
             if not chunk:
@@ -225,7 +240,7 @@ class RawConnection:
     def _fill(self, view: memoryview, got: int, what: str) -> None:
         """Receive into ``view`` from byte ``got`` to its end."""
         while got < len(view):
-            r = self.sock.recv_into(view[got:], len(view) - got)
+            r = self._live().recv_into(view[got:], len(view) - got)
             if not r:
                 raise ValueError(f"connection closed inside {what}")
             got += r
@@ -254,7 +269,7 @@ class RawConnection:
         while (end := pending.find(b"\r\n")) < 0:
             if len(pending) > HEADER_LIMIT:
                 raise ValueError("a chunk line too long")
-            chunk = self.sock.recv(65536)
+            chunk = self._live().recv(65536)
             if not chunk:
                 raise ValueError("connection closed inside a chunked body")
             pending += chunk

@@ -261,6 +261,35 @@ def test_a_server_that_never_answers_times_out():
             conn.close()
 
 
+def test_a_close_from_another_thread_ends_a_request_in_flight_at_once():
+    """A transport closed while one of its threads waits on a long poll (a worker registering again, or stopping):
+    the request fails at once, not at its timeout (a close alone wakes no thread blocked in the socket: the worker
+    process lingered ~35 s after its last step)."""
+    release = threading.Event()
+    with socket_server(lambda conn, request, n: release.wait(allow(30))) as (url, seen):
+        conn = RawConnection(url)
+        failed: list[BaseException] = []
+
+        def poll():
+            try:
+                conn.request("GET", "/long-poll", {}, timeout=allow(30))
+            except BaseException as exc:  # noqa: BLE001 (the test asserts on it)
+                failed.append(exc)
+
+        waiter = threading.Thread(target=poll, daemon=True)
+        try:
+            waiter.start()
+            wait_for(lambda: seen, allow(10), "the request to reach the server")
+            t0 = time.monotonic()
+            conn.close()
+            waiter.join(allow(5))
+            assert not waiter.is_alive() and time.monotonic() - t0 < allow(5)
+            assert len(failed) == 1 and type(failed[0]) is ConnectionLost, failed
+        finally:
+            release.set()
+            conn.close()
+
+
 # ---- the retry helper
 
 
