@@ -5,6 +5,9 @@ No I/O, no clock. Contract:
 - :func:`hold_tensors` checks a push's pieces exactly as the core checks a push (names, exact dtypes,
   shapes: 422 ``tensor_mismatch``; NaN/Inf: 422 ``nonfinite_gradient``) before anything changes, and
   returns them: the seam handed them over in memory the shard owns, whatever carried them.
+- :func:`passed`: every message of the coordinator about round s (progress, apply; partitioned rounds' frames,
+  decisions, losses: :mod:`ps_service.sharding.parts`) is for a round this shard has passed (nothing to do) or is
+  at, else 409 ``shard_behind``.
 - :class:`Holds` keeps one held push per worker (the newest: a later push replaces it) and, on a follower, the
   open round's running sum as the coordinator's round makes it (:meth:`Holds.progress`):
   the coordinator says, in order, which keys its own :class:`~ps_service.core.rounds.Accumulator` has summed so far
@@ -51,6 +54,15 @@ class Held:
     step: int
     tensors: Mapping[str, np.ndarray]
     via: str  # the transport it came by ("http" or "shm"): the commit answers through it
+
+
+def passed(global_step: int, step: int) -> bool:
+    """The coordinator speaks of round ``step``: True if this shard is past it (nothing to do); 409 ``shard_behind`` if
+    it is ahead of this shard (the shard restarted from an older state than the coordinator)."""
+    if step > global_step:
+        raise ProtocolError(409, "shard_behind", f"this shard is at step {global_step}, told of round {step}: it "
+                                                 "restarted from an older state than the coordinator")
+    return step < global_step
 
 
 def hold_tensors(weights: Mapping[str, np.ndarray], push: PushRequest) -> Mapping[str, np.ndarray]:
@@ -120,11 +132,8 @@ class Holds:
         late ones' (a worker named in ``turns`` or ``back`` is not late). False if the round
         is applied here already (nothing to do); 409 and nothing changed if ahead of this shard, if the keys do not
         follow those summed, or a piece is not held."""
-        if step < global_step:
+        if passed(global_step, step):
             return False
-        if step > global_step:
-            raise ProtocolError(409, "shard_behind", f"this shard is at step {global_step}, told of round {step}: it "
-                                                     "restarted from an older state than the coordinator")
         if self.step != step:
             self.step, self.folded, self.sum, self.late = step, [], None, set()
         done = len(self.folded)
@@ -178,12 +187,8 @@ class Holds:
 def apply_round(core, holds: Holds, step: int, contributors: Sequence[Key], mean_of: int) -> bool:
     """Apply round ``step`` with ``contributors`` ((rank, worker_id) pairs) on a follower's ``core`` (its
     weights, optimizer and global step). True if applied now, False if it was already."""
-    g = core.global_step
-    if step < g:
+    if passed(core.global_step, step):
         return False
-    if step > g:
-        raise ProtocolError(409, "shard_behind", f"this shard is at step {g}, asked to apply round {step}: it "
-                                                 "restarted from an older state than the coordinator")
     if mean_of < 1:
         raise ProtocolError(400, "bad_field", "mean_of must be >= 1")
     total, n = holds.take(tuple(core.weights), step, contributors)

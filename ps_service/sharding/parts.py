@@ -30,16 +30,12 @@ import numpy as np
 
 from ps_service.core.checks import validate
 from ps_service.core.partitions import RoundParts
-from shared.errors import ProtocolError, unprocessable
+from ps_service.sharding.holds import passed
+from shared.errors import unprocessable
 from shared.partitions import Plan, plan as partition_plan
 from shared.shards import spec_of
 
 Key = tuple[int, str]  # (rank, worker_id): the sum's order
-
-
-def _behind(core, step: int) -> ProtocolError:
-    return ProtocolError(409, "shard_behind", f"this shard is at step {core.global_step}, told of round {step}: it "
-                                              "restarted from an older state than the coordinator")
 
 
 def plan_of(core) -> Plan:
@@ -61,9 +57,7 @@ def frame(core, worker_id: str, step: int, q: int, tensors: Mapping[str, np.ndar
     if not 0 <= q < p.count:
         raise unprocessable("tensor_mismatch", f"partition {q}: this shard's pieces make {p.count}")
     validate(p.split(core.weights, q), tensors, "reject")
-    if step > core.global_step:
-        raise _behind(core, step)
-    if step < core.global_step:
+    if passed(core.global_step, step):
         return "late"
     parts = _open(core)
     if parts.has(q, worker_id):
@@ -80,9 +74,7 @@ def frame(core, worker_id: str, step: int, q: int, tensors: Mapping[str, np.ndar
 def decide(core, step: int, contributors: Sequence[Key], now: float) -> bool:
     """Round ``step`` is decided with ``contributors`` ((rank, worker_id), sum order): its partitions close as their
     frames are in. False: a repeat, or a round this shard has passed (nothing done)."""
-    if step > core.global_step:
-        raise _behind(core, step)
-    if step < core.global_step or (core.parts is not None and core.parts.decided):
+    if passed(core.global_step, step) or (core.parts is not None and core.parts.decided):
         return False
     parts = _open(core)
     core.close_parts(now, parts.decide({w: (int(r), w) for r, w in contributors}, True))
@@ -92,9 +84,7 @@ def decide(core, step: int, contributors: Sequence[Key], now: float) -> bool:
 def drop(core, step: int, worker_id: str, now: float) -> bool:
     """A member of round ``step`` brings no more frames of it: its partitions close without it. False: a round this
     shard has passed (nothing to do)."""
-    if step > core.global_step:
-        raise _behind(core, step)
-    if step < core.global_step:
+    if passed(core.global_step, step):
         return False
     core.close_parts(now, _open(core).drop(worker_id))
     return True
