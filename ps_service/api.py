@@ -16,7 +16,7 @@ from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 
-from ps_service.http import JSON_BODY_LIMIT, REFUSALS, DecimalInt, parse_json
+from ps_service.http import JSON_BODY_LIMIT, REFUSALS, DecimalInt, json_body, parse_json
 from ps_service.runtime import runtime
 from ps_service.transport.body import read_body
 from shared.errors import ProtocolError
@@ -31,7 +31,7 @@ SINCE = ("The step whose weights this worker holds, as a previous answer of this
          "`sparse`; docs/protocol.md, Weight deltas). Any other value: the dense weights.")
 
 
-async def json_body(request: Request, model):
+async def read_json(request: Request, model):
     rt = runtime(request)
     return parse_json(await read_body(request, JSON_BODY_LIMIT, JSON, rt.settings.body_idle_timeout_seconds), model)
 
@@ -62,11 +62,10 @@ class Registered(BaseModel):
                                                 "(docs/protocol-partitions.md).")
 
 
-@router.post("/workers", response_model=Registered, openapi_extra={"requestBody": {
-    "required": True, "content": {JSON: {"schema": Registration.model_json_schema()}}}})
+@router.post("/workers", response_model=Registered, openapi_extra=json_body(Registration))
 async def register(request: Request) -> Registered:
     rt = runtime(request)
-    reg = await json_body(request, Registration)
+    reg = await read_json(request, Registration)
     if rt.shards is not None:
         rt.shards.admit()  # 503 while the shards are not at one step (a restore that mixes steps)
     m, start = rt.run_guarded(lambda: rt.core.register(reg.name, rt.now()))
@@ -82,9 +81,8 @@ async def register(request: Request) -> Registered:
 
 def coordinator_only(rt, what: str) -> None:
     """409 ``not_coordinator`` on a sharded PS's follower: membership and the model's init are shard 0's."""
-    if rt.shards is not None and not rt.shards.coordinator:
-        raise ProtocolError(409, "not_coordinator", f"this is shard {rt.shards.index} of {rt.shards.count}: {what} "
-                                                    "to shard 0, the coordinator")
+    if rt.shards is not None:
+        rt.shards.need(True, f"{what} to shard 0, the coordinator")
 
 
 @router.delete("/workers/{worker_id}")
@@ -250,12 +248,11 @@ async def shm_offer(request: Request) -> dict:
     return rt.tensors.shm.offer(rt.core.weights, rt.core.global_step)
 
 
-@router.post("/workers/{worker_id}/shm", openapi_extra={"requestBody": {
-    "required": True, "content": {JSON: {"schema": ShmAttach.model_json_schema()}}}})
+@router.post("/workers/{worker_id}/shm", openapi_extra=json_body(ShmAttach))
 async def shm_attach(worker_id: str, request: Request) -> dict:
     """Use the worker's gradient file for its pushes (409 shm_unavailable: not on this host; push over HTTP)."""
     rt = runtime(request)
-    body = await json_body(request, ShmAttach)
+    body = await read_json(request, ShmAttach)
     if rt.shards is None or rt.shards.coordinator:  # a follower has no membership: any worker id may attach
         rt.core.members.active_member(worker_id)  # 404 unknown_worker, 409 not_active
     rt.tensors.shm.attach(worker_id, body.file, body.nonce)

@@ -1,37 +1,17 @@
-"""A sharded PS (``PS_SHARDS`` = S > 1): this process's part in it (docs/architecture.md, Shards).
+"""A sharded PS (``PS_SHARDS`` = S > 1): this process's part in it. The wire contract is docs/protocol-shards.md;
+:func:`role` is None on an unsharded PS, and nothing here runs then.
 
-Shard 0 is the *coordinator*: it alone holds membership (register, ranks, leases, leave), the barrier
-and the round records (its :class:`~ps_service.core.ParameterServerCore` as on one PS), and it owns a
-share of the tensors. Shards 1..S-1 are *followers*: they own their share and its optimizer slots and
-hold pushes; they decide nothing about membership or rounds. Each shard's core holds only its pieces
-(:mod:`shared.shards`) as its model.
-
-One round, exact: a worker pushes its pieces to every shard (each holds them: :mod:`.holds`), then
-commits step s to the coordinator with each follower's receipt of its hold (:mod:`.receipts`); the commit is what
-the coordinator's barrier counts, with the held pieces as the push's gradients, and it counts only if the coordinator
-holds that worker's pieces of step s and every follower's receipt is good (409 ``not_held`` otherwise): so no round
-names a contributor a follower cannot apply.
-When round s closes with contributors C, :meth:`ShardRole.decided` (the core's
-``on_decided`` hook, before the coordinator applies its own share) sends "apply round s with C" to every follower
-(:mod:`.links`), who sum the held pieces of C in rank order and step the same optimizer. The routes are
-:mod:`.routes`. :func:`role` is None on an unsharded PS: nothing here runs then.
-
-A shard's memory stays flat in the worker count (pieces of 1 MiB or more, :mod:`.turns`). The coordinator reads a
-hold in its round's turn, as one PS reads a push (its core's intake: the hold route gives the seam the runtime's
-``turn``). While round s fills, it tells each such follower, in order, which keys its round has summed and whose push
-it awaits next (:meth:`ShardRole.observe`); the follower sums those held pieces in that order as told
-(:meth:`.holds.Holds.progress`) and reads a hold only in its worker's turn (:meth:`ShardRole.turn`). So each holds
-the running sum and the pieces of the next one or two in rank order, as one PS does. It never sums on a guess: a key the coordinator summed is an
-accepted commit, which stays a contributor, so the apply's C begins with the keys summed, and the rest of C is summed
-at the apply: the same additions in the same order, bit for bit. With fixed R the coordinator's hold is the push's head
-(:meth:`~ps_service.core.ParameterServerCore.hold`): the first R holds there are the contributors, read in rank order
-as above; a later one is late there, and the coordinator names it to the followers, who answer its hold late too and
-keep nothing of it.
-
-A follower that restarts (kill -9, then started again from its checkpoints) comes back without the pieces
-held for the open round and maybe at an older step: the coordinator rolls the whole job back live to the
-newest checkpoint step every shard has (:mod:`.rollback`); each process has a ``boot`` id (in the follower's
-answers) that tells a restart apart from an outage.
+Shard 0, the *coordinator*, alone holds membership, the barrier and the round records (its core as on one PS), and
+owns a share of the tensors; shards 1..S-1, the *followers*, own their share (:mod:`shared.shards`: each core's
+model is its pieces) and its optimizer slots, hold pushes (:mod:`.holds`) and decide nothing. A commit counts on
+the coordinator only with every follower's receipt of its hold (:mod:`.receipts`), so no round names a contributor
+a follower cannot apply. When round s is decided, :meth:`ShardRole.decided` (the core's ``on_decided`` hook, before
+the coordinator applies its own share) queues "apply round s with C" for every follower (:mod:`.links`), who sums
+the held pieces of C in rank order and steps the same optimizer: the coordinator's additions in its order, bit for
+bit. While a round fills, a follower whose pieces are large sums them as the coordinator's round sums its own and
+reads a hold only in its worker's turn (:mod:`.turns`: :meth:`ShardRole.observe`, :meth:`ShardRole.turn`), so a
+shard's memory stays flat in the worker count. A follower that restarted (another ``boot`` id in its answers) makes
+the coordinator roll the job back live to the newest checkpoint step every shard has (:mod:`.rollback`).
 """
 from __future__ import annotations
 
@@ -114,8 +94,8 @@ class ShardRole:
         starts its links and, when it restored a step, checks every follower is at that step too."""
         core = self.core
         self.rt, self.checkpointer = rt, checkpointer
-        if core.initialized and self.sidecar is not None and self.sidecar.exists():
-            self._set_map(from_wire(json.loads(self.sidecar.read_text())))
+        if core.initialized:
+            self._load_map()
         if not self.coordinator:
             return
         self._seen_closed, self._sent_step = core.rounds_closed, core.global_step - 1
@@ -125,6 +105,10 @@ class ShardRole:
             self.links.blocked = "checking that every shard restored the same step"
             self.links.tasks.append(asyncio.create_task(self.links.check_steps(
                 core.global_step, self.checkpoint_steps(), self.restore_body(core.global_step))))
+
+    def _load_map(self) -> None:
+        if self.sidecar is not None and self.sidecar.exists():
+            self._set_map(from_wire(json.loads(self.sidecar.read_text())))
 
     def _set_map(self, m: ShardMap) -> None:
         self.map = m
@@ -142,20 +126,24 @@ class ShardRole:
             self.sidecar.parent.mkdir(parents=True, exist_ok=True)
             self.sidecar.write_text(json.dumps(m.to_wire()))
 
+    def need(self, coordinator: bool, what: str = "ask shard 0") -> None:
+        """409 ``not_coordinator`` unless this shard is the coordinator (``coordinator``: membership, the model's init
+        and commits live on shard 0), or 409 ``not_follower`` unless it is a follower (the coordinator's messages)."""
+        if coordinator and not self.coordinator:
+            raise ProtocolError(409, "not_coordinator", f"this is shard {self.index} of {self.count}: {what}")
+        if not coordinator and self.coordinator:
+            raise ProtocolError(409, "not_follower", "this is the coordinator (shard 0)")
+
     def admit(self) -> None:
-        """Registration is the coordinator's (409 ``not_coordinator`` on a follower: membership lives on shard 0), and
-        refused there (503, retried by workers) while the shards are not consistent."""
-        if not self.coordinator:
-            raise ProtocolError(409, "not_coordinator", f"this is shard {self.index} of {self.count}: workers register "
-                                                        "with shard 0, the coordinator")
+        """Registration is the coordinator's (:meth:`need`), and refused there (503, retried by workers) while the
+        shards are not consistent."""
+        self.need(True, "workers register with shard 0, the coordinator")
         if self.links is not None and self.links.blocked:
             raise ProtocolError(503, "shards_inconsistent", self.links.blocked)
 
     # ---- the coordinator ----------------------------------------------------------------
     def decided(self, rec) -> None:
-        """The core's hook (``on_decided``): round ``rec.step`` is decided and not yet applied here; its apply goes to
-        the followers now (:meth:`.links.Links.round_closed` queues it for each follower's sender), so theirs runs
-        while the coordinator steps its own share."""
+        """The core's ``on_decided`` hook: the followers' applies run while the coordinator steps its own share."""
         try:
             if rec.step > self._sent_step:
                 self._send(rec)
@@ -220,23 +208,6 @@ class ShardRole:
         """The coordinator's ``POST /v1/shard/restore`` body: go back to ``step``, with the current receipt key."""
         return {"step": step, "receipt_key": self.receipt_key.hex()}
 
-    def receipt(self, worker_id: str, step: int) -> str:
-        """A follower's receipt of the hold of (worker, step) it keeps. 409 ``shard_behind`` while it has no key: it
-        restarted and the coordinator has not restored it yet (the worker registers again, as for a restart)."""
-        if self.receipt_key is None:
-            raise ProtocolError(409, "shard_behind", f"shard {self.index} restarted and the coordinator has not "
-                                                     "restored it yet: register again")
-        return receipts.receipt(self.receipt_key, self.index, worker_id, step)
-
-    def check_receipts(self, worker_id: str, step: int, got) -> None:
-        """The coordinator, before it counts a commit of (worker, step): 409 ``not_held`` unless every follower's
-        receipt in ``got`` is good (it holds the worker's pieces of that step)."""
-        bad = receipts.refused(self.receipt_key, self.count, worker_id, step, got)
-        if bad:
-            raise ProtocolError(409, "not_held", f"shard(s) {bad} gave no receipt of pieces of step {step} held for "
-                                                 "this worker: hold them on every shard (POST /v1/shard/gradients) and "
-                                                 "commit with each follower's receipt")
-
     # ---- a follower ---------------------------------------------------------------------
     def init_follower(self, f: frame.Frame, now: float) -> dict:
         """``PUT /v1/shard/model``: this follower's pieces and the receipt key from the coordinator (a repeat of the
@@ -284,11 +255,6 @@ class ShardRole:
             return holds.may_read(worker_id, step, core.global_step) and (
                 not holds.late_for(worker_id, step) or core.intake.claim_late(worker_id))
         return await self.gate.wait(may, seconds, last)
-
-    def hold_read(self) -> None:
-        """A follower's hold was read (or failed): a late hold waiting for the one being read may go now."""
-        if self.holds.late:
-            self.gate.wake()
 
     def progress(self, step: int, start: int, keys, turns, late=(), back=()) -> bool:
         """``POST /v1/shard/progress``: the coordinator's open round summed ``keys`` (from its ``start``-th), awaits
@@ -344,15 +310,11 @@ class ShardRole:
                 (self.sidecar.parent / checkpoint_name(newer)).unlink(missing_ok=True)
 
     async def restore_step(self, step: int, key: bytes, now: float) -> dict:
-        """``POST /v1/shard/restore``: a follower goes back live to its checkpoint of ``step`` (the coordinator
-        chose it: the newest every shard has; with no file of it, a follower at that step keeps its model),
-        drops every held push, deletes its checkpoints of later steps and takes the coordinator's receipt ``key``.
-        404 ``unknown_checkpoint`` if it has none (nothing done)."""
+        """``POST /v1/shard/restore``: :meth:`step_state`, :meth:`go_back`, and the coordinator's receipt ``key``."""
         state = self.step_state(step)
         await self.go_back(state, now)
         self.receipt_key = key
-        if self.sidecar is not None and self.sidecar.exists():
-            self._set_map(from_wire(json.loads(self.sidecar.read_text())))
+        self._load_map()
         log.warning("shard %d: back at step %d at the coordinator's request", self.index, step)
         return {"step": self.core.global_step, "boot": self.boot}
 
@@ -366,10 +328,8 @@ class ShardRole:
             self._rolling = asyncio.create_task(rollback.roll_back(self, why))
 
     def hold_leases(self, now: float) -> None:
-        """The coordinator's tick: while a follower does not answer (:meth:`.links.Links.silent`), no round can be
-        applied on it, so no worker's lease runs out and no round closes by its deadline (either would change the job and
-        gain nothing: a host that drops off the network for longer than a lease keeps its worker's place); once every
-        follower answers again, every worker has a whole lease from then (:meth:`ps_service.core.ParameterServerCore.hold_leases`)."""
+        """The coordinator's tick: no lease runs out and no round closes by its deadline while a follower does not
+        answer (:meth:`.links.Links.silent`: no round can be applied on it); :meth:`ParameterServerCore.hold_leases`."""
         if self.links is not None:
             self.core.hold_leases(bool(self.links.silent()), now)
 

@@ -2,35 +2,24 @@
 
 No I/O, no clock. Contract:
 
-- :func:`hold_tensors` checks a push's pieces exactly as the core checks a push (names, exact dtypes,
-  shapes: 422 ``tensor_mismatch``; NaN/Inf: 422 ``nonfinite_gradient``) before anything changes, and
-  returns them: the seam handed them over in memory the shard owns, whatever carried them.
-- :func:`passed`: every message of the coordinator about round s (progress, apply; partitioned rounds' frames,
+- :func:`hold_tensors` checks a push's pieces as the core checks a push (names, exact dtypes, shapes: 422
+  ``tensor_mismatch``; NaN/Inf: 422 ``nonfinite_gradient``) before anything changes.
+- :func:`passed`: a message of the coordinator about round s (progress, apply; partitioned rounds' frames,
   decisions, losses: :mod:`ps_service.sharding.parts`) is for a round this shard has passed (nothing to do) or is
-  at, else 409 ``shard_behind``.
-- :class:`Holds` keeps one held push per worker (the newest: a later push replaces it) and, on a follower, the
-  open round's running sum as the coordinator's round makes it (:meth:`Holds.progress`):
-  the coordinator says, in order, which keys its own :class:`~ps_service.core.rounds.Accumulator` has summed so far
-  (its ``folded``: the rank-order prefix of the round's contributors, each an accepted commit, which never leaves
-  the round), whose pushes it awaits next in rank order (its :meth:`~ps_service.core.rounds.Round.turns`; None:
-  any) and, fixed R, the workers whose pushes it will not take (``late``: their hold came after R heads; ``back``:
-  late ones it takes again, having registered again into the stuck round). The
-  follower sums the held pieces of exactly those keys, in that order, into the same kind of accumulator and drops
-  them, and drops the pieces of late workers: so it holds the running sum and the pieces not summed yet, and a hold
-  whose worker is neither in ``turns`` nor late may wait unread (:meth:`Holds.may_read`: the sharding layer's gate,
-  :meth:`ps_service.sharding.ShardRole.turn`), as one PS reads a push in its turn (:mod:`ps_service.core.intake`);
-  a late worker's hold is read and answered late (:meth:`Holds.late_for`), kept nowhere. Nothing is summed on a
-  guess: every key summed is a contributor, in the coordinator's order.
-- :func:`apply_round` (a follower, told by the coordinator "apply round s with contributors C") checks that the
-  keys summed so far are the first of C, sums the held pieces of the rest of C in (rank, worker_id) order exactly
-  as the coordinator's round does, steps the same optimizer once with the coordinator's ``mean_of``, bumps the
-  global step, and drops every hold of step <= s. The sum is the one a single accumulator makes of C's pieces in
-  that order: ``acc = g[c0]; acc += g[c1] ...``, bit for bit, however the additions were spread in time. An apply
-  of a round already applied is answered as done (the coordinator retries); one ahead of the shard, naming a
-  gradient the shard does not hold, or whose first keys are not those summed, is refused (409) and changes nothing:
-  the shard never mixes steps. An apply with no contributors (the coordinator's sum overflowed: nothing applied
-  there) applies nothing here either, whatever was summed; a sum that overflows here applies nothing here (logged:
-  the other shards apply theirs).
+  at; else 409 ``shard_behind``.
+- :class:`Holds` keeps one held push per worker (a later one replaces it) and, on a follower, the open round's
+  running sum as the coordinator's :class:`~ps_service.core.rounds.Accumulator` makes it (:meth:`Holds.progress`):
+  the keys it summed, in order (each an accepted commit, which stays a contributor: nothing is summed on a guess),
+  whose pushes it awaits next (:meth:`Holds.may_read`: a hold of anyone else waits unread, as one PS reads a push
+  in its turn, :mod:`ps_service.core.intake`) and, fixed R, whose it will not take (``late``: a hold of them is read,
+  answered late and kept nowhere) or takes again (``back``: they registered again into the stuck round).
+- :func:`apply_round` (a follower told "apply round s with contributors C"): the keys summed so far must be the
+  first of C; the rest of C's held pieces are summed on in (rank, worker_id) order, the same optimizer is stepped
+  once with the coordinator's ``mean_of``, the global step bumped and every hold of step <= s dropped. The sum is
+  ``acc = g[c0]; acc += g[c1] ...``, bit for bit, however the additions were spread in time. A repeat is answered
+  done; one ahead of the shard, naming a gradient not held, or whose first keys are not those summed, is 409 and
+  changes nothing. No contributors (the coordinator's sum overflowed) or a sum that overflows here: nothing applied
+  here (logged: the other shards apply theirs).
 """
 from __future__ import annotations
 
@@ -110,9 +99,8 @@ class Holds:
         return self.step == step and self.sum is not None and worker_id in self.sum
 
     def may_read(self, worker_id: str, step: int, global_step: int) -> bool:
-        """May a hold of (``worker_id``, ``step``) be read now: not of the open round (it is answered at once, as
-        before), or the coordinator awaits that worker's push next, or reads in no order, or it is summed (a
-        retry: nothing kept), or late (read to be answered late: nothing kept)."""
+        """May a hold of (``worker_id``, ``step``) be read now: not of the open round, or awaited next (or any), or
+        summed (a retry) or late (both answered, kept nowhere)."""
         if step != global_step:
             return True
         if self.step != step:  # the coordinator has not spoken of this round yet
@@ -126,12 +114,9 @@ class Holds:
 
     def progress(self, names: Iterable[str], global_step: int, step: int, start: int, keys: Sequence[Key],
                  turns: Sequence[str] | None, late: Iterable[str] = (), back: Iterable[str] = ()) -> bool:
-        """The coordinator's round ``step`` has summed ``keys`` from its ``start``-th key on (a repeat of keys
-        already summed here is skipped), awaits ``turns`` next, will not take the pushes of ``late`` and takes those
-        of ``back`` again (late before; they joined the stuck round): sum their held pieces in that order, drop the
-        late ones' (a worker named in ``turns`` or ``back`` is not late). False if the round
-        is applied here already (nothing to do); 409 and nothing changed if ahead of this shard, if the keys do not
-        follow those summed, or a piece is not held."""
+        """The coordinator's round ``step`` summed ``keys`` from its ``start``-th on (those summed here skipped),
+        awaits ``turns``, refuses ``late`` and takes ``back`` again: sum, drop, note. False if the round is applied
+        here already; 409 and nothing changed if ahead, out of order, or a piece is not held."""
         if passed(global_step, step):
             return False
         if self.step != step:
@@ -164,10 +149,8 @@ class Holds:
                                                          "shard restarted since they pushed?)")
 
     def take(self, names: Iterable[str], step: int, contributors: Sequence[Key]) -> tuple[dict | None, int]:
-        """The rank-order sum of round ``step`` over ``contributors`` (the keys summed so far must be their first):
-        the held pieces of the others summed on; (the sum or None if it overflows, its count). No contributors (the
-        coordinator's sum overflowed: its round applies nothing): (None, 0), whatever was summed. 409 and nothing
-        changed if a piece is missing or the order differs."""
+        """(The rank-order sum of round ``step`` over ``contributors``, None if it overflows; their count):
+        :func:`apply_round`'s sum."""
         contributors = [tuple(k) for k in contributors]
         if not contributors:  # the round applies nothing (its sum overflowed on the coordinator), whatever was summed
             return None, 0
@@ -185,8 +168,7 @@ class Holds:
 
 
 def apply_round(core, holds: Holds, step: int, contributors: Sequence[Key], mean_of: int) -> bool:
-    """Apply round ``step`` with ``contributors`` ((rank, worker_id) pairs) on a follower's ``core`` (its
-    weights, optimizer and global step). True if applied now, False if it was already."""
+    """Apply round ``step`` with ``contributors`` on a follower's ``core``: True, or False if it was already."""
     if passed(core.global_step, step):
         return False
     if mean_of < 1:

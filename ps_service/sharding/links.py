@@ -1,31 +1,15 @@
 """The coordinator's links to its followers (PS -> PS HTTP with the training token, every call with a timeout).
 
-Contract:
-- :meth:`Links.init_followers` sends each follower its pieces of the model (``PUT /v1/shard/model``), in
-  parallel, retrying lost connections and 5xx for at most ``INIT_DEADLINE_SECONDS``; a follower's 4xx is
-  raised as a 409 ``shard_init_failed`` naming it, an unreachable one as 503 ``shard_unreachable``.
-- :meth:`Links.round_closed` queues "apply round s with contributors C" for every follower; one task per follower
-  sends them in step order (``POST /v1/shard/apply``), retrying each (capped backoff) until the follower answers.
-  :meth:`Links.progress` queues the open round's progress (:mod:`.turns`; partitioned rounds: a contributor lost
-  mid-round, ``POST /v1/shard/lost``) for the followers named, on the same queue:
-  a follower gets the messages of a round after the apply of the round before, in order
-  (``POST /v1/shard/progress``, retried as an apply; :meth:`Links.sent` counts applies only).
-  :meth:`Links.sent` waits (at most the seconds it is given) until every working link has written the apply of a
-  round to its connection: the coordinator's weights answers wait for it, so that the apply leaves before megabytes
-  of weights on the coordinator's network interface (a FIFO queue) and the followers' answers are not late by the
-  time those take on the link. While a follower's queue is empty its state is probed every ``PROBE_SECONDS`` (``GET
-  /v1/shard/state``). A follower that *restarted* (it refuses an apply, 4xx; or answers with another ``boot`` id
-  than before) stops its link (:attr:`Follower.error`, shown in ``/v1/status``) and is reported to
-  :attr:`Links.on_restart` (the coordinator's live rollback, :mod:`.rollback`; without one the job stalls).
-  :meth:`stop` stops every sender and empties the queues (:meth:`start` starts them again).
-- :meth:`Links.silent` names the followers that do not answer now: the last exchange failed (a probe gets
-  ``PROBE_TIMEOUT_SECONDS``), or an apply has waited for its answer more than ``SILENT_SECONDS``. While one is, no
-  round can be applied on it and the job cannot go on: the coordinator holds every worker's lease meanwhile
-  (:meth:`ShardRole.hold_leases`).
-- :meth:`Links.check_steps` (start-up after a restore) asks each follower its step and checkpoint steps: every
-  shard must resume at the coordinator's step; a follower at it, or elsewhere with a checkpoint of it, is told to
-  restore it (``POST /v1/shard/restore``, which brings it the coordinator's hold receipt key), else
-  :attr:`Links.blocked` says which differs (workers cannot register).
+One sender task per follower sends its queue in order, each message retried (capped backoff) until the follower
+answers: the applies of closed rounds (``POST /v1/shard/apply``; partitioned rounds: their decisions) and, between
+them, the open round's progress (``POST /v1/shard/progress``; partitioned rounds: contributors lost mid-round, ``POST
+/v1/shard/lost``). An idle link probes its follower's state every ``PROBE_SECONDS`` (``GET /v1/shard/state``). A
+follower that *restarted* (it refuses a message, 4xx, or answers with another ``boot`` id) stops its link
+(:attr:`Follower.error`, in ``/v1/status``) and is reported to :attr:`Links.on_restart` (the coordinator's live
+rollback, :mod:`.rollback`; without one the job stalls). The coordinator's weights answers wait for :meth:`Links.sent`,
+so that an apply leaves before megabytes of weights on the coordinator's network interface (a FIFO queue) and the
+followers' answers are not late by the time those take. :meth:`Links.silent` names the followers that do not answer
+now: the coordinator holds every worker's lease meanwhile (:meth:`ShardRole.hold_leases`).
 """
 from __future__ import annotations
 
@@ -37,6 +21,7 @@ from typing import Callable
 
 import httpx
 
+from ps_service.sharding.turns import Gate
 from shared import keepalive, liveness
 from shared.errors import ProtocolError
 from shared.frame import MEDIA_TYPE as FRAME
@@ -93,7 +78,7 @@ class Links:
         self.blocked: str | None = None
         #: called with the follower and the reason when it restarted (its link is stopped meanwhile)
         self.on_restart: Callable[[Follower, str], None] | None = None
-        self._moved = asyncio.Event()  # set (and replaced) when a link's ``sent`` or ``error`` changes
+        self._moved = Gate()  # woken when a link's ``sent`` or ``error`` changes
 
     def start(self) -> None:
         self.tasks = [asyncio.create_task(self._sender(f)) for f in self.followers]
@@ -105,7 +90,7 @@ class Links:
         for f in self.followers:
             f.unanswered_since = None
             f.queue, f.error, f.sent = asyncio.Queue(), None, -1
-        self._wake()
+        self._moved.wake()
 
     async def close(self) -> None:
         await self._cancel()
@@ -149,7 +134,9 @@ class Links:
         return await self._exchange(f, method, path, time.monotonic() + INIT_DEADLINE_SECONDS, **kw)
 
     async def init_followers(self, bodies: dict[int, bytes]) -> None:
-        """PUT each follower its pieces (``bodies``: index -> the frame)."""
+        """PUT each follower its pieces (``bodies``: index -> the frame), in parallel, each retried for at most
+        ``INIT_DEADLINE_SECONDS``: a follower's 4xx is 409 ``shard_init_failed``, one unreachable 503
+        ``shard_unreachable``."""
         async def one(f: Follower) -> None:
             try:
                 resp = await self.ask(f, "PUT", "/shard/model", content=bodies[f.index],
@@ -163,47 +150,30 @@ class Links:
 
         await asyncio.gather(*(one(f) for f in self.followers))
 
-    def _wake(self) -> None:
-        moved, self._moved = self._moved, asyncio.Event()
-        moved.set()
-
     async def sent(self, step: int, seconds: float) -> None:
         """Return once every link without an error has written the apply of round ``step`` (or a later one) to its
         connection, or after ``seconds``, whichever comes first."""
-        loop = asyncio.get_running_loop()
-        end = loop.time() + seconds
-        while any(f.error is None and f.sent < step for f in self.followers):
-            moved, left = self._moved, end - loop.time()
-            if left <= 0:
-                return
-            try:
-                await asyncio.wait_for(moved.wait(), left)
-            except asyncio.TimeoutError:
-                return
+        await self._moved.wait(lambda: all(f.error is not None or f.sent >= step for f in self.followers), seconds,
+                               False)
 
     def _mark_sent(self, f: Follower, step: int) -> None:
         if step > f.sent:
             f.sent = step
-            self._wake()
+            self._moved.wake()
 
     def round_closed(self, step: int, contributors: list[tuple[int, str]], mean_of: int,
                      lost: list[str] | None = None) -> None:
         """Queue round ``step``'s apply (partitioned rounds: its decision, and ``lost``: contributors that will bring
         no more frames of it) for every follower."""
         msg = {"step": step, "contributors": [list(c) for c in contributors], "mean_of": mean_of}
-        if lost is not None:
-            msg["lost"] = lost
-        for f in self.followers:
-            f.queue.put_nowait(msg)
-            if f.unanswered_since is None:
-                f.unanswered_since = time.monotonic()
+        self.progress(msg if lost is None else {**msg, "lost": lost}, [f.index for f in self.followers], None)
 
-    def progress(self, msg: dict, indices: list[int], path: str = "/shard/progress") -> None:
+    def progress(self, msg: dict, indices: list[int], path: str | None = "/shard/progress") -> None:
         """Queue the open round's progress ``msg`` (:class:`.turns.Tracker`'s; ``path`` ``/shard/lost``: a contributor
-        lost mid-round, partitioned rounds) for the followers of ``indices``."""
+        lost mid-round, partitioned rounds; None: an apply) for the followers of ``indices``."""
         for f in self.followers:
             if f.index in indices:
-                f.queue.put_nowait({**msg, "path": path})
+                f.queue.put_nowait(msg if path is None else {**msg, "path": path})
                 if f.unanswered_since is None:
                     f.unanswered_since = time.monotonic()
 
@@ -253,7 +223,7 @@ class Links:
 
     def _restarted(self, f: Follower, why: str) -> None:
         f.error = why
-        self._wake()
+        self._moved.wake()
         if self.on_restart is None:
             log.error("%s: its link is stopped; the job cannot go on consistently (restore every shard from the "
                       "same step)", why)
@@ -261,10 +231,9 @@ class Links:
         self.on_restart(f, why)
 
     async def check_steps(self, step: int, own: list[int], restore: dict) -> None:
-        """After the coordinator restored step ``step`` (``own``: the steps of its checkpoints): every follower must
-        resume at that step. One that is at it, or at another step but has a checkpoint of it, is told to restore it
-        (``POST /v1/shard/restore`` with the body ``restore``: the step and the receipt key); else registration stays
-        refused, naming the newest step every shard has."""
+        """Start-up after the coordinator restored ``step`` (``own``: its checkpoint steps): a follower at it or with a
+        checkpoint of it is told to restore it (``POST /v1/shard/restore``, body ``restore``: with the receipt key);
+        any other keeps registration refused (:attr:`blocked`, naming the newest step every shard has)."""
         bad, states = [], {}
         for f in self.followers:
             try:

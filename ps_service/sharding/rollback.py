@@ -1,27 +1,16 @@
-"""The coordinator's live rollback of a sharded PS when a follower restarted (docs/architecture.md, Shards).
+"""The coordinator's live rollback of a sharded PS when a follower restarted (docs/protocol-shards.md).
 
 A follower killed and started again comes back from its newest checkpoint: maybe behind the coordinator, and
-always without the pieces held for the open round. The job cannot go on from there, but it can from the newest
-step every shard has a checkpoint of (the start-up check's rule, :meth:`.links.Links.check_steps`), without
-restarting anything else. Contract of :func:`roll_back` (one at a time; :class:`~ps_service.sharding.ShardRole`
-starts it when :attr:`.links.Links.on_restart` reports a restart):
-
-1. Registration is refused (503 ``shards_inconsistent``, retried by workers) with the reason in ``/v1/status``
-   (``shard.blocked``; ``shard.last_rollback`` says it is under way); the links to the followers stop (applies in
-   flight abandoned).
-2. Each follower's step and checkpoint steps (``GET /v1/shard/state``, asked until it answers). The step is the
-   newest in every shard's checkpoint steps (or its live step: a shard at that step keeps its model).
-3. Each follower goes back to it (``POST /v1/shard/restore``, with a new hold receipt key: :mod:`.receipts`), then
-   the coordinator itself
-   (:meth:`~ps_service.core.ParameterServerCore.rewind`): every member is expired, so each worker's next
-   request gets 409 ``not_active`` and it registers again and pulls the restored weights; the round records of
-   the abandoned steps are dropped. Checkpoints of later steps are deleted on every shard.
-4. The links start again with empty queues, registration opens: one WARNING line says from which step to which
-   and why, ``shard.rollbacks`` in ``/v1/status`` (and ``ps_shard_rollbacks_total``) counts it.
-
-No common step (no ``PS_CHECKPOINT_DIR``, or no step shared), or a follower refusing the restore: registration
-stays refused with a reason saying what the operator must do (``shard.blocked``, and ``shard.last_rollback`` says the
-rollback failed); nothing mixes steps.
+always without the pieces held for the open round. The job goes on from the newest step every shard has a
+checkpoint of (or is at), without restarting anything else. :func:`roll_back` (one at a time; :class:`ShardRole`
+starts it when :attr:`.links.Links.on_restart` reports a restart), in this order: registration refused (503
+``shards_inconsistent``, ``shard.blocked`` and ``shard.last_rollback`` in ``/v1/status`` say why) and the links
+stopped (applies in flight abandoned); the coordinator out of the job (every member expired, no round open) and a
+new hold receipt key (:mod:`.receipts`); each follower's state asked until it answers; each follower sent back to the
+common step (``POST /v1/shard/restore``), then the coordinator itself
+(:meth:`~ps_service.core.ParameterServerCore.rewind`); checkpoints of later steps deleted on every shard; the links
+started again and registration opened (one WARNING line; ``shard.rollbacks``, ``ps_shard_rollbacks_total``). No
+common step, or a follower refusing: registration stays refused, saying what the operator must do; nothing mixes steps.
 """
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ from pydantic import BaseModel, Field
 from ps_service import api
 from ps_service.http import JSON_BODY_LIMIT, json_body, parse_json
 from ps_service.runtime import runtime
-from ps_service.sharding import parts
+from ps_service.sharding import parts, receipts
 from ps_service.sharding.holds import Held, apply_round, hold_tensors
 from ps_service.transport.body import read_body
 from shared import frame
@@ -39,17 +39,9 @@ APPLY_FIRST_SECONDS = 1.0
 
 def _role(request: Request, coordinator: bool | None = None):
     rt = runtime(request)
-    role = rt.shards
-    if coordinator is True and not role.coordinator:
-        raise ProtocolError(409, "not_coordinator", f"this is shard {role.index} of {role.count}: ask shard 0")
-    if coordinator is False and role.coordinator:
-        raise ProtocolError(409, "not_follower", "this is the coordinator (shard 0)")
-    return rt, role
-
-
-def _initialized(core) -> None:
-    if not core.initialized:
-        raise ProtocolError(409, "not_initialized", "the model is not initialised yet (PUT /v1/model)")
+    if coordinator is not None:
+        rt.shards.need(coordinator)
+    return rt, rt.shards
 
 
 @router.get("/shards")
@@ -69,7 +61,7 @@ async def hold(request: Request, map: str = Query(..., max_length=64, descriptio
     """Hold this worker's pieces for ``step`` (checked as a push is; nothing counted until the commit); a follower
     answers with its receipt of the hold, which the commit carries."""
     rt, role = _role(request)
-    _initialized(rt.core)
+    rt.core.admit(None)  # 409 not_initialized
     if map != role.digest:
         raise ProtocolError(409, "shard_map_mismatch", f"shard {role.index}'s map is {role.digest}, the push's "
                                                        f"{map}: fetch GET /v1/shards again")
@@ -81,8 +73,8 @@ async def hold(request: Request, map: str = Query(..., max_length=64, descriptio
         push, via = await rt.tensors.receive_push(request, members=role.coordinator,
                                                   turn=rt.turn if role.coordinator else role.turn)
     finally:
-        if not role.coordinator:
-            role.hold_read()
+        if not role.coordinator and role.holds.late:
+            role.gate.wake()  # a late hold waiting for the one being read may go now
     step, g = push.step, rt.core.global_step
     if step > g and not role.coordinator:  # this follower restarted or went back: the worker registers again
         raise ProtocolError(409, "shard_behind", f"step {step} is ahead of shard {role.index}'s global step {g} "
@@ -100,7 +92,7 @@ async def hold(request: Request, map: str = Query(..., max_length=64, descriptio
         return late
     answer = {"status": "held", "step": step, "shard": role.index, "global_step": g}
     if not role.coordinator:  # 409 shard_behind before anything is kept, if it has no key (it restarted)
-        answer["receipt"] = role.receipt(push.worker_id, step)
+        answer["receipt"] = receipts.receipt(role.receipt_key, role.index, push.worker_id, step)
     if not role.holds.summed(push.worker_id, step):  # (summed: a retry of a hold whose pieces are in the sum)
         role.holds.put(push.worker_id, Held(step, tensors, via))
     rt.tensors.shm.last_transport[push.worker_id] = via
@@ -145,7 +137,7 @@ async def commit(request: Request, pull: bool = Query(False), timeout: float = Q
     if f.meta.get("compression") not in (None, "none"):
         raise bad_request("bad_field", "a commit has no compression field (the holds carried the pieces)")
     core = rt.core
-    _initialized(core)
+    core.admit(None)  # 409 not_initialized
     m = core.members.get(push.worker_id)  # 404 unknown_worker
     held = role.holds.get(push.worker_id, push.step)
     # what is held matters only for a push the core would count (not a retry: duplicate; late; stale)
@@ -154,7 +146,7 @@ async def commit(request: Request, pull: bool = Query(False), timeout: float = Q
         if held is None:
             raise ProtocolError(409, "not_held", f"no pieces of step {push.step} held here: push them to every "
                                                  "shard (POST /v1/shard/gradients) before the commit")
-        role.check_receipts(push.worker_id, push.step, got)  # 409 not_held unless every follower holds them
+        receipts.check(role.receipt_key, role.count, push.worker_id, push.step, got)  # every follower holds them
     if held is None:
         # the core only classifies it (never accepted: checked above): zeros of the model's layout, no memory
         tensors, via = {k: np.broadcast_to(np.zeros((), w.dtype), w.shape) for k, w in core.weights.items()}, "http"
@@ -192,30 +184,31 @@ class ApplyRound(BaseModel):
         "Partitioned rounds: contributors that will bring no more frames of the round (lost before its decision)."))
 
 
-async def _from_coordinator(request: Request, model: type[BaseModel], limit: int):
-    """A follower's (runtime, role, JSON body parsed as ``model``)."""
+async def _from_coordinator(request: Request, model: type[BaseModel], limit: int = APPLY_BODY_LIMIT,
+                            initialized: bool = True):
+    """A follower's (runtime, role, JSON body parsed as ``model``); then 409 ``not_initialized`` (``initialized``)."""
     rt, role = _role(request, coordinator=False)
-    return rt, role, parse_json(await read_body(request, limit, JSON, rt.settings.body_idle_timeout_seconds), model)
+    msg = parse_json(await read_body(request, limit, JSON, rt.settings.body_idle_timeout_seconds), model)
+    if initialized:
+        rt.core.admit(None)
+    return rt, role, msg
 
 
 @router.post("/shard/apply", openapi_extra=json_body(ApplyRound))
 async def apply(request: Request) -> dict:
     """Coordinator -> follower: apply round ``step`` with these contributors (a repeat: answered, not applied again)."""
-    rt, role, msg = await _from_coordinator(request, ApplyRound, APPLY_BODY_LIMIT)
-    _initialized(rt.core)
+    rt, role, msg = await _from_coordinator(request, ApplyRound)
     if role.partitioned:  # the decision: each partition closes here once its contributors' frames are in
-        def decide():
-            now = rt.now()
-            done = parts.decide(rt.core, msg.step, msg.contributors, now)
-            for w in msg.lost:
-                parts.drop(rt.core, msg.step, w, now)
+        def decide() -> bool:
+            done = parts.decide(rt.core, msg.step, msg.contributors, rt.now())
+            _drop(rt, msg.step, msg.lost)
             return done
         applied = rt.run_guarded(decide)
-        return {"step": rt.core.global_step, "applied": applied, "boot": role.boot}
-    try:
-        applied = rt.run_guarded(lambda: apply_round(rt.core, role.holds, msg.step, msg.contributors, msg.mean_of))
-    finally:
-        role.gate.wake()  # holds waiting for their turn: the next round's come once the coordinator says
+    else:
+        try:
+            applied = rt.run_guarded(lambda: apply_round(rt.core, role.holds, msg.step, msg.contributors, msg.mean_of))
+        finally:
+            role.gate.wake()  # holds waiting for their turn: the next round's come once the coordinator says
     return {"step": rt.core.global_step, "applied": applied, "boot": role.boot}
 
 
@@ -234,8 +227,7 @@ class Progress(BaseModel):
 @router.post("/shard/progress", openapi_extra=json_body(Progress))
 async def progress(request: Request) -> dict:
     """Coordinator -> follower: the open round summed these keys and awaits these workers next (a repeat: skipped)."""
-    rt, role, msg = await _from_coordinator(request, Progress, APPLY_BODY_LIMIT)
-    _initialized(rt.core)
+    rt, role, msg = await _from_coordinator(request, Progress)
     done = rt.run_guarded(lambda: role.progress(msg.step, msg.start, msg.folded, msg.turns, msg.late, msg.back))
     return {"step": rt.core.global_step, "summed": done, "boot": role.boot}
 
@@ -249,14 +241,15 @@ class Lost(BaseModel):
 async def lost(request: Request) -> dict:
     """Coordinator -> follower (partitioned rounds): these contributors of round ``step`` are lost mid-round (lease
     ended, left): its partitions close without them."""
-    rt, role, msg = await _from_coordinator(request, Lost, APPLY_BODY_LIMIT)
-    _initialized(rt.core)
+    rt, role, msg = await _from_coordinator(request, Lost)
+    done = rt.run_guarded(lambda: _drop(rt, msg.step, msg.workers))
+    return {"step": rt.core.global_step, "dropped": done, "boot": role.boot}
 
-    def drop():
-        now = rt.now()
-        return [parts.drop(rt.core, msg.step, w, now) for w in msg.workers]
-    done = rt.run_guarded(drop)
-    return {"step": rt.core.global_step, "dropped": any(done), "boot": role.boot}
+
+def _drop(rt, step: int, workers: list[str]) -> bool:
+    """Partitioned rounds: ``workers`` bring no more frames of round ``step`` (:func:`.parts.drop`)."""
+    now = rt.now()
+    return any([parts.drop(rt.core, step, w, now) for w in workers])
 
 
 @router.get("/shard/state")
@@ -277,7 +270,7 @@ class RestoreStep(BaseModel):
 @router.post("/shard/restore", openapi_extra=json_body(RestoreStep))
 async def restore(request: Request) -> dict:
     """Coordinator -> follower: go back live to your checkpoint of ``step`` (the step the coordinator chose)."""
-    rt, role, msg = await _from_coordinator(request, RestoreStep, JSON_BODY_LIMIT)
+    rt, role, msg = await _from_coordinator(request, RestoreStep, JSON_BODY_LIMIT, initialized=False)
     try:
         return await role.restore_step(msg.step, bytes.fromhex(msg.receipt_key), rt.now())
     finally:

@@ -2,27 +2,19 @@
 
 A follower knows no membership; the coordinator's round knows who contributes and in what order. Contract:
 
-- :class:`Tracker` (the coordinator): after every change of its core (the runtime's observer), the message a
-  folding follower needs when the open round moved, else None: ``{"step", "start", "folded", "turns", "late", "back"}``,
-  the keys its :class:`~ps_service.core.rounds.Accumulator` summed since the last message (``start``: the index of
-  the first of them in the round's summed prefix), whose pushes the round awaits next in rank order
-  (:meth:`~ps_service.core.rounds.Round.turns`; fixed R: those of them whose head came, the coordinator's hold, so
-  that a follower never reads a push the round may not take; None: any, no round open) and, fixed R, the members
-  whose hold came after R heads since the last message (``refused``: their pushes will not count), and those of them
-  the round took back since (``back``: they registered again into the stuck round, which they joined; not late again
-  since). O(1) when nothing moved; each summed key and each late member is sent once.
-- :class:`Gate` (a follower): a hold of the open round waits unread (the seam's turn, as one PS's intake) until
-  :meth:`~ps_service.sharding.holds.Holds.may_read` says its worker is awaited or late, at most its transport's
-  patience (a lease); then it is read out of turn (``overdue``: held beyond the bound, as one PS's intake does). The
-  coordinator's messages, applies and rollbacks wake it. A late hold is read one at a time (the follower core's
-  intake, :meth:`~ps_service.core.intake.Intake.claim_late`, as one PS reads a late push) and kept nowhere.
+- :class:`Tracker` (the coordinator): after every change of its core, the message a folding follower needs when the
+  open round moved (``POST /v1/shard/progress``: ``{"step", "start", "folded", "turns", "late", "back"}``), else None;
+  O(1) when nothing moved, each summed key and each late member sent once. With fixed R, ``turns`` names only the
+  members whose head came (the coordinator's hold), so a follower never reads a push the round may not take.
+- :class:`Gate`: a bounded wait for a condition, looked at again at each ``wake`` (:meth:`.links.Links.sent` waits on
+  one too). A follower's hold of the open round waits in one unread until
+  :meth:`~ps_service.sharding.holds.Holds.may_read` lets it, at most its transport's patience (a lease); then it is
+  read out of turn (``overdue``). The coordinator's messages, applies and rollbacks wake it. A late hold is read one
+  at a time (:meth:`~ps_service.core.intake.Intake.claim_late`, as one PS reads a late push) and kept nowhere.
 
-Only followers whose pieces are large enough to be gated (:data:`FOLD_BYTES`, the seam's bound: smaller bodies
-are read at once) get these messages and gate their holds: both sides decide from the shard map. (The coordinator
-reads its own holds in the same turns through its core's intake, :mod:`ps_service.core.intake`; with fixed R its hold
-of a worker's pieces is that push's head, :meth:`ps_service.core.ParameterServerCore.hold`, so the round's R
-contributors are known at their holds and the others' holds are late everywhere.) What stays held beyond the bound:
-the pieces of a worker that held them and never committed (to the round's apply), and a hold read out of turn.
+Only followers whose pieces weigh :data:`FOLD_BYTES` or more (the seam's bound: smaller bodies are read at once) get
+these messages and gate their holds: both sides decide from the shard map. What stays held beyond the bound: the
+pieces of a worker that held them and never committed (to the round's apply), and a hold read out of turn.
 """
 from __future__ import annotations
 
