@@ -1,55 +1,42 @@
 """Crash-consistent PS checkpoints: the file format, atomic writes, pruning, restore, and the periodic policy.
 
-Contract (the format is documented in docs/checkpoint.md, with a plain-script reader):
+The format and the policy's bound are docs/checkpoint.md's contract (with a plain-script reader). In short:
 
-- One checkpoint is one file ``ckpt-<global step, 10 digits>.msgpack`` in the
-  checkpoint directory: a msgpack map ``{"format": "syncps-checkpoint",
-  "version": 2, "sha256": hex, "payload": bin}`` where ``payload`` is one tensor
-  frame (:mod:`shared.frame`) of :meth:`ps_service.core.ParameterServerCore.export_state`:
-  tensors ``weights/<name>`` and ``slots/<slot>/<name>``, everything else in its
-  ``meta``, plus ``written_at``. In ``PS_MODE=async|ssp`` the meta also has ``staleness``
-  (``{"floor", "clocks": {worker_id: clock}}``: ps_service/core/staleness.py); older files lack it. No pickle anywhere.
-- A write goes to a hidden temp file, is fsynced, renamed over the final name
-  and the directory fsynced: a reader sees the old file or the new one, never
-  half of one. Then only the newest ``keep`` checkpoints are kept and
-  ``manifest.json`` (an index: file, step, sha256, bytes, time) is rewritten the
-  same way.
-- Restore lists the files themselves (the manifest is for people and tools),
-  newest step first, and takes the first that is valid: checksum, and every
-  field's type and range (a step is an int in [0, MAX_INT] and the one in the file's name; every other
-  integer in [0, MAX_INT] too: :data:`shared.protocol.MAX_INT`; the optimizer spec one the PS
-  runs, its slots those of that optimizer with the weights' names, dtypes and
-  shapes, weights floating point and finite, members well-formed). A corrupt,
-  truncated or invalid file is logged with its reason and skipped for the previous one.
-- :class:`Checkpointer` decides when (every N steps and/or T seconds, only when
-  the step moved; and at once when the job is done, if either interval is on),
-  takes the snapshot on the caller's thread (the event loop:
-  consistent, a memcpy) and encodes/writes it on its own single thread, one
-  write at a time: a checkpoint that comes due while the previous one is still
-  being written first waits for that write (the event loop, and so the PS, with it).
-  Hence the bound on a kill -9: the newest checkpoint on disk is never more than
-  ``2 * every_steps`` steps behind the live step (snapshots are at most N steps
-  apart, and one is durable before the next is taken).
+- One file ``ckpt-<global step, 10 digits>.msgpack``: a msgpack map ``{"format": "syncps-checkpoint", "version": 2,
+  "sha256": hex, "payload": bin}``, ``payload`` one tensor frame (:mod:`shared.frame`) of
+  :meth:`ps_service.core.ParameterServerCore.export_state` (tensors ``weights/<name>``, ``slots/<slot>/<name>``;
+  the rest, and ``written_at``, in its meta). No pickle anywhere.
+- A write goes to a hidden temp file, fsynced, renamed, the directory fsynced: a reader sees the old file or the
+  new one. Then the newest ``keep`` are kept and ``manifest.json`` (for people and tools) is rewritten the same way.
+- Restore lists the files themselves, newest step first, and takes the first valid one: checksum, and every
+  field's type and range (every integer in [0, :data:`shared.protocol.MAX_INT`], the step the one of the file's
+  name, the optimizer spec one the PS runs and its slots those of its weights, weights floating point and finite,
+  members well-formed); any other is logged with its reason and skipped.
+- :class:`Checkpointer` decides when (every N steps and/or T seconds once the step moved; at once when the job is
+  done), snapshots on the event loop (consistent: a memcpy) and writes on its own thread, one write at a time: one
+  that comes due while the previous is written waits for it, so the newest file on disk is never more than
+  ``2 * every_steps`` steps behind the live step.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
-import math
 import os
 import re
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Annotated, Any, Callable, Literal
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ps_service.core.membership import ACTIVE, EXPIRED, LEFT
+from ps_service.core.model import check_weights
 from ps_service.core.optimizers import SLOT_NAMES, normalize_spec
 from shared import frame
-from shared.codec import FLOAT_DTYPES, dtype_name, pack, unpack
+from shared.codec import pack, unpack
 from ps_service.core.errors import CoreError
 from shared.errors import ProtocolError
 from shared.protocol import MAX_INT
@@ -98,10 +85,40 @@ def encode(state: dict[str, Any], written_at: float) -> tuple[bytes, str]:
     return pack({"format": FORMAT, "version": VERSION, "sha256": digest, "payload": payload}), digest
 
 
-def _int(value: Any, what: str, low: int = 0) -> int:
-    if type(value) is not int or not low <= value <= MAX_INT:
-        raise CheckpointError(f"{what} must be an int in [{low}, {MAX_INT}], not {value!r:.40}")
-    return value
+#: an integer a checkpoint holds: [0, MAX_INT]
+Int = Annotated[int, Field(ge=0, le=MAX_INT)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class _Member(_Strict):
+    model_config = ConfigDict(extra="allow", strict=True)
+    worker_id: str
+    name: str
+    rank: Int
+    state: Literal[ACTIVE, EXPIRED, LEFT]
+    registrations: Annotated[int, Field(ge=1, le=MAX_INT)] = 1
+
+
+class _Optimizer(_Strict):
+    spec: dict
+    iterations: Int
+
+
+class _Staleness(_Strict):  # async/ssp clocks (ps_service/core/staleness.py)
+    floor: Int
+    clocks: dict[str, Int]
+
+
+class _Meta(_Strict):
+    global_step: Int
+    written_at: float = Field(allow_inf_nan=False)
+    optimizer: _Optimizer
+    members: list[_Member]
+    config: dict
+    staleness: _Staleness | None = None
 
 
 def decode(data: bytes, step: int | None = None) -> dict[str, Any]:
@@ -130,24 +147,17 @@ def decode(data: bytes, step: int | None = None) -> dict[str, Any]:
 
 
 def _validated(meta: dict, tensors: dict[str, np.ndarray]) -> dict[str, Any]:
-    if set(meta) - {"staleness"} != {"global_step", "written_at", "optimizer", "members", "config"}:
-        raise CheckpointError(f"meta has the fields {sorted(meta)}")
-    if not isinstance(meta["config"], dict):
-        raise CheckpointError("config must be a map")
-    step = _int(meta["global_step"], "global_step")
-    written_at = meta["written_at"]
-    if isinstance(written_at, bool) or not isinstance(written_at, (int, float)) or not math.isfinite(written_at):
-        raise CheckpointError("written_at must be a finite number")
-    opt = meta["optimizer"]
-    if not isinstance(opt, dict) or set(opt) != {"spec", "iterations"} or not isinstance(opt["spec"], dict):
-        raise CheckpointError("optimizer must be {spec, iterations}")
     try:
-        spec = normalize_spec(opt["spec"])
+        m = _Meta.model_validate(meta)
+    except ValidationError as exc:
+        raise CheckpointError("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:4])) \
+            from None
+    try:
+        spec = normalize_spec(m.optimizer.spec)
     except CoreError as exc:
         raise CheckpointError(f"optimizer spec: {exc.detail}") from None
-    if spec != opt["spec"]:
+    if spec != m.optimizer.spec:
         raise CheckpointError("optimizer spec is not complete")
-    iterations = _int(opt["iterations"], "optimizer iterations")
     weights = {k[len("weights/"):]: v for k, v in tensors.items() if k.startswith("weights/")}
     if not weights:
         raise CheckpointError("no weights")
@@ -164,49 +174,14 @@ def _validated(meta: dict, tensors: dict[str, np.ndarray]) -> dict[str, Any]:
     for slot, per in slots.items():
         if per.keys() != weights.keys():
             raise CheckpointError(f"slot {slot!r} misses tensors {sorted(weights.keys() - per.keys())[:4]}")
-    for key, arr in tensors.items():
-        if dtype_name(arr.dtype) not in FLOAT_DTYPES:
-            raise CheckpointError(f"{key!r} is not floating point")
-        with np.errstate(all="ignore"):
-            if not np.isfinite(arr).all():
-                raise CheckpointError(f"{key!r} has NaN or Inf values")
-    return {"global_step": step, "written_at": float(written_at), "weights": weights,
-            "optimizer": {"spec": spec, "iterations": iterations, "slots": slots},
-            "members": _members(meta["members"]), "config": dict(meta["config"]),
-            "staleness": _staleness(meta.get("staleness"))}
-
-
-def _staleness(data: Any) -> dict | None:
-    """async/ssp clocks: {"floor": int >= 0, "clocks": {worker_id: int >= 0}} (None: not saved)."""
-    if data is None:
-        return None
-    if not isinstance(data, dict) or set(data) != {"floor", "clocks"} or not isinstance(data["clocks"], dict):
-        raise CheckpointError("staleness must be {floor, clocks}")
-    _int(data["floor"], "staleness floor")
-    for wid, clock in data["clocks"].items():
-        if not isinstance(wid, str):
-            raise CheckpointError("staleness clocks must be keyed by worker id")
-        _int(clock, "a worker's clock")
-    return {"floor": data["floor"], "clocks": dict(data["clocks"])}
-
-
-def _members(members: Any) -> list[dict]:
-    if not isinstance(members, list):
-        raise CheckpointError("members must be a list")
-    out, ids, ranks = [], set(), set()
-    for m in members:
-        if not (isinstance(m, dict) and isinstance(m.get("worker_id"), str) and isinstance(m.get("name"), str)
-                and m.get("state") in (ACTIVE, EXPIRED, LEFT)):
-            raise CheckpointError("each member needs worker_id, name (strings) and a state")
-        rank = _int(m.get("rank"), "a member's rank")
-        _int(m.get("registrations", 1), "a member's registrations", 1)
-        if m["worker_id"] in ids or (m["state"] != LEFT and rank in ranks):
-            raise CheckpointError("two members share an id or a rank")
-        ids.add(m["worker_id"])
-        if m["state"] != LEFT:
-            ranks.add(rank)
-        out.append(dict(m))
-    return out
+    check_weights(tensors)  # floating point and finite (CoreError: decode says why)
+    ids, ranks = {x.worker_id for x in m.members}, [x.rank for x in m.members if x.state != LEFT]
+    if len(ids) < len(m.members) or len(set(ranks)) < len(ranks):
+        raise CheckpointError("two members share an id or a rank")
+    return {"global_step": m.global_step, "written_at": m.written_at, "weights": weights,
+            "optimizer": {"spec": spec, "iterations": m.optimizer.iterations, "slots": slots},
+            "members": [x.model_dump() for x in m.members], "config": m.config,
+            "staleness": None if m.staleness is None else m.staleness.model_dump()}
 
 
 def atomic_write(path: Path, data: bytes) -> None:
