@@ -1,16 +1,10 @@
-"""The probe listener: ``/healthz`` and ``/readyz`` on a port of their own (``PS_PROBE_PORT``; by default the main
-port + 1, which the PS goes on without, saying so, when it is taken; 0: none), served by a thread with its own event
-loop, so an orchestrator's probe never queues behind the training traffic.
-
-With a thousand workers one turn of the PS's event loop can take a second (it runs every push that
-arrived since the last turn), and a fresh connection needs a few turns before it is answered. The
-probe thread answers at once whatever the main loop is doing (it only waits for the interpreter lock,
-which the main thread hands over every few milliseconds). So that "the process answers" still means
-"the PS works", ``/healthz`` here reports the main loop's own pulse: :meth:`ProbeListener.pulse` runs on
-the main loop and stamps the time every :data:`PULSE_SECONDS`; when the stamp is older than
-:data:`STALL_SECONDS`, ``/healthz`` answers 503 ``{"error": "stalled", ...}``. ``/readyz`` is the main
-port's (:func:`ps_service.monitoring.readyz`: reads the core, changes nothing). Both stay on the main
-port too, and both are open (no token), as there.
+"""The probe listener: ``/healthz`` and ``/readyz`` on a port of their own (``PS_PROBE_PORT``: docs/protocol.md,
+Probe port), served by a thread with its own event loop, so an orchestrator's probe never queues behind the
+training traffic (with a thousand workers one turn of the main loop can take a second; the probe thread only waits
+for the interpreter lock, handed over every few milliseconds). So that "the process answers" still means "the PS
+works", ``/healthz`` here reports the main loop's pulse (:meth:`ProbeListener.pulse`, stamped every
+:data:`PULSE_SECONDS`): older than :data:`STALL_SECONDS`, 503 ``stalled``. ``/readyz`` is the main port's
+(:func:`ps_service.monitoring.readyz`).
 """
 from __future__ import annotations
 

@@ -1,19 +1,12 @@
 """The PS process's live objects: the core, its clock, the waiters, the tensor seam.
 
-Routes get the :class:`Runtime` from ``request.app.state.runtime``. It owns the
-only clock (``time.monotonic``), wakes long-polling pulls, and holds the tensor seam
-(:class:`ps_service.transport.TensorSeam`) through which every tensor comes in and
-every weights answer goes out.
-
-Waking costs nothing per push: a wait (:meth:`Runtime.wait_until`) waits for a condition
-on the *barrier* (:meth:`Runtime.barrier`: the global step and the job state), and
-:meth:`Runtime.notify` wakes the waiters only when the barrier moved (once per round),
-not at every change of the core. Waits marked ``first`` (those answered with the weights in a body: megabytes
-to write, maybe over a slow link) are woken before the others (a same-host answer is a few hundred bytes), each
-kind in the order it started waiting; a same-host answer that must first copy the step's weights into the weights
-file yields until those woken first have resumed (:meth:`Runtime.body_answers_first`). The observers (metrics,
-checkpoints) run at every change and must be O(1) (but for a checkpoint that comes due while the disk still writes
-the previous one: it waits for that write, ps_service/checkpoint.py).
+Routes get the :class:`Runtime` from ``request.app.state.runtime``. It owns the only clock (``time.monotonic``),
+holds the tensor seam (:class:`ps_service.transport.TensorSeam`) through which every tensor comes in and every
+weights answer goes out, and wakes the waits: a long poll waits on the *barrier* (:meth:`Runtime.barrier`), woken
+only when that moved (once per round: nothing per push), body answers first (:meth:`Runtime.wait_until`,
+:meth:`Runtime.body_answers_first`); a push waits for its turn to be read (:meth:`Runtime.turn`). The observers
+(metrics, checkpoints, a shard's and a pair's senders) run at every change of the core and must be O(1) (but for a
+checkpoint that comes due while the previous write runs: ps_service/checkpoint.py).
 """
 from __future__ import annotations
 
