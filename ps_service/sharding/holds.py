@@ -2,8 +2,6 @@
 
 No I/O, no clock. Contract:
 
-- :func:`hold_tensors` checks a push's pieces as the core checks a push (names, exact dtypes, shapes: 422
-  ``tensor_mismatch``; NaN/Inf: 422 ``nonfinite_gradient``) before anything changes.
 - :func:`passed`: a message of the coordinator about round s (progress, apply; partitioned rounds' frames,
   decisions, losses: :mod:`ps_service.sharding.parts`) is for a round this shard has passed (nothing to do) or is
   at; else 409 ``shard_behind``.
@@ -29,10 +27,8 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from ps_service.core.checks import validate
 from ps_service.core.rounds import Accumulator
 from shared.errors import ProtocolError
-from shared.protocol import PushRequest
 
 log = logging.getLogger("ps_service")
 Key = tuple[int, str]  # (rank, worker_id): the sum's order
@@ -52,12 +48,6 @@ def passed(global_step: int, step: int) -> bool:
         raise ProtocolError(409, "shard_behind", f"this shard is at step {global_step}, told of round {step}: it "
                                                  "restarted from an older state than the coordinator")
     return step < global_step
-
-
-def hold_tensors(weights: Mapping[str, np.ndarray], push: PushRequest) -> Mapping[str, np.ndarray]:
-    """The push's pieces, checked, in memory the shard owns (refusals before any change)."""
-    validate(weights, push.tensors, "reject", check_finite=not push.finite_checked)
-    return push.tensors
 
 
 class Holds:

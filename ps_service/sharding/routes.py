@@ -7,7 +7,7 @@ whose pieces every shard holds). Coordinator -> follower: ``PUT /v1/shard/model`
 ``POST /v1/shard/apply`` (apply a closed round; partitioned rounds: its decision), ``POST /v1/shard/lost`` (partitioned
 rounds: contributors lost mid-round), ``POST /v1/shard/restore`` (load the checkpoint of a step).
 ``GET /v1/shard/state``: a shard's step and checkpoint steps (start-up check).
-Thin drivers, as :mod:`ps_service.api`: every check of the pieces is :func:`.holds.hold_tensors`'s, every
+Thin drivers, as :mod:`ps_service.api`: a hold's pieces are checked as a push's (the core's ``validate``), every
 barrier decision the core's.
 """
 from __future__ import annotations
@@ -23,7 +23,8 @@ from ps_service import api
 from ps_service.http import JSON_BODY_LIMIT, json_body, parse_json
 from ps_service.runtime import runtime
 from ps_service.sharding import parts, receipts
-from ps_service.sharding.holds import Held, apply_round, hold_tensors
+from ps_service.core.checks import validate
+from ps_service.sharding.holds import Held, apply_round
 from ps_service.transport.body import read_body
 from shared import frame
 from shared.errors import ProtocolError, unprocessable, bad_request
@@ -81,7 +82,7 @@ async def hold(request: Request, map: str = Query(..., max_length=64, descriptio
                                                  "(it restarted or the job went back to a checkpoint): register again")
     if step > g:  # never held: a hold outlives nothing but its own round
         raise unprocessable("future_step", f"step {step} is ahead of shard {role.index}'s global step {g}")
-    tensors = hold_tensors(rt.core.weights, push)
+    validate(rt.core.weights, push.tensors, "reject", check_finite=not push.finite_checked)  # before any change
     late = {"status": "late", "step": step, "shard": role.index, "global_step": g}
     if step < g:  # its round is over here: nothing to keep (the commit says late or stale)
         return late
@@ -94,7 +95,7 @@ async def hold(request: Request, map: str = Query(..., max_length=64, descriptio
     if not role.coordinator:  # 409 shard_behind before anything is kept, if it has no key (it restarted)
         answer["receipt"] = receipts.receipt(role.receipt_key, role.index, push.worker_id, step)
     if not role.holds.summed(push.worker_id, step):  # (summed: a retry of a hold whose pieces are in the sum)
-        role.holds.put(push.worker_id, Held(step, tensors, via))
+        role.holds.put(push.worker_id, Held(step, push.tensors, via))
     rt.tensors.shm.last_transport[push.worker_id] = via
     return answer
 
