@@ -1,14 +1,8 @@
-"""The routes of a sharded PS (docs/protocol-shards.md); app.py mounts them only when ``PS_SHARDS`` > 1.
-
-Workers: ``GET /v1/shards`` (the coordinator: shard URLs and the map), ``POST /v1/shard/gradients`` (any
-shard: hold this worker's pieces for a step), ``POST /v1/shard/commit`` (the coordinator: count the push
-whose pieces every shard holds). Coordinator -> follower: ``PUT /v1/shard/model`` (its pieces),
-``POST /v1/shard/progress`` (the open round's summed keys and turns, to a follower that sums as told),
-``POST /v1/shard/apply`` (apply a closed round; partitioned rounds: its decision), ``POST /v1/shard/lost`` (partitioned
-rounds: contributors lost mid-round), ``POST /v1/shard/restore`` (load the checkpoint of a step).
-``GET /v1/shard/state``: a shard's step and checkpoint steps (start-up check).
-Thin drivers, as :mod:`ps_service.api`: a hold's pieces are checked as a push's (the core's ``validate``), every
-barrier decision the core's.
+"""The routes of a sharded PS (docs/protocol-shards.md: each one, its body and its answers); app.py mounts them only
+when ``PS_SHARDS`` > 1. Workers': ``GET /v1/shards``, ``POST /v1/shard/gradients`` (a hold), ``POST
+/v1/shard/commit``; the coordinator's to a follower: ``PUT /v1/shard/model``, ``POST /v1/shard/progress``, ``/apply``,
+``/lost``, ``/restore``; ``GET /v1/shard/state``. Thin drivers, as :mod:`ps_service.api`: a hold's pieces are checked
+as a push's (the core's ``validate``), every barrier decision is the core's.
 """
 from __future__ import annotations
 
