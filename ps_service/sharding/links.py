@@ -173,7 +173,7 @@ class Links:
         lost mid-round, partitioned rounds; None: an apply) for the followers of ``indices``."""
         for f in self.followers:
             if f.index in indices:
-                f.queue.put_nowait(msg if path is None else {**msg, "path": path})
+                f.queue.put_nowait((path, msg))
                 if f.unanswered_since is None:
                     f.unanswered_since = time.monotonic()
 
@@ -196,21 +196,20 @@ class Links:
                 if msg is None:  # idle: is it still the process we know?
                     resp = await self._exchange(f, "GET", "/shard/state", time.monotonic() + PROBE_SECONDS,
                                                 timeout=PROBE_TIMEOUT_SECONDS)
-                else:
-                    if "path" in msg:  # the open round's progress
-                        resp = await self._exchange(f, "POST", msg["path"], float("inf"),
-                                                    json={k: v for k, v in msg.items() if k != "path"})
-                    else:
-                        async def trace(event: str, info: dict, step: int = msg["step"]) -> None:
-                            if event == "http11.send_request_body.complete":  # httpcore's "trace" request extension
-                                self._mark_sent(f, step)
-                        resp = await self._exchange(f, "POST", "/shard/apply", float("inf"), json=msg,
-                                                    extensions={"trace": trace})
-                        self._mark_sent(f, msg["step"])
+                else:  # an apply (path None) or the open round's progress
+                    path, body = msg
+
+                    async def trace(event: str, info: dict, step: int = body["step"]) -> None:
+                        if event == "http11.send_request_body.complete":  # httpcore's "trace" request extension
+                            self._mark_sent(f, step)
+                    resp = await self._exchange(f, "POST", path or "/shard/apply", float("inf"), json=body,
+                                                extensions={} if path else {"trace": trace})
+                    if path is None:
+                        self._mark_sent(f, body["step"])
             except TimeoutError:
                 continue  # a probe that got no answer: the next one asks again
             if resp.status_code >= 400:
-                what = "its state" if msg is None else f"round {msg['step']}"
+                what = "its state" if msg is None else f"round {msg[1]['step']}"
                 self._restarted(f, f"shard {f.index} refused {what}: {resp.status_code} {resp.text[:300]}")
                 continue
             if msg is not None and f.queue.empty():
