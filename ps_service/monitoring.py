@@ -99,25 +99,19 @@ def throughput(core: ParameterServerCore, now: float) -> dict:
             "gradients_per_second": applied, "mean_rounds_per_second": len(kept) / span if span > 0 else 0.0}
 
 
-def clocks_view(core: ParameterServerCore) -> dict | None:
-    """async/ssp: the live workers' clocks (by name), the slowest, fastest and their spread (null: sync)."""
+def modes_view(core: ParameterServerCore) -> dict:
+    """async/ssp: the live workers' clocks (by name), the slowest, fastest and their spread; the staleness (global
+    steps) of the gradients applied since start: count and percentiles (both null in sync)."""
     modes = core.modes
     if modes is None:
-        return None
+        return {"clocks": None, "staleness": None}
     live = {core.members.by_id[w].name: rec.clock for w, rec in modes.workers.items()
             if rec.live and w in core.members.by_id}
-    return {"slowest": modes.floor if live else None, "fastest": modes.fastest if live else None,
-            "spread": modes.spread, "max_spread": modes.max_spread, "live": len(live), "workers": live}
-
-
-def staleness_view(core: ParameterServerCore) -> dict | None:
-    """async/ssp: the staleness (global steps) of the gradients applied since start: count and percentiles."""
-    modes = core.modes
-    if modes is None:
-        return None
     counts = modes.staleness_counts
-    return {"applied": modes.applied(), "p50": modes.percentile(50), "p90": modes.percentile(90),
-            "p99": modes.percentile(99), "max": max(counts) if counts else None}
+    return {"clocks": {"slowest": modes.floor if live else None, "fastest": modes.fastest if live else None,
+                       "spread": modes.spread, "max_spread": modes.max_spread, "live": len(live), "workers": live},
+            "staleness": {"applied": modes.applied(), "p50": modes.percentile(50), "p90": modes.percentile(90),
+                          "p99": modes.percentile(99), "max": max(counts) if counts else None}}
 
 
 def wait_reason(rt: Runtime, now: float) -> str | None:
@@ -138,7 +132,7 @@ def status_view(rt: Runtime) -> dict:
         "training_mode": core.config.mode,
         "ssp_staleness": core.config.ssp_staleness if core.config.mode == "ssp" else None,
         "max_staleness": core.config.max_staleness,
-        "clocks": clocks_view(core), "staleness": staleness_view(core),
+        **modes_view(core),
         "gradients_applied": core.gradients_applied,
         "replicas_to_aggregate": s.replicas_to_aggregate, "total_num_replicas": s.total_num_replicas,
         "effective_replicas_to_aggregate": None if core.round is None else core.progress().effective,
