@@ -3,15 +3,8 @@ the worker's error-feedback residuals (docs/protocol.md, "Compression", gives th
 
 The job chooses one encoding (``PS_COMPRESSION``); the PS tells workers at registration (:class:`Spec`,
 ``to_wire``). Only float32 model tensors are compressed (not the ``buffer:`` statistics of a torch
-model); every other tensor travels as it is. Per compressed tensor ``name`` of ``n`` elements and shape
-``S``, the push frame holds one tensor named ``name``:
-
-- ``bf16`` / ``fp16``: dtype ``bfloat16`` / ``float16``, shape ``S`` (round to nearest even);
-- ``topk``: dtype ``uint32``, shape ``[2, k]``, ``0 <= k <= n``: row 0 the flat indices (C order),
-  strictly increasing (so unique and, with the last ``< n``, in range), row 1 the float32 values' bits;
-- ``2bit``: dtype ``uint32``, shape ``[ceil(n / 16)]``: MXNet's 2-bit layout, 2 bits per element, 4 per
-  byte with the first in the high bits (``0b11`` = +threshold, ``0b10`` = -threshold, ``0b00`` = 0;
-  ``0b01`` and nonzero padding are refused), 16 per little-endian uint32 word.
+model); every other tensor travels as it is. A compressed tensor keeps its name; its frame dtype, shape and
+bytes per encoding are docs/protocol.md's table ("Compression").
 
 Contract: :func:`decode_push` (PS side; :func:`check_declared` for same-host pushes) checks every
 compressed tensor's form before it makes its float32 gradient (a dense array in fresh memory the PS owns; top-k:
@@ -183,39 +176,23 @@ _CODES = (np.arange(256, dtype=np.uint8)[:, None] >> _SHIFTS) & 3  # [byte, elem
 _LOW_BITS = np.uint32(0x55555555)
 
 
-def _has_code_01(wire: np.ndarray) -> bool:
-    """Whether any 2-bit code of the uint32 words ``wire`` is 0b01 (word-wide bit operations: 0.7 ms at 1e7
-    elements, against 5.7 for a per-byte table)."""
-    t = wire >> 1
-    np.invert(t, out=t)
-    np.bitwise_and(t, wire, out=t)
-    np.bitwise_and(t, _LOW_BITS, out=t)
-    return bool(t.any())
-
-
 def quantize_2bit(acc: np.ndarray, threshold: np.float32) -> np.ndarray:
     """MXNet's 2-bit codes of ``acc`` (uint32 words); ``acc`` becomes the residual ``acc - sent`` in place.
     Element-wise, so done in chunks of :data:`shared.scan.CHUNK` (a multiple of 16: whole words) whose
     temporaries stay in the cache: the same bits as the whole array at once."""
     flat = acc.reshape(-1)
-    n = flat.size
-    packed = np.empty(-(-n // 16) * 4, np.uint8)
-    for lo, hi in scan.ranges(n):
-        _quantize_part(flat[lo:hi], threshold, packed[lo // 4:-(-hi // 16) * 4])
+    packed = np.empty(-(-flat.size // 16) * 4, np.uint8)
+    for lo, hi in scan.ranges(flat.size):  # a chunk starts on a word; the last word's codes past it are zero
+        part, out = flat[lo:hi], packed[lo // 4:-(-hi // 16) * 4]
+        pos, neg = part >= threshold, part <= -threshold
+        codes = np.zeros(out.size * 4, np.uint8)
+        np.add(pos.view(np.uint8) * np.uint8(3), neg.view(np.uint8) * np.uint8(2), out=codes[:part.size])
+        quads = codes.reshape(-1, 4)
+        out[:] = (quads[:, 0] << 6) | (quads[:, 1] << 4) | (quads[:, 2] << 2) | quads[:, 3]
+        sent = (pos.view(np.int8) - neg.view(np.int8)).astype(F32)  # +1, -1, 0
+        sent *= threshold
+        part -= sent
     return packed.view(U32)
-
-
-def _quantize_part(flat: np.ndarray, threshold: np.float32, out: np.ndarray) -> None:
-    """:func:`quantize_2bit` of ``flat`` (which starts on a word) into the bytes ``out``; the last word's
-    codes past ``flat`` are zero."""
-    pos, neg = flat >= threshold, flat <= -threshold
-    codes = np.zeros(out.size * 4, np.uint8)
-    np.add(pos.view(np.uint8) * np.uint8(3), neg.view(np.uint8) * np.uint8(2), out=codes[:flat.size])
-    quads = codes.reshape(-1, 4)
-    out[:] = (quads[:, 0] << 6) | (quads[:, 1] << 4) | (quads[:, 2] << 2) | quads[:, 3]
-    sent = (pos.view(np.int8) - neg.view(np.int8)).astype(F32)  # +1, -1, 0
-    sent *= threshold
-    flat -= sent
 
 
 def dequantize_2bit(wire: np.ndarray, shape: tuple[int, ...], threshold: np.float32, name: str,
@@ -226,7 +203,10 @@ def dequantize_2bit(wire: np.ndarray, shape: tuple[int, ...], threshold: np.floa
     if wire.dtype != U32 or wire.shape != (-(-n // 16),):
         raise _bad(name, f"2bit wants uint32 of shape [{-(-n // 16)}]; got {wire.dtype} {list(wire.shape)}")
     octets = wire.view(np.uint8)
-    if _has_code_01(wire):
+    t = wire >> 1  # a code 0b01: a low bit set under a clear high bit (word-wide: 0.7 ms at 1e7 elements, against
+    np.invert(t, out=t)  # 5.7 for a per-byte table)
+    np.bitwise_and(t, wire, out=t)
+    if np.bitwise_and(t, _LOW_BITS, out=t).any():
         raise _bad(name, "2bit code 0b01 is not a value")
     # one 16-byte gather per byte: the byte's 4 float32 values (a table of 256 rows viewed as complex128)
     table = np.array([0, 0, -threshold, threshold], F32)[_CODES].view(np.complex128).reshape(256)
@@ -238,6 +218,10 @@ def dequantize_2bit(wire: np.ndarray, shape: tuple[int, ...], threshold: np.floa
 
 
 # ---- both sides --------------------------------------------------------------------------------------------
+#: the 16-bit encodings: (their wire dtype, the worker's cast down, the PS's widening)
+_HALVES = {"bf16": (bfloat16, to_bf16, from_bf16), "fp16": (lambda: F16, to_fp16, from_fp16)}
+
+
 def _bad(name: str, detail: str):
     return unprocessable("bad_encoding", f"tensor {name!r}: {detail}")
 
@@ -246,12 +230,12 @@ def decode_tensor(spec: Spec, name: str, shape: tuple[int, ...], wire: np.ndarra
                   alloc: Alloc = fresh) -> np.ndarray | SparseTensor:
     """The float32 gradient a compressed tensor stands for (in memory from ``alloc``; top-k: a :class:`SparseTensor`
     over the wire's memory), or 422 bad_encoding."""
-    if spec.name in ("bf16", "fp16"):
-        want = bfloat16() if spec.name == "bf16" else F16
-        if wire.dtype != want or wire.shape != shape:
-            raise _bad(name, f"{spec.name} wants {want.name} of shape {list(shape)}; "
+    if spec.name in _HALVES:
+        want, _, widen = _HALVES[spec.name]
+        if wire.dtype != want() or wire.shape != shape:
+            raise _bad(name, f"{spec.name} wants {want().name} of shape {list(shape)}; "
                              f"got {wire.dtype} {list(wire.shape)}")
-        return (from_bf16 if spec.name == "bf16" else from_fp16)(wire, alloc)
+        return widen(wire, alloc)
     if spec.name == "topk":  # its entries, checked
         return SparseTensor(shape, check_topk(wire, math.prod(shape), name).astype(np.intp), wire[1].view(F32))
     return dequantize_2bit(wire, shape, np.float32(spec.threshold), name, alloc)
@@ -339,8 +323,8 @@ class Compressor:
     def _one(self, name: str, grad: np.ndarray, step: int, pieces: list[Piece]) -> list[np.ndarray]:
         """The encodings of ``grad``'s ``pieces`` (in order, together the whole tensor)."""
         spec = self.spec
-        if spec.name in ("bf16", "fp16"):  # fp16 beyond +-65504: Inf, which the PS refuses as non-finite
-            return [(to_bf16 if spec.name == "bf16" else to_fp16)(v) for v in _views(grad, pieces)]
+        if spec.name in _HALVES:  # fp16 beyond +-65504: Inf, which the PS refuses as non-finite
+            return [_HALVES[spec.name][1](v) for v in _views(grad, pieces)]
         acc = self.residuals.get(name)
         if acc is None or acc.shape != grad.shape:
             acc = self.residuals[name] = np.zeros(grad.shape, F32)
