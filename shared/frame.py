@@ -1,20 +1,11 @@
 """The one tensor frame: how a set of named tensors is laid out in an HTTP body, a shared-memory file
 and a checkpoint (docs/protocol.md, "Tensor frame", specifies it byte by byte).
 
-A frame is a 16-byte prefix, a msgpack header, zero padding up to the next multiple of :data:`ALIGN`,
-then the tensors' raw bytes, in the spirit of safetensors::
-
-    0   8  magic  b"SYNCPSF1"
-    8   4  uint32 little-endian: H, the header's length in bytes (at most MAX_HEADER_BYTES)
-    12  4  uint32 little-endian: 0 (reserved)
-    16  H  header: a msgpack map {"meta": map, "tensors": [[name, dtype, shape, offset], ...], "data_bytes": int}
-    ... zero bytes up to data_start = 16 + H rounded up to a multiple of ALIGN
-    data_start + offset: each tensor's elements, C order, little-endian
-
-Offsets count from ``data_start``. The layout is canonical: the tensors follow each other in header
-order, each at the first multiple of ALIGN at or after the end of the one before (the first at 0),
-and ``data_bytes`` is the end of the last one. ``meta`` carries the message's control fields (a push's
-worker id and step, a pull's step...): what they are is the business of the route, not of the frame.
+A frame is a 16-byte prefix (:data:`MAGIC`, the header's length H, a reserved 0), a msgpack header
+``{"meta", "tensors": [[name, dtype, shape, offset], ...], "data_bytes"}``, zero padding up to ``data_start``
+(a multiple of :data:`ALIGN`), then the tensors' raw bytes in the canonical layout (:meth:`Layout.of`), in the spirit
+of safetensors. ``meta`` carries the message's control fields (a push's worker id and step...): what they are is the
+business of the route, not of the frame.
 
 Contract: decoding checks every field (allow-listed dtypes, at most MAX_NDIM dimensions and MAX_TENSORS
 tensors, unique names, canonical offsets, exact lengths) before it makes any array, never unpickles,
@@ -141,22 +132,17 @@ def encode(tensors: Mapping[str, np.ndarray], meta: Mapping[str, Any] | None = N
 
 def encode_bytes(tensors: Mapping[str, np.ndarray], meta: Mapping[str, Any] | None = None) -> bytes:
     """:func:`encode` joined into one bytes object (small frames, tests, checkpoints)."""
-    return b"".join(bytes(p) if isinstance(p, memoryview) else p for p in encode(tensors, meta))
+    return b"".join(encode(tensors, meta))
 
 
 def write_into(buf: memoryview, tensors: Mapping[str, np.ndarray], meta: Mapping[str, Any] | None = None,
                layout: Layout | None = None) -> int:
-    """Write the frame into ``buf`` (one copy of each tensor, the padding zeroed); its length."""
-    layout = layout or Layout.of(tensors)
-    head = header(layout, meta)
-    buf[:len(head)] = head
-    data = buf[len(head):len(head) + layout.data_bytes]
-    end = 0
-    for t, view in zip(layout.tensors, layout.views(data).values()):
-        data[end:t.offset] = _PAD[:t.offset - end]
-        np.copyto(view, tensors[t.name], casting="no")
-        end = t.offset + t.nbytes
-    return len(head) + layout.data_bytes
+    """Write the frame (:func:`encode`'s buffers) into ``buf`` of bytes (one copy of each tensor); its length."""
+    at = 0
+    for part in encode(tensors, meta, layout):
+        buf[at:at + len(part)] = part
+        at += len(part)
+    return at
 
 
 def frame_bytes(layout: Layout, meta: Mapping[str, Any] | None = None) -> int:
@@ -298,7 +284,7 @@ def encode_many(frames: list[tuple[Mapping[str, np.ndarray], Mapping[str, Any]]]
             size = aligned(size)
         more = encode(tensors, meta)
         parts += more
-        size += sum(len(p) if isinstance(p, bytes) else p.nbytes for p in more)
+        size += sum(map(len, more))  # (every buffer is bytes, or a memoryview of uint8)
     return parts
 
 
