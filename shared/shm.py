@@ -5,20 +5,12 @@ file in a shared-memory directory (``/dev/shm``, a tmpfs) that every worker maps
 worker writes its gradients into a file of its own there that the PS maps; the HTTP push and pull then
 carry only their control fields (docs/protocol.md, "Same-host transport").
 
-A file is one *region*: a 64-byte region header, then one tensor frame (:mod:`shared.frame`, empty
-``meta``), zero-padded to a whole number of pages::
-
-    0   8  magic  b"SYNCPSM1"
-    8   1  kind   b"W" (the PS's weights) or b"G" (a worker's gradients)
-    9   7  zero
-    16 16  nonce: random bytes chosen by the file's creator
-    32  8  int64 little-endian marker: -1 while the creator writes the tensors; in a gradient file the
-           sequence number of the push it holds; in the weights file the global step of the weights
-    40 24  zero
-    64     the frame (prefix, header, padding, data)
-
-The nonce proves a peer mapped the very file its creator made (same host, same directory); the kind
-keeps a weights file (or a hard link to it) from passing for a gradient file.
+A file is one *region*: a 64-byte region header (:data:`HEADER`: magic, kind ``W`` for the PS's weights or ``G``
+for a worker's gradients, a nonce chosen by the file's creator, and a marker: -1 while the creator writes, else the
+push's sequence number or the weights' global step), then one tensor frame (:mod:`shared.frame`, empty ``meta``),
+zero-padded to whole pages (docs/protocol.md, "Same-host transport", gives the bytes). The nonce proves a peer
+mapped the very file its creator made (same host, same directory); the kind keeps a weights file (or a hard link to
+it) from passing for a gradient file.
 
 Contract: names match :data:`GRADIENT_FILE` / :data:`WEIGHTS_FILE`; a peer's file is opened without
 following links, must be a regular file of this user with one link, of exactly the expected size, with
@@ -119,14 +111,6 @@ def create_region(directory: str, name: str, kind: bytes, layout: frame.Layout, 
     return fd, Region(mapping, layout)
 
 
-def _check_header(raw: bytes, name: str, kind: bytes, nonce: bytes) -> None:
-    magic, got_kind, got_nonce, _ = HEADER.unpack(raw)
-    if magic != MAGIC or got_kind != kind:
-        raise ValueError(f"{name} is not a syncps {kind.decode()} region")
-    if not hmac.compare_digest(got_nonce, nonce):
-        raise ValueError(f"{name} does not hold the expected nonce")
-
-
 def map_existing(directory: str, name: str, kind: bytes, nonce: bytes, writable: bool,
                  layout: frame.Layout | None = None, size: int | None = None) -> tuple[Region, os.stat_result]:
     """Map the peer's file ``name`` and check it is the file meant: magic, ``kind``, ``nonce``, a valid
@@ -142,7 +126,11 @@ def map_existing(directory: str, name: str, kind: bytes, nonce: bytes, writable:
         mapping = mmap.mmap(fd, want, access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ)
     finally:
         os.close(fd)
-    _check_header(bytes(mapping[:HEADER_BYTES]), name, kind, nonce)
+    magic, got_kind, got_nonce, _ = HEADER.unpack(mapping[:HEADER_BYTES])
+    if magic != MAGIC or got_kind != kind:
+        raise ValueError(f"{name} is not a syncps {kind.decode()} region")
+    if not hmac.compare_digest(got_nonce, nonce):
+        raise ValueError(f"{name} does not hold the expected nonce")
     if layout is not None:
         head = frame.header(layout)
         if mapping[HEADER_BYTES:HEADER_BYTES + len(head)] != head:
