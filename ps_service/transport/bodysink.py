@@ -164,8 +164,9 @@ class BufferedSinkProtocol(asyncio.BufferedProtocol):
 
     def __init__(self, *args, **kwargs) -> None:
         self.inner = SinkHttpToolsProtocol(*args, **kwargs)
-        self.get_buffer = self.inner.get_buffer
-        self.buffer_updated = self.inner.buffer_updated
+        for name in ("get_buffer", "buffer_updated", "connection_lost", "eof_received", "pause_writing",
+                     "resume_writing"):  # the inner protocol's, as they are
+            setattr(self, name, getattr(self.inner, name))
 
     def connection_made(self, transport) -> None:
         sock = transport.get_extra_info("socket")
@@ -173,15 +174,3 @@ class BufferedSinkProtocol(asyncio.BufferedProtocol):
             liveness.apply(sock)
         # the fast lane's answers in one write each; a close mid-body lingers (ps_service/transport/unread.py)
         self.inner.connection_made(LingeringTransport(transport, self.inner.body_pending))
-
-    def connection_lost(self, exc) -> None:
-        self.inner.connection_lost(exc)
-
-    def eof_received(self):
-        return self.inner.eof_received()
-
-    def pause_writing(self) -> None:
-        self.inner.pause_writing()
-
-    def resume_writing(self) -> None:
-        self.inner.resume_writing()
