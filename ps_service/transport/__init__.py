@@ -16,13 +16,11 @@ With ``PS_COMPRESSION`` on, a body push carries its float32 gradients compressed
 the seam decodes them to float32 here (422 ``compression_mismatch`` / ``bad_encoding``), so the core
 validates and applies the decoded arrays (a top-k push whose k values are finite, or a 2-bit one, is finite by
 construction: the core does not read its dense tensors for NaN/Inf again). Same-host pushes are never compressed.
-Weights go back as a float32 frame: the weights themselves, kept in that frame (:class:`ps_service.core.model.WeightsStore`,
-copy on write), moved there out of the same-host weights file at the first body answer; that file then gets a
-copy once per step, before the step's first same-host answer, and takes the weights back (no copy per step at
-all) once two steps pass with no body answer (:meth:`TensorSeam._file_current`): a body answer, maybe megabytes
-over a slow link, never waits for a copy. In a ``topk`` / ``2bit`` job (``PS_WEIGHT_DELTAS``, one PS process) a body
-answer to a worker that holds the previous served step's weights (``since``) carries the tensors that changed
-in few entries as those entries (:mod:`ps_service.transport.deltas`, :mod:`shared.weight_deltas`).
+Weights go back as a float32 frame: the weights themselves, kept in that frame
+(:class:`ps_service.core.model.WeightsStore`, copy on write), or in the same-host weights file (which of the two:
+:meth:`TensorSeam._file_current`). In a ``topk`` / ``2bit`` job (``PS_WEIGHT_DELTAS``, one PS process) a body answer
+to a worker that holds the previous served step's weights (``since``) carries the tensors that changed in few entries
+as those entries (:mod:`ps_service.transport.deltas`, :mod:`shared.weight_deltas`).
 Whether tensors fit the model (names, exact dtypes, shapes, finite values) is the core's check, made on
 exactly the arrays it then applies.
 """
@@ -89,23 +87,19 @@ class TensorSeam:
         #: job's rounds are not partitioned)
         self.partitions = Partitions(core) if settings.partition_bytes else None
 
-    async def _frame(self, request: Request, recurring: bool = True, turn: Turn | None = None,
-                     claimed: list | None = None) -> tuple[frame.Frame, int]:
-        """The body's frame. With ``turn``, a large body's frame header is read first, and the rest once ``turn``
-        (the pusher's worker id, step) returns: its turn came (its id is then appended to ``claimed``)."""
-        body = await self._body(request, recurring, turn, claimed)
-        return frame.decode(body), len(body)
-
     async def _body(self, request: Request, recurring: bool = True, turn: Turn | None = None,
                     claimed: list | None = None, progress: Feed | None = None) -> memoryview | bytearray:
-        """The body (:meth:`_frame`'s reading; ``progress``: :func:`read_body`'s)."""
+        """The body (``progress``: :func:`read_body`'s). With ``turn``, a large body's frame header is read first, and
+        the rest once ``turn`` (the pusher's worker id, step, when both are well-formed) returns: its turn came (its id
+        is then appended to ``claimed``); a push whose meta is malformed is read at once, and refused."""
         s = self.settings
         prefix = None
         if turn is not None and _length(request) >= GATED_BYTES:
             declared_length(request, s.max_body_bytes, frame.MEDIA_TYPE)  # refusals before any byte is read
             prefix = await read_prefix(request, _meta_needs, s.body_idle_timeout_seconds)
-            who = _pusher(frame.peek_meta(prefix[0]))
-            if who is not None:
+            meta = frame.peek_meta(prefix[0])
+            who = (meta.get("worker_id"), meta.get("step")) if isinstance(meta, dict) else (None, None)
+            if isinstance(who[0], str) and type(who[1]) is int:
                 prefix = await self._claimed(who[0], self._body_turn(request, turn, who, prefix), claimed)
         return await read_body(request, s.max_body_bytes, frame.MEDIA_TYPE, s.body_idle_timeout_seconds, recurring,
                                prefix, progress)
@@ -133,8 +127,8 @@ class TensorSeam:
         for i in range(times):
             if await turn(*who, TRICKLE_SECONDS, i == times - 1):
                 break
-            if not ended:
-                more, ended = await read_prefix(request, _anything, self.settings.body_idle_timeout_seconds)
+            if not ended:  # one receive: whatever the server holds
+                more, ended = await read_prefix(request, lambda _: 0, self.settings.body_idle_timeout_seconds)
                 got += more
         return got, ended
 
@@ -156,21 +150,17 @@ class TensorSeam:
         try:
             partition_bytes = self.settings.partition_bytes
             feed = Feed(self.core, partition_bytes, clock, self.compression, self._part) if partition_bytes else None
-            push, seq, frames, size = await self._push_frame(request, turn, claimed, feed)
-            f = frames[0]
+            push, seq, frames = await self._push_frame(request, turn, claimed, feed)
             await self._file_turn(push, seq, turn, claimed)
+            via = "http" if seq is None else "shm"
             if feed is not None and feed.partitioned:  # its frames went to the core as they came
-                self.bytes_in, via = self.bytes_in + size, "http"
                 result = feed.result()
             else:
                 parts = None
                 if len(frames) > 1:
                     push, parts = self._check_partitioned(push, seq, frames)
-                    self.bytes_in, via = self.bytes_in + size, "http"
-                elif seq is not None or self.compression.name != "none" or f.meta.get("compression") is not None:
-                    push, via = self._tensors(push, seq, f, size)
-                else:
-                    self.bytes_in, via = self.bytes_in + size, "http"
+                elif seq is not None or self.compression.name != "none" or "compression" in frames[0].meta:
+                    push = self._tensors(push, seq, frames[0])  # (a nil compression decodes as none)
                 result = self._give(push, parts, clock())
         finally:
             for worker_id in claimed:
@@ -213,8 +203,7 @@ class TensorSeam:
         of one frame or read whole, cut by ``plan`` and given in partition order. (The push of its head, the head's
         status.) In the body only, uncompressed (400 ``bad_field``)."""
         feed = Feed(self.core, self.settings.partition_bytes, clock, take=take, members=False)
-        push, seq, frames, size = await self._push_frame(request, None, None, feed)
-        self.bytes_in += size
+        push, seq, frames = await self._push_frame(request, None, None, feed)
         if feed.partitioned:
             return push, feed.status
         if seq is not None or frames[0].meta.get("compression") not in (None, "none"):
@@ -265,42 +254,44 @@ class TensorSeam:
         large push's tensors are read only once it returns, as :meth:`push`'s."""
         claimed: list[str] = []
         try:
-            push, seq, frames, size = await self._push_frame(request, turn, claimed)
+            push, seq, frames = await self._push_frame(request, turn, claimed)
             self.core.admit(push.worker_id if members else None)  # no core.push follows a hold: the core's refusals
             if len(frames) > 1:
                 raise bad_request("bad_field", "a shard's hold is one frame (partitions: a PS_SHARDS=1 job's)")
             await self._file_turn(push, seq, turn, claimed)
-            return self._tensors(push, seq, frames[0], size, admitted=True)
+            return self._tensors(push, seq, frames[0], admitted=True), "http" if seq is None else "shm"
         finally:
             for worker_id in claimed:
                 self.core.release(worker_id)
 
     async def _push_frame(self, request: Request, turn: Turn | None = None, claimed: list | None = None,
-                          feed: Feed | None = None) -> tuple[PushRequest, int | None, list[frame.Frame], int]:
-        """(the push of the body's first frame, its ``shm_seq``, the body's frames: one, or a partitioned push's Q,
-        the body's size). ``feed``: a partitioned push's frames go to the core as they arrive
-        (:mod:`ps_service.transport.partitioned`)."""
+                          feed: Feed | None = None) -> tuple[PushRequest, int | None, list[frame.Frame]]:
+        """(the push of the body's first frame, its ``shm_seq``, the body's frames: one, or a partitioned push's Q);
+        a body that carries the tensors is counted in :attr:`bytes_in`. ``feed``: a partitioned push's frames go to
+        the core as they arrive (:mod:`ps_service.transport.partitioned`)."""
         self.drop_body()  # its buffer may serve this push's body (bounds the PS's memory)
         body = await self._body(request, turn=turn, claimed=claimed, progress=feed)
         if feed is not None and feed.partitioned:
             feed.finish(len(body))
-            return feed.push, None, feed.frames, len(body)
-        f = frame.decode(body, exact=False)
-        count = 1 if f.meta.get("partitions") is None else push_partitions(f.meta)
-        if count == 1 and f.data_start + f.layout.data_bytes != len(body):
-            frame.decode(body)  # refused as one frame, as ever
-        frames = [f] if count == 1 else frame.decode_following(body, count)
-        return *parse_push_meta(f.meta, f.tensors), frames, len(body)
+            push, seq, frames = feed.push, None, feed.frames
+        else:
+            f = frame.decode(body, exact=False)
+            count = 1 if f.meta.get("partitions") is None else push_partitions(f.meta)
+            if count == 1 and f.data_start + f.layout.data_bytes != len(body):
+                frame.decode(body)  # refused as one frame, as ever
+            frames = [f] if count == 1 else frame.decode_following(body, count)
+            push, seq = parse_push_meta(f.meta, f.tensors)
+        if seq is None:
+            self.bytes_in += len(body)
+        return push, seq, frames
 
-    def _tensors(self, push: PushRequest, seq: int | None, f: frame.Frame, size: int, admitted: bool = False
-                 ) -> tuple[PushRequest, str]:
+    def _tensors(self, push: PushRequest, seq: int | None, f: frame.Frame, admitted: bool = False) -> PushRequest:
         """The push with the arrays the core takes: decoded (tensors the model lacks left for the core to refuse), or
         copied out of the worker's same-host file. The core's refusals (``core.push`` makes them) come first: when the
         transport refuses the push, they are asked for here first (``admitted``: the caller had them made)."""
         declared = f.meta.get("compression")
         try:
             if seq is None:
-                self.bytes_in += size
                 # decoded, and known finite (top-k values, 2-bit) or not
                 tensors, checked = compression.decode_push(self.compression, declared, f.tensors,
                                                            self.core.weights or {}, _pooled)
@@ -314,20 +305,21 @@ class TensorSeam:
             if not admitted:
                 self.core.admit(push.worker_id)  # docs/protocol.md's order: the core's refusals first
             raise
-        return replace(push, tensors=tensors, finite_checked=checked), "http" if seq is None else "shm"
+        return replace(push, tensors=tensors, finite_checked=checked)
 
     async def receive_model(self, request: Request) -> ModelInit:
         """A model's upload. Every worker of a new job may send one at once: a large one is read one at a time, and
         not at all once the model is initialised (409 ``already_initialized`` before its body: the first one won)."""
-        if _length(request) < GATED_BYTES:
-            return self._model(*await self._frame(request, recurring=False))
-        declared_length(request, self.settings.max_body_bytes, frame.MEDIA_TYPE)  # 415, 413 first
-        async with self._model_reads:
-            self.core.refuse_init()
-            return self._model(*await self._frame(request, recurring=False))  # once a job: its buffer is not kept
+        if _length(request) >= GATED_BYTES:
+            declared_length(request, self.settings.max_body_bytes, frame.MEDIA_TYPE)  # 415, 413 first
+            async with self._model_reads:
+                self.core.refuse_init()
+                return self._model(await self._body(request, recurring=False))  # once a job: its buffer is not kept
+        return self._model(await self._body(request, recurring=False))
 
-    def _model(self, f: frame.Frame, size: int) -> ModelInit:
-        self.bytes_in += size
+    def _model(self, body: memoryview | bytearray) -> ModelInit:
+        self.bytes_in += len(body)
+        f = frame.decode(body)
         return parse_model_meta(f.meta, f.tensors)
 
     def via(self, shm: bool) -> str:
@@ -436,25 +428,10 @@ def _length(request: Request) -> int:
     return int(length) if length.isascii() and length.isdigit() else 0
 
 
-def _anything(got: bytearray) -> int:
-    """:func:`read_prefix`'s ``want`` for one receive: whatever the server holds."""
-    return 0
-
-
 def _meta_needs(got: bytearray) -> int:
     """The bytes of a body :func:`frame.peek_meta` needs to read its frame's meta (0: it has them, or never will)."""
     need = frame.peek_meta(got)
     return need if isinstance(need, int) else 0
-
-
-def _pusher(meta: dict | int | None) -> tuple[str, int] | None:
-    """(worker id, step) of a push's meta, when both are well-formed (else the push is read at once, and refused)."""
-    if not isinstance(meta, dict):
-        return None
-    worker_id, step = meta.get("worker_id"), meta.get("step")
-    if not isinstance(worker_id, str) or type(step) is not int:
-        return None
-    return worker_id, step
 
 
 def _whole(tensors: Mapping[str, np.ndarray], weights: Mapping[str, np.ndarray]) -> bool:
