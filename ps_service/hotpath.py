@@ -31,17 +31,8 @@ from ps_service.runtime import Runtime
 from ps_service.sharding import routes as shard_routes
 from shared.protocol import API, MAX_INT
 
-_TRUE, _FALSE = frozenset({"1", "true"}), frozenset({"0", "false"})
-
-
-def _bool(v: str) -> bool:
-    if v in _TRUE:
-        return True
-    if v in _FALSE:
-        return False
-    raise ValueError(v)
-
-
+#: a boolean parameter's parser (another value: KeyError, FastAPI judges it)
+_bool = {"1": True, "true": True, "0": False, "false": False}.__getitem__
 _NUMBER = frozenset("0123456789.eE+-")
 
 
@@ -70,15 +61,11 @@ def _worker_id(v: str) -> str:
 REQUIRED = PydanticUndefined
 
 
-def _defaults(endpoint: Callable) -> dict[str, Any]:
-    """The endpoint's query defaults, read off its signature (``Query(default)`` or a plain default; :data:`REQUIRED`
-    if none): the route is the one source of each default."""
-    params = inspect.signature(endpoint).parameters
-    return {name: getattr(p.default, "default", p.default) for name, p in params.items() if name != "request"}
-
-
 def _route(endpoint: Callable, parsers: dict[str, Callable[[str], Any]]) -> tuple:
-    defaults = _defaults(endpoint)
+    """(endpoint, parsers, the endpoint's query defaults read off its signature: ``Query(default)`` or a plain default,
+    :data:`REQUIRED` if none; the route is the one source of each default)."""
+    params = inspect.signature(endpoint).parameters
+    defaults = {name: getattr(p.default, "default", p.default) for name, p in params.items() if name != "request"}
     assert parsers.keys() == defaults.keys(), (endpoint.__name__, sorted(defaults))  # every query parameter parsed
     return endpoint, parsers, defaults
 
