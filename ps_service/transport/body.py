@@ -64,15 +64,11 @@ class BodySink:
 BODY_IDLE_TIMEOUT = 30.0
 
 
-def media_type_of(request: Request) -> str:
-    return request.headers.get("content-type", "").split(";")[0].strip().lower()
-
-
 def declared_length(request: Request, limit: int, media_types: tuple[str, ...] | str) -> int | None:
     """The body's Content-Length (None: chunked), after the checks every body meets first: 415 for another content
     type, 400 for a malformed length, 413 past ``limit``."""
     allowed = (media_types,) if isinstance(media_types, str) else media_types
-    ctype = media_type_of(request)
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if ctype not in allowed:
         raise ProtocolError(415, "unsupported_media_type", f"send {' or '.join(allowed)}, not {ctype[:64] or 'nothing'!r}")
     declared = request.headers.get("content-length")
