@@ -28,6 +28,7 @@ are swept on start.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
@@ -47,8 +48,8 @@ except ImportError:  # not a POSIX system: no same-host transport
 log = logging.getLogger("ps_service")
 
 
-def _hold_lock(fd: int) -> None:
-    """The exclusive flock a live PS keeps on its weights file (what the start-up sweep tests)."""
+def _lock(fd: int) -> None:
+    """The exclusive flock a live PS keeps on its weights file, and the start-up sweep tests (OSError: held)."""
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
@@ -77,10 +78,6 @@ class ShmHub:
         if self.directory:
             self._sweep()
 
-    @property
-    def enabled(self) -> bool:
-        return self.directory is not None
-
     def _sweep(self) -> None:
         """Unlink weights files whose PS is gone (a killed PS leaves its file). A live PS holds an
         exclusive flock on its file: that works across containers sharing the directory, where PIDs
@@ -93,7 +90,7 @@ class ShmHub:
             except OSError:
                 continue
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                _lock(fd)
                 os.unlink(os.path.join(self.directory, name))
                 log.info("removed %s (its PS is gone)", name)
             except OSError:  # locked: its PS runs
@@ -103,14 +100,14 @@ class ShmHub:
 
     def offer(self, weights: dict[str, np.ndarray], step: int) -> dict:
         """Describe the weights file, moving ``weights`` (the core's dict, updated in place) into it first."""
-        if not self.enabled:
+        if self.directory is None:
             raise unavailable("the PS's same-host transport is off (PS_SHM_DIR)")
         if self.weights_name is None:
             layout = frame.Layout.of(weights, sorted(weights))
             name = f"syncps-w-{os.getpid()}-{secrets.token_hex(8)}"
             try:
                 self._lock_fd, region = shm.create_region(self.directory, name, shm.KIND_WEIGHTS, layout,
-                                                          self._nonce, step, lock=_hold_lock)
+                                                          self._nonce, step, lock=_lock)
             except OSError as exc:  # e.g. a full tmpfs
                 raise unavailable(f"cannot make the weights file: {exc}") from exc
             st = os.fstat(self._lock_fd)
@@ -205,10 +202,8 @@ class ShmHub:
         for worker_id in list(self.attached):
             self.detach(worker_id)
         if self.weights_name is not None:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(os.path.join(self.directory, self.weights_name))
-            except OSError:
-                pass
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
