@@ -117,8 +117,8 @@ def from_checkpoint(path: str | Path) -> Model:
                  {"syncps_optimizer": json.dumps(state["optimizer"]["spec"], sort_keys=True)})
 
 
-def _replace(path: Path, write) -> None:
-    """``write(file)`` into a temp file beside ``path``, then rename it over ``path``."""
+def _replace(path: Path, write) -> int:
+    """``write(file)`` into a temp file beside ``path``, then rename it over ``path``; the file's size."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as f:
@@ -126,6 +126,7 @@ def _replace(path: Path, write) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+    return path.stat().st_size
 
 
 def safetensors_header(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> bytes:
@@ -151,8 +152,7 @@ def write_safetensors(path: str | Path, model: Model) -> int:
         for name in sorted(model.tensors):
             arr = np.ascontiguousarray(model.tensors[name])
             f.write(memoryview(arr if arr.dtype.byteorder != ">" else arr.astype(arr.dtype.newbyteorder("<"))))
-    _replace(Path(path), write)
-    return Path(path).stat().st_size
+    return _replace(Path(path), write)
 
 
 def write_torch(path: str | Path, model: Model) -> int:
@@ -162,8 +162,7 @@ def write_torch(path: str | Path, model: Model) -> int:
     except ImportError:
         raise ExportError("--format torch needs PyTorch: pip install -e '.[torch]' (or export safetensors)") from None
     state = {name: torch.from_numpy(np.array(arr, copy=True)) for name, arr in sorted(model.tensors.items())}
-    _replace(Path(path), lambda f: torch.save(state, f))
-    return Path(path).stat().st_size
+    return _replace(Path(path), lambda f: torch.save(state, f))
 
 
 WRITERS = {"safetensors": write_safetensors, "torch": write_torch}

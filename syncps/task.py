@@ -44,9 +44,7 @@ def take(dataset: Any, idx: np.ndarray, dtype: torch.dtype) -> tuple[torch.Tenso
 
 
 def _length(dataset: Any) -> int:
-    if isinstance(dataset, (tuple, list)):
-        return len(dataset[0])
-    return len(dataset)
+    return len(dataset[0] if isinstance(dataset, (tuple, list)) else dataset)
 
 
 class TorchTask:
