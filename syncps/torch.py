@@ -8,26 +8,18 @@
         ps.step()                          # push every p.grad, wait for the round, load the new weights
     ps.close()                             # or `with connect(...) as ps:`; leaves the cluster
 
-Contract of :class:`DistributedOptimizer` (Horovod's ``DistributedOptimizer`` and TF's
-``SyncReplicasOptimizer`` in one object; the PS runs the optimizer):
+Contract of :class:`DistributedOptimizer` (Horovod's ``DistributedOptimizer`` and TF's ``SyncReplicasOptimizer`` in
+one object; the PS runs the optimizer), each call as docs/torch.md's API table says:
 
-- **Connect**: register; the first worker initialises the PS with the model's tensors
-  (:mod:`syncps.tensors`: parameters that require grad, floating-point buffers) and the optimizer's
-  hyper-parameters (:func:`syncps.spec.optimizer_spec`, run with torch's formulas); the others get 409
-  and pull. The same-host transport is chosen when the PS is on this host (``PSClient.attach``). A
-  heartbeat thread keeps the lease. The model then holds the weights of the first round it takes part in.
-- **step()**, after ``loss.backward()``: pushes every gradient (numpy views of ``p.grad``, no copy),
-  waits for the round to close and copies the new weights into the parameters in place. Returns the
-  push's status (``accepted``, ``late``, ``stale``, ``duplicate``, ``skipped``), ``rejoined`` after a PS
-  restart, or ``done`` once training is over. A refused push raises :class:`GradientRejected` naming
-  the parameter.
-- **rank**, **ranks** (the round's, sorted), **position** (our index in them), **step_count**
-  (the global step of the weights the model holds), **should_stop** (done, or SIGTERM received).
-- **batch_sampler(dataset, batch_size)**: a ``DataLoader`` batch sampler sharding by the round's ranks
-  (:mod:`syncps.sampling`); it stops when ``should_stop``.
-- **Restart**: when the PS forgets this worker (404/409: it restarted or the lease expired) the worker
-  registers again (re-initialising an empty PS from its current weights) and goes on from the PS's step.
-- **close()** / context exit: stops the heartbeat and leaves, so the barrier stops waiting for us.
+- **Connect**: register; the first worker initialises the PS with the model's tensors (:mod:`syncps.tensors`) and
+  the optimizer's hyper-parameters (:func:`syncps.spec.optimizer_spec`, run with torch's formulas); the others pull.
+  The same-host transport when the PS is on this host; a heartbeat thread keeps the lease. The model then holds
+  the weights of the first round it takes part in.
+- **step()**, after ``loss.backward()``: pushes every gradient (numpy views of ``p.grad``), waits for the round and
+  copies the new weights into the parameters in place; the push's status, ``rejoined`` or ``done``. A refused push
+  raises :class:`GradientRejected` naming the parameter.
+- **Restart**: when the PS forgets this worker (404/409) it registers again (re-initialising an empty PS from its
+  current weights) and goes on from the PS's step. **close()** / context exit: stops the heartbeat and leaves.
 
 Defaults come from the stock worker's ``WORKER_*`` settings (``WORKER_PS_URL``, ``WORKER_AUTH_TOKEN``,
 ``WORKER_NAME``, ``WORKER_SHM_DIR``, timeouts), so a script runs under Compose like the stock worker.
@@ -126,25 +118,11 @@ class DistributedOptimizer:
         return optimizer_spec(opt)
 
     # ---- state --------------------------------------------------------------------------------
-    @property
-    def ranks(self) -> tuple[int, ...]:
-        return self._ranks
-
-    @property
-    def position(self) -> int:
-        return self._ranks.index(self.rank)
-
-    @property
-    def step_count(self) -> int:
-        return self._step
-
-    @property
-    def done(self) -> bool:
-        return self._done
-
-    @property
-    def should_stop(self) -> bool:
-        return self._done or self._stop.is_set()
+    ranks = property(lambda self: self._ranks)
+    position = property(lambda self: self._ranks.index(self.rank))
+    step_count = property(lambda self: self._step)
+    done = property(lambda self: self._done)
+    should_stop = property(lambda self: self._done or self._stop.is_set())
 
     def stop(self) -> None:
         """Ask the loop to end (``should_stop`` turns True); what SIGTERM does."""
