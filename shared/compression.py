@@ -67,12 +67,8 @@ class Spec:
         if isinstance(w, bool) or not isinstance(w, int) or not 0 <= w < 2 ** 53:
             raise ValueError("compression: topk_warmup_steps must be a non-negative integer")
 
-    @property
-    def on(self) -> bool:
-        return self.name != "none"
-
-    def to_wire(self) -> dict:
-        return asdict(self)
+    on = property(lambda self: self.name != "none")
+    to_wire = asdict
 
     @classmethod
     def from_wire(cls, obj: Any) -> "Spec":
