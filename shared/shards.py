@@ -1,23 +1,15 @@
 """The shard map: which shard of a sharded PS owns which part of which tensor. Pure, no I/O.
 
-Contract (:func:`plan`): from the model's spec (name -> (shape, dtype)), the shard count S and the split
-bound B (elements), every shard gets a list of :class:`Piece` (tensor name, flat start, stop):
-
-- a tensor of at most B elements is one piece (the whole tensor); a larger one is cut into
-  ``ceil(n / B)`` contiguous slices of its flattened (C order) elements, of sizes differing by at most one
-  (MXNet's ``MXNET_KVSTORE_BIGARRAY_BOUND``, BytePS's partitions);
-- pieces go largest first (bytes; ties by name, then start) to the least-loaded shard (bytes; ties by fewer
-  pieces, then the lower index). So the loads differ by at most one piece's bytes, every element is in
-  exactly one piece, and the first S pieces go to S different shards;
-- every shard must get at least one piece (``ValueError`` otherwise: fewer pieces than shards).
-
-Workers and shards compute it the same way; :attr:`ShardMap.digest` (a SHA-256 of the spec, S, B and the
-pieces) lets them check they agree. On a shard a piece is a tensor of its own: a whole tensor keeps its
-name and shape, a slice is the 1-D tensor ``name[start:stop]`` (:attr:`Piece.key`). Every optimizer of
-the PS is elementwise, so stepping the pieces on S shards gives the bits of stepping the whole model on one.
-:func:`split` cuts a worker's tensors into one shard's pieces (views, no copy); :func:`place` copies one shard's
-slices of the split tensors into :func:`split_memory` as its answer arrives, and :func:`gathered` returns the whole
-tensors once every shard's are in.
+Contract: :func:`plan` makes docs/protocol-shards.md's map ("The shard map") from the model's spec (name -> (shape,
+dtype)), the shard count S and the split bound B (elements): each tensor whole or cut into ``ceil(n / B)`` contiguous
+flat slices (MXNet's ``MXNET_KVSTORE_BIGARRAY_BOUND``, BytePS's partitions), the pieces placed largest first on the
+least-loaded shard. So the loads differ by at most one piece's bytes, every element is in exactly one piece, and the
+first S pieces go to S different shards; fewer pieces than shards is a ``ValueError``. Workers and shards compute it
+the same way and check they agree by :attr:`ShardMap.digest`. On a shard a piece is a tensor of its own
+(:attr:`Piece.key`); every optimizer of the PS is elementwise, so stepping the pieces on S shards gives the bits of
+stepping the whole model on one. :func:`split` cuts a worker's tensors into one shard's pieces (views, no copy);
+:func:`place` copies one shard's slices of the split tensors into :func:`split_memory` as its answer arrives, and
+:func:`gathered` returns the whole tensors once every shard's are in.
 """
 from __future__ import annotations
 
@@ -46,9 +38,7 @@ class Piece:
         """The piece's tensor name on its shard."""
         return self.name if self.whole else f"{self.name}[{self.start}:{self.stop}]"
 
-    @property
-    def size(self) -> int:
-        return self.stop - self.start
+    size = property(lambda self: self.stop - self.start)
 
 
 @dataclass(frozen=True)
