@@ -1,13 +1,11 @@
-"""The worker's client of the PS protocol (docs/protocol.md).
+"""The worker's client of the PS protocol (docs/protocol.md): registration, the model's upload, pulls and pushes.
 
-Every exchange goes through one :class:`~worker_service.transport.endpoint.Endpoint`: the PS's URL over one
-:class:`~worker_service.transport.base.Transport` (the lean :class:`~shared.rawhttp.RawConnection` for ``http://``;
-httpx for ``https://``; a drill wraps either in :class:`~worker_service.transport.faults.FaultyConnection`; tests
-may give a :class:`~worker_service.transport.mock.MockTransport`), with a timeout on every exchange; connection
-errors, timeouts and 5xx retried with capped exponential backoff and jitter, each retry logged with the request
-and the error; a 4xx raised as :class:`shared.errors.ProtocolError` with the PS's error code. Pushes are safe to
-retry: the PS answers a repeated (worker, step) with ``duplicate``. With a ``token``, every request carries
-``Authorization: Bearer <token>``. Timeouts and retry attempts default to the ``WORKER_*`` settings' defaults.
+Every exchange goes through one :class:`~worker_service.transport.endpoint.Endpoint` (its contract: timeouts, retries,
+the 4xx it raises, the token), over one :class:`~worker_service.transport.base.Transport` (the lean
+:class:`~shared.rawhttp.RawConnection` for ``http://``; httpx for ``https://``; a drill wraps either in
+:class:`~worker_service.transport.faults.FaultyConnection`; tests may give a
+:class:`~worker_service.transport.mock.MockTransport`). Pushes are safe to retry: the PS answers a repeated (worker,
+step) with ``duplicate``. Timeouts and retry attempts default to the ``WORKER_*`` settings' defaults.
 
 Tensors go through one tensor transport, chosen by :meth:`PSClient.attach` once the worker is registered
 (:class:`~worker_service.transport.attach.Attached`: same-host files or request bodies, compressed as the job
@@ -87,9 +85,7 @@ class PSClient:
         while these come often enough."""
         return max(self._renewed, min(time.monotonic(), self._held_until))
 
-    @property
-    def transport(self) -> str:
-        return self.tensors.name
+    transport = property(lambda self: self.tensors.name, doc="the tensor transport's name (shm, http, http+topk...)")
 
     # ---- exchanges ----------------------------------------------------------------------
     def call(self, method: str, path: str, **kw: Any) -> Response:
