@@ -9,22 +9,19 @@ Contract:
   :meth:`mirror` copies a step's weights into the file (marker -1 meanwhile, then the step), and
   :meth:`adopt` makes the file's arrays the core's again; :meth:`holds` says where they are
   (the policy is the seam's: ``TensorSeam._file_current``).
-- :meth:`ShmHub.attach` (``POST /v1/workers/{id}/shm``) maps the gradient file the worker made (name
-  pattern, regular file of this user with one link, no symlink, kind ``G``, exact size, matching nonce,
-  the model's frame header), and never the PS's own weights file. The worker then unlinks it. The mapping stays
-  while the worker is attached: its pages are the worker's file's (shared, in the tmpfs, charged to the worker),
-  counted in the PS's RSS but not in its anonymous memory; dropped after each read (``MADV_DONTNEED``) they fault in
-  again at the next push, 7 ms more CPU a read of a 40 MB file on the 2-core VM.
-- :meth:`ShmHub.gradients` checks the worker's file holds the push (its marker), copies it once into a buffer of
-  the PS's own (from :data:`ps_service.core.buffers.POOL`, as a body's: reused once no round holds it, where a fresh
-  40 MB one costs page faults), checking for NaN/Inf as it copies (:func:`ps_service.core.checks.read_checked`,
-  chunks in the cache), then checks the marker again (409 ``shm_torn``: rewritten while read). The core gets arrays
-  it owns, as from a body: what it applies is what was checked, whatever the worker writes into its file
-  afterwards.
+- :meth:`ShmHub.attach` (``POST /v1/workers/{id}/shm``) maps the gradient file the worker made, checked as
+  docs/protocol.md's step 3 says, and never the PS's own weights file. The mapping stays while the worker is
+  attached: its pages are the worker's file's (shared, in the tmpfs, charged to the worker), counted in the PS's RSS
+  but not in its anonymous memory; dropped after each read (``MADV_DONTNEED``) they fault in again at the next push,
+  7 ms more CPU a read of a 40 MB file on the 2-core VM.
+- :meth:`ShmHub.gradients` copies a push once out of the worker's file into a buffer of the PS's own (from
+  :data:`ps_service.core.buffers.POOL`, as a body's: reused once no round holds it, where a fresh 40 MB one costs
+  page faults), checking for NaN/Inf as it copies (:func:`ps_service.core.checks.read_checked`), between two reads
+  of the marker (409 ``shm_torn``). The core gets arrays it owns, as from a body.
 - Refusals: 409 ``shm_unavailable`` (the worker then uses plain HTTP), 409 ``shm_not_attached`` /
   ``shm_torn`` (attach again, or push over HTTP), 400 for malformed names.
-The weights file is unlinked on shutdown; files left by a PS that was killed (no flock held on them)
-are swept on start.
+The weights file is unlinked on shutdown; files left by a PS that was killed (no flock held on them) are swept on
+start.
 """
 from __future__ import annotations
 
