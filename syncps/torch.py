@@ -154,10 +154,8 @@ class DistributedOptimizer:
     def batch_sampler(self, dataset: Any, batch_size: int, shuffle: bool = True, seed: int = 0) -> RoundBatchSampler:
         """A ``DataLoader(dataset, batch_sampler=...)`` sampler: this worker's shard of each round's batch."""
         n = dataset if isinstance(dataset, int) else len(dataset)
-        return RoundBatchSampler(self._round, n, batch_size, seed, shuffle)
-
-    def _round(self) -> tuple[int, int, int] | None:
-        return None if self.should_stop else (self._step, self.position, len(self._ranks))
+        return RoundBatchSampler(lambda: None if self.should_stop else (self._step, self.position, len(self._ranks)),
+                                 n, batch_size, seed, shuffle)
 
     # ---- joining ------------------------------------------------------------------------------
     def _join(self) -> dict:
