@@ -85,10 +85,6 @@ class Layout:
         last = self.tensors[-1] if self.tensors else None
         return last.offset + last.nbytes if last else 0
 
-    @cached_property
-    def names(self) -> tuple[str, ...]:
-        return tuple(t.name for t in self.tensors)
-
     def to_wire(self) -> list:
         return [[t.name, dtype_name(t.dtype), list(t.shape), t.offset] for t in self.tensors]
 
