@@ -3,8 +3,7 @@ the worker's error-feedback residuals (docs/protocol.md, "Compression", gives th
 
 The job chooses one encoding (``PS_COMPRESSION``); the PS tells workers at registration (:class:`Spec`,
 ``to_wire``). Only float32 model tensors are compressed (not the ``buffer:`` statistics of a torch
-model); every other tensor travels as it is. A compressed tensor keeps its name; its frame dtype, shape and
-bytes per encoding are docs/protocol.md's table ("Compression").
+model); every other tensor travels as it is, and a compressed one keeps its name.
 
 Contract: :func:`decode_push` (PS side; :func:`check_declared` for same-host pushes) checks every
 compressed tensor's form before it makes its float32 gradient (a dense array in fresh memory the PS owns; top-k:
@@ -14,11 +13,10 @@ ProtocolError 422 ``compression_mismatch`` (the push declares another encoding t
 the worker chose). :class:`Compressor` is the worker side:
 ``topk`` and ``2bit`` keep per tensor the residual of what was not sent and add it to the next gradient
 (error feedback); ``topk`` sends more during the job's warm-up steps (:meth:`Spec.density`: the push's step
-picks k). With partitioned rounds (docs/protocol-partitions.md) :meth:`Compressor.encode_partitions` encodes each
-partition's pieces (a whole tensor, or a slice of its flat elements) as tensors of their own, keyed as the pieces,
-top-k's entries chosen over the whole tensor; the PS decodes a partition's frame with :func:`decode_push` against
-the partition's pieces. Every encoding is elementwise: the pieces decoded and put together are the whole tensor's
-encoding decoded, and the residuals the same, bit for bit. Pure numpy; no I/O.
+picks k). With partitioned rounds (docs/protocol-partitions.md) each partition's pieces are encoded as tensors of
+their own (:meth:`Compressor.encode_partitions`) and decoded against them (:func:`decode_push`): every encoding is
+elementwise, so the pieces decoded and put together, and the residuals, are the whole tensor's, bit for bit. Pure
+numpy; no I/O.
 """
 from __future__ import annotations
 
