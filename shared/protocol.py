@@ -126,8 +126,7 @@ def parse_push_meta(meta: dict, tensors: Mapping = MappingProxyType({})) -> tupl
     if not 0 <= step <= MAX_INT:
         raise unprocessable("bad_step", f"step must be in [0, {MAX_INT}]")
     loss = _optional_number(meta, "loss", what)
-    if loss is not None and not math.isfinite(loss):
-        loss = None
+    loss = float(loss) if loss is not None and math.isfinite(loss) else None  # a NaN/Inf loss is not reported
     n = meta.get("num_examples")
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_NUM_EXAMPLES):
         raise bad_request("bad_field", f"push: num_examples must be an int in [0, {MAX_NUM_EXAMPLES}]")
@@ -144,7 +143,7 @@ def parse_push_meta(meta: dict, tensors: Mapping = MappingProxyType({})) -> tupl
     seq = meta.get("shm_seq")
     if seq is not None and (isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq <= MAX_INT):
         raise bad_request("bad_field", f"push: shm_seq must be an int in [0, {MAX_INT}]")
-    push = PushRequest(worker_id, step, tensors, None if loss is None else float(loss), n, PhaseTimes(**times))
+    push = PushRequest(worker_id, step, tensors, loss, n, PhaseTimes(**times))
     return push, seq
 
 
