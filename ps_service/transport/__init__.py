@@ -382,17 +382,16 @@ class TensorSeam:
         core, deltas = self.core, self.deltas
         head = self._head()
         key = (head["step"], head["done"], tuple(head["ranks"]), core.optimizer.iterations)
-        if deltas is None:
-            return self._encoded("dense", key, head, core.weights)
-        deltas.observe(core.global_step, core.optimizer.iterations, core.weights, core.optimizer.touched)
-        head["lineage"] = deltas.lineage
-        if not deltas.offers(since):
-            return self._encoded("dense", key, head, core.weights)
-        try:
-            return self._encoded("delta", key, {**head, "since": deltas.base, "sparse": sorted(deltas.changes)},
-                                 {**core.weights, **deltas.changes})
-        except ValueError:  # thousands of long names: the header would pass its limit; dense then
-            return self._encoded("dense", key, head, core.weights)
+        if deltas is not None:
+            deltas.observe(core.global_step, core.optimizer.iterations, core.weights, core.optimizer.touched)
+            head["lineage"] = deltas.lineage
+            if deltas.offers(since):
+                try:
+                    delta = {**head, "since": deltas.base, "sparse": sorted(deltas.changes)}
+                    return self._encoded("delta", key, delta, {**core.weights, **deltas.changes})
+                except ValueError:  # thousands of long names: the header would pass its limit; dense then
+                    pass
+        return self._encoded("dense", key, head, core.weights)
 
     def _encoded(self, form: str, key: tuple, head: dict, tensors: dict) -> bytes | memoryview:
         if form == "dense":
