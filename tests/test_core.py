@@ -624,6 +624,34 @@ def test_a_stuck_round_recalls_the_workers_registered_for_the_next_one():
         assert res.status is PushStatus.ACCEPTED and res.closed and core.global_step == 1, cfg
 
 
+@pytest.mark.parametrize("restarted", [False, True], ids=["stays", "registers-again-while-active"])
+def test_a_member_done_with_a_stuck_round_without_contributing_is_recalled_into_it(restarted):
+    """Fixed R = 2 of 3: w0's and w2's pushes count at their heads, w1's comes after them (late: done with the round);
+    then w0's and w2's bodies never come (their processes died). Once they expire the round is stuck: w1, live but
+    done with it, is recalled, registers again and joins it, as a worker that did not count would (before: nobody
+    recalled, w1's pull waited for a round that could not come until another worker registered). ``restarted``: w1's
+    process restarted under its name within its lease first: the round no longer counts it (its next round is the
+    next one), as for a member that came back (before: counted, its push for the round a `duplicate`)."""
+    core, ids = make(3, replicas_to_aggregate=2, total_num_replicas=3, lease_seconds=5.0)
+    assert core.claim(ids[0], 0) and core.claim(ids[2], 0)
+    assert push(core, ids[1], 0, now=0.5).status is PushStatus.LATE
+    core.release(ids[0])
+    core.release(ids[2])
+    if restarted:
+        m, start = core.register("w1", 1.0)
+        assert (m.worker_id, start) == (ids[1], 1) and not core.round.counts(ids[1])
+    for t in (2.0, 3.0, 4.0, 5.0):
+        core.heartbeat(ids[1], t)
+    core.tick(5.5)  # w0 and w2 expire: nobody left can close round 0
+    assert core.global_step == 0 and core.members.by_id[ids[1]].state == "expired"
+    assert [e["event"] for e in core.members.events][-1] == "recalled"
+    m, start = core.register("w1", 5.6)
+    assert start == 0 and core.round.counts(ids[1])
+    res = push(core, ids[1], 0, now=5.7)
+    assert res.status is PushStatus.ACCEPTED and res.closed and core.global_step == 1
+    assert (core.rounds[-1].reason, core.rounds[-1].aggregated) == ("unreachable", 1)
+
+
 def test_the_core_config_comes_from_the_settings_in_one_mapping():
     from dataclasses import fields
 

@@ -218,7 +218,6 @@ def test_frames_out_of_order_repeated_or_of_a_push_not_counted_change_nothing():
 
 def test_a_member_lost_after_the_decision_is_not_waited_for_in_its_missing_partitions():
     c, ids = partitioned_core(OPTIMIZERS[0], 100, workers=3, lease_seconds=5.0)
-    p = c.partitions
     for rank in range(3):
         assert frame(c, ids[rank], 0, rank, 0).status is PushStatus.ACCEPTED
     for rank in (0, 1):
@@ -227,8 +226,14 @@ def test_a_member_lost_after_the_decision_is_not_waited_for_in_its_missing_parti
     assert c.deciding and c.global_step == 0
     c.tick(6.0)  # worker 2's lease ends: partitions 1 and 2 close with workers 0 and 1
     assert c.global_step == 1 and not c.deciding and c.rounds[-1].aggregated == 3
-    lr, w0 = np.float32(0.1), weights0("float32")
-    for q, n in ((0, 3), (1, 2), (2, 2)):
+    assert_sgd_step_of_ranks_below(c, ((0, 3), (1, 2), (2, 2)))
+
+
+def assert_sgd_step_of_ranks_below(c: ParameterServerCore, counts) -> None:
+    """Step 0's weights: partition q, for each (q, n) of ``counts``, one SGD step (lr 0.1) of the mean of ranks 0..n-1's
+    gradients (a buffer takes the mean)."""
+    p, lr, w0 = c.partitions, np.float32(0.1), weights0("float32")
+    for q, n in counts:
         for piece in p.partitions[q]:
             total = None
             for rank in range(n):
@@ -237,6 +242,25 @@ def test_a_member_lost_after_the_decision_is_not_waited_for_in_its_missing_parti
             mean = total / np.float32(n)
             want = mean if piece.name.startswith("buffer:") else p.split(w0, q)[piece.key] - mean * lr
             assert p.split(c.weights, q)[piece.key].tobytes() == want.tobytes(), (q, piece.key)
+
+
+@pytest.mark.parametrize("decided", [False, True])
+def test_a_contributor_that_registers_again_while_active_is_not_waited_for_in_its_later_partitions(decided):
+    """Worker 2's partition 0 is in when its process restarts under its name, within its lease: the new process starts
+    at the next step and never sends the old one's later frames, so the round closes them without it (as for a member
+    lost after the decision), before the decision or after it; before, the round waited for them while the worker's
+    renewed lease kept it alive: for ever."""
+    c, ids = partitioned_core(OPTIMIZERS[0], 100, workers=3, lease_seconds=5.0)
+    for rank in (2, 0, 1) if decided else (2,):
+        assert frame(c, ids[rank], 0, rank, 0).status is PushStatus.ACCEPTED
+    assert c.deciding == decided
+    m, start = c.register("w2", 1.0)
+    assert (m.worker_id, start) == (ids[2], 1)
+    for rank in (0, 1):
+        for q in range(1 if decided else 0, 3):
+            assert frame(c, ids[rank], 0, rank, q, now=2.0).status is PushStatus.ACCEPTED
+    assert c.global_step == 1 and not c.deciding and c.rounds[-1].aggregated == 3
+    assert_sgd_step_of_ranks_below(c, ((0, 3), (1, 2), (2, 2)))  # worker 2's partition 0 only
 
 
 def test_async_and_ssp_keep_one_partition():

@@ -142,10 +142,13 @@ def test_a_refused_member_that_registers_again_into_the_stuck_round_contributes_
         assert (st["rollbacks"], st["blocked"], len(f.rt.shards.holds)) == (0, None, 0)
 
 
-def test_the_coordinator_tells_a_follower_that_a_late_member_is_back_in_the_stuck_round():
+@pytest.mark.parametrize("w_leaves", [True, False], ids=["w-leaves", "w-stays"])
+def test_the_coordinator_tells_a_follower_that_a_late_member_is_back_in_the_stuck_round(w_leaves):
     """Sans-IO: the coordinator's core and its :class:`Tracker`, a follower's :class:`Holds` fed its messages. Fixed
     R = 2 of 3: w's hold after 2 heads is late (named ``late``); every member leaves, w registers again and joins the
-    stuck round (named ``back``): the follower no longer answers its hold late, and reads it in its turn."""
+    stuck round (named ``back``): the follower no longer answers its hold late, and reads it in its turn. ``w_leaves``
+    False: w stays (its process restarted within its lease, say): the stuck round recalls it (before: it kept w late,
+    and w's pull waited for the next round until another worker registered)."""
     core = ParameterServerCore(core_config(min_workers=3, startup_grace_seconds=0.0, replicas_to_aggregate=2))
     core.init_model(ModelInit({"w": np.zeros(2, np.float32)}, {"name": "sgd", "learning_rate": LR}), 0.0)
     a, b, w = (core.register(f"w{i}", 0.0)[0].worker_id for i in range(3))
@@ -161,8 +164,9 @@ def test_the_coordinator_tells_a_follower_that_a_late_member_is_back_in_the_stuc
     assert heard()["turns"] == []  # fixed R: no head yet
     assert core.hold(a, 0) and core.hold(b, 0) and not core.hold(w, 0)
     assert (heard()["late"], holds.late_for(w, 0), holds.may_read(w, 0, 0)) == ([w], True, True)
-    for x in (a, b, w):
+    for x in (a, b, w) if w_leaves else (a, b):
         core.leave(x, 1.0)
+    assert core.members.by_id[w].state == ("left" if w_leaves else "expired")  # (recalled)
     heard()
     member, start = core.register("w2", 2.0)
     assert (member.worker_id, start) == (w, 0) and core.round.counts(w)

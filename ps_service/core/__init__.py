@@ -15,8 +15,8 @@ Barrier semantics (TensorFlow's SyncReplicasOptimizer, done right; docs/protocol
 - A round ``g`` is open while ``global_step == g``. Its *eligible* set is the active members
   when it opens. Joins take effect at the next boundary, unless the open round is *stuck*
   (its own members cannot close it): then a member that registers joins it at once, and the members that
-  registered earlier for the next round (which would never come) are *recalled*: expired at once, so that
-  each registers again and joins it. A member
+  registered earlier for the next round (which would never come), or whose push for it was late, are *recalled*:
+  expired at once, so that each registers again and joins it. A member
   that expired or left and registers again under its name keeps its id and rank and counts as
   a join: the round it dropped out of does not wait for it again.
 - Leases: a member silent for ``lease_seconds`` is expired by ``tick`` and stops being waited
@@ -203,7 +203,9 @@ class ParameterServerCore(ModelState):
 
         A member coming back (it had expired or left: a restarted process) keeps its id and
         rank and rejoins at the next round boundary, like a newcomer, unless the open round
-        is stuck without it."""
+        is stuck without it. A member registering again while active (its process restarted within its lease) stays
+        in the round it counts in if it still owes it a push; one done with it without contributing (``late``) joins
+        it as a comeback does; either way its old process's partition frames are not waited for."""
         prev = self.members.by_name.get(name)
         returning = prev is None or not prev.active
         m, _ = self.members.register(name, now)
@@ -213,15 +215,15 @@ class ParameterServerCore(ModelState):
         if r is not None and self.deciding:  # the round's partitions still close: it joins the next one
             r.member_changed(wid, not returning, True)
             start += 1
-            if returning:  # a member of the round that came back brings no more frames of it
+            if prev is not None:  # a member of the round that registers again brings no more frames of it
                 self._lose(now, (wid,))
         elif r is not None:
             r.member_changed(wid, not returning, True)
-            if returning and self.parts is not None:
+            if prev is not None and self.parts is not None:
                 self.parts.drop(wid)  # (undecided: the decision will not wait for its later partitions)
             if wid in r.acc:
                 start += 1  # its gradient for this round is in
-            elif returning or not r.counts(wid):
+            elif returning or not r.counts(wid) or wid in r.lost:
                 if self._progress(r, now, but=wid).stuck:  # nobody else can close it: join it now
                     r.join(wid, m.rank)
                     if wid not in r.skipped:  # a push it made for this round before joining it was not counted
@@ -419,7 +421,7 @@ class ParameterServerCore(ModelState):
             if p.reason is not None:
                 self._close(now, p.reason)
                 changed = True
-            elif p.stuck and self.members.active_count > self.round.live:
+            elif p.stuck and (self.members.active_count > self.round.live or self._done_without(self.round)):
                 changed |= self._recall(now)
         if self.started:
             self.rates.sample(now, (self.rounds_closed, self.examples, self.gradients_applied))
@@ -427,13 +429,17 @@ class ParameterServerCore(ModelState):
             self._changed()
         return changed
 
+    def _done_without(self, r: Round) -> bool:
+        """Is a live member of ``r`` done with it without contributing (fixed R: its push came after R heads)?"""
+        return any(self.members.is_active(w) for w in r.lost)
+
     def _recall(self, now: float) -> bool:
         """The open round is stuck while active members it does not count (they registered after it opened, or came
-        back during it) wait for the next round, which cannot come: each is recalled (expired at once, its wait
-        answered: 409 ``not_active``), registers again and joins this round as a worker registering now would.
-        O(K), only while a round is stuck with such members."""
+        back during it), or that are done with it without contributing (``late``), wait for the next round, which
+        cannot come: each is recalled (expired at once, its wait answered: 409 ``not_active``), registers again and
+        joins this round as a worker registering now would. O(K), only while a round is stuck with such members."""
         r = self.round
-        recalled = [m for m in self.members.active() if not r.counts(m.worker_id)]
+        recalled = [m for m in self.members.active() if not r.counts(m.worker_id) or m.worker_id in r.lost]
         for m in recalled:
             self.members.recall(m, now)
             r.member_changed(m.worker_id, True, False)
