@@ -47,6 +47,8 @@ class ProbeListener:
                                 log_level=None, access_log=False)
         self.server = uvicorn.Server(config)
         self.thread: threading.Thread | None = None
+        # on uvicorn's logger while this server runs: its info lines (Started server process ...) are the main's again
+        self.quiet = lambda r: r.levelno >= logging.WARNING or r.threadName != f"probes-{port}"
 
     async def healthz(self, request: Request) -> JSONResponse:
         """Liveness: the main event loop turned in the last STALL_SECONDS."""
@@ -72,6 +74,7 @@ class ProbeListener:
             raise RuntimeError(f"the probe listener could not take port {config.port} ({exc.strerror})") from None
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, name=f"probes-{config.port}",
                                        daemon=True)
+        logging.getLogger("uvicorn.error").addFilter(self.quiet)
         self.thread.start()
         end = time.monotonic() + deadline
         while not self.server.started and self.thread.is_alive() and time.monotonic() < end:
@@ -83,6 +86,7 @@ class ProbeListener:
         self.server.should_exit = True
         if self.thread is not None:
             self.thread.join(5)
+        logging.getLogger("uvicorn.error").removeFilter(self.quiet)
 
 
 @contextlib.asynccontextmanager

@@ -5,7 +5,9 @@ a PS goes on without when that port is taken; 0 turns it off."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
+import threading
 
 import httpx
 import numpy as np
@@ -64,6 +66,34 @@ def test_a_probe_port_that_was_set_must_be_had_and_zero_is_none():
         with pytest.raises(RuntimeError, match="could not take port"):
             asyncio.run(listen_on(taken.getsockname()[1], True))
         assert asyncio.run(listen_on(taken.getsockname()[1], False)) is None
+
+
+def test_the_probe_server_logs_no_start_or_stop_line_of_its_own():
+    """uvicorn logs "Started server process", "Shutting down" and "Finished server process" for every server it runs:
+    the PS's main server says them; the probe server's thread did too (each line twice in the PS's log). Its warnings
+    still show."""
+    seen, uvicorn_log = [], logging.getLogger("uvicorn.error")
+    handler = logging.Handler()
+    handler.emit = lambda r: seen.append((r.threadName, r.getMessage()))
+    level = uvicorn_log.level
+    uvicorn_log.setLevel(logging.INFO)
+    uvicorn_log.addHandler(handler)
+
+    async def listen():
+        async with probes.listening(None, "127.0.0.1", free_port()) as listener:
+            uvicorn_log.info("Started server process [%d]", 1)  # the main server's: kept
+            said = threading.Thread(target=lambda: uvicorn_log.warning("a warning"), name=listener.thread.name)
+            said.start()
+            said.join()
+            return listener.thread.name
+
+    try:
+        probe_thread = asyncio.run(listen())
+    finally:
+        uvicorn_log.removeHandler(handler)
+        uvicorn_log.setLevel(level)
+    assert (threading.current_thread().name, "Started server process [1]") in seen
+    assert [m for name, m in seen if name == probe_thread] == ["a warning"], seen
 
 
 def test_the_probe_port_answers_health_and_readiness_without_a_token():
