@@ -14,8 +14,9 @@ from typing import Annotated, AsyncIterator, Awaitable, Callable
 
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
+from ps_service.core.membership import refuse_blank
 from ps_service.http import JSON_BODY_LIMIT, REFUSALS, DecimalInt, json_body, parse_json
 from ps_service.runtime import runtime
 from ps_service.transport.body import read_body
@@ -39,6 +40,12 @@ async def read_json(request: Request, model):
 class Registration(BaseModel):
     name: str = Field(min_length=1, max_length=128, pattern=r"^[^\x00-\x1f\x7f-\x9f]+$",  # no C0 or C1 control
                       description="Stable worker name (a container's hostname); no control characters.")
+
+    @field_validator("name", mode="before")
+    @classmethod
+    def _not_blank(cls, name: object) -> object:
+        refuse_blank(name)  # only whitespace: 400 bad_name before the other checks' bad_request
+        return name
 
 
 class Registered(BaseModel):

@@ -278,6 +278,11 @@ CASES = [
     Case("register-missing-name", 400, "bad_request", path="/v1/workers", ctype=JSON, body=lambda c: b"{}"),
     Case("register-empty-name", 400, "bad_request", path="/v1/workers", ctype=JSON, body=lambda c: b'{"name": ""}'),
     Case("register-blank-name", 400, "bad_name", path="/v1/workers", ctype=JSON, body=lambda c: b'{"name": "  "}'),
+    # only whitespace, whatever else is wrong: a control character (tab, newline, NEL), the length
+    Case("register-blank-control-name", 400, "bad_name", path="/v1/workers", ctype=JSON,
+         body=lambda c: b'{"name": " \\t\\n\\u0085 "}'),
+    Case("register-long-blank-name", 400, "bad_name", path="/v1/workers", ctype=JSON,
+         body=lambda c: b'{"name": "' + b" " * 200 + b'"}'),
     Case("register-control-chars", 400, "bad_request", path="/v1/workers", ctype=JSON,
          body=lambda c: b'{"name": "a\\nINFO forged log line"}'),
     Case("register-c1-control-char", 400, "bad_request", path="/v1/workers", ctype=JSON,

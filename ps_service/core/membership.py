@@ -50,6 +50,13 @@ MAX_NAME_LEN = 128
 SILENCE_LEASES = 0.5
 
 
+def refuse_blank(name: object) -> None:
+    """400 ``bad_name`` for a name of only whitespace, whatever else is wrong with it (a control character such as a
+    tab or newline, the length): checked before those (docs/protocol.md, register)."""
+    if isinstance(name, str) and name.isspace():
+        raise CoreError("bad_name", "worker name is only whitespace")
+
+
 @dataclass
 class Member:
     worker_id: str
