@@ -209,6 +209,21 @@ def test_max_steps_marks_done_and_closes_no_more_rounds():
     assert push(core, ids[0], 1).status is PushStatus.DUPLICATE
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_worker_registering_after_the_end_is_not_in_the_ranks(mode):
+    """protocol.md, pull: once the job is done a registration still answers (``done``), but the worker trains no step:
+    the ranks a pull names stay those of the end (before: the newcomer's rank was listed)."""
+    core, ids = make(2, max_steps=1, mode=mode)
+    push(core, ids[0], 0)
+    if mode == "sync":
+        push(core, ids[1], 0)
+    assert core.done and core.ranks() == (0, 1)
+    m, start = core.register("late", 1.0)
+    assert (m.rank, start, core.state().value) == (2, 1, "done") and core.ranks() == (0, 1)
+    core.register("w1", 2.0)  # a worker of the job registering again after the end: still there
+    assert core.ranks() == (0, 1)
+
+
 @pytest.mark.parametrize("policy", ["reject", "skip"])
 def test_a_push_for_the_final_step_once_done_is_stale_and_says_done(policy):
     """protocol.md, push: no round opens at PS_MAX_STEPS, so a push computed on the final weights is answered

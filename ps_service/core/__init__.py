@@ -101,6 +101,7 @@ class ParameterServerCore(ModelState):
         #: async/ssp: clocks, the SSP bound, staleness records (None: sync)
         self.modes = BoundedStaleness.for_mode(config.mode, config.ssp_staleness, config.max_staleness)
         self._ranks: tuple[int, tuple[int, ...]] = (-1, ())  # (members.changes, active ranks) cache
+        self._end_ranks: tuple[int, ...] | None = None  # the ranks once the job is done and a worker registered
         self.push_counts = {s.value: 0 for s in PushStatus} | {"skipped": 0}
         self.loss_history: deque[tuple[int, float]] = deque(maxlen=10000)
         self.examples = 0
@@ -187,7 +188,7 @@ class ParameterServerCore(ModelState):
                 self.modes.load(state["staleness"], now)
         self.resume_expected = len(gone) or self.resume_expected
         self.round = self.last_round = None
-        self.parts = self._decision = None
+        self.parts = self._decision = self._end_ranks = None
         self.started, self._ready_since = False, None
         while self.rounds and self.rounds[-1].step >= self.global_step:
             self.rounds.pop()
@@ -206,6 +207,8 @@ class ParameterServerCore(ModelState):
         is stuck without it. A member registering again while active (its process restarted within its lease) stays
         in the round it counts in if it still owes it a push; one done with it without contributing (``late``) joins
         it as a comeback does; either way its old process's partition frames are not waited for."""
+        if self.done and self._end_ranks is None:
+            self._end_ranks = self.ranks()  # a worker registering after the end trains no step: not in the ranks
         prev = self.members.by_name.get(name)
         returning = prev is None or not prev.active
         m, _ = self.members.register(name, now)
@@ -321,9 +324,12 @@ class ParameterServerCore(ModelState):
 
     def ranks(self) -> tuple[int, ...]:
         """The ranks a pull names (sharding): the open round's, else the active members' (cached per
-        membership change); sorted. O(1) per call while membership is still."""
+        membership change); sorted. O(1) per call while membership is still. Once the job is done, a member
+        registering does not count: the ranks are those of before the first registration after the end."""
         if self.round is not None:
             return self.round.ranks
+        if self._end_ranks is not None and self.done:
+            return self._end_ranks
         if self._ranks[0] != self.members.changes:
             self._ranks = (self.members.changes, tuple(sorted(m.rank for m in self.members.active_by_id.values())))
         return self._ranks[1]
