@@ -11,8 +11,9 @@ older than that option ignores). With ``--json`` it prints each run's JSON line 
 ``summary`` line: the median steps/s, its min and max, and the medians of the CPU per step (and of ``cpu_busy``,
 when the tree's ``bench.run`` reports it); each line names its ``side`` (``before``, ``after``). Without it, a table
 of the summaries. Cells: ``--cells`` as ``transport:params:workers``, then optionally a compression (``--compression``
-of ``bench.run``) and ``S`` with a number of PS shards (``--shards``), e.g. ``http:10000000:2:S2`` (default: the
-eight of ``make bench`` at 1e6 and 1e7, uncompressed, one PS).
+of ``bench.run``), ``S`` with a number of PS shards (``--shards``) and ``standby`` (a hot-standby pair:
+``--standby``), e.g. ``http:10000000:2:S2``, ``shm:1000000:4:standby`` (default: the eight of ``make bench`` at 1e6
+and 1e7, uncompressed, one PS).
 """
 from __future__ import annotations
 
@@ -31,12 +32,13 @@ DEFAULT_CELLS = [f"{t}:{p}:{n}" for p in (1_000_000, 10_000_000) for n in (2, 4)
 
 
 def one_run(tree: str, transport: str, params: int, workers: int, seconds: float, warmup: float = 2.0,
-            compression: str = "none", shards: int = 1) -> dict:
+            compression: str = "none", shards: int = 1, standby: bool = False) -> dict:
     cmd = [sys.executable, "-m", "bench.run", "--workers", str(workers), "--params", str(params),
            "--seconds", str(seconds), "--warmup", str(warmup)]
     cmd += ["--transport", "http"] if transport == "http" else []
     cmd += ["--compression", compression] if compression != "none" else []
     cmd += ["--shards", str(shards)] if shards > 1 else []
+    cmd += ["--standby"] if standby else []
     try:
         out = subprocess.run(cmd, cwd=tree, capture_output=True, text=True, timeout=seconds + 300,
                              env={**os.environ, output.ENV: "1"})
@@ -46,7 +48,7 @@ def one_run(tree: str, transport: str, params: int, workers: int, seconds: float
     d = lines[-1] if lines else {"error": "no output"}
     d["tree"] = tree
     d["cell"] = (f"{transport}:{params}:{workers}" + (f":{compression}" if compression != "none" else "")
-                 + (f":S{shards}" if shards > 1 else ""))
+                 + (f":S{shards}" if shards > 1 else "") + (":standby" if standby else ""))
     steps = d.get("steps_per_s", 0) * d.get("window_s", 0)
     for key, name in (("ps_cpu_s", "ps_ms"), ("workers_cpu_s", "workers_ms")):
         if steps and key in d:
@@ -76,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=5.0, help="measured seconds of each run (bench.run --seconds)")
     ap.add_argument("--warmup", type=float, default=2.0, help="seconds of training before each run's window")
     ap.add_argument("--cells", default=",".join(DEFAULT_CELLS),
-                    help="transport:params:workers[:compression][:S<shards>],...")
+                    help="transport:params:workers[:compression][:S<shards>][:standby],...")
     output.add_json_option(ap)
     args = ap.parse_args(argv)
     trees = [os.path.abspath(args.before), os.path.abspath(args.after)]
@@ -89,7 +91,8 @@ def run_cells(args: argparse.Namespace, trees: list[str], summaries: output.Resu
     """Each cell's runs (JSON lines with --json), then its two summaries; yields the failed runs of each."""
     for cell in args.cells.split(","):
         transport, params, workers, *extra = cell.split(":")
-        options = dict(("shards", int(x[1:])) if x.startswith("S") else ("compression", x) for x in extra)
+        options = dict(("standby", True) if x == "standby" else ("shards", int(x[1:])) if x.startswith("S")
+                       else ("compression", x) for x in extra)
         results: list[list[dict]] = [[], []]
         for _ in range(args.runs):
             for side, tree in enumerate(trees):
