@@ -30,9 +30,10 @@ run: $(BASE_STAMP)
 # The last section of the output, "degraded checks", lists what ran degraded or was skipped for want of
 # promtool, Chromium or Docker (tests/conftest.py). TEST_PROCESSES: pytest-xdist processes running the tests (most
 # tests wait on real processes, sockets and containers; those that share one resource run in one process, in turn).
+# --no-loadscope-reorder: the files go out in tests/conftest.py's order, the slowest first (its docstring: Order).
 TEST_PROCESSES ?= 2
 test: $(TEST_STAMP)
-	$(PY) -m pytest -n $(TEST_PROCESSES) --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_PROCESSES) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 lint-imports: $(TEST_STAMP)
 	$(VENV)/bin/lint-imports

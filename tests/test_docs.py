@@ -195,7 +195,7 @@ def test_make_run_installs_the_base_make_test_the_test_extras(tmp_path):
     calls = lambda *targets: re.findall(r"^python (.*)$", make(venv, *targets), re.M)  # noqa: E731
     assert calls("run") == ["-m pip install -q -e .", "-m cluster --workers 4 --task linear"]
     assert calls("run") == ["-m cluster --workers 4 --task linear"]
-    suite = "-m pytest -n 2 --dist loadfile"  # over 2 xdist processes (tests/conftest.py)
+    suite = "-m pytest -n 2 --dist loadfile --no-loadscope-reorder"  # 2 xdist processes, conftest's file order
     assert calls("test") == ["-m pip install -q -e .[test]", suite]
     assert calls("run", "test") == ["-m cluster --workers 4 --task linear", suite]
     for stamp in venv.glob(".installed-*"):
