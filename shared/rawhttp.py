@@ -10,8 +10,9 @@ request; this connection does neither:
   arrays a caller decoded from the previous answer stay valid.
 
 Only what the PS speaks is supported: ``Content-Length`` bodies, chunked ones
-(a pull answered partition by partition: read whole, then returned as one
-buffer), keep-alive, ``http://`` URLs. Every call has a timeout.
+(a pull answered partition by partition: its chunks received one after the
+other into one buffer of that pool, returned whole), keep-alive, ``http://``
+URLs. Every call has a timeout.
 
 A kept-alive socket is reused only while it has been idle for less than half
 the server's keep-alive timeout (its ``keep-alive: timeout=N`` answer header;
@@ -80,6 +81,7 @@ class RawConnection:
         self.host_header = url.netloc
         self.sock: socket.socket | None = None
         self._pool: list[np.ndarray] = []
+        self._chunked_size = 0  # the last chunked body's size (its buffer's, the next time)
         self._idle = keepalive.IdleClock()  # of ``sock``
 
     def close(self) -> None:
@@ -245,24 +247,37 @@ class RawConnection:
                 raise ValueError(f"connection closed inside {what}")
             got += r
 
-    def _chunked(self, pending: bytearray) -> bytes:
-        """A chunked body (``pending``: its bytes already read), whole."""
-        parts = []
+    def _chunked(self, pending: bytearray) -> bytes | memoryview:
+        """A chunked body (``pending``: its bytes already read), whole: each chunk received straight into one buffer,
+        a pooled one as a ``Content-Length`` body's (sized by the last chunked body on this connection, grown by
+        doubling if this one is larger); plain bytes when small."""
+        arr, size = None, 0
         while True:
             n = int(self._line(pending).split(b";")[0], 16)
             if n == 0:
                 while self._line(pending):  # trailers, then the empty line
                     pass
-                return b"".join(parts)
-            data = bytearray(n)
-            got = min(n, len(pending))
-            data[:got] = pending[:got]
-            del pending[:got]
-            with memoryview(data) as view:
+                self._chunked_size = size
+                view = memoryview(arr)[:size] if arr is not None else memoryview(b"")
+                return bytes(view) if size < POOL_MIN_BYTES else view
+            if arr is None or arr.nbytes < size + n:
+                arr = self._grown(arr, size, size + n)
+            with memoryview(arr)[size:size + n] as view:
+                got = min(n, len(pending))
+                view[:got] = pending[:got]
+                del pending[:got]
                 self._fill(view, got, "a chunk")
-            parts.append(data)
+            size += n
             if self._line(pending):
                 raise ValueError("a chunk does not end with CRLF")
+
+    def _grown(self, arr: np.ndarray | None, size: int, need: int) -> np.ndarray:
+        """A buffer of at least ``need`` bytes (the last chunked body's size at first, else twice ``arr``'s) holding
+        ``arr``'s first ``size`` bytes."""
+        grown = self._buffer(max(need, self._chunked_size if arr is None else 2 * arr.nbytes))
+        if size:
+            grown[:size] = arr[:size]
+        return grown
 
     def _line(self, pending: bytearray) -> bytes:
         """The next CRLF-ended line of the body (taken off ``pending``, reading more as needed)."""
@@ -279,7 +294,8 @@ class RawConnection:
 
     def _buffer(self, n: int) -> np.ndarray:
         """A byte array of at least n bytes that no earlier answer's arrays still view."""
-        for i, arr in enumerate(self._pool):
+        for i in range(len(self._pool)):  # (not enumerate: its cached tuple holds the array, never free then)
+            arr = self._pool[i]
             if refs.free(arr):
                 if arr.nbytes < n:
                     arr = self._pool[i] = np.empty(n, np.uint8)

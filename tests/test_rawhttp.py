@@ -20,7 +20,7 @@ import pytest
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from cluster.processes import free_port, wait_for
@@ -51,10 +51,15 @@ async def chunked(request: Request) -> StreamingResponse:
     return StreamingResponse(parts(), media_type="application/octet-stream")
 
 
+async def big(request: Request) -> Response:
+    """A large ``Content-Length`` answer (a weights answer)."""
+    return Response(bytes(range(256)) * (BIG // 256), media_type="application/octet-stream")
+
+
 @contextmanager
 def echo_server(keepalive: float = 5.0) -> Iterator[str]:
     app = Starlette(routes=[Route("/echo", echo, methods=["GET", "POST"]), Route("/refuse", refuse, methods=["POST"]),
-                               Route("/chunked", chunked)])
+                               Route("/chunked", chunked), Route("/big", big)])
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False,
                                            timeout_keep_alive=keepalive, timeout_graceful_shutdown=1))
@@ -362,14 +367,33 @@ def test_a_request_that_stalled_before_failing_is_logged_with_its_duration(caplo
     assert stalls[0].endswith("s (ConnectionLost: timed out: no progress for 0.2 s)"), stalls[0]
 
 
-def test_a_chunked_answer_is_read_whole_and_the_connection_kept():
+def test_large_answers_are_received_into_two_pooled_buffers_taken_again_once_free():
     with echo_server() as url:
         conn = RawConnection(url)
         try:
-            for _ in range(2):
+            held = []  # the buffer each answer was received into
+            for _ in range(4):
+                r = conn.request("GET", "/big", {}, timeout=allow(10))
+                assert bytes(r.content) == bytes(range(256)) * (BIG // 256)
+                held.append(id(r.content.obj))
+            # the second answer is still viewed when the third comes (``r``), not the first: two buffers, in turn
+            assert held[2] == held[0] and held[3] == held[1] != held[0] and len(conn._pool) == 2
+        finally:
+            conn.close()
+
+
+def test_a_chunked_answer_is_read_whole_into_a_pooled_buffer_and_the_connection_kept():
+    with echo_server() as url:
+        conn = RawConnection(url)
+        try:
+            held = []  # the buffer each answer was received into
+            for _ in range(3):
                 r = conn.request("GET", "/chunked", {}, timeout=allow(10))
                 assert r.status_code == 200 and r.headers["transfer-encoding"] == "chunked"
                 assert bytes(r.content) == b"head" + bytes(range(256)) * (BIG // 256) + b"tail"
+                held.append(id(r.content.obj))
+                assert any(r.content.obj is a for a in conn._pool)  # one of the pooled buffers, not a join of chunks
+            assert held[2] == held[0]  # the first answer's buffer again (the second's still viewed by ``r``)
             first = conn.request("GET", "/echo", {}, timeout=allow(10)).json()["port"]
             assert conn.request("GET", "/echo", {}, timeout=allow(10)).json()["port"] == first
         finally:
