@@ -3,8 +3,9 @@
 Contract: in a job with partitioned rounds (``PS_PARTITION_BYTES`` > 0) the core calls :meth:`Partitions.closed`
 (its ``on_partition`` hook) after every call that closed partitions of the open round. While round s is decided
 and its partitions still close, :attr:`Partitions.current` is step s + 1's :class:`StepFrames`: each partition's
-frame of the weights is encoded (its bytes copied) as soon as the partition closed, so an answer in flight sends
-bytes that no later round changes; the last partition's frame waits for the round's close (its meta names the next
+frame of the weights is encoded (its bytes copied, once, into a buffer of the PS's pool,
+:data:`ps_service.core.buffers.POOL`) as soon as the partition closed, so an answer in flight sends bytes that no
+later round changes; the last partition's frame waits for the round's close (its meta names the next
 round's ``ranks`` and ``done``, known only then). A pull may send a :class:`StepFrames` while it fills: its frames in
 partition order, each as soon as it is encoded (:meth:`StepFrames.has`). Frame 0 is the answer's head,
 ``{"step": s + 1, "partitions": Q}`` and partition 0's pieces (partition 0 closes at the round's decision); frame q
@@ -14,6 +15,7 @@ partitioned push's body. The default (no partitions) never makes one: :meth:`clo
 """
 from __future__ import annotations
 
+from ps_service.core.buffers import POOL
 from shared import frame
 
 
@@ -22,7 +24,7 @@ class StepFrames:
 
     def __init__(self, step: int, count: int) -> None:
         self.step, self.count = step, count
-        self.frames: list[bytes | None] = [None] * count
+        self.frames: list[memoryview | None] = [None] * count
 
     def has(self, q: int) -> bool:
         return self.frames[q] is not None
@@ -77,7 +79,10 @@ class Partitions:
             if cur.frames[q] is None and (last or q != plan.count - 1):
                 cur.frames[q] = self._encode(plan, q, cur.step)
 
-    def _encode(self, plan, q: int, step: int) -> bytes:
+    def _encode(self, plan, q: int, step: int) -> memoryview:
+        """Partition ``q``'s frame of the weights, written once into a buffer of the PS's pool (a step's frames take
+        the buffers of an earlier step's that no answer sends any more: no fresh pages to fault in), the zero bytes
+        up to the next frame's start included."""
         core, count = self.core, plan.count
         if q == 0:
             meta = {"step": step, "partitions": count}
@@ -85,5 +90,10 @@ class Partitions:
             meta = {"partition": q, "done": core.done, "ranks": list(core.ranks())}
         else:
             meta = {"partition": q}
-        body = frame.encode_bytes(plan.split(core.weights, q), meta)
-        return body if q == count - 1 else body + bytes(frame.aligned(len(body)) - len(body))
+        tensors = plan.split(core.weights, q)
+        layout = frame.Layout.of(tensors)
+        n = frame.frame_bytes(layout, meta)
+        buf = POOL.take(n if q == count - 1 else frame.aligned(n))
+        frame.write_into(buf, tensors, meta, layout)
+        buf[n:] = bytes(len(buf) - n)
+        return buf

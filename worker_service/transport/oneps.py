@@ -47,10 +47,12 @@ class OnePS(TensorTransport):
 
     def push(self, meta: dict, grads: Mapping[str, np.ndarray], wait: float, timeout: float,
              on_way: Callable[[], None] | None = None, body: list | None = None, pull: bool = True,
-             path: str = f"{API}/gradients", params: dict | None = None) -> PushAnswer:
+             path: str = f"{API}/gradients", params: dict | None = None,
+             into: Mapping[str, np.ndarray] | None = None) -> PushAnswer:
         """One request, which this thread sends: ``on_way`` is called at once. ``body``: the push's, if made
         already; ``pull``: ask for the next weights (``pull=1``), else the JSON answer only; ``path`` and ``params``:
-        another route's (a sharded PS's follower's hold, partitioned rounds)."""
+        another route's (a sharded PS's follower's hold, partitioned rounds); ``into``: where a partitioned pull
+        joins cut tensors (:class:`~worker_service.transport.http.BodyTransport`'s; unused here)."""
         if on_way is not None:
             on_way()
         params = {**({"pull": 1, "timeout": wait, **self.answer_params()} if pull else {}), **(params or {})}

@@ -141,10 +141,10 @@ class ShardedTransport(TensorTransport):
 
         def one(i: int) -> PushAnswer:
             pieces = shards.split(grads, self.map.pieces[i])
-            if i == 0:
-                answer = self.links[0].push(meta, pieces, wait, timeout)
+            dest = {p.key: into[p.name].reshape(-1)[p.start:p.stop] for p in self.map.pieces[i] if not p.whole}
+            if i == 0:  # (its pull joins the cut tensors in place too: then nothing is left to place)
+                answer = self.links[0].send(lambda t: t.push(meta, pieces, wait, timeout, into=dest))
             else:
-                dest = {p.key: into[p.name].reshape(-1)[p.start:p.stop] for p in self.map.pieces[i] if not p.whole}
                 answer = self.links[i].send(lambda t: t.push(held, pieces, wait, timeout, hold=hold, into=dest))
             self._placed(i, answer.pulled, into)
             return answer
