@@ -367,33 +367,25 @@ def test_a_request_that_stalled_before_failing_is_logged_with_its_duration(caplo
     assert stalls[0].endswith("s (ConnectionLost: timed out: no progress for 0.2 s)"), stalls[0]
 
 
-def test_large_answers_are_received_into_two_pooled_buffers_taken_again_once_free():
+BODIES = {"/big": bytes(range(256)) * (BIG // 256), "/chunked": b"head" + bytes(range(256)) * (BIG // 256) + b"tail"}
+
+
+@pytest.mark.parametrize("path", ["/big", "/chunked"])
+def test_large_answers_are_received_into_two_pooled_buffers_taken_in_turn_and_the_connection_kept(path):
+    """A ``Content-Length`` answer, and a chunked one (a pull answered partition by partition: its chunks received
+    into one buffer, not joined)."""
     with echo_server() as url:
         conn = RawConnection(url)
         try:
             held = []  # the buffer each answer was received into
             for _ in range(4):
-                r = conn.request("GET", "/big", {}, timeout=allow(10))
-                assert bytes(r.content) == bytes(range(256)) * (BIG // 256)
+                r = conn.request("GET", path, {}, timeout=allow(10))
+                assert r.status_code == 200 and bytes(r.content) == BODIES[path]
+                assert any(r.content.obj is a for a in conn._pool)
                 held.append(id(r.content.obj))
+            assert r.headers.get("transfer-encoding") == ("chunked" if path == "/chunked" else None)
             # the second answer is still viewed when the third comes (``r``), not the first: two buffers, in turn
             assert held[2] == held[0] and held[3] == held[1] != held[0] and len(conn._pool) == 2
-        finally:
-            conn.close()
-
-
-def test_a_chunked_answer_is_read_whole_into_a_pooled_buffer_and_the_connection_kept():
-    with echo_server() as url:
-        conn = RawConnection(url)
-        try:
-            held = []  # the buffer each answer was received into
-            for _ in range(3):
-                r = conn.request("GET", "/chunked", {}, timeout=allow(10))
-                assert r.status_code == 200 and r.headers["transfer-encoding"] == "chunked"
-                assert bytes(r.content) == b"head" + bytes(range(256)) * (BIG // 256) + b"tail"
-                held.append(id(r.content.obj))
-                assert any(r.content.obj is a for a in conn._pool)  # one of the pooled buffers, not a join of chunks
-            assert held[2] == held[0]  # the first answer's buffer again (the second's still viewed by ``r``)
             first = conn.request("GET", "/echo", {}, timeout=allow(10)).json()["port"]
             assert conn.request("GET", "/echo", {}, timeout=allow(10)).json()["port"] == first
         finally:
