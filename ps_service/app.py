@@ -84,7 +84,8 @@ def create_app(settings: PSSettings | None = None, exit_on_refusal: bool = False
     # FastAPI >= 0.16x asks OpenTelemetry for its providers on every request (reading the environment each time:
     # ~0.2 ms per request in the PS's profile); syncps exports Prometheus metrics, not OpenTelemetry: off (an older
     # FastAPI keeps the unknown keyword in app.extra)
-    app = make(title="syncps parameter server", version="0.1.0", lifespan=lifespan, **docs,
+    # redirect_slashes off: `/v1/status/` is no route (404 `not_found`), not a 307 that skips the token and the body
+    app = make(title="syncps parameter server", version="0.1.0", lifespan=lifespan, **docs, redirect_slashes=False,
                   telemetry={"tracing": False, "metrics": False, "logs": False},
                   description="Synchronous parameter server (SyncReplicasOptimizer semantics). See docs/protocol.md.")
     install_error_handlers(app)

@@ -312,6 +312,9 @@ CASES = [
     # routing
     Case("wrong-method", 405, "method_not_allowed", "PATCH", "/v1/model", ctype=None),
     Case("unknown-path", 404, "not_found", "GET", "/v1/pickle", ctype=None),
+    # a trailing slash is another path: 404, not a 307 to the route without it (which skipped the token check)
+    Case("push-trailing-slash", 404, "not_found", body=push, path="/v1/gradients/"),
+    Case("status-trailing-slash", 404, "not_found", "GET", "/v1/status/", ctype=None),
 ]
 
 
