@@ -58,6 +58,16 @@ def _decimal(value: Any) -> Any:
 DecimalInt = Annotated[int, BeforeValidator(_decimal)]
 
 
+def _json_int(value: Any) -> Any:
+    if isinstance(value, (bool, str)):  # pydantic's lax int takes ``true`` as 1 and ``"1"`` as 1
+        raise ValueError("a JSON integer, not a boolean or a string")
+    return value
+
+
+#: an integer field of a JSON body: a JSON number (``1``, or ``1.0`` as JSON Schema's integer), never ``true`` or ``"1"``
+JsonInt = Annotated[int, BeforeValidator(_json_int)]
+
+
 def error_response(status: int, code: str, detail: str, headers: dict | None = None) -> JSONResponse:
     return JSONResponse({"error": code, "detail": detail}, status_code=status, headers=headers)
 

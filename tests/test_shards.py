@@ -546,7 +546,10 @@ def test_a_coordinator_restored_behind_a_follower_has_it_restore_the_same_step(t
         for path, body in [("/v1/shard/restore", {"step": 2**64 - 1}),  # integers beyond 2^53 - 1: 400, nothing done
                            ("/v1/shard/apply", {"step": 2**53, "contributors": [], "mean_of": 1}),
                            ("/v1/shard/apply", {"step": 1, "contributors": [[2**64, ids[0]]], "mean_of": 1}),
-                           ("/v1/shard/apply", {"step": 1, "contributors": [], "mean_of": 2**63})]:
+                           ("/v1/shard/apply", {"step": 1, "contributors": [], "mean_of": 2**63}),
+                           # not JSON integers: lax, `true` was step 1 and applied it (the follower a step ahead)
+                           ("/v1/shard/apply", {"step": True, "contributors": [], "mean_of": 1}),
+                           ("/v1/shard/apply", {"step": "1", "contributors": [], "mean_of": True})]:
             r = f.http().post(path, json=body)
             assert (r.status_code, r.json()["error"], f.rt.core.global_step) == (400, "bad_request", 1), (path, body)
         r = hc.post("/v1/shard/restore", json={"step": 1})

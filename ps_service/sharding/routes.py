@@ -14,7 +14,7 @@ from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, Field
 
 from ps_service import api
-from ps_service.http import JSON_BODY_LIMIT, json_body, parse_json
+from ps_service.http import JSON_BODY_LIMIT, JsonInt, json_body, parse_json
 from ps_service.runtime import runtime
 from ps_service.sharding import parts, receipts
 from ps_service.core.checks import validate
@@ -167,14 +167,14 @@ async def init_pieces(request: Request) -> dict:
     return rt.run_guarded(lambda: role.init_follower(f, rt.now()))
 
 
-#: an integer of a coordinator's message: :data:`~shared.protocol.MAX_INT` at most
-Count = Annotated[int, Field(ge=0, le=MAX_INT)]
+#: an integer of a coordinator's message: :data:`~shared.protocol.MAX_INT` at most (a JSON ``true`` is not one)
+Count = Annotated[JsonInt, Field(ge=0, le=MAX_INT)]
 
 
 class ApplyRound(BaseModel):
     step: Count
     contributors: list[tuple[Count, str]] = Field(description="(rank, worker_id) of the round's contributors, in sum order.")
-    mean_of: int = Field(ge=1, le=MAX_INT)
+    mean_of: Annotated[JsonInt, Field(ge=1, le=MAX_INT)]
     lost: list[str] = Field(default_factory=list, description=(
         "Partitioned rounds: contributors that will bring no more frames of the round (lost before its decision)."))
 
