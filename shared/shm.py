@@ -72,8 +72,9 @@ class Region:
 
 def open_in(directory: str, name: str, flags: int) -> int:
     """Open ``directory/name`` without following a symlink: a regular file of this user with one link,
-    or OSError."""
-    fd = os.open(os.path.join(directory, name), flags | os.O_NOFOLLOW | os.O_CLOEXEC)
+    or OSError. Non-blocking, so a FIFO put there is refused at once rather than waiting for its writer (the PS's
+    event loop with it); on a regular file ``O_NONBLOCK`` changes nothing."""
+    fd = os.open(os.path.join(directory, name), flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     try:
         st = os.fstat(fd)
         if not (st.st_mode & 0o170000 == 0o100000 and st.st_uid == os.geteuid()):

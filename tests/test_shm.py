@@ -218,6 +218,8 @@ def test_hostile_attach_and_push_change_nothing(shm_dir):
         hard = "syncps-g-" + "3" * 32  # a hard link of the PS's own weights file (kind W, two links)
         os.link(os.path.join(shm_dir, offer["weights_file"]), os.path.join(shm_dir, hard))
         weights_nonce = offer["nonce"]
+        fifo = "syncps-g-" + "4" * 32  # its open waited for a writer: the PS's event loop hung there
+        os.mkfifo(os.path.join(shm_dir, fifo), 0o600)
         cases = [
             (lambda: attach("../../etc/passwd"), 400, "bad_field"),
             (lambda: attach("syncps-g-" + "0" * 32), 409, "shm_unavailable"),  # no such file: another host
@@ -226,6 +228,7 @@ def test_hostile_attach_and_push_change_nothing(shm_dir):
             (lambda: attach(small), 409, "shm_unavailable"),  # wrong size
             (lambda: attach(link), 409, "shm_unavailable"),  # a symlink is never followed
             (lambda: attach(hard, weights_nonce), 409, "shm_unavailable"),  # the weights are no gradient
+            (lambda: attach(fifo), 409, "shm_unavailable"),  # not a regular file
             (lambda: shm_push(h, wid, 0, 1), 409, "shm_not_attached"),
             (lambda: attach(real.gradient_file, worker="nobody"), 404, "unknown_worker"),
             (lambda: shm_push(h, wid, 0, 1), 409, "shm_not_attached"),
