@@ -409,3 +409,15 @@ def test_a_restarted_primary_with_a_term_kept_follows_its_peer_when_it_answers(t
     assert lone.role == "candidate"
     lone.peer_answers({"role": "standby", "term": 0})
     assert (lone.role, lone.term) == ("primary", 5) and kept_on_disk(tmp_path) == {"term": 5, "role": "primary"}
+
+
+def test_a_votes_term_is_a_json_integer():
+    """protocol.md, Errors: a JSON body that does not fit the route's schema is 400 ``bad_request``; pydantic's lax
+    int took ``true`` as term 1 and ``"2"`` as term 2."""
+    from ps_service.http import parse_json
+    from ps_service.standby.routes import Vote
+    for body in (b'{"term": true, "name": "w0"}', b'{"term": "2", "name": "w0"}'):
+        with pytest.raises(ProtocolError) as refused:
+            parse_json(body, Vote)
+        assert (refused.value.status, refused.value.code) == (400, "bad_request")
+    assert parse_json(b'{"term": 2, "name": "w0"}', Vote).term == 2

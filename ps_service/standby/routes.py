@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from starlette.background import BackgroundTask
 
-from ps_service.http import JSON_BODY_LIMIT, parse_json
+from ps_service.http import JSON_BODY_LIMIT, JsonInt, parse_json
 from ps_service.runtime import runtime
 from ps_service.standby import messages
 from ps_service.transport.body import read_body
@@ -73,7 +73,7 @@ async def ping(request: Request, term: Count, seq: Count, gated: bool = Query(Fa
 
 
 class Vote(BaseModel):
-    term: int = Field(ge=1, le=MAX_INT)
+    term: Annotated[JsonInt, Field(ge=1, le=MAX_INT)]  # `true` or "2" is no term: 400
     name: str = Field(min_length=1, max_length=128)
 
 
