@@ -235,3 +235,23 @@ def test_partitioned_rounds_on_shards_train_bit_identical_to_one_process(shards)
     assert job.tensors.keys() == ref.keys()
     for k in ref:
         assert job.tensors[k].tobytes() == ref[k].tobytes(), f"{k}: not bit-identical (0 ulp)"
+
+
+def test_a_followers_partitioned_hold_takes_a_pushs_meta_but_no_shm_seq_nor_compression():
+    """protocol-shards.md, Partitioned rounds: a follower's hold carries a push's meta (its ``loss`` and the like are
+    ignored; ``compression`` ``none`` is no compression); ``shm_seq`` or another ``compression``: 400 ``bad_field``."""
+    from tests.test_shards import W0 as W, post_frame, start_job, two_shards
+    with two_shards(partition_bytes=8) as (c, f):
+        hc, hf, m, ids = start_job(c, f)
+        pieces = split({k: np.ones_like(v) for k, v in W.items()}, m.pieces[1])
+
+        def hold(**meta):
+            return post_frame(hf, "/v1/shard/gradients", pieces, {"worker_id": ids[0], "step": 0, **meta},
+                              map=m.digest)
+        for meta in ({"shm_seq": 3}, {"compression": "topk"}):
+            r = hold(**meta)
+            assert (r.status_code, r.json()["error"]) == (400, "bad_field"), r.text
+        for meta in ({"loss": 0.5, "num_examples": 4}, {"compression": "none"}):
+            r = hold(**meta)
+            assert (r.status_code, r.json()["status"]) == (200, "held"), r.text
+        hc.close(), hf.close()
