@@ -37,6 +37,14 @@ def wall(rt: Runtime, t: float) -> float:
     return rt.started_wall + (t - rt.started_mono)
 
 
+def awaited(core) -> tuple[str, ...]:
+    """The ids of the members the open round waits for, in rank order: once decided (partitioned rounds), its
+    contributors owing a later partition's frame; else those yet to push."""
+    if core.round is None:
+        return ()
+    return core.parts.awaiting() if core.deciding else core.progress().awaited
+
+
 def current_round(rt: Runtime) -> dict | None:
     core, r = rt.core, rt.core.round
     if r is None:
@@ -47,7 +55,7 @@ def current_round(rt: Runtime) -> dict | None:
         "step": r.step, "opened_at": wall(rt, r.opened_at), "open_for_seconds": rt.now() - r.opened_at,
         "eligible": [name[w] for w in sorted(r.eligible, key=r.key) if r.counts(w)],
         "pushed_by": [a.name for a in r.arrivals],
-        "awaited": [name[w] for w in p.awaited],
+        "awaited": [name[w] for w in awaited(core)],
         "late": [a.name for a in r.late],
         "still_needed": p.needed,
         "unreachable": p.unreachable,
@@ -196,9 +204,9 @@ def workers_view(rt: Runtime) -> dict:
     window = last_rounds(rt, STRAGGLER_WINDOW_ROUNDS)
     ranked = straggler_totals(window)
     events = [{**e, "time": wall(rt, e["time"])} for e in list(rt.core.members.events)[-100:]]
-    awaited = rt.core.progress().awaited if rt.core.round else ()
+    waits = awaited(rt.core)
     totals = {t["name"]: t for t in ranked}
-    return {"workers": [worker_view(rt, m, now, totals, awaited) for m in rt.core.members.all()],
+    return {"workers": [worker_view(rt, m, now, totals, waits) for m in rt.core.members.all()],
             "straggler": ranked[0]["name"] if ranked else None, "window_rounds": len(window), "events": events}
 
 

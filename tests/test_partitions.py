@@ -15,6 +15,7 @@ import pytest
 from ps_service.core import ParameterServerCore
 from ps_service.core.rounds import Accumulator
 from ps_service.core.errors import CoreError
+from ps_service.monitoring import awaited
 from shared.partitions import plan
 from shared.protocol import ModelInit, PushRequest, PushStatus
 from shared.shards import spec_of
@@ -186,11 +187,13 @@ def test_a_round_is_decided_by_partition_0_and_closes_with_its_last_partition():
     assert not c.deciding and c.global_step == 0
     assert frame(c, ids[1], 0, 1, 0).status is PushStatus.ACCEPTED  # the decision
     assert c.deciding and c.global_step == 0 and "partitions [1, 2]" in c.wait_reason(0.0)
+    assert awaited(c) == tuple(ids)  # /v1/status round.awaited: both owe frames (it listed anyone, done or not)
     late, start = c.register("late", 0.0)
     assert start == 1 and frame(c, late.worker_id, 0, 2, 0).status is PushStatus.LATE
     for rank, q in ((0, 1), (1, 2)):
         assert frame(c, ids[rank], 0, rank, q).status is PushStatus.ACCEPTED
     assert c.deciding and c.global_step == 0 and "partitions [1]" in c.wait_reason(0.0)
+    assert awaited(c) == (ids[1],)  # worker 0 sent every frame: no longer awaited
     assert frame(c, ids[1], 0, 1, 1).status is PushStatus.ACCEPTED
     assert not c.deciding and c.global_step == 1 and c.rounds[-1].aggregated == 2
     assert late.worker_id in c.round.eligible  # the newcomer is in the next round

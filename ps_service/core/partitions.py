@@ -65,6 +65,11 @@ class RoundParts:
     def done(self) -> bool:
         return self.decided and len(self.closed) == self.plan.count
 
+    def awaiting(self) -> tuple[str, ...]:
+        """The decided contributors a partition not closed still waits for, in rank order (monitoring)."""
+        want = set().union(*(m for q, m in enumerate(self.missing) if q not in self.closed))
+        return tuple(sorted(want, key=self.contributors.__getitem__))
+
     def has(self, q: int, worker_id: str) -> bool:
         """``worker_id``'s frame of partition q came."""
         return worker_id in self.came[q]
