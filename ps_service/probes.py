@@ -37,7 +37,7 @@ class ProbeListener:
 
     def __init__(self, rt: Runtime, host: str, port: int) -> None:
         self.last_pulse = time.monotonic()
-        app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
+        app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None, redirect_slashes=False)  # /healthz/: 404
         app.state.runtime = rt
         install_error_handlers(app)
         app.add_api_route("/healthz", self.healthz, methods=["GET"])
