@@ -532,7 +532,7 @@ def test_a_refusal_after_the_whole_body_keeps_the_connection(ps, unchanged, pad)
         assert read_response(s)[0] == 200
 
 
-@pytest.mark.parametrize("extra", ["Content-Length: -1\r\n", "Content-Length: abc\r\n",
+@pytest.mark.parametrize("extra", ["Content-Length: -1\r\n", "Content-Length: abc\r\n", f"Content-Length: {2**64}\r\n",
                                    "Content-Length: 3\r\nTransfer-Encoding: chunked\r\n"])
 def test_malformed_framing_is_refused_by_the_http_layer(ps, unchanged, extra):
     status, _ = raw_exchange(ps.port, head(extra=extra) + b"0\r\n\r\n")
