@@ -402,7 +402,7 @@ def test_two_nodes_train_exactly_then_lose_node_2_and_finish(swarm, shared, requ
     expire (lease 2 s), the manager's 2 go on, and once the network is back node 2's workers rejoin from the same
     tasks (Swarm replaced none); then node 2's engine is killed, its workers' leases expire and the manager's 2
     workers finish the job. The three stacks are deployed together (their container start-up overlaps); job 2 is
-    paced (~25 rounds/s measured here), so it is still early in its 800 steps when jobs 1 and 3 (60 unpaced steps)
+    paced (~25 rounds/s measured here), so it is still early in its 1000 steps when jobs 1 and 3 (60 unpaced steps)
     are done and node 2 may go."""
     t0 = time.monotonic()
     how = _join_node2(shared, request, "two-node swarm test (test_swarm.py)")
@@ -410,7 +410,7 @@ def test_two_nodes_train_exactly_then_lose_node_2_and_finish(swarm, shared, requ
     swarm.create_secrets()
     spread = {"placement": {"max_replicas_per_node": 2}}
     start = {"PS_MIN_WORKERS": 4, "PS_STARTUP_GRACE_SECONDS": 0}
-    steps, lease, fault_steps = 60, 2.0, 800
+    steps, lease, fault_steps = 60, 2.0, 1000
     exact = swarm.stack("exact", ps={"PS_MAX_STEPS": steps, **start}, worker={"WORKER_DTYPE": "float64"},
                         worker_deploy=spread)
     fault = swarm.stack("fault", ps={"PS_MAX_STEPS": fault_steps, "PS_LEASE_SECONDS": lease, **start},
