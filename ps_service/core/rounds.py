@@ -10,34 +10,21 @@ came back mid-round (``gone``: it registered again; the round does not wait for 
 plus the pushes skipped for NaN/Inf (``skipped``: done, nothing applied). *Awaited* are the live
 counted members that have contributed nothing yet.
 
-Closing rule (:meth:`CloseRule.progress`), checked after every change:
-
-- elastic (R unset): when nobody is awaited and something came in. Reason ``full`` when every
-  eligible member pushed (its gradient is in, or was skipped for NaN/Inf), else ``membership`` (one
-  expired, left or came back).
-- fixed R, reachable (contributions + awaited >= R): at the R-th contribution, reason ``full``.
-- fixed R, **unreachable** (contributions + awaited < R: members left or expired): R can no
-  longer be met, so the round waits for the members still awaited and then closes with what it
-  has, reason ``unreachable``, provided at least ``min_replicas`` (>= 1) gradients are in. Below
-  that (none in, say) it is *stuck*: it waits for a worker to register, who joins it at once.
-- either mode, deadline: open ``round_timeout`` seconds with at least ``min_replicas`` gradients
-  in, reason ``deadline``.
+Closing rule (:meth:`CloseRule.progress`, checked after every change; its reasons ``full``, ``membership``,
+``unreachable``, ``deadline`` and when each applies: docs/protocol.md, "The barrier"). *Stuck*
+(:attr:`Progress.stuck`): the round cannot close with its own members (only a deadline could close it); a worker
+that registers then joins the open round instead of the next one.
 
 Fixed R counts a push at its *head* (:meth:`Round.head`: its worker id and step, before its tensors are read; the
 transport asks then, :mod:`ps_service.core.intake`): the round's contributors are its first R heads (``heads``, arrival
 order), and a push whose head comes after R others' is ``late`` (:meth:`Round.lose`: the member is done with the round,
 not waited for). A head whose push then fails (its body could not be read, or the core refused it: 4xx) gives its place
-back (:meth:`Round.unhead`): the next head to come takes it (the same push retried, or a member yet to push), provided it
-sorts after the part of the sum already made; else R is out of reach once those still awaited are in, and the round
-closes with what it has (``unreachable``, at least ``min_replicas``). As in TensorFlow's SyncReplicasOptimizer, a
-gradient that never made it does not count towards R; unlike it, the pushes already answered ``late`` are not taken
-back (their bodies were not kept). A member that expires or leaves gives its place back too (its push can no longer
-count). On a sharded PS the coordinator's hold of a worker's pieces is its push's head, kept until its commit
-(:meth:`~ps_service.core.ParameterServerCore.hold`); a hold after R heads is late (:meth:`Round.refuse`: the member is
-done with the round, listed in ``refused``; in ``back`` too if it registers again into the stuck round, which takes it).
-
-*Stuck* (:attr:`Progress.stuck`): the round cannot close with its own members (only a deadline
-could close it); a worker that registers then joins the open round instead of the next one.
+back (:meth:`Round.unhead`): the next head to come takes it, provided it sorts after the part of the sum already made;
+else R is out of reach once those still awaited are in. A member that expires or leaves gives its place back too (its
+push can no longer count). On a sharded PS the coordinator's hold of a worker's pieces is its push's head, kept until
+its commit (:meth:`~ps_service.core.ParameterServerCore.hold`); a hold after R heads is late (:meth:`Round.refuse`: the
+member is done with the round, listed in ``refused``; in ``back`` too if it registers again into the stuck round,
+which takes it).
 
 Cost: the round keeps its counts (``live``: counted members alive; ``waiting``: of them, those
 awaited) up to date through its mutators (:meth:`Round.accept`, ``skip``, ``drop``, ``join``) and
@@ -70,25 +57,14 @@ The round's sum (:class:`Accumulator`, the PS's ConditionalAccumulator):
   :attr:`~Accumulator.spoiled` (:attr:`~Accumulator.overflow` names the tensor), the round applies nothing.
 - A top-k push's tensors (:class:`~shared.compression.SparseTensor`: k entries, zero elsewhere) are kept as the
   running sum's :class:`Terms` while that tensor's sum came only from such pushes, and added at once when the sum is
-  taken (:func:`sparse_sum`: over the union of their indices, the dense sum's bits there, +0.0 elsewhere as the
-  dense sum has it; O(k log k), the sums checked as made); ``take_sum`` then gives that tensor as a
-  :class:`~shared.compression.SparseTensor` (its support: the entries a round can change).
-  A dense push, or a same-host one, makes it dense first.
+  taken (:func:`sparse_sum`); ``take_sum`` then gives that tensor as a :class:`~shared.compression.SparseTensor` (its
+  support: the entries a round can change). A dense push, or a same-host one, makes it dense first.
 
-The straggler of a closed round (:func:`straggler`; ``/v1/rounds``, ``/metrics``, the dashboard and ``make run``):
-
-- If the push that closed the round was the last one it waited for (the close time equals the last arrival: an
-  accepted push, or one skipped for NaN/Inf), the straggler is that **last contributor** (``kind="last_arrival"``).
-  ``waited_seconds`` is what that member alone cost the round: its arrival minus the previous arrival (the barrier
-  would have closed that much earlier without it).
-- If the round closed later than its last arrival, it was waiting for members that **never came** (a lease expired,
-  a worker left, or the round deadline passed): ``kind="never_arrived"``, the straggler is the lowest-ranked of them
-  (all are listed in ``missing``) and ``waited_seconds`` is the close time minus the last arrival (or the opening,
-  if nobody pushed).
-- A round with a single contributor and nobody missing has no straggler.
-
-Also reported: ``after_seconds`` (straggler's arrival, or the close, after the round opened), ``behind_first`` and
-``behind_median`` (the same instant minus the first and the median arrival). All times are seconds.
+The straggler of a closed round (:func:`straggler`; its ``kind``, ``waited_seconds`` and ``missing``:
+docs/guides/monitoring.md, "Straggler"): the last contributor when its push closed the round, else the lowest-ranked
+member that never came; none for a single contributor with nobody missing. ``after_seconds`` (the straggler's arrival,
+or the close, after the round opened), ``behind_first`` and ``behind_median`` (the same instant minus the first and the
+median arrival), all in seconds.
 """
 from __future__ import annotations
 
@@ -195,14 +171,6 @@ class Progress:
         return self.reason is None and not self.waiting
 
 
-def _always(worker_id: str) -> bool:
-    return True
-
-
-def _itself(worker_id: str) -> str:
-    return worker_id
-
-
 @dataclass
 class Round:
     step: int
@@ -210,9 +178,9 @@ class Round:
     eligible: dict[str, int]  # worker_id -> rank; read-only outside (:meth:`join` changes it)
     acc: Accumulator
     #: alive(worker_id): an active member (the round's counts follow :meth:`member_changed`)
-    alive: Callable[[str], bool] = field(default=_always, repr=False, compare=False)
+    alive: Callable[[str], bool] = field(repr=False, compare=False)
     #: name_of(worker_id): a member's name (the record's ``missing``)
-    name_of: Callable[[str], str] = field(default=_itself, repr=False, compare=False)
+    name_of: Callable[[str], str] = field(repr=False, compare=False)
     arrivals: list[Arrival] = field(default_factory=list)
     late: list[Arrival] = field(default_factory=list)
     losses: list[tuple[float, int]] = field(default_factory=list)  # (loss, examples)
@@ -575,8 +543,10 @@ class Accumulator:
         return out, n if self.aggregation == "mean" and n > 1 else 1
 
     def _check_sum(self) -> None:
-        """Unless known finite, read the sum once for NaN/Inf: not finite, :attr:`spoiled`."""
-        self._sparse_summed()
+        """Every :class:`Terms` of the running sum added; then, unless known finite, the sum read once for NaN/Inf: not
+        finite, :attr:`spoiled`."""
+        if self.acc is not None and any(isinstance(a, Terms) for a in self.acc.values()):
+            self.acc = {name: self._summed(name, a) for name, a in self.acc.items()}
         if self.acc is None or self.spoiled or self._finite:
             return
         self._finite = True
@@ -620,8 +590,3 @@ class Accumulator:
             if not np.isfinite(total.values).all():
                 self.spoiled, self.overflow = True, self.overflow or name
         return total
-
-    def _sparse_summed(self) -> None:
-        """Every :class:`Terms` of the running sum added (its tensors then arrays or entries)."""
-        if self.acc is not None and any(isinstance(a, Terms) for a in self.acc.values()):
-            self.acc = {name: self._summed(name, a) for name, a in self.acc.items()}
