@@ -174,7 +174,7 @@ class ParameterServerCore(ModelState):
                      state["optimizer"]["slots"], state["global_step"])
         if live is not None and all(live[k].shape == w.shape and live[k].dtype == w.dtype
                                     for k, w in self.weights.items()) and live.keys() == self.weights.keys():
-            self.before_change()
+            self.store.before_change()
             for k, w in self.weights.items():  # into the arrays the weights were in (a same-host weights file)
                 np.copyto(live[k], w)
             self.weights = live

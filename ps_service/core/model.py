@@ -9,24 +9,18 @@ Contract:
   same data as plain copies (safe to encode off the event loop).
 - ``version`` bumps on every change a waiting pull may care about (``_changed``); ``tick`` is
   the core's hook to advance time once the model is there.
-- The weights live in the model's :class:`WeightsStore` once an answer was made of them
-  (the frame of the dense answers). They change in place only through :meth:`update` (and a rewind,
-  ``core.rewind``), each of which calls :meth:`before_change` first: the store moves them out of a frame an answer
-  may still be sending (copy on write) and counts the change (``store.changes``). The core calls nothing outside
-  its package for it: the transports read the store, never the other way.
+- The weights live in :class:`WeightsStore`'s frame once an answer was made of them: the optimizer updates them there
+  and an answer is a view of it with the step's header rewritten in place, so no step copies them into a snapshot
+  (docs/performance.md, "Weights out"). They change in place only through :meth:`update` (and a rewind,
+  ``core.rewind``), each of which calls the store's :meth:`~WeightsStore.before_change` first (it counts the change,
+  ``store.changes``). The core calls nothing outside its package for it: the transports read the store, never the
+  other way.
 
-Without the store (:class:`WeightsStore`: memory only, it calls nobody) each new step's weights would be copied into a
-snapshot frame (one model-sized copy per step, on the round's critical path: ~6 % of the PS's CPU at 1e6 parameters,
-docs/performance.md), because the optimizer changes the weights in place while an answer may still be sending the old
-ones. Here the weights *are* that frame's tensors: :class:`WeightsStore` moves the core's arrays into one frame buffer
-(as the same-host weights file does, :mod:`ps_service.transport.shm`), the optimizer updates them there, and an answer
-is a view of the buffer with the step's header rewritten in place.
-
-Contract, the one rule that keeps every answer's bytes fixed once it is handed to the server:
+The store's one rule, which keeps every answer's bytes fixed once it is handed to the server:
 - :meth:`answer` gives each answer its own ``memoryview`` of :attr:`_answer`, so the view's reference count
   (against the count it had when no answer existed, measured then) counts the answers not yet written out (the
   server, uvloop's write queue, holds its view until the kernel has every byte);
-- :meth:`before_change` (the model's hook, called before the weights change in place: an optimizer step, a
+- :meth:`~WeightsStore.before_change` (called before the weights change in place: an optimizer step, a
   rewind) moves the weights to a fresh buffer first whenever an answer still holds the current one (copy on
   write: the old buffer stays, unchanged, with those answers, and goes back to the buffer pool after them,
   :mod:`ps_service.core.buffers`); a new header is written in place only under the same rule, else into a
@@ -139,16 +133,12 @@ class ModelState:
         self.global_step = int(global_step)
         self._changed()
 
-    def before_change(self) -> None:
-        """The weights are about to change in place (:meth:`update`, a rewind)."""
-        self.store.before_change()
-
     def update(self, grads: Mapping[str, np.ndarray], consume: bool = False, mean_of: int = 1,
                pieces: Sequence[Piece] | None = None, advance: bool = True) -> None:
-        """One optimizer step of the weights, in place (:meth:`Optimizer.apply`), after ``before_change``. ``pieces``:
-        one partition of the step (:mod:`ps_service.core.partitions`; ``grads`` keyed by their keys), ``advance``
-        False for the step's partitions after its first."""
-        self.before_change()
+        """One optimizer step of the weights, in place (:meth:`Optimizer.apply`), after the store's ``before_change``.
+        ``pieces``: one partition of the step (:mod:`ps_service.core.partitions`; ``grads`` keyed by their keys),
+        ``advance`` False for the step's partitions after its first."""
+        self.store.before_change()
         self.optimizer.apply(self.weights, grads, consume=consume, mean_of=mean_of, pieces=pieces, advance=advance)
 
     def model_state(self) -> dict[str, Any]:
