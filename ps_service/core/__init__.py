@@ -387,9 +387,8 @@ class ParameterServerCore(ModelState):
                 + (f" (R={want} is out of reach: the round closes with what they bring)" if p.unreachable else ""))
 
     def hold_leases(self, held: bool, now: float) -> None:
-        """While ``held`` no member's lease runs out (:meth:`Membership.hold`) and no round closes by its deadline;
-        released, every active member's lease lasts at least ``lease_seconds`` from ``now``, and the open round's
-        deadline counts from ``now`` if it opened earlier (as after a silence: :class:`Membership`)."""
+        """While ``held`` no lease runs out and no round closes by its deadline; released, both run from ``now`` at the
+        earliest (:meth:`Membership.hold`, :meth:`~Membership.release`, :meth:`_rule_now`)."""
         (self.members.hold if held else self.members.release)(now)
 
     def tick(self, now: float) -> bool:
@@ -427,7 +426,8 @@ class ParameterServerCore(ModelState):
             if p.reason is not None:
                 self._close(now, p.reason)
                 changed = True
-            elif p.stuck and (self.members.active_count > self.round.live or self._done_without(self.round)):
+            elif p.stuck and (self.members.active_count > self.round.live  # or a live member done without a gradient
+                              or any(self.members.is_active(w) for w in self.round.lost)):
                 changed |= self._recall(now)
         if self.started:
             self.rates.sample(now, (self.rounds_closed, self.examples, self.gradients_applied))
@@ -435,15 +435,9 @@ class ParameterServerCore(ModelState):
             self._changed()
         return changed
 
-    def _done_without(self, r: Round) -> bool:
-        """Is a live member of ``r`` done with it without contributing (fixed R: its push came after R heads)?"""
-        return any(self.members.is_active(w) for w in r.lost)
-
     def _recall(self, now: float) -> bool:
-        """The open round is stuck while active members it does not count (they registered after it opened, or came
-        back during it), or that are done with it without contributing (``late``), wait for the next round, which
-        cannot come: each is recalled (expired at once, its wait answered: 409 ``not_active``), registers again and
-        joins this round as a worker registering now would. O(K), only while a round is stuck with such members."""
+        """The stuck round's recall (the module docstring): each active member it does not count, or done with it
+        without contributing, is expired at once (409 ``not_active``) to register again into it. O(K), only then."""
         r = self.round
         recalled = [m for m in self.members.active() if not r.counts(m.worker_id) or m.worker_id in r.lost]
         for m in recalled:
