@@ -2,20 +2,12 @@
 
 A spec is ``{"name", "learning_rate", <hyper-parameters>}``, plus ``"flavor": "torch"`` for
 torch's formulas (:mod:`ps_service.core.torch_rules`). docs/protocol.md's optimizer table and docs/torch.md
-list every formula; the TF1 ones (``tf.compat.v1.train``, kernels of ``training_ops.cc``):
-
-- ``sgd``:      w -= g * lr
-- ``momentum``: a = a * m + g;  w -= a * lr          (``nesterov``: w -= g * lr + a * m * lr)
-- ``adam``:     p1 *= b1, p2 *= b2 (running products: b1^t, b2^t);  alpha = lr * sqrt(1 - p2) / (1 - p1)
-                m += (g - m) * (1 - b1);  v += (g * g - v) * (1 - b2);  w -= m * alpha / (sqrt(v) + eps)
-- ``adagrad``:  a += g * g;  w -= g * lr * rsqrt(a)   (a starts at initial_accumulator_value = 0.1;
-                rsqrt(a) = 1 / sqrt(a), each rounded: :func:`rsqrt`)
+list every formula; the TF1 ones are ``tf.compat.v1.train``'s kernels (``training_ops.cc``), :meth:`Optimizer._tf1`.
 
 Every constant, ``1 - beta`` included, is a scalar of the weight's dtype and every operation is
 rounded in it, in the kernels' order: TF1 training is reproduced bit for bit in float32 and float64
 (float64 given float64 hyper-parameters; TF1 turns Python floats into float32 tensors), but for float32
-Adagrad: TensorFlow's CPU build computes ``rsqrt`` of each whole 8-float AVX packet with the approximate
-``vrsqrtps`` instruction and a Newton step (Eigen's fast math), which numpy cannot reproduce (docs/torch.md).
+Adagrad, where TensorFlow's CPU build takes the approximate ``vrsqrtps`` (:func:`rsqrt`, docs/torch.md).
 
 Buffers: a tensor whose name starts with :data:`BUFFER_PREFIX` is not stepped by any optimizer: the
 round sets it to the aggregate of what the workers pushed for it (their mean under the default
