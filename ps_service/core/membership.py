@@ -1,38 +1,30 @@
 """Who is in the job: registration, ranks, leases. Pure state, no I/O, no clock of its own.
 
 Contract:
-- A worker registers by ``name``. A new name gets a fresh random ``worker_id``
-  and the lowest rank no other *present* member holds (present = active or
-  expired; a member that left gracefully gives its rank back). The same name
-  registering again (a restarted container) gets the same ``worker_id`` and
-  rank, and becomes active again.
-- Every request from a worker renews its lease (``touch``); ``expire(now)``
-  marks members whose lease ran out as ``expired``. ``leave`` is the graceful
-  exit. Expired and left members stay listed, for monitoring.
-- A worker waiting on the barrier (a long-poll pull) is alive for as long as it
-  waits: ``begin_wait`` renews its lease and counts one wait in flight, ``expire``
-  never expires a member with a wait in flight, ``end_wait`` ends one and renews
-  the lease from then. Waits are counted per member, so overlapping ones nest.
+- A worker registers by ``name``. A new name gets a fresh random ``worker_id`` and the lowest rank no other
+  *present* member holds (present = active or expired; a member that left gracefully gives its rank back). The same
+  name registering again (a restarted container) gets the same ``worker_id`` and rank, and becomes active again.
+- Every request from a worker renews its lease (``touch``); ``expire(now)`` marks members whose lease ran out as
+  ``expired``. ``leave`` is the graceful exit. Expired and left members stay listed, for monitoring.
+- A worker waiting on the barrier (a long-poll pull) is alive for as long as it waits: ``begin_wait`` renews its
+  lease and counts one wait in flight, ``expire`` never expires a member with a wait in flight, ``end_wait`` ends one
+  and renews the lease from then. Waits are counted per member, so overlapping ones nest.
 - Leases can be *held* (:meth:`hold`: a sharded PS whose follower does not answer, when no round can be applied
   anyway): ``expire`` then expires nobody, and :meth:`release` gives every active member a lease from then (one
   walk over the active members per hold).
 - Leases are held too while the PS hears from no worker at all (*silence*: no registration, heartbeat, pull, push
   or leave for :data:`SILENCE_LEASES` of a lease while members are active and none waits on the barrier; or
-  :meth:`stalled`: the PS itself did not run that long). A live stock worker is heard from at least every lease/3, so a
-  silence that long means the PS was cut off or paused (its host's network dropped, its process or VM stopped) or
-  every worker stopped at once, which the PS cannot tell apart: ``expire`` expires nobody from then, and the first
-  worker heard from again ends the silence, every active member getting a lease from then, as :meth:`release`
-  does. Without it, an outage of the PS longer than a lease would expire every worker and lose the gradients of
-  the open round; with it, the last members standing expire only a lease after another worker is heard from. (A
-  PS ending a wait is not hearing from its worker: the lease that renews is not a sign of life.)
+  :meth:`stalled`: the PS itself did not run that long): ``expire`` expires nobody from then, and the first worker
+  heard from again ends the silence, every active member getting a lease from then, as :meth:`release` does. Why
+  (a PS cut off or paused cannot tell that from every worker gone): docs/protocol.md, register. A PS ending a wait
+  is not hearing from its worker: the lease that renews is not a sign of life.
 - Every change is appended to ``events`` (bounded) with its time.
 
-Cost: no call scans the members. ``expire`` pops a heap of lease ends (one entry per member, renewing
-is free: an entry that comes due for a renewed lease is pushed back to its new end), so a tick costs
-O(log K) per lease that ran out or was renewed since its entry; the active members, their count and
-the ranks present members hold (for the lowest free rank) are kept up to date at every state change.
-Only :meth:`active` (sorted, once per round) and :meth:`all` / :meth:`export` (monitoring,
-checkpoints) walk them.
+Cost: no call scans the members. ``expire`` pops a heap of lease ends (one entry per member, renewing is free: an
+entry that comes due for a renewed lease is pushed back to its new end), so a tick costs O(log K) per lease that ran
+out or was renewed since its entry; the active members, their count and the ranks present members hold (for the
+lowest free rank) are kept up to date at every state change. Only :meth:`active` (sorted, once per round) and
+:meth:`all` / :meth:`export` (monitoring, checkpoints) walk them.
 """
 from __future__ import annotations
 
