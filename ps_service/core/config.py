@@ -1,9 +1,7 @@
 """The core's configuration (:class:`CoreConfig`), and the one place it is built from the PS settings.
 
-Contract: a frozen value; every field but ``max_rounds_kept`` is the PS setting of the same name
-(:class:`ps_service.settings.PSSettings`, ``PS_*`` variables), ``optimizer_overrides`` being the
-optimizer settings given. :meth:`CoreConfig.from_settings` maps them; a checkpoint stores the
-fields and compares them on restore.
+Contract: a frozen value, its fields the PS settings of their names (the class docstring), mapped by
+:meth:`CoreConfig.from_settings`; a checkpoint stores the fields and compares them on restore.
 """
 from __future__ import annotations
 
@@ -15,8 +13,9 @@ from ps_service.core.rounds import CloseRule
 
 @dataclass(frozen=True)
 class CoreConfig:
-    """Every field but the last two is the PS setting of its name, with no default here: the settings class is the
-    one source (:meth:`from_settings`; tests build theirs the same way, tests/configs.py)."""
+    """Every field but the last two is the PS setting of its name (:class:`ps_service.settings.PSSettings`, ``PS_*``
+    variables), with no default here: the settings class is the one source (:meth:`from_settings`; tests build theirs
+    the same way, tests/configs.py)."""
     replicas_to_aggregate: int | None
     total_num_replicas: int | None
     min_workers: int
