@@ -1,25 +1,13 @@
 """A hot standby (``PS_ROLE`` primary|standby, ``PS_PEER_URL``): this process's part in a pair of PS processes that
-hold the same bits (docs/guides/standby.md; the wire is docs/protocol.md, Hot standby).
+hold the same bits (docs/protocol-standby.md says the roles, terms, elections and messages; docs/guides/standby.md).
 
-Roles: ``primary`` (serves the workers; sends every step's input to its standby, :mod:`.link`, and answers a worker
-only once the standby acknowledged every step taken so far: :meth:`Pair.replicated`), ``standby`` (serves no worker:
-503 ``standby``; acknowledges a step's message once it read and checked it, and applies it right after the answer
-went out, :meth:`Pair.settle`, through :meth:`~ps_service.core.ParameterServerCore.apply_round`, the path a sharded
-PS's follower takes, so weights, optimizer slots and step stay bit-identical; the next message, a ping, a digest and a
-takeover settle first: every step it acknowledged is in the model it digests or takes over with), ``candidate``
-(either one, after ``PS_FAILOVER_TIMEOUT_SECONDS`` without the other: it asks the workers for their votes, 503
-``election``, and takes the next term when :mod:`.election` says it won). Every answer carries the pair's *term*
-(``x-syncps-term``) and this process's role (``x-syncps-role``, :mod:`.gate`); a PS whose term is older than a
-request's, or than its peer's, accepts no push and becomes the standby of the newer term (a state transfer: the
-primary's checkpoint data, :mod:`.messages`). With a checkpoint directory every change of term or role is on disk
-before the PS acts in it (:mod:`.kept`): a primary that restarts alone asks the workers for the next term
-(:meth:`Pair._restarted`) rather than serving term 1 again.
-
-The standby's copy is as new as the last step it acknowledged (applied, or applied before anything reads it), which
-is at least every step a worker saw: the primary's answers wait for it (``gated``), from the moment it snapshots its
-state for a standby that joins (or comes back): the workers wait for the state transfer once. Only a standby that
-took the state of its term may take over (``synced``); a primary that fed a standby asks the workers before it goes
-on without it.
+Contract: the primary answers a worker only once its standby acknowledged every step taken so far
+(:meth:`Pair.replicated`, from the snapshot of a state transfer on: ``gated``); the standby acknowledges a step's
+message once read and checked and applies it (:meth:`~ps_service.core.ParameterServerCore.apply_round`) right after
+the answer went out (:meth:`Pair.settle`; anything that reads or replaces the model settles first), so a round a worker
+saw closed is on the standby. Only a standby that took its term's state may take over (``synced``). A PS that sees a
+newer term accepts no push and becomes a standby (fencing); every change of term or role is on disk before the PS
+acts in it (:mod:`.kept`).
 """
 from __future__ import annotations
 
@@ -45,13 +33,7 @@ PRIMARY, STANDBY, CANDIDATE = "primary", "standby", "candidate"
 REPORTED_SILENCE_SECONDS = 0.4
 #: the longest a worker's answer waits for the standby's acknowledgement before it is refused (503, retried)
 REPLICATED_WAIT_SECONDS = 10.0
-#: what replication has cost this process (``GET /v1/ha`` ``costs``: sums over its messages, seconds of the wall
-#: clock but for ``writer_cpu_s``). The primary: ``messages`` queued, ``encode_s`` (each step's input copied into its
-#: message), ``send_s`` (the writer thread's requests, from the first byte out to the acknowledgement in),
-#: ``writer_cpu_s`` (that thread's CPU in them), ``exposed_s`` and ``exposed`` (answers to workers held for an
-#: acknowledgement: from the first such wait of a message to the acknowledgement, and how many messages held one).
-#: The standby: ``messages`` taken, ``read_s`` (a message's body read), ``decode_s`` (decoded and checked),
-#: ``apply_s`` (its optimizer step, after the acknowledgement went out).
+#: what replication has cost this process (``GET /v1/ha`` ``costs``, docs/protocol-standby.md)
 COSTS = ("messages", "encode_s", "send_s", "writer_cpu_s", "exposed_s", "exposed", "read_s", "decode_s", "apply_s")
 
 
@@ -104,10 +86,7 @@ class Pair:
 
     # ---- lifecycle ----------------------------------------------------------------------
     async def start(self, rt) -> None:
-        """A PS configured primary asks its peer first: a peer that has a term (it served, or serves) makes this one
-        its standby (a primary that comes back after a takeover accepts no push). A peer without a term: the primary
-        of the term after the one kept on disk (:mod:`.kept`; 1 if none). Unreachable: the primary of term 1 if no
-        term is kept, else a candidate for the term after it (:meth:`_restarted`): the workers decide."""
+        """The role to start in (docs/protocol-standby.md, Terms and roles): a PS set primary asks its peer first."""
         self.rt = rt
         self.heard = rt.now()
         self.link = Link(self)
@@ -129,19 +108,14 @@ class Pair:
             await self.link.close()
 
     def _restarted(self, term: int) -> None:
-        """Back with term ``term`` kept on disk and a peer that does not answer (it may serve a newer term): a candidate
-        for ``term + 1``, as a standby would be (more than half of the roster: the names of its checkpoint's members
-        that had not left), serving from its own state if it wins. A worker that voted in that term for the other PS,
-        or saw a newer one (503 ``fenced``: this PS becomes a standby), gives it no vote; no roster (no checkpoint):
-        it cannot win, and waits for its peer (:meth:`peer_answers`)."""
+        """Back with term ``term`` kept and a silent peer: a candidate for ``term + 1`` (its checkpoint's members vote),
+        serving from its own state if it wins; no roster: it waits for its peer (:meth:`peer_answers`)."""
         self.term, self.restarted = term, True
         self._stand((roster(self.core.members.export(), kept=True),), False,
                     f"restarted with term {term} kept and its peer does not answer")
 
     def peer_answers(self, answer: dict) -> None:
-        """The link's look at the peer while :attr:`restarted`: a peer without a term (it restarted too, a standby
-        waiting for a state) leaves the term to this PS: the primary of the next one. A peer with a term: its state
-        comes (a primary's link sends it) or its election decides."""
+        """The link's look at the peer while :attr:`restarted`: a peer without a term leaves the next one to this PS."""
         if self.role == CANDIDATE and self.restarted and not answer.get("term"):
             self._become(PRIMARY, self.election.term, f"its peer answers with no term (the {answer.get('role')})")
 
@@ -321,9 +295,7 @@ class Pair:
 
     # ---- the standby ------------------------------------------------------------------------
     def reported(self, now: float) -> None:
-        """A worker lost its connection to the primary just now (its process is gone, most likely): not heard from for
-        :data:`REPORTED_SILENCE_SECONDS` is then enough to ask for votes (the votes decide, not the clock; a primary
-        that still sends cancels the election)."""
+        """A worker lost its connection to the primary just now: :data:`REPORTED_SILENCE_SECONDS` of silence will do."""
         self.watch(now, min(self.failover, REPORTED_SILENCE_SECONDS))
 
     def watch(self, now: float, silence: float | None = None) -> None:
@@ -333,11 +305,15 @@ class Pair:
             self._stand((roster(self.members),), False, f"the primary has not been heard from for "
                                                         f"{now - self.heard:.1f} s")
 
-    def from_primary(self, term: int, seq: int | None, now: float) -> None:
-        """Checks of a primary's message (refusals change nothing): 409 ``stale_term`` for an older term, 409
-        ``ha_gap`` when this PS needs the whole state first (another term, a gap in the steps)."""
+    def _not_stale(self, term: int) -> None:
+        """409 ``stale_term``: a primary's message of an older term (or of this primary's own)."""
         if term < self.term or (term == self.term and self.role == PRIMARY):
             raise ProtocolError(409, "stale_term", f"this PS is the {self.role} of term {self.term}")
+
+    def from_primary(self, term: int, seq: int | None, now: float) -> None:
+        """Checks of a primary's message (refusals change nothing): :meth:`_not_stale`, then 409 ``ha_gap`` when this
+        PS needs the whole state first (another term, a gap in the steps)."""
+        self._not_stale(term)
         if term > self.term or self.role == PRIMARY or self.restarted or (seq is not None and seq > self.applied + 1):
             raise ProtocolError(409, "ha_gap", f"this PS is at message {self.applied} of term {self.term}: send the "
                                                "state (PUT /v1/ha/state)")
@@ -348,8 +324,7 @@ class Pair:
 
     def apply(self, term: int, seq: int, gated: bool, body, now: float) -> dict:
         """Take message ``seq``: checked (its step this PS's next, its tensors the model's), the answer acknowledges it;
-        its optimizer step is pending until :meth:`settle`, which the route runs once the answer went out, and which
-        anything that reads or replaces the model runs first (the next message, a ping, a digest, a takeover)."""
+        its optimizer step is pending until :meth:`settle`."""
         self.settle()  # (first: a step that failed to apply leaves no message taken, and this one a gap)
         self.from_primary(term, seq, now)
         if seq <= self.applied:
@@ -397,8 +372,7 @@ class Pair:
 
     def adopt(self, term: int, seq: int, state: dict, size: int, now: float) -> dict:
         """A primary's state (the transfer): become its standby at message ``seq`` of ``term``."""
-        if term < self.term or (term == self.term and self.role == PRIMARY):
-            raise ProtocolError(409, "stale_term", f"this PS is the {self.role} of term {self.term}")
+        self._not_stale(term)
         self.pending = None  # the state holds it
         self.core.adopt(state, now)
         self.core.follow()

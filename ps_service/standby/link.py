@@ -1,20 +1,13 @@
-"""The primary's link to its standby (PS -> PS HTTP with the training token; every call with a timeout).
+"""The primary's link to its standby (PS -> PS HTTP with the training token; every call with a timeout; the messages
+and their answers are docs/protocol-standby.md's).
 
-Contract (one asyncio task, :meth:`Link.run`, while this PS is the primary or an incumbent candidate):
-- Without a standby fed (:attr:`Pair.feeding` false) it asks the peer ``GET /v1/ha`` (a newer term there: this PS is
-  deposed, :meth:`Pair.deposed`), takes a snapshot on the event loop (:meth:`Pair.snapshot`: consistent, the steps
-  after it are queued), encodes it off the loop and sends it (``PUT /v1/ha/state``; a checkpoint file's bytes).
-- Then its writer thread sends the queued steps in order (``POST /v1/ha/steps``, on a kept-alive connection of its
-  own), each until acknowledged (:meth:`Pair.acknowledged`, on the event loop's thread): a step is written as soon
-  as the core queues it, before the primary's own update, which runs meanwhile. Idle, the task pings every quarter
-  of the failover timeout (``POST /v1/ha/ping``).
-- A standby that gives no answer for ``PS_FAILOVER_TIMEOUT_SECONDS`` since the last one is lost
-  (:meth:`Pair.lost_standby`); 409 ``stale_term``: deposed; 409 ``ha_gap`` or another refusal: the state again.
-  An incumbent candidate keeps sending the state: a standby that takes it has given up its own election, and the
-  primary serves again (:meth:`Pair.acknowledged`).
-  Retries back off up to a quarter of the failover timeout.
-- A candidate that restarted with a term kept on disk (:attr:`Pair.restarted`) asks its peer ``GET /v1/ha`` every
-  quarter of the failover timeout (:meth:`Pair.peer_answers`).
+Contract (one asyncio task, :meth:`Link.run`, while this PS is the primary or an incumbent candidate): without a
+standby fed it sends the state (``GET /v1/ha`` first: a newer term there deposes this PS; the snapshot on the event
+loop, encoded off it), then its writer thread sends the queued steps in order on a kept-alive connection of its own,
+each until acknowledged, as soon as the core queues it; idle, the task pings every quarter of the failover timeout. No
+answer for ``PS_FAILOVER_TIMEOUT_SECONDS``: the standby is lost (:meth:`Pair.lost_standby`); 409 ``stale_term``:
+deposed; another refusal: the state again. Retries back off up to a quarter of the failover timeout. A candidate that
+restarted with a term kept asks its peer ``GET /v1/ha`` as often (:meth:`Pair.peer_answers`).
 """
 from __future__ import annotations
 
@@ -155,14 +148,21 @@ class Link:
         if resp.status_code >= 500:
             await asyncio.sleep(p.failover / 4)
             raise Unanswered(f"{resp.status_code} {resp.text[:200]}")
-        self.last_ok, self.failures, self.error = time.monotonic(), 0, None
-        if resp.status_code == 409 and resp.json().get("error") == "stale_term":
-            p.deposed(0, f"the peer says: {resp.json().get('detail')}")
-        elif resp.status_code >= 400:
-            log.warning("hot standby: %s %s refused: %s %s", method, path, resp.status_code, resp.text[:200])
-            p.feeding = p.gated = False  # the state again
+        if self._heard(resp.status_code, resp.text, f"{method} {path}"):
             await self._sleep(p.failover / 4)
         return resp
+
+    def _heard(self, status: int, answer: str, what: str) -> bool:
+        """The standby answered (below 500): 409 ``stale_term`` deposes this PS; another refusal: the state again.
+        Whether it refused."""
+        self.last_ok, self.failures, self.error = time.monotonic(), 0, None
+        if status == 409 and '"stale_term"' in answer:
+            self.pair.deposed(0, f"the peer says: {answer[:200]}")
+        elif status >= 400:
+            log.warning("hot standby: %s refused: %s %s", what, status, answer[:200])
+            self.pair.feeding = self.pair.gated = False  # the state again
+            return True
+        return False
 
     async def _once(self) -> None:
         p = self.pair
@@ -178,8 +178,7 @@ class Link:
             if resp.status_code == 200:
                 p.acknowledged(p.acked, None)
 
-    # ---- the steps, from the writer thread: each written as soon as it is queued (while the primary's own update
-    # runs on the event loop's thread), in order, each until acknowledged --------------------------------------
+    # ---- the steps, from the writer thread ------------------------------------------------------------------
     def _next(self):
         p = self.pair
         if not p.feeding or self.transferred != p.epoch or self._closing:
@@ -229,18 +228,13 @@ class Link:
         if status is None or status >= 500:
             self._failed(answer if status is None else f"{status} {answer[:200]}")
             return
-        self.last_ok, self.failures, self.error = time.monotonic(), 0, None
-        if status == 200:
+        if self._heard(status, answer, f"step message {seq}"):
+            self.wake()
+        elif status == 200:
             p.bytes_sent += size
             while p.queue and p.queue[0][0] <= seq:
                 p.queue.popleft()
             p.acknowledged(seq, members)
-        elif status == 409 and '"stale_term"' in answer:
-            p.deposed(0, f"the peer says: {answer[:200]}")
-        else:
-            log.warning("hot standby: step message %d refused: %s %s", seq, status, answer[:200])
-            p.feeding = p.gated = False  # the state again
-            self.wake()
 
     async def _transfer(self) -> None:
         p = self.pair
