@@ -1,20 +1,15 @@
 """One PS process as the worker sees it: its URL, the :class:`~worker_service.transport.base.Transport` to it, the
 token every request carries, and the retry policy. The one place a worker's exchanges are retried.
 
-Contract of :meth:`Endpoint.call`: a timeout on every exchange; connection errors (``ConnectionLost``), timeouts
-and 5xx (:class:`ServerError`) retried with capped exponential backoff and jitter (:mod:`worker_service.retry`,
-each retry logged with the request and the error); a 4xx raised as :class:`shared.errors.ProtocolError` with the
-PS's error code; any other answer returned. With a ``token``, every request carries ``Authorization: Bearer``.
-
-A hot-standby pair (``urls``: both PS processes, docs/guides/standby.md): every request carries the newest term an
-answer carried (``x-syncps-term``: a PS of an older term refuses it, 503 ``fenced``); a lost connection, 503
-``standby`` or ``fenced`` move the attempt to the other PS at once (but a 503 ``standby`` while the other PS lost this
-worker's connection within :data:`LOST_REPORT_SECONDS` keeps the attempts here: that standby is about to ask for
-votes, and dialing a vanished host again would cost a connect timeout, 5 s); 503 ``election`` gets this worker's
-vote (its :attr:`Endpoint.voter` name, once per term: :attr:`Endpoint.ballot`; a PS it did not vote for in that
-term is left for the one it did) and the same PS is asked again at once; then, as any 5xx, the next attempt after a
-backoff of at most :data:`PAIR_WAIT_MAX_SECONDS`. A request to one PS says when the other just lost the worker's
-connection (``x-syncps-peer-lost``): a standby then asks for votes sooner.
+Contract of :meth:`Endpoint.call`: a timeout on every exchange; connection errors, timeouts and 5xx retried with
+capped exponential backoff and jitter (:mod:`worker_service.retry`, each retry logged); a 4xx raised as
+:class:`shared.errors.ProtocolError` with the PS's error code; any other answer returned. A hot-standby pair
+(``urls``, docs/protocol-standby.md): every request carries the newest term seen (``x-syncps-term``); a lost
+connection, 503 ``standby`` or ``fenced`` move the attempt to the other PS at once (but not a 503 ``standby`` while
+the other PS lost this worker's connection within :data:`LOST_REPORT_SECONDS`: that standby is about to ask for votes,
+and the request says so, ``x-syncps-peer-lost``); 503 ``election`` gets this worker's vote (once per term; a PS it
+did not vote for in that term is left for the one it did) and the same PS is asked again; then, as any 5xx, a backoff
+of at most :data:`PAIR_WAIT_MAX_SECONDS`.
 """
 from __future__ import annotations
 

@@ -1,23 +1,13 @@
 """Tensors in the request and response bodies: each push body and each weights answer is one frame.
 
-Compression: the job's choice comes with the registration answer (``compression``:
-:class:`shared.compression.Spec`). Each push's float32 gradients are encoded once by the transport's
-:class:`shared.compression.Compressor`, which keeps the error-feedback residuals of ``topk`` and ``2bit`` for as long
-as the transport lives (a new attach, e.g. after a PS restart, starts from zero residuals); the frame's meta says
-``"compression": <name>``. A retried exchange resends the same bytes. Weights come back in float32.
-
-Partitions (docs/protocol-partitions.md): in a job with ``partition_bytes`` (the registration answer's) a push body is
-the job's partitions' frames, head first (:func:`shared.partitions.plan` of the gradients' spec, computed once), each
-frame's tensors views of the gradients, or with compression the encodings of its pieces
-(:meth:`shared.compression.Compressor.encode_partitions`): the PS takes each frame as it arrives.
-
-Weight deltas (docs/protocol.md, "Weight deltas"): when the PS's answers name a ``lineage``, the transport
-keeps its own copy of the weights (:class:`HeldWeights`) and asks every push-with-pull and pull
-``since=<the step it holds>``; an answer with ``since`` carries some tensors as their changed entries, which
-are written into the copy in place (bit-exact). The task gets read-only views of the copy, so its compute
-cannot change it. A delta the copy cannot take (another step or lineage, a malformed entry) makes the
-transport forget its copy and answer None: the client then pulls the dense weights. A new transport (a new
-attach) holds nothing. An answer without ``lineage`` is used as it is: views of the answer's buffer.
+Contract: with the job's compression (the registration answer's) each push's float32 gradients are encoded once by the
+transport's :class:`shared.compression.Compressor`, which keeps its error-feedback residuals while the transport lives;
+a retried exchange resends the same bytes. With the job's ``partition_bytes`` a push body is its partitions' frames,
+head first (docs/protocol-partitions.md), views of the gradients or their pieces' encodings. When the PS's answers
+name a ``lineage`` the transport keeps its own copy of the weights (:class:`HeldWeights`) and asks ``since=<the step
+it holds>`` (docs/protocol.md, Weight deltas): a delta is written into the copy in place (bit-exact), the task gets
+read-only views; a delta the copy cannot take makes it forget the copy and answer None (the client pulls densely).
+An answer without ``lineage`` is used as it is: views of the answer's buffer.
 """
 from __future__ import annotations
 

@@ -1,15 +1,11 @@
 """A worker's push and pull at once, in a job with partitioned rounds (docs/partitions.md, The worker;
 docs/protocol-partitions.md).
 
-Contract (:class:`Alongside`): while one thread sends a step's push (its partitions' frames, on the transport's
-connection, without ``pull=1``), a second thread on a second kept-alive connection to the same PS asks
-``GET /v1/model?min_step=s+1&partitioned=1`` and reads the next weights as the PS sends them, partition by partition;
-:meth:`Alongside.result` is those weights once the whole answer is in (the next step's compute starts then), or None
-(204: the PS had not closed the round within the wait; a refused or failed pull): the client then pulls as ever.
-The pull is tried once (no retry: the client's own pull is the retry). :func:`whole` puts an answer's frames back
-together: one frame is the usual answer (its meta ``step``, ``done``, ``ranks``); several are the plan's partitions,
-each piece a whole tensor or a slice of one, joined in plan order into the model's tensors (one copy of the sliced
-ones), the same bytes as the whole answer of that step.
+Contract (:class:`Alongside`): while one thread sends a step's push without ``pull=1``, a second thread on a second
+kept-alive connection to the same PS asks ``GET /v1/model?min_step=s+1&partitioned=1`` once (no retry: the client's
+own pull is the retry); :meth:`Alongside.result` is those weights once the whole answer is in, or None (204, a refused
+or failed pull: the client pulls as ever). :func:`whole` puts an answer's frames back together, the inverse of
+:meth:`shared.partitions.Plan.split`: the same bytes as the whole answer of that step.
 """
 from __future__ import annotations
 

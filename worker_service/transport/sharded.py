@@ -1,28 +1,15 @@
-"""Tensors through a sharded PS (docs/protocol-shards.md): one production transport per shard, used in parallel.
+"""Tensors through a sharded PS (docs/protocol-shards.md, the exchanges): one production transport per shard, used in
+parallel; composed of those transports, it calls nothing above them.
 
-Contract: :meth:`ShardedTransport.open` asks the coordinator (the worker's ``WORKER_PS_URL``) for the shard
-URLs and map (``GET /v1/shards``, waiting for the model), plans the map again from the spec it names
-(:func:`shared.shards.from_wire`: a digest that differs is 409 ``shard_map_mismatch``), and opens one
-:class:`~worker_service.transport.attach.Attached` per shard (its own endpoint, with the worker's token and retry
-policy), each attached as on one PS (same-host files when that shard's weights file is here, else request
-bodies, compressed as the job says). It is composed of those transports and calls nothing above them.
-
-- :meth:`push`: the worker's gradients are cut into each shard's pieces (views) and *held* by every shard
-  in parallel (``POST /v1/shard/gradients?map=<digest>``); only once every shard answered is the step
-  *committed* to the coordinator (``POST /v1/shard/commit?pull=1``, with each follower's receipt of its hold: the
-  push's status, as on one PS), while the followers' next weights are pulled in parallel (``min_step = step + 1``).
-  A refusal by any shard is raised and nothing is committed: a push that some shard did not take never counts (the
-  coordinator refuses a commit without every follower's receipt: 409 ``not_held``).
-- Partitioned rounds (the registration's ``partition_bytes`` > 0, docs/protocol-shards.md): :meth:`push` sends every
-  shard its pieces at once, each a partitioned body (the coordinator's as ``POST /v1/gradients``, a follower's as
-  ``POST /v1/shard/gradients``) while that shard's next weights are pulled alongside (``partitioned=1``), all shards
-  in parallel; nothing is committed (the coordinator decides from the heads and tells the followers).
-- :meth:`pull`: every shard in parallel (only the coordinator's names the worker: it holds the lease);
-  the answers must all be of one step, else they are asked again for the newest step among them; the
-  whole tensors are reassembled (:mod:`shared.shards`); step, done and ranks are the coordinator's. Each shard's
-  slices are copied in as soon as its answer arrives (the first answers' copies overlap the wait for the last), into
-  one of two kept sets that nothing else references any more (the weights the caller still computes with are the
-  other): fresh 40 MB cost ~8-18 ms of page faults a step on our VMs.
+Contract: :meth:`ShardedTransport.open` asks the coordinator for the shard URLs and map and plans the map again from its
+spec (a digest that differs: 409 ``shard_map_mismatch``), then attaches to every shard as to one PS
+(:class:`~worker_service.transport.attach.Attached`). :meth:`push` cuts the gradients into each shard's pieces (views):
+every shard holds its pieces, then the step is committed to the coordinator with the followers' receipts while their
+next weights are pulled; a refusal by any shard is raised and nothing is committed. With partitioned rounds every shard
+gets its pieces as a partitioned push (the coordinator's) or hold (a follower's) with its weights pulled alongside, and
+nothing is committed. :meth:`pull` asks every shard in parallel until their answers are of one step. The whole tensors
+are reassembled (:mod:`shared.shards`), each shard's slices copied in as its answer arrives, into one of two kept sets
+nothing else references (fresh 40 MB cost ~8-18 ms of page faults a step on our VMs).
 """
 from __future__ import annotations
 
@@ -127,15 +114,11 @@ class ShardedTransport(TensorTransport):
 
         answer, *rest = self._placing(into, [commit, *(lambda i=i: self._pull(i, step + 1, None, wait, timeout, into)
                                                        for i in range(1, len(self.links)))])
-        parts = [answer.pulled, *rest]
-        pulled = self._joined(parts, into) if all(p is not None for p in parts) else None
-        return PushAnswer(answer.status, answer.step, answer.done, pulled)
+        return self._answer(answer, [answer.pulled, *rest], into)
 
     def _push_parts(self, meta: dict, grads: Mapping[str, np.ndarray], wait: float, timeout: float,
                     on_way: Callable[[], None] | None) -> PushAnswer:
-        """Partitioned rounds: every shard in parallel, each its pieces' partitions pushed while their next weights
-        are pulled alongside (worker_service/transport/partitioned.py): the coordinator's as a push (its status is
-        the push's), a follower's as a hold (no commit: the coordinator's decision names the contributors)."""
+        """Partitioned rounds: every shard in parallel, the coordinator's pieces a push, a follower's a hold."""
         into = self._target()
         hold, held = {"map": self.map.digest}, {"worker_id": meta["worker_id"], "step": meta["step"]}
 
@@ -150,9 +133,11 @@ class ShardedTransport(TensorTransport):
             return answer
 
         answers = self._placing(into, [lambda i=i: one(i) for i in range(len(self.links))], on_way)
-        parts = [a.pulled for a in answers]
+        return self._answer(answers[0], [a.pulled for a in answers], into)
+
+    def _answer(self, head: PushAnswer, parts: list[Pulled | None], into: dict[str, np.ndarray]) -> PushAnswer:
+        """The coordinator's answer ``head``, with the whole model if every shard sent its weights of one step."""
         pulled = self._joined(parts, into) if all(p is not None for p in parts) else None
-        head = answers[0]
         return PushAnswer(head.status, head.step, head.done, pulled)
 
     def _placing(self, into: dict[str, np.ndarray], calls, started: Callable[[], None] | None = None) -> list:
