@@ -1,33 +1,15 @@
 """A lean HTTP/1.1 keep-alive client connection: the worker's tensor calls (pull, push), the standby link's steps.
 
-What httpx does for a 40 MB body costs several copies and fresh allocations per
-request; this connection does neither:
-
-- the request is sent with ``sendmsg`` straight from the caller's buffers
-  (scatter-gather: headers, msgpack framing and tensor memory, no join);
-- the response body is received with ``recv_into`` into a reusable buffer:
-  one of two numpy byte arrays, taken only when nothing still views it, so the
-  arrays a caller decoded from the previous answer stay valid.
-
-Only what the PS speaks is supported: ``Content-Length`` bodies, chunked ones
-(a pull answered partition by partition: its chunks received one after the
-other into one buffer of that pool, returned whole), keep-alive, ``http://``
-URLs. Every call has a timeout.
-
-A kept-alive socket is reused only while it has been idle for less than half
-the server's keep-alive timeout (its ``keep-alive: timeout=N`` answer header;
-shared/keepalive.py says why), and only if a poll (no wait) finds it still
-open; otherwise a fresh connection is made before a byte is sent. A request
-is never sent twice from here: any failure once sending began closes the
-connection and raises
-:class:`ConnectionLost`, and the client's retry policy decides what next
-(worker_service/retry.py; pushes are idempotent at the PS). When the request
-went on a kept-alive socket and the server closed or reset it before
-answering (it closed an idle connection as the request arrived) the error is
-:class:`StaleConnection`, one kind of ``ConnectionLost``: a caller may send an
-idempotent request again at once on a new connection (the heartbeat thread
-does, without counting a failure). An answer the server sent before it
-stopped reading (e.g. a 413) is still returned.
+Contract: the request is sent with ``sendmsg`` straight from the caller's buffers (headers, framing and tensor memory,
+no join); a response body is received with ``recv_into`` into one of two reusable numpy byte arrays, taken only when
+nothing still views it (the arrays a caller decoded from the previous answer stay valid). ``Content-Length`` and
+chunked bodies (a chunked one received chunk after chunk into one pooled buffer, returned whole), keep-alive,
+``http://`` only; every call has a timeout. A kept-alive socket is reused only while idle for less than half the
+server's keep-alive timeout (shared/keepalive.py) and still open (a poll, no wait). A request is never sent twice from
+here: a failure once sending began closes the connection and raises :class:`ConnectionLost` (the caller's retry
+policy decides; pushes are idempotent at the PS); :class:`StaleConnection` when the server closed or reset a
+kept-alive socket before answering (an idempotent request may go again at once on a new one). An answer the server
+sent before it stopped reading (e.g. a 413) is still returned.
 """
 from __future__ import annotations
 
@@ -110,7 +92,8 @@ class RawConnection:
         :class:`ConnectionLost` when the request failed; it is never sent twice from here.
         """
         parts = self._message(method, target, headers, body)
-        self._drop_stale()
+        if self.sock is not None and (self._idle.expired() or _dropped(self.sock)):
+            self.close()  # a kept-alive socket idle for long, or closed: nothing was sent on it
         with self._failures(timeout, kept=self.sock is not None):
             if self.sock is None:
                 self.sock = liveness.connect(self.host, self.port, timeout)  # a silent peer host noticed in seconds
@@ -119,23 +102,16 @@ class RawConnection:
                 self.sock.settimeout(timeout)
             try:
                 self._send(parts)
-            except (BrokenPipeError, ConnectionResetError):
-                early = self._early_answer(method)  # e.g. a 413 sent before the server stopped reading
-                if early is None:
-                    raise
+            except (BrokenPipeError, ConnectionResetError) as cut:
+                try:  # an answer sent before the server stopped reading (e.g. a 413)?
+                    early = self._receive(method)
+                except (OSError, ValueError, _Closed):
+                    raise cut from None
                 self.close()  # our request was cut short: the connection is done with
                 return early
-            return self._answered(method)
-
-    def _drop_stale(self) -> None:
-        """Close a kept-alive socket idle for long (the server may be closing it) or closed: nothing was sent on it."""
-        if self.sock is not None and (self._idle.expired() or _dropped(self.sock)):
-            self.close()
-
-    def _answered(self, method: str) -> RawResponse:
-        answer = self._receive(method)
-        self._idle.answered(answer.headers)
-        return answer
+            answer = self._receive(method)
+            self._idle.answered(answer.headers)
+            return answer
 
     @contextmanager
     def _failures(self, timeout: float, kept: bool = False):
@@ -183,13 +159,6 @@ class RawConnection:
                 i += 1
             if sent:
                 parts[i] = parts[i][sent:]
-
-    def _early_answer(self, method: str) -> RawResponse | None:
-        """The answer a server sent before it closed on our request, if there is one to read."""
-        try:
-            return self._receive(method)
-        except (OSError, ValueError, _Closed):
-            return None
 
     def _receive(self, method: str) -> RawResponse:
         buf = bytearray()
