@@ -1,17 +1,13 @@
-"""The bodies the primary sends its standby: one step of the model, and the whole state (docs/protocol.md, Hot
-standby). Pure, no I/O.
+"""The bodies the primary sends its standby: one step of the model, and the whole state (docs/protocol-standby.md,
+Replication). Pure, no I/O.
 
-Contract:
-- :func:`encode_step` / :func:`decode_step`: one frame (:mod:`shared.frame`) whose tensors are a step's input
-  exactly as :meth:`ps_service.core.ParameterServerCore.apply_round` takes it: the rank-order sum (a top-k round's
-  sparse sums as ``<name>#indices`` / ``<name>#values`` with their shapes in meta ``sparse``), or none (``total``
-  false: the step passes without an update); meta ``mean_of``, ``contributors``, ``step`` (the global step the
-  update applies to), and, when they changed, ``members`` (the membership export) and ``staleness`` (async/ssp
-  clocks). A message with ``step`` null carries only those. Encoding copies the arrays once (the core consumes
-  them), into a buffer of :data:`ps_service.core.buffers.POOL` (warm memory: a fresh 4 MB costs ~2 ms of page
-  faults), which goes back to the pool once nothing views it (the message acknowledged).
-- :func:`encode_state` / :func:`decode_state`: the state transfer is a checkpoint file's bytes
-  (:mod:`ps_service.checkpoint`: checksummed, every field checked on decode).
+Contract: :func:`encode_step` / :func:`decode_step`: one frame (:mod:`shared.frame`) whose tensors are a step's input
+exactly as :meth:`ps_service.core.ParameterServerCore.apply_round` takes it (a top-k round's sparse sums as
+``<name>#indices`` / ``<name>#values``, their shapes in meta ``sparse``), with meta ``step`` (null: only ``members``
+and ``staleness``, which come when they changed), ``mean_of``, ``contributors``. Encoding copies the arrays once (the
+core consumes them) into a buffer of :data:`ps_service.core.buffers.POOL` (warm memory: a fresh 4 MB costs ~2 ms of
+page faults), back in the pool once nothing views it. :func:`encode_state` / :func:`decode_state`: the state transfer
+is a checkpoint file's bytes (:mod:`ps_service.checkpoint`: checksummed, every field checked on decode).
 """
 from __future__ import annotations
 

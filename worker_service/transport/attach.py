@@ -65,21 +65,18 @@ class Attached(TensorTransport):
     def send(self, fn: Callable[[OnePS], T]) -> T:
         """``fn(transport)``; if the PS says the same-host file is gone or rewritten (it restarted), choose the
         transport again and send again, and if it says so again, send through the request body."""
-        try:
-            return fn(self.current)
-        except ProtocolError as exc:
-            if exc.code not in SHM_AGAIN:
-                raise
-            log.warning("PS says %s (%s): choosing the tensor transport again", exc.code, exc.detail)
-            self.current.close()
-            self.current = self._choose()
+        for again in (False, True):
             try:
                 return fn(self.current)
-            except ProtocolError as again:
-                if again.code not in SHM_AGAIN:
+            except ProtocolError as exc:
+                if exc.code not in SHM_AGAIN:
                     raise
-                log.warning("PS says %s again: this push goes in the request body", again.code)
-                return fn(BodyTransport(self.endpoint, self.compression, self.partition_bytes))
+                if again:
+                    log.warning("PS says %s again: this push goes in the request body", exc.code)
+                    return fn(BodyTransport(self.endpoint, self.compression, self.partition_bytes))
+                log.warning("PS says %s (%s): choosing the tensor transport again", exc.code, exc.detail)
+                self.current.close()
+                self.current = self._choose()
 
     def push(self, meta: dict, grads: Mapping[str, np.ndarray], wait: float, timeout: float,
              on_way: Callable[[], None] | None = None) -> PushAnswer:

@@ -157,11 +157,10 @@ class BodyTransport(OnePS):
             self._puller.close()
         super().close()
 
-    def answer_params(self) -> dict:
-        return self.held.params()
-
     def pull_params(self) -> dict:
         return self.held.params()
+
+    answer_params = pull_params
 
     def weights(self, answer: frame.Frame) -> dict[str, np.ndarray] | None:
         return self.held.take(answer)
