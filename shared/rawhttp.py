@@ -229,8 +229,11 @@ class RawConnection:
                 self._chunked_size = size
                 view = memoryview(arr)[:size] if arr is not None else memoryview(b"")
                 return bytes(view) if size < POOL_MIN_BYTES else view
-            if arr is None or arr.nbytes < size + n:
-                arr = self._grown(arr, size, size + n)
+            if arr is None or arr.nbytes < size + n:  # the last chunked body's size at first, else twice as large
+                grown = self._buffer(max(size + n, self._chunked_size if arr is None else 2 * arr.nbytes))
+                if size:
+                    grown[:size] = arr[:size]
+                arr = grown
             with memoryview(arr)[size:size + n] as view:
                 got = min(n, len(pending))
                 view[:got] = pending[:got]
@@ -239,14 +242,6 @@ class RawConnection:
             size += n
             if self._line(pending):
                 raise ValueError("a chunk does not end with CRLF")
-
-    def _grown(self, arr: np.ndarray | None, size: int, need: int) -> np.ndarray:
-        """A buffer of at least ``need`` bytes (the last chunked body's size at first, else twice ``arr``'s) holding
-        ``arr``'s first ``size`` bytes."""
-        grown = self._buffer(max(need, self._chunked_size if arr is None else 2 * arr.nbytes))
-        if size:
-            grown[:size] = arr[:size]
-        return grown
 
     def _line(self, pending: bytearray) -> bytes:
         """The next CRLF-ended line of the body (taken off ``pending``, reading more as needed)."""
