@@ -14,6 +14,9 @@ Contract:
   ``{"error": "unauthorized", "detail": ...}`` with ``WWW-Authenticate: Bearer``,
   raised before the body is read, and counted in ``Runtime.auth_failures``.
   Neither the expected nor the presented token is ever logged or echoed.
+  The header's form (RFC 6750): :func:`shared.tokens.presented_token`; a
+  malformed one (two ``Authorization`` fields, a space in the token) is a 401
+  with ``error="invalid_request"``.
 """
 from __future__ import annotations
 
@@ -26,11 +29,12 @@ from pydantic import SecretStr
 
 from ps_service.runtime import runtime
 from shared.errors import ProtocolError
+from shared.tokens import presented_token
 
 REALM = 'Bearer realm="syncps"'
 
-# auto_error=False: a missing or malformed header comes back as None and is refused below,
-# with our error body. The schemes also document the security of each route in the OpenAPI schema.
+# The schemes document the security of each route in the OpenAPI schema; :func:`check` reads the header itself
+# (auto_error=False: FastAPI refuses nothing).
 _training_scheme = HTTPBearer(auto_error=False, scheme_name="trainingToken",
                               description="PS_AUTH_TOKEN: training and control routes.")
 _monitor_scheme = HTTPBearer(auto_error=False, scheme_name="monitorToken",
@@ -54,25 +58,28 @@ def token_matches(presented: str, expected: SecretStr) -> bool:
     return hmac.compare_digest(_digest(presented), _digest(expected.get_secret_value()))
 
 
-def check(request: Request, creds: HTTPAuthorizationCredentials | None, *accepted: SecretStr | None) -> None:
-    """Pass if no token is configured or ``creds`` matches one of ``accepted``; else count and raise 401."""
+def check(request: Request, *accepted: SecretStr | None) -> None:
+    """Pass if no token is configured or the request's bearer token (:func:`shared.tokens.presented_token`) matches
+    one of ``accepted``; else count and raise 401."""
     tokens = [t for t in accepted if t is not None]
     if not tokens:
         return
-    presented = creds.credentials.strip() if creds is not None else ""
-    if any([token_matches(presented, token) for token in tokens]):  # a list: the same work whichever one matches
+    presented = presented_token(request.headers.getlist("authorization"))
+    if presented and any([token_matches(presented, token) for token in tokens]):  # a list: the same work either way
         return
     runtime(request).auth_failures += 1
-    if not presented:
+    if presented == "":
         raise Unauthorized("this route needs 'Authorization: Bearer <token>'", REALM)
+    if presented is None:
+        raise Unauthorized("one 'Authorization: Bearer <token>' field, the token without spaces",
+                           f'{REALM}, error="invalid_request"')
     raise Unauthorized("the bearer token is not valid for this route", f'{REALM}, error="invalid_token"')
 
 
 async def require_training(request: Request,
                            creds: HTTPAuthorizationCredentials | None = Depends(_training_scheme)) -> None:
     """Dependency of the training and control routes (PS_AUTH_TOKEN)."""
-    s = runtime(request).settings
-    check(request, creds, s.auth_token)
+    check(request, runtime(request).settings.auth_token)
 
 
 async def require_monitor(request: Request,
@@ -80,7 +87,7 @@ async def require_monitor(request: Request,
     """Dependency of the read-only monitoring routes (PS_MONITOR_TOKEN, or the training token)."""
     s = runtime(request).settings
     if s.monitor_token is not None:
-        check(request, creds, s.monitor_token, s.auth_token)
+        check(request, s.monitor_token, s.auth_token)
 
 
 #: pass as ``dependencies=`` of a router or route

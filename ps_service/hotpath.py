@@ -30,6 +30,7 @@ from ps_service.http import REFUSALS, refusal_response
 from ps_service.runtime import Runtime
 from ps_service.sharding import routes as shard_routes
 from shared.protocol import API, MAX_INT
+from shared.tokens import presented_token
 
 #: a boolean parameter's parser (another value: KeyError, FastAPI judges it)
 _bool = {"1": True, "true": True, "0": False, "false": False}.__getitem__
@@ -114,11 +115,8 @@ def _authorised(rt: Runtime, scope: dict) -> bool:
     token = rt.settings.auth_token
     if token is None:
         return True
-    for name, value in scope["headers"]:
-        if name == b"authorization":
-            scheme, _, presented = value.decode("latin-1").partition(" ")
-            return scheme.lower() == "bearer" and token_matches(presented.strip(), token)
-    return False
+    presented = presented_token([v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"])
+    return bool(presented) and token_matches(presented, token)
 
 
 class HotPath:

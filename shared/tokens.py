@@ -6,7 +6,10 @@ validator: ``X_AUTH_TOKEN`` (the value) or ``X_AUTH_TOKEN_FILE`` (a path, e.g.
 compose's ``${PS_AUTH_TOKEN:-}`` passes "unset" through), and a file's
 surrounding whitespace (its trailing newline) is dropped. Tokens stay
 :class:`pydantic.SecretStr`, so a settings repr, a log line or a JSON dump shows
-``**********``; only :meth:`SecretStr.get_secret_value` reveals them.
+``**********``; only :meth:`SecretStr.get_secret_value` reveals them. A token is
+visible ASCII (no space, tab or control character: it travels as ``Authorization:
+Bearer <token>``), else the setting is refused. :func:`presented_token` reads the
+token a request presents (the PS's side of :func:`bearer_header`).
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ def resolve_token(value: SecretStr | None, file: Path | None, env_name: str) -> 
     if value is not None and not value.get_secret_value():
         value = None
     if file is None:
-        return value
+        return _visible(value, env_name)
     if value is not None:
         raise ValueError(f"set {env_name} or {env_name}_FILE, not both")
     try:
@@ -29,7 +32,27 @@ def resolve_token(value: SecretStr | None, file: Path | None, env_name: str) -> 
         raise ValueError(f"{env_name}_FILE: cannot read {str(file)!r} ({type(exc).__name__})") from None
     if not text:
         raise ValueError(f"{env_name}_FILE: {str(file)!r} is empty")
-    return SecretStr(text)
+    return _visible(SecretStr(text), env_name)
+
+
+def _visible(token: SecretStr | None, env_name: str) -> SecretStr | None:
+    if token is not None and not all("!" <= c <= "~" for c in token.get_secret_value()):
+        raise ValueError(f"{env_name}: a token is visible ASCII, without spaces (it is sent as a bearer token)")
+    return token
+
+
+def presented_token(values: list[str]) -> str | None:
+    """The bearer token of a request's ``Authorization`` field values (RFC 6750 section 2.1, RFC 9110 section 11):
+    exactly one field whose value, without its surrounding spaces and tabs, is ``Bearer`` in any case, one or more
+    spaces, then the token, which holds no space or tab. "" when the request carries no bearer token (no field,
+    another scheme, ``Bearer`` alone); None when it is malformed (two fields or more, a space or tab in the token)."""
+    if len(values) != 1:
+        return "" if not values else None
+    scheme, _, token = values[0].strip(" \t").partition(" ")
+    token = token.lstrip(" ")
+    if scheme.lower() != "bearer" or not token:
+        return ""
+    return None if " " in token or "\t" in token else token
 
 
 def bearer_header(token: SecretStr | None) -> dict[str, str]:
