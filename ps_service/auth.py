@@ -58,6 +58,16 @@ def token_matches(presented: str, expected: SecretStr) -> bool:
     return hmac.compare_digest(_digest(presented), _digest(expected.get_secret_value()))
 
 
+def authorised(scope: dict) -> bool:
+    """Whether an ASGI request ``scope`` may use a training route (for the middlewares that run before the routes'
+    dependencies: ps_service/hotpath.py, ps_service/standby/gate.py); nothing counted or raised."""
+    token = scope["app"].state.runtime.settings.auth_token
+    if token is None:
+        return True
+    presented = presented_token([v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"])
+    return bool(presented) and token_matches(presented, token)
+
+
 def check(request: Request, *accepted: SecretStr | None) -> None:
     """Pass if no token is configured or the request's bearer token (:func:`shared.tokens.presented_token`) matches
     one of ``accepted``; else count and raise 401."""

@@ -25,12 +25,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ps_service import api
-from ps_service.auth import token_matches
+from ps_service.auth import authorised
 from ps_service.http import REFUSALS, refusal_response
-from ps_service.runtime import Runtime
 from ps_service.sharding import routes as shard_routes
 from shared.protocol import API, MAX_INT
-from shared.tokens import presented_token
 
 #: a boolean parameter's parser (another value: KeyError, FastAPI judges it)
 _bool = {"1": True, "true": True, "0": False, "false": False}.__getitem__
@@ -111,14 +109,6 @@ def _query(raw: bytes, parsers: dict, defaults: dict) -> dict | None:
 SHARDED = frozenset({shard_routes.hold, shard_routes.commit, shard_routes.apply})
 
 
-def _authorised(rt: Runtime, scope: dict) -> bool:
-    token = rt.settings.auth_token
-    if token is None:
-        return True
-    presented = presented_token([v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"])
-    return bool(presented) and token_matches(presented, token)
-
-
 class HotPath:
     def __init__(self, app) -> None:
         self.app = app
@@ -127,7 +117,7 @@ class HotPath:
         route = ROUTES.get((scope.get("method"), scope.get("path"))) if scope["type"] == "http" else None
         params = _query(scope.get("query_string", b""), route[1], route[2]) if route else None
         rt = scope["app"].state.runtime if params is not None else None
-        if params is None or not _authorised(rt, scope) or (rt.shards is None and route[0] in SHARDED):
+        if params is None or not authorised(scope) or (rt.shards is None and route[0] in SHARDED):
             return await self.app(scope, receive, send)
         try:
             result = await route[0](Request(scope, receive), **params)

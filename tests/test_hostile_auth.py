@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
+from cluster.processes import free_port, wait_for
 from ps_service.settings import PSSettings
 from shared.tokens import presented_token
 from tests.live_ps import live_ps, state_hash
@@ -79,3 +80,20 @@ def test_each_form_on_a_live_ps(ps, case, route):
     assert (r.status_code, r.json()["error"]) == (401, "unauthorized"), r.text
     assert r.headers["www-authenticate"] == CHALLENGE[want]
     assert ps.rt.auth_failures == failures + 1 and state_hash(ps.rt) == before
+
+
+def test_a_request_without_the_training_token_cannot_fence_a_primary():
+    """A hot-standby pair's headers (``x-syncps-term``, ``x-syncps-peer-lost``) count only on a request that holds the
+    training token: without it the route answers 401 and the primary stays the primary (it was deposed: 503
+    ``fenced``, the pair left with no primary)."""
+    with live_ps(auth_token=TOKEN, role="primary", peer_url=f"http://127.0.0.1:{free_port()}") as ps:
+        pair = ps.rt.ha
+        wait_for(lambda: pair.role == "primary", 10, "the primary of term 1 (its peer does not answer)")
+        term, hostile = pair.term, {"x-syncps-term": str(pair.term + 5), "x-syncps-peer-lost": "1"}
+        with httpx.Client(base_url=ps.url, timeout=10.0) as h:
+            for auth in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Bearer {TOKEN}, Bearer x"}):
+                r = h.post("/v1/workers", json={"name": "x"}, headers={**hostile, **auth})
+                assert (r.status_code, r.json()["error"]) == (401, "unauthorized"), r.text
+                assert (pair.role, pair.term) == ("primary", term)
+            r = h.post("/v1/workers", json={"name": "x"}, headers={**hostile, "Authorization": f"Bearer {TOKEN}"})
+            assert (r.status_code, r.json()["error"]) == (503, "fenced")  # a worker's newer term: as documented

@@ -1,6 +1,7 @@
 """The pair's gate (ASGI middleware, only when ``PS_ROLE`` is set): every answer carries the pair's term and this
 process's role (``x-syncps-term``, ``x-syncps-role``), and a training request (register, leave, heartbeat, the
-model, pushes, pulls, the same-host offer) is refused with 503 before any route runs unless this PS is the primary:
+model, pushes, pulls, the same-host offer) with the training token (without it: the route's 401, and its headers
+change nothing) is refused with 503 before any route runs unless this PS is the primary:
 ``standby``, ``election`` (vote: ``POST /v1/ha/vote``) or ``fenced`` (the request's ``x-syncps-term`` is newer than
 this PS's). Workers retry a 503 (:mod:`worker_service.transport.endpoint`: at the other PS, or after a vote). A
 request that says the other PS just lost its connection (``x-syncps-peer-lost``) is the standby's cue
@@ -8,6 +9,7 @@ request that says the other PS just lost its connection (``x-syncps-peer-lost``)
 """
 from __future__ import annotations
 
+from ps_service.auth import authorised
 from ps_service.http import refusal_response
 from shared.protocol import API
 
@@ -37,7 +39,8 @@ class Gate:
         ha = scope["app"].state.runtime.ha
         marks = [(TERM.encode(), str(ha.term).encode()), (ROLE.encode(), ha.role.encode())]
         path = scope["path"]
-        if path.startswith(TRAINING) and not (scope["method"] == "GET" and path == WORKERS):  # (the list: monitoring)
+        if (path.startswith(TRAINING) and not (scope["method"] == "GET" and path == WORKERS)  # (the list: monitoring)
+                and authorised(scope)):  # else the route answers 401 (its headers change nothing)
             term, lost = _headers(scope)
             if lost:  # a worker lost its connection to the other PS just now
                 ha.reported(scope["app"].state.runtime.now())
