@@ -87,6 +87,23 @@ class SinkHttpToolsProtocol(HttpToolsProtocol):
         self.transport.write(b"".join(head) + body)
         self.transport.close()
 
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        # idle from the start (docs/protocol.md, Connections): uvicorn arms its keep-alive timeout only after an answer
+        self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
+
+    def data_received(self, data: bytes) -> None:
+        """uvicorn's, except that the idle timeout runs on until a request's head is whole: a head sent a byte at a
+        time (slowloris) or left unfinished is no request in progress, and its connection is closed as an idle one."""
+        idle, self.timeout_keep_alive_task = self.timeout_keep_alive_task, None
+        super().data_received(data)
+        if idle is None:
+            return
+        if self.timeout_keep_alive_task is None and (self.cycle is None or self.cycle.response_complete):
+            self.timeout_keep_alive_task = idle
+        else:
+            idle.cancel()
+
     def on_headers_complete(self) -> None:
         super().on_headers_complete()
         self._body_left = _content_length(self.headers)

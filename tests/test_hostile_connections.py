@@ -1,0 +1,58 @@
+"""Connections that hold the PS without a request (docs/protocol.md, Connections): one that never sends a request,
+or whose request head never ends (slowloris: a header line now and then), is idle and closed after
+``PS_HTTP_KEEPALIVE_SECONDS``, as one idle after an answer is (uvicorn armed that timeout only after an answer: such
+connections stayed open for ever). A real PS (uvicorn on loopback, the PS's own HTTP protocol) with a 0.5 s timeout."""
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+from tests.live_ps import live_ps, read_response
+
+KEEPALIVE = 0.5
+
+
+@pytest.fixture(scope="module")
+def ps():
+    with live_ps(http_keepalive_seconds=KEEPALIVE) as ps:
+        yield ps
+
+
+def closed_after(sock: socket.socket, trickle: bytes = b"", every: float = 0.1) -> float:
+    """Seconds until the PS closes ``sock`` with no answer; ``trickle`` is sent a byte every ``every`` s meanwhile."""
+    start = time.monotonic()
+    sock.settimeout(every)
+    for i in range(len(trickle) + 100):  # (each recv waits at most ``every``: the trickle's pace)
+        try:
+            if sock.recv(1024) == b"":
+                return time.monotonic() - start
+            raise AssertionError("an answer to no request")
+        except socket.timeout:
+            pass
+        if i < len(trickle):
+            try:
+                sock.sendall(trickle[i:i + 1])
+            except (BrokenPipeError, ConnectionResetError):
+                return time.monotonic() - start
+    raise AssertionError("still open after %.1f s" % (time.monotonic() - start))
+
+
+@pytest.mark.parametrize("sent, trickle", [(b"", b""), (b"GET /v1/status HTTP/1.1\r\n", b""),
+                                           (b"GET /v1/status HTTP/1.1\r\n", b"X-Slow: " + b"a" * 60)],
+                         ids=["no request", "half a head", "a head a byte every 0.1 s"])
+def test_a_connection_without_a_whole_request_head_is_closed_as_idle(ps, sent, trickle):
+    with socket.create_connection(("127.0.0.1", ps.port), timeout=10) as s:
+        s.sendall(sent)
+        assert KEEPALIVE * 0.8 <= closed_after(s, trickle) < KEEPALIVE + 3.0  # (the trickle alone lasts 6 s)
+
+
+def test_a_head_that_ends_in_time_is_answered_and_the_connection_kept(ps):
+    with socket.create_connection(("127.0.0.1", ps.port), timeout=10) as s:
+        s.sendall(b"GET /healthz HTTP/1.1\r\n")
+        s.sendall(b"Host: ps\r\n\r\n")
+        assert read_response(s) == (200, b'{"status":"ok"}')
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: ps\r\n\r\n")  # the same connection: kept alive
+        assert read_response(s) == (200, b'{"status":"ok"}')
+        assert KEEPALIVE * 0.8 <= closed_after(s) < KEEPALIVE + 3.0  # then idle: closed
