@@ -1,7 +1,9 @@
 """Connections that hold the PS without a request (docs/protocol.md, Connections): one that never sends a request,
 or whose request head never ends (slowloris: a header line now and then), is idle and closed after
 ``PS_HTTP_KEEPALIVE_SECONDS``, as one idle after an answer is (uvicorn armed that timeout only after an answer: such
-connections stayed open for ever). A real PS (uvicorn on loopback, the PS's own HTTP protocol) with a 0.5 s timeout."""
+connections stayed open for ever). A real PS (uvicorn on loopback, the PS's own HTTP protocol) with a 0.5 s timeout.
+Also what a client written from the docs could not tell before they said it: an unknown method, the shard routes'
+integers."""
 from __future__ import annotations
 
 import socket
@@ -9,6 +11,9 @@ import time
 
 import pytest
 
+from ps_service.http import parse_json
+from ps_service.sharding.routes import ApplyRound
+from shared.errors import ProtocolError
 from tests.live_ps import live_ps, read_response
 
 KEEPALIVE = 0.5
@@ -56,3 +61,27 @@ def test_a_head_that_ends_in_time_is_answered_and_the_connection_kept(ps):
         s.sendall(b"GET /healthz HTTP/1.1\r\nHost: ps\r\n\r\n")  # the same connection: kept alive
         assert read_response(s) == (200, b'{"status":"ok"}')
         assert KEEPALIVE * 0.8 <= closed_after(s) < KEEPALIVE + 3.0  # then idle: closed
+
+
+@pytest.mark.parametrize("method, status, code", [("BREW", 400, b'"bad_http"'), ("PROPFIND", 405, b'"method_not_allowed"'),
+                                                  ("OPTIONS", 405, b'"method_not_allowed"')])
+def test_a_method_the_parser_does_not_know_is_bad_http_one_it_knows_405(ps, method, status, code):
+    """docs/protocol.md (Query parameters, the bad_http row): BREW is no HTTP method uvicorn's parser reads."""
+    with socket.create_connection(("127.0.0.1", ps.port), timeout=10) as s:
+        s.sendall(f"{method} /v1/status HTTP/1.1\r\nHost: ps\r\n\r\n".encode())
+        got, body = read_response(s)
+        assert got == status and code in body
+
+
+@pytest.mark.parametrize("raw, step", [(b"1", 1), (b"1.0", 1), (b"1e0", 1), (b"1.5", None), (b"true", None),
+                                       (b'"1"', None), (b"9007199254740992", None), (b"-1", None)])
+def test_an_integer_of_the_shard_routes_json_is_an_integral_json_number(raw, step):
+    """docs/protocol-shards.md (POST /v1/shard/apply): 1.0 and 1e0 are 1, as JSON Schema's integers; anything else that
+    is not an integer in range is 400 bad_request."""
+    body = b'{"step": %s, "contributors": [], "mean_of": 1}' % raw
+    if step is None:
+        with pytest.raises(ProtocolError) as refused:
+            parse_json(body, ApplyRound)
+        assert (refused.value.status, refused.value.code) == (400, "bad_request")
+    else:
+        assert parse_json(body, ApplyRound).step == step
