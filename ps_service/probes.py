@@ -19,10 +19,12 @@ from typing import AsyncIterator
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from ps_service import monitoring
 from ps_service.http import error_response, install_error_handlers
 from ps_service.runtime import Runtime
+from ps_service.transport.bodysink import IdleUntilHead
 
 log = logging.getLogger("ps_service.probes")
 
@@ -30,6 +32,11 @@ log = logging.getLogger("ps_service.probes")
 PULSE_SECONDS = 1.0
 #: a main loop whose pulse is older than this is stalled: /healthz on the probe port answers 503
 STALL_SECONDS = 30.0
+
+
+class ProbeProtocol(IdleUntilHead, HttpToolsProtocol):
+    """uvicorn's, its idle timeout (``PS_HTTP_KEEPALIVE_SECONDS``, as the main port's) running from the connection's
+    start until a request's head is whole."""
 
 
 class ProbeListener:
@@ -44,7 +51,8 @@ class ProbeListener:
         app.add_api_route("/readyz", monitoring.readyz, methods=["GET"])
         # log_config / log_level None: the main server's logging stays as it is
         config = uvicorn.Config(app, host=host, port=port, loop="asyncio", lifespan="off", log_config=None,
-                                log_level=None, access_log=False)
+                                log_level=None, access_log=False, http=ProbeProtocol,
+                                timeout_keep_alive=rt.settings.http_keepalive_seconds if rt is not None else 5.0)
         self.server = uvicorn.Server(config)
         self.thread: threading.Thread | None = None
         # on uvicorn's logger while this server runs: its info lines (Started server process ...) are the main's again

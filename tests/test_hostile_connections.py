@@ -1,7 +1,8 @@
 """Connections that hold the PS without a request (docs/protocol.md, Connections): one that never sends a request,
 or whose request head never ends (slowloris: a header line now and then), is idle and closed after
 ``PS_HTTP_KEEPALIVE_SECONDS``, as one idle after an answer is (uvicorn armed that timeout only after an answer: such
-connections stayed open for ever). A real PS (uvicorn on loopback, the PS's own HTTP protocol) with a 0.5 s timeout.
+connections stayed open for ever). A real PS (uvicorn on loopback, the PS's own HTTP protocol) with a 0.5 s timeout,
+on its main port and its probe port.
 Also what a client written from the docs could not tell before they said it: an unknown method, the shard routes'
 integers."""
 from __future__ import annotations
@@ -11,6 +12,7 @@ import time
 
 import pytest
 
+from cluster.processes import free_port
 from ps_service.http import parse_json
 from ps_service.sharding.routes import ApplyRound
 from shared.errors import ProtocolError
@@ -21,7 +23,8 @@ KEEPALIVE = 0.5
 
 @pytest.fixture(scope="module")
 def ps():
-    with live_ps(http_keepalive_seconds=KEEPALIVE) as ps:
+    with live_ps(http_keepalive_seconds=KEEPALIVE, probe_port=free_port()) as ps:
+        ps.ports = {"main port": ps.port, "probe port": ps.rt.settings.probe_port}
         yield ps
 
 
@@ -44,11 +47,12 @@ def closed_after(sock: socket.socket, trickle: bytes = b"", every: float = 0.1) 
     raise AssertionError("still open after %.1f s" % (time.monotonic() - start))
 
 
+@pytest.mark.parametrize("port", ["main port", "probe port"])
 @pytest.mark.parametrize("sent, trickle", [(b"", b""), (b"GET /v1/status HTTP/1.1\r\n", b""),
                                            (b"GET /v1/status HTTP/1.1\r\n", b"X-Slow: " + b"a" * 60)],
                          ids=["no request", "half a head", "a head a byte every 0.1 s"])
-def test_a_connection_without_a_whole_request_head_is_closed_as_idle(ps, sent, trickle):
-    with socket.create_connection(("127.0.0.1", ps.port), timeout=10) as s:
+def test_a_connection_without_a_whole_request_head_is_closed_as_idle(ps, sent, trickle, port):
+    with socket.create_connection(("127.0.0.1", ps.ports[port]), timeout=10) as s:
         s.sendall(sent)
         assert KEEPALIVE * 0.8 <= closed_after(s, trickle) < KEEPALIVE + 3.0  # (the trickle alone lasts 6 s)
 

@@ -62,7 +62,28 @@ def _content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
     return int(lengths[0])
 
 
-class SinkHttpToolsProtocol(HttpToolsProtocol):
+class IdleUntilHead:
+    """Mixed into uvicorn's httptools protocol (the PS's main port, its probe port): the idle (keep-alive) timeout is
+    armed when the connection is made, not only after an answer, and runs on until a request's head is whole, so a
+    connection that sends no request, or a head a byte at a time (slowloris) or never finished, is closed as an idle
+    one (docs/protocol.md, Connections)."""
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
+
+    def data_received(self, data: bytes) -> None:
+        idle, self.timeout_keep_alive_task = self.timeout_keep_alive_task, None
+        super().data_received(data)
+        if idle is None:
+            return
+        if self.timeout_keep_alive_task is None and (self.cycle is None or self.cycle.response_complete):
+            self.timeout_keep_alive_task = idle  # no request in progress yet
+        else:
+            idle.cancel()
+
+
+class SinkHttpToolsProtocol(IdleUntilHead, HttpToolsProtocol):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         #: where the bytes of the pending read go: a sink, "discard" (a bypassed body nobody reads any
@@ -86,23 +107,6 @@ class SinkHttpToolsProtocol(HttpToolsProtocol):
                  b"connection: close\r\n\r\n"]
         self.transport.write(b"".join(head) + body)
         self.transport.close()
-
-    def connection_made(self, transport) -> None:
-        super().connection_made(transport)
-        # idle from the start (docs/protocol.md, Connections): uvicorn arms its keep-alive timeout only after an answer
-        self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
-
-    def data_received(self, data: bytes) -> None:
-        """uvicorn's, except that the idle timeout runs on until a request's head is whole: a head sent a byte at a
-        time (slowloris) or left unfinished is no request in progress, and its connection is closed as an idle one."""
-        idle, self.timeout_keep_alive_task = self.timeout_keep_alive_task, None
-        super().data_received(data)
-        if idle is None:
-            return
-        if self.timeout_keep_alive_task is None and (self.cycle is None or self.cycle.response_complete):
-            self.timeout_keep_alive_task = idle
-        else:
-            idle.cancel()
 
     def on_headers_complete(self) -> None:
         super().on_headers_complete()
