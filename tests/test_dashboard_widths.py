@@ -11,6 +11,9 @@ while a real job trains (3 workers, one slowed), one render at a time (``<body d
   ``/v1/workers`` request is held until a later round than its ``/v1/status`` (what a round closing between the
   page's requests does now and then, made certain: the two answers then tell different rounds).
 
+The page's clock (Playwright's) runs as the real one, but jumps over the second between a render and the next poll
+whenever the test waits for a render: the renders it checks come as fast as the PS answers.
+
 Screenshots at both widths are kept in the test's tmp dir (the path is printed)."""
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from tests.test_dashboard import LAYOUT_JS, chromium, dashboard_page  # noqa: F4
 WIDTHS, HEIGHT = (800, 1400), 900
 WORKERS = {"syncps-worker-10": 0.01, "syncps-worker-11": 0.06, "syncps-worker-12": 0.03}  # name: compute delay
 RENDERS = 6  # renders checked at each width for the awaited names
+POLL_MS = 1000  # dashboard.js's wait between a poll's answers and the next poll
 MIN_PX = 11
 E_NOTATION = re.compile(r"\d(\.\d+)?e[-+]?\d", re.I)
 LAST_SEEN = re.compile(r"(< 0\.1 ms|\d+(\.\d)? ms|\d+(\.\d)? s|\d+ min|\d+ h \d+ min|\d+ d \d+ h) ago")
@@ -82,7 +86,9 @@ def placed_by(ticks: list, log: bool) -> bool:
 
 
 def next_render(page, after: int) -> dict:
-    """The page as rendered by a poll answered after render ``after``."""
+    """The page as rendered by a poll answered after render ``after``. The page's clock jumps over the wait before its
+    next poll (POLL_MS, dashboard.js): that poll starts at once, instead of up to a second later."""
+    page.clock.fast_forward(POLL_MS)
     wait_for(lambda: page.evaluate("() => Number(document.body.dataset.polls || 0)") > after, 30, "the next render")
     return page.evaluate(PAGE_JS)
 
@@ -167,6 +173,7 @@ def test_dashboard_reads_at_800_and_1400px(chromium, tmp_path):  # noqa: F811
             c.start_worker(i, env={"WORKER_NAME": name, "WORKER_COMPUTE_DELAY_SECONDS": delay})
         wait_for(lambda: c.status()["global_step"] >= 20, 60, "training")
         with dashboard_page(chromium, errors) as page:
+            page.clock.install()  # its time goes on as the real one, and next_render makes it jump
             page.set_viewport_size({"width": WIDTHS[0], "height": HEIGHT})
             page.goto(f"{c.url}/", wait_until="load")
             wait_for(lambda: page.evaluate(LOSS_JS)["points"] >= 20, 30, "a loss curve")
