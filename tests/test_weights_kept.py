@@ -9,6 +9,9 @@ and partitioned rounds (the next weights pulled partition by partition alongside
 arrays keep their bits to the end, each held one until it is let go, every answer is the PS's weights; and the
 pools were asked about the kept weights' buffer while it was kept, and told it is in use (the check was made, not
 skipped by a pool that never looked at that buffer).
+
+The exception, marked xfail (strict): a job with weight deltas (topk or 2bit compression on one PS), whose transport
+writes each delta into its one held copy in place, so the read-only views a worker got of step s change at step s + 1.
 """
 from __future__ import annotations
 
@@ -107,3 +110,22 @@ def test_two_shards(partition_bytes, asked):
     with two_shards(min_workers=1, shard_split_elements=16_384, partition_bytes=partition_bytes) as (c, f):
         train_keeping(c.url, asked)
         assert c.rt.core.global_step == f.rt.core.global_step == STEPS
+
+
+@pytest.mark.xfail(strict=True, reason="weight deltas (topk or 2bit on one PS) are written into the transport's held "
+                                       "copy in place (worker_service/transport/http.py, HeldWeights): the read-only "
+                                       "views a worker got of step s change when step s + 1's delta is applied")
+def test_weights_kept_in_a_job_with_weight_deltas():
+    with live_ps(min_workers=1, startup_grace_seconds=0, shm_dir="", compression="topk") as ps:
+        client = PSClient(ps.url, timeout=allow(10), attempts=1)
+        try:
+            wid = client.join("w", lambda mode: (W0, {"name": "sgd", "learning_rate": LR}))["worker_id"]
+            kept = client.pull(0, wid, allow(10)).tensors
+            bits = {k: v.tobytes() for k, v in kept.items()}
+            for step in range(2):
+                assert client.push(wid, step, gradient(step))["status"] == "accepted"
+                assert client.pull(step + 1, wid, allow(10)).step == step + 1
+            assert client.tensors.current.held.lineage is not None  # the answers were deltas on a held copy
+            assert {k: v.tobytes() for k, v in kept.items()} == bits, "step 0's weights changed under the worker"
+        finally:
+            client.close()
