@@ -47,19 +47,26 @@ def _train_reference(task_name, workers, steps, batch_size, seed, dtype, optimiz
     params = {k: np.array(v) for k, v in sorted(task.init_params().items())}
     opt = Optimizer(optimizer or task.optimizer(), params)
     for step in range(steps):
-        grads = None
-        for rank in range(workers):
-            _, g, _ = task.loss_and_grads(params, task.batch(step, rank, workers, batch_size))
-            if grads is None:
-                grads = {k: np.array(v, dtype=params[k].dtype) for k, v in g.items()}
-            else:
-                for k in grads:
-                    grads[k] += g[k]
-        if workers > 1:
-            for k in grads:
-                grads[k] /= workers
-        opt.apply(params, grads)
+        opt.apply(params, large_batch_gradient(task, params, step, workers, batch_size))
     return task, params
+
+
+def large_batch_gradient(task, params: dict[str, np.ndarray], step: int, workers: int,
+                         batch_size: int) -> dict[str, np.ndarray]:
+    """Step ``step``'s gradient of the concatenated batch at ``params``: the per-shard gradients summed in rank order,
+    divided by their count (the caller sets the BLAS threads)."""
+    grads = None
+    for rank in range(workers):
+        _, g, _ = task.loss_and_grads(params, task.batch(step, rank, workers, batch_size))
+        if grads is None:
+            grads = {k: np.array(v, dtype=params[k].dtype) for k, v in g.items()}
+        else:
+            for k in grads:
+                grads[k] += g[k]
+    if workers > 1:
+        for k in grads:
+            grads[k] /= workers
+    return grads
 
 
 def train_torch_reference(task_name: str, workers: int, steps: int, batch_size: int = 32, seed: int = 0,

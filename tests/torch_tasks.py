@@ -20,6 +20,20 @@ def cnn_sgd(seed: int = 0, dtype: str = "float32"):
     return job
 
 
+def cnn_plain_sgd(seed: int = 0, dtype: str = "float32"):
+    """The cnn task with plain torch.optim.SGD."""
+    job = cnn_job(seed, dtype)
+    job.optimizer = torch.optim.SGD(job.model.parameters(), lr=0.05)
+    return job
+
+
+def cnn_momentum(seed: int = 0, dtype: str = "float32"):
+    """The cnn task with torch.optim.SGD's momentum (not Nesterov)."""
+    job = cnn_job(seed, dtype)
+    job.optimizer = torch.optim.SGD(job.model.parameters(), lr=0.05, momentum=0.9)
+    return job
+
+
 def batchnorm(seed: int = 0, dtype: str = "float32"):
     """A linear layer behind a BatchNorm on random data: a model with buffers."""
     gen = torch.Generator().manual_seed(1000 + seed)
