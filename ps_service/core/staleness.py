@@ -1,41 +1,21 @@
 """Bounded staleness: the async and SSP modes' state machine (``PS_MODE=async|ssp``). Pure: no I/O, no clock.
 
 Who is live comes in as events (:meth:`BoundedStaleness.join` on a registration, :meth:`drop` on a leave or an
-expired lease). Time comes in as ``now``; the global step is the caller's (the core's model) and comes in as an
-argument. The caller does what the :class:`Verdict` says: one optimizer step with the gradient when it ``applies``
-(``accepted``), and ``global_step += 1`` when it ``advances`` (``accepted``, or ``skipped``: the step passes without
-an update, as a sync round whose every gradient was skipped). So ``global_step`` counts the iterations completed.
+expired lease); time comes in as ``now``, the global step (the core's model's) as an argument. The caller does what
+the :class:`Verdict` says: one optimizer step with the gradient when it ``applies`` (``accepted``), and
+``global_step += 1`` when it ``advances`` (``accepted``, or ``skipped``: the step passes without an update), so
+``global_step`` counts the iterations completed.
 
-Contract:
+Contract: the rules of docs/protocol.md, "Modes" (the push statuses in their order, staleness, clocks and joins, the
+SSP wait, checkpoints); async (``bound=None``) and ssp (``bound=s``) differ only in :meth:`may_pull`. Also:
 
-- **async** (``bound=None``, TensorFlow's default PS training) and **ssp** (``bound=s``, Petuum/Bosen's
-  stale synchronous parallel) apply every accepted gradient on arrival; they differ only in :meth:`may_pull`.
-- **Push** of worker w computed on the weights of step ``step`` (``0 <= step <= global_step``), classified
-  in this order: ``duplicate`` when ``step`` is not above the highest step w pushed before (a retry; the
-  worker loop pushes strictly increasing steps); ``skipped`` when not finite (the PS's skip policy);
-  ``stale`` when ``global_step - step > max_staleness``; else ``accepted``. *Staleness* =
-  ``global_step - step`` when it is applied: the number of steps the weights moved between the read and
-  this update (0: computed on the latest weights). Only ``accepted`` pushes are applied, none twice; after
-  any push ``global_step > step``, so the worker's next pull (for ``step + 1``) never waits on the step.
-- **Clock** of w: the clock it joined at (below) plus its completed iterations: pushes ``accepted``
-  (applied) or ``skipped`` (done, nothing to apply); ``stale`` and ``duplicate`` leave it alone. A clock
-  moves only once that iteration's update is in the weights, so a read at clock c, granted once every live
-  clock is ``>= c - s``, sees the update of every live worker's iterations at clocks below ``c - s``
-  (Petuum's SSP read guarantee; s counts per-worker clocks, not the shared global step).
-- **SSP rule**: a live worker at clock c may get weights (for its iteration c) only when the slowest *live*
-  worker is at clock ``>= c - s``. s = 0 is bulk-synchronous, one update per gradient. A worker that leaves
-  or expires is out of the minimum at once: a dead worker never blocks anyone. Async never blocks.
-- **Joins**: a newcomer starts at the *floor*: the slowest live worker's clock (when nobody is live, the
-  floor as the last one left it). So it neither lowers the minimum (blocks nobody) nor waits (it is the
-  minimum). A member coming back keeps its clock if higher (``max(previous, floor)``): leaving and coming
-  back never buys a worker extra steps. The floor never goes down.
-- ``max_spread`` records the largest spread (fastest - slowest live clock) ever seen, after each push and join:
-  ssp keeps it <= s + 1 (the evidence that the bound held, from the PS's own records).
-- Cost: push and pull decisions O(1); a join or a drop O(min(spread, distinct clocks)). Per-worker state is
-  a few ints, the staleness distribution one counter per distinct value.
-- Checkpoint: :meth:`export` keeps the clocks and the floor (the clocks count updates the saved weights
-  hold); :meth:`load` brings them back with every worker out of the live set and no duplicate memory (a
-  restored PS is at an older step, and its members must register again anyway).
+- a clock moves only once its iteration's update is in the weights, so a read granted at clock c sees the updates of
+  every live worker's iterations at clocks below ``c - s`` (Petuum's SSP read guarantee; s counts per-worker clocks);
+- the floor (the slowest live clock; with nobody live, where the last one left it) never goes down; ``max_spread`` is
+  the largest spread (fastest - slowest live clock) seen after each push and join: ssp keeps it <= s + 1;
+- :meth:`load` brings :meth:`export`'s clocks back with nobody live, no duplicate memory and no statistics;
+- cost: push and pull decisions O(1); a join or a drop O(min(spread, distinct clocks)); per worker a few ints, the
+  staleness distribution one counter per distinct value.
 """
 from __future__ import annotations
 
