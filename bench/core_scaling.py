@@ -75,12 +75,12 @@ def run_core(k: int, rounds: int, seed: int = 0) -> dict:
                 next_tick += TICK_DT
             beat, beat_at = ids[beat_at], (beat_at + 1) % k  # each worker's heartbeat is looked at once a round
             if next_beat[beat] <= now:
-                core.heartbeat(beat, now)
+                core.members.touch(beat, now)
                 next_beat[beat] = now + LEASE_SECONDS / 3
             core.push(PushRequest(ids[i], step, grads[i]), now)
-            core.begin_wait(ids[i], now)
+            core.members.begin_wait(ids[i], now)
         for w in ids:
-            core.end_wait(w, now)
+            core.members.end_wait(w, now)
         cpu += time.process_time() - t0
     return _summary("core", core, k, rounds, cpu)
 

@@ -104,7 +104,7 @@ async def leave(worker_id: str, request: Request) -> dict:
 async def heartbeat(worker_id: str, request: Request) -> dict:
     rt = runtime(request)
     coordinator_only(rt, "heartbeats go")
-    m = rt.core.heartbeat(worker_id, rt.now())
+    m = rt.core.members.touch(worker_id, rt.now())
     return {"worker_id": m.worker_id, "state": m.state, "global_step": rt.core.global_step}
 
 
@@ -154,7 +154,7 @@ async def _partition_by_partition(rt, frames, worker_id: str | None) -> AsyncIte
     core, held = rt.core, False
     if worker_id is not None:
         try:
-            held = core.begin_wait(worker_id, rt.now()) is not None
+            held = core.members.begin_wait(worker_id, rt.now()) is not None
         except REFUSALS:  # it left or expired since its wait: the weights go out all the same
             pass
     try:
@@ -166,7 +166,7 @@ async def _partition_by_partition(rt, frames, worker_id: str | None) -> AsyncIte
             yield frames.frames[q]
     finally:
         if held:
-            core.end_wait(worker_id, rt.now())
+            core.members.end_wait(worker_id, rt.now())
 
 
 @router.post("/gradients", responses={200: {"description": '{"status": accepted|stale|duplicate|late|skipped, "step", "done"}'}},

@@ -165,7 +165,7 @@ class Runtime:
         if core.claim(worker_id, step):
             return True
         deadline, loop = self.clock() + wait, asyncio.get_running_loop()
-        core.begin_wait(worker_id, self.now())
+        core.members.begin_wait(worker_id, self.now())
         try:
             while True:
                 over = deadline <= self.clock()
@@ -186,7 +186,7 @@ class Runtime:
                         if not futs:
                             del self._turns[worker_id]
         finally:
-            core.end_wait(worker_id, self.now())
+            core.members.end_wait(worker_id, self.now())
 
     def _wake_turns(self, everyone: bool) -> None:
         """Wake the pushes whose turn to be read may have come (every one when the barrier moved: a closed round
@@ -224,11 +224,11 @@ class Runtime:
             ok = await self.wait_until(predicate, timeout, first)
         else:
             members = self.core.members
-            self.core.begin_wait(worker_id, self.now())
+            self.core.members.begin_wait(worker_id, self.now())
             try:
                 ok = await self.wait_until(lambda: predicate() or not members.is_active(worker_id), timeout, first)
             finally:
-                self.core.end_wait(worker_id, self.now())
+                self.core.members.end_wait(worker_id, self.now())
             members.active_member(worker_id)  # (not a heartbeat: the PS ending a wait has not heard from its worker)
         if self.ha is not None:
             self.ha.refuse()  # 503 if this PS stopped being the primary meanwhile

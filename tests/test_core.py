@@ -163,18 +163,18 @@ def test_held_leases_hold_the_lease_and_the_deadline_and_release_gives_both_afre
     core, ids = make(3, replicas_to_aggregate=3, round_timeout_seconds=2.0, min_replicas=2, lease_seconds=5.0)
     push(core, ids[0], 0, now=0.5)
     push(core, ids[1], 0, now=0.6)
-    core.hold_leases(True, 1.0)
+    core.members.hold(1.0)
     core.tick(30.0)
     assert core.global_step == 0 and core.members.active_count == 3  # neither the deadline nor the lease ran out
-    core.hold_leases(False, 30.0)
-    core.heartbeat(ids[0], 30.0)  # nor had the coordinator heard from any worker: that silence ends too
+    core.members.release(30.0)
+    core.members.touch(ids[0], 30.0)  # nor had the coordinator heard from any worker: that silence ends too
     core.tick(31.9)
     assert core.global_step == 0
     core.tick(32.1)  # the deadline, 2 s from the release
     assert core.global_step == 1 and core.rounds[-1].reason == "deadline"
     assert core.members.active_count == 3
     for wid in ids[:2]:
-        core.heartbeat(wid, 34.0)
+        core.members.touch(wid, 34.0)
     core.tick(35.1)  # the silent worker's lease: 5 s from the release
     assert core.members.active_count == 2 and not core.members.get(ids[2]).active
 
@@ -586,7 +586,7 @@ def test_fixed_r_out_of_reach_below_min_replicas_waits_for_a_worker_who_joins_at
 
 def test_fixed_r_with_no_gradient_in_waits_for_a_rejoining_worker():
     core, ids = make(2, replicas_to_aggregate=2, lease_seconds=5.0)
-    core.heartbeat(ids[0], 4.0)
+    core.members.touch(ids[0], 4.0)
     core.leave(ids[0], 4.5)  # w0 leaves, w1 died at 0 (the PS heard w0 meanwhile: w1 is expired on time)
     core.tick(6.0)
     assert core.global_step == 0 and core.progress().stuck
@@ -605,7 +605,7 @@ def test_every_worker_silent_is_held_and_the_round_closes_once_one_is_back():
     assert core.wait_reason(60.0).startswith("no worker heard from for 59.5 s")
     push(core, ids[1], 0, now=61.0)  # w1 was cut off, not dead: the round closes exactly as without the outage
     assert core.global_step == 1 and core.rounds[-1].reason == "full" and core.rounds[-1].aggregated == 2
-    core.heartbeat(ids[1], 64.0)
+    core.members.touch(ids[1], 64.0)
     core.tick(66.1)  # w0 never came back: a lease after w1 was heard
     assert not core.members.get(ids[0]).active and core.members.get(ids[1]).active
 
@@ -624,13 +624,13 @@ def test_a_stuck_round_recalls_the_workers_registered_for_the_next_one():
         # a client that pushes for the open round anyway: late (not counted)
         assert push(core, m.worker_id, 0, grad(3), now=1.5).status is PushStatus.LATE
         for t in (2.5, 4.0):
-            core.heartbeat(m.worker_id, t)
+            core.members.touch(m.worker_id, t)
         recalls = core.recalls
         core.tick(5.1)  # w1 (and w0) expire: round 0 cannot close with its own members
         assert core.recalls == recalls + 1 and core.members.by_id[m.worker_id].state == "expired"
         assert [e["event"] for e in core.members.events][-1] == "recalled"
         with pytest.raises(REFUSALS) as err:
-            core.heartbeat(m.worker_id, 5.2)
+            core.members.touch(m.worker_id, 5.2)
         assert err.value.code == "not_active"
         m, start = core.register("fresh", 5.3)
         assert start == 0 and core.round.counts(m.worker_id)
@@ -656,7 +656,7 @@ def test_a_member_done_with_a_stuck_round_without_contributing_is_recalled_into_
         m, start = core.register("w1", 1.0)
         assert (m.worker_id, start) == (ids[1], 1) and not core.round.counts(ids[1])
     for t in (2.0, 3.0, 4.0, 5.0):
-        core.heartbeat(ids[1], t)
+        core.members.touch(ids[1], t)
     core.tick(5.5)  # w0 and w2 expire: nobody left can close round 0
     assert core.global_step == 0 and core.members.by_id[ids[1]].state == "expired"
     assert [e["event"] for e in core.members.events][-1] == "recalled"

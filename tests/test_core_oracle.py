@@ -32,7 +32,7 @@ configs = st.fixed_dictionaries({
 })
 names = st.sampled_from(NAMES)
 #: pushes for the open round dominate, as in a job; the rest moves membership and time
-KINDS = ["push"] * 8 + ["register", "register", "leave", "heartbeat", "begin_wait", "end_wait", "tick", "tick"]
+KINDS = ["push"] * 8 + ["register", "register", "leave", "touch", "begin_wait", "end_wait", "tick", "tick"]
 JUMPS = (0.0, 0.5, 1.0, 2.0, 3.5, 7.0)
 OFFSETS = (0, 0, 0, 0, -1, -2, 1)
 #: one call, drawn as plain integers (cheap to draw and to shrink): kind, name, tick jump or push offset, finite
@@ -97,7 +97,9 @@ def operation(op, now: float):
         value = np.float32(np.nan) if not finite else np.float32(0.1 * 3.7 ** NAMES.index(name))
         return lambda c: c.push(PushRequest(wid(c), c.global_step + offset,
                                             {"w": np.full(3, value + c.global_step, np.float32)}), now)
-    return lambda c: getattr(c, kind)(wid(c), now)
+    if kind == "leave":
+        return lambda c: c.leave(wid(c), now)
+    return lambda c: getattr(c.members, kind)(wid(c), now)  # touch (a heartbeat), begin_wait, end_wait
 
 
 def snapshot(core: ParameterServerCore, now: float) -> dict:

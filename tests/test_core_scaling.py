@@ -31,12 +31,12 @@ def run_round(core: ParameterServerCore, ids: list[str], now: float, rng: random
     rng.shuffle(order)
     for n, i in enumerate(order):
         now += 0.001
-        core.heartbeat(ids[order[-1 - n]], now)
+        core.members.touch(ids[order[-1 - n]], now)
         core.tick(now)
         core.push(PushRequest(ids[i], step, {"w": np.full(PARAMS, i, np.float32)}), now)
-        core.begin_wait(ids[i], now)
+        core.members.begin_wait(ids[i], now)
     for w in ids:
-        core.end_wait(w, now)
+        core.members.end_wait(w, now)
     assert core.global_step == step + 1 and core.rounds[-1].aggregated == len(ids)
     return now
 

@@ -123,8 +123,8 @@ def test_the_next_in_rank_order_reads_the_others_wait_and_are_woken_in_turn():
 
 def test_an_expired_member_passes_its_turn_and_a_push_that_would_not_count_is_read_at_once():
     core, ids = make(3, lease_seconds=5.0)
-    core.heartbeat(ids[1], 4.0)
-    core.heartbeat(ids[2], 4.0)
+    core.members.touch(ids[1], 4.0)
+    core.members.touch(ids[2], 4.0)
     assert core.claim(ids[2], 0) is False
     core.tick(6.0)  # ids[0] expired
     assert core.readers() == (ids[1], ids[2]) and core.claim(ids[2], 0)

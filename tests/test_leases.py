@@ -39,7 +39,7 @@ def test_an_expired_worker_leaves_the_round_at_once_and_the_record_says_membersh
 def test_a_restarted_worker_rejoins_at_the_next_boundary_with_its_rank():
     core, ids = make()
     push(core, ids[0], 0, 1.0)
-    core.heartbeat(ids[0], 4.0)
+    core.members.touch(ids[0], 4.0)
     core.tick(5.5)  # w1 and w2 expired: round 0 closes with w0 alone
     push(core, ids[0], 1, 5.6)  # round 1: w0 only -> closes
     push(core, ids[0], 2, 5.7)
@@ -144,12 +144,12 @@ def test_a_member_waiting_on_the_barrier_keeps_its_lease():
     """A long-poll pull counts as a heartbeat for as long as it waits (docs/protocol.md)."""
     core, ids = make(n=2, lease_seconds=2.0)
     assert push(core, ids[0], 0, 0.5) is PushStatus.ACCEPTED
-    core.begin_wait(ids[0], 0.5)  # w0 waits for round 0 to close; w1 computes, and dies
+    core.members.begin_wait(ids[0], 0.5)  # w0 waits for round 0 to close; w1 computes, and dies
     core.tick(2.6)  # w1, silent since 0.0, expires (the round closes without it); w0 waits on
     assert core.members.by_id[ids[1]].state == "expired" and core.global_step == 1
     core.tick(10.0)  # 9.5 s of waiting with a 2 s lease
     assert core.members.by_id[ids[0]].state == "active"
-    core.end_wait(ids[0], 10.0)  # answered: the lease runs from now
+    core.members.end_wait(ids[0], 10.0)  # answered: the lease runs from now
     assert core.members.by_id[ids[0]].lease_until == 12.0
     core.tick(11.9)
     assert core.members.by_id[ids[0]].state == "active" and push(core, ids[0], 1, 11.9) is PushStatus.ACCEPTED
@@ -160,17 +160,17 @@ def test_a_member_waiting_on_the_barrier_keeps_its_lease():
 
 def test_waits_nest_and_ending_one_never_raises():
     core, ids = make(n=2, lease_seconds=2.0)
-    core.begin_wait(ids[0], 0.0)
-    core.begin_wait(ids[0], 1.0)  # two pulls in flight (a retry overlapping a timed-out one)
-    core.end_wait(ids[0], 1.5)
+    core.members.begin_wait(ids[0], 0.0)
+    core.members.begin_wait(ids[0], 1.0)  # two pulls in flight (a retry overlapping a timed-out one)
+    core.members.end_wait(ids[0], 1.5)
     core.tick(5.0)
     assert core.members.by_id[ids[0]].state == "active"  # one wait still holds it
-    core.end_wait(ids[0], 5.0)
+    core.members.end_wait(ids[0], 5.0)
     core.register("w9", 7.0)  # another worker heard from: w0's silence is its own
     core.tick(7.5)
     assert core.members.by_id[ids[0]].state == "expired"
-    core.end_wait(ids[0], 8.0)  # unmatched, on an expired member, and an unknown id: no effect
-    core.end_wait("nope", 8.0)
+    core.members.end_wait(ids[0], 8.0)  # unmatched, on an expired member, and an unknown id: no effect
+    core.members.end_wait("nope", 8.0)
     assert core.members.by_id[ids[0]].state == "expired" and ids[0] not in core.members.waits
 
 
@@ -179,6 +179,6 @@ def test_begin_wait_is_a_heartbeat_that_refuses_unknown_and_inactive_workers():
     core.leave(ids[1], 1.0)
     for wid, code in (("nope", 404), (ids[1], 409)):
         with pytest.raises(REFUSALS) as err:
-            core.begin_wait(wid, 1.0)
+            core.members.begin_wait(wid, 1.0)
         assert status_of(err.value) == code
-    assert core.begin_wait(ids[0], 3.0).lease_until == 8.0 and core.members.waits == {ids[0]: 1}
+    assert core.members.begin_wait(ids[0], 3.0).lease_until == 8.0 and core.members.waits == {ids[0]: 1}

@@ -92,7 +92,7 @@ def test_ssp_gates_pulls_and_leave_or_expiry_releases_the_bound():
     assert core.pull_floor == 1 and core.may_pull(a)
     push(core, a, core.global_step, grad(8), now=1.6)  # a at 3: waits for b
     assert not core.may_pull(a)
-    core.heartbeat(a, 3.5)
+    core.members.touch(a, 3.5)
     core.tick(4.0)  # b's lease (last seen 1.0) ran out: the bound is released
     assert core.members.by_id[b].state == "expired" and core.may_pull(a) and core.pull_floor == 3
     core.register("w1", 4.1)  # b comes back at max(its clock, floor) = 3: nobody waits
@@ -248,7 +248,7 @@ def test_property_bound_never_violated_nothing_applied_twice_and_numpy_replay(bo
             now += 3.5 if draw < 3 else 0.5  # sometimes wid's lease runs out
             for w in list(core.members.active_by_id):
                 if w != wid:
-                    core.heartbeat(w, now)
+                    core.members.touch(w, now)
             core.tick(now)
             pulled = {w: s for w, s in pulled.items() if core.members.is_active(w)}
         live = [core.modes.workers[w].clock for w in core.members.active_by_id]

@@ -60,7 +60,7 @@ def test_the_core_goes_back_live_to_a_checkpoint_and_every_worker_rejoins_there(
     assert (core.gradients_applied, core.rounds_closed, core.rewinds) == (applied, closed, 1)  # work done: counted
     assert core.version > version and core.state().value == "waiting_for_workers"
     for call in (lambda: core.push(PushRequest(ids[1], 5, grad(5, 1)), 8.5),
-                 lambda: core.heartbeat(ids[0], 8.5), lambda: core.begin_wait(ids[1], 8.5)):
+                 lambda: core.members.touch(ids[0], 8.5), lambda: core.members.begin_wait(ids[1], 8.5)):
         with pytest.raises(REFUSALS) as err:
             call()
         assert status_of(err.value) == 409 and err.value.code in REJOIN_CODES

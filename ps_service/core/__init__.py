@@ -10,34 +10,22 @@ O(log K) per lease that ended or was renewed (the parts keep their counts, heaps
 to date at each change); only opening and closing a round (once per round), a newcomer joining
 a stuck round, and the monitoring views walk the members.
 
-Barrier semantics (TensorFlow's SyncReplicasOptimizer, done right; docs/protocol.md):
+Contract: docs/protocol.md's "The barrier" (TensorFlow's SyncReplicasOptimizer, done right: elastic and fixed R, out
+of reach, recall, deadline, close, start, end) and its push statuses ("POST /v1/gradients"). In the core's terms:
 
-- A round ``g`` is open while ``global_step == g``. Its *eligible* set is the active members
-  when it opens. Joins take effect at the next boundary, unless the open round is *stuck*
-  (its own members cannot close it): then a member that registers joins it at once, and the members that
-  registered earlier for the next round (which would never come), or whose push for it was late, are *recalled*:
-  expired at once, so that each registers again and joins it. A member
-  that expired or left and registers again under its name keeps its id and rank and counts as
-  a join: the round it dropped out of does not wait for it again.
-- Leases: a member silent for ``lease_seconds`` is expired by ``tick`` and stops being waited
-  for at once, unless it waits on the barrier (``begin_wait`` .. ``end_wait``: a long-poll pull), or the PS
-  has heard from no worker at all for half a lease (it was cut off or paused: :mod:`ps_service.core.membership`).
-- A round closes by :class:`ps_service.core.rounds.CloseRule`: elastic, when every live eligible
-  member pushed; fixed R, at the first R, or, R out of reach, with what the live members bring
-  (at least ``min_replicas``); at ``round_timeout`` with ``min_replicas``. Its gradients are
-  summed in rank order, averaged (``aggregation="mean"``) or not, one optimizer step,
-  ``global_step += 1``, the next round opens.
-- Push of worker w for step s: a second push of (w, s) is ``duplicate``; s == g from an
-  eligible w is ``accepted``; s == g from a non-eligible w, or s == g-1 from a member of round
-  g-1 that missed it, is ``late``; anything older is ``stale``. Only ``accepted`` gradients
-  are applied, and the core owns their arrays (it sums into them).
-- A gradient must match the model exactly (names, shapes, dtypes: 422 ``tensor_mismatch``).
-  One with NaN/Inf is refused (422), or under ``nonfinite_policy="skip"`` answered ``skipped``:
-  counted, never applied, and the round stops waiting for that worker. Every check comes
-  before any state changes.
-- Start: round 0 opens once the model is initialised and ``min_workers`` are active, after
-  ``startup_grace_seconds`` (at once when N or R, or the members of a restored checkpoint,
-  are active; a larger count of the deployment's, :meth:`deploy`, once it held for the grace). ``max_steps`` (or, unset, :data:`~shared.protocol.MAX_INT`): at that step the job is done.
+- A round ``g`` is open while ``global_step == g``; its *eligible* set is the active members when it opens. Joins
+  take effect at the next boundary, unless the round is *stuck* (its own members cannot close it): then a member that
+  registers joins it at once, and the active members it does not count, or whose push for it was late, are recalled
+  (:meth:`_recall`). A member that registers again under its name keeps its id and rank and counts as a join.
+- Leases, and what holds them (a wait on the barrier, ``begin_wait`` .. ``end_wait``; the PS hearing from no worker):
+  :mod:`ps_service.core.membership`. A round closes by :class:`ps_service.core.rounds.CloseRule`.
+- Push of worker w for step s: a second push of (w, s) is ``duplicate``; s == g from an eligible w is ``accepted``
+  (``skipped`` if not finite under ``nonfinite_policy="skip"``); s == g from a non-eligible w, or s == g-1 from a
+  member of round g-1 that missed it, is ``late``; anything older is ``stale``. Every check (:func:`validate`) comes
+  before any state changes; only ``accepted`` gradients are applied, and the core owns their arrays (it sums into
+  them).
+- Start: round 0 opens once the model is initialised and ``min_workers`` are active, after the grace (:meth:`tick`;
+  a restored checkpoint's members, or the deployment's count, :meth:`deploy`); at ``max_steps`` the job is done.
 
 Modes (``config.mode``): the above is ``sync``. In ``async`` and ``ssp`` no round ever opens: each accepted
 gradient is applied on arrival (:mod:`ps_service.core.on_arrival`), the clocks, the SSP bound and the staleness
@@ -253,18 +241,6 @@ class ParameterServerCore(ModelState):
         self.tick(now)
         return m
 
-    def heartbeat(self, worker_id: str, now: float) -> Member:
-        return self.members.touch(worker_id, now)
-
-    def begin_wait(self, worker_id: str, now: float) -> Member:
-        """A wait on the barrier starts (a long-poll pull): a heartbeat (404 unknown, 409 not active) that
-        holds the lease until the matching :meth:`end_wait`."""
-        return self.members.begin_wait(worker_id, now)
-
-    def end_wait(self, worker_id: str, now: float) -> None:
-        """The wait ends (answered, timed out or failed): the lease runs from ``now``. Never raises."""
-        self.members.end_wait(worker_id, now)
-
     # ---- the barrier -------------------------------------------------------------------
     def state(self) -> JobState:
         if not self.initialized:
@@ -385,11 +361,6 @@ class ParameterServerCore(ModelState):
         names = [self.members.by_id[w].name for w in p.awaited]
         return (f"waiting for {p.needed} more gradient(s)" + (f" from {', '.join(names)}" if names else "")
                 + (f" (R={want} is out of reach: the round closes with what they bring)" if p.unreachable else ""))
-
-    def hold_leases(self, held: bool, now: float) -> None:
-        """While ``held`` no lease runs out and no round closes by its deadline; released, both run from ``now`` at the
-        earliest (:meth:`Membership.hold`, :meth:`~Membership.release`, :meth:`_rule_now`)."""
-        (self.members.hold if held else self.members.release)(now)
 
     def tick(self, now: float) -> bool:
         """Advance time: leases, start-up, round closing rule. True if anything changed."""

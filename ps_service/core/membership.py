@@ -297,7 +297,7 @@ class Membership:
         return m
 
     def hold(self, now: float) -> None:
-        """No lease runs out from now until :meth:`release`."""
+        """No lease runs out, and no round closes by its deadline (the core's ``_rule_now``), until :meth:`release`."""
         if self.held_since is None:
             self.held_since = now
 

@@ -329,9 +329,9 @@ class ShardRole:
 
     def hold_leases(self, now: float) -> None:
         """The coordinator's tick: no lease runs out and no round closes by its deadline while a follower does not
-        answer (:meth:`.links.Links.silent`: no round can be applied on it); :meth:`ParameterServerCore.hold_leases`."""
+        answer (:meth:`.links.Links.silent`: no round can be applied on it); :meth:`Membership.hold`, ``release``."""
         if self.links is not None:
-            self.core.hold_leases(bool(self.links.silent()), now)
+            (self.core.members.hold if self.links.silent() else self.core.members.release)(now)
 
     # ---- monitoring ---------------------------------------------------------------------
     def wait_reason(self, now: float) -> str | None:
