@@ -43,7 +43,7 @@ def test_round_closes_with_mean_of_all_and_bumps_step():
     gs = [grad(i) for i in range(3)]
     assert push(core, ids[0], 0, gs[0]).status is PushStatus.ACCEPTED
     assert push(core, ids[1], 0, gs[1]).status is PushStatus.ACCEPTED
-    assert core.global_step == 0 and core.needed(core.round) == 1
+    assert core.global_step == 0 and core.progress().needed == 1
     res = push(core, ids[2], 0, gs[2])
     assert res.status is PushStatus.ACCEPTED and res.closed and res.step == 1
     for k in W0:
@@ -544,7 +544,7 @@ def test_fixed_r_out_of_reach_after_a_leave_closes_with_what_it_has():
     assert core.wait_reason(4.5) == "waiting for 1 more gradient(s) from w2"
     core.leave(ids[2], 5.0)
     assert_closed_unreachable(core, g, 5.0)
-    assert core.progress().unreachable and core.needed() == 2  # round 1 counts w0 and w1: it closes when both pushed
+    assert core.progress().unreachable and core.progress().needed == 2  # round 1 counts w0 and w1: it closes when both pushed
     push(core, ids[1], 1, now=6.0)
     assert push(core, ids[0], 1, now=6.1).closed and core.rounds[-1].reason == "unreachable"
 
@@ -562,7 +562,7 @@ def test_fixed_r_out_of_reach_still_waits_for_the_live_members():
     core, ids = make(3, replicas_to_aggregate=3, lease_seconds=100.0)
     push(core, ids[0], 0, now=1.0)
     core.leave(ids[2], 2.0)
-    assert core.global_step == 0 and core.progress().unreachable and core.needed() == 1
+    assert core.global_step == 0 and core.progress().unreachable and core.progress().needed == 1
     assert core.wait_reason(2.0) == ("waiting for 1 more gradient(s) from w1 "
                                      "(R=3 is out of reach: the round closes with what they bring)")
     assert core.progress().effective == 2

@@ -118,7 +118,7 @@ def snapshot(core: ParameterServerCore, now: float) -> dict:
         p = core.progress(now)
         out["round"] = (r.step, r.opened_at, dict(r.eligible), set(r.gone), set(r.skipped), set(r.acc.keys))
         out["progress"] = (p.waiting, p.needed, p.unreachable, p.reason, p.effective, p.stuck, p.awaited)
-        out["needed"] = core.needed()
+        out["needed"] = core.progress().needed
     return out
 
 

@@ -58,7 +58,7 @@ def test_a_worker_back_in_the_round_it_died_in_is_not_waited_for_again():
     core.members.by_id[ids[2]].lease_until = 1.0
     core.tick(1.5)  # w2 expired, w1 still owes its gradient
     m, start = core.register("w2", 2.0)
-    assert start == 1 and ids[2] in core.round.gone and core.needed(core.round) == 1
+    assert start == 1 and ids[2] in core.round.gone and core.progress().needed == 1
     assert push(core, ids[2], 0, 2.1) is PushStatus.LATE
     push(core, ids[1], 0, 2.2)
     assert core.global_step == 1 and ids[2] in core.round.eligible  # back from the boundary on
@@ -85,7 +85,7 @@ def test_a_restart_within_the_lease_keeps_the_round_waiting_for_it():
     core, ids = make()
     push(core, ids[0], 0, 1.0)
     m, start = core.register("w1", 2.0)  # restarted before its lease ran out: still the same member
-    assert start == 0 and core.needed(core.round) == 2
+    assert start == 0 and core.progress().needed == 2
     _, start0 = core.register("w0", 2.0)
     assert start0 == 1  # its gradient for round 0 is in: pull the next step
 

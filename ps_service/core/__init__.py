@@ -100,20 +100,16 @@ class ParameterServerCore(ModelState):
         #: members recalled into a stuck round (:meth:`tick`): waits in flight look again when it moves
         self.recalls = 0
         self.leaves = 0  # graceful leaves since start (a waiting long poll of the leaver ends at once)
-        #: called with each round's record once it is decided (who contributed), before its update is applied: a
-        #: sharded PS's coordinator sends the followers their apply then, so theirs overlaps its own (sharding)
+        #: hooks. on_decided(record): a round is decided, before its update is applied (a sharded coordinator sends
+        #: the followers their apply then: sharding). on_step(total or None, mean_of, contributors): every step's input
+        #: as :meth:`apply_round` takes it (a closed round's sum, an async/ssp gradient), before it is applied (a hot
+        #: standby's primary sends it: ps_service/standby). on_partition(): after each call that closed partitions of
+        #: a partitioned round, the last one's after the step advanced (transport/streamed.py copies their weights
+        #: out). on_lost(step, worker_id): a contributor of the decided round will bring no more of its frames, before
+        #: its partitions close without it (the coordinator tells its followers: sharding/parts.py)
         self.on_decided: Callable[[RoundRecord], None] | None = None
-        #: called with the input of every step of the model (a closed round's sum, an async/ssp gradient), exactly as
-        #: :meth:`apply_round` takes it (total or None, mean_of, contributors), before it is applied: a hot standby's
-        #: primary sends it to the standby, which applies it through :meth:`apply_round` (ps_service/standby)
         self.on_step: Callable[[Mapping[str, Any] | None, int, int], None] | None = None
-        #: called with no argument after each call that closed partitions of a partitioned round (the last one's
-        #: after the step advanced): the transport copies their weights out for the pulls answered partition by
-        #: partition (ps_service/transport/streamed.py)
         self.on_partition: Callable[[], None] | None = None
-        #: called with (step, worker_id) when a contributor of the decided round ``step`` will bring no more frames of
-        #: it (its lease ended, it left), before its partitions close without it: a sharded PS's coordinator tells its
-        #: followers, whose partitions then close without it too (ps_service/sharding/parts.py)
         self.on_lost: Callable[[int, str], None] | None = None
         #: whose push's tensors are being read, and whose may be next (:meth:`claim`)
         self.intake = Intake()
@@ -231,15 +227,21 @@ class ParameterServerCore(ModelState):
         was_alive = self.members.is_active(worker_id)
         m = self.members.leave(worker_id, now)
         self.leaves += 1  # the runtime's barrier: the worker's own long poll ends now
-        if self.modes is not None:
-            self.modes.drop(m.worker_id, now)
-        if self.round is not None:
-            self.round.member_changed(m.worker_id, was_alive, False)
-        if self.parts is not None:
-            self._lose(now, (m.worker_id,))
+        self._out(now, (m.worker_id,), was_alive)
         self._changed()
         self.tick(now)
         return m
+
+    def _out(self, now: float, worker_ids, was_alive: bool = True) -> None:
+        """Members no longer active (left, expired): the open round and the clocks stop counting them, the round's
+        partitions waiting for their frames close without them."""
+        for w in worker_ids:
+            if self.round is not None:
+                self.round.member_changed(w, was_alive, False)
+            if self.modes is not None:
+                self.modes.drop(w, now)
+        if worker_ids and self.parts is not None:
+            self._lose(now, worker_ids)
 
     # ---- the barrier -------------------------------------------------------------------
     def state(self) -> JobState:
@@ -254,13 +256,6 @@ class ParameterServerCore(ModelState):
         larger (:meth:`deploy`); None when nothing says."""
         counts = [c for c in (self.config.total_num_replicas or self.config.replicas_to_aggregate, self.deployed) if c]
         return max(counts, default=None)
-
-    def _expected_from(self) -> str:
-        """Which setting the expected count comes from, for humans."""
-        n, r = self.config.total_num_replicas, self.config.replicas_to_aggregate
-        if self.deployed and self.deployed >= (n or r or 0):
-            return "the deployment's workers, PS_WORKERS_DNS"
-        return "PS_TOTAL_NUM_REPLICAS" if n else "PS_REPLICAS_TO_AGGREGATE"
 
     def deploy(self, count: int | None, now: float | None = None) -> None:
         """The deployment runs ``count`` workers (the runtime resolves ``PS_WORKERS_DNS`` at ``now``; None or 0: not
@@ -314,10 +309,6 @@ class ParameterServerCore(ModelState):
         """Where the open round stands (None: no round open); O(1), its ``awaited`` names O(K) on first use."""
         return None if self.round is None else self._progress(self.round, now)
 
-    def needed(self, r: Round | None = None) -> int:
-        """Gradients the open round still waits for before it closes."""
-        return self._progress(r or self.round).needed
-
     def wait_reason(self, now: float) -> str | None:
         """What the job waits for right now, for humans (None when done): e.g. why a round waits below its quorum."""
         if not self.initialized:
@@ -335,7 +326,9 @@ class ParameterServerCore(ModelState):
                         f"{self.config.startup_grace_seconds:g} s (PS_STARTUP_GRACE_SECONDS)")
             if expected and self._ready_since is not None:
                 left = max(0.0, self.config.start_timeout_seconds - (now - self._ready_since))
-                return (f"waiting for workers: {active} of {expected} expected ({self._expected_from()}) registered; "
+                source = "the deployment's workers, PS_WORKERS_DNS" if expected == self.deployed else \
+                    "PS_TOTAL_NUM_REPLICAS" if self.config.total_num_replicas else "PS_REPLICAS_TO_AGGREGATE"
+                return (f"waiting for workers: {active} of {expected} expected ({source}) registered; "
                         f"step 0 starts with those there in {left:.1f} s at the latest (PS_START_TIMEOUT_SECONDS)")
             return "start-up grace: waiting for more workers before step 0"
         silent = self.members.silent_since
@@ -365,13 +358,7 @@ class ParameterServerCore(ModelState):
     def tick(self, now: float) -> bool:
         """Advance time: leases, start-up, round closing rule. True if anything changed."""
         gone = self.members.expire(now, watch_silence=self.started and not self.done)
-        for m in gone:
-            if self.round is not None:
-                self.round.member_changed(m.worker_id, True, False)
-            if self.modes is not None:
-                self.modes.drop(m.worker_id, now)
-        if gone and self.parts is not None:  # members that will bring no more frames of the round
-            self._lose(now, [m.worker_id for m in gone])
+        self._out(now, [m.worker_id for m in gone])
         changed = bool(gone)
         if not self.started and self.initialized and not self.done:
             active = self.members.active_count
@@ -537,7 +524,7 @@ class ParameterServerCore(ModelState):
         if m is None or self.weights is None:
             return True  # refused once read, as ever
         if self.modes is not None:
-            return self.intake.claim(worker_id, _anyone, overdue)
+            return self.intake.claim(worker_id, lambda: None, overdue)  # no order: one push read at a time
         r, fixed = self.round, self.rule.replicas_to_aggregate
         if r is None:
             return True
@@ -732,8 +719,3 @@ class ParameterServerCore(ModelState):
             self._close(now, p.reason)
         elif p.stuck:
             self.tick(now)  # recalls
-
-
-def _anyone() -> None:
-    """Async/ssp: no order; one push read at a time (:mod:`ps_service.core.intake`)."""
-    return None
