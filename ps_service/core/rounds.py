@@ -251,12 +251,6 @@ class Round:
         """The waiting members' ids in rank order (O(K): monitoring); ``but`` is taken as not alive."""
         return tuple(w for _, w in self.order if w != but and self.standing(w)[1])
 
-    def _pending(self, but: str) -> list[Key]:
-        """The lowest key that may still bring a gradient, if any (``but`` is bringing its own now); the frontier moves
-        there (the keys before ``but``'s never go back to pending once it is in)."""
-        i = self.frontier = self._pending_at(self.frontier, but)
-        return self.order[i:i + 1]
-
     def _pending_at(self, i: int, but: str | None) -> int:
         """The index of the first key from ``i`` on that may still bring a gradient (len(order): none). A member not
         alive, or come back mid-round, brings none (a round with a contribution, ``but``'s, cannot get stuck, so it
@@ -341,8 +335,11 @@ class Round:
         before = self.standing(wid, True)  # an active member: its push was just admitted
         if self.replicas is not None:
             self.head(wid)  # a push that reached the core unclaimed counts here
-        eager = not self.replicas or len(self.acc.keys) + 1 >= rule.quorum  # else what may sort before it is unknown
-        self.acc.apply(wid, self.eligible[wid], grads, self._pending(wid) if eager else None)
+        pending = None  # fixed R below the quorum: what may sort before it is not known
+        if not self.replicas or len(self.acc.keys) + 1 >= rule.quorum:  # the lowest key that may still bring one
+            i = self.frontier = self._pending_at(self.frontier, wid)  # (wid brings its own now)
+            pending = self.order[i:i + 1]
+        self.acc.apply(wid, self.eligible[wid], grads, pending)
         self._count(wid, before, True)
         self.arrivals.append(arrival)
         if loss is not None:
