@@ -333,7 +333,7 @@ def served_by(pair):
             seen = req.headers.get("x-syncps-term")
             exc = pair.refusal(int(seen) if seen else None)
             if exc is not None and exc.code == "fenced":
-                pair.deposed(0, exc.detail)
+                pair.deposed(exc.detail)
             ans = (Answer.of_json({"ok": True}) if exc is None
                    else Answer.of_json({"error": exc.code, "detail": exc.detail}, exc.status))
         ans.headers["x-syncps-term"] = term

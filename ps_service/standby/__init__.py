@@ -205,7 +205,7 @@ class Pair:
             self._acked.set()  # answers waiting for the standby: refused now (vote)
             self.rt.abort_waits()
 
-    def deposed(self, term: int, why: str) -> None:
+    def deposed(self, why: str) -> None:
         """The peer has a newer term: accept no push, wait for its state as its standby."""
         if self.role == STANDBY:
             return

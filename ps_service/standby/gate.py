@@ -46,7 +46,7 @@ class Gate:
                 ha.reported(scope["app"].state.runtime.now())
             exc = ha.refusal(term)
             if exc is not None and exc.code == "fenced":
-                ha.deposed(0, exc.detail)
+                ha.deposed(exc.detail)
             if exc is not None:
                 resp = refusal_response(exc)
                 resp.raw_headers.extend(marks)

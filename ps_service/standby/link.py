@@ -157,7 +157,7 @@ class Link:
         Whether it refused."""
         self.last_ok, self.failures, self.error = time.monotonic(), 0, None
         if status == 409 and '"stale_term"' in answer:
-            self.pair.deposed(0, f"the peer says: {answer[:200]}")
+            self.pair.deposed(f"the peer says: {answer[:200]}")
         elif status >= 400:
             log.warning("hot standby: %s refused: %s %s", what, status, answer[:200])
             self.pair.feeding = self.pair.gated = False  # the state again
@@ -245,7 +245,7 @@ class Link:
         if resp.status_code != 200 or p.role not in (PRIMARY, CANDIDATE):
             return
         if resp.json().get("term", 0) > p.term:
-            p.deposed(0, f"the peer is the {resp.json().get('role')} of term {resp.json().get('term')}")
+            p.deposed(f"the peer is the {resp.json().get('role')} of term {resp.json().get('term')}")
             return
         seq, state = p.snapshot()
         body = await asyncio.to_thread(messages.encode_state, state)
