@@ -145,11 +145,10 @@ class BodyTransport(OnePS):
                          p, self._plan[0], into)
         try:
             answer = super().push(meta, grads, 0.0, timeout, on_way, body=body, pull=False, path=path, params=hold)
-        except BaseException:
-            if pull.running:  # its connection stays its own until it ends
+            got = pull.result()  # as a ``pull=1`` answer: the step and done of the weights it carries
+        finally:
+            if pull.running:  # (a push that failed, or a pull past its wait) its connection stays its own until it ends
                 self._puller = None
-            raise
-        got = pull.result()  # as a ``pull=1`` answer: the step and done of the weights it carries
         return answer if got is None else PushAnswer(answer.status, got.step, got.done, got)
 
     def close(self) -> None:
