@@ -4,7 +4,8 @@ train 200 steps and end with the weights of
 - TensorFlow's own ``tf.compat.v1.train`` optimizer, given the same gradients step by step (each computed on
   TensorFlow's own weights, summed in rank order and divided by the count, as the PS does), bit for bit
   (docs/concepts/barrier.md, Optimizers: SGD, momentum, Nesterov and Adam, float32 and float64), over TCP and same-host
-  files, on one PS and on 2 and 4 shards, with partitioned rounds whose partitions cut tensors;
+  files, on one PS and on 2 and 4 shards, with partitioned rounds whose partitions cut tensors, and at 1e5
+  parameters, where every answer is large enough for the worker's reused answer buffers and the PS's pooled frames;
 - ``torch.optim`` stepping one torch process (tests/reference.py's ``train_torch_reference``) on the cnn task: SGD,
   momentum and Nesterov (with weight decay) bit for bit, Adam within tests/test_torch_exactness.py's 1e-6 (the PS's
   square root is correctly rounded, torch's CPU one is not: docs/torch.md), over TCP and same-host files, with
@@ -44,6 +45,7 @@ OPTIMIZERS = {
     "nesterov": {"PS_OPTIMIZER": "momentum", "PS_LEARNING_RATE": 0.05, "PS_MOMENTUM": 0.9, "PS_NESTEROV": "true"},
     "adam": {"PS_OPTIMIZER": "adam", "PS_LEARNING_RATE": 0.01},
 }
+BIG = "bench.task:params_100000"
 #: (task, dtype, optimizer, transport, shards, partition bytes)
 CASES = [
     *[("linear", dtype, opt, "http", 1, 0) for dtype in ("float32", "float64") for opt in OPTIMIZERS],
@@ -53,6 +55,11 @@ CASES = [
       for shards in (2, 4)],
     *[("mlp", dtype, opt, transport, shards, 4096) for dtype, opt in (("float32", "adam"), ("float64", "momentum"))
       for transport, shards in (("http", 1), ("shm", 1), ("http", 2), ("http", 4))],
+    #: 1e5 parameters (400 KB in float32): every answer, and every shard's at S = 4, over rawhttp's 64 KiB threshold,
+    #: so the worker's answer buffers and the PS's pooled frames are taken again and again
+    *[(BIG, "float32", "adam", "http", shards, partition_bytes) for shards in (1, 2, 4) for partition_bytes in (0, 65536)],
+    *[(BIG, "float64", "nesterov", transport, 1, partition_bytes) for transport in ("http", "shm")
+      for partition_bytes in (0, 65536)],
 ]
 
 
@@ -81,7 +88,7 @@ def test_a_job_ends_with_tensorflows_weights(task, dtype, optimizer, transport, 
         pytest.skip("SYNCPS_TF_PYTHON (a Python with tensorflow) is not set")
     ps_env = {"PS_MAX_STEPS": STEPS, **OPTIMIZERS[optimizer],
               **({"PS_PARTITION_BYTES": partition_bytes} if partition_bytes else {}),
-              **({"PS_SHARD_SPLIT_ELEMENTS": 64} if shards > 1 else {})}
+              **({"PS_SHARD_SPLIT_ELEMENTS": 64 if task != BIG else 4096} if shards > 1 else {})}
     job = run_job(WORKERS, ps_env, {"WORKER_TASK": task, "WORKER_DTYPE": dtype, "WORKER_SEED": SEED,
                                     "WORKER_BATCH_SIZE": BATCH, **({"WORKER_SHM_DIR": ""} if transport == "http" else {})},
                   deadline=600.0, shards=shards)
