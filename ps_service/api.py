@@ -20,6 +20,7 @@ from ps_service.core.membership import refuse_blank
 from ps_service.http import JSON_BODY_LIMIT, REFUSALS, DecimalInt, json_body, parse_json
 from ps_service.runtime import runtime
 from ps_service.transport.body import read_body
+from shared import marks
 from shared.errors import ProtocolError
 from shared.protocol import API, FRAME, FRAME_BODY, JSON, PUSH_STATUS_HEADER, STEP_HEADER, PushStatus
 
@@ -142,15 +143,17 @@ async def pull(request: Request, min_step: Annotated[DecimalInt, Query(ge=0)] = 
     if not ok:
         return Response(status_code=204, headers={STEP_HEADER: str(core.global_step)})
     if not ready() and streamable():
-        return StreamingResponse(_partition_by_partition(rt, parts.answer(min_step), worker_id),
+        return StreamingResponse(_partition_by_partition(rt, parts.answer(min_step), worker_id,
+                                                         request.client.host if request.client else None),
                                  media_type=FRAME, headers={STEP_HEADER: str(core.global_step)})
     return await answer_weights(rt, answer_via(core, rt.tensors.via(shm)), {}, since)
 
 
-async def _partition_by_partition(rt, frames, worker_id: str | None) -> AsyncIterator[bytes]:
+async def _partition_by_partition(rt, frames, worker_id: str | None, peer: str | None = None
+                                  ) -> AsyncIterator[bytes]:
     """Step s + 1's frames in partition order, each once its partition closed (docs/protocol-partitions.md): the
     worker's lease held meanwhile; if a partition does not close within ``PS_PULL_TIMEOUT_MAX_SECONDS``, the body
-    ends short."""
+    ends short. ``peer``: the client's address, in the timeline's marks (:mod:`shared.marks`)."""
     core, held = rt.core, False
     if worker_id is not None:
         try:
@@ -163,7 +166,12 @@ async def _partition_by_partition(rt, frames, worker_id: str | None) -> AsyncIte
                                                              rt.settings.pull_timeout_max_seconds):
                 return
             rt.tensors.bytes_out += len(frames.frames[q])
+            if marks.ON:
+                marks.mark("pull.yield", q=q, step=frames.step - 1, peer=peer,
+                           shard=0 if rt.shards is None else rt.shards.index)
             yield frames.frames[q]
+            if marks.ON:
+                marks.mark("pull.resumed", q=q, step=frames.step - 1, peer=peer)
     finally:
         if held:
             core.members.end_wait(worker_id, rt.now())

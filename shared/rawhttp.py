@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from shared import keepalive, liveness, refs
+from shared import keepalive, liveness, marks, refs
 
 HEADER_LIMIT = 64 * 1024
 #: bodies smaller than this are plain bytes (a buffer pool is not worth it)
@@ -102,6 +102,9 @@ class RawConnection:
                 self.sock.settimeout(timeout)
             try:
                 self._send(parts)
+                if marks.ON:
+                    marks.mark("http.sent", peer=self.host_header, target=target.split("?")[0],
+                               local=self.sock.getsockname()[0])
             except (BrokenPipeError, ConnectionResetError) as cut:
                 try:  # an answer sent before the server stopped reading (e.g. a 413)?
                     early = self._receive(method)
@@ -236,9 +239,13 @@ class RawConnection:
                 arr = grown
             with memoryview(arr)[size:size + n] as view:
                 got = min(n, len(pending))
+                if marks.ON:
+                    marks.mark("chunk.first", peer=self.host_header, n=n)
                 view[:got] = pending[:got]
                 del pending[:got]
                 self._fill(view, got, "a chunk")
+                if marks.ON:
+                    marks.mark("chunk.last", peer=self.host_header, n=n)
             size += n
             if self._line(pending):
                 raise ValueError("a chunk does not end with CRLF")

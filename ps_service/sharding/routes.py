@@ -20,7 +20,7 @@ from ps_service.sharding import parts, receipts
 from ps_service.core.checks import validate
 from ps_service.sharding.holds import Held, apply_round
 from ps_service.transport.body import read_body
-from shared import frame
+from shared import frame, marks
 from shared.errors import ProtocolError, unprocessable, bad_request
 from shared.protocol import API, FRAME_BODY, JSON, MAX_INT, PushStatus, parse_push_meta
 
@@ -195,6 +195,8 @@ async def apply(request: Request) -> dict:
     rt, role, msg = await _from_coordinator(request, ApplyRound)
     if role.partitioned:  # the decision: each partition closes here once its contributors' frames are in
         def decide() -> bool:
+            if marks.ON:
+                marks.mark("decision.in", step=msg.step, shard=role.index)
             done = parts.decide(rt.core, msg.step, msg.contributors, rt.now())
             _drop(rt, msg.step, msg.lost)
             return done

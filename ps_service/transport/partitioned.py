@@ -23,7 +23,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from ps_service.core import PushResult
-from shared import compression, frame
+from shared import compression, frame, marks
 from shared.errors import ProtocolError, bad_request, unprocessable
 from shared.protocol import PushRequest, check_partition_meta, parse_push_meta, push_partitions
 
@@ -105,6 +105,8 @@ class Feed:
                 return  # its header is not all in yet
             self.count = 1 if meta is None else push_partitions(meta)  # None: not a frame, refused once read
         if self.count > 1:
+            if marks.ON:
+                marks.mark("body.wake", body=id(self), got=got)
             for f in self.reader.feed(buf, got, self.count):
                 if len(self.frames) < self.count - 1:  # the last waits for the body's end (:meth:`finish`)
                     self._give(f)
@@ -114,6 +116,9 @@ class Feed:
     def _give(self, f: frame.Frame) -> None:
         core, q = self.core, len(self.frames)
         self.frames.append(f)
+        if marks.ON:
+            marks.mark("frame.in", body=id(self), q=q, end=self.reader.end,
+                       **({"worker": f.meta.get("worker_id"), "step": f.meta.get("step")} if q == 0 else {}))
         if q == 0:
             push, seq = parse_push_meta(f.meta, f.tensors)
             check_head(core, self.partition_bytes, push, seq, f.meta, self.count, self.spec, self.members)

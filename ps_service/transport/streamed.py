@@ -16,7 +16,7 @@ partitioned push's body. The default (no partitions) never makes one: :meth:`clo
 from __future__ import annotations
 
 from ps_service.core.buffers import POOL
-from shared import frame
+from shared import frame, marks
 
 
 class StepFrames:
@@ -77,6 +77,8 @@ class Partitions:
         cur = self.current
         for q in qs:
             if cur.frames[q] is None and (last or q != plan.count - 1):
+                if marks.ON:
+                    marks.mark("part.close", q=q, step=cur.step - 1)
                 cur.frames[q] = self._encode(plan, q, cur.step)
 
     def _encode(self, plan, q: int, step: int) -> memoryview:

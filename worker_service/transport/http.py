@@ -15,7 +15,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from shared import frame, partitions, weight_deltas
+from shared import frame, marks, partitions, weight_deltas
 from shared.compression import Compressor, Spec
 from shared.errors import ProtocolError
 from shared.protocol import API
@@ -145,6 +145,8 @@ class BodyTransport(OnePS):
                          p, self._plan[0], into)
         try:
             answer = super().push(meta, grads, 0.0, timeout, on_way, body=body, pull=False, path=path, params=hold)
+            if marks.ON:
+                marks.mark("push.answered", peer=self.endpoint.base_url.split("//")[-1], step=meta["step"])
             got = pull.result()  # as a ``pull=1`` answer: the step and done of the weights it carries
         finally:
             if pull.running:  # (a push that failed, or a pull past its wait) its connection stays its own until it ends

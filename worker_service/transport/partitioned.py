@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from shared import frame
+from shared import frame, marks
 from shared.partitions import Plan
 from shared.protocol import API
 from worker_service.transport.base import Pulled
@@ -66,6 +66,9 @@ class Alongside:
                                       what=f"GET {API}/model (step {self.params['min_step']}, partitioned)")
             if resp.status_code == 200:
                 self._got = whole(resp.content, self.plan, self.spec, self.into)
+                if marks.ON:
+                    marks.mark("pull.done", peer=self.endpoint.base_url.split("//")[-1],
+                               step=self.params["min_step"])
         except Exception:  # noqa: BLE001 (the client pulls again: that pull reports what is wrong)
             self._got = None
 

@@ -19,7 +19,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from shared import frame, refs, shards
+from shared import frame, marks, refs, shards
 from shared.compression import Spec
 from shared.errors import ProtocolError
 from shared.protocol import API
@@ -123,6 +123,9 @@ class ShardedTransport(TensorTransport):
         hold, held = {"map": self.map.digest}, {"worker_id": meta["worker_id"], "step": meta["step"]}
 
         def one(i: int) -> PushAnswer:
+            if marks.ON:
+                marks.mark("push.start", shard=i, peer=self.links[i].endpoint.base_url.split("//")[-1],
+                           step=meta["step"])
             pieces = shards.split(grads, self.map.pieces[i])
             dest = {p.key: into[p.name].reshape(-1)[p.start:p.stop] for p in self.map.pieces[i] if not p.whole}
             if i == 0:  # (its pull joins the cut tensors in place too: then nothing is left to place)
@@ -130,10 +133,17 @@ class ShardedTransport(TensorTransport):
             else:
                 answer = self.links[i].send(lambda t: t.push(held, pieces, wait, timeout, hold=hold, into=dest))
             self._placed(i, answer.pulled, into)
+            if marks.ON:
+                marks.mark("shard.done", shard=i, step=meta["step"])
             return answer
 
+        if marks.ON:
+            marks.mark("step.push", step=meta["step"], worker=meta["worker_id"])
         answers = self._placing(into, [lambda i=i: one(i) for i in range(len(self.links))], on_way)
-        return self._answer(answers[0], [a.pulled for a in answers], into)
+        got = self._answer(answers[0], [a.pulled for a in answers], into)
+        if marks.ON:
+            marks.mark("step.pulled", step=meta["step"])
+        return got
 
     def _answer(self, head: PushAnswer, parts: list[Pulled | None], into: dict[str, np.ndarray]) -> PushAnswer:
         """The coordinator's answer ``head``, with the whole model if every shard sent its weights of one step."""

@@ -1,0 +1,41 @@
+"""Opt-in timeline marks: where a partitioned step waits (``python -m bench.timeline`` reads them).
+
+Contract: ``SYNCPS_MARKS_DIR`` (read here, once, at import; the one place) names a directory; unset or empty, marks
+are off: :data:`ON` is False and callers test it before calling (``if marks.ON: marks.mark(...)``), so an untraced
+process makes no call and builds no fields. On, :func:`mark` appends one JSON line ``{"t": ns, "pid", "ev", ...}``
+to ``<dir>/<pid>.jsonl`` with one ``write`` (an ``O_APPEND`` file: nothing is lost when the process is killed),
+``t`` from :func:`time.perf_counter_ns`: CLOCK_MONOTONIC, one clock for every process of one machine, network
+namespaces included (bench.hosts' emulated hosts). :func:`name` records what the process is (its role, its URL), once.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+DIR = os.environ.get("SYNCPS_MARKS_DIR", "")
+#: marks are recorded (tested by callers before :func:`mark`)
+ON = bool(DIR)
+_fd: int | None = None
+_lock = threading.Lock()
+
+
+def _file() -> int:
+    global _fd
+    with _lock:
+        if _fd is None:
+            os.makedirs(DIR, exist_ok=True)
+            _fd = os.open(os.path.join(DIR, f"{os.getpid()}.jsonl"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    return _fd
+
+
+def mark(ev: str, **fields) -> None:
+    """Record event ``ev`` now, with ``fields`` (JSON values)."""
+    t = time.perf_counter_ns()
+    os.write(_file(), (json.dumps({"t": t, "pid": os.getpid(), "ev": ev, **fields}) + "\n").encode())
+
+
+def name(role: str, **fields) -> None:
+    """Record what this process is (``role``: ``worker``, ``shard``, ``ps``)."""
+    mark("process", role=role, **fields)
