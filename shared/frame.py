@@ -241,6 +241,12 @@ class FrameReader:
             self.end, self.count = start + size, self.count + 1
         return out
 
+    def next_end(self, buf: bytes | bytearray | memoryview, got: int) -> int | None:
+        """Where the next frame ends in the body, once its header is among ``buf[:got]`` (None: not yet)."""
+        start = aligned(self.end) if self.count else 0
+        size = _extent(memoryview(buf).cast("B")[start:got]) if got >= start else None
+        return None if size is None else start + size
+
     def finish(self, total: int, count: int) -> None:
         """The body ended at ``total`` bytes: it held exactly ``count`` frames."""
         if self.count < count:

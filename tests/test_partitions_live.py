@@ -240,6 +240,33 @@ def test_a_partitioned_push_reaches_the_core_frame_by_frame_as_it_arrives():
         c.close()
 
 
+def test_each_frame_is_taken_once_its_last_byte_is_in():
+    """The PS is woken at each frame's end, not only every 4 MiB of body: of a 2.4 MB push in 3 frames, the first two
+    sent and nothing more (1.6 MB), partition 1 closes and is applied while the last frame is not sent."""
+    big = {"w": np.linspace(-1, 1, 600_000, dtype=np.float32)}
+    size = 1 << 20
+    with live_ps(min_workers=1, startup_grace_seconds=0, partition_bytes=size) as ps:
+        c = ps.client()
+        wid = c.register("w")["worker_id"]
+        assert c.init_model(big, OPTIMIZERS["sgd"])
+        wait_for(lambda: ps.rt.core.started, allow(10), "training to start")
+        body = partitioned_body({"worker_id": wid, "step": 0}, {"w": np.full(600_000, 0.5, np.float32)}, size)
+        reader = frame.FrameReader()
+        assert len(reader.feed(body, len(body), 2)) == 2  # the first two frames end at reader.end
+        head = (f"POST {API}/gradients HTTP/1.1\r\nhost: x\r\ncontent-type: {frame.MEDIA_TYPE}\r\n"
+                f"content-length: {len(body)}\r\n\r\n").encode()
+        with socket.create_connection(("127.0.0.1", ps.port), timeout=allow(20)) as s:
+            s.sendall(head + body[:reader.end])
+            core = ps.rt.core
+            wait_for(lambda: core.parts is not None and 1 in core.parts.closed, allow(10),
+                     "partition 1 to close before the body's end")
+            assert core.global_step == 0 and core.weights["w"][200_000] == np.float32(big["w"][200_000] - 0.05)
+            s.sendall(body[reader.end:])
+            status, answer = read_response(s)
+        assert status == 200 and json.loads(answer)["step"] == 1
+        c.close()
+
+
 def test_the_workers_body_transport_sends_the_documented_frames():
     from worker_service.transport.http import BodyTransport
     size, g, meta = size_for(4), gradient(1, 0), {"worker_id": "x", "step": 1}

@@ -37,6 +37,8 @@ class BodySink:
     def __init__(self, view: memoryview) -> None:
         self.view = view
         self.at = 0
+        #: a byte count the route asked to be woken at (its progress callback's answer; None: the default rhythm)
+        self.wake_at: int | None = None
         self._woken_at = 0
         self._woken_time = time.monotonic()
 
@@ -52,9 +54,10 @@ class BodySink:
         return self.at == len(self.view)
 
     def due(self) -> bool:
-        """True when full, and once per WAKE_BYTES or WAKE_SECONDS of progress."""
+        """True when full, once :attr:`wake_at` bytes are in, and once per WAKE_BYTES or WAKE_SECONDS of progress."""
         now = time.monotonic()
-        if self.full or self.at - self._woken_at >= WAKE_BYTES or now - self._woken_time >= WAKE_SECONDS:
+        if (self.full or (self.wake_at is not None and self.at >= self.wake_at)
+                or self.at - self._woken_at >= WAKE_BYTES or now - self._woken_time >= WAKE_SECONDS):
             self._woken_at, self._woken_time = self.at, now
             return True
         return False
@@ -98,11 +101,13 @@ async def read_prefix(request: Request, want: Callable[[bytearray], int], idle_t
 async def read_body(request: Request, limit: int, media_types: tuple[str, ...] | str,
                     idle_timeout: float = BODY_IDLE_TIMEOUT, recurring: bool = True,
                     prefix: tuple[bytearray, bool] | None = None,
-                    progress: Callable[[memoryview, int], None] | None = None) -> memoryview | bytearray:
+                    progress: Callable[[memoryview, int], int | None] | None = None) -> memoryview | bytearray:
     """The request body, refused with 415 for another content type, 413 past ``limit``, 408 if it stalls.
     ``recurring`` False: bodies of this kind come once (a model's upload): a buffer made for it is not kept.
     ``prefix``: what :func:`read_prefix` received of it already. ``progress``: called with the body's buffer and the
-    bytes in it so far each time more came (a ``Content-Length`` body's; what it raises ends the read)."""
+    bytes in it so far each time more came (a ``Content-Length`` body's; what it raises ends the read); it may answer
+    the byte count it wants to be called at next (a partitioned push: its next frame's end), besides the default
+    rhythm of every ``WAKE_BYTES`` or ``WAKE_SECONDS``."""
     declared = declared_length(request, limit, media_types)
     sink = BodySink(POOL.take(declared, keep=recurring)) if declared is not None else None
     chunks = bytearray() if sink is None else None
@@ -112,7 +117,7 @@ async def read_body(request: Request, limit: int, media_types: tuple[str, ...] |
             if chunk:
                 sink.write(chunk)
             if progress is not None:
-                progress(sink.view, sink.at)
+                sink.wake_at = progress(sink.view, sink.at)
         else:
             chunks.extend(chunk)
             if len(chunks) > limit:

@@ -28,6 +28,9 @@ from shared.errors import ProtocolError, bad_request, unprocessable
 from shared.protocol import PushRequest, check_partition_meta, parse_push_meta, push_partitions
 
 
+#: bytes past a frame's start its header is looked for at (then its end is known: the feed asks to be woken there)
+HEADER_BYTES = 4096
+
 #: a partition frame's tensors as the core takes them: (partition q, its tensors, the encoding its head declared) ->
 #: (the tensors decoded against partition q's pieces, whether known finite): the seam's
 Decode = Callable[[int, Mapping[str, np.ndarray], Any], tuple[Mapping[str, Any], bool]]
@@ -98,11 +101,14 @@ class Feed:
     def partitioned(self) -> bool:
         return bool(self.count and self.count > 1)
 
-    def __call__(self, buf: memoryview, got: int) -> None:
+    def __call__(self, buf: memoryview, got: int) -> int | None:
+        """Take the frames ``buf[:got]`` completes; the byte count to be called at next: the next frame's end (its
+        header's, ``HEADER_BYTES`` on, while that is not in), so each frame is taken as soon as its last byte is in
+        (None: the body's end will do; not partitioned, or only the last frame left)."""
         if self.count is None:
             meta = frame.peek_meta(buf[:got])
             if isinstance(meta, int):
-                return  # its header is not all in yet
+                return None  # its header is not all in yet
             self.count = 1 if meta is None else push_partitions(meta)  # None: not a frame, refused once read
         if self.count > 1:
             if marks.ON:
@@ -112,6 +118,10 @@ class Feed:
                     self._give(f)
                 else:
                     self._last = f
+            if self.reader.count < self.count - 1:
+                end = self.reader.next_end(buf, got)
+                return end if end is not None else max(got, frame.aligned(self.reader.end)) + HEADER_BYTES
+        return None
 
     def _give(self, f: frame.Frame) -> None:
         core, q = self.core, len(self.frames)
