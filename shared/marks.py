@@ -5,7 +5,7 @@ are off: :data:`ON` is False and callers test it before calling (``if marks.ON: 
 process makes no call and builds no fields. On, :func:`mark` appends one JSON line ``{"t": ns, "pid", "ev", ...}``
 to ``<dir>/<pid>.jsonl`` with one ``write`` (an ``O_APPEND`` file: nothing is lost when the process is killed),
 ``t`` from :func:`time.perf_counter_ns`: CLOCK_MONOTONIC, one clock for every process of one machine, network
-namespaces included (bench.hosts' emulated hosts). :func:`name` records what the process is (its role, its URL), once.
+namespaces included (bench.hosts' emulated hosts).
 """
 from __future__ import annotations
 
@@ -34,8 +34,3 @@ def mark(ev: str, **fields) -> None:
     """Record event ``ev`` now, with ``fields`` (JSON values)."""
     t = time.perf_counter_ns()
     os.write(_file(), (json.dumps({"t": t, "pid": os.getpid(), "ev": ev, **fields}) + "\n").encode())
-
-
-def name(role: str, **fields) -> None:
-    """Record what this process is (``role``: ``worker``, ``shard``, ``ps``)."""
-    mark("process", role=role, **fields)
