@@ -11,9 +11,11 @@ ms from the worker's push (``step.push``; 0):
   ``detected_lag_ms`` (the largest delay from a frame's arrival to its shard taking it, over the step's frames);
 - ``down``: the worker's downlink, from the pulls' chunks (one a partition frame, every shard's connection):
   ``first_ms``/``last_ms`` (its first and last byte), ``busy_ms`` (the union of the chunks' receive intervals) and
-  ``gaps``: each idle interval of at least ``--gap`` ms from the push to the last byte, and what its next chunk
+  ``gaps`` (a whole answer, the round closed before its pull, is one chunk, ``q`` ``"whole"``): each idle interval of at least ``--gap`` ms from the push to the last byte, and what its next chunk
   waited for: that partition's close on its shard (``close_ms``), and what the close waited for: the last
   contributor's frame (``by``: worker, ``arrived_ms``, ``taken_ms``) or the decision (``decision_ms``);
+- ``round``: ``decided_ms`` (the coordinator's partition 0 closed: the round's decision) and ``decision_in_ms`` (when
+  it reached each follower, whose partitions close only then);
 - ``step_ms``: to the weights in (``step.pulled``).
 
 A last line ``{"summary": ...}``: the medians over the steps after ``--skip`` (warm-up), and the link model's terms
@@ -60,7 +62,8 @@ class Shard:
     """One shard's marks: its frames (by worker, step, partition), closes and decisions."""
 
     def __init__(self, marks: list[dict]) -> None:
-        self.index = next((m["shard"] for m in marks if m["ev"] == "pull.yield"), None)
+        # (the coordinator, shard 0, gets no decisions)
+        self.index = next((m["shard"] for m in marks if m["ev"] in ("pull.yield", "decision.in")), 0)
         self.frames: dict[tuple[str, int, int], dict] = {}  # (worker, step, q) -> {taken, arrived}
         self.closes: dict[tuple[int, int], int] = {}  # (step, q) -> t
         self.decisions: dict[int, int] = {}
@@ -83,15 +86,19 @@ class Shard:
             elif ev == "decision.in":
                 self.decisions.setdefault(m["step"], m["t"])
 
-    def waited(self, step: int, q: int) -> dict:
-        """What partition ``q`` of round ``step`` closed after: the last frame of it taken, or the decision."""
+    def waited(self, step: int, q: int | str) -> dict:
+        """What partition ``q`` of round ``step`` closed after: the last frame of it taken, or the decision (``q``
+        "whole": the round's last partition)."""
+        if q == "whole":
+            q = max((qq for s, qq in self.closes if s == step), default=max(
+                (qq for (_, s, qq) in self.frames if s == step), default=0))
         close = self.closes.get((step, q))
         frames = [(v["taken"], w, v) for (w, s, qq), v in self.frames.items() if s == step and qq == q]
         out: dict = {"close": close}
         if frames:
             taken, w, v = max(frames, key=lambda x: x[0])
             out.update(by=w, taken=taken, arrived=v["arrived"])
-        if q == 0 and step in self.decisions:
+        if step in self.decisions:
             out["decision"] = self.decisions[step]
         return out
 
@@ -139,11 +146,11 @@ def step_line(s: dict, prev_pulled: int | None, shards: dict[str, Shard], wid: s
         if m["ev"] == "chunk.first":
             open_[m["peer"]] = m["t"]
         elif m["ev"] == "chunk.last" and m["peer"] in open_:
-            chunks.append((open_.pop(m["peer"]), m["t"], m["peer"]))
+            chunks.append((open_.pop(m["peer"]), m["t"], m["peer"], m.get("whole", False)))
     per_peer: dict[str, int] = defaultdict(int)
     tagged = []
-    for a, b, peer in chunks:
-        tagged.append((a, b, (peer, per_peer[peer])))
+    for a, b, peer, whole in chunks:  # a whole answer (the round closed before the pull): its last partition's close
+        tagged.append((a, b, (peer, "whole" if whole else per_peer[peer])))
         per_peer[peer] += 1
     busy, at = 0, None
     for a, b, _ in sorted(tagged):
@@ -162,7 +169,11 @@ def step_line(s: dict, prev_pulled: int | None, shards: dict[str, Shard], wid: s
             g["next"].update(close_ms=ms(w.get("close")), by=w.get("by"), arrived_ms=ms(w.get("arrived")),
                              taken_ms=ms(w.get("taken")), decision_ms=ms(w.get("decision")))
         idle.append(g)
+    coordinator = next((sh for sh in shards.values() if sh.index == 0), None)
+    followers = sorted({sh.index: sh for sh in shards.values() if sh.index}.items())
+    decided = None if coordinator is None else coordinator.closes.get((step, 0))
     return {"step": step, "compute_ms": None if prev_pulled is None else round((t0 - prev_pulled) / 1e6, 1),
+            "round": {"decided_ms": ms(decided), "decision_in_ms": [ms(sh.decisions.get(step)) for _, sh in followers]},
             "up": {"sent_ms": ms(max(sent, default=None)), "in_ms": ms(max(arrived, default=None)),
                    "detected_lag_ms": round(max(lags, default=0) / 1e6, 1)},
             "down": {"first_ms": ms(min((c[0] for c in tagged), default=None)),
@@ -184,6 +195,10 @@ def summary(lines: list[dict], rate_bits: float, model_bytes: float, q: int) -> 
                         "down_last_ms": med(lambda x: x["down"]["last_ms"]),
                         "down_busy_ms": med(lambda x: x["down"]["busy_ms"]),
                         "down_idle_ms": med(lambda x: sum(g["ms"] for g in x["down"]["gaps"])),
+                        "decided_ms": med(lambda x: x["round"]["decided_ms"]),
+                        "decision_lag_ms": med(lambda x: max(
+                            (d - x["round"]["decided_ms"] for d in x["round"]["decision_in_ms"] if d is not None),
+                            default=None) if x["round"]["decided_ms"] is not None else None),
                         "model_M_over_B_ms": round(mb, 1), "model_fill_ms": round(mb / q, 1),
                         "model_link_ms": round(mb * (1 + 1 / q), 1)}}
 
@@ -203,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     addr: dict[str, str] = {}  # shard ip:port -> its pid's Shard, through the workers' push.start peers
     by_index: dict[int, Shard] = {}
     for pid, marks in procs.items():
-        if any(m["ev"] == "pull.yield" for m in marks):
+        if any(m["ev"] in ("frame.in", "pull.yield") for m in marks):
             sh = Shard(marks)
             by_index[sh.index] = sh
     workers = {pid: m for pid, m in procs.items() if any(x["ev"] == "step.push" for x in m)}

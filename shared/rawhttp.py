@@ -207,8 +207,12 @@ class RawConnection:
             raise ValueError("more bytes than content-length")
         small = n < POOL_MIN_BYTES  # plain bytes: a pooled buffer is not worth it
         view = memoryview(bytearray(n) if small else self._buffer(n))[:n]
+        if marks.ON and not small:
+            marks.mark("chunk.first", peer=self.host_header, n=n, whole=True)
         view[:len(extra)] = extra
         self._fill(view, len(extra), "the body")
+        if marks.ON and not small:
+            marks.mark("chunk.last", peer=self.host_header, n=n, whole=True)
         return bytes(view) if small else view
 
     def _fill(self, view: memoryview, got: int, what: str) -> None:

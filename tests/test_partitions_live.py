@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+from contextlib import contextmanager
 
 import httpx
 import numpy as np
@@ -209,24 +210,36 @@ def test_partition_bytes_is_refused_where_it_is_not_built(other):
     PSSettings(partition_bytes=0, **other)
 
 
-def test_a_partitioned_push_reaches_the_core_frame_by_frame_as_it_arrives():
-    """The first 6 MB of a 12 MB push (1 MB partitions) are in the core, their partitions closed and applied, while
-    the rest of the body has not been sent."""
-    big = {"w": np.linspace(-1, 1, 3_000_000, dtype=np.float32)}
-    size = 1 << 20
+@contextmanager
+def one_worker_job(big: dict[str, np.ndarray], size: int):
+    """A live PS with ``size``-byte partitions, its model ``big`` (SGD) and one worker registered: (the PS, its id)."""
     with live_ps(min_workers=1, startup_grace_seconds=0, partition_bytes=size) as ps:
         c = ps.client()
         wid = c.register("w")["worker_id"]
         assert c.init_model(big, OPTIMIZERS["sgd"])
         wait_for(lambda: ps.rt.core.started, allow(10), "training to start")
+        yield ps, wid
+        c.close()
+
+
+def push_head(body: bytes) -> bytes:
+    """The request head of a raw ``POST /v1/gradients`` of ``body``."""
+    return (f"POST {API}/gradients HTTP/1.1\r\nhost: x\r\ncontent-type: {frame.MEDIA_TYPE}\r\n"
+            f"content-length: {len(body)}\r\n\r\n").encode()
+
+
+def test_a_partitioned_push_reaches_the_core_frame_by_frame_as_it_arrives():
+    """The first 6 MB of a 12 MB push (1 MB partitions) are in the core, their partitions closed and applied, while
+    the rest of the body has not been sent."""
+    big = {"w": np.linspace(-1, 1, 3_000_000, dtype=np.float32)}
+    size = 1 << 20
+    with one_worker_job(big, size) as (ps, wid):
         p = plan(spec_of(big), size)
         assert p.count == 12
         g = {"w": np.full(3_000_000, 0.5, np.float32)}
         body = partitioned_body({"worker_id": wid, "step": 0}, g, size)
-        head = (f"POST {API}/gradients HTTP/1.1\r\nhost: x\r\ncontent-type: {frame.MEDIA_TYPE}\r\n"
-                f"content-length: {len(body)}\r\n\r\n").encode()
         with socket.create_connection(("127.0.0.1", ps.port), timeout=allow(20)) as s:
-            s.sendall(head + body[:6 << 20])
+            s.sendall(push_head(body) + body[:6 << 20])
             core = ps.rt.core
             wait_for(lambda: core.parts is not None and {1, 2} <= core.parts.closed, allow(10),
                      "partitions 1 and 2 to close before the body's end")
@@ -237,7 +250,6 @@ def test_a_partitioned_push_reaches_the_core_frame_by_frame_as_it_arrives():
             status, answer = read_response(s)
         assert status == 200 and json.loads(answer) == {"status": "accepted", "step": 1, "done": False}
         np.testing.assert_array_equal(core.weights["w"], big["w"] - np.float32(0.1) * np.float32(0.5))
-        c.close()
 
 
 def test_each_frame_is_taken_once_its_last_byte_is_in():
@@ -245,18 +257,12 @@ def test_each_frame_is_taken_once_its_last_byte_is_in():
     sent and nothing more (1.6 MB), partition 1 closes and is applied while the last frame is not sent."""
     big = {"w": np.linspace(-1, 1, 600_000, dtype=np.float32)}
     size = 1 << 20
-    with live_ps(min_workers=1, startup_grace_seconds=0, partition_bytes=size) as ps:
-        c = ps.client()
-        wid = c.register("w")["worker_id"]
-        assert c.init_model(big, OPTIMIZERS["sgd"])
-        wait_for(lambda: ps.rt.core.started, allow(10), "training to start")
+    with one_worker_job(big, size) as (ps, wid):
         body = partitioned_body({"worker_id": wid, "step": 0}, {"w": np.full(600_000, 0.5, np.float32)}, size)
         reader = frame.FrameReader()
         assert len(reader.feed(body, len(body), 2)) == 2  # the first two frames end at reader.end
-        head = (f"POST {API}/gradients HTTP/1.1\r\nhost: x\r\ncontent-type: {frame.MEDIA_TYPE}\r\n"
-                f"content-length: {len(body)}\r\n\r\n").encode()
         with socket.create_connection(("127.0.0.1", ps.port), timeout=allow(20)) as s:
-            s.sendall(head + body[:reader.end])
+            s.sendall(push_head(body) + body[:reader.end])
             core = ps.rt.core
             wait_for(lambda: core.parts is not None and 1 in core.parts.closed, allow(10),
                      "partition 1 to close before the body's end")
@@ -264,7 +270,6 @@ def test_each_frame_is_taken_once_its_last_byte_is_in():
             s.sendall(body[reader.end:])
             status, answer = read_response(s)
         assert status == 200 and json.loads(answer)["step"] == 1
-        c.close()
 
 
 def test_the_workers_body_transport_sends_the_documented_frames():
