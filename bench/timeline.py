@@ -14,8 +14,9 @@ ms from the worker's push (``step.push``; 0):
   ``gaps`` (a whole answer, the round closed before its pull, is one chunk, ``q`` ``"whole"``): each idle interval of at least ``--gap`` ms from the push to the last byte, and what its next chunk
   waited for: that partition's close on its shard (``close_ms``), and what the close waited for: the last
   contributor's frame (``by``: worker, ``arrived_ms``, ``taken_ms``) or the decision (``decision_ms``);
-- ``round``: ``decided_ms`` (the coordinator's partition 0 closed: the round's decision) and ``decision_in_ms`` (when
-  it reached each follower, whose partitions close only then);
+- ``round``: ``decided_ms`` (the coordinator's partition 0 closed: the round's decision), ``decision_queued_ms`` and
+  ``decision_sent_ms`` (queued for the followers' links, written to the last of them) and ``decision_in_ms`` (when it
+  reached each follower, whose partitions close only then);
 - ``step_ms``: to the weights in (``step.pulled``).
 
 A last line ``{"summary": ...}``: the medians over the steps after ``--skip`` (warm-up), and the link model's terms
@@ -67,6 +68,8 @@ class Shard:
         self.frames: dict[tuple[str, int, int], dict] = {}  # (worker, step, q) -> {taken, arrived}
         self.closes: dict[tuple[int, int], int] = {}  # (step, q) -> t
         self.decisions: dict[int, int] = {}
+        self.queued: dict[int, int] = {}  # (the coordinator) step -> its decision queued for the followers
+        self.sent: dict[int, int] = {}  # (the coordinator) step -> written to the last follower's link
         wakes: dict[int, list[dict]] = defaultdict(list)  # a body's (a feed's) wakes
         whose: dict[int, tuple[str, int]] = {}  # a body -> (worker, step), from its head
         for m in marks:
@@ -85,6 +88,10 @@ class Shard:
                 self.closes.setdefault((m["step"], m["q"]), m["t"])
             elif ev == "decision.in":
                 self.decisions.setdefault(m["step"], m["t"])
+            elif ev == "decision.queued":
+                self.queued.setdefault(m["step"], m["t"])
+            elif ev == "decision.sent":
+                self.sent[m["step"]] = max(self.sent.get(m["step"], 0), m["t"])
 
     def waited(self, step: int, q: int | str) -> dict:
         """What partition ``q`` of round ``step`` closed after: the last frame of it taken, or the decision (``q``
@@ -173,7 +180,9 @@ def step_line(s: dict, prev_pulled: int | None, shards: dict[str, Shard], wid: s
     followers = sorted({sh.index: sh for sh in shards.values() if sh.index}.items())
     decided = None if coordinator is None else coordinator.closes.get((step, 0))
     return {"step": step, "compute_ms": None if prev_pulled is None else round((t0 - prev_pulled) / 1e6, 1),
-            "round": {"decided_ms": ms(decided), "decision_in_ms": [ms(sh.decisions.get(step)) for _, sh in followers]},
+            "round": {"decided_ms": ms(decided), "decision_queued_ms": ms(coordinator and coordinator.queued.get(step)),
+                      "decision_sent_ms": ms(coordinator and coordinator.sent.get(step)),
+                      "decision_in_ms": [ms(sh.decisions.get(step)) for _, sh in followers]},
             "up": {"sent_ms": ms(max(sent, default=None)), "in_ms": ms(max(arrived, default=None)),
                    "detected_lag_ms": round(max(lags, default=0) / 1e6, 1)},
             "down": {"first_ms": ms(min((c[0] for c in tagged), default=None)),

@@ -30,7 +30,7 @@ from ps_service.sharding import receipts, rollback
 from ps_service.sharding.holds import Holds
 from ps_service.sharding.links import Links
 from ps_service.sharding.turns import FOLD_BYTES, Gate, Tracker
-from shared import frame
+from shared import frame, marks
 from shared.errors import ProtocolError, unprocessable
 from shared.protocol import ModelInit
 from shared.shards import ShardMap, from_wire, plan, spec_of, split
@@ -157,6 +157,8 @@ class ShardRole:
         lost = None if not self.partitioned else sorted(
             parts.lost & {w for _, w in contributors} if parts is not None and rec.step == self.core.global_step
             else ())  # (contributors lost before the decision)
+        if marks.ON:
+            marks.mark("decision.queued", step=rec.step)
         self.links.round_closed(rec.step, contributors, n if self.aggregation == "mean" and n > 1 else 1, lost)
         self._sent_step = rec.step
 

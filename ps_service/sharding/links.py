@@ -22,7 +22,7 @@ from typing import Callable
 import httpx
 
 from ps_service.sharding.turns import Gate
-from shared import keepalive, liveness
+from shared import keepalive, liveness, marks
 from shared.errors import ProtocolError
 from shared.frame import MEDIA_TYPE as FRAME
 from shared.protocol import API
@@ -158,6 +158,8 @@ class Links:
 
     def _mark_sent(self, f: Follower, step: int) -> None:
         if step > f.sent:
+            if marks.ON:
+                marks.mark("decision.sent", step=step, shard=f.index)
             f.sent = step
             self._moved.wake()
 
