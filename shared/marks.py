@@ -17,17 +17,18 @@ import time
 DIR = os.environ.get("SYNCPS_MARKS_DIR", "")
 #: marks are recorded (tested by callers before :func:`mark`)
 ON = bool(DIR)
-_fd: int | None = None
+_fd: tuple[int, int] | None = None  # (the pid that opened it, the file): a forked child opens its own
 _lock = threading.Lock()
 
 
 def _file() -> int:
     global _fd
     with _lock:
-        if _fd is None:
+        pid = os.getpid()
+        if _fd is None or _fd[0] != pid:
             os.makedirs(DIR, exist_ok=True)
-            _fd = os.open(os.path.join(DIR, f"{os.getpid()}.jsonl"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    return _fd
+            _fd = (pid, os.open(os.path.join(DIR, f"{pid}.jsonl"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644))
+    return _fd[1]
 
 
 def mark(ev: str, **fields) -> None:
