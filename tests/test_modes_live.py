@@ -20,19 +20,21 @@ W = {"w": np.zeros(4, np.float32)}
 G = {"w": np.ones(4, np.float32)}
 SGD = {"name": "sgd", "learning_rate": 0.1}
 STEPS = 120
+#: worker-3's extra seconds a step on a quiet machine. It sleeps allow(DELAY): a loaded machine slows every worker's
+#: step but not a sleep, and a fixed one would no longer make worker-3 the slow one (the async test's 2x)
 DELAY = 0.05
 
 
 def run_slowed_job(ps_env: dict) -> tuple[dict, list[dict], list[int], str, list[int]]:
-    """4 workers (linear task), worker-3 slowed by DELAY s per step, to PS_MAX_STEPS; (status, workers, exit codes,
-    logs, spreads seen by polling /v1/status meanwhile)."""
+    """4 workers (linear task), worker-3 slowed by allow(DELAY) s per step, to PS_MAX_STEPS; (status, workers, exit
+    codes, logs, spreads seen by polling /v1/status meanwhile)."""
     c = LocalCluster(4, ps_env={"PS_MAX_STEPS": STEPS, "PS_LEASE_SECONDS": 10, **ps_env},
                      worker_env={"WORKER_TASK": "linear", "WORKER_SHM_DIR": ""})
     spreads: list[int] = []
     try:
         c.start_ps()
         for i in range(4):
-            c.start_worker(i, {"WORKER_COMPUTE_DELAY_SECONDS": DELAY if i == 3 else 0})
+            c.start_worker(i, {"WORKER_COMPUTE_DELAY_SECONDS": allow(DELAY) if i == 3 else 0})
 
         def finished():
             st = c.status()
@@ -40,7 +42,7 @@ def run_slowed_job(ps_env: dict) -> tuple[dict, list[dict], list[int], str, list
                 spreads.append(st["clocks"]["spread"])
             return all(p.poll() is not None for p in c.workers)
 
-        wait_for(finished, 120, "the workers to finish", interval=0.1)
+        wait_for(finished, allow(120), "the workers to finish", interval=0.1)
         codes = [p.returncode for p in c.workers]
         return c.status(), c.get("/v1/workers").json()["workers"], codes, c.logs(20000), spreads
     except BaseException:
@@ -78,7 +80,7 @@ def start_two(ps, lease_ok=True):
     ida = a.register("a")["worker_id"]
     a.init_model(W, SGD)
     idb = b.register("b")["worker_id"]
-    wait_for(lambda: ps.rt.core.started, 10, "training to start")
+    wait_for(lambda: ps.rt.core.started, allow(10), "training to start")
     assert a.pull(0, ida, 5.0).step == 0
     assert a.push(ida, 0, G)["status"] == "accepted"
     return a, b, ida, idb
@@ -86,22 +88,24 @@ def start_two(ps, lease_ok=True):
 
 @pytest.mark.parametrize("release", ["leave", "expiry"])
 def test_a_leave_or_an_expired_lease_releases_the_ssp_wait_at_once(release):
-    lease = 1.0 if release == "expiry" else 30.0
+    # b's lease must outlast the checks of a's wait below, which a loaded machine slows down
+    lease = allow(1.0) if release == "expiry" else 30.0
     with live_ps(mode="ssp", ssp_staleness=0, min_workers=2, startup_grace_seconds=0, lease_seconds=lease,
                  tick_seconds=0.05) as ps:
         a, b, ida, idb = start_two(ps)
         got: dict = {}
-        t = threading.Thread(target=lambda: got.update(pulled=a.pull(1, ida, 10.0), at=time.monotonic()))
+        longest = lease + allow(10)  # a's pull waits longer than b's lease runs
+        t = threading.Thread(target=lambda: got.update(pulled=a.pull(1, ida, longest), at=time.monotonic()))
         t.start()
         with ps.http() as http:
             blocked = wait_for(lambda: next(w["blocked"] for w in http.get("/v1/workers").json()["workers"]
-                                            if w["name"] == "a"), 5, "a's pull to wait")
+                                            if w["name"] == "a"), allow(5), "a's pull to wait")
             assert blocked["clock"] == 1 and blocked["needs"] == 1 and blocked["stragglers"][0]["name"] == "b"
             assert "a at clock 1 waits for clock >= 1: b at 0" in http.get("/v1/status").json()["wait_reason"]
         t0 = time.monotonic()
         if release == "leave":
             b.leave(idb)
-        t.join(10)
+        t.join(longest)
         assert got["pulled"] is not None and got["pulled"].step == 1
         waited = got["at"] - t0
         assert waited < (allow(0.5) if release == "leave" else lease + allow(1.0)), waited
