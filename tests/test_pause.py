@@ -23,7 +23,7 @@ from tests.clusters import closed_rounds, final_weights
 from tests.reference import train_reference
 from tests.timing import allow
 
-LEASE = 2.0  # on a quiet machine: each test leases allow(LEASE), since a loaded one may hold a heartbeat back
+LEASE = 1.0  # on a quiet machine: each test leases allow(LEASE), since a loaded one may hold a heartbeat back
 
 
 def _events(c: LocalCluster, kind: str) -> list[str]:
