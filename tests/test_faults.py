@@ -50,8 +50,8 @@ def kill_workers_in_turn(n_workers: int, kills: int, every: int, restart_at_once
     """One job; kill -9 a worker every ``every`` steps, each worker in turn, and start a replacement
     under the same name (at once, like a restarted container, or once the job got over the death)."""
     # Room for the kill phase: a replacement needs 1-2 s to start and push (25-50 paced rounds), so the
-    # job must not be able to finish before the last kill lands.
-    steps = max(every * (kills + 1) + 15, 40 * kills)
+    # job must not be able to finish before the last kill lands (its round closed at step 61-87 of 6 kills, load 9-15)
+    steps = max(every * (kills + 1) + 15, 30 * kills)
     ps_env = {"PS_MAX_STEPS": steps, "PS_LEASE_SECONDS": LEASE, "PS_ROUND_TIMEOUT_SECONDS": DEADLINE,
               "PS_MIN_REPLICAS": 1, "PS_TOTAL_NUM_REPLICAS": n_workers}
     c = LocalCluster(n_workers, ps_env=ps_env,
