@@ -10,8 +10,11 @@ arrays keep their bits to the end, each held one until it is let go, every answe
 pools were asked about the kept weights' buffer while it was kept, and told it is in use (the check was made, not
 skipped by a pool that never looked at that buffer).
 
-The exception, marked xfail (strict): a job with weight deltas (topk or 2bit compression on one PS), whose transport
-writes each delta into its one held copy in place, so the read-only views a worker got of step s change at step s + 1.
+In a job with weight deltas (topk compression on one PS) the transport writes each answer's delta into its own held
+copy (worker_service/transport/http.py, HeldWeights): the views a worker kept of step 0 keep their bits, the held
+tensors they viewed took step 1's delta in fresh copies (one each, then in place again), and the held copy is the PS's
+weights. The stock loop (worker_service/loop.py) lets a step's weights go before its push: over a job of STEPS steps of
+deltas it never makes such a copy.
 """
 from __future__ import annotations
 
@@ -26,7 +29,9 @@ from tests.live_ps import live_ps
 from tests.test_shards import two_shards
 from tests.timing import allow
 from worker_service.client import PSClient
+from worker_service.loop import train
 from worker_service.transport import sharded
+from worker_service.transport.http import HeldWeights
 
 LR = 0.5
 #: three tensors of 96 KiB, which 64 KiB partitions (and two shards) cut, and one of 32 KiB that a partition (and a
@@ -112,9 +117,6 @@ def test_two_shards(partition_bytes, asked):
         assert c.rt.core.global_step == f.rt.core.global_step == STEPS
 
 
-@pytest.mark.xfail(strict=True, reason="weight deltas (topk or 2bit on one PS) are written into the transport's held "
-                                       "copy in place (worker_service/transport/http.py, HeldWeights): the read-only "
-                                       "views a worker got of step s change when step s + 1's delta is applied")
 def test_weights_kept_in_a_job_with_weight_deltas():
     with live_ps(min_workers=1, startup_grace_seconds=0, shm_dir="", compression="topk") as ps:
         client = PSClient(ps.url, timeout=allow(10), attempts=1)
@@ -125,7 +127,46 @@ def test_weights_kept_in_a_job_with_weight_deltas():
             for step in range(2):
                 assert client.push(wid, step, gradient(step))["status"] == "accepted"
                 assert client.pull(step + 1, wid, allow(10)).step == step + 1
-            assert client.tensors.current.held.lineage is not None  # the answers were deltas on a held copy
+            held = client.tensors.current.held
+            assert held.lineage is not None and held.step == 2  # the answers were deltas on a held copy
             assert {k: v.tobytes() for k, v in kept.items()} == bits, "step 0's weights changed under the worker"
+            assert held.copies == len(W0)  # step 1's delta, into copies of the tensors step 0's views viewed; then none
+            assert all(held.tensors[k].tobytes() == v.tobytes() for k, v in ps.rt.core.weights.items())
+        finally:
+            client.close()
+
+
+class KeepsNothing:
+    """A task of the stock loop over W0 (the gradients of :func:`gradient`), keeping nothing of the weights."""
+    name = "kept"
+
+    def init_params(self) -> dict[str, np.ndarray]:
+        return {k: v.copy() for k, v in W0.items()}
+
+    def optimizer(self, mode: str = "sync") -> dict:
+        return {"name": "sgd", "learning_rate": LR}
+
+    def batch(self, step: int, shard_index: int, shard_count: int, batch_size: int) -> int:
+        return step
+
+    def loss_and_grads(self, params, batch: int):
+        return float(params["a"][0]), gradient(batch), 1
+
+    def evaluate(self, params) -> dict[str, float]:
+        return {"a0": float(params["a"][0])}
+
+
+def test_the_stock_loop_makes_no_copy_in_a_job_with_weight_deltas(monkeypatch):
+    deltas: list[int] = []
+    apply = HeldWeights._apply
+    monkeypatch.setattr(HeldWeights, "_apply", lambda self, meta, *a: deltas.append(meta["step"]) or apply(self, meta, *a))
+    with live_ps(min_workers=1, startup_grace_seconds=0, shm_dir="", compression="topk", max_steps=STEPS) as ps:
+        client = PSClient(ps.url, timeout=allow(10), attempts=1)
+        try:
+            summary = train(client, KeepsNothing(), "w", 1, prefetch=False)
+            held = client.tensors.current.held
+            assert summary.done and summary.steps == STEPS and deltas == list(range(1, STEPS + 1))
+            assert held.copies == 0, "the stock loop still viewed the held copy when a delta came"
+            assert all(held.tensors[k].tobytes() == v.tobytes() for k, v in ps.rt.core.weights.items())
         finally:
             client.close()

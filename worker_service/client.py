@@ -85,6 +85,8 @@ class PSClient:
         while these come often enough."""
         return max(self._renewed, min(time.monotonic(), self._held_until))
 
+    prefetched = property(lambda self: self._prefetched, doc="the weights the last push brought back, until a pull "
+                                                             "takes them (None: none)")
     transport = property(lambda self: self.tensors.name, doc="the tensor transport's name (shm, http, http+topk...)")
 
     # ---- exchanges ----------------------------------------------------------------------

@@ -17,7 +17,9 @@ Contract:
   (retrying cannot help), before any gradient is computed or the weights evaluated.
 - ``stop`` (SIGTERM; a ``StopFlag``, which a signal handler may set) ends the loop
   between two calls; the worker then leaves the cluster so the barrier stops
-  waiting for it. Returns a summary.
+  waiting for it. Returns a summary (its metrics: the last weights pulled, or those the last push brought back).
+- A step's weights are let go once its gradients are computed, before the push: nothing views the transport's
+  copy when the push's answer (a weight delta) is written into it, so it is written in place, not into a copy.
 """
 from __future__ import annotations
 
@@ -189,9 +191,12 @@ def train(client: PSClient, task: Task, name: str, batch_size: int, stop: StopFl
                     stop.wait(compute_delay)  # WORKER_COMPUTE_DELAY_SECONDS: a deliberately slow worker
                 t2 = time.monotonic()
                 times = {"fetch": t1 - t0, "compute": t2 - t1, "push": times["push"]}  # push: the previous one's
+                # this step's weights are let go before its push: the answer's weight delta (a job with them) is then
+                # written into the transport's held copy in place, not into a copy (worker_service/transport/http.py)
+                this, params, pulled = pulled.step, None, None
                 # the next batch, drawn while this push and its round are out
-                res = client.push(worker_id, pulled.step, grads, loss, n, times,
-                                  on_way=lambda s=pulled.step + 1, at=place: ahead.ahead(s, *at))
+                res = client.push(worker_id, this, grads, loss, n, times,
+                                  on_way=lambda s=this + 1, at=place: ahead.ahead(s, *at))
             except ProtocolError as exc:
                 if exc.code not in REJOIN_CODES:
                     raise
@@ -209,8 +214,8 @@ def train(client: PSClient, task: Task, name: str, batch_size: int, stop: StopFl
             summary.statuses[res["status"]] = summary.statuses.get(res["status"], 0) + 1
             summary.steps += 1
             summary.last_loss = loss
-            step = pulled.step + 1
-            progress.pushed(pulled.step, loss, times, res["status"])
+            step = this + 1
+            progress.pushed(this, loss, times, res["status"])
     finally:
         hb.halt.set()
         if stop.is_set():
@@ -221,6 +226,8 @@ def train(client: PSClient, task: Task, name: str, batch_size: int, stop: StopFl
             log.warning("could not leave the cluster: %s", exc)
         ahead.close()  # after leaving: a batch still being drawn delays this process's end, not the barrier
         summary.prefetched = {"used": ahead.used, "dropped": ahead.dropped}
+    if params is None and client.prefetched is not None:  # stopped after a push: the weights it brought back
+        params = client.prefetched.tensors
     if params is not None:
         summary.metrics = task.evaluate(params)
     progress.final(summary.done, summary.final_step, summary.last_loss, summary.metrics)

@@ -5,17 +5,19 @@ transport's :class:`shared.compression.Compressor`, which keeps its error-feedba
 a retried exchange resends the same bytes. With the job's ``partition_bytes`` a push body is its partitions' frames,
 head first (docs/protocol-partitions.md), views of the gradients or their pieces' encodings. When the PS's answers
 name a ``lineage`` the transport keeps its own copy of the weights (:class:`HeldWeights`) and asks ``since=<the step
-it holds>`` (docs/protocol.md, Weight deltas): a delta is written into the copy in place (bit-exact), the task gets
-read-only views; a delta the copy cannot take makes it forget the copy and answer None (the client pulls densely).
+it holds>`` (docs/protocol.md, Weight deltas): a delta is written into the copy (bit-exact), the task gets
+read-only views that stay as they are: a held tensor still viewed takes the delta in a fresh copy, one nothing views
+takes it in place; a delta the copy cannot take makes it forget the copy and answer None (the client pulls densely).
 An answer without ``lineage`` is used as it is: views of the answer's buffer.
 """
 from __future__ import annotations
 
+import pickle
 from typing import Callable, Mapping
 
 import numpy as np
 
-from shared import frame, marks, partitions, weight_deltas
+from shared import frame, marks, partitions, refs, weight_deltas
 from shared.compression import Compressor, Spec
 from shared.errors import ProtocolError
 from shared.protocol import API
@@ -33,6 +35,8 @@ class HeldWeights:
         self.step: int | None = None
         self.lineage: str | None = None
         self.tensors: dict[str, np.ndarray] = {}
+        #: held tensors a delta was written into a copy of, as something still viewed them (0 in the stock loop)
+        self.copies = 0
 
     def params(self) -> dict:
         """The query parameters naming what is held."""
@@ -62,23 +66,35 @@ class HeldWeights:
         return {k: _read_only(v) for k, v in self.tensors.items()}
 
     def _apply(self, meta: dict, tensors: Mapping[str, np.ndarray], lineage: str) -> None:
+        """Write a delta into the held copy: in place into a held tensor nothing else views, else (the task, or a
+        user's loop, keeps the views it was given) into a fresh copy, so those views keep their bits."""
         held, sparse = self.tensors, meta.get("sparse")
         if (meta["since"] != self.step or lineage != self.lineage or not isinstance(sparse, list)
                 or set(tensors) != set(held) or not set(sparse) <= set(held)):
             raise ValueError("a delta from weights this worker does not hold")
         for name, wire in tensors.items():
+            target = held[name]  # with ``held``, the only references to a tensor no view of which is alive
             if name in sparse:
-                weight_deltas.apply(held[name], wire, name)
-            elif wire.dtype != held[name].dtype or wire.shape != held[name].shape:
+                if wire.size and not refs.free(target):
+                    target = held[name] = target.copy()
+                    self.copies += 1
+                weight_deltas.apply(target, wire, name)
+            elif wire.dtype != target.dtype or wire.shape != target.shape:
                 raise ValueError(f"tensor {name!r} is not the one held")
-            else:  # copied in: a view would keep this answer's whole buffer for one small tensor
-                np.copyto(held[name], wire)
+            elif refs.free(target):  # copied in: a view would keep this answer's whole buffer for one small tensor
+                np.copyto(target, wire)
+            else:
+                held[name] = wire.copy()
+                self.copies += 1
 
 
 def _own(v: np.ndarray) -> np.ndarray:
-    """An array the worker may write: the answer's view when it is writable (a buffer of the connection that
-    stays this array's while it is viewed), else a copy."""
-    return v if v.flags.writeable and v.flags.aligned and v.flags.c_contiguous else v.copy()
+    """An array the worker may write: the answer's memory when it is writable (a buffer of the connection that
+    stays this array's while it is viewed), else a copy. Either way an array views of which name it as their base
+    (numpy would otherwise skip a view to the answer's buffer), so its reference count tells whether one is alive."""
+    if not (v.flags.writeable and v.flags.aligned and v.flags.c_contiguous):
+        return v.copy()
+    return np.ndarray(v.shape, v.dtype, buffer=pickle.PickleBuffer(v.reshape(-1).view(np.uint8)))
 
 
 def _read_only(v: np.ndarray) -> np.ndarray:
