@@ -156,10 +156,16 @@ class KeepsNothing:
         return {"a0": float(params["a"][0])}
 
 
-def test_the_stock_loop_makes_no_copy_in_a_job_with_weight_deltas(monkeypatch):
-    deltas: list[int] = []
+@pytest.fixture
+def deltas(monkeypatch) -> list[int]:
+    """The step of every delta a worker's held copy takes."""
+    steps: list[int] = []
     apply = HeldWeights._apply
-    monkeypatch.setattr(HeldWeights, "_apply", lambda self, meta, *a: deltas.append(meta["step"]) or apply(self, meta, *a))
+    monkeypatch.setattr(HeldWeights, "_apply", lambda self, meta, *a: steps.append(meta["step"]) or apply(self, meta, *a))
+    return steps
+
+
+def test_the_stock_loop_makes_no_copy_in_a_job_with_weight_deltas(deltas):
     with live_ps(min_workers=1, startup_grace_seconds=0, shm_dir="", compression="topk", max_steps=STEPS) as ps:
         client = PSClient(ps.url, timeout=allow(10), attempts=1)
         try:
@@ -170,3 +176,4 @@ def test_the_stock_loop_makes_no_copy_in_a_job_with_weight_deltas(monkeypatch):
             assert all(held.tensors[k].tobytes() == v.tobytes() for k, v in ps.rt.core.weights.items())
         finally:
             client.close()
+

@@ -162,7 +162,10 @@ class PSClient:
             raise
 
     def pull(self, min_step: int = 0, worker_id: str | None = None, wait: float = 5.0) -> Pulled | None:
-        """Weights once ``global_step >= min_step`` (or done); None if ``wait`` s passed first."""
+        """Weights once ``global_step >= min_step`` (or done); None if ``wait`` s passed first. The tensors are
+        read-only arrays: through request bodies (weight deltas included) the caller may keep them, later pulls and
+        pushes never change them; through the same-host file they view the PS's live weights, which change once the
+        round of their step closes (a caller that keeps them must copy them)."""
         ready, self._prefetched = self._prefetched, None
         if ready is not None and (ready.step >= min_step or ready.done):
             return ready
