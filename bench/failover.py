@@ -112,6 +112,7 @@ def run_job(workers: int, steps: int, kills: int, seed: int, deadline: float = 1
             wait_for(lambda: same_bits(c), 10, "the standby to hold the primary's bits")
             url, got = primary(c)
             digest = ha(url, True)["digest"]
+            logged = sum(ha(u)["costs"]["logged"] for u in (c.url, c.peer_url))  # steps the same-host log carried
             reader = PSClient(url)
             try:
                 weights = dict(reader.pull(0, wait=5.0).tensors)
@@ -122,7 +123,7 @@ def run_job(workers: int, steps: int, kills: int, seed: int, deadline: float = 1
             c.mark_failed()
             raise RuntimeError(f"job failed; logs:\n{c.logs()}") from None
     return {"seed": seed, "kills": len(again), "again": again, "digest": digest, "weights": weights,
-            "step": got["step"],
+            "step": got["step"], "logged": logged,
             "exit_codes": codes, "lost": sum(1 for was, back in resumed if back < was - 1), "url": url}
 
 

@@ -105,7 +105,7 @@ class PairStatus(BaseModel):
     alone_seconds: float | None = Field(description="On the primary: how long it has served without a standby that "
                                                     "caught up (null: it has one).")
     lag_rounds: int | None = Field(description="On the primary: messages (steps, membership) the standby has not "
-                                               "acknowledged yet.")
+                                               "acknowledged yet, or (same host) not yet read from its log.")
     lag_bytes: int | None = Field(description="On the primary: the bytes of those messages.")
     applied: int = Field(description="On a standby: the primary's messages taken (of this term): read, checked and acknowledged; the last one may still be applying (it is applied right after its answer, before anything else).")
     synced: bool = Field(description="On a standby: it took the state of its term (it may take over).")

@@ -178,9 +178,10 @@ def test_terms_fence_an_old_primary_and_a_standby_checks_its_primarys_messages()
     assert pair.heard == 2.0
 
 
-def fed_pair(optimizer: str, workers: int):
+def fed_pair(optimizer: str, workers: int, log_dir: str | None = None):
     """A primary core whose steps are encoded as the primary's link would (``sent``), its workers' ids, and a standby
-    ``Pair`` (over a core of its own, with a stand-in runtime) that took the primary's state at message 0 of term 1."""
+    ``Pair`` (over a core of its own, with a stand-in runtime) that took the primary's state at message 0 of term 1
+    (and made its same-host log in ``log_dir``, if given)."""
     from types import SimpleNamespace
 
     from ps_service.settings import PSSettings
@@ -194,6 +195,7 @@ def fed_pair(optimizer: str, workers: int):
     ids = [primary.register(f"w{i}", 0.0)[0].worker_id for i in range(workers)]
     pair = Pair(PSSettings(role="standby", peer_url="http://peer:8000"), ParameterServerCore(core_config(**settings)))
     pair.rt = SimpleNamespace(now=lambda: 9.0, notify=lambda: None, abort_waits=lambda: None)
+    pair.log_dir = log_dir
     pair.adopt(1, 0, messages.decode_state(messages.encode_state(primary.export_state())), 0, 0.0)
     return primary, ids, sent, pair
 
@@ -257,6 +259,32 @@ def test_a_step_that_fails_to_apply_after_its_acknowledgement_leaves_the_standby
     assert err.value.code == "ha_gap"
 
 
+def test_a_standby_takes_over_with_every_record_committed_in_its_log_and_fences_the_old_primarys_next(tmp_path):
+    """Sans-IO, the same-host log (ring.py): the standby made it with the state; records committed by the primary are
+    applied in order as the standby reads behind; a takeover first applies every record committed (not a torn one),
+    then the primary's next record is refused with the new term (it is deposed) and the file is gone."""
+    from ps_service.standby import ring
+    primary, ids, sent, pair = fed_pair("adam", 2, str(tmp_path))
+    states = [state_bytes(primary)]
+    for step in range(4):
+        for rank, wid in enumerate(ids):
+            primary.push(PushRequest(wid, primary.global_step, grads(step, rank, False)), 1.0)
+        states.append(state_bytes(primary))
+    advert = pair.answer()["log"]
+    w = ring.LogWriter.open(str(tmp_path), advert)
+
+    def record(seq: int, commit: bool = True) -> int:
+        n = len(messages.copied([sent[seq - 1]], w.begin(seq)))
+        return w.commit(seq, 1, True, n) if commit else 0
+    assert record(1) == 0 and pair.drain(1.0) == 1 and state_bytes(pair.core) == states[1] and w.applied == 1
+    assert record(2) == 0 and record(3) == 0 and record(4, commit=False) == 0  # 4: the primary killed mid-record
+    pair.watch(10.0)  # silence: a candidate (its records not read yet)
+    pair.vote(2, "w0"), pair.vote(2, "w1")
+    assert (pair.role, pair.term, pair.applied) == ("primary", 2, 3) and state_bytes(pair.core) == states[3]
+    assert pair.costs["logged"] == 3 and pair.log is None and not (tmp_path / advert["name"]).exists()
+    assert w.commit(4, 1, True, 100) == 2  # the old primary's record after the takeover: refused, with term 2
+
+
 # ---- the term kept on disk (PS_CHECKPOINT_DIR): a primary that restarts while its peer does not answer --------------
 def restarted_primary(tmp_path, monkeypatch, kept_term: int | None, peer: dict | None = None, workers: int = 3):
     """A PS configured ``primary`` started (``Pair.start``) with its peer answering ``peer`` (None: not at all), its
@@ -275,6 +303,9 @@ def restarted_primary(tmp_path, monkeypatch, kept_term: int | None, peer: dict |
 
         def start(self) -> None:
             pass
+
+        def log_behind(self):
+            return None, 0
 
     async def probe(*args):
         return peer

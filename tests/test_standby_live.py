@@ -34,10 +34,13 @@ def assert_bit_identical(got: dict, ref: dict) -> None:
         assert got[k].tobytes() == ref[k].tobytes(), f"{k}: not bit-identical to an uninterrupted run (0 ulp)"
 
 
-@pytest.mark.parametrize("mode", ["sync", "async", "ssp"])
-def test_the_standby_holds_the_primarys_bits_in_every_mode(mode):
+@pytest.mark.parametrize("mode,carrier", [("sync", "log"), ("async", "log"), ("ssp", "log"), ("sync", "http")])
+def test_the_standby_holds_the_primarys_bits_in_every_mode(mode, carrier):
+    """Both carriers of the steps: the standby's same-host log (the two PS share /dev/shm), and HTTP (no shared-memory
+    directory: as between hosts)."""
     steps = 30
-    env = {"PS_MAX_STEPS": steps, "PS_TOTAL_NUM_REPLICAS": 3, "PS_MODE": mode}
+    env = {"PS_MAX_STEPS": steps, "PS_TOTAL_NUM_REPLICAS": 3, "PS_MODE": mode,
+           **({"PS_SHM_DIR": ""} if carrier == "http" else {})}
     with LocalCluster(3, ps_env=env, worker_env=TASK, standby=True) as c:
         try:
             assert c.wait_workers(allow(60)) == [0, 0, 0]
@@ -52,6 +55,9 @@ def test_the_standby_holds_the_primarys_bits_in_every_mode(mode):
     assert (p["role"], p["term"], p["step"]) == ("primary", 1, steps)
     assert (s["role"], s["term"], s["step"]) == ("standby", 1, steps)
     assert p["digest"] == s["digest"] and s["synced"] and p["gated"]
+    logged = carrier == "log"  # every step message through the log, or none
+    assert p["costs"]["logged"] == (p["costs"]["messages"] if logged else 0) and (s["log"] is not None) == logged
+    assert (s["costs"]["read_s"] > 0) != logged and s["costs"]["logged"] == (s["costs"]["messages"] if logged else 0)
     assert pair["standby"] == "in_sync" and pair["lag_rounds"] == 0
     assert pair["transfers"] >= 1 and pair["bytes_sent"] > 0
     assert standby["pair"]["role"] == "standby" and standby["pair"]["synced"] and standby["pair"]["bytes_received"] > 0

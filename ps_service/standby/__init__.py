@@ -5,25 +5,30 @@ Contract: the primary answers a worker only once its standby acknowledged every 
 (:meth:`Pair.replicated`, from the snapshot of a state transfer on: ``gated``); the standby acknowledges a step's
 message once read and checked and applies it (:meth:`~ps_service.core.ParameterServerCore.apply_round`) right after
 the answer went out (:meth:`Pair.settle`; anything that reads or replaces the model settles first), so a round a worker
-saw closed is on the standby. Only a standby that took its term's state may take over (``synced``). A PS that sees a
-newer term accepts no push and becomes a standby (fencing); every change of term or role is on disk before the PS
-acts in it (:mod:`.kept`).
+saw closed is on the standby. Two carriers, one link: on one host the step is on the standby once committed in the
+log the standby owns in its shared-memory directory (:mod:`.ring`: the primary counts it acknowledged then, without
+a round trip; the standby reads the log behind, :meth:`Pair.drain`, and on takeover first applies every record
+committed), between hosts (no shared file) it is on the standby once acknowledged over HTTP (:mod:`.link`). Only a
+standby that took its term's state may take over (``synced``). A PS that sees a newer term accepts no push and becomes
+a standby (fencing); every change of term or role is on disk before the PS acts in it (:mod:`.kept`).
 """
 from __future__ import annotations
 
 import asyncio
 import hashlib
 import logging
+import os
 import secrets
 import time
 from collections import deque
 
 import numpy as np
 
-from ps_service.standby import messages
+from ps_service.standby import messages, ring
 from ps_service.standby.election import Election, roster
 from ps_service.standby.kept import kept
 from ps_service.standby.link import Link, probe
+from shared import frame
 from shared.errors import ProtocolError
 
 log = logging.getLogger("ps_service")
@@ -34,7 +39,7 @@ REPORTED_SILENCE_SECONDS = 0.4
 #: the longest a worker's answer waits for the standby's acknowledgement before it is refused (503, retried)
 REPLICATED_WAIT_SECONDS = 10.0
 #: what replication has cost this process (``GET /v1/ha`` ``costs``, docs/protocol-standby.md)
-COSTS = ("messages", "encode_s", "send_s", "writer_cpu_s", "exposed_s", "exposed", "read_s", "decode_s", "apply_s")
+COSTS = ("messages", "logged", "encode_s", "send_s", "writer_cpu_s", "exposed_s", "exposed", "read_s", "decode_s", "apply_s")
 
 
 def pair(settings, core) -> "Pair | None":
@@ -78,6 +83,9 @@ class Pair:
         self.members: list[dict] = []
         self.staleness: dict | None = None
         self.bytes_received = 0
+        self.log: ring.Log | None = None  # the log the primary writes the steps into (same host), from a state on
+        self.log_dir: str | None = None  # where this PS makes it (PS_SHM_DIR, set by start(); None: none)
+        self.reader: asyncio.Task | None = None  # reads the log behind (drain)
         # ---- elections
         self.election: Election | None = None
         self.takeovers = 0
@@ -89,6 +97,10 @@ class Pair:
         """The role to start in (docs/protocol-standby.md, Terms and roles): a PS set primary asks its peer first."""
         self.rt = rt
         self.heard = rt.now()
+        shm_dir = self.settings.shm_dir
+        if shm_dir and os.path.isdir(shm_dir) and ring.fcntl is not None:
+            self.log_dir = shm_dir
+            ring.sweep(shm_dir)  # the logs of a standby killed here
         self.link = Link(self)
         self.stored = stored = self.kept.load() if self.kept is not None else 0
         peer = await probe(self.peer, self.settings.auth_token, self.failover * 2)
@@ -102,8 +114,13 @@ class Pair:
             self._become(STANDBY, 0, "started as the standby" + (
                 f" (its peer is the {peer['role']} of term {peer['term']})" if peer else ""))
         self.link.start()
+        self.reader = asyncio.create_task(self._read_log())
 
     async def close(self) -> None:
+        if self.reader is not None:
+            self.reader.cancel()
+            await asyncio.wait({self.reader}, timeout=self.failover)
+        self._drop_log()
         if self.link is not None:
             await self.link.close()
 
@@ -155,10 +172,18 @@ class Pair:
             extra["staleness"] = core.modes.export()
         self.seq += 1
         t = time.perf_counter()
-        self.queue.append((self.seq, messages.encode_step(step, total, mean_of, contributors, extra), members))
+        parts = messages.step_parts(step, total, mean_of, contributors, extra)
+        logged = self.link.write_now(self.seq, parts)  # into the standby's log: on the standby now
+        if not logged:
+            self.queue.append((self.seq, messages.copied(parts), members))
         self.costs["encode_s"] += time.perf_counter() - t
         self.costs["messages"] += 1
-        self.link.wake()
+        if logged:
+            self.costs["logged"] += 1
+            self.bytes_sent += logged
+            self.acknowledged(self.seq, members)
+        else:
+            self.link.wake()
 
     def snapshot(self) -> tuple[int, dict]:
         """The state the standby gets (every step up to ``seq`` in it); the steps after it are queued from now on, and
@@ -282,7 +307,8 @@ class Pair:
         elif self.restarted:  # back after a restart: its own state (its checkpoint's), as a primary that starts
             self._become(PRIMARY, e.term, f"won the election after a restart ({len(e.votes)} vote(s)): serves from "
                                           f"step {self.core.global_step}")
-        else:  # the standby takes over: the model it holds (every step it acknowledged), the members last replicated
+        else:  # the standby takes over: the model it holds (every step it acknowledged: each record committed in its
+            self._last_records(e.term)  # log too), the members last replicated
             self.settle()
             if not self.synced:  # its step did not apply: it does not hold what it acknowledged
                 self.role, self.election = STANDBY, None
@@ -327,8 +353,12 @@ class Pair:
         its optimizer step is pending until :meth:`settle`."""
         self.settle()  # (first: a step that failed to apply leaves no message taken, and this one a gap)
         self.from_primary(term, seq, now)
-        if seq <= self.applied:
-            return self.answer()
+        if seq > self.applied:
+            self._take(seq, gated, body)
+        return self.answer()
+
+    def _take(self, seq: int, gated: bool, body) -> None:
+        """Message ``seq`` (this PS's next) checked and taken, its step pending; 409 ``ha_gap`` if it does not fit."""
         t = time.perf_counter()
         meta, total = messages.decode_step(body)
         core = self.core
@@ -345,25 +375,98 @@ class Pair:
         self.bytes_received += len(body)
         self.costs["decode_s"] += time.perf_counter() - t
         self.costs["messages"] += 1
-        return self.answer()
 
     def settle(self) -> None:
         """Apply the pending step (of the message taken last), if any. Should it fail (it cannot, for a message that
         fits the model), this PS no longer holds the primary's bits: it may not take over, and the primary's next
-        message gets 409 ``ha_gap`` (the state again)."""
-        if self.pending is None:
+        message gets 409 ``ha_gap`` (the state again). With a log, the messages taken are its header's ``applied``
+        then (their slots the primary's again)."""
+        if self.pending is not None:
+            (total, mean_of, contributors), self.pending = self.pending, None
+            t = time.perf_counter()
+            try:
+                self.core.apply_round(total, mean_of, contributors)
+            except Exception:
+                log.exception("hot standby: the step of message %d did not apply: the state again", self.applied)
+                self.applied, self.synced = 0, False
+            self.costs["apply_s"] += time.perf_counter() - t
+        if self.log is not None and self.applied:
+            self.log.applied = self.applied
+
+    # ---- the standby's log (same host) ------------------------------------------------------------------
+    def drain(self, now: float) -> int:
+        """Take and apply the records committed in the log after the last message taken, in order; how many. A record
+        that does not apply (it cannot, for a primary's of this model) closes the log: this PS is no longer ``synced``
+        and the primary sends the state again."""
+        n = 0
+        while self.log is not None and self.role != PRIMARY and not self.restarted:
+            rec = self.log.record(self.applied + 1, self.term)
+            if rec is None:
+                break
+            try:
+                self.apply(self.term, self.applied + 1, rec[0], rec[1], now)
+                self.settle()
+                self.costs["logged"] += 1
+            except ProtocolError as exc:
+                log.warning("hot standby: record %d of the log refused (%s): the state again", self.applied + 1, exc)
+                self.synced = False
+                self._drop_log()
+            n += 1
+        return n
+
+    async def _read_log(self) -> None:
+        """Read the log behind: every millisecond while records come, backing off to every 10 ms (no log: 50 ms)."""
+        pause = 0.001
+        while True:
+            try:
+                found = self.drain(self.rt.now()) if self.log is not None else 0
+            except Exception:  # never let the reader die
+                log.exception("hot standby: reading the log failed")
+                found = 0
+            if found:
+                self.rt.notify()
+            pause = 0.001 if found else min(0.01, pause * 2)
+            await asyncio.sleep(pause if self.log is not None else 0.05)
+
+    def _last_records(self, term: int) -> None:
+        """Taking over with ``term``: the log closed (a record committed after this is refused by its writer), then
+        every record committed before taken; a record that does not apply: not ``synced`` (no takeover)."""
+        if self.log is None:
             return
-        (total, mean_of, contributors), self.pending = self.pending, None
-        t = time.perf_counter()
+        self.log.close_for(term)
+        while (rec := self.log.record(self.applied + 1, self.term)) is not None:
+            try:
+                self.settle()
+                self._take(self.applied + 1, rec[0], rec[1])
+                self.costs["logged"] += 1
+            except ProtocolError as exc:
+                log.warning("hot standby: record %d of the log refused at takeover (%s)", self.applied + 1, exc)
+                self.synced = False
+                break
+        self.settle()
+        self._drop_log()
+
+    def _new_log(self) -> None:
+        """A log for the primary of the state just taken (the old one closed), or none (no directory, no space)."""
+        self._drop_log()
+        if self.log_dir is None or not self.core.initialized:
+            return
+        layout = frame.Layout.of(self.core.weights)
         try:
-            self.core.apply_round(total, mean_of, contributors)
-        except Exception:
-            log.exception("hot standby: the step of message %d did not apply: the state again", self.applied)
-            self.applied, self.synced = 0, False
-        self.costs["apply_s"] += time.perf_counter() - t
+            self.log = ring.Log.create(self.log_dir, layout, self.applied)
+        except OSError as exc:
+            log.warning("hot standby: no log in %s (%s): the steps come over HTTP", self.log_dir, exc)
+
+    def _drop_log(self) -> None:
+        if self.log is not None:
+            if not self.log.closed:  # (a takeover closed it with its new term)
+                self.log.close_for(max(self.term, 1))
+            self.log.remove()
+            self.log = None
 
     def ping(self, term: int, seq: int, gated: bool, now: float) -> dict:
         self.from_primary(term, None, now)
+        self.drain(now)
         self.settle()
         if seq > self.applied:
             raise ProtocolError(409, "ha_gap", f"the primary acknowledged message {seq}; this PS has {self.applied}")
@@ -380,12 +483,14 @@ class Pair:
         self.applied, self.synced, self.heard = seq, True, now  # the primary waits for us from its snapshot on
         self.bytes_received += size
         self._become(STANDBY, term, f"got the state of step {self.core.global_step} from the primary")
+        self._new_log()
         return self.answer()
 
     def answer(self) -> dict:
         return {"role": self.role, "term": self.term, "applied": self.applied,
                 "step": self.core.global_step + (self.pending is not None),
-                "boot": self.boot, "synced": self.synced, "gated": self.gated}
+                "boot": self.boot, "synced": self.synced, "gated": self.gated,
+                "log": None if self.log is None else self.log.advert()}
 
     def digest(self) -> str | None:
         """sha256 of the step, the optimizer's iterations, every weight's and slot's bytes in name order (None: no
@@ -408,13 +513,14 @@ class Pair:
     def status(self) -> dict:
         primary = self.role == PRIMARY or (self.election is not None and self.election.incumbent)
         lag = [m for m in self.queue if m[0] > self.acked]
+        behind, logged_bytes = self.link.log_behind() if self.link is not None else (None, 0)
         return {
             "role": self.role, "term": self.term, "peer": self.peer, "boot": self.boot,
             "standby": (("catching_up" if self.transferring else "in_sync" if self.gated else "none") if primary
                         else None),
             "alone_seconds": None if self.alone_since is None or not primary else self.rt.now() - self.alone_since,
-            "lag_rounds": self.seq - self.acked if primary else None,
-            "lag_bytes": sum(len(m[1]) for m in lag) if primary else None,
+            "lag_rounds": self.seq - min(self.acked, self.acked if behind is None else behind) if primary else None,
+            "lag_bytes": sum(len(m[1]) for m in lag) + logged_bytes if primary else None,
             "applied": self.applied, "synced": self.synced,
             "election": None if self.election is None else {"term": self.election.term,
                                                             "votes": sorted(self.election.votes),

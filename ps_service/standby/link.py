@@ -8,6 +8,12 @@ each until acknowledged, as soon as the core queues it; idle, the task pings eve
 answer for ``PS_FAILOVER_TIMEOUT_SECONDS``: the standby is lost (:meth:`Pair.lost_standby`); 409 ``stale_term``:
 deposed; another refusal: the state again. Retries back off up to a quarter of the failover timeout. A candidate that
 restarted with a term kept asks its peer ``GET /v1/ha`` as often (:meth:`Pair.peer_answers`).
+
+Two carriers: when the standby's state answer advertises a log (:mod:`.ring`) that this PS can map in its own
+shared-memory directory (the very file: same host), each step message is written into it instead (:meth:`write_now`
+on the event loop as the core queues it, or the writer thread once the ring has room), acknowledged once committed;
+one that does not fit a slot still goes over HTTP, in order. With a log the task pings every quarter of the failover
+timeout, busy or not (the pings, answered once the standby read the log up to them, say it is alive).
 """
 from __future__ import annotations
 
@@ -15,10 +21,11 @@ import asyncio
 import logging
 import threading
 import time
+from collections import deque
 
 import httpx
 
-from ps_service.standby import messages
+from ps_service.standby import messages, ring
 from shared import liveness
 from shared.frame import MEDIA_TYPE as FRAME
 from shared.httpxconn import HttpxConnection
@@ -30,6 +37,7 @@ log = logging.getLogger("ps_service")
 PRIMARY, CANDIDATE = "primary", "candidate"  # (ps_service.standby's roles)
 #: a state transfer may take this long (megabytes over a slow link)
 STATE_TIMEOUT_SECONDS = 60.0
+LOGGED = "(in the log)"  # the writer thread's answer for a message committed in the standby's log
 
 
 async def probe(url: str, token, timeout: float) -> dict | None:
@@ -68,6 +76,9 @@ class Link:
         self._closing = False
         self.loop: asyncio.AbstractEventLoop | None = None
         self.thread: threading.Thread | None = None
+        self.log: ring.LogWriter | None = None  # the standby's log, mapped (same host), for snapshot ``transferred``
+        self.logged: deque[tuple[int, int]] = deque(maxlen=ring.SLOTS)  # (seq, bytes) of the records written last
+        self.pinged = 0.0
 
     def start(self) -> None:
         self.loop = asyncio.get_running_loop()
@@ -170,13 +181,59 @@ class Link:
             await self._transfer()  # state, then it serves again)
             return
         woken = await self._sleep(p.failover / 4)
+        carried = self.log is not None  # (by the log: ping anyway)
         if p.seq > p.acked:  # the writer thread sends the steps: is the standby still answering?
             if time.monotonic() - self.last_ok > p.failover:
                 self._failed(f"no acknowledgement for {time.monotonic() - self.last_ok:.1f} s")
-        elif not woken and p.feeding:
-            resp = await self._request("POST", "/ping", params={"term": p.term, "seq": p.acked, "gated": int(p.gated)})
+        elif (not woken or carried and time.monotonic() - self.pinged >= p.failover / 4) and p.feeding:
+            self.pinged, seq = time.monotonic(), p.acked
+            resp = await self._request("POST", "/ping", params={"term": p.term, "seq": seq, "gated": int(p.gated)})
             if resp.status_code == 200:
-                p.acknowledged(p.acked, None)
+                p.acknowledged(seq, None)
+
+    # ---- the standby's log (same host) ---------------------------------------------------------------------
+    def write_now(self, seq: int, parts: list) -> int:
+        """On the event loop: message ``seq`` written into the standby's log if nothing is before it and it has room;
+        its bytes if it is acknowledged (committed in a log still open), else 0."""
+        p, w = self.pair, self.log
+        if w is None or p.queue or not p.feeding or self.transferred != p.epoch or not w.room(seq):
+            return 0
+        return self.logged[-1][1] if self._commit(w, seq, parts) == 200 else 0
+
+    def _commit(self, w: ring.LogWriter, seq: int, parts: list) -> int | None:
+        """Write and commit record ``seq``: 200 (acknowledged), 409 (the log was closed: the standby's answer
+        handled on the event loop), None (it does not fit a slot: send it over HTTP)."""
+        body = w.begin(seq)
+        if sum(len(x) for x in parts) > len(body):
+            return None
+        n = len(messages.copied(parts, body))
+        closed = w.commit(seq, self.pair.term, self.pair.gated, n)
+        if closed:
+            self.log = None
+            code = "stale_term" if closed > self.pair.term else "log_closed"
+            self.loop.call_soon_threadsafe(self._heard, 409, f'{{"error": "{code}", "closed with term": {closed}}}',
+                                           f"record {seq} of the log")
+            return 409
+        self.logged.append((seq, n))
+        return 200
+
+    def log_behind(self) -> tuple[int | None, int]:
+        """The last message the standby applied from the log (None: no log) and the bytes of the records after it."""
+        w = self.log
+        if w is None:
+            return None, 0
+        applied = w.applied
+        return applied, sum(n for s, n in list(self.logged) if s > applied)
+
+    def _map_log(self, advert: dict | None) -> None:
+        self.log = None
+        if advert is None or not self.pair.settings.shm_dir:
+            return
+        try:
+            self.log = ring.LogWriter.open(self.pair.settings.shm_dir, advert)
+            log.info("hot standby: the steps go into the standby's log %s (same host)", advert.get("name"))
+        except (OSError, ValueError) as exc:  # another host (or not the file advertised): HTTP
+            log.info("hot standby: the standby's log is not here (%s): the steps go over HTTP", exc)
 
     # ---- the steps, from the writer thread ------------------------------------------------------------------
     def _next(self):
@@ -203,13 +260,17 @@ class Link:
             if job is None:
                 return
             epoch, (seq, body, members) = job
-            target = f"{API}/ha/steps?term={p.term}&seq={seq}&gated={int(p.gated)}"
             t, cpu = time.perf_counter(), time.thread_time()
-            try:
-                resp = self.conn.request("POST", target, self._step_headers, (body,), p.failover)
-                status, answer = resp.status_code, resp.text
-            except (ConnectionLost, httpx.HTTPError) as exc:
-                status, answer = None, f"{type(exc).__name__}: {exc}"
+            status, answer = self._into_log(epoch, seq, body), LOGGED
+            if status is None:
+                target = f"{API}/ha/steps?term={p.term}&seq={seq}&gated={int(p.gated)}"
+                try:
+                    resp = self.conn.request("POST", target, self._step_headers, (body,), p.failover)
+                    status, answer = resp.status_code, resp.text
+                except (ConnectionLost, httpx.HTTPError) as exc:
+                    status, answer = None, f"{type(exc).__name__}: {exc}"
+            elif status == 409:
+                continue  # (the event loop handles the closed log)
             p.costs["send_s"] += time.perf_counter() - t  # (this thread's own keys: no other writes them)
             p.costs["writer_cpu_s"] += time.thread_time() - cpu
             if status == 200:
@@ -219,6 +280,19 @@ class Link:
             self.loop.call_soon_threadsafe(self._step_answered, epoch, seq, size, members, status, answer)
             if status != 200:
                 time.sleep(min(p.failover / 4, 0.02 * 2 ** min(self.failures, 6)))
+
+    def _into_log(self, epoch: int, seq: int, body) -> int | None:
+        """The writer thread's way into the log: wait for room (the standby reading behind), then commit; None: no
+        log (or the message does not fit a slot): over HTTP; 409: not written (the event loop knows why)."""
+        p, w = self.pair, self.log
+        if w is None:
+            return None
+        while True:  # (a job of an older snapshot is dropped: the log is its epoch's)
+            if self._closing or epoch != p.epoch or not p.feeding or self.log is not w:
+                return 409
+            if w.room(seq):
+                return self._commit(w, seq, [body])
+            time.sleep(0.0005)
 
     def _step_answered(self, epoch: int, seq: int, size: int, members, status: int | None, answer: str) -> None:
         """The writer thread's result, on the event loop's thread."""
@@ -232,6 +306,7 @@ class Link:
             self.wake()
         elif status == 200:
             p.bytes_sent += size
+            p.costs["logged"] += answer is LOGGED
             while p.queue and p.queue[0][0] <= seq:
                 p.queue.popleft()
             p.acknowledged(seq, members)
@@ -248,11 +323,13 @@ class Link:
             p.deposed(f"the peer is the {resp.json().get('role')} of term {resp.json().get('term')}")
             return
         seq, state = p.snapshot()
+        self.log = None  # (the standby makes a new one with the state)
         body = await asyncio.to_thread(messages.encode_state, state)
         del state
         resp = await self._request("PUT", "/state", timeout=STATE_TIMEOUT_SECONDS, content=body,
                                    params={"term": p.term, "seq": seq}, headers={"content-type": FRAME})
         if resp.status_code == 200 and p.feeding:
+            self._map_log(resp.json().get("log"))
             self.transferred = p.epoch
             p.transfers += 1
             p.bytes_sent += len(body)

@@ -1,7 +1,8 @@
 """The bodies the primary sends its standby: one step of the model, and the whole state (docs/protocol-standby.md,
 Replication). Pure, no I/O.
 
-Contract: :func:`encode_step` / :func:`decode_step`: one frame (:mod:`shared.frame`) whose tensors are a step's input
+Contract: :func:`encode_step` / :func:`decode_step` (:func:`step_parts` and :func:`copied` write it into a buffer
+of the caller's: the same-host log's slot, :mod:`.ring`): one frame (:mod:`shared.frame`) whose tensors are a step's input
 exactly as :meth:`ps_service.core.ParameterServerCore.apply_round` takes it (a top-k round's sparse sums as
 ``<name>#indices`` / ``<name>#values``, their shapes in meta ``sparse``), with meta ``step`` (null: only ``members``
 and ``staleness``, which come when they changed), ``mean_of``, ``contributors``. Encoding copies the arrays once (the
@@ -29,6 +30,13 @@ SPARSE_INDICES, SPARSE_VALUES = "#indices", "#values"
 
 def encode_step(step: int | None, total: Mapping[str, Any] | None, mean_of: int, contributors: int,
                 extra: Mapping[str, Any]) -> memoryview:
+    return copied(step_parts(step, total, mean_of, contributors, extra))
+
+
+def step_parts(step: int | None, total: Mapping[str, Any] | None, mean_of: int, contributors: int,
+               extra: Mapping[str, Any]) -> list:
+    """The step message as :func:`shared.frame.encode`'s buffers (views of ``total``'s arrays: copy them before the
+    core consumes them)."""
     tensors: dict[str, np.ndarray] = {}
     sparse: dict[str, list[int]] = {}
     for k, v in (total or {}).items():
@@ -39,10 +47,18 @@ def encode_step(step: int | None, total: Mapping[str, Any] | None, mean_of: int,
             tensors[k] = v
     meta = {"step": step, "total": total is not None, "mean_of": mean_of, "contributors": contributors,
             "sparse": sparse, **extra}
-    layout = frame.Layout.of(tensors)
-    body = POOL.take(frame.frame_bytes(layout, meta))
-    frame.write_into(body, tensors, meta, layout)
-    return body
+    return frame.encode(tensors, meta)
+
+
+def copied(parts: list, into: memoryview | None = None) -> memoryview:
+    """``parts`` copied one after the other into ``into`` (a buffer of the pool if None); the bytes written."""
+    n = sum(len(p) for p in parts)
+    into = POOL.take(n) if into is None else into
+    at = 0
+    for part in parts:
+        into[at:at + len(part)] = part
+        at += len(part)
+    return into[:n]
 
 
 def _owned(a: np.ndarray) -> np.ndarray:
