@@ -38,6 +38,8 @@ PRIMARY, STANDBY, CANDIDATE = "primary", "standby", "candidate"
 REPORTED_SILENCE_SECONDS = 0.4
 #: the longest a worker's answer waits for the standby's acknowledgement before it is refused (503, retried)
 REPLICATED_WAIT_SECONDS = 10.0
+#: how often a standby looks at its same-host log while records come (:meth:`Pair._read_log`)
+READ_EVERY_SECONDS = 0.005
 #: what replication has cost this process (``GET /v1/ha`` ``costs``, docs/protocol-standby.md)
 COSTS = ("messages", "logged", "encode_s", "send_s", "writer_cpu_s", "exposed_s", "exposed", "read_s", "decode_s", "apply_s")
 
@@ -415,8 +417,10 @@ class Pair:
         return n
 
     async def _read_log(self) -> None:
-        """Read the log behind: every millisecond while records come, backing off to every 10 ms (no log: 50 ms)."""
-        pause = 0.001
+        """Read the log behind: every :data:`READ_EVERY_SECONDS` while records come, backing off to 4 times that (no
+        log: 50 ms). Every record committed is read at each look, so the ring fills only if the standby falls behind
+        by its slots; fewer looks leave the CPU to the job's processes (a look wakes this process)."""
+        pause = READ_EVERY_SECONDS
         while True:
             try:
                 found = self.drain(self.rt.now()) if self.log is not None else 0
@@ -425,7 +429,7 @@ class Pair:
                 found = 0
             if found:
                 self.rt.notify()
-            pause = 0.001 if found else min(0.01, pause * 2)
+            pause = READ_EVERY_SECONDS if found else min(4 * READ_EVERY_SECONDS, pause * 2)
             await asyncio.sleep(pause if self.log is not None else 0.05)
 
     def _last_records(self, term: int) -> None:
