@@ -13,7 +13,8 @@ when the tree's ``bench.run`` reports it); each line names its ``side`` (``befor
 of the summaries. Cells: ``--cells`` as ``transport:params:workers``, then optionally a compression (``--compression``
 of ``bench.run``), ``S`` with a number of PS shards (``--shards``) and ``standby`` (a hot-standby pair:
 ``--standby``), e.g. ``http:10000000:2:S2``, ``shm:1000000:4:standby`` (default: the eight of ``make bench`` at 1e6
-and 1e7, uncompressed, one PS).
+and 1e7, uncompressed, one PS); ``--interleave`` runs the cells in turn (each round every cell, both trees), so that
+a cell and its baseline share the machine's drift. Each run's line has ``load_1min`` (as it ended) and ``machine``.
 """
 from __future__ import annotations
 
@@ -79,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=float, default=2.0, help="seconds of training before each run's window")
     ap.add_argument("--cells", default=",".join(DEFAULT_CELLS),
                     help="transport:params:workers[:compression][:S<shards>][:standby],...")
+    ap.add_argument("--interleave", action="store_true",
+                    help="each round runs every cell once a side (a cost measured against its baseline cell in the "
+                         "same round, e.g. shm:1000000:4:standby,shm:1000000:4)")
     output.add_json_option(ap)
     args = ap.parse_args(argv)
     trees = [os.path.abspath(args.before), os.path.abspath(args.after)]
@@ -88,23 +92,36 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_cells(args: argparse.Namespace, trees: list[str], summaries: output.Results):
-    """Each cell's runs (JSON lines with --json), then its two summaries; yields the failed runs of each."""
-    for cell in args.cells.split(","):
-        transport, params, workers, *extra = cell.split(":")
-        options = dict(("standby", True) if x == "standby" else ("shards", int(x[1:])) if x.startswith("S")
-                       else ("compression", x) for x in extra)
-        results: list[list[dict]] = [[], []]
+    """Each cell's runs (JSON lines with --json), then its two summaries; yields the failed runs of each. With
+    ``--interleave`` each round runs every cell once a side, the summaries come at the end."""
+    cells = args.cells.split(",")
+    results = {cell: [[], []] for cell in cells}
+    if args.interleave:
         for _ in range(args.runs):
-            for side, tree in enumerate(trees):
-                d = one_run(tree, transport, int(params), int(workers), args.seconds, args.warmup, **options)
-                d["side"], d["at"] = ("before", "after")[side], time.strftime("%H:%M:%S", time.gmtime())
-                results[side].append(d)
-                if args.json:
-                    print(json.dumps(d), flush=True)
+            for cell in cells:
+                _pair(args, trees, cell, results[cell])
+    for cell in cells:
+        for _ in range(0 if args.interleave else args.runs):
+            _pair(args, trees, cell, results[cell])
         for side, tree in enumerate(trees):
-            s = {**summary(cell, tree, results[side]), "side": ("before", "after")[side]}
+            s = {**summary(cell, tree, results[cell][side]), "side": ("before", "after")[side]}
             summaries.add(s)
             yield s["failed"]
+
+
+def _pair(args: argparse.Namespace, trees: list[str], cell: str, results: list[list[dict]]) -> None:
+    """One run of ``cell`` a side, before then after, each line with the load as it ended and the machine."""
+    from bench.table import machine
+    transport, params, workers, *extra = cell.split(":")
+    options = dict(("standby", True) if x == "standby" else ("shards", int(x[1:])) if x.startswith("S")
+                   else ("compression", x) for x in extra)
+    for side, tree in enumerate(trees):
+        d = one_run(tree, transport, int(params), int(workers), args.seconds, args.warmup, **options)
+        d["side"], d["at"] = ("before", "after")[side], time.strftime("%H:%M:%S", time.gmtime())
+        d["load_1min"], d["machine"] = round(os.getloadavg()[0], 2), machine()
+        results[side].append(d)
+        if args.json:
+            print(json.dumps(d), flush=True)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,8 @@ REPLICATED_WAIT_SECONDS = 10.0
 #: how often a standby looks at its same-host log while records come (:meth:`Pair._read_log`)
 READ_EVERY_SECONDS = 0.005
 #: what replication has cost this process (``GET /v1/ha`` ``costs``, docs/protocol-standby.md)
-COSTS = ("messages", "logged", "encode_s", "send_s", "writer_cpu_s", "exposed_s", "exposed", "read_s", "decode_s", "apply_s")
+COSTS = ("messages", "logged", "encode_s", "send_s", "writer_cpu_s", "exposed_s", "exposed", "read_s", "decode_s",
+         "apply_s")
 
 
 def pair(settings, core) -> "Pair | None":

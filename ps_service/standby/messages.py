@@ -2,8 +2,8 @@
 Replication). Pure, no I/O.
 
 Contract: :func:`encode_step` / :func:`decode_step` (:func:`step_parts` and :func:`copied` write it into a buffer
-of the caller's: the same-host log's slot, :mod:`.ring`): one frame (:mod:`shared.frame`) whose tensors are a step's input
-exactly as :meth:`ps_service.core.ParameterServerCore.apply_round` takes it (a top-k round's sparse sums as
+of the caller's: the same-host log's slot, :mod:`.ring`): one frame (:mod:`shared.frame`) whose tensors are a step's
+input exactly as :meth:`ps_service.core.ParameterServerCore.apply_round` takes it (a top-k round's sparse sums as
 ``<name>#indices`` / ``<name>#values``, their shapes in meta ``sparse``), with meta ``step`` (null: only ``members``
 and ``staleness``, which come when they changed), ``mean_of``, ``contributors``. Encoding copies the arrays once (the
 core consumes them) into a buffer of :data:`ps_service.core.buffers.POOL` (warm memory: a fresh 4 MB costs ~2 ms of
