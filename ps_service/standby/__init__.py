@@ -101,7 +101,7 @@ class Pair:
         self.rt = rt
         self.heard = rt.now()
         shm_dir = self.settings.shm_dir
-        if shm_dir and os.path.isdir(shm_dir) and ring.fcntl is not None:
+        if shm_dir and os.path.isdir(shm_dir) and ring.USABLE:
             self.log_dir = shm_dir
             ring.sweep(shm_dir)  # the logs of a standby killed here
         self.link = Link(self)

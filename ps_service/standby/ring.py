@@ -14,13 +14,15 @@ apply it, even after a takeover); else the standby closed the log first (it took
 state) and the record does not count. The standby closes the log (:meth:`Log.close_for`) and, after the same barrier,
 reads every committed record: a record committed before it closed is read, one committed after is refused by its
 writer (the two stores and two loads of Dekker's algorithm). :func:`barrier` is an uncontended lock's
-acquire and release (glibc's atomic compare-and-exchange: a locked instruction, a full barrier on x86-64).
+acquire and release (glibc's atomic compare-and-exchange: a locked instruction, a full barrier on x86-64); elsewhere
+(:data:`USABLE` false: another architecture, or no ``fcntl``) there is no log and the steps go over HTTP.
 """
 from __future__ import annotations
 
 import contextlib
 import mmap
 import os
+import platform
 import re
 import secrets
 import struct
@@ -34,6 +36,8 @@ try:
     import fcntl
 except ImportError:  # not a POSIX system: no log, the steps go over HTTP
     fcntl = None
+#: the log's ordering argument (:func:`barrier`) holds here: x86-64 and POSIX
+USABLE = fcntl is not None and platform.machine().lower() in {"x86_64", "amd64"}
 
 KIND_LOG = b"L"
 NAME = re.compile(r"syncps-l-[0-9a-f]{32}")
