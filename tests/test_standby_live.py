@@ -57,7 +57,9 @@ def test_the_standby_holds_the_primarys_bits_in_every_mode(mode, carrier):
     assert p["digest"] == s["digest"] and s["synced"] and p["gated"]
     logged = carrier == "log"  # every step message through the log, or none
     assert p["costs"]["logged"] == (p["costs"]["messages"] if logged else 0) and (s["log"] is not None) == logged
-    assert (s["costs"]["read_s"] > 0) != logged and s["costs"]["logged"] == (s["costs"]["messages"] if logged else 0)
+    # (on a loaded machine the standby may attach only after the last round: then it took the state, no message)
+    assert (s["costs"]["read_s"] > 0) == (not logged and s["costs"]["messages"] > 0)
+    assert s["costs"]["logged"] == (s["costs"]["messages"] if logged else 0)
     assert pair["standby"] == "in_sync" and pair["lag_rounds"] == 0
     assert pair["transfers"] >= 1 and pair["bytes_sent"] > 0
     assert standby["pair"]["role"] == "standby" and standby["pair"]["synced"] and standby["pair"]["bytes_received"] > 0
