@@ -66,6 +66,16 @@ def bindable(port: int, reuse_address: bool = False) -> bool:
     return True
 
 
+def _lane() -> tuple[int, int]:
+    """(this process's lane, the lanes): under pytest-xdist (its ``PYTEST_XDIST_WORKER`` ``gwN`` and
+    ``PYTEST_XDIST_WORKER_COUNT``) worker N takes the ports ``N`` modulo the count, so two test processes never pick
+    the same port between one's check and its server's bind; else (0, 1)."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if worker.startswith("gw") and worker[2:].isdigit() and count.isdigit() and int(worker[2:]) < int(count):
+        return int(worker[2:]), int(count)
+    return 0, 1
+
+
 def free_port() -> int:
     """A loopback TCP port that nothing holds now and that this process has not handed out before.
 
@@ -76,10 +86,12 @@ def free_port() -> int:
     EADDRINUSE. Elsewhere, the port binding port 0 gives.
     """
     ephemeral = _ephemeral_range()
+    lane, lanes = _lane()
     if ephemeral is not None and ephemeral[0] - _PORTS_FROM >= 1000:
         for _ in range(200):
             port = _port_choice.randrange(_PORTS_FROM, ephemeral[0])
-            if port not in _handed_out and bindable(port):
+            port -= (port - _PORTS_FROM) % lanes - lane  # in this process's lane
+            if _PORTS_FROM <= port < ephemeral[0] and port not in _handed_out and bindable(port):
                 _handed_out.add(port)
                 return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
