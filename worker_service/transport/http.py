@@ -12,7 +12,7 @@ An answer without ``lineage`` is used as it is: views of the answer's buffer.
 """
 from __future__ import annotations
 
-import pickle
+import ctypes
 from typing import Callable, Mapping
 
 import numpy as np
@@ -94,7 +94,8 @@ def _own(v: np.ndarray) -> np.ndarray:
     (numpy would otherwise skip a view to the answer's buffer), so its reference count tells whether one is alive."""
     if not (v.flags.writeable and v.flags.aligned and v.flags.c_contiguous):
         return v.copy()
-    return np.ndarray(v.shape, v.dtype, buffer=pickle.PickleBuffer(v.reshape(-1).view(np.uint8)))
+    raw = v.reshape(-1).view(np.uint8)  # (a ctypes array over it: numpy would see through a memoryview to the answer)
+    return np.ndarray(v.shape, v.dtype, buffer=(ctypes.c_char * raw.nbytes).from_buffer(raw))
 
 
 def _read_only(v: np.ndarray) -> np.ndarray:
