@@ -1,70 +1,49 @@
 """A barrier round: the open round's state, the rank-order sum of its gradients, the rule that closes it, and the
-frozen record it leaves (with its straggler: who slowed it, and by how much).
+frozen record it leaves (with its straggler). Pure, no I/O, no clock: who is alive and what time it is are arguments.
 
-Pure, no I/O, no clock: who is alive and what time it is are arguments.
+The open :class:`Round` ``g`` has a fixed *eligible* set (worker_id -> rank), grown only when the round cannot close
+without a newcomer. An eligible member counts unless it came back mid-round (``gone``). Its *contributions* are the
+accepted gradients (its :class:`Accumulator`) plus the pushes skipped for NaN/Inf (``skipped``); *awaited* are the
+live counted members that contributed nothing yet.
 
-The open :class:`Round` ``g`` has a fixed *eligible* set (worker_id -> rank, chosen when it opens;
-it grows only when the round cannot close without a newcomer). An eligible member counts unless it
-came back mid-round (``gone``: it registered again; the round does not wait for it again). Its
-*contributions* are the accepted gradients (in its :class:`Accumulator`)
-plus the pushes skipped for NaN/Inf (``skipped``: done, nothing applied). *Awaited* are the live
-counted members that have contributed nothing yet.
+Closing rule: :meth:`CloseRule.progress`, checked after every change (its reasons ``full``, ``membership``,
+``unreachable``, ``deadline``: docs/protocol.md, "The barrier"). *Stuck* (:attr:`Progress.stuck`): its own members
+cannot close it (only a deadline could); a worker that registers then joins the open round instead of the next one.
 
-Closing rule (:meth:`CloseRule.progress`, checked after every change; its reasons ``full``, ``membership``,
-``unreachable``, ``deadline`` and when each applies: docs/protocol.md, "The barrier"). *Stuck*
-(:attr:`Progress.stuck`): the round cannot close with its own members (only a deadline could close it); a worker
-that registers then joins the open round instead of the next one.
+Fixed R counts a push at its *head* (:meth:`Round.head`, before its tensors are read: :mod:`ps_service.core.intake`):
+the contributors are the first R heads (``heads``, arrival order), and a push whose head comes after R others' is
+``late`` (:meth:`Round.lose`: its member is done with the round). A head whose push then fails (4xx, or its body
+could not be read), or whose member expires or leaves, gives its place back (:meth:`Round.unhead`) to the next head
+that sorts after the sum already made; else R is out of reach once those awaited are in. On a sharded PS the
+coordinator's hold is the push's head (:meth:`~ps_service.core.ParameterServerCore.hold`); a hold after R heads is
+late (:meth:`Round.refuse`: listed in ``refused``; in ``back`` too if it registers again into the stuck round).
 
-Fixed R counts a push at its *head* (:meth:`Round.head`: its worker id and step, before its tensors are read; the
-transport asks then, :mod:`ps_service.core.intake`): the round's contributors are its first R heads (``heads``, arrival
-order), and a push whose head comes after R others' is ``late`` (:meth:`Round.lose`: the member is done with the round,
-not waited for). A head whose push then fails (its body could not be read, or the core refused it: 4xx) gives its place
-back (:meth:`Round.unhead`): the next head to come takes it, provided it sorts after the part of the sum already made;
-else R is out of reach once those still awaited are in. A member that expires or leaves gives its place back too (its
-push can no longer count). On a sharded PS the coordinator's hold of a worker's pieces is its push's head, kept until
-its commit (:meth:`~ps_service.core.ParameterServerCore.hold`); a hold after R heads is late (:meth:`Round.refuse`: the
-member is done with the round, listed in ``refused``; in ``back`` too if it registers again into the stuck round,
-which takes it).
-
-Cost: the round keeps its counts (``live``: counted members alive; ``waiting``: of them, those
-awaited) up to date through its mutators (:meth:`Round.accept`, ``skip``, ``drop``, ``join``) and
-:meth:`Round.member_changed`, which the core calls on every membership change; so the rule's
-decision is O(1) per push. The eligible keys are kept sorted with a frontier below which every
-key has contributed: the lowest key still pending, which bounds the early rank-order sum, is
-amortised O(1). Opening a round (sorting its members) and :attr:`Progress.awaited` (the names,
-for monitoring) are O(K).
+Cost: the counts (``live``, ``waiting``) follow every mutator and :meth:`Round.member_changed`, so the rule's decision
+is O(1) per push; the sorted eligible keys' frontier (below it every key contributed) makes the lowest pending key,
+which bounds the early sum, amortised O(1). Opening a round and :attr:`Progress.awaited` are O(K).
 
 The round's sum (:class:`Accumulator`, the PS's ConditionalAccumulator):
 
-- It holds the round's validated gradients (:func:`ps_service.core.checks.validate`), one per worker:
-  ``apply(worker_id, rank, grads, pending)``. It owns the arrays it is given: the first one in
-  rank order becomes the running sum and is written into (copied first if it is read-only or
-  not C-contiguous), the others are read once and released.
-- ``take_sum()`` returns their sum in (rank, worker_id) order, ``acc = g[first]; acc += g[next] ...``,
-  then ``acc /= n`` under ``aggregation="mean"`` when n > 1: element-wise in that order whatever
-  the arrival order, so a run is bit-reproducible. The worker id breaks rank ties (a newcomer can
-  reuse the rank of a member that left mid-round).
-- Part of the sum is done while the round fills, as arrivals allow: a gradient is folded in once no
-  gradient still possible (``pending``) sorts before it: elastic, a live member's yet to come; fixed R, once R heads
-  came, theirs only. When that is not known (``pending=None``: fixed R with fewer gradients in than ``min_replicas``,
-  where a stuck round may still take a worker of any rank) the gradients wait. Folding early or late
-  gives the same bits. The gradients not summed yet wait in a heap by key: O(log K) per gradient.
-- One gradient type: owned arrays (dense, or a top-k push's :class:`~shared.compression.SparseTensor`). Whatever
-  carried them (a body, a same-host file: its transport copied it into a buffer of the PS's own,
-  ps_service/transport/shm.py), the sum owns them once they are applied and never reads a sender's memory.
-- **What is applied is finite.** Every sum that was added to in place unchecked is read once for NaN/Inf when the
-  round ends (``take_sum``): finite gradients can overflow when added (two float32 3e38 make inf). Not finite:
-  :attr:`~Accumulator.spoiled` (:attr:`~Accumulator.overflow` names the tensor), the round applies nothing.
-- A top-k push's tensors (:class:`~shared.compression.SparseTensor`: k entries, zero elsewhere) are kept as the
-  running sum's :class:`Terms` while that tensor's sum came only from such pushes, and added at once when the sum is
-  taken (:func:`sparse_sum`); ``take_sum`` then gives that tensor as a :class:`~shared.compression.SparseTensor` (its
-  support: the entries a round can change). A dense push, or a same-host one, makes it dense first.
+- It owns the validated gradients it is given, one per worker: the first in rank order becomes the running sum
+  (copied first if read-only or not C-contiguous), the others are read once and released.
+- ``take_sum()`` sums them in (rank, worker_id) order, ``acc = g[first]; acc += g[next] ...``, then ``acc /= n`` under
+  ``aggregation="mean"`` when n > 1: whatever the arrival order, a run is bit-reproducible (the worker id breaks rank
+  ties: a newcomer can reuse the rank of a member that left mid-round).
+- A gradient is folded in as soon as no gradient still possible (``pending``) sorts before it (elastic: a live
+  member's yet to come; fixed R, once R heads came: theirs only); ``pending=None`` (fixed R below ``min_replicas``,
+  where a stuck round may take any rank): it waits. The same bits either way; a heap by key, O(log K) a gradient.
+- One gradient type: owned arrays (dense, or a top-k push's :class:`~shared.compression.SparseTensor`); the sum never
+  reads a sender's memory (a same-host push was copied into a buffer of the PS's: ps_service/transport/shm.py).
+- **What is applied is finite.** A sum added to in place unchecked is read once for NaN/Inf by ``take_sum`` (two
+  float32 3e38 make inf); not finite: :attr:`~Accumulator.spoiled` (:attr:`~Accumulator.overflow` names the tensor),
+  and the round applies nothing.
+- Top-k tensors are kept as the sum's :class:`Terms` while that tensor's sum came only from them, and added at once
+  (:func:`sparse_sum`) when the sum is taken, which gives it as a SparseTensor (its support: the entries a round can
+  change). A dense push, or a same-host one, makes it dense first.
 
-The straggler of a closed round (:func:`straggler`; its ``kind``, ``waited_seconds`` and ``missing``:
-docs/guides/monitoring.md, "Straggler"): the last contributor when its push closed the round, else the lowest-ranked
-member that never came; none for a single contributor with nobody missing. ``after_seconds`` (the straggler's arrival,
-or the close, after the round opened), ``behind_first`` and ``behind_median`` (the same instant minus the first and the
-median arrival), all in seconds.
+The straggler of a closed round (:func:`straggler`; its fields: docs/guides/monitoring.md, "Straggler"): the last
+contributor when its push closed the round, else the lowest-ranked member that never came; none for a single
+contributor with nobody missing.
 """
 from __future__ import annotations
 
@@ -252,10 +231,9 @@ class Round:
         return tuple(w for _, w in self.order if w != but and self.standing(w)[1])
 
     def _pending_at(self, i: int, but: str | None) -> int:
-        """The index of the first key from ``i`` on that may still bring a gradient (len(order): none). A member not
-        alive, or come back mid-round, brings none (a round with a contribution, ``but``'s, cannot get stuck, so it
-        never joins again); fixed R also passes those done without (``lost``), not among R heads that came, or sorting
-        before the sum already made. A key passed stays passed but for :meth:`unhead` and :meth:`join`."""
+        """The index of the first key from ``i`` on that may still bring a gradient (len(order): none): not a
+        member's that contributed, is ``but``, is not alive or came back mid-round; fixed R, nor ``lost``, nor outside
+        R heads that came, nor sorting before the sum made. A key passed stays passed but for ``unhead``, ``join``."""
         order, acc, skipped, alive, gone = self.order, self.acc.keys, self.skipped, self.alive, self.gone
         fixed = self.replicas is not None
         if fixed:  # a member yet to push can no longer come once R heads came, nor below the sum already made
@@ -270,9 +248,8 @@ class Round:
         return i
 
     def turns(self) -> tuple[str, ...]:
-        """Whose push may be read now, elastic (:mod:`ps_service.core.intake`): the next in rank order (the lowest
-        key still pending), and while the round holds no gradient the one after it too (both then join the first
-        sum at once)."""
+        """Whose push may be read now, elastic (:mod:`ps_service.core.intake`): the lowest key still pending, and
+        the one after it too while the round holds no gradient (both then join the first sum at once)."""
         order = self.order
         i = self._pending_at(self.frontier, None)
         if i == len(order):
@@ -315,8 +292,8 @@ class Round:
             self._lose(arrival.worker_id)
 
     def refuse(self, worker_id: str) -> None:
-        """Fixed R, a sharded PS: this counted member's hold came after R heads (answered late, nothing kept): it is done
-        with the round, as a late push's member (its commit is answered late), and listed in :attr:`refused`."""
+        """Fixed R, a sharded PS: this counted member's hold came after R heads: it is done with the round, as a late
+        push's member (its commit is answered late), and listed in :attr:`refused`."""
         if worker_id not in self.lost:
             self._lose(worker_id)
             self.refused.append(worker_id)
@@ -328,9 +305,8 @@ class Round:
 
     def accept(self, arrival: Arrival, grads, loss: float | None, examples: int | None, rule: CloseRule,
                now: float | None) -> Progress:
-        """An accepted gradient, and where the round stands then (:meth:`progress` at ``now``); when the rule says it
-        closes, it is closed at the arrival's time (the progress's ``closed``: :meth:`close`'s). Elastic (every
-        eligible member may still push), the sum starts on the lowest ranks before they all are in."""
+        """An accepted gradient, and where the round stands then (:meth:`progress` at ``now``; when the rule says it
+        closes, the progress's ``closed`` is :meth:`close`'s at the arrival's time)."""
         wid = arrival.worker_id
         before = self.standing(wid, True)  # an active member: its push was just admitted
         if self.replicas is not None:
@@ -459,12 +435,10 @@ def _owned(g: np.ndarray | SparseTensor) -> np.ndarray | Terms:
 
 
 def sparse_sum(terms: list[SparseTensor]) -> SparseTensor:
-    """The rank-order sum ``dense(t0) + dense(t1) + ...`` of top-k tensors (indices strictly increasing) as
-    entries, bit for bit: over the union of their indices, each entry's values added in rank order (the same
-    additions as the dense sum's, which adds +0.0 for every term that holds none there: that changes only a -0.0,
-    to +0.0, so an entry not held by every term has +0.0 added at the end); off the union the dense sum is +0.0,
-    which no entry stands for. One stable sort of all their indices (O(k log k) for k entries in all), then a pass
-    per term an entry can hold."""
+    """The rank-order sum ``dense(t0) + dense(t1) + ...`` of top-k tensors (indices strictly increasing) as entries, bit
+    for bit: over the union of their indices each entry's values added in rank order; the dense sum adds +0.0 for a
+    term that holds none there, which changes only a -0.0 (to +0.0): added at the end to an entry not every term holds.
+    One stable sort of all their indices (O(k log k)), then a pass per term an entry can hold."""
     first = terms[0]
     if len(terms) == 1:
         return SparseTensor(first.shape, first.indices, np.array(first.values, F32, copy=True))
@@ -527,9 +501,9 @@ class Accumulator:
             self._fold(min(pending, default=None))
 
     def take_sum(self) -> tuple[dict[str, np.ndarray | SparseTensor] | None, int]:
-        """(the rank-order sum of every gradient applied, or None if :attr:`spoiled`; n, the caller's update divides by
-        it: 1 under ``aggregation="sum"``), every waiting gradient summed and checked first; the accumulator is empty
-        afterwards. A tensor summed only from top-k pushes comes as a SparseTensor (its values the caller's)."""
+        """(the rank-order sum, or None if :attr:`spoiled`; n, the caller's update divides by it: 1 under
+        ``aggregation="sum"``), every waiting gradient summed and checked first; the accumulator is empty afterwards.
+        A tensor summed only from top-k pushes comes as a SparseTensor (its values the caller's)."""
         if not self.keys:
             raise AssertionError("nothing to take")
         self._fold(None)
