@@ -1,14 +1,9 @@
 """The PS's sans-IO core: the state machine that composes membership, rounds, the accumulator and the optimizer.
 
-Nothing here does I/O or reads a clock: every entry point takes ``now`` (seconds, monotonic)
-and returns what happened; the routes are thin drivers and the tests drive it by simulation.
-The parts: :mod:`ps_service.core.membership` (names, ranks, leases, waits), :mod:`ps_service.core.rounds`
-(the open round, its rank-order sum, its closing rule, the round record), :mod:`ps_service.core.checks` (gradient
-validation), :mod:`ps_service.core.model` (weights, optimizer, global step).
-Cost (issue 17), K members: a push, heartbeat or wait does amortised O(log K) work, a tick
-O(log K) per lease that ended or was renewed (the parts keep their counts, heaps and orders up
-to date at each change); only opening and closing a round (once per round), a newcomer joining
-a stuck round, and the monitoring views walk the members.
+Nothing here does I/O or reads a clock: every entry point takes ``now`` (seconds, monotonic) and returns what
+happened; the routes are thin drivers and the tests drive it by simulation. Cost (issue 17), K members: a push,
+heartbeat or wait does amortised O(log K) work, a tick O(log K) per lease that ended or was renewed; only opening and
+closing a round, a newcomer joining a stuck round, and the monitoring views walk the members.
 
 Contract: docs/protocol.md's "The barrier" (TensorFlow's SyncReplicasOptimizer, done right: elastic and fixed R, out
 of reach, recall, deadline, close, start, end) and its push statuses ("POST /v1/gradients"). In the core's terms:
@@ -17,20 +12,16 @@ of reach, recall, deadline, close, start, end) and its push statuses ("POST /v1/
   take effect at the next boundary, unless the round is *stuck* (its own members cannot close it): then a member that
   registers joins it at once, and the active members it does not count, or whose push for it was late, are recalled
   (:meth:`_recall`). A member that registers again under its name keeps its id and rank and counts as a join.
-- Leases, and what holds them (a wait on the barrier, ``begin_wait`` .. ``end_wait``; the PS hearing from no worker):
-  :mod:`ps_service.core.membership`. A round closes by :class:`ps_service.core.rounds.CloseRule`.
 - Push of worker w for step s: a second push of (w, s) is ``duplicate``; s == g from an eligible w is ``accepted``
   (``skipped`` if not finite under ``nonfinite_policy="skip"``); s == g from a non-eligible w, or s == g-1 from a
   member of round g-1 that missed it, is ``late``; anything older is ``stale``. Every check (:func:`validate`) comes
-  before any state changes; only ``accepted`` gradients are applied, and the core owns their arrays (it sums into
-  them).
+  before any state changes; only ``accepted`` gradients are applied, and the core owns their arrays.
 - Start: round 0 opens once the model is initialised and ``min_workers`` are active, after the grace (:meth:`tick`;
   a restored checkpoint's members, or the deployment's count, :meth:`deploy`); at ``max_steps`` the job is done.
 
-Modes (``config.mode``): the above is ``sync``. In ``async`` and ``ssp`` no round ever opens: each accepted
-gradient is applied on arrival (:mod:`ps_service.core.on_arrival`), the clocks, the SSP bound and the staleness
-records are ``self.modes`` (:class:`ps_service.core.staleness.BoundedStaleness`), fed every join, leave and
-expiry; :meth:`may_pull` is the SSP gate of a worker's pull.
+Modes (``config.mode``): the above is ``sync``. In ``async`` and ``ssp`` no round opens: each accepted gradient is
+applied on arrival (:mod:`ps_service.core.on_arrival`); the clocks, the SSP bound and the staleness records are
+``self.modes`` (:class:`ps_service.core.staleness.BoundedStaleness`); :meth:`may_pull` is the SSP gate of a pull.
 """
 from __future__ import annotations
 
@@ -80,8 +71,7 @@ class ParameterServerCore(ModelState):
         self._decision: RoundRecord | None = None
         self._plan: tuple[Plan | None] | None = None  # (the plan or None: one partition,), once the model is in
         #: sync rounds close partition by partition, of about this many bytes each (docs/partitions.md); 0: one
-        #: partition, the whole model. Not a setting yet (no transport sends partition frames): set before the model
-        self.partition_bytes = 0
+        self.partition_bytes = 0  # (PS_PARTITION_BYTES: the runtime sets it before the model)
         self.rounds: deque[RoundRecord] = deque(maxlen=config.max_rounds_kept)
         self.rounds_closed = 0  # since this process started
         self.gradients_applied = 0  # since this process started, every mode
@@ -100,13 +90,11 @@ class ParameterServerCore(ModelState):
         #: members recalled into a stuck round (:meth:`tick`): waits in flight look again when it moves
         self.recalls = 0
         self.leaves = 0  # graceful leaves since start (a waiting long poll of the leaver ends at once)
-        #: hooks. on_decided(record): a round is decided, before its update is applied (a sharded coordinator sends
-        #: the followers their apply then: sharding). on_step(total or None, mean_of, contributors): every step's input
-        #: as :meth:`apply_round` takes it (a closed round's sum, an async/ssp gradient), before it is applied (a hot
-        #: standby's primary sends it: ps_service/standby). on_partition(): after each call that closed partitions of
-        #: a partitioned round, the last one's after the step advanced (transport/streamed.py copies their weights
-        #: out). on_lost(step, worker_id): a contributor of the decided round will bring no more of its frames, before
-        #: its partitions close without it (the coordinator tells its followers: sharding/parts.py)
+        #: hooks. on_decided(record): a round is decided, before its update (a sharded coordinator's applies).
+        #: on_step(total or None, mean_of, contributors): each step's input as :meth:`apply_round` takes it, before it
+        #: is applied (a hot standby's primary). on_partition(): after a call that closed partitions (the last one's
+        #: after the step advanced: transport/streamed.py). on_lost(step, worker_id): a contributor of the decided
+        #: round brings no more frames, before its partitions close without it (sharding/parts.py)
         self.on_decided: Callable[[RoundRecord], None] | None = None
         self.on_step: Callable[[Mapping[str, Any] | None, int, int], None] | None = None
         self.on_partition: Callable[[], None] | None = None
@@ -129,30 +117,25 @@ class ParameterServerCore(ModelState):
                 "config": {f: dict(v) if isinstance(v, Mapping) else v for f, v in vars(self.config).items()}}
 
     def import_state(self, state: Mapping[str, Any], now: float) -> None:
-        """Load :meth:`export_state`'s data (before any worker talks to this PS), with the optimizer settings of this
-        start on top (:meth:`~ps_service.core.model.ModelState.resumed_spec`). The model counts as
-        initialised (``PUT /v1/model`` gets 409); members come back expired (left ones stay left), so
-        each worker registers again under its name, gets its id and rank back, and pulls."""
+        """Load :meth:`export_state`'s data before any worker talks to this PS, this start's optimizer settings on top
+        (:meth:`~ps_service.core.model.ModelState.resumed_spec`); members come back expired (left ones stay left)."""
         opt = state["optimizer"]
         spec = self.resumed_spec(opt["spec"])  # the settings' hyper-parameters apply; another optimizer is refused
         self.restore(state["weights"], spec, opt["iterations"], opt["slots"], state["global_step"])
         self._load_members(state, now)
 
     def _load_members(self, state: Mapping[str, Any], now: float) -> None:
-        """``state``'s members, back as expired, and its async/ssp clocks (nobody live: each comes back at max(its
-        clock, floor))."""
+        """``state``'s members, back as expired, and its async/ssp clocks."""
         self.resume_expected = self.members.load(list(state.get("members") or ()), now) or None
         if self.modes is not None and state.get("staleness") is not None:
             self.modes.load(state["staleness"], now)
         self._changed()
 
     def rewind(self, state: Mapping[str, Any], now: float) -> list[Member]:
-        """Go back *live* to a checkpoint's model (a sharded PS's rollback when a follower restarted:
-        docs/architecture.md, Shards): weights, optimizer and step become ``state``'s (its members are not read); the
-        open round is dropped; every active member is expired, waiting or not (409 ``not_active``: it registers again,
-        same id and rank, and pulls), its pushed steps forgotten (the redone ones are not duplicates). The records and
-        losses of steps >= the checkpoint's are dropped (``/v1/rounds`` lists each step once); the counters since start
-        keep counting, redone rounds included. The expired members, in registration order."""
+        """Go back *live* to a checkpoint's model (a sharded PS's rollback): weights, optimizer and step become
+        ``state``'s; the open round is dropped; every active member is expired (409 ``not_active``), its pushed steps
+        forgotten; records and losses of steps >= the checkpoint's are dropped, the counters keep counting. The
+        expired members, in registration order."""
         live = self.weights
         self.restore(state["weights"], state["optimizer"]["spec"], state["optimizer"]["iterations"],
                      state["optimizer"]["slots"], state["global_step"])
@@ -184,13 +167,9 @@ class ParameterServerCore(ModelState):
 
     # ---- membership --------------------------------------------------------------------
     def register(self, name: str, now: float) -> tuple[Member, int]:
-        """(member, start_step): the step whose weights the worker should pull first.
-
-        A member coming back (it had expired or left: a restarted process) keeps its id and
-        rank and rejoins at the next round boundary, like a newcomer, unless the open round
-        is stuck without it. A member registering again while active (its process restarted within its lease) stays
-        in the round it counts in if it still owes it a push; one done with it without contributing (``late``) joins
-        it as a comeback does; either way its old process's partition frames are not waited for."""
+        """(member, start_step: the step whose weights the worker should pull first). A member coming back keeps its
+        id and rank and joins at the next boundary, unless the open round is stuck without it; one registering again
+        while active stays in the round if it still owes it a push (its old process's frames are not waited for)."""
         if self.done and self._end_ranks is None:
             self._end_ranks = self.ranks()  # a worker registering after the end trains no step: not in the ranks
         prev = self.members.by_name.get(name)
@@ -265,9 +244,8 @@ class ParameterServerCore(ModelState):
             self._changed()
 
     def _deployment_settling(self, now: float) -> bool:
-        """Step 0 expects the deployment's count (larger than N or R), and it changed less than
-        ``startup_grace_seconds`` ago: its containers may still be starting (each adds its address as it starts), so
-        the count is taken only once it has held that long."""
+        """Step 0 expects the deployment's count (larger than N or R), which changed less than
+        ``startup_grace_seconds`` ago (its containers may still be starting)."""
         n, r = self.config.total_num_replicas, self.config.replicas_to_aggregate
         return bool(self.deployed and self.deployed > (n or r or 0) and self.deployed_since is not None
                     and now - self.deployed_since < self.config.startup_grace_seconds)
@@ -284,8 +262,7 @@ class ParameterServerCore(ModelState):
         return now
 
     def may_pull(self, worker_id: str | None) -> bool:
-        """May this worker get weights for its next iteration now? Only SSP ever says no (the bound); a pull
-        without a worker id is not gated. O(1)."""
+        """May this worker pull its next weights now? Only SSP's bound says no; a pull without a worker id: yes."""
         return self.modes is None or worker_id is None or self.modes.may_pull(worker_id)
 
     @property
@@ -294,9 +271,8 @@ class ParameterServerCore(ModelState):
         return None if self.modes is None or self.modes.bound is None else self.modes.floor
 
     def ranks(self) -> tuple[int, ...]:
-        """The ranks a pull names (sharding): the open round's, else the active members' (cached per
-        membership change); sorted. O(1) per call while membership is still. Once the job is done, a member
-        registering does not count: the ranks are those of before the first registration after the end."""
+        """The ranks a pull names (sharding), sorted: the open round's, else the active members' (cached per
+        membership change); once the job is done, those of before the first registration after the end."""
         if self.round is not None:
             return self.round.ranks
         if self._end_ranks is not None and self.done:
@@ -394,8 +370,8 @@ class ParameterServerCore(ModelState):
         return changed
 
     def _recall(self, now: float) -> bool:
-        """The stuck round's recall (the module docstring): each active member it does not count, or done with it
-        without contributing, is expired at once (409 ``not_active``) to register again into it. O(K), only then."""
+        """The stuck round's recall (the module docstring): expire the active members it does not count, or done
+        without contributing, to register again into it. O(K), only then."""
         r = self.round
         recalled = [m for m in self.members.active() if not r.counts(m.worker_id) or m.worker_id in r.lost]
         for m in recalled:
@@ -437,9 +413,8 @@ class ParameterServerCore(ModelState):
         self._closed(now, *self.round.close(now, reason, self.rule.replicas_to_aggregate))
 
     def _closed(self, now: float, rec: RoundRecord, total, n: int) -> None:
-        """The open round's rule is met (its record, its sum or None, the mean's n): with one partition the round
-        closes (observers, the update, the next round); with several it is decided (partition 0 closes, C is fixed)
-        and closes once its other partitions did (:meth:`close_parts`)."""
+        """The open round's rule is met (its record, its sum or None, the mean's n): one partition, it closes; with
+        several it is decided (partition 0 closes) and closes with its last partition (:meth:`close_parts`)."""
         r = self.round
         if self.on_decided is not None:
             self.on_decided(rec)
@@ -467,9 +442,8 @@ class ParameterServerCore(ModelState):
         self.close_parts(now, [q for w in worker_ids for q in parts.drop(w)])
 
     def close_parts(self, now: float, qs) -> None:
-        """Close the decided round's partitions ``qs`` (each applied, the step's iteration advanced by the first
-        applied); the round closes with its last: this core's own round (:meth:`_finish`), or a round it follows (a
-        sharded PS's follower: ps_service/sharding/parts.py), whose step it takes (:meth:`_stepped`)."""
+        """Close the decided round's partitions ``qs`` (the first applied advances the step's iteration); the round
+        closes with its last: this core's own (:meth:`_finish`) or one it follows (sharding/parts.py, ``_stepped``)."""
         parts = self.parts
         for q in dict.fromkeys(qs):
             if q not in parts.closed:
@@ -503,11 +477,9 @@ class ParameterServerCore(ModelState):
 
     # ---- pushes ------------------------------------------------------------------------
     def admit(self, worker_id: str | None) -> Member | None:
-        """The refusals a push meets before its tensors are read (docs/protocol.md's order): the model must be
-        initialised (``not_initialized``), the worker known (``unknown_worker``) and active (``not_active``);
-        ``worker_id`` None: the model only (a sharded PS's held pieces). The transports ask this first, so a push
-        they cannot decode without the model, or from a worker that must register, is refused as the core would.
-        The active member (None: ``worker_id`` None)."""
+        """The refusals before a push's tensors are read (docs/protocol.md's order): ``not_initialized``,
+        ``unknown_worker``, ``not_active``; ``worker_id`` None: the model only (a sharded PS's held pieces). The
+        active member (None: ``worker_id`` None)."""
         if self.weights is None:  # (not self.initialized)
             raise CoreError("not_initialized", "the model is not initialised yet (PUT /v1/model)")
         if worker_id is None:
@@ -515,11 +487,9 @@ class ParameterServerCore(ModelState):
         return self.members.active_by_id.get(worker_id) or self.members.active_member(worker_id)
 
     def claim(self, worker_id: str, step: int, overdue: bool = False) -> bool:
-        """May the tensors of ``worker_id``'s push for ``step`` be read now (:mod:`ps_service.core.intake`: in rank
-        order, so that the PS holds at most two gradients of a round)? True: read them, then :meth:`push` (or
-        :meth:`release`: the read failed); False: wait until :meth:`readers` names the worker. ``overdue``: it waited
-        long enough: read it now, out of turn if need be. Fixed R: the push counts here, at its head
-        (:meth:`~ps_service.core.rounds.Round.head`)."""
+        """May the tensors of ``worker_id``'s push for ``step`` be read now (:mod:`ps_service.core.intake`)? True: read
+        them, then :meth:`push` (or :meth:`release`); False: wait until :meth:`readers` names the worker. ``overdue``:
+        read it now, out of turn if need be. Fixed R: the push counts here, at its head."""
         m = self.members.active_by_id.get(worker_id)
         if m is None or self.weights is None:
             return True  # refused once read, as ever
@@ -535,10 +505,9 @@ class ParameterServerCore(ModelState):
         return self.intake.claim(worker_id, r.turns, overdue)
 
     def hold(self, worker_id: str, step: int) -> bool:
-        """A sharded PS's coordinator has read the pieces ``worker_id`` holds for ``step`` (docs/protocol-shards.md):
-        keep them (True) or not (False: answered late). Fixed R: the hold is the push's head, kept until the commit
-        (or the member expires or leaves); after R heads it is late (:meth:`~ps_service.core.rounds.Round.refuse`; the
-        module docstring of :mod:`ps_service.core.rounds`). Elastic, or not the open round: kept, nothing counted."""
+        """A sharded PS's coordinator read the pieces ``worker_id`` holds for ``step``: keep them (True) or not (False:
+        late). Fixed R: the hold is the push's head; after R heads it is late (``Round.refuse``). Elastic, or not
+        the open round: kept, nothing counted."""
         r, m = self.round, self.members.active_by_id.get(worker_id)
         if r is None or r.replicas is None or m is None or step != self.global_step:
             return True
@@ -564,9 +533,8 @@ class ParameterServerCore(ModelState):
         return turns + self.intake.late_readers() if self.rule.replicas_to_aggregate else turns
 
     def release(self, worker_id: str) -> None:
-        """The claim of ``worker_id``'s push ends (taken by :meth:`push`, or its read failed): the next may begin. Fixed
-        R: a head whose push the round did not take gives its place back
-        (:meth:`~ps_service.core.rounds.Round.unhead`)."""
+        """The claim of ``worker_id``'s push ends (taken, or its read failed): the next may begin. Fixed R: a head whose
+        push the round did not take gives its place back."""
         released = self.intake.release(worker_id)
         r = self.round  # (its counts, hence its close, do not depend on the heads: only who may be read next does)
         if (r is not None and r.replicas is not None and r.unhead(worker_id)) or released:
@@ -620,9 +588,8 @@ class ParameterServerCore(ModelState):
         return PushResult(status, self.global_step, self.global_step != before)
 
     def _frame(self, m: Member, req: PushRequest, now: float) -> PushResult:
-        """A later partition's frame of a push (docs/partitions.md): it joins its partition when the push's partition 0
-        was accepted by the open round and the partition still waits for it; else it is dropped with the push's
-        status (``duplicate`` a second time). Checked as a push is, first."""
+        """A later partition's frame of a push (docs/partitions.md), checked as a push is: it joins its partition when
+        the push's partition 0 was accepted and the partition waits for it; else dropped with the push's status."""
         p, parts, g, q = self.partitions, self.parts, self.global_step, req.partition
         if p is None or not 0 < q < p.count:
             raise CoreError("tensor_mismatch", f"partition {q}: the model has {1 if p is None else p.count}")
@@ -667,9 +634,8 @@ class ParameterServerCore(ModelState):
         return PushStatus.STALE
 
     def apply_round(self, total: Mapping[str, np.ndarray] | None, mean_of: int, contributors: int) -> None:
-        """Apply a round decided elsewhere (a sharded PS's follower, told by its coordinator): one optimizer step with
-        the rank-order sum ``total`` (None: it overflowed, nothing applied) divided by ``mean_of``, then
-        ``global_step += 1`` and the counters, as a closed round of this core's own."""
+        """Apply a round decided elsewhere (a sharded follower, a standby): one optimizer step with ``total`` (None:
+        it overflowed, nothing applied) / ``mean_of``, then ``global_step += 1`` and the counters."""
         if total is not None:
             self.update(total, consume=True, mean_of=mean_of)
         self._stepped(contributors)
@@ -687,10 +653,9 @@ class ParameterServerCore(ModelState):
         self.started = True
 
     def adopt(self, state: Mapping[str, Any], now: float) -> None:
-        """Become ``state`` (:meth:`export_state` data) live, as a PS restored from that checkpoint would start (a hot
-        standby's state transfer, its takeover: ps_service/standby): model, optimizer and step exactly the state's
-        (:meth:`rewind`: no settings on top), the membership replaced by the state's members, back as expired (each
-        worker registers again under its name, keeps its id and rank), async/ssp clocks the state's; not started."""
+        """Become ``state`` (:meth:`export_state` data) live, as a PS restored from it would start (a hot standby's
+        state transfer, its takeover): model, optimizer and step exactly the state's (:meth:`rewind`), its members
+        back as expired, its async/ssp clocks; not started."""
         self.rewind(state, now)
         self.members = Membership(self.config.lease_seconds)
         self.modes = BoundedStaleness.for_mode(self.config.mode, self.config.ssp_staleness, self.config.max_staleness)
