@@ -1,36 +1,25 @@
 """Which pushes' tensors the PS may read now: what it holds of a round stays flat in the worker count.
 
-A push's head (worker id, step) comes before its tensors: the rest of a request body, a same-host worker's file.
-The transport reads the tensors of a large push only once :meth:`Intake.claim` says so; until then they stay where
-they are (in the kernel's socket buffers and the worker's memory, or in the worker's file), and the transport waits
-for a turn (:meth:`Intake.readers` names who may read next).
+A push's head (worker id, step) comes before its tensors (the rest of a body, a same-host worker's file). The
+transport reads a large push's tensors only once :meth:`Intake.claim` says so; until then they stay where they are and
+it waits for a turn (:meth:`Intake.readers` names who may read next).
 
-- **Sync, elastic** (R unset): the round sums in rank order as gradients arrive (:mod:`ps_service.core.rounds`),
-  so the push next in rank order (:meth:`~ps_service.core.rounds.Round.turns`: the lowest key still pending; a member
-  that expired, left or came back mid-round is passed) joins the running sum at once: it may be read. While the
-  round holds no gradient yet, the one after it may be read too (both then make the first sum). Every other push of
-  the round waits. So the PS holds at most two gradients of a round at once, the running sum and the push being
-  read, whatever N; the sum is the same rank-order sum, bit for bit.
-- **Async / SSP**: each gradient is applied on arrival: one push read at a time (the transport wakes the
-  longest-waiting first).
-- **Fixed R** (backup workers): a push counts at its head (:meth:`~ps_service.core.rounds.Round.head`: asking for its
-  claim, or reaching the core unclaimed), so the round's contributors are the first R heads of fresh pushes, known
-  before any body is read; they are read in rank order as above (the lowest key that may still contribute: while
-  fewer than R heads came, a member yet to push may still sort first). A push whose head comes after R others' is
-  ``late`` (known from its head). Late, stale and duplicate pushes are read one at a time (:meth:`claim_late`): every
-  round of a fixed-R job has N - R of them, and read at once they would hold N - R gradients' bodies. So the PS holds
-  the running sum, the push being read (two while nothing is summed) and one push being refused, whatever N (with
-  ``min_replicas`` q above 2, q: the first q gradients wait unsummed, as a stuck round may still take any rank). A
-  head whose push fails (:meth:`release` before the core took it) gives its place back
-  (:meth:`~ps_service.core.rounds.Round.unhead`).
-- A push waits for its turn at most a lease (the transport's patience: by then a member ahead of it that is gone
-  has expired and passed its turn); then it is read out of turn (``overdue``), held like any gradient that came
-  early: a round held up by a slow member holds more, as it would without the gate; steady rounds do not.
-- Elastic: a push that would not be accepted now (stale, late, duplicate; a worker the core refuses) is read at once
-  and answered as before; so is a push of a worker whose other body is being read (its turn waits for that read).
+- **Sync, elastic**: the round sums in rank order as gradients arrive, so the push next in rank order
+  (:meth:`~ps_service.core.rounds.Round.turns`) may be read, and while the round holds no gradient the one after it
+  too. The PS holds at most two gradients of a round, whatever N; the sum is the same, bit for bit.
+- **Async / SSP**: one push read at a time (the transport wakes the longest-waiting first).
+- **Fixed R**: a push counts at its head (:meth:`~ps_service.core.rounds.Round.head`), so the contributors, the first R
+  heads, are known before any body is read; they are read in rank order as above, and a push whose head comes after R
+  others' is ``late``. Late, stale and duplicate pushes are read one at a time (:meth:`claim_late`: N - R of them a
+  round). So the PS holds the running sum, the push being read (two while nothing is summed) and one being refused
+  (with ``min_replicas`` q > 2, the first q gradients wait unsummed). A head whose push fails (:meth:`release` before
+  the core took it) gives its place back.
+- A push waits for its turn at most a lease (by then a member ahead of it that is gone has expired), then is read out
+  of turn (``overdue``): a round held up by a slow member holds more; steady rounds do not.
+- Elastic: a push that would not be accepted now, or of a worker whose other body is being read, is read at once.
 
-A claim ends when the core takes that push (:meth:`ParameterServerCore.push`) or the transport gives it back
-(:meth:`release`: the read failed or was refused); either way the next turn may begin. Pure, no I/O, no clock.
+A claim ends when the core takes the push (:meth:`ParameterServerCore.push`) or the transport gives it back
+(:meth:`release`); either way the next turn may begin. Pure, no I/O, no clock.
 """
 from __future__ import annotations
 

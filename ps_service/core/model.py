@@ -1,38 +1,28 @@
 """The model half of the PS core: weights, optimizer, global step, and their checkpoint data. Pure, no I/O.
 
 Contract:
-- The model is initialised once: the first ``init_model`` wins, later ones get 409 (they must
-  pull). Weights must be floating point; the core keeps copies, sorted by name.
-- The optimizer the PS runs is the one the initialiser brought with the PS's settings on top
-  (``optimizer_spec``); another optimizer name in the settings drops the brought hyper-parameters.
-- ``restore`` loads checkpointed weights, optimizer slots and global step; ``model_state`` is the
-  same data as plain copies (safe to encode off the event loop).
-- ``version`` bumps on every change a waiting pull may care about (``_changed``); ``tick`` is
-  the core's hook to advance time once the model is there.
-- The weights live in :class:`WeightsStore`'s frame once an answer was made of them: the optimizer updates them there
-  and an answer is a view of it with the step's header rewritten in place, so no step copies them into a snapshot
-  (docs/performance.md, "Weights out"). They change in place only through :meth:`update` (and a rewind,
-  ``core.rewind``), each of which calls the store's :meth:`~WeightsStore.before_change` first (it counts the change,
-  ``store.changes``). The core calls nothing outside its package for it: the transports read the store, never the
+- The model is initialised once: the first ``init_model`` wins, later ones get 409 (they must pull). Weights must be
+  floating point; the core keeps copies, sorted by name.
+- The optimizer the PS runs is the one the initialiser brought with the PS's settings on top (``optimizer_spec``);
+  another optimizer name in the settings drops the brought hyper-parameters.
+- ``restore`` loads checkpointed weights, optimizer slots and global step; ``model_state`` is the same data as plain
+  copies (safe to encode off the event loop). ``version`` bumps on every change a waiting pull may care about.
+- Once an answer was made of them, the weights live in :class:`WeightsStore`'s frame: the optimizer updates them there
+  and an answer is a view of it with the step's header rewritten in place (docs/performance.md, "Weights out"). They
+  change in place only through :meth:`update` (and ``core.rewind``), each calling the store's
+  :meth:`~WeightsStore.before_change` first (counted: ``store.changes``). The transports read the store, never the
   other way.
 
-The store's one rule, which keeps every answer's bytes fixed once it is handed to the server:
-- :meth:`answer` gives each answer its own ``memoryview`` of :attr:`_answer`, so the view's reference count
-  (against the count it had when no answer existed, measured then) counts the answers not yet written out (the
-  server, uvloop's write queue, holds its view until the kernel has every byte);
-- :meth:`~WeightsStore.before_change` (called before the weights change in place: an optimizer step, a
-  rewind) moves the weights to a fresh buffer first whenever an answer still holds the current one (copy on
-  write: the old buffer stays, unchanged, with those answers, and goes back to the buffer pool after them,
-  :mod:`ps_service.core.buffers`); a new header is written in place only under the same rule, else into a
-  fresh buffer too.
-In a synchronous job every worker of the round has read its answer before it can push the next step, so the
-step's change finds no answer in flight and copies nothing; a pull that is slow to read (a monitor, a worker not
-in the round, async/ssp pushes that change the weights at every push) costs one copy, as before.
+The store's rule keeps every answer's bytes fixed once handed to the server: :meth:`answer` gives each answer its own
+``memoryview`` of :attr:`_answer`, so the view's reference count counts the answers not yet written out;
+:meth:`~WeightsStore.before_change` moves the weights to a fresh buffer first whenever an answer still holds the
+current one (copy on write: the old buffer goes back to :mod:`ps_service.core.buffers` after them); a new header is
+written in place only under the same rule. In a synchronous job every worker has read its answer before it pushes,
+so a step copies nothing; a slow reader (a monitor, async/ssp) costs one copy.
 
-:meth:`answer` gives None when the weights cannot live here: not this store's and not plain arrays the PS owns;
-the seam copies them into a snapshot then. The same-host weights file's arrays are not plain, but the seam
-``claim``s them: a job that answers over HTTP too keeps its weights here, and the file gets a copy per step
-(``TensorSeam._file_current``).
+:meth:`answer` gives None when the weights cannot live here (not this store's, not plain arrays the PS owns): the seam
+copies them into a snapshot then. The same-host weights file's arrays are ``claim``-ed by the seam: the file gets a
+copy per step (``TensorSeam._file_current``).
 """
 from __future__ import annotations
 
@@ -93,10 +83,8 @@ class ModelState:
         return normalize_spec({k: v for k, v in spec.items() if k in allowed or k not in overrides})
 
     def resumed_spec(self, saved: Mapping[str, Any]) -> dict[str, Any]:
-        """The spec a job resumed from a checkpoint runs: the checkpoint's, with the PS settings' hyper-parameters on
-        top (a learning rate set for this start applies, as on a fresh job). Another optimizer than the checkpoint's
-        (its name, or torch's SGD gaining or losing momentum) is refused, ``optimizer_changed``: its slots do not
-        carry over."""
+        """The spec a job resumed from a checkpoint runs: the checkpoint's, the PS settings' hyper-parameters on top.
+        Another optimizer (its name, or torch's SGD gaining or losing momentum) is refused, ``optimizer_changed``."""
         overrides = self.optimizer_overrides
         table = TORCH_HYPERPARAMS if saved.get("flavor") == "torch" else HYPERPARAMS
         allowed = {"learning_rate", *table.get(saved.get("name"), {})}
@@ -122,7 +110,8 @@ class ModelState:
     def refuse_init(self) -> None:
         """409 ``already_initialized`` once a model is in (the transport may ask before it reads a model's body)."""
         if self.initialized:
-            raise CoreError("already_initialized", f"the model is initialised (global step {self.global_step}); pull it")
+            raise CoreError("already_initialized",
+                            f"the model is initialised (global step {self.global_step}); pull it")
 
     def restore(self, weights: dict[str, np.ndarray], spec: Mapping[str, Any], iterations: int,
                 slots: Mapping[str, Mapping[str, np.ndarray]], global_step: int) -> None:
@@ -235,11 +224,11 @@ class WeightsStore:
         self._views = {}
 
 
-def _fresh(n: int) -> np.ndarray:
-    """``n`` bytes nothing else uses, from the pool: the frame a move leaves serves a body once its answers are out."""
-    return np.frombuffer(POOL.take(n), np.uint8)
-
-
 def _movable(weights: dict[str, np.ndarray]) -> bool:
     """Plain arrays of the PS's own (owning their memory): not views of a file or of another buffer."""
     return bool(weights) and all(isinstance(a, np.ndarray) and a.base is None for a in weights.values())
+
+
+def _fresh(n: int) -> np.ndarray:
+    """``n`` bytes nothing else uses, from the pool: the frame a move leaves serves a body once its answers are out."""
+    return np.frombuffer(POOL.take(n), np.uint8)
