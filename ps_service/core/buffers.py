@@ -64,6 +64,10 @@ class BufferPool:
             self._kept.append(buf)
         return memoryview(buf)[:n]
 
+    def array(self, n: int) -> np.ndarray:
+        """:meth:`take` as a uint8 array (a weights frame, a decoded gradient: fresh pages would be zeroed each step)."""
+        return np.frombuffer(self.take(n), np.uint8)
+
     @property
     def kept_bytes(self) -> int:
         return sum(b.nbytes for b in self._kept)

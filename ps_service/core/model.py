@@ -200,13 +200,13 @@ class WeightsStore:
         if not self.holds(self._dict):  # they live elsewhere now (a restore, the same-host file): let the frame go
             self._forget()
         elif self.in_flight():
-            buf = _fresh(self._buf.nbytes)
+            buf = POOL.array(self._buf.nbytes)
             np.copyto(buf, self._buf)
             self._adopt(buf, self._dict)
 
     def _move(self, weights: dict[str, np.ndarray], head: dict[str, Any]) -> None:
         layout = frame.Layout.of(weights, sorted(weights))
-        buf = _fresh(frame.frame_bytes(layout, head))  # the weights' own memory from now on
+        buf = POOL.array(frame.frame_bytes(layout, head))  # the weights' own memory from now on
         frame.write_into(memoryview(buf), weights, head, layout)
         self._layout, self._data_start = layout, buf.nbytes - layout.data_bytes
         self._adopt(buf, weights)
@@ -227,8 +227,3 @@ class WeightsStore:
 def _movable(weights: dict[str, np.ndarray]) -> bool:
     """Plain arrays of the PS's own (owning their memory): not views of a file or of another buffer."""
     return bool(weights) and all(isinstance(a, np.ndarray) and a.base is None for a in weights.values())
-
-
-def _fresh(n: int) -> np.ndarray:
-    """``n`` bytes nothing else uses, from the pool: the frame a move leaves serves a body once its answers are out."""
-    return np.frombuffer(POOL.take(n), np.uint8)

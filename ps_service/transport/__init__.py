@@ -245,7 +245,7 @@ class TensorSeam:
         p = core.partitions
         if not self.compression.on or p is None:
             return tensors, False
-        return compression.decode_push(self.compression, declared, tensors, p.split(core.weights, q), _pooled)
+        return compression.decode_push(self.compression, declared, tensors, p.split(core.weights, q), POOL.array)
 
     async def receive_push(self, request: Request, members: bool = True, turn: Turn | None = None
                            ) -> tuple[PushRequest, str]:
@@ -294,7 +294,7 @@ class TensorSeam:
             if seq is None:
                 # decoded, and known finite (top-k values, 2-bit) or not
                 tensors, checked = compression.decode_push(self.compression, declared, f.tensors,
-                                                           self.core.weights or {}, _pooled)
+                                                           self.core.weights or {}, POOL.array)
             else:
                 if declared not in (None, "none"):  # same-host pushes are never compressed
                     compression.check_declared(self.compression, declared, via_body=False)
@@ -437,9 +437,3 @@ def _whole(tensors: Mapping[str, np.ndarray], weights: Mapping[str, np.ndarray])
     """``tensors`` are one of each of the model's, of its dtype and shape (a push a partition plan may cut)."""
     return len(tensors) == len(weights) and all(
         (w := weights.get(k)) is not None and t.dtype == w.dtype and t.shape == w.shape for k, t in tensors.items())
-
-
-def _pooled(n: int) -> np.ndarray:
-    """n bytes of the buffer pool for a decoded gradient (bf16, fp16, 2-bit: a model-sized array per push, whose
-    fresh pages the kernel would zero at each step)."""
-    return np.frombuffer(POOL.take(n), np.uint8)
