@@ -1,28 +1,21 @@
 """The PS's one tensor seam: every tensor that reaches the core, and every weights answer, passes here.
 
-The push route calls :meth:`TensorSeam.push`, which reads the push and gives the core a request whose
-tensors are *owned by the PS* (writable memory nothing else uses: a request body's buffer, or a copy
-taken out of a same-host worker's file), whatever carried the bytes (a shard's holds: :meth:`receive_push`,
-a model: :meth:`receive_model`); routes answer pulls with :meth:`weights_response`. No route knows which
-transport carried a push: the seam says only which one to answer through (``via``), so a same-host worker gets
-its weights through the file.
+The push route calls :meth:`TensorSeam.push`, which reads the push and gives the core a request whose tensors are
+*owned by the PS* (writable memory nothing else uses: a body's buffer, or a copy out of a same-host worker's file),
+whatever carried the bytes (a shard's holds: :meth:`receive_push`; a model: :meth:`receive_model`); routes answer
+pulls with :meth:`weights_response`. No route knows which transport carried a push: the seam says only which one to
+answer through (``via``), so a same-host worker gets its weights through the file.
 
-Transports (docs/protocol.md):
-- ``http``: the tensors are the request body, one frame (:mod:`shared.frame`), read by
-  :mod:`ps_service.transport.body`;
-- ``shm``: the body is a frame with no tensors and ``meta.shm_seq``; the tensors are in the worker's
-  gradient file (:mod:`ps_service.transport.shm`).
-With ``PS_COMPRESSION`` on, a body push carries its float32 gradients compressed (:mod:`shared.compression`):
-the seam decodes them to float32 here (422 ``compression_mismatch`` / ``bad_encoding``), so the core
-validates and applies the decoded arrays (a top-k push whose k values are finite, or a 2-bit one, is finite by
-construction: the core does not read its dense tensors for NaN/Inf again). Same-host pushes are never compressed.
-Weights go back as a float32 frame: the weights themselves, kept in that frame
-(:class:`ps_service.core.model.WeightsStore`, copy on write), or in the same-host weights file (which of the two:
-:meth:`TensorSeam._file_current`). In a ``topk`` / ``2bit`` job (``PS_WEIGHT_DELTAS``, one PS process) a body answer
-to a worker that holds the previous served step's weights (``since``) carries the tensors that changed in few entries
-as those entries (:mod:`ps_service.transport.deltas`, :mod:`shared.weight_deltas`).
-Whether tensors fit the model (names, exact dtypes, shapes, finite values) is the core's check, made on
-exactly the arrays it then applies.
+Transports (docs/protocol.md): ``http``, the tensors are the request body, one frame (:mod:`shared.frame`, read by
+:mod:`ps_service.transport.body`); ``shm``, the body is a frame with no tensors and ``meta.shm_seq``, the tensors are
+in the worker's gradient file (:mod:`ps_service.transport.shm`). With ``PS_COMPRESSION`` a body push's float32
+gradients are compressed (:mod:`shared.compression`) and decoded here (422 ``compression_mismatch`` /
+``bad_encoding``); a top-k push with finite values, or a 2-bit one, is finite by construction (not read for NaN/Inf
+again). Weights go back as a float32 frame: the weights themselves, kept in that frame
+(:class:`ps_service.core.model.WeightsStore`), or the same-host weights file (:meth:`TensorSeam._file_current`);
+in a ``topk`` / ``2bit`` job (``PS_WEIGHT_DELTAS``) a body answer to a worker that holds the previous served step
+(``since``) carries the tensors that changed in few entries as entries (:mod:`ps_service.transport.deltas`).
+Whether tensors fit the model is the core's check, made on exactly the arrays it then applies.
 """
 from __future__ import annotations
 
@@ -89,9 +82,8 @@ class TensorSeam:
 
     async def _body(self, request: Request, recurring: bool = True, turn: Turn | None = None,
                     claimed: list | None = None, progress: Feed | None = None) -> memoryview | bytearray:
-        """The body (``progress``: :func:`read_body`'s). With ``turn``, a large body's frame header is read first, and
-        the rest once ``turn`` (the pusher's worker id, step, when both are well-formed) returns: its turn came (its id
-        is then appended to ``claimed``); a push whose meta is malformed is read at once, and refused."""
+        """The body (``progress``: :func:`read_body`'s). With ``turn``, a large body's frame header is read first, the
+        rest once ``turn`` returns (its worker id appended to ``claimed``); a malformed meta: read at once, refused."""
         s = self.settings
         prefix = None
         if turn is not None and _length(request) >= GATED_BYTES:
@@ -105,9 +97,8 @@ class TensorSeam:
                                prefix, progress)
 
     async def _claimed(self, worker_id: str, waiting: Awaitable, claimed: list):
-        """What ``waiting`` (a push's wait for its turn) returns once it is claimed: the worker's id is then in
-        ``claimed``. A wait that ends otherwise (its request went away) is the core's to know: a fixed-R round counted
-        the push at its head, and gives its place back (:meth:`ParameterServerCore.withdraw`)."""
+        """What ``waiting`` (a push's wait for its turn) returns once claimed (the worker's id then in ``claimed``); a
+        wait that ends otherwise is told to the core (:meth:`ParameterServerCore.withdraw`)."""
         try:
             out = await waiting
         except BaseException:
@@ -118,10 +109,8 @@ class TensorSeam:
 
     async def _body_turn(self, request: Request, turn: Turn, who: tuple[str, int], prefix: tuple[bytearray, bool]
                          ) -> tuple[bytearray, bool]:
-        """Wait for a body's turn (at most a lease: by then a member ahead of it that is gone has passed its turn),
-        taking what the server holds of it every :data:`TRICKLE_SECONDS` meanwhile (a few tens of KB: the sender's
-        window opens, where a window shut for the clients' TCP user timeout would end its connection,
-        shared/liveness.py). What was read of the body."""
+        """Wait for a body's turn (at most a lease), taking what the server holds of it every :data:`TRICKLE_SECONDS`
+        meanwhile (so the sender's window opens before the TCP user timeout). What was read of the body."""
         got, ended = prefix
         times = max(1, math.ceil(self.settings.lease_seconds / TRICKLE_SECONDS))
         for i in range(times):
@@ -140,12 +129,9 @@ class TensorSeam:
 
     async def push(self, request: Request, clock: Callable[[], float], turn: Turn | None = None
                    ) -> tuple[PushResult, PushRequest, str]:
-        """A worker's push read and given to the core at ``clock()``: (the core's result, the push, the transport
-        to answer through): one core call (its checks first), once a compressed push is decoded or a same-host one
-        copied out of its file; one per partition in a partitioned job (:meth:`_give`; a partitioned body's frames as
-        they arrive: :mod:`ps_service.transport.partitioned`).
-        ``turn``: the tensors of a large push are read only once it returns (ps_service/core/intake.py): a body's
-        after its frame header, a same-host file's after the body."""
+        """A worker's push read and given to the core at ``clock()``: (the core's result, the push, the transport to
+        answer through); one core call, or one per partition (:meth:`_give`; frames as they arrive:
+        :mod:`ps_service.transport.partitioned`). ``turn``: a large push's tensors are read only once it returns."""
         claimed: list[str] = []
         try:
             partition_bytes = self.settings.partition_bytes
@@ -170,13 +156,11 @@ class TensorSeam:
 
     def _give(self, push: PushRequest, parts: list[tuple[Mapping, bool]] | None, now: float, take: Take | None = None,
               plan=None) -> PushResult:
-        """The core's calls for one push read whole: one per partition frame, the head's (partition 0: the push's
-        status) first, all at ``now``; the result: the head's status, the global step after the last frame
-        (docs/partitions.md, The seam). ``parts``: the tensors of the body's frames after the head's and whether each
-        is known finite; None: one frame, today's push, which a partitioned round takes cut into its partitions
-        (views; a top-k tensor made dense first): it must hold every tensor of the model as the model has it (else 422
-        ``tensor_mismatch``). ``take``: who takes the frames (default: the core's round; a sharded PS's follower: its
-        partitions, cut by ``plan``)."""
+        """The core's calls for one push read whole, one per partition frame, the head's first, all at ``now``; the
+        head's status and the step after the last (docs/partitions.md, The seam). ``parts``: the later frames' tensors
+        and whether each is known finite; None: one frame, cut into a partitioned round's partitions (it must hold
+        every model tensor, else 422 ``tensor_mismatch``). ``take``: who takes the frames (default: the core's round;
+        a sharded follower's partitions, cut by ``plan``)."""
         core = self.core
         if parts is None:
             if plan is None:
@@ -198,10 +182,9 @@ class TensorSeam:
 
     async def receive_parts(self, request: Request, take: Take, plan, clock: Callable[[], float]
                             ) -> tuple[PushRequest, object]:
-        """A sharded PS's follower's hold in a job with partitioned rounds (ps_service/sharding/parts.py): its frames
-        given to ``take`` as they arrive (:class:`Feed`, no member checks: a follower knows no workers), or, a body
-        of one frame or read whole, cut by ``plan`` and given in partition order. (The push of its head, the head's
-        status.) In the body only, uncompressed (400 ``bad_field``)."""
+        """A sharded follower's hold with partitioned rounds (sharding/parts.py): its frames given to ``take`` as
+        they arrive (no member checks), or read whole and cut by ``plan``; (its head's push, the head's status). In
+        the body only, uncompressed (400 ``bad_field``)."""
         feed = Feed(self.core, self.settings.partition_bytes, clock, take=take, members=False)
         push, seq, frames = await self._push_frame(request, None, None, feed)
         if feed.partitioned:
@@ -219,10 +202,9 @@ class TensorSeam:
 
     def _check_partitioned(self, push: PushRequest, seq: int | None, frames: list[frame.Frame]
                            ) -> tuple[PushRequest, list[tuple[Mapping, bool]]]:
-        """A body of several frames read whole (a partitioned push at ``PS_PARTITION_BYTES`` 0, or chunked): the
-        head's refusals (:func:`check_head`), then each later frame's meta names its partition (400 ``bad_field``)
-        and its tensors decode (:meth:`_part`); after the core's refusals (docs/protocol.md's order). The head's push
-        and the later frames' tensors as :meth:`_give` takes them."""
+        """A body of several frames read whole: the head's refusals (:func:`check_head`), then each later frame's
+        meta and tensors (:meth:`_part`; 400 ``bad_field``), after the core's refusals. The head's push and the later
+        frames' tensors as :meth:`_give` takes them."""
         head = frames[0].meta
         check_head(self.core, self.settings.partition_bytes, push, seq, head, len(frames), self.compression)
         push = decoded_head(self.core, push, self._part, head)
@@ -237,10 +219,8 @@ class TensorSeam:
         return push, parts
 
     def _part(self, q: int, tensors: Mapping[str, np.ndarray], declared) -> tuple[Mapping, bool]:
-        """Partition ``q``'s frame's tensors as the core takes them (:data:`ps_service.transport.partitioned.Decode`):
-        decoded against the partition's pieces when the job compresses (docs/protocol-partitions.md), and whether
-        they are known finite; as they are otherwise (the core checks them). A frame of a job without partitions
-        (a partitioned push at ``PS_PARTITION_BYTES`` 0, refused by the core) is not decoded."""
+        """Partition ``q``'s frame's tensors as the core takes them, and whether known finite: decoded against the
+        partition's pieces when the job compresses; else as they are (a job without partitions: the core refuses)."""
         core = self.core
         p = core.partitions
         if not self.compression.on or p is None:
@@ -286,9 +266,8 @@ class TensorSeam:
         return push, seq, frames
 
     def _tensors(self, push: PushRequest, seq: int | None, f: frame.Frame, admitted: bool = False) -> PushRequest:
-        """The push with the arrays the core takes: decoded (tensors the model lacks left for the core to refuse), or
-        copied out of the worker's same-host file. The core's refusals (``core.push`` makes them) come first: when the
-        transport refuses the push, they are asked for here first (``admitted``: the caller had them made)."""
+        """The push with the arrays the core takes: decoded, or copied out of the worker's same-host file. When the
+        transport refuses it, the core's refusals are asked for first (``admitted``: the caller had them made)."""
         declared = f.meta.get("compression")
         try:
             if seq is None:
@@ -355,11 +334,10 @@ class TensorSeam:
         return id(weights), self.core.store.changes
 
     def _file_current(self) -> None:
-        """Make the same-host weights file hold the current weights. In a job that also answers over HTTP (a
-        co-located shard: a worker of another host; async/ssp answer every pull so), the weights live in the frame
-        of the body answers, which go on the wire at once, and the file gets a copy once per step, at its first
-        same-host answer (which waits for it: the body answers go first, ps_service.runtime); the file takes them
-        back (no copy at all per step) once no body answer was made for this step or the one before."""
+        """Make the same-host weights file hold the current weights. In a job that also answers over HTTP, the
+        weights live in the body answers' frame and the file gets a copy once per step, at its first same-host answer
+        (the body answers go first: ps_service.runtime); the file takes them back once no body answer was made for
+        this step or the one before."""
         core, hub = self.core, self.shm
         if not hub.holds(core.weights):
             mark = self._mark(core.weights)
@@ -376,9 +354,8 @@ class TensorSeam:
         return {"step": core.global_step, "done": core.done, "ranks": core.ranks()}
 
     def _weights_frame(self, since: int | None) -> bytes | memoryview:
-        """The weights' frame (dense, or a delta from ``since``), each form encoded once per (step, round
-        membership) into a buffer that is never written again while an answer still sends it: the weights
-        may change under an answer in flight."""
+        """The weights' frame (dense, or a delta from ``since``), each form encoded once per (step, round membership)
+        into a buffer never written again while an answer still sends it."""
         core, deltas = self.core, self.deltas
         head = self._head()
         key = (head["step"], head["done"], tuple(head["ranks"]), core.optimizer.iterations)
