@@ -1,24 +1,16 @@
-"""Byte buffers for large request bodies, same-host gradient copies and weights frames, reused instead of freshly
-faulted in.
+"""Byte buffers for large request bodies, same-host gradient copies and weights frames, reused instead of faulted in.
 
-The kernel zeroes every page of fresh memory at its first write: on our VMs a fresh 4 MB buffer costs ~2 ms of page
-faults (more than copying into it), and at 1e7 parameters over TCP, where every push body is 40 MB, zeroing the
-bodies' pages (``clear_page_erms``, under the socket reads) was 17 % of the PS's CPU
+The kernel zeroes every page of fresh memory at its first write: a fresh 4 MB buffer costs ~2 ms of page faults on
+our VMs, and at 1e7 parameters over TCP zeroing the 40 MB bodies' pages was 17 % of the PS's CPU
 (bench/results/2026-12-01-body-buffers-reused-at-every-size-eleventh-session.jsonl).
-So the PS takes its body buffers, the copies of same-host pushes (:mod:`ps_service.transport.shm`), its snapshot
-frames and the frame the weights live in (:class:`ps_service.core.model.WeightsStore`) from :data:`POOL`.
 
 Contract:
-- :meth:`BufferPool.take` gives a writable view of ``n`` bytes that nothing else uses: the smallest kept buffer
-  that fits and that nothing views any more (every numpy view or memoryview of it is gone), else a new one. A kept
-  buffer serves sizes from half its own up (a small body does not hold a model-sized buffer).
-- Sizes from :data:`ROUND_BYTES` up are rounded up to a multiple of it, so a model's bodies and weights frames,
-  whose headers differ by a few bytes, share buffers.
-- A new buffer is kept for reuse while the pool keeps fewer than :data:`KEEP_BUFFERS` and their total stays within
-  :data:`POOL_BYTES`, and unless the caller says its size comes once (``keep=False``: a model's upload, which
-  would otherwise stay idle in a job whose pushes come by same-host files); the others are plain allocations,
-  freed as usual. Since a new buffer is made only when every kept one of its size is in use, what the pool keeps is
-  what the PS had in use at once: it makes the PS's memory stay at its peak, never go past it.
+- :meth:`BufferPool.take` gives a writable view of ``n`` bytes that nothing else uses: the smallest kept buffer that
+  fits and that nothing views any more, else a new one. A kept buffer serves sizes from half its own up.
+- Sizes from :data:`ROUND_BYTES` up are rounded up to a multiple of it (a model's bodies and frames share buffers).
+- A new buffer is kept while the pool keeps fewer than :data:`KEEP_BUFFERS` within :data:`POOL_BYTES`, unless its
+  size comes once (``keep=False``: a model's upload). A new buffer is made only when every kept one of its size is in
+  use, so the pool keeps the PS's memory at its peak, never past it.
 - Below :data:`POOL_MIN_BUFFER` a plain ``bytearray``.
 """
 from __future__ import annotations
@@ -65,7 +57,7 @@ class BufferPool:
         return memoryview(buf)[:n]
 
     def array(self, n: int) -> np.ndarray:
-        """:meth:`take` as a uint8 array (a weights frame, a decoded gradient: fresh pages would be zeroed each step)."""
+        """:meth:`take` as a uint8 array (a weights frame, a decoded gradient)."""
         return np.frombuffer(self.take(n), np.uint8)
 
     @property

@@ -1,16 +1,13 @@
 """Request bodies, read bounded and into memory the PS owns.
 
-:func:`read_body` is the only way a route reads a body, *in the endpoint*, after the auth dependency
-ran: content type checked first (415), size checked while streaming (413), a stalled body cut off
-(408), a client that vanished mid-body answered 400 without a traceback, a body longer than its
-Content-Length refused (400). The result is always writable memory that nothing else uses: a body
-with a Content-Length lands in one buffer of :data:`ps_service.core.buffers.POOL` (written by
-the HTTP protocol itself where it can: :class:`BodySink`, which :mod:`ps_service.transport.bodysink` fills), a
-chunked one in a ``bytearray``. Arrays the receive seam makes over it are the core's to keep and sum into.
-A route may read a body's first bytes alone first (:func:`read_prefix`: a push's frame header, to learn whose push it
-is) and leave the rest unread until its turn: the server then stops reading that connection once it holds about
-64 KB of it (uvicorn's flow control), the rest waits in the kernel and the sender; :func:`read_body` takes what was
-read as its ``prefix``.
+:func:`read_body` is the only way a route reads a body, *in the endpoint*, after the auth dependency ran: content
+type checked first (415), size checked while streaming (413), a stalled body cut off (408), a client that vanished
+mid-body answered 400 without a traceback, a body longer than its Content-Length refused (400). The result is always
+writable memory that nothing else uses: a body with a Content-Length in one buffer of
+:data:`ps_service.core.buffers.POOL` (written by the HTTP protocol itself where it can: :class:`BodySink`), a chunked
+one in a ``bytearray``; arrays made over it are the core's to keep and sum into. :func:`read_prefix` reads a body's
+first bytes alone (a push's frame header) and leaves the rest in the kernel and the sender until its turn;
+:func:`read_body` then takes what was read as its ``prefix``.
 """
 from __future__ import annotations
 
@@ -73,7 +70,8 @@ def declared_length(request: Request, limit: int, media_types: tuple[str, ...] |
     allowed = (media_types,) if isinstance(media_types, str) else media_types
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if ctype not in allowed:
-        raise ProtocolError(415, "unsupported_media_type", f"send {' or '.join(allowed)}, not {ctype[:64] or 'nothing'!r}")
+        raise ProtocolError(415, "unsupported_media_type",
+                            f"send {' or '.join(allowed)}, not {ctype[:64] or 'nothing'!r}")
     declared = request.headers.get("content-length")
     if declared is None:
         return None

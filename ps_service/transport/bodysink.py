@@ -1,30 +1,22 @@
 """Large request bodies written by the HTTP protocol straight into the route's buffer.
 
-uvicorn hands a body to the app chunk by chunk through a growing ``bytearray`` and a
-``bytes`` copy per ``receive()``: two copies and an event-loop round trip per 64 KB,
-about a third of the PS's time on 40 MB pushes. A route that knows the body's size
-(:func:`ps_service.transport.body.read_body`) puts a :class:`~ps_service.transport.body.BodySink` in the ASGI
-scope under its ``SINK_KEY``; :class:`SinkHttpToolsProtocol` (the PS's uvicorn protocol,
-``ps_service/__main__.py``) then copies each chunk once, into the sink, and wakes the
-route only every ``WAKE_BYTES`` or ``WAKE_SECONDS`` of progress, and at the end
-(so the route's idle timeout still sees a slow but steady body move). Bytes that arrived before the sink
-was set are still delivered the usual way and land first (the sink keeps the offset).
+uvicorn hands a body to the app chunk by chunk through a growing ``bytearray`` and a ``bytes`` copy per
+``receive()``: two copies and an event-loop round trip per 64 KB, about a third of the PS's time on 40 MB pushes. A
+route that knows the body's size (:func:`ps_service.transport.body.read_body`) puts a
+:class:`~ps_service.transport.body.BodySink` in the ASGI scope under ``SINK_KEY``; :class:`SinkHttpToolsProtocol`
+(the PS's uvicorn protocol, ``ps_service/__main__.py``) then copies each chunk once, into the sink, and wakes the
+route only every ``WAKE_BYTES`` or ``WAKE_SECONDS`` of progress and at the end (so the route's idle timeout still
+sees a slow but steady body move). Bytes that arrived before the sink was set land first (the sink keeps the offset).
 
-Once the sink is set, the rest of a ``Content-Length`` body is not even copied once: served through
-:class:`BufferedSinkProtocol` (an :class:`asyncio.BufferedProtocol` around it; asyncio's loop and uvloop read
-into a protocol's buffer only if it is a ``BufferedProtocol`` and not an ``asyncio.Protocol``), the event loop
-reads the socket straight into the sink
-(``get_buffer`` hands out exactly the body's remaining bytes, never more) and the HTTP parser never
-sees those bytes; when the body is complete the message is ended by hand and a fresh parser takes
-the next request on the connection. Every other byte (headers, chunked or small bodies, bytes before
-the sink exists) goes through a scratch buffer to uvicorn's parser as before. That buffer is the
-thread's, shared by every connection its event loop serves (:func:`scratch`): the loop reads into it and
-hands the bytes on (``buffer_updated``) before it reads any other connection, so an idle connection holds
-no buffer at all, and only a connection sending a large body holds one (its sink, from the bounded pool
-of :mod:`ps_service.core.buffers`).
+Once the sink is set, the rest of a ``Content-Length`` body is not copied at all: through
+:class:`BufferedSinkProtocol` (asyncio and uvloop read into a protocol's buffer only for a ``BufferedProtocol``) the
+loop reads the socket straight into the sink (``get_buffer`` hands out exactly the body's remaining bytes); the
+message is then ended by hand and a fresh parser takes the next request. Every other byte goes through the thread's
+scratch buffer (:func:`scratch`, handed on before the loop reads another connection: an idle connection holds no
+buffer) to uvicorn's parser as before.
 
-Under another server (or uvicorn's stock protocol) nothing writes to the sink and
-``read_body`` gets the chunks as usual: the sink is an optimisation, never a contract.
+Under another server (or uvicorn's stock protocol) ``read_body`` gets the chunks as usual: the sink is an
+optimisation, never a contract.
 """
 from __future__ import annotations
 

@@ -1,23 +1,17 @@
-"""The PS's side of weight deltas (docs/protocol.md, "Weight deltas"): which entries of the weights changed
-since the step whose weights were last served, computed once per step, not per worker.
+"""The PS's side of weight deltas (docs/protocol.md, "Weight deltas"): which entries of the weights changed since the
+step whose weights were last served, computed once per step, not per worker.
 
-:class:`WeightDeltas` keeps one snapshot of the tracked tensors (float32 tensors the job compresses: at most
-one extra model copy) at ``step``; :meth:`observe`, called with the weights of every body answer, notices a
-new step and compares the weights with the snapshot bit for bit: the tensors with few changed entries
-(``shared.weight_deltas.worth_sparse``; the compare stops once there are more) keep them (the answer's sparse
-tensors), then the snapshot takes the new values (only the changed entries are copied). ``base`` is the step the
-changes are from. When the new step is one optimizer apply past the previous one and that apply updated a tensor
-as entries (``ps_service.core.optimizers.Touched``: SGD on a round of top-k pushes), the entries it says it changed are
-taken as they are, with the values it wrote there: no compare, no gather, O(k), the same indices and bits. That
-tensor's snapshot is then dropped rather than brought up to date (a scatter into 40 MB at 1e7): as long as every
-step is such an apply none is needed; a step that is not (another optimizer, a restore) sends that tensor dense
-once and takes a new snapshot.
+:class:`WeightDeltas` keeps one snapshot of the tracked tensors (the float32 tensors the job compresses) at ``step``;
+:meth:`observe`, called with the weights of every body answer, notices a new step and compares the weights with the
+snapshot bit for bit: the tensors with few changed entries (``shared.weight_deltas.worth_sparse``) keep them (the
+answer's sparse tensors), and the snapshot takes the new values. ``base`` is the step the changes are from. When the
+new step is one optimizer apply past the previous one and that apply updated a tensor as entries
+(``ps_service.core.optimizers.Touched``: SGD on top-k pushes), those entries are taken as they are (O(k), the same
+bits), and that tensor's snapshot is dropped; a step that is not such an apply sends it dense once and takes a new
+snapshot.
 
-``lineage`` names this sequence of weights: a worker's weights of step ``s`` are the PS's of step ``s`` only
-if both come from the same lineage. It is random per PS process (a restarted PS, even one restored at the
-same step, is another lineage) and drawn again if the weights of one step changed (the optimizer's
-iterations moved while the step did not, or the step went back): never seen in practice, the rule that
-keeps a delta exact whatever happens.
+``lineage`` names this sequence of weights: random per PS process, drawn again if the weights of one step changed
+(the iterations moved while the step did not, or the step went back), so a delta is exact whatever happens.
 """
 from __future__ import annotations
 

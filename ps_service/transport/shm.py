@@ -1,27 +1,22 @@
 """The PS's side of the same-host transport (shared/shm.py): its weights file and the workers' gradient files.
 
 Contract:
-- :meth:`ShmHub.offer` (``GET /v1/shm``) moves the weights into a file on first use (``0600``, in
-  ``PS_SHM_DIR``, kind ``W``): from then on the optimizer updates them there, in place, and every
-  same-host worker maps them read-only. It returns the file's name, nonce and size; a worker that maps
-  it and reads the same nonce is on this host. :meth:`published` writes the global step into its marker.
-  The weights may move out again (the frame of the body answers, ``core/model.py``): then
-  :meth:`mirror` copies a step's weights into the file (marker -1 meanwhile, then the step), and
-  :meth:`adopt` makes the file's arrays the core's again; :meth:`holds` says where they are
-  (the policy is the seam's: ``TensorSeam._file_current``).
+- :meth:`ShmHub.offer` (``GET /v1/shm``) moves the weights into a file on first use (``0600``, in ``PS_SHM_DIR``,
+  kind ``W``): the optimizer updates them there and every same-host worker maps them read-only. It returns the file's
+  name, nonce and size (a worker that maps it and reads the same nonce is on this host). :meth:`published` writes the
+  global step into its marker. When the weights move out (the body answers' frame, ``core/model.py``), :meth:`mirror`
+  copies a step's weights into the file (marker -1 meanwhile), :meth:`adopt` takes them back, :meth:`holds` says
+  where they are (the policy: ``TensorSeam._file_current``).
 - :meth:`ShmHub.attach` (``POST /v1/workers/{id}/shm``) maps the gradient file the worker made, checked as
-  docs/protocol.md's step 3 says, and never the PS's own weights file. The mapping stays while the worker is
-  attached: its pages are the worker's file's (shared, in the tmpfs, charged to the worker), counted in the PS's RSS
-  but not in its anonymous memory; dropped after each read (``MADV_DONTNEED``) they fault in again at the next push,
-  7 ms more CPU a read of a 40 MB file on the 2-core VM.
-- :meth:`ShmHub.gradients` copies a push once out of the worker's file into a buffer of the PS's own (from
-  :data:`ps_service.core.buffers.POOL`, as a body's: reused once no round holds it, where a fresh 40 MB one costs
-  page faults), checking for NaN/Inf as it copies (:func:`ps_service.core.checks.read_checked`), between two reads
-  of the marker (409 ``shm_torn``). The core gets arrays it owns, as from a body.
-- Refusals: 409 ``shm_unavailable`` (the worker then uses plain HTTP), 409 ``shm_not_attached`` /
-  ``shm_torn`` (attach again, or push over HTTP), 400 for malformed names.
-The weights file is unlinked on shutdown; files left by a PS that was killed (no flock held on them) are swept on
-start.
+  docs/protocol.md's step 3 says, never the PS's own weights file. The mapping stays while the worker is attached: its
+  pages are the worker's (in the PS's RSS, not its anonymous memory); dropped after each read they would fault in
+  again at the next push (7 ms more CPU a read of a 40 MB file on the 2-core VM).
+- :meth:`ShmHub.gradients` copies a push once out of the worker's file into a pooled buffer of the PS's own
+  (:data:`ps_service.core.buffers.POOL`), checking for NaN/Inf as it copies
+  (:func:`ps_service.core.checks.read_checked`), between two reads of the marker (409 ``shm_torn``).
+- Refusals: 409 ``shm_unavailable`` (the worker then uses plain HTTP), 409 ``shm_not_attached`` / ``shm_torn``
+  (attach again, or push over HTTP), 400 for malformed names.
+The weights file is unlinked on shutdown; files left by a killed PS (no flock held) are swept on start.
 """
 from __future__ import annotations
 

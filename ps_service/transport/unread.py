@@ -1,21 +1,16 @@
 """An answer sent before its request's body arrived whole closes the connection, without a reset.
 
-The PS answers some requests without reading their body to the end: 401 (checked before the body), 413 from
-the ``Content-Length``, 415, 408 (the body stalled), and any error a route raises before it reads. The rest of
-that body may still be on its way, so the connection cannot carry another request: its next bytes would be read
-as the old body's. :class:`CloseUnread` (the outermost ASGI middleware), when a response starts while the request's
-body was not read to its end, adds ``connection: close`` to it; the server then closes the connection once the
-response is written (uvicorn does on that header), and an HTTP client knows not to reuse it. Every route reads its
-body with :func:`ps_service.transport.body.read_body` (ps_service/http.py), which marks the scope (:data:`READ_KEY`)
-once it received the body's end: ``receive`` itself is not wrapped. A request with no body (no ``Content-Length``,
-or 0, and not chunked) is complete from the start.
+The PS answers some requests without reading their body to the end (401, 413, 415, 408, any error a route raises
+before it reads); the rest of that body may still be coming, so the connection cannot carry another request.
+:class:`CloseUnread` (the outermost ASGI middleware) adds ``connection: close`` to a response that starts before the
+request's body was read to its end: the server closes the connection once the response is written, and a client
+knows not to reuse it. :func:`ps_service.transport.body.read_body` marks the scope (:data:`READ_KEY`) once it received
+the body's end; a request with no body is complete from the start.
 
 Closing a socket while the peer's bytes arrive makes the kernel answer them with a reset, which can reach the client
-before it read the answer (a client still sending its body gets "connection reset" and never sees the 413).
-:class:`LingeringTransport` (the PS's connection transport, :mod:`ps_service.transport.bodysink`) therefore closes
-such a connection in two stages, as HTTP servers do (RFC 9112 9.6): the answer goes out followed by a FIN, the
-protocol reads and drops whatever still arrives, and the socket closes when the peer closes its side, or after
-:data:`LINGER_SECONDS`.
+before the answer (it never sees the 413). :class:`LingeringTransport` (:mod:`ps_service.transport.bodysink`) closes
+in two stages, as HTTP servers do (RFC 9112 9.6): the answer and a FIN, then what still arrives is dropped until the
+peer closes its side, or :data:`LINGER_SECONDS`.
 """
 from __future__ import annotations
 
