@@ -5,25 +5,20 @@ Contract:
   *present* member holds (present = active or expired; a member that left gracefully gives its rank back). The same
   name registering again (a restarted container) gets the same ``worker_id`` and rank, and becomes active again.
 - Every request from a worker renews its lease (``touch``); ``expire(now)`` marks members whose lease ran out as
-  ``expired``. ``leave`` is the graceful exit. Expired and left members stay listed, for monitoring.
-- A worker waiting on the barrier (a long-poll pull) is alive for as long as it waits: ``begin_wait`` renews its
-  lease and counts one wait in flight, ``expire`` never expires a member with a wait in flight, ``end_wait`` ends one
-  and renews the lease from then. Waits are counted per member, so overlapping ones nest.
-- Leases can be *held* (:meth:`hold`: a sharded PS whose follower does not answer, when no round can be applied
-  anyway): ``expire`` then expires nobody, and :meth:`release` gives every active member a lease from then (one
-  walk over the active members per hold).
-- Leases are held too while the PS hears from no worker at all (*silence*: no registration, heartbeat, pull, push
-  or leave for :data:`SILENCE_LEASES` of a lease while members are active and none waits on the barrier; or
-  :meth:`stalled`: the PS itself did not run that long): ``expire`` expires nobody from then, and the first worker
-  heard from again ends the silence, every active member getting a lease from then, as :meth:`release` does. Why
-  (a PS cut off or paused cannot tell that from every worker gone): docs/protocol.md, register. A PS ending a wait
-  is not hearing from its worker: the lease that renews is not a sign of life.
+  ``expired``; ``leave`` is the graceful exit. Expired and left members stay listed, for monitoring.
+- A worker waiting on the barrier (a long-poll pull) is alive while it waits: ``begin_wait`` renews its lease and
+  counts a wait in flight (they nest), ``expire`` never expires a member with one, ``end_wait`` renews from then.
+- Leases can be *held* (:meth:`hold`: a sharded PS whose follower does not answer): ``expire`` then expires nobody,
+  and :meth:`release` gives every active member a lease from then.
+- Leases are held too while the PS hears from no worker (*silence*: no request for :data:`SILENCE_LEASES` of a lease
+  while members are active and none waits; or :meth:`stalled`: the PS itself did not run that long); the first worker
+  heard from again ends it, as :meth:`release` does. Why (a PS cut off or paused cannot tell that from every worker
+  gone): docs/protocol.md, register. A PS ending a wait is not hearing from its worker.
 - Every change is appended to ``events`` (bounded) with its time.
 
-Cost: no call scans the members. ``expire`` pops a heap of lease ends (one entry per member, renewing is free: an
-entry that comes due for a renewed lease is pushed back to its new end), so a tick costs O(log K) per lease that ran
-out or was renewed since its entry; the active members, their count and the ranks present members hold (for the
-lowest free rank) are kept up to date at every state change. Only :meth:`active` (sorted, once per round) and
+Cost: no call scans the members. ``expire`` pops a heap of lease ends (one entry per member; a renewed lease's entry
+is pushed back to its new end when it comes due): O(log K) per lease that ran out or was renewed; the active members,
+their count and the ranks taken are kept up to date at every change. Only :meth:`active` (sorted, once per round) and
 :meth:`all` / :meth:`export` (monitoring, checkpoints) walk them.
 """
 from __future__ import annotations
@@ -264,11 +259,9 @@ class Membership:
                 self._leases_run(now)
 
     def stalled(self, since: float, now: float) -> None:
-        """The PS itself did not run from ``since`` to ``now`` (two readings of its clock, which its ticker reads
-        every tick: its process stopped, its host paused, its event loop blocked): it heard nobody meanwhile,
-        whatever it reads first, so a stall of :data:`SILENCE_LEASES` of a lease or more is a silence from ``since``
-        (if members are active), ended by the next worker heard from. For the runtime's clock, before any request
-        read since reaches the core."""
+        """The PS itself did not run from ``since`` to ``now`` (its ticker's two readings of the clock): a stall
+        of :data:`SILENCE_LEASES` of a lease or more is a silence from ``since`` (if members are active), ended by the
+        next worker heard from. Called before any request read since reaches the core."""
         if now - since >= self.stall_seconds and self.active_by_id and self.silent_since is None:
             self.silent_since = since
 
@@ -317,10 +310,9 @@ class Membership:
                 m.lease_until = now + self.lease_seconds
 
     def expire(self, now: float, watch_silence: bool = True) -> list[Member]:
-        """Expire the active members whose lease ended before ``now`` and that wait on nothing (in
-        registration order); those that renewed are scheduled again, waiting ones when the wait ends. None while
-        leases are held, or once no worker has been heard from for :data:`SILENCE_LEASES` of a lease
-        (``watch_silence``: the caller's choice, e.g. only while a job trains; off, a silence ends unheard)."""
+        """Expire the active members whose lease ended before ``now`` and that wait on nothing (registration
+        order); none while leases are held, or in a silence (``watch_silence``: the caller's choice; off, a silence
+        ends unheard)."""
         if self._held_at(now, watch_silence):
             return []
         gone = []

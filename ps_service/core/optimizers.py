@@ -142,10 +142,9 @@ def _sgd_mean(w: np.ndarray, g: np.ndarray, n: int, lr) -> None:
 
 
 def _sgd_entries(w: np.ndarray, g: SparseTensor, n: int, lr) -> tuple[np.ndarray, np.ndarray]:
-    """TF1's SGD (on the mean of ``n`` when n > 1) of the entries ``g`` holds, writing into its values: ``g /= n;
-    g *= lr; w -= g`` there, as :func:`_sgd_mean` computes each element. Off them ``g`` is +0.0 and the dense
-    update leaves ``w`` as it is (``w - 0.0`` is ``w``, -0.0 included): the same bits in O(k). Returns the flat
-    indices (strictly increasing) whose bits changed and their new values."""
+    """TF1's SGD (on the mean of ``n`` when n > 1) of the entries ``g`` holds, writing into its values, as
+    :func:`_sgd_mean` computes each element; off them the dense update leaves ``w`` as it is (``w - 0.0``): the same
+    bits in O(k). The flat indices (strictly increasing) whose bits changed and their new values."""
     v, wf, idx = g.values, w.reshape(-1), g.indices
     if n > 1:
         np.divide(v, n, out=v)
@@ -199,19 +198,16 @@ class Optimizer:
         """One update of every weight from its (already aggregated) gradient, in place; buffers
         (:data:`BUFFER_PREFIX`) take the aggregate as it is.
 
-        ``consume``: the gradients are scratch buffers of the caller's (the PS's aggregate) and may be
-        overwritten, which saves a model-sized temporary per step; the result is bit-identical.
-        ``mean_of`` n > 1 (with ``consume``): each gradient is a sum of n, to divide by n first (the mean, as
-        ``g /= n``); SGD does the division and its update chunk by chunk in one pass, the same operations on
-        every element, so the bits are those of dividing first. A :class:`~shared.compression.SparseTensor`
-        gradient (with ``consume``): TF1's SGD updates its entries only (:func:`_sgd_entries`, recorded in
-        :attr:`touched`); any other rule, or without ``consume``, takes it made dense.
+        ``consume``: the gradients are the caller's scratch (the PS's aggregate) and may be overwritten (no
+        model-sized temporary a step; the same bits). ``mean_of`` n > 1 (with ``consume``): each gradient is a sum of
+        n, divided by n first (SGD divides and updates chunk by chunk in one pass: the same bits). A
+        :class:`~shared.compression.SparseTensor` gradient (with ``consume``): TF1's SGD updates its entries only
+        (:func:`_sgd_entries`, recorded in :attr:`touched`); any other rule takes it made dense.
 
-        ``pieces`` (one partition of a round, :mod:`ps_service.core.partitions`): update only those pieces of the
-        weights, each with its slots, as views; ``grads`` is keyed by :attr:`Piece.key`. Every rule is elementwise,
-        so the pieces of a model stepped one partition at a time get the bits of the whole step. ``advance`` False:
-        a later partition of the same step (the iteration count, and with it Adam's bias correction, stays; the
-        :attr:`touched` of the step's first partition stays, its entries none of a partition's)."""
+        ``pieces``: one partition of a round (:mod:`ps_service.core.partitions`): only those pieces of the weights and
+        slots, as views, ``grads`` keyed by :attr:`Piece.key`; every rule is elementwise, so the bits are the whole
+        step's. ``advance`` False: a later partition of the same step (the iteration count and the first
+        partition's :attr:`touched` stay)."""
         slots = self.slots
         if pieces is not None:
             weights = split(weights, pieces)
