@@ -1,12 +1,10 @@
-"""The training routes: register, leave, heartbeat, initialise, pull, push, and the same-host
-transport's offer and attach (docs/protocol.md).
+"""The training routes: register, leave, heartbeat, initialise, pull, push, and the same-host transport's offer and
+attach (docs/protocol.md).
 
-Thin drivers of :class:`ps_service.core.ParameterServerCore`: get the request's tensors from the
-receive seam (:class:`ps_service.transport.TensorSeam`: no route knows which transport carried them),
-call the core with the runtime's clock, wake the waiters, answer. JSON bodies are read with
-:func:`ps_service.transport.body.read_body` in the endpoint (after the auth dependency that app.py
-attaches to this router): bounded, typed, never buffered before auth. The per-step push and pull are
-also called directly by ps_service/hotpath.py.
+Thin drivers of :class:`ps_service.core.ParameterServerCore`: the request's tensors come from the seam
+(:class:`ps_service.transport.TensorSeam`: no route knows which transport carried them), the core is called with the
+runtime's clock, the waiters woken. JSON bodies are read in the endpoint, after the auth dependency, bounded
+(:func:`ps_service.transport.body.read_body`). ps_service/hotpath.py calls the per-step push and pull directly.
 """
 from __future__ import annotations
 

@@ -27,10 +27,9 @@ log = logging.getLogger("ps_service")
 
 
 def server_options(settings: PSSettings) -> dict:
-    """uvicorn's options for a PS with ``settings``, beyond host, port, loop and logging: the protocol that reads
-    large bodies straight into the routes' buffers (ps_service/transport/bodysink.py), and the keep-alive timeout,
-    which every answer announces (``keep-alive: timeout=N``: clients stop reusing a connection idle for half of
-    it, shared/keepalive.py)."""
+    """uvicorn's options for a PS beyond host, port, loop and logging: the protocol that reads large bodies
+    straight into the routes' buffers (ps_service/transport/bodysink.py), and the keep-alive timeout every answer
+    announces (shared/keepalive.py)."""
     return {"access_log": False, "http": BufferedSinkProtocol, "timeout_keep_alive": settings.http_keepalive_seconds,
             "headers": [(keepalive.HEADER, keepalive.header_value(settings.http_keepalive_seconds))]}
 
@@ -81,9 +80,8 @@ def create_app(settings: PSSettings | None = None, exit_on_refusal: bool = False
     make, docs = FastAPIOffline, {}
     if settings.production:
         make, docs = FastAPI, {"docs_url": None, "redoc_url": None, "openapi_url": None}
-    # FastAPI >= 0.16x asks OpenTelemetry for its providers on every request (reading the environment each time:
-    # ~0.2 ms per request in the PS's profile); syncps exports Prometheus metrics, not OpenTelemetry: off (an older
-    # FastAPI keeps the unknown keyword in app.extra)
+    # telemetry off: FastAPI >= 0.16x asks OpenTelemetry for its providers on every request (~0.2 ms each in the
+    # PS's profile; an older FastAPI keeps the unknown keyword in app.extra)
     # redirect_slashes off: `/v1/status/` is no route (404 `not_found`), not a 307 that skips the token and the body
     app = make(title="syncps parameter server", version="0.1.0", lifespan=lifespan, **docs, redirect_slashes=False,
                   telemetry={"tracing": False, "metrics": False, "logs": False},
@@ -93,7 +91,7 @@ def create_app(settings: PSSettings | None = None, exit_on_refusal: bool = False
     if settings.role:
         app.add_middleware(Gate)  # a hot-standby pair: the term on every answer; training only on the primary
     app.add_middleware(CloseUnread)  # outermost: an answer sent before its body arrived whole closes the connection
-    # access control (ps_service/auth.py): every router but health and the static dashboard needs a token when one is configured
+    # access control (ps_service/auth.py): every router but health and the static dashboard, when a token is set
     app.include_router(api.router, dependencies=auth.TRAINING)
     if settings.shards > 1:  # a sharded PS's routes (ps_service/sharding/routes.py)
         app.include_router(shard_routes.router, dependencies=auth.TRAINING)

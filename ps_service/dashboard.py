@@ -1,22 +1,17 @@
 """The live dashboard: ``GET /`` serves one static page that polls the monitoring API.
 
-The page (``static/dashboard.html``, ``.js``, ``.css``) draws with plain SVG:
-no CDN, no third-party script, no build step. It reads ``/v1/status``,
-``/v1/workers``, ``/v1/rounds`` and ``/v1/loss`` once a second and shows the
-job state, the current step, the loss curve, rounds/s (and gradients/s), the open round, the
-workers' clocks with their spread and the staleness percentiles (async/ssp), and a per-worker table
-(clock and mean staleness included) with the straggler highlighted. Files are read once, at import.
+The page (``static/dashboard.html``, ``.js``, ``.css``) draws with plain SVG: no CDN, no third-party script, no build
+step. It reads ``/v1/status``, ``/v1/workers``, ``/v1/rounds`` and ``/v1/loss`` once a second and shows the job
+state, the step, the loss curve, rounds/s and gradients/s, the open round, the async/ssp clocks and staleness, and a
+per-worker table with the straggler highlighted. Files are read once, at import.
 
-What the page promises (tests/test_dashboard_widths.py, at 800 and 1400 px): every column of the workers
-table in view from an 800 px window on; text at least 11 px on screen (the plots draw in their own pixels);
-worker names never broken across lines; durations and numbers never in e-notation; the loss plot on a log
-scale by default, linear by a toggle the browser remembers (localStorage), linear with a note when a loss is
-<= 0; the workers marked awaited are the round line's awaited, both from one ``/v1/status`` answer.
+What the page promises (tests/test_dashboard_widths.py, at 800 and 1400 px): every column of the workers table in
+view from 800 px on; text at least 11 px; worker names never broken; numbers never in e-notation; the loss plot on a
+log scale by default, linear by a remembered toggle (and with a note when a loss is <= 0); the awaited workers are
+the round line's, from one ``/v1/status`` answer.
 
-With ``PS_MONITOR_TOKEN`` set, the script sends the token given in the page's
-``#token=<token>`` fragment as a bearer header to the monitoring API (the
-fragment never leaves the browser); app.py guards these files with the
-monitoring token too, so a plain browser needs a proxy that adds the header.
+With ``PS_MONITOR_TOKEN`` set, the script sends the token of the page's ``#token=<token>`` fragment (which never
+leaves the browser) as a bearer header to the monitoring API; the page and its files hold no data and are open.
 """
 from __future__ import annotations
 

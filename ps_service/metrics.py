@@ -1,16 +1,10 @@
 """Prometheus metrics of the PS: ``GET /metrics`` (prometheus-client, text or OpenMetrics format).
 
-Contract: every name starts with ``ps_``, values are in base units (seconds,
-bytes), counters end in ``_total``, labels take a fixed, small set of values
-(push status, worker state, job state, round close reason): never a worker name.
-
-Two sources, one registry per app (no process-global state):
-
-- :class:`StateCollector` reads the core and the runtime's counters at scrape
-  time (gauges and counters that the core already keeps);
-- :class:`PSMetrics` observes every closed round and checkpoint into
-  histograms; it is a :attr:`Runtime.observers` hook, so it runs after each
-  change of the core, and once more at each scrape.
+Contract: every name starts with ``ps_``, values are in base units (seconds, bytes), counters end in ``_total``,
+labels take a fixed, small set of values (push status, worker state, job state, round close reason): never a worker
+name. One registry per app: :class:`StateCollector` reads the core and the runtime's counters at scrape time;
+:class:`PSMetrics` observes every closed round and checkpoint into histograms (a :attr:`Runtime.observers` hook, and
+once more at each scrape).
 """
 from __future__ import annotations
 

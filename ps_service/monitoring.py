@@ -1,10 +1,7 @@
 """Monitoring routes (JSON): status, workers, rounds, loss curve, liveness and readiness.
 
-Read-only views of the core; nothing here changes training state. The
-response shapes (and their documentation in ``/docs``) are in
-:mod:`ps_service.monitoring_models`; the straggler definition is in
-:mod:`ps_service.core.rounds`. Routes are ``async`` so they read the core on the
-event loop, never concurrently with a push.
+Read-only views of the core; the response shapes (and their documentation in ``/docs``) are
+:mod:`ps_service.monitoring_models`. Routes are ``async``: they read the core on the event loop, never during a push.
 """
 from __future__ import annotations
 

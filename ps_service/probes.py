@@ -1,10 +1,7 @@
-"""The probe listener: ``/healthz`` and ``/readyz`` on a port of their own (``PS_PROBE_PORT``: docs/protocol.md,
-Probe port), served by a thread with its own event loop, so an orchestrator's probe never queues behind the
-training traffic (with a thousand workers one turn of the main loop can take a second; the probe thread only waits
-for the interpreter lock, handed over every few milliseconds). So that "the process answers" still means "the PS
-works", ``/healthz`` here reports the main loop's pulse (:meth:`ProbeListener.pulse`, stamped every
-:data:`PULSE_SECONDS`): older than :data:`STALL_SECONDS`, 503 ``stalled``. ``/readyz`` is the main port's
-(:func:`ps_service.monitoring.readyz`).
+"""The probe listener: ``/healthz`` and ``/readyz`` on a port of their own (``PS_PROBE_PORT``: docs/protocol.md, Probe
+port), served by a thread with its own event loop, so a probe never queues behind the training traffic (it waits only
+for the interpreter lock). ``/healthz`` here reports the main loop's pulse (:meth:`ProbeListener.pulse`, every
+:data:`PULSE_SECONDS`): older than :data:`STALL_SECONDS`, 503 ``stalled``. ``/readyz`` is the main port's.
 """
 from __future__ import annotations
 
