@@ -1,12 +1,10 @@
 """The PS process's live objects: the core, its clock, the waiters, the tensor seam.
 
-Routes get the :class:`Runtime` from ``request.app.state.runtime``. It owns the only clock (``time.monotonic``),
-holds the tensor seam (:class:`ps_service.transport.TensorSeam`) through which every tensor comes in and every
-weights answer goes out, and wakes the waits: a long poll waits on the *barrier* (:meth:`Runtime.barrier`), woken
-only when that moved (once per round: nothing per push), body answers first (:meth:`Runtime.wait_until`,
-:meth:`Runtime.body_answers_first`); a push waits for its turn to be read (:meth:`Runtime.turn`). The observers
-(metrics, checkpoints, a shard's and a pair's senders) run at every change of the core and must be O(1) (but for a
-checkpoint that comes due while the previous write runs: ps_service/checkpoint.py).
+Routes get the :class:`Runtime` from ``request.app.state.runtime``. It owns the only clock (``time.monotonic``), holds
+the tensor seam (:class:`ps_service.transport.TensorSeam`), and wakes the waits: a long poll waits on the *barrier*
+(:meth:`Runtime.barrier`), woken only when it moved (once per round), body answers first; a push waits for its turn to
+be read (:meth:`Runtime.turn`). The observers (metrics, checkpoints, a shard's and a pair's senders) run at every
+change of the core and must be O(1).
 """
 from __future__ import annotations
 
@@ -41,8 +39,7 @@ class Runtime:
         self.core.partition_bytes = settings.partition_bytes  # (before the model: its partitions)
         self.started_wall = time.time()
         self.started_mono = self._read_at = clock()
-        #: the waits in flight (:meth:`wait_until`), each a future :meth:`notify` resolves when the barrier moves,
-        #: and whether it goes first
+        #: the waits in flight (:meth:`wait_until`): future -> whether it goes first
         self._waiters: dict[asyncio.Future, bool] = {}
         #: waits marked first that notify woke and that have not resumed yet (:meth:`body_answers_first`)
         self._first_woken = 0
@@ -59,8 +56,7 @@ class Runtime:
         self.checkpoint_info: dict | None = None
         #: called with no argument after each change of the core (e.g. metrics observing closed rounds)
         self.observers: list[Callable[[], None]] = []
-        #: this process's part in a sharded PS (PS_SHARDS > 1; None: one PS): ps_service/sharding, a layer above the
-        #: core that the app gives the runtime (:meth:`take_parts`)
+        #: this process's part in a sharded PS (PS_SHARDS > 1; None: one PS): ps_service/sharding (:meth:`take_parts`)
         self.shards = None
         #: this process's part in a hot-standby pair (PS_ROLE; None: no pair): ps_service/standby
         self.ha = None
@@ -93,9 +89,8 @@ class Runtime:
         self.wake_waits()
 
     def now(self) -> float:
-        """The core's clock. The ticker reads it every ``PS_TICK_SECONDS``: a reading long after the one before means
-        this process did not run meanwhile (stopped, paused), which the membership hears of before any request read
-        since gets to the core (:meth:`Membership.stalled`)."""
+        """The core's clock; a reading long after the one before (the ticker reads it every ``PS_TICK_SECONDS``) is
+        a stall, told to the membership first (:meth:`Membership.stalled`)."""
         t = self.clock()
         if t - self._read_at >= self.core.members.stall_seconds:  # (a call only when it can be one)
             self.core.members.stalled(self._read_at, t)
@@ -103,10 +98,8 @@ class Runtime:
         return t
 
     def barrier(self) -> tuple:
-        """What waits wait on: (global step, job state, the SSP floor: a leave or expiry can release a pull, the
-        count of live rollbacks: a sharded PS that went back to a checkpoint answers every wait at once, the count of
-        recalls into a stuck round: a recalled worker's wait ends, and of leaves: so does the wait of a worker that
-        left)."""
+        """What waits wait on: (global step, job state, the SSP floor, the counts of rollbacks, recalls and leaves:
+        each ends the waits it concerns)."""
         core = self.core
         return core.global_step, core.state(), core.pull_floor, core.rewinds, core.recalls, core.leaves
 
@@ -157,10 +150,9 @@ class Runtime:
         return True
 
     async def turn(self, worker_id: str, step: int, wait: float, last: bool = True) -> bool:
-        """Wait until the core lets the tensors of ``worker_id``'s push for ``step`` be read (its claim, which
-        ``core.release`` ends: ps_service/core/intake.py), at most ``wait`` s, holding the worker's lease meanwhile
-        (its bytes wait unread by the PS's choice). True once claimed; at the end of the wait, False, or, ``last``,
-        claimed out of turn (True)."""
+        """Wait, at most ``wait`` s and holding the worker's lease, until the core lets the tensors of ``worker_id``'s
+        push for ``step`` be read (its claim: ps_service/core/intake.py). True once claimed; at the end of the wait,
+        False, or, ``last``, claimed out of turn (True)."""
         core = self.core
         if core.claim(worker_id, step):
             return True
@@ -201,9 +193,8 @@ class Runtime:
 
     async def body_answers_first(self, turns: int = 16) -> None:
         """A same-host answer about to copy the step's weights into the weights file
-        (:meth:`TensorSeam.file_behind`) lets the body answers just woken go first: it yields to the event loop
-        until each has resumed (its answer is written in the same loop turn), at most ``turns`` times. A same-host
-        answer made by the request that closed the round was not a wait: it would otherwise copy first."""
+        (:meth:`TensorSeam.file_behind`) yields to the event loop until the body answers just woken have resumed, at
+        most ``turns`` times."""
         for _ in range(turns):
             if self._first_woken <= 0 or not self.tensors.file_behind():
                 return
@@ -236,8 +227,7 @@ class Runtime:
 
     async def deployment(self, every: float = 1.0, timeout: float = 2.0) -> None:
         """Background task until step 0 (``PS_WORKERS_DNS``): the deployment's worker count, the addresses its DNS
-        name resolves to (compose's service name, Swarm's ``tasks.<service>``, a headless Service), given to the
-        core every ``every`` s; a name that does not resolve (yet: no worker started) counts none."""
+        name resolves to, given to the core every ``every`` s (a name that does not resolve: none)."""
         name, loop = self.settings.workers_dns, asyncio.get_running_loop()
         while name and not self.core.started:
             try:
