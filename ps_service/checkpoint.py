@@ -4,18 +4,16 @@ The format and the policy's bound are docs/checkpoint.md's contract (with a plai
 
 - One file ``ckpt-<global step, 10 digits>.msgpack``: a msgpack map ``{"format": "syncps-checkpoint", "version": 2,
   "sha256": hex, "payload": bin}``, ``payload`` one tensor frame (:mod:`shared.frame`) of
-  :meth:`ps_service.core.ParameterServerCore.export_state` (tensors ``weights/<name>``, ``slots/<slot>/<name>``;
-  the rest, and ``written_at``, in its meta). No pickle anywhere.
-- A write goes to a hidden temp file, fsynced, renamed, the directory fsynced: a reader sees the old file or the
-  new one. Then the newest ``keep`` are kept and ``manifest.json`` (for people and tools) is rewritten the same way.
-- Restore lists the files themselves, newest step first, and takes the first valid one: checksum, and every
-  field's type and range (every integer in [0, :data:`shared.protocol.MAX_INT`], the step the one of the file's
-  name, the optimizer spec one the PS runs and its slots those of its weights, weights floating point and finite,
-  members well-formed); any other is logged with its reason and skipped.
+  :meth:`ps_service.core.ParameterServerCore.export_state` (tensors ``weights/<name>``, ``slots/<slot>/<name>``; the
+  rest, and ``written_at``, in its meta). No pickle anywhere.
+- A write goes to a hidden temp file, fsynced, renamed, the directory fsynced; then the newest ``keep`` are kept and
+  ``manifest.json`` is rewritten the same way.
+- Restore takes the newest file that is valid: checksum, every field's type and range (integers in [0,
+  :data:`shared.protocol.MAX_INT`], the step the file name's, the optimizer spec one the PS runs with the slots of its
+  weights, weights floating point and finite, members well-formed); any other is logged with its reason and skipped.
 - :class:`Checkpointer` decides when (every N steps and/or T seconds once the step moved; at once when the job is
-  done), snapshots on the event loop (consistent: a memcpy) and writes on its own thread, one write at a time: one
-  that comes due while the previous is written waits for it, so the newest file on disk is never more than
-  ``2 * every_steps`` steps behind the live step.
+  done), snapshots on the event loop and writes on its own thread, one write at a time, so the newest file on disk is
+  never more than ``2 * every_steps`` steps behind the live step.
 """
 from __future__ import annotations
 
@@ -292,17 +290,14 @@ class Checkpointer:
         if not core.initialized or core.global_step == self.last_step or core.deciding:
             return False  # (deciding: some of the round's partitions applied, not all: weights of two steps)
         if core.done and (self.every_steps or self.every_seconds):
-            # the job's last step, at once: a PS that crashed after it must not come back to rounds that its
-            # workers, exited when the job was done, will never run
-            return True
+            return True  # the job's last step, at once: its workers have exited, a crashed PS must not redo rounds
         if self.every_steps and (self.last_step is None or core.global_step - self.last_step >= self.every_steps):
             return True
         return bool(self.every_seconds) and now - self.last_time >= self.every_seconds
 
     def maybe_save(self, core, now: float) -> Future | None:
-        """If due: wait for the previous write if it still runs (blocking: a disk slower than the rounds holds
-        the PS back rather than let the checkpoints fall behind), snapshot now (caller's thread) and write in the
-        background; the write's future."""
+        """If due: wait for the previous write (a slow disk holds the PS back rather than fall behind), snapshot
+        now and write in the background; the write's future."""
         if not self.due(core, now):
             return None
         self.wait_for_write()
@@ -312,8 +307,7 @@ class Checkpointer:
         return self._running
 
     def wait_for_write(self) -> None:
-        """Block until the write in progress, if any, ended (written, or failed and logged); a wait of a second
-        or more is logged (the disk is slower than the checkpoint interval's rounds)."""
+        """Block until the write in progress, if any, ended; a wait of a second or more is logged."""
         if self._running is not None and not self._running.done():
             t0 = time.monotonic()
             self._running.result()
@@ -322,8 +316,7 @@ class Checkpointer:
                 "waited %.3f s for the checkpoint write of step %s in progress", waited, self.last_step)
 
     def _write(self, snapshot: dict[str, Any], why: str | None = None) -> dict | None:
-        """Write one snapshot; ``why`` (the job done, shutdown) makes it a log line (periodic writes are in
-        ``/v1/status`` and the metrics only)."""
+        """Write one snapshot; ``why`` (the job done, shutdown) makes it a log line."""
         t0 = time.monotonic()
         try:
             entry = write_checkpoint(self.dir, snapshot, self.keep)
@@ -347,8 +340,7 @@ class Checkpointer:
         return [f for f in [self._running] if f is not None and not f.done()]
 
     def finish(self, core) -> dict | None:
-        """Shutdown (blocking; nothing else may touch ``core``): wait for a running write, write a final
-        checkpoint if the step moved since the last one, stop the writer thread."""
+        """Shutdown (blocking): wait for a running write, write a final checkpoint if the step moved."""
         self.wait_for_write()
         info = None
         if core.initialized and core.deciding:  # some of the round's partitions applied: no step's weights
@@ -363,8 +355,8 @@ class Checkpointer:
 
 
 def attach(rt) -> Checkpointer | None:
-    """Wire checkpoints into a PS runtime (``PS_CHECKPOINT_*``): restore the newest valid checkpoint now,
-    then check after every change of the core whether one is due. None when PS_CHECKPOINT_DIR is unset."""
+    """Wire checkpoints into a PS runtime (``PS_CHECKPOINT_*``): restore the newest valid one now, then check after
+    every change of the core whether one is due. None when PS_CHECKPOINT_DIR is unset."""
     s = rt.settings
     if not s.checkpoint_dir:
         return None
