@@ -38,10 +38,9 @@ _TOP_SQUARES = {dt: np.finfo(dt).max for dt in _ZEROS}
 
 
 def finite(g: np.ndarray | SparseTensor) -> bool:
-    """No NaN/Inf in ``g``. float32/float64, chunk by chunk: ``dot(c, c)`` (BLAS, at memory speed, no temporary
-    array) is NaN or +Inf exactly when an element of ``c`` is, since squares are >= 0 and nothing cancels; when it is
-    not finite the chunk is checked exactly (``dot(c, zeros)``, NaN iff an element is NaN/Inf: ``0 * Inf`` is NaN),
-    which tells a finite chunk whose squares overflow. Other dtypes: the element-wise check."""
+    """No NaN/Inf in ``g``. float32/float64, chunk by chunk: ``dot(c, c)`` (BLAS, no temporary) is NaN or +Inf
+    exactly when an element is (squares are >= 0); then the chunk is checked exactly (``dot(c, zeros)``: ``0 * Inf``
+    is NaN), which tells a finite chunk whose squares overflow. Other dtypes: the element-wise check."""
     if isinstance(g, SparseTensor):
         g = g.values  # zero elsewhere
     flat = g.reshape(-1)
@@ -58,10 +57,9 @@ def finite(g: np.ndarray | SparseTensor) -> bool:
 
 
 def read_checked(src: Mapping[str, np.ndarray], out: Mapping[str, np.ndarray]) -> str | None:
-    """``out = src``, then ``out`` checked for NaN/Inf while it is in the cache (whole up
-    to :data:`WHOLE_BYTES` a tensor, else chunk by chunk): ``src`` is read exactly once and what is checked is
-    what is kept, whatever writes into ``src`` meanwhile. The first tensor with a NaN/Inf in ``out`` (from
-    ``src``) at which it stopped, or None (``out`` is complete)."""
+    """``out = src``, then ``out`` checked for NaN/Inf while in the cache (whole up to :data:`WHOLE_BYTES` a
+    tensor, else chunk by chunk): ``src`` is read once and what is checked is what is kept. The first tensor with a
+    NaN/Inf, where it stopped, or None (``out`` is complete)."""
     for name, o in out.items():
         s, o1 = src[name].reshape(-1), o.reshape(-1)
         if o1.nbytes <= WHOLE_BYTES:  # whole: it stays in the last-level cache for its check
@@ -84,8 +82,7 @@ def _dtype(dt: np.dtype) -> str:
 def validate(weights: Mapping[str, np.ndarray], grads: Mapping[str, np.ndarray],
              nonfinite_policy: str = "reject", check_finite: bool = True) -> bool:
     """Raise 422 unless ``grads`` fits ``weights`` (names, shapes, dtypes); False if it has NaN/Inf under policy
-    ``skip``, else True. Reads only. ``check_finite`` False: the values were checked already (by the transport that
-    read them: ``PushRequest.finite_checked``): only the layout is checked here."""
+    ``skip``, else True. ``check_finite`` False: the transport checked the values (``PushRequest.finite_checked``)."""
     missing, extra = weights.keys() - grads.keys(), grads.keys() - weights.keys()
     if missing or extra:
         name = sorted(missing or extra)[0]

@@ -13,9 +13,8 @@ from ps_service.core.rounds import CloseRule
 
 @dataclass(frozen=True)
 class CoreConfig:
-    """Every field but the last two is the PS setting of its name (:class:`ps_service.settings.PSSettings`, ``PS_*``
-    variables), with no default here: the settings class is the one source (:meth:`from_settings`; tests build theirs
-    the same way, tests/configs.py)."""
+    """Every field but the last two is the PS setting of its name (:class:`ps_service.settings.PSSettings`), with
+    no default here: the settings class is the one source (:meth:`from_settings`; tests too, tests/configs.py)."""
     replicas_to_aggregate: int | None
     total_num_replicas: int | None
     min_workers: int

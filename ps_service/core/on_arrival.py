@@ -1,16 +1,13 @@
 """The push path of ``PS_MODE=async|ssp``: each accepted gradient is applied when it arrives. Pure, no I/O.
 
-:class:`ps_service.core.ParameterServerCore` calls these after its common checks (model initialised, member
-active, no future step, the gradient's layout); :class:`ps_service.core.staleness.BoundedStaleness` (``core.modes``)
-decides. Contract:
+:class:`ps_service.core.ParameterServerCore` calls these after its common checks (model initialised, member active,
+no future step, the gradient's layout); :class:`ps_service.core.staleness.BoundedStaleness` (``core.modes``) decides.
+Contract:
 
-- :func:`classify`: refuses a push before the start (``not_started``): every refusal comes before any state
-  changes. Then the machine classifies (``duplicate``,
-  ``skipped``, ``stale``, ``accepted``). Once the job is done a push is ``stale``: nothing applied, its
-  clock unchanged (as sync answers a push for a round that closed without it).
-- :func:`take`: an ``accepted`` gradient is one optimizer step (the mean of one gradient is itself), counted
-  in ``gradients_applied``, its examples and loss recorded; ``accepted`` and ``skipped`` move
-  ``global_step`` by one. No round is ever open in these modes.
+- :func:`classify`: refuses a push before the start (``not_started``), before any state changes; then the machine
+  classifies (``duplicate``, ``skipped``, ``stale``, ``accepted``). Once the job is done a push is ``stale``.
+- :func:`take`: an ``accepted`` gradient is one optimizer step, counted in ``gradients_applied``, its examples and
+  loss recorded; ``accepted`` and ``skipped`` move ``global_step`` by one. No round is ever open in these modes.
 - :func:`wait_reason`: what the job waits for, for humans (the SSP wait names the stragglers).
 """
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """The later partitions of a partitioned round (issue 53, docs/partitions.md). Pure, no I/O, no clock.
 
-The plan (:func:`shared.partitions.plan`: which pieces each partition holds) is the wire's, shared with the workers.
-A partition's rank-order sum is an :class:`~ps_service.core.rounds.Accumulator` over :meth:`Plan.keys`, and its
-update ``ModelState.update(..., pieces=...)``: every rule elementwise, the bits of the whole step.
-
-:class:`RoundParts` holds a round's partitions from its ``first`` on: on a core that decides (one PS, a sharded PS's
-coordinator) from 1, the core's :class:`~ps_service.core.rounds.Round` holding partition 0, whose close decides the
-round; on a sharded PS's follower, told the decision by its coordinator (:mod:`ps_service.sharding.parts`), from 0.
-One rank-order accumulator each, which member's frame came, which of the decided contributors each still waits for,
-and which closed. A frame may come with its sender's rank unknown (a follower knows no ranks before the decision): it
-waits unsummed until the decision names the sender's key, and is dropped if the decision does not name it.
+The plan (:func:`shared.partitions.plan`) is the wire's, shared with the workers. A partition's rank-order sum is an
+:class:`~ps_service.core.rounds.Accumulator` over :meth:`Plan.keys`, its update ``ModelState.update(...,
+pieces=...)``: every rule elementwise, the bits of the whole step. :class:`RoundParts` holds a round's partitions from
+``first`` on: 1 on a core that decides (the Round holds partition 0, whose close decides the round), 0 on a sharded
+PS's follower (told the decision: :mod:`ps_service.sharding.parts`). A frame whose sender's rank is not known yet (a
+follower before the decision) waits unsummed until the decision names it, and is dropped if it does not.
 """
 from __future__ import annotations
 
@@ -22,13 +18,11 @@ from shared.partitions import Plan
 
 @dataclass
 class RoundParts:
-    """Partitions ``first``..Q-1 of the open round. With ``first`` = 1, partition 0 is the
-    :class:`~ps_service.core.rounds.Round`'s own accumulator, and its close is the round's *decision*: the
-    contributors C (its accepted gradients), the mean's divisor and the optimizer's iteration; a frame of partition
-    q >= 1 comes only from a member whose partition 0 was accepted. With ``first`` = 0 the decision comes from
-    elsewhere (:meth:`decide`). A frame is summed in rank order once the decision says who else may come (before it,
-    nothing is folded). Partition q closes when every member of C still alive has its frame in (:meth:`drop`: one
-    that expired or left is not waited for); partitions below ``first`` count as closed from the decision on."""
+    """Partitions ``first``..Q-1 of the open round. With ``first`` = 1, partition 0 is the Round's own
+    accumulator and its close the round's *decision* (the contributors C, the mean's divisor, the optimizer's
+    iteration); a frame of q >= 1 comes only from a member whose partition 0 was accepted. With ``first`` = 0 the
+    decision comes from elsewhere (:meth:`decide`). Frames are summed in rank order once decided; partition q closes
+    when every member of C still alive has its frame in (:meth:`drop`); those below ``first`` close at the decision."""
     plan: Plan
     accs: list[Accumulator | None]  # [None, partition 1's, ...] (first = 1)
     #: C's keys once decided (None: not yet)

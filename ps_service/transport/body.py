@@ -101,11 +101,10 @@ async def read_body(request: Request, limit: int, media_types: tuple[str, ...] |
                     prefix: tuple[bytearray, bool] | None = None,
                     progress: Callable[[memoryview, int], int | None] | None = None) -> memoryview | bytearray:
     """The request body, refused with 415 for another content type, 413 past ``limit``, 408 if it stalls.
-    ``recurring`` False: bodies of this kind come once (a model's upload): a buffer made for it is not kept.
-    ``prefix``: what :func:`read_prefix` received of it already. ``progress``: called with the body's buffer and the
-    bytes in it so far each time more came (a ``Content-Length`` body's; what it raises ends the read); it may answer
-    the byte count it wants to be called at next (a partitioned push: its next frame's end), besides the default
-    rhythm of every ``WAKE_BYTES`` or ``WAKE_SECONDS``."""
+    ``recurring`` False: such bodies come once (a model's upload): a buffer made for it is not kept. ``prefix``: what
+    :func:`read_prefix` received already. ``progress``: called with the buffer and the bytes in it so far as more
+    come (a ``Content-Length`` body's; what it raises ends the read); it may answer the byte count to be called at
+    next (a partitioned push: its next frame's end), besides every ``WAKE_BYTES`` or ``WAKE_SECONDS``."""
     declared = declared_length(request, limit, media_types)
     sink = BodySink(POOL.take(declared, keep=recurring)) if declared is not None else None
     chunks = bytearray() if sink is None else None

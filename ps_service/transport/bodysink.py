@@ -87,9 +87,8 @@ class SinkHttpToolsProtocol(IdleUntilHead, HttpToolsProtocol):
         self._bypassing = False
 
     def send_400_response(self, msg: str) -> None:
-        """uvicorn's answer to a request its HTTP parser refuses (bad framing: a bad chunk size, a
-        Content-Length that is not one non-negative number, Content-Length with chunked...), with the
-        protocol's JSON error body instead of plain text. The connection is closed."""
+        """uvicorn's answer to a request its parser refuses (bad framing), with the protocol's JSON error body
+        instead of plain text; the connection is closed."""
         detail = ("the HTTP request is malformed (request line, headers, Content-Length or chunked encoding): "
                   + msg[:200])
         body = json.dumps({"error": "bad_http", "detail": detail}).encode()

@@ -71,9 +71,8 @@ class ShmHub:
             self._sweep()
 
     def _sweep(self) -> None:
-        """Unlink weights files whose PS is gone (a killed PS leaves its file). A live PS holds an
-        exclusive flock on its file: that works across containers sharing the directory, where PIDs
-        mean nothing."""
+        """Unlink weights files whose PS is gone: a live PS holds an exclusive flock on its file (which works
+        across containers sharing the directory, where PIDs mean nothing)."""
         for name in os.listdir(self.directory):
             if not shm.WEIGHTS_FILE.fullmatch(name):
                 continue

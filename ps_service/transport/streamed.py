@@ -82,9 +82,8 @@ class Partitions:
                 cur.frames[q] = self._encode(plan, q, cur.step)
 
     def _encode(self, plan, q: int, step: int) -> memoryview:
-        """Partition ``q``'s frame of the weights, written once into a buffer of the PS's pool (a step's frames take
-        the buffers of an earlier step's that no answer sends any more: no fresh pages to fault in), the zero bytes
-        up to the next frame's start included."""
+        """Partition ``q``'s frame of the weights, written once into a pooled buffer, the zero bytes up to the
+        next frame's start included."""
         core, count = self.core, plan.count
         if q == 0:
             meta = {"step": step, "partitions": count}
