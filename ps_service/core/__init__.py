@@ -107,9 +107,8 @@ class ParameterServerCore(ModelState):
         return self.global_step >= (MAX_INT if self.config.max_steps is None else self.config.max_steps)
 
     def export_state(self) -> dict[str, Any]:
-        """What a checkpoint keeps, as plain data with copied arrays (safe to encode off the event loop):
-        weights, optimizer (spec, iterations, slots), global step, members (ids, names, ranks), config; in
-        async/ssp the clocks too (``staleness``)."""
+        """What a checkpoint keeps, as plain data with copied arrays: weights, optimizer, global step, members,
+        config; in async/ssp the clocks too (``staleness``)."""
         if self.deciding:
             raise AssertionError("a checkpoint between a round's partitions: weights of two steps")
         extra = {} if self.modes is None else {"staleness": self.modes.export()}
@@ -212,8 +211,7 @@ class ParameterServerCore(ModelState):
         return m
 
     def _out(self, now: float, worker_ids, was_alive: bool = True) -> None:
-        """Members no longer active (left, expired): the open round and the clocks stop counting them, the round's
-        partitions waiting for their frames close without them."""
+        """Members no longer active: the round, the clocks and the partitions waiting for them stop counting them."""
         for w in worker_ids:
             if self.round is not None:
                 self.round.member_changed(w, was_alive, False)
@@ -231,21 +229,18 @@ class ParameterServerCore(ModelState):
         return JobState.TRAINING if self.started else JobState.WAITING_FOR_WORKERS
 
     def expected_workers(self) -> int | None:
-        """The workers step 0 waits for (up to the start timeout): N (else R), or the deployment's count when it is
-        larger (:meth:`deploy`); None when nothing says."""
+        """The workers step 0 waits for: N (else R), or the deployment's count when larger; None when nothing says."""
         counts = [c for c in (self.config.total_num_replicas or self.config.replicas_to_aggregate, self.deployed) if c]
         return max(counts, default=None)
 
     def deploy(self, count: int | None, now: float | None = None) -> None:
-        """The deployment runs ``count`` workers (the runtime resolves ``PS_WORKERS_DNS`` at ``now``; None or 0: not
-        known)."""
+        """The deployment runs ``count`` workers (``PS_WORKERS_DNS`` resolved at ``now``; None or 0: not known)."""
         if (count or None) != self.deployed:
             self.deployed, self.deployed_since = count or None, now
             self._changed()
 
     def _deployment_settling(self, now: float) -> bool:
-        """Step 0 expects the deployment's count (larger than N or R), which changed less than
-        ``startup_grace_seconds`` ago (its containers may still be starting)."""
+        """Step 0 expects the deployment's count, which changed less than ``startup_grace_seconds`` ago."""
         n, r = self.config.total_num_replicas, self.config.replicas_to_aggregate
         return bool(self.deployed and self.deployed > (n or r or 0) and self.deployed_since is not None
                     and now - self.deployed_since < self.config.startup_grace_seconds)
@@ -394,8 +389,7 @@ class ParameterServerCore(ModelState):
 
     @property
     def partitions(self) -> Plan | None:
-        """The partitions of a sync round (:attr:`partition_bytes`; :mod:`ps_service.core.partitions`), None: one,
-        the whole model (today's round; always in async/ssp)."""
+        """The partitions of a sync round (:attr:`partition_bytes`), None: one, the whole model (async/ssp: always)."""
         if self._plan is None:
             if self.weights is None:
                 return None
@@ -524,8 +518,7 @@ class ParameterServerCore(ModelState):
         return False
 
     def readers(self) -> tuple[str, ...] | None:
-        """The workers whose waiting push :meth:`claim` would let be read now (None: anyone, the one that waited
-        longest; async/ssp)."""
+        """The workers whose waiting push :meth:`claim` would let be read now (None: the longest waiting; async/ssp)."""
         if self.modes is not None:
             return () if self.intake.reading else None
         r = self.round
@@ -541,8 +534,7 @@ class ParameterServerCore(ModelState):
             self._changed()
 
     def withdraw(self, worker_id: str) -> None:
-        """A push's wait for its turn ended unclaimed (its request went away): fixed R, its head gives its place back
-        (unless another push of the worker's is being read)."""
+        """A push's wait for its turn ended unclaimed: fixed R, its head gives its place back (unless being read)."""
         self.intake.queued.pop(worker_id, None)
         r = self.round
         if r is not None and r.replicas is not None and worker_id not in self.intake.reading \
@@ -618,7 +610,7 @@ class ParameterServerCore(ModelState):
 
     def classify(self, m: Member, step: int, finite: bool) -> PushStatus:
         """What a push of ``step`` by active member ``m`` would be now (sync; ``finite``: its values are), changing
-        nothing: ``duplicate``, ``stale``, ``accepted``, ``skipped`` or ``late``."""
+        nothing."""
         g, wid = self.global_step, m.worker_id
         if step in m.recent:
             return PushStatus.DUPLICATE
@@ -648,8 +640,7 @@ class ParameterServerCore(ModelState):
         self._changed()
 
     def follow(self) -> None:
-        """This core follows another's decisions (a sharded PS's follower, a hot standby): it has no membership and no
-        start-up; its pulls wait on its step only."""
+        """This core follows another's decisions (a sharded follower, a hot standby): no membership, no start-up."""
         self.started = True
 
     def adopt(self, state: Mapping[str, Any], now: float) -> None:

@@ -61,8 +61,7 @@ class Intake:
         return True
 
     def claim_late(self, worker_id: str, overdue: bool = False) -> bool:
-        """May ``worker_id``'s push that the round will not take (late, stale, duplicate) be read now? One at a time
-        (fixed R: N - R of them a round); ``overdue``: yes."""
+        """May a push the round will not take (late, stale, duplicate) be read now? One at a time; ``overdue``: yes."""
         if overdue:
             self.overdue += 1
         elif self.refusing or worker_id in self.reading:

@@ -38,8 +38,7 @@ SILENCE_LEASES = 0.5
 
 
 def refuse_blank(name: object) -> None:
-    """400 ``bad_name`` for a name of only whitespace, whatever else is wrong with it (a control character such as a
-    tab or newline, the length): checked before those (docs/protocol.md, register)."""
+    """400 ``bad_name`` for a name of only whitespace, checked before anything else wrong with it."""
     if isinstance(name, str) and name.isspace():
         raise CoreError("bad_name", "worker name is only whitespace")
 
@@ -231,15 +230,13 @@ class Membership:
         return m
 
     def renew(self, m: Member, now: float) -> None:
-        """Renew the lease of ``m``, an active member (as :meth:`touch`, for a caller that holds it, checked): the PS
-        heard from it."""
+        """Renew the lease of ``m``, an active member (as :meth:`touch`, for a caller that holds it): heard from."""
         m.last_seen, m.lease_until = now, now + self.lease_seconds
         self._heard(now)
 
     def _silent(self, now: float) -> bool:
         """Has no worker been heard from for :data:`SILENCE_LEASES` of a lease while members are active and none
-        waits on the barrier? (A wait is a worker alive as far as the PS can tell: a client may wait longer than a
-        lease without a heartbeat, docs/protocol.md; the stock worker's waits end within half a lease.)"""
+        waits on the barrier (a waiting worker is alive as far as the PS can tell)?"""
         return (self.heard_at is not None and bool(self.active_by_id) and not self.waits
                 and now - self.heard_at >= SILENCE_LEASES * self.lease_seconds)
 
@@ -327,8 +324,7 @@ class Membership:
         return self._expire(gone, now)
 
     def recall(self, m: Member, now: float) -> None:
-        """Expire an active member at once, waiting or not (event ``recalled``): a stuck round needs it to register
-        again (:meth:`ps_service.core.ParameterServerCore.tick`)."""
+        """Expire an active member at once, waiting or not (``recalled``): a stuck round needs it to register again."""
         self._expire([m], now, "recalled")
 
     def expire_all(self, now: float) -> list[Member]:
@@ -349,8 +345,7 @@ class Membership:
                  "registrations": m.registrations} for m in self.all()]
 
     def load(self, records: list[dict], now: float) -> int:
-        """:meth:`export`'s data, members back as expired (left ones stay left): each registers again
-        under its name and gets its id and rank back. How many were active."""
+        """:meth:`export`'s data, members back as expired (left ones stay left). How many were active."""
         for rec in records:
             state = LEFT if rec["state"] == LEFT else EXPIRED
             m = Member(str(rec["worker_id"]), str(rec["name"]), int(rec["rank"]), state, now, now, now,

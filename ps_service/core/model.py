@@ -41,8 +41,8 @@ from shared.shards import Piece
 
 
 def check_weights(tensors: Mapping[str, np.ndarray]) -> None:
-    """A brought model's tensors, each floating point (else 422 ``bad_dtype``) and finite: a NaN or Inf weight
-    would make every update of it NaN (else 422 ``nonfinite_weights``)."""
+    """A brought model's tensors, each floating point (else 422 ``bad_dtype``) and finite (else 422
+    ``nonfinite_weights``: a NaN or Inf weight would make every update of it NaN)."""
     for name, arr in tensors.items():
         if dtype_name(arr.dtype) not in FLOAT_DTYPES:
             raise CoreError("bad_dtype", f"tensor {name!r}: model weights must be floating point")
@@ -175,9 +175,8 @@ class WeightsStore:
 
     def answer(self, weights: dict[str, np.ndarray], key: Hashable, head: dict[str, Any],
                claim: bool = False) -> memoryview | None:
-        """A frame of ``weights`` with ``head`` (``key`` names the head: the same key, the same bytes), moving the
-        weights in first; None when they live elsewhere (see the module's contract). ``claim``: move them in even
-        from elsewhere (the same-host file, whose arrays the caller knows they are: it keeps a copy from then on)."""
+        """A frame of ``weights`` with ``head`` (the same ``key``, the same bytes), moving the weights in first; None
+        when they live elsewhere. ``claim``: move them in even from elsewhere (the same-host file: it keeps a copy)."""
         if not self.holds(weights):
             if not (claim or _movable(weights)):
                 self._forget()

@@ -24,8 +24,7 @@ from shared.protocol import PushRequest, PushStatus
 
 
 def classify(core, m: Member, req: PushRequest, finite: bool, now: float) -> tuple[Verdict, Mapping[str, np.ndarray]]:
-    """The machine's verdict on a push whose layout is valid (``finite``: its values were checked finite), and the
-    gradient the PS owns (dense)."""
+    """The machine's verdict on a push whose layout is valid, and the gradient the PS owns (dense)."""
     if not core.started:
         raise CoreError("not_started", "training has not started (waiting for workers)")
     grads = {k: compression.dense(g) for k, g in req.tensors.items()}

@@ -67,8 +67,7 @@ def _number(name: str, key: str, value: Any) -> float:
 
 
 def normalize_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
-    """A complete, checked optimizer spec (name, learning_rate, every hyper-parameter; ``flavor``
-    only when it is torch). Idempotent."""
+    """A complete, checked optimizer spec (``flavor`` only when it is torch). Idempotent."""
     flavor = spec.get("flavor", "tf1")
     if flavor not in FLAVORS:
         raise CoreError("bad_optimizer", f"flavor {str(flavor)[:32]!r} is not one of {list(FLAVORS)}")
@@ -129,8 +128,7 @@ def _fusable(w: np.ndarray, g: np.ndarray) -> bool:
 
 
 def _sgd_mean(w: np.ndarray, g: np.ndarray, n: int, lr) -> None:
-    """``g /= n; g *= lr; w -= g`` (TF1's SGD on the mean); above :data:`WHOLE_BYTES` one chunk at a time: one pass
-    over memory. Element-wise: the same bits however it is cut."""
+    """``g /= n; g *= lr; w -= g`` (TF1's SGD on the mean), above :data:`WHOLE_BYTES` chunk by chunk: the same bits."""
     wf, gf = w.reshape(-1), g.reshape(-1)
     step = max(1, wf.size) if w.nbytes <= WHOLE_BYTES else FUSED_CHUNK
 
@@ -162,10 +160,9 @@ _SERIALS = itertools.count()
 
 @dataclass(frozen=True)
 class Touched:
-    """What one optimizer's apply number ``iterations`` changed: ``entries[name]``, the flat indices (strictly
-    increasing) whose bits it changed, for the tensors it updated as entries (nothing else of them changed; any other
-    tensor may have changed anywhere), and ``values[name]`` what it wrote there; ``entries`` None: unknown (no apply
-    yet, or a state loaded). ``serial`` names the optimizer (a restore makes another)."""
+    """What the optimizer's apply number ``iterations`` changed: ``entries[name]``, the flat indices (increasing)
+    whose bits it changed in the tensors it updated as entries, ``values[name]`` what it wrote there (any other
+    tensor may have changed anywhere); ``entries`` None: unknown. ``serial`` names the optimizer."""
     serial: int
     iterations: int
     entries: Mapping[str, np.ndarray] | None = None

@@ -84,9 +84,8 @@ class RoundParts:
         return self._closable((q,))
 
     def decide(self, contributors: Mapping[str, Key], applies: bool) -> list[int]:
-        """The round is decided (partition 0 closed, or the decision told) with these contributors (worker id ->
-        (rank, worker id)); frames that waited for their sender's rank join their partitions (those of others are
-        dropped); the partitions that can close now."""
+        """The round is decided with these contributors (worker id -> key): frames that waited for their sender's rank
+        join their partitions (others' are dropped); the partitions that can close now."""
         self.contributors, self.applies = dict(contributors), applies
         self.advanced = self.first > 0 and applies  # (partition 0's update, the Round's, advanced it)
         self.closed.update(range(self.first))
@@ -102,8 +101,7 @@ class RoundParts:
         return self._closable(range(self.first, self.plan.count))
 
     def drop(self, worker_id: str) -> list[int]:
-        """A member will bring no more frames of this round (expired, left, came back): the partitions that can close
-        now (before the decision: none; the decision will not wait for its frames)."""
+        """A member brings no more frames of this round: the partitions that can close now (none if undecided)."""
         self.lost.add(worker_id)
         if not self.decided:
             return []

@@ -260,8 +260,7 @@ class Round:
         return (order[i][1],) if j == len(order) else (order[i][1], order[j][1])
 
     def may_head(self, worker_id: str) -> bool:
-        """Fixed R: would a push of this counted member count (it did, or fewer than R heads came and it sorts after
-        the sum already made)?"""
+        """Fixed R: would this counted member's push count (it did, or < R heads came and it sorts after the sum)?"""
         if worker_id in self.heads:
             return True
         folded = self.acc.folded
@@ -276,8 +275,7 @@ class Round:
         return True
 
     def unhead(self, worker_id: str) -> bool:
-        """Fixed R: a head's push failed before the round took it: its place goes back (the pending keys are looked
-        at again from the sum already made). True if it had one."""
+        """Fixed R: a head's push failed before the round took it: its place goes back. True if it had one."""
         if worker_id not in self.heads or worker_id in self.acc.keys or worker_id in self.skipped:
             return False
         del self.heads[worker_id]
@@ -394,8 +392,7 @@ class CloseRule:
         return max(1, self.min_replicas)
 
     def progress(self, r: Round, now: float | None = None, but: str | None = None) -> Progress:
-        """The round's standing from its counts, O(1); ``now`` None: ignore the deadline; ``but``: a member
-        taken as not alive."""
+        """The round's standing from its counts, O(1); ``now`` None: no deadline; ``but``: a member taken as dead."""
         live, waiting = r.live, r.waiting
         if but is not None:
             out = r.standing(but)
@@ -422,13 +419,11 @@ class CloseRule:
 
 # ---- the round's rank-order sum -----------------------------------------------------------------------------
 class Terms(list):
-    """The top-k pushes of one tensor of the running sum, in rank order, not yet added (:func:`sparse_sum` adds
-    them at once when the sum is taken)."""
+    """The top-k pushes of one tensor of the running sum, in rank order, added at once by :func:`sparse_sum`."""
 
 
 def _owned(g: np.ndarray | SparseTensor) -> np.ndarray | Terms:
-    """The running sum's start from a gradient: a sparse one as the first of its :class:`Terms`, a dense one itself,
-    or a C-contiguous copy when it cannot be written in place."""
+    """The running sum's start: a sparse gradient as :class:`Terms`, a dense one itself or its C-contiguous copy."""
     if isinstance(g, SparseTensor):
         return Terms([g])
     return g if g.flags.writeable and g.flags.c_contiguous else np.array(g, order="C", copy=True)
@@ -514,8 +509,7 @@ class Accumulator:
         return out, n if self.aggregation == "mean" and n > 1 else 1
 
     def _check_sum(self) -> None:
-        """Every :class:`Terms` of the running sum added; then, unless known finite, the sum read once for NaN/Inf: not
-        finite, :attr:`spoiled`."""
+        """Every :class:`Terms` added; then, unless known finite, the sum read once for NaN/Inf (:attr:`spoiled`)."""
         if self.acc is not None and any(isinstance(a, Terms) for a in self.acc.values()):
             self.acc = {name: self._summed(name, a) for name, a in self.acc.items()}
         if self.acc is None or self.spoiled or self._finite:
@@ -552,8 +546,7 @@ class Accumulator:
                     self._finite = False
 
     def _summed(self, name: str, acc: np.ndarray | Terms) -> np.ndarray | SparseTensor:
-        """``acc`` with its :class:`Terms` added (:func:`sparse_sum`), their sums checked as made: not finite (finite
-        values can overflow when added), the sum is :attr:`spoiled`."""
+        """``acc`` with its :class:`Terms` added (:func:`sparse_sum`), checked as made (not finite: :attr:`spoiled`)."""
         if not isinstance(acc, Terms):
             return acc
         with np.errstate(over="ignore", invalid="ignore"):

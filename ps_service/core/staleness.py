@@ -145,8 +145,8 @@ class BoundedStaleness:
 
     # ---- pulls -------------------------------------------------------------------------
     def may_pull(self, worker_id: str) -> bool:
-        """May this worker get weights for its next iteration? Always in async; in SSP when the slowest live
-        clock is >= its clock - s. A worker not live here is not gated (the core refuses it anyway)."""
+        """May this worker pull its next weights? Always in async; in SSP when the slowest live clock is >= its
+        clock - s. A worker not live here is not gated (the core refuses it anyway)."""
         w = self.workers.get(worker_id)
         return self.bound is None or w is None or not w.live or self.floor >= w.clock - self.bound
 
