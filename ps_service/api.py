@@ -227,9 +227,8 @@ async def answer_push(rt, result, step: int, worker_id: str, via: str, pull: boo
 
 
 async def answer_weights(rt, via: str, headers: dict, since: int | None) -> Response:
-    """The weights answer through ``via``, once no partitioned round is between partitions (its step's weights are
-    then all applied: an answer of step g never mixes in g + 1's first partitions), a hot standby holds them and, for
-    a same-host one, once the body answers went first."""
+    """The weights answer through ``via``, once no partitioned round is between partitions (an answer never mixes
+    two steps), a hot standby holds them and, for a same-host one, the body answers went first."""
     core = rt.core
     while core.deciding:  # a partitioned round between partitions: its weights are of no one step until it closes
         await rt.wait_until(lambda: not core.deciding, rt.settings.pull_timeout_max_seconds)
@@ -241,10 +240,8 @@ async def answer_weights(rt, via: str, headers: dict, since: int | None) -> Resp
 
 
 def answer_via(core, via: str) -> str:
-    """The transport weights go back through. In async/ssp always the body: the optimizer updates the
-    same-host weights file in place at every push, while a worker would read it (a torn read); a body's
-    bytes never change once it is handed out (ps_service/core/model.py; same-host pushes still go through
-    the worker's file)."""
+    """The transport weights go back through: in async/ssp always the body (the optimizer updates the same-host
+    weights file in place at every push: a worker would read it torn)."""
     return via if core.modes is None else "http"
 
 

@@ -27,9 +27,8 @@ log = logging.getLogger("ps_service")
 
 
 def server_options(settings: PSSettings) -> dict:
-    """uvicorn's options for a PS beyond host, port, loop and logging: the protocol that reads large bodies
-    straight into the routes' buffers (ps_service/transport/bodysink.py), and the keep-alive timeout every answer
-    announces (shared/keepalive.py)."""
+    """uvicorn's options for a PS beyond host, port, loop and logging: the body-sink protocol
+    (ps_service/transport/bodysink.py) and the keep-alive timeout every answer announces (shared/keepalive.py)."""
     return {"access_log": False, "http": BufferedSinkProtocol, "timeout_keep_alive": settings.http_keepalive_seconds,
             "headers": [(keepalive.HEADER, keepalive.header_value(settings.http_keepalive_seconds))]}
 

@@ -60,8 +60,7 @@ def step_of(path: Path) -> int:
 
 
 def list_checkpoints(directory: str | Path) -> list[Path]:
-    """Checkpoint files in ``directory``, newest step first (temp files, and names of a step beyond
-    :data:`~shared.protocol.MAX_INT`, which no PS writes, are not listed)."""
+    """Checkpoint files in ``directory``, newest step first (no temp files, no step beyond ``MAX_INT``)."""
     d = Path(directory)
     found = [(int(m.group(1)), p) for p in d.iterdir() if (m := NAME_RE.match(p.name))] if d.is_dir() else []
     return [p for step, p in sorted(found, reverse=True) if step <= MAX_INT]
@@ -120,8 +119,8 @@ class _Meta(_Strict):
 
 
 def decode(data: bytes, step: int | None = None) -> dict[str, Any]:
-    """The state in a checkpoint file's bytes, every field checked; CheckpointError if unusable (also if its
-    global step is not ``step``, when given: the one in the file's name)."""
+    """The state in a checkpoint file's bytes, every field checked (its step ``step``, when given); else
+    CheckpointError."""
     try:
         outer = unpack(data)
         if not isinstance(outer, dict) or outer.get("format") != FORMAT:
@@ -334,8 +333,8 @@ class Checkpointer:
         return info
 
     def rewound(self, step: int) -> list[Future]:
-        """The core went back live to ``step`` (a sharded PS's rollback): the next checkpoint is due counting from
-        there. The writes still running (of abandoned steps: wait for them before deleting the files after ``step``)."""
+        """The core went back live to ``step``: the next checkpoint counts from there. The writes still running (wait
+        for them before deleting the files after ``step``)."""
         self.last_step = self.written_step = step
         return [f for f in [self._running] if f is not None and not f.done()]
 

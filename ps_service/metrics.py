@@ -43,8 +43,7 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
 
 
 def staleness_histogram(counts: dict[int, int]) -> HistogramMetricFamily:
-    """The exact staleness distribution the core keeps (value -> count), as cumulative buckets: built at scrape
-    time, nothing per push."""
+    """The exact staleness distribution the core keeps (value -> count) as cumulative buckets, at scrape time."""
     h = HistogramMetricFamily("ps_gradient_staleness_steps", "Per applied gradient (async/ssp): global steps "
                               "between the weights it was computed on and those it was applied to.")
     buckets = [(str(le), sum(n for v, n in counts.items() if v <= le)) for le in STALENESS_BUCKETS]

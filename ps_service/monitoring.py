@@ -94,8 +94,7 @@ def straggler_totals(records: list[RoundRecord]) -> list[dict]:
 
 
 def throughput(core: ParameterServerCore, now: float) -> dict:
-    """Rates from counters: (rounds closed, examples, gradients applied) now minus at the start of the window,
-    over its span."""
+    """Rates from counters (rounds closed, examples, gradients applied) over the window, and the kept rounds' mean."""
     window, (rounds, examples, applied) = core.rates.rates(
         now, (core.rounds_closed, core.examples, core.gradients_applied))
     kept = core.rounds
@@ -105,8 +104,8 @@ def throughput(core: ParameterServerCore, now: float) -> dict:
 
 
 def modes_view(core: ParameterServerCore) -> dict:
-    """async/ssp: the live workers' clocks (by name), the slowest, fastest and their spread; the staleness (global
-    steps) of the gradients applied since start: count and percentiles (both null in sync)."""
+    """async/ssp: the live workers' clocks by name, slowest, fastest, spread; the applied gradients' staleness
+    percentiles (both null in sync)."""
     modes = core.modes
     if modes is None:
         return {"clocks": None, "staleness": None}

@@ -32,8 +32,7 @@ STALL_SECONDS = 30.0
 
 
 class ProbeProtocol(IdleUntilHead, HttpToolsProtocol):
-    """uvicorn's, its idle timeout (``PS_HTTP_KEEPALIVE_SECONDS``, as the main port's) running from the connection's
-    start until a request's head is whole."""
+    """uvicorn's, its idle timeout (``PS_HTTP_KEEPALIVE_SECONDS``) running from the start until a head is whole."""
 
 
 class ProbeListener:
@@ -69,8 +68,7 @@ class ProbeListener:
             await asyncio.sleep(PULSE_SECONDS)
 
     async def start(self, deadline: float = 10.0) -> None:
-        """Bind the port here (taken: RuntimeError, no thread started), then start the thread; raise if its server
-        is not listening within ``deadline`` s."""
+        """Bind the port (taken: RuntimeError), start the thread; raise if not listening within ``deadline`` s."""
         config = self.server.config
         try:
             family = socket.AF_INET6 if ":" in config.host else socket.AF_INET

@@ -64,8 +64,7 @@ class Runtime:
         self.aborts = 0
 
     def take_parts(self, shards, ha) -> None:
-        """Take this process's parts in a sharded PS (``ps_service.sharding.role``; None: one PS) and in a hot-standby
-        pair (``ps_service.standby.pair``; None: none)."""
+        """Take this process's parts in a sharded PS and in a hot-standby pair (None: none)."""
         self.shards, self.ha = shards, ha
         if shards is not None and shards.coordinator:
             self.observers.append(shards.observe)  # closed rounds go to the followers
@@ -98,8 +97,7 @@ class Runtime:
         return t
 
     def barrier(self) -> tuple:
-        """What waits wait on: (global step, job state, the SSP floor, the counts of rollbacks, recalls and leaves:
-        each ends the waits it concerns)."""
+        """What waits wait on: (step, job state, SSP floor, the counts of rollbacks, recalls and leaves)."""
         core = self.core
         return core.global_step, core.state(), core.pull_floor, core.rewinds, core.recalls, core.leaves
 
@@ -181,8 +179,7 @@ class Runtime:
             core.members.end_wait(worker_id, self.now())
 
     def _wake_turns(self, everyone: bool) -> None:
-        """Wake the pushes whose turn to be read may have come (every one when the barrier moved: a closed round
-        makes them late, a leave or a rollback refuses them)."""
+        """Wake the pushes whose turn to be read may have come (every one when the barrier moved)."""
         ids = list(self._turns) if everyone else self.core.readers()
         if ids is None:  # anyone: the longest-waiting
             ids = list(self._turns)[:1]
@@ -244,8 +241,7 @@ class Runtime:
             await asyncio.sleep(every)
 
     async def ticker(self) -> None:
-        """Background task: leases, start-up grace, round deadlines (and a reading of the clock at least every
-        ``PS_TICK_SECONDS``: :meth:`now`)."""
+        """Background task: leases, start-up grace, round deadlines, a reading of the clock (:meth:`now`)."""
         while True:
             await asyncio.sleep(self.settings.tick_seconds)
             now = self.now()

@@ -97,8 +97,7 @@ class TensorSeam:
                                prefix, progress)
 
     async def _claimed(self, worker_id: str, waiting: Awaitable, claimed: list):
-        """What ``waiting`` (a push's wait for its turn) returns once claimed (the worker's id then in ``claimed``); a
-        wait that ends otherwise is told to the core (:meth:`ParameterServerCore.withdraw`)."""
+        """What a push's wait for its turn returns once claimed (its id then in ``claimed``); else core.withdraw."""
         try:
             out = await waiting
         except BaseException:
@@ -110,7 +109,7 @@ class TensorSeam:
     async def _body_turn(self, request: Request, turn: Turn, who: tuple[str, int], prefix: tuple[bytearray, bool]
                          ) -> tuple[bytearray, bool]:
         """Wait for a body's turn (at most a lease), taking what the server holds of it every :data:`TRICKLE_SECONDS`
-        meanwhile (so the sender's window opens before the TCP user timeout). What was read of the body."""
+        (the sender's window opens before the TCP user timeout). What was read of the body."""
         got, ended = prefix
         times = max(1, math.ceil(self.settings.lease_seconds / TRICKLE_SECONDS))
         for i in range(times):
@@ -229,9 +228,8 @@ class TensorSeam:
 
     async def receive_push(self, request: Request, members: bool = True, turn: Turn | None = None
                            ) -> tuple[PushRequest, str]:
-        """A shard's held pieces (ps_service/sharding): the push, its arrays the core may keep, and its transport;
-        404/409 for a worker that must register (``members`` False: no membership check, a follower). ``turn``: a
-        large push's tensors are read only once it returns, as :meth:`push`'s."""
+        """A shard's held pieces (ps_service/sharding): the push, and its transport; 404/409 for a worker that must
+        register (``members`` False: no membership check, a follower). ``turn``: as :meth:`push`'s."""
         claimed: list[str] = []
         try:
             push, seq, frames = await self._push_frame(request, turn, claimed)
@@ -246,9 +244,8 @@ class TensorSeam:
 
     async def _push_frame(self, request: Request, turn: Turn | None = None, claimed: list | None = None,
                           feed: Feed | None = None) -> tuple[PushRequest, int | None, list[frame.Frame]]:
-        """(the push of the body's first frame, its ``shm_seq``, the body's frames: one, or a partitioned push's Q);
-        a body that carries the tensors is counted in :attr:`bytes_in`. ``feed``: a partitioned push's frames go to
-        the core as they arrive (:mod:`ps_service.transport.partitioned`)."""
+        """(the push of the body's first frame, its ``shm_seq``, the body's frames), the body counted in
+        :attr:`bytes_in` if it carries the tensors. ``feed``: a partitioned push's frames go as they arrive."""
         self.drop_body()  # its buffer may serve this push's body (bounds the PS's memory)
         body = await self._body(request, turn=turn, claimed=claimed, progress=feed)
         if feed is not None and feed.partitioned:
@@ -287,8 +284,8 @@ class TensorSeam:
         return replace(push, tensors=tensors, finite_checked=checked)
 
     async def receive_model(self, request: Request) -> ModelInit:
-        """A model's upload. Every worker of a new job may send one at once: a large one is read one at a time, and
-        not at all once the model is initialised (409 ``already_initialized`` before its body: the first one won)."""
+        """A model's upload: a large one read one at a time, and not at all once the model is initialised (409
+        ``already_initialized`` before its body)."""
         if _length(request) >= GATED_BYTES:
             declared_length(request, self.settings.max_body_bytes, frame.MEDIA_TYPE)  # 415, 413 first
             async with self._model_reads:
@@ -306,9 +303,8 @@ class TensorSeam:
         return "shm" if shm and self.shm.weights_name is not None else "http"
 
     def weights_response(self, via: str, headers: dict | None = None, since: int | None = None) -> Response:
-        """The current weights: a frame of them (the same bytes for every worker of a step), or, for a
-        same-host worker, a frame with no tensors (they are in the weights file). ``since``: the step whose
-        weights the worker holds (a delta from it when one is offered, else dense)."""
+        """The current weights: a frame of them (the same bytes for every worker of a step), or, same-host, a frame
+        with no tensors. ``since``: the step whose weights the worker holds (a delta when offered, else dense)."""
         core = self.core
         if via == "shm":
             self._file_current()

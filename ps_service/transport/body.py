@@ -85,9 +85,9 @@ def declared_length(request: Request, limit: int, media_types: tuple[str, ...] |
 
 async def read_prefix(request: Request, want: Callable[[bytearray], int], idle_timeout: float = BODY_IDLE_TIMEOUT
                       ) -> tuple[bytearray, bool]:
-    """The body's first bytes, received until ``want(got)`` (the bytes it needs: an int) is at most what came, or the
-    body ended: (those bytes, whether the body ended). Refusals as :func:`read_body`'s. The rest stays unread (in the
-    server's small buffer and the kernel's) until :func:`read_body` is given them as its ``prefix``."""
+    """The body's first bytes, received until ``want(got)`` (the bytes it needs) is at most what came, or the body
+    ended: (those bytes, whether it ended). Refusals as :func:`read_body`'s; the rest stays unread until
+    :func:`read_body` is given them as its ``prefix``."""
     got = bytearray()
 
     def take(chunk: bytes) -> bool:

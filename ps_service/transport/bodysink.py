@@ -55,10 +55,9 @@ def _content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
 
 
 class IdleUntilHead:
-    """Mixed into uvicorn's httptools protocol (the PS's main port, its probe port): the idle (keep-alive) timeout is
-    armed when the connection is made, not only after an answer, and runs on until a request's head is whole, so a
-    connection that sends no request, or a head a byte at a time (slowloris) or never finished, is closed as an idle
-    one (docs/protocol.md, Connections)."""
+    """Mixed into uvicorn's httptools protocol (main and probe ports): the idle timeout is armed from the
+    connection's start until a request's head is whole, so a connection that sends no request, or a head never
+    finished (slowloris), is closed as an idle one (docs/protocol.md, Connections)."""
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)

@@ -44,8 +44,8 @@ class WeightDeltas:
 
     def observe(self, step: int, iterations: int, weights: Mapping[str, np.ndarray],
                 touched: Touched | None = None) -> None:
-        """The weights about to be served are those of ``step`` (after ``iterations`` applies of the optimizer
-        whose last apply could change ``touched``): if it is a new step, find what changed."""
+        """The weights about to be served are ``step``'s (after ``iterations`` applies; ``touched``: the last one's):
+        at a new step, find what changed."""
         serial, self._serial = self._serial, None if touched is None else touched.serial
         if step == self.step and iterations == self._iterations and serial == self._serial:
             return

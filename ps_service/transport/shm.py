@@ -131,8 +131,7 @@ class ShmHub:
                 weights[key] = view
 
     def mirror(self, weights: dict[str, np.ndarray], step: int) -> None:
-        """Copy the core's weights, kept elsewhere (the frame of the body answers), into the file as ``step``'s:
-        its marker says "writing" meanwhile (the core's arrays stay where they are)."""
+        """Copy the core's weights, kept elsewhere, into the file as ``step``'s (marker "writing" meanwhile)."""
         self._weights.marker = shm.WRITING
         for key, view in self._views.items():
             np.copyto(view, weights[key])
@@ -172,8 +171,7 @@ class ShmHub:
             self.detach(worker_id)
 
     def gradients(self, worker_id: str, seq: object) -> tuple[dict[str, np.ndarray], bool]:
-        """One push's gradients, copied out of the worker's file into a buffer of the PS's own, and whether they are
-        finite (checked as copied; not: the core's own check refuses or skips the push)."""
+        """One push's gradients copied out of the worker's file into memory the PS owns, and whether finite."""
         region = self.attached.get(worker_id)
         if region is None or self.layout is None:
             raise ProtocolError(409, "shm_not_attached", "this worker has no gradient file here: attach again")

@@ -56,9 +56,8 @@ class Partitions:
         return self.streamable(min_step)
 
     def closed(self) -> None:
-        """The core's hook: encode each partition of the open round that closed since, at once (the weights of that
-        partition are step s + 1's until the next round's partition closes); when the round closed (the step
-        advanced), the partitions left, the last with the next round's ranks."""
+        """The core's hook: encode each partition of the open round that closed since; when the round closed (the
+        step advanced), the partitions left, the last with the next round's ranks."""
         core = self.core
         plan = core.partitions
         if plan is None:
