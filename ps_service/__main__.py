@@ -6,9 +6,8 @@ import logging
 import os
 import sys
 
-# One BLAS thread (unless set): the PS's BLAS calls are small dot products (the NaN/Inf check), which a
-# threaded OpenBLAS makes ~400x slower on a loaded 2-core host (25 ms instead of 60 us per 25k elements,
-# py-spy: 76 % of a shard's time with 64 workers). Set before numpy is first imported.
+# One BLAS thread (unless set), before numpy is imported: the NaN/Inf check's small dot products were ~400x slower
+# threaded on a loaded 2-core host (25 ms instead of 60 us per 25k elements, 76 % of a shard's time at 64 workers).
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import uvicorn

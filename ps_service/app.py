@@ -74,8 +74,7 @@ def create_app(settings: PSSettings | None = None, exit_on_refusal: bool = False
             if rt.ha is not None:
                 await rt.ha.close()
 
-    # /docs and /redoc from assets in the package (fastapi-offline), not FastAPI's CDN (a blank page offline);
-    # none of them, nor /openapi.json, in production
+    # /docs and /redoc from the package's assets (fastapi-offline: no CDN); none, nor /openapi.json, in production
     make, docs = FastAPIOffline, {}
     if settings.production:
         make, docs = FastAPI, {"docs_url": None, "redoc_url": None, "openapi_url": None}
@@ -98,8 +97,7 @@ def create_app(settings: PSSettings | None = None, exit_on_refusal: bool = False
         app.include_router(standby_routes.router, dependencies=auth.TRAINING)
     app.include_router(monitoring.router, dependencies=auth.MONITORING)
     app.include_router(metrics.router, dependencies=auth.MONITORING)
-    # the dashboard's page and assets hold no data (its script fetches the guarded JSON routes with the
-    # token given as /#token=...): a browser cannot send a bearer header when it opens a page
+    # open: the dashboard's files hold no data (its script sends the token of /#token=... to the JSON routes)
     app.include_router(dashboard.router)
     app.include_router(monitoring.health)
     return app

@@ -216,8 +216,7 @@ def write_checkpoint(directory: str | Path, state: dict[str, Any], keep: int) ->
     for old in files[keep:]:
         old.unlink(missing_ok=True)
     kept = {p.name for p in files[:keep]}
-    # the old manifest's entries of kept files, each with its file's step (anything else, edited or damaged, is
-    # dropped: the files are the truth)
+    # the old manifest's well-formed entries of kept files (the files are the truth)
     known = {e["file"]: e for e in read_manifest(d).get("checkpoints", []) if isinstance(e, dict)
              and isinstance(e.get("file"), str) and e["file"] in kept and type(e.get("step")) is int
              and e["step"] == step_of(Path(e["file"]))}

@@ -1,13 +1,11 @@
 """A fused multiply-add for numpy arrays: ``fma(a, b, c) = a * b + c`` rounded once, as C's ``fma``.
 
-torch's CPU kernels compute ``add(x, y, alpha)``, ``lerp`` and friends with a fused multiply-add
-(``vec::fmadd``), so reproducing ``torch.optim`` bit for bit needs one; numpy has none.
+torch's CPU kernels compute ``add(x, y, alpha)``, ``lerp`` and friends with one (``vec::fmadd``); numpy has none.
 
-Contract: for float32 and float64 arrays (and scalars of that dtype; broadcasting as numpy's) the
-result is the correctly rounded (round-to-nearest-even) value of the exact ``a * b + c``, element by
-element, provided nothing overflows and no intermediate falls into the subnormal range (|a * b| and
-|c| well above 1e-290 in float64, above 1e-30 in float32, or exactly 0), which holds for weights,
-gradients and optimizer slots. Outside that range the result may be off by one ulp.
+Contract: for float32 and float64 arrays (and scalars of that dtype; numpy's broadcasting) the result is the correctly
+rounded value of the exact ``a * b + c``, element by element, provided nothing overflows and no intermediate is
+subnormal (|a * b| and |c| above 1e-290 in float64, 1e-30 in float32, or 0), as for weights, gradients and slots.
+Outside that range it may be off by one ulp.
 
 How: float32 computes ``a * b`` exactly in float64 (24 + 24 bits fit in 53), adds ``c`` and rounds the
 sum to odd in float64 (the error of the addition, by TwoSum, decides the last bit), then rounds to

@@ -32,11 +32,9 @@ class Intake:
         self.reading: set[str] = set()
         #: claims refused so far (monitoring, tests: the pushes that waited for their turn)
         self.deferred = 0
-        #: pushes read out of turn, having waited their transport's patience (a round held up by a slow or gone
-        #: member): each is a gradient held beyond the bound
+        #: pushes read out of turn, having waited their transport's patience: each a gradient held beyond the bound
         self.overdue = 0
-        #: fixed R: workers whose late, stale or duplicate push is being read (one at a time, :meth:`claim_late`), and
-        #: those waiting to be, in arrival order
+        #: fixed R: the worker whose late, stale or duplicate push is being read (:meth:`claim_late`), those waiting
         self.refusing: set[str] = set()
         self.queued: dict[str, None] = {}
 

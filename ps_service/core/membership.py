@@ -124,8 +124,7 @@ class Membership:
         self._order: dict[str, int] = {}  # worker_id -> position in by_id (registration order)
         #: since when leases are held (:meth:`hold`), or None
         self.held_since: float | None = None
-        #: when a worker's request last renewed a lease (None: never), and since when the PS has heard from no
-        #: worker while leases are held for that silence (None: not silent)
+        #: when a worker's request last renewed a lease, and since when a silence holds the leases (None: never, not)
         self.heard_at: float | None = None
         self.silent_since: float | None = None
         #: when leases last ran again after a hold or a silence (a round's deadline counts from then at the earliest)

@@ -177,12 +177,10 @@ class Round:
     _ranks: tuple[int, ...] | None = field(default=None, init=False, repr=False, compare=False)
     #: R (fixed R; None: elastic)
     replicas: int | None = None
-    #: fixed R: the members whose push counted at its head (at most R, arrival order), and those done with the round
-    #: without contributing (their push came after R heads: answered ``late``)
+    #: fixed R: the members whose push counted at its head (at most R), and those done without contributing (late)
     heads: dict[str, None] = field(default_factory=dict, repr=False)
     lost: set[str] = field(default_factory=set, repr=False)
-    #: fixed R, a sharded PS: the members whose hold came after R heads (:meth:`refuse`), in order (its coordinator
-    #: tells its followers, ps_service/sharding/turns.py)
+    #: fixed R, a sharded PS: the members whose hold came after R heads (:meth:`refuse`), in order
     refused: list[str] = field(default_factory=list, repr=False)
     #: of them, those it took back (they registered again into the stuck round, :meth:`join`), in order
     back: list[str] = field(default_factory=list, repr=False)
@@ -472,8 +470,7 @@ class Accumulator:
     spoiled: bool = False
     #: the first tensor of the final sum found not finite, None if none
     overflow: str | None = None
-    #: the running sum is known finite (one checked gradient, or a sum checked as made); False once something was
-    #: added in place unchecked, and then :meth:`_check_sum` reads it once when the round ends
+    #: the running sum is known finite; False once something was added in place unchecked (:meth:`_check_sum`)
     _finite: bool = field(default=True, repr=False)
 
     def __len__(self) -> int:

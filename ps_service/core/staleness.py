@@ -1,21 +1,18 @@
 """Bounded staleness: the async and SSP modes' state machine (``PS_MODE=async|ssp``). Pure: no I/O, no clock.
 
-Who is live comes in as events (:meth:`BoundedStaleness.join` on a registration, :meth:`drop` on a leave or an
-expired lease); time comes in as ``now``, the global step (the core's model's) as an argument. The caller does what
-the :class:`Verdict` says: one optimizer step with the gradient when it ``applies`` (``accepted``), and
-``global_step += 1`` when it ``advances`` (``accepted``, or ``skipped``: the step passes without an update), so
-``global_step`` counts the iterations completed.
+Who is live comes in as events (:meth:`BoundedStaleness.join`, :meth:`drop`); time as ``now``, the global step as an
+argument. The caller does what the :class:`Verdict` says: one optimizer step when it ``applies`` (``accepted``), and
+``global_step += 1`` when it ``advances`` (``accepted`` or ``skipped``), so ``global_step`` counts the iterations.
 
-Contract: the rules of docs/protocol.md, "Modes" (the push statuses in their order, staleness, clocks and joins, the
-SSP wait, checkpoints); async (``bound=None``) and ssp (``bound=s``) differ only in :meth:`may_pull`. Also:
+Contract: the rules of docs/protocol.md, "Modes"; async (``bound=None``) and ssp (``bound=s``) differ only in
+:meth:`may_pull`. Also:
 
 - a clock moves only once its iteration's update is in the weights, so a read granted at clock c sees the updates of
-  every live worker's iterations at clocks below ``c - s`` (Petuum's SSP read guarantee; s counts per-worker clocks);
-- the floor (the slowest live clock; with nobody live, where the last one left it) never goes down; ``max_spread`` is
-  the largest spread (fastest - slowest live clock) seen after each push and join: ssp keeps it <= s + 1;
+  every live worker's iterations at clocks below ``c - s`` (Petuum's SSP read guarantee);
+- the floor (the slowest live clock; with nobody live, where the last one left it) never goes down; ``max_spread``
+  (fastest - slowest live clock, after each push and join): ssp keeps it <= s + 1;
 - :meth:`load` brings :meth:`export`'s clocks back with nobody live, no duplicate memory and no statistics;
-- cost: push and pull decisions O(1); a join or a drop O(min(spread, distinct clocks)); per worker a few ints, the
-  staleness distribution one counter per distinct value.
+- cost: push and pull decisions O(1); a join or a drop O(min(spread, distinct clocks)).
 """
 from __future__ import annotations
 

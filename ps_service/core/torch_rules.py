@@ -1,7 +1,7 @@
 """torch.optim's update rules on the PS (``"flavor": "torch"``), in numpy, without torch.
 
-Each rule is torch's single-tensor CPU implementation (``torch/optim/*.py``, ``foreach=False``, what
-torch runs for CPU tensors), operation by operation, in the weight's dtype:
+Each rule is torch's single-tensor CPU implementation (``torch/optim/*.py``, ``foreach=False``), operation by
+operation, in the weight's dtype:
 
 - ``sgd`` / ``momentum`` (torch.optim.SGD; "momentum" when momentum > 0: its buffer is the slot ``accum``)::
 
@@ -25,13 +25,11 @@ torch runs for CPU tensors), operation by operation, in the weight's dtype:
       clr = lr / (1 + (t - 1) * lr_decay)
       a = fma(g, g, a);  w = w + (-clr * g) / (sqrt(a) + eps)
 
-Scalars are computed as torch computes them (Python floats) and then rounded to the weight's dtype,
-as torch's kernels do; ``fma`` is a fused multiply-add (:mod:`ps_service.core.fma`), which torch's CPU
-kernels use for ``add(alpha=)``, ``lerp`` and ``addcmul``. SGD is therefore bit-identical to torch, and
-Adam, AdamW and Adagrad but for the square root: :data:`sqrt` is correctly rounded, while torch's CPU
-``sqrt`` is MKL's VML (high-accuracy mode), which starts from the approximate ``rsqrtps`` instruction (or
-``vrsqrt14``, by CPU) and refines it with Newton steps: 1 ulp off on some inputs, with bits that depend on
-the CPU, so numpy cannot reproduce them (docs/torch.md has the measurements).
+Scalars are computed as torch does (Python floats), then rounded to the weight's dtype; ``fma`` is a fused
+multiply-add (:mod:`ps_service.core.fma`), as torch's CPU kernels use for ``add(alpha=)``, ``lerp`` and ``addcmul``.
+SGD is bit-identical to torch, and Adam, AdamW and Adagrad but for the square root: :data:`sqrt` is correctly
+rounded, torch's CPU ``sqrt`` (MKL's VML, refined from the approximate ``rsqrtps``) is 1 ulp off on some inputs, with
+bits that depend on the CPU (docs/torch.md has the measurements).
 """
 from __future__ import annotations
 

@@ -42,14 +42,12 @@ from shared.protocol import (STEP_HEADER, ModelInit, PushRequest, check_partitio
                              parse_push_meta, push_partitions)
 
 
-#: a push's tensors from this size on are read in their turn (ps_service/core/intake.py); smaller ones at once (a
-#: waiting route costs more than they weigh)
+#: a push's tensors from this size on are read in their turn (ps_service/core/intake.py); smaller ones at once
 GATED_BYTES = 1 << 20
 #: a body waiting for its turn has what the server holds of it taken this often: well within the clients' TCP user
 #: timeout, which ends a connection whose peer keeps its window shut that long (shared/liveness.py)
 TRICKLE_SECONDS = liveness.USER_TIMEOUT_SECONDS / 2.5
-#: the runtime's wait for a push's turn: (worker id, step, seconds, last): True once claimed (``last``: at the end of
-#: the wait, out of turn), else False
+#: the runtime's wait for a push's turn (:meth:`ps_service.runtime.Runtime.turn`)
 Turn = Callable[[str, int, float, bool], Awaitable[bool]]
 
 
@@ -76,8 +74,7 @@ class TensorSeam:
         self._shm_body = b""
         #: one large model upload read at a time (:meth:`receive_model`)
         self._model_reads = asyncio.Lock()
-        #: step s + 1's weights as round s's partitions close, for pulls answered partition by partition (None: the
-        #: job's rounds are not partitioned)
+        #: step s + 1's weights as round s's partitions close (None: the job's rounds are not partitioned)
         self.partitions = Partitions(core) if settings.partition_bytes else None
 
     async def _body(self, request: Request, recurring: bool = True, turn: Turn | None = None,

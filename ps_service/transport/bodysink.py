@@ -31,10 +31,8 @@ from ps_service.transport.body import SINK_KEY, BodySink
 from ps_service.transport.unread import LingeringTransport
 from shared import liveness
 
-#: bytes per socket read outside a sink. Small on purpose: the read that brings a push's headers also
-#: brings the start of its body, which goes through the parser (and two more copies) before the route has
-#: set its sink. Headers and JSON bodies fit in one read; only bodies that never get a sink (chunked) take
-#: more reads.
+#: bytes per socket read outside a sink. Small on purpose: the read that brings a push's headers also brings the
+#: start of its body, through the parser (two more copies) before the route set its sink; headers and JSON fit.
 READ_CHUNK = 16 << 10
 _thread = threading.local()
 

@@ -1,17 +1,14 @@
 """A pull answered partition by partition (docs/protocol-partitions.md, Pull).
 
-Contract: in a job with partitioned rounds (``PS_PARTITION_BYTES`` > 0) the core calls :meth:`Partitions.closed`
-(its ``on_partition`` hook) after every call that closed partitions of the open round. While round s is decided
-and its partitions still close, :attr:`Partitions.current` is step s + 1's :class:`StepFrames`: each partition's
-frame of the weights is encoded (its bytes copied, once, into a buffer of the PS's pool,
-:data:`ps_service.core.buffers.POOL`) as soon as the partition closed, so an answer in flight sends bytes that no
-later round changes; the last partition's frame waits for the round's close (its meta names the next
-round's ``ranks`` and ``done``, known only then). A pull may send a :class:`StepFrames` while it fills: its frames in
-partition order, each as soon as it is encoded (:meth:`StepFrames.has`). Frame 0 is the answer's head,
-``{"step": s + 1, "partitions": Q}`` and partition 0's pieces (partition 0 closes at the round's decision); frame q
-has the meta ``{"partition": q}`` (the last: ``{"partition": Q - 1, "done": bool, "ranks": [...]}``) and partition
-q's pieces, each frame at the first multiple of 64 bytes after the one before (zero bytes between), as a
-partitioned push's body. The default (no partitions) never makes one: :meth:`closed` is not installed.
+Contract: with partitioned rounds (``PS_PARTITION_BYTES`` > 0) the core calls :meth:`Partitions.closed` (its
+``on_partition`` hook) after every call that closed partitions. While round s is decided and its partitions still
+close, :attr:`Partitions.current` is step s + 1's :class:`StepFrames`: each partition's frame of the weights is
+encoded (copied once into a pooled buffer) as soon as the partition closed, so an answer in flight sends bytes no
+later round changes; the last one waits for the round's close (its meta names the next round's ``ranks`` and
+``done``). A pull may send a :class:`StepFrames` while it fills, each frame once encoded (:meth:`StepFrames.has`).
+Frame 0 is the answer's head, ``{"step": s + 1, "partitions": Q}``, with partition 0's pieces; frame q has the meta
+``{"partition": q}`` (the last: with ``"done"`` and ``"ranks"``), each at the next multiple of 64 bytes, as a
+partitioned push's body. Without partitions :meth:`closed` is not installed.
 """
 from __future__ import annotations
 
