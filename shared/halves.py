@@ -1,17 +1,14 @@
 """float32 <-> the two 16-bit floats of the wire, ``bfloat16`` and IEEE ``float16``, bit for bit. Pure numpy; no I/O.
 
-The ``bf16`` and ``fp16`` encodings (shared/compression.py) cast every float32 gradient down on the worker and back
-up on the PS. numpy's and ml_dtypes' casts do it one element at a time (a float32 -> float16 cast of 1e7 elements:
-58 ms on the 2-core Intel Xeon VM, against 24 here). Here each cast is a few whole-array integer and float operations,
-chunk by chunk (:data:`shared.scan.CHUNK` elements, so the temporaries stay in the L2 cache); float16 is widened by a
-gather from a table. The times:
-bench/results/2026-12-02-float16-casts-in-whole-array-arithmetic-sixteenth-session.jsonl.
+The ``bf16`` and ``fp16`` encodings (shared/compression.py) cast float32 gradients down on the worker and back up on
+the PS. Each cast here is a few whole-array integer and float operations, chunk by chunk (:data:`shared.scan.CHUNK`
+elements: the temporaries stay in the L2 cache), float16 widened by a gather from a table; the libraries' casts go
+an element at a time (times: bench/results/2026-12-02-float16-casts-in-whole-array-arithmetic-sixteenth-session.jsonl).
 
 Contract: :func:`to_bf16` and :func:`to_fp16` return exactly ``x.astype(bfloat16)`` / ``x.astype(float16)`` of a
-float32 array (round to nearest even; float16: from 65520 on +-Inf, up to 2**-25 a signed zero, subnormals
-rounded the same way), with the shape of ``x``; a chunk holding a NaN is cast by the library (a NaN's payload is
-its business). :func:`from_bf16` and :func:`from_fp16` widen to float32 exactly (every 16-bit pattern, Inf and
-NaN included, gives the library's float32), into memory from ``alloc``.
+float32 array (round to nearest even, subnormals and overflow to +-Inf included), with the shape of ``x``; a chunk
+holding a NaN is cast by the library. :func:`from_bf16` and :func:`from_fp16` widen to float32 exactly (every 16-bit
+pattern gives the library's float32), into memory from ``alloc``.
 """
 from __future__ import annotations
 

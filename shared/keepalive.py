@@ -1,17 +1,10 @@
 """How long a client may reuse an idle kept-alive connection to a PS (docs/protocol.md, "Connections").
 
-The PS closes a connection that stayed idle for ``PS_HTTP_KEEPALIVE_SECONDS`` (uvicorn's ``timeout_keep_alive``)
-and says so on every answer: ``keep-alive: timeout=<seconds>``. A request a client sends while that close is on its
-way is lost (the PS never read it): the client sees the connection closed before any answer and has to send it
-again. A client cannot tell from the socket alone that the close is imminent (it polls the socket before reuse, but
-between that poll and its send a busy machine can deschedule it; a PS whose event loop is busy fires the expired
-timer late, while the request already sits unread in its socket). So a client reuses a connection only while it
-has been idle for less than :func:`reuse_seconds` of the PS's timeout (half of it) and opens a fresh one after
-that: a TCP handshake, against an idle time of at least seconds.
-
-The PS's default is 60 s, not uvicorn's 5, so that this rule does not make every heartbeat (one each lease/3, 3.3 s
-by default) and every step of a few seconds open a connection: a PS accepts one new connection per event-loop turn
-(uvloop), and a thousand of them at once queue behind the round's work.
+The PS closes a connection idle for ``PS_HTTP_KEEPALIVE_SECONDS`` (uvicorn's ``timeout_keep_alive``; default 60 s, so
+heartbeats and steps of a few seconds keep their connections) and says so on every answer: ``keep-alive:
+timeout=<seconds>``. A request sent as that close is on its way is lost unread, and a client cannot tell from the
+socket that the close is imminent; so a client reuses a connection only while it has been idle for less than
+:func:`reuse_seconds` of the PS's timeout (half of it) and opens a fresh one after that.
 """
 from __future__ import annotations
 

@@ -1,29 +1,13 @@
 """How a connection between a worker and a PS (or two shards) notices that the host at its other end went silent
-(docs/protocol.md, "Connections").
+(docs/protocol.md, "Connections", says why and what was measured).
 
-A host cut off the network sends no reset and no error: packets just stop. Left to TCP's defaults, a request in
-flight is retransmitted with a doubling backoff (0.2 s, 0.4 s, ... 13 s, 26 s, ...), so the job moved again 6.5 s
-after a 20 s outage and 10.5 s after a 60 s one (measured between emulated hosts of bench/hosts.py),
-and a connection idle in a long poll notices nothing until the request's whole timeout (30 s plus the wait) ran out.
-
-Both ends therefore set, on every connection (Linux; elsewhere what the platform has):
-
-- ``TCP_USER_TIMEOUT`` of :data:`USER_TIMEOUT_SECONDS`: data sent and not acknowledged that long ends the
-  connection; a connect waits no longer than that either (:func:`connect_timeout`, given to every client's connect);
-- keep-alive probes after :data:`IDLE_SECONDS` with nothing received, every :data:`INTERVAL_SECONDS`: a long
-  poll whose PS host vanished ends after about the user timeout, not after its request timeout.
-
-Acknowledgements and probe answers come from the peer's kernel, not from its program: a PS busy for seconds (a
-thousand workers, a large model to encode) or paused keeps every idle or waiting connection, so a slow peer is not
-taken for a gone one while nothing waits to be sent. Data that waits is another matter: on current Linux (measured
-on 6.18; the kernel change "tcp: fix TCP_USER_TIMEOUT with zero window", 2021) the user timeout also ends a
-connection whose peer kept its receive window shut that long, i.e. read nothing while its buffers were full. So a
-push larger than the socket buffers (a few MB), sent to a PS stopped for more than 5 s (``SIGSTOP``, a paused
-container or VM), ends in ``ETIMEDOUT`` just like one sent into a silent network, and so does a large answer to a
-client that reads nothing for 5 s. Either way the client retries on a fresh connection (a push whose body had
-arrived whole is answered ``duplicate``; a partial one was never counted), each attempt's connect bounded by
-:func:`connect_timeout`, so the job moves again within a second or two of the network's (or the PS's) return,
-whatever the outage's length (tests/test_liveness.py, tests/test_pause.py).
+Contract: both ends set, on every connection (Linux; elsewhere what the platform has), ``TCP_USER_TIMEOUT`` of
+:data:`USER_TIMEOUT_SECONDS` (data unacknowledged that long ends the connection; a connect waits no longer either:
+:func:`connect_timeout`) and keep-alive probes after :data:`IDLE_SECONDS` with nothing received, every
+:data:`INTERVAL_SECONDS`, so a long poll whose peer host vanished ends after about the user timeout. Probe answers
+come from the peer's kernel: a busy or paused peer keeps an idle connection, but one that reads nothing for the user
+timeout while data waits (a push larger than the socket buffers to a stopped PS) ends in ``ETIMEDOUT``, and the
+client retries on a fresh connection (tests/test_liveness.py, tests/test_pause.py).
 """
 from __future__ import annotations
 

@@ -1,16 +1,13 @@
 """Scans of a large flat array for the few entries that pass a test. Pure numpy; no I/O.
 
-A top-k push (shared/compression.py) looks for the ~1 % of a gradient's entries of largest magnitude, and the PS
-for the entries of the weights that changed in a step (shared/weight_deltas.py). Done whole, each test writes
-full-size temporaries (a 40 MB ``abs`` and a 10 MB mask at 1e7 elements, freshly faulted in) and
-``np.flatnonzero`` reads that mask back from memory. :func:`magnitude_at_least` runs its test chunk by chunk into
-buffers that stay in the L2 cache (a top-k of 1e7 elements: 14.5 against 20.6 ms on the 2-core Intel Xeon VM,
-docs/performance.md); :func:`bits_differ` counts before it makes indices, so a step that changed most weights
-(momentum, Adam) is told at the cost of the compare and the count.
+A top-k push (shared/compression.py) looks for the ~1 % of a gradient's entries of largest magnitude, and the PS for
+the weights that changed in a step (shared/weight_deltas.py). :func:`magnitude_at_least` runs its test chunk by chunk
+into buffers that stay in the L2 cache, not into full-size temporaries (docs/performance.md); :func:`bits_differ`
+counts before it makes indices, so a step that changed most weights costs the compare and the count.
 
-Contract: :func:`magnitude_at_least` and :func:`bits_differ` return exactly the indices ``np.flatnonzero`` of the
-whole test would (ascending, ``np.intp``), or ``None`` when :func:`magnitude_at_least` meets a NaN or an Inf
-(the caller takes its whole-array path) or :func:`bits_differ` finds more than ``limit`` entries.
+Contract: both return exactly the indices ``np.flatnonzero`` of the whole test would (ascending, ``np.intp``), or
+``None`` when :func:`magnitude_at_least` meets a NaN or an Inf (the caller takes its whole-array path) or
+:func:`bits_differ` finds more than ``limit`` entries.
 """
 from __future__ import annotations
 

@@ -1,20 +1,16 @@
 """Same-host tensor files: the byte-level rules both sides of the shared-memory transport follow.
 
-When a worker runs on the PS's host, tensors need not cross a socket: the PS keeps its weights in a
-file in a shared-memory directory (``/dev/shm``, a tmpfs) that every worker maps read-only, and each
-worker writes its gradients into a file of its own there that the PS maps; the HTTP push and pull then
-carry only their control fields (docs/protocol.md, "Same-host transport").
+The PS keeps its weights in a file in a shared-memory directory (``/dev/shm``) that every worker on its host maps
+read-only, and each such worker writes its gradients into a file of its own there that the PS maps; the HTTP push
+and pull then carry only their control fields (docs/protocol.md, "Same-host transport", gives the bytes). A file is
+one *region*: a 64-byte header (:data:`HEADER`: magic, kind ``W`` for weights or ``G`` for gradients, the creator's
+nonce, and a marker: -1 while the creator writes, else the push's sequence number or the weights' step), then one
+tensor frame (:mod:`shared.frame`), zero-padded to whole pages. The nonce proves a peer mapped the very file its
+creator made; the kind keeps a weights file (or a link to it) from passing for a gradient file.
 
-A file is one *region*: a 64-byte region header (:data:`HEADER`: magic, kind ``W`` for the PS's weights or ``G``
-for a worker's gradients, a nonce chosen by the file's creator, and a marker: -1 while the creator writes, else the
-push's sequence number or the weights' global step), then one tensor frame (:mod:`shared.frame`, empty ``meta``),
-zero-padded to whole pages (docs/protocol.md, "Same-host transport", gives the bytes). The nonce proves a peer
-mapped the very file its creator made (same host, same directory); the kind keeps a weights file (or a hard link to
-it) from passing for a gradient file.
-
-Contract: names match :data:`GRADIENT_FILE` / :data:`WEIGHTS_FILE`; a peer's file is opened without
-following links, must be a regular file of this user with one link, of exactly the expected size, with
-the expected magic, kind and nonce and a valid frame; nothing here trusts a length it did not compute.
+Contract: names match :data:`GRADIENT_FILE` / :data:`WEIGHTS_FILE`; a peer's file is opened without following links,
+must be a regular file of this user with one link, of exactly the expected size, with the expected magic, kind and
+nonce and a valid frame; nothing here trusts a length it did not compute.
 """
 from __future__ import annotations
 

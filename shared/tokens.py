@@ -1,15 +1,11 @@
 """Bearer tokens as settings: from an environment variable or from a file (a Docker secret).
 
-Both services read their token through :func:`resolve_token` from a settings
-validator: ``X_AUTH_TOKEN`` (the value) or ``X_AUTH_TOKEN_FILE`` (a path, e.g.
-``/run/secrets/ps_token``), never both. An empty value means "no token" (so
-compose's ``${PS_AUTH_TOKEN:-}`` passes "unset" through), and a file's
-surrounding whitespace (its trailing newline) is dropped. Tokens stay
-:class:`pydantic.SecretStr`, so a settings repr, a log line or a JSON dump shows
-``**********``; only :meth:`SecretStr.get_secret_value` reveals them. A token is
-visible ASCII (no space, tab or control character: it travels as ``Authorization:
-Bearer <token>``), else the setting is refused. :func:`presented_token` reads the
-token a request presents (the PS's side of :func:`bearer_header`).
+Both services read their token through :func:`resolve_token` from a settings validator: ``X_AUTH_TOKEN`` (the
+value) or ``X_AUTH_TOKEN_FILE`` (a path, e.g. ``/run/secrets/ps_token``), never both. An empty value means "no token"
+and a file's surrounding whitespace is dropped. Tokens stay :class:`pydantic.SecretStr` (a repr or a log line shows
+``**********``) and are visible ASCII without spaces (they travel as ``Authorization: Bearer <token>``), else the
+setting is refused. :func:`presented_token` reads the token a request presents (the PS's side of
+:func:`bearer_header`).
 """
 from __future__ import annotations
 
