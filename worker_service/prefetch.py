@@ -1,20 +1,13 @@
 """The next step's batch, drawn while this step's push and round are out (``WORKER_PREFETCH``).
 
-Contract: after a worker computed step ``s`` it calls :meth:`BatchAhead.ahead` with its guess of the next step's
-place (step ``s + 1``, the same position among the same number of ranks) as its push gets under way (the push's
-``on_way``: on a sharded PS once the holds are with their threads, so that the draw's thread, woken on the worker's
-core, does not take it just as the push is to start); the batch is drawn in one background thread meanwhile, while
-the worker waits for the round, its answer and the next weights (data loading overlapped with the wire, as a
-DataLoader's workers do for DDP). :meth:`BatchAhead.get` hands it over when the step
-the worker is about to compute is the one guessed; otherwise (the ranks changed, a rejoin, a skipped round) the
-guess is dropped and the batch is drawn again for the real place, so a task sees exactly the batches it would see
-without prefetching.
-
-The task's ``batch`` therefore runs in another thread (never at the same time as any other call of the task: ``get``
-waits for a guess still running) and may be called for a step that is then not computed: it must be a function of
-its arguments (the built-in tasks' are). A task whose ``batch`` is not sets ``prefetch = False``; so does
-``WORKER_PREFETCH=0`` for every task. An error of a guess that is used is raised by ``get``, as the direct call would
-have raised it; that of a dropped guess is logged and forgotten.
+Contract: as a step's push gets under way (its ``on_way``) the worker calls :meth:`BatchAhead.ahead` with its guess of
+the next step's place (step ``s + 1``, the same position among as many ranks); the batch is drawn in one background
+thread while the worker waits for the round. :meth:`BatchAhead.get` hands it over when the step about to be computed
+is the one guessed; otherwise the guess is dropped and the batch drawn again for the real place, so a task sees
+exactly the batches it would see without prefetching. The task's ``batch`` therefore runs in another thread (never
+at the same time as another call of the task) and may be called for a step that is then not computed: it must be a
+function of its arguments, or the task sets ``prefetch = False`` (``WORKER_PREFETCH=0``: every task). A used guess's
+error is raised by ``get``, as the direct call's would be; a dropped guess's is logged and forgotten.
 """
 from __future__ import annotations
 

@@ -1,19 +1,15 @@
-"""The worker's progress log: a first line about a second into training, then one every ``every``
-seconds, and a clear final line.
+"""The worker's progress log: a first line about a second into training, then one every ``every`` seconds, and a
+final line.
 
 Periodic line (INFO)::
 
     progress: step 120 loss 0.0123 | 41.7 rounds/s | own mean fetch 20.1 ms compute 1.2 ms push 2.0 ms | pushes 120 (accepted 120)
 
-``rounds/s`` is the global step's progress seen by this worker since the last
-line; the phase times are this worker's means over the same interval (the
-wait at the barrier is in fetch or, when a push waits for the next weights, in
-push). The first line comes ``first`` seconds (1 s, or ``every`` if that is shorter) after this
-worker's first push, so even a short job shows each worker's pace once; a job shorter than that
-logs only the final line. The final line starts with ``FINISHED``
-(training done) or ``STOPPED`` (signal or error) and sums up the whole run: ``after`` counts from the worker's
-start (registration and the wait for the job to start included), its ``rounds/s`` from the answer to its first
-push, as the progress lines do (so a PS's start-up grace does not dilute it).
+``rounds/s`` is the global step's progress since the last line; the phase times are this worker's means over the same
+interval (the wait at the barrier is in fetch or push). The first line comes ``first`` seconds (1 s, at most
+``every``) after this worker's first push; a shorter job logs only the final line. That one starts with ``FINISHED``
+(training done) or ``STOPPED`` and sums up the run: ``after`` counts from the worker's start, its ``rounds/s`` from
+the answer to its first push.
 """
 from __future__ import annotations
 

@@ -1,25 +1,14 @@
 """Retrying one request, with log lines that say which request failed and why.
 
-:func:`call` runs ``fn`` until it returns, retrying the errors listed in ``retry_on``
-with capped exponential backoff and jitter: attempt n waits
-``min(wait_max, wait_initial * 2 ** (n - 1) + uniform(0, wait_jitter))`` before the next one
-(stamina's schedule; stamina itself is not used: its retry hooks are process-wide and its time budget
-allows a wait that ends past the deadline). It logs (logger ``worker.retry``):
-
-- WARNING before each retry::
-
-      retrying POST /v1/gradients (step 12) in 0.21 s (attempt 2 of 10): ConnectionLost: the server closed the connection
-
-- WARNING for an attempt that failed after ``slow_after`` seconds or more (a stall, not a refusal)::
-
-      POST /v1/gradients (step 12) got no answer in 35.0 s (ConnectionLost: timed out: no progress for 35 s)
-
-- ERROR when it gives up (attempts or time budget spent), then raises the last error::
-
-      giving up on POST /v1/gradients (step 12) after 10 attempts in 41.3 s: ConnectionLost: ...
-
-A single attempt that fails (``attempts=1``, e.g. a heartbeat) is raised without the ERROR line: nothing was
-retried and the caller decides how loud to be. Errors not in ``retry_on`` are raised at once, unlogged.
+:func:`call` runs ``fn`` until it returns, retrying the errors listed in ``retry_on`` with capped exponential
+backoff and jitter: attempt n waits ``min(wait_max, wait_initial * 2 ** (n - 1) + uniform(0, wait_jitter))``
+(stamina's schedule; stamina itself is not used: its retry hooks are process-wide and its time budget allows a wait
+that ends past the deadline). It logs (logger ``worker.retry``) a WARNING before each retry
+(``retrying POST /v1/gradients (step 12) in 0.21 s (attempt 2 of 10): ConnectionLost: ...``), a WARNING for an
+attempt that failed after ``slow_after`` seconds or more (``... got no answer in 35.0 s (...)``), and an ERROR when
+it gives up, then raises the last error (``giving up on ... after 10 attempts in 41.3 s: ...``). A single attempt
+that fails (``attempts=1``, e.g. a heartbeat) is raised without the ERROR line; errors not in ``retry_on`` are raised
+at once, unlogged.
 """
 from __future__ import annotations
 

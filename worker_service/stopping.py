@@ -1,14 +1,9 @@
 """A stop request that a signal handler may set.
 
 Contract: ``StopFlag`` has the part of ``threading.Event``'s interface the worker uses (``set``, ``is_set``,
-``wait``), but ``set`` takes no lock, so SIGTERM's handler may call it at any point of the main thread.
-
-Why not ``threading.Event``: a Python signal handler runs in the main thread between two bytecodes. If that
-thread is inside ``Event.wait`` (the worker's ``WORKER_COMPUTE_DELAY_SECONDS``) or ``Event.set`` at that moment,
-it holds the event's internal lock, and the handler's ``Event.set`` waits for that lock forever: the worker
-hangs without a word while its heartbeat thread keeps its lease, so the barrier waits for it forever (seen in
-CI, tests/test_shards.py, 2026-12-01). ``wait`` here sleeps in ``select`` on a pipe that ``set`` writes one
-byte to: no lock anywhere, and a waiting thread wakes at once.
+``wait``), but ``set`` takes no lock, so SIGTERM's handler may call it at any point of the main thread (a handler's
+``Event.set`` waits forever for the lock an interrupted ``Event.wait`` or ``set`` holds: the worker hangs while its
+heartbeat keeps its lease). ``wait`` sleeps in ``select`` on a pipe that ``set`` writes one byte to.
 """
 from __future__ import annotations
 

@@ -1,12 +1,10 @@
 """One BLAS / OpenMP thread per worker process unless the user sets otherwise.
 
-Workers share their host (4 on 2 cores under compose; 2 per node on a swarm): a BLAS or torch that starts a
-thread per core in each of them makes every step wait for the others' threads. At 1e6 parameters on the two-node
-swarm a worker took 157-350 ms of compute a step instead of 7-10 ms, and docs/torch.md's script 125 s instead
-of 24 s (issue 50). :func:`one_thread_unless_set` sets each of :data:`VARS` the environment does not set to 1:
-in ``python -m worker_service`` before numpy or torch is imported (they read them once, at import), and the
-PyTorch bridge sets torch's threads from it (:func:`torch_threads`). The start line says what applies
-(:func:`describe`). Imports nothing but ``os``, so it can run first.
+Workers share their host: a BLAS or torch that starts a thread per core in each of them makes every step wait for
+the others' threads (issue 50). :func:`one_thread_unless_set` sets each of :data:`VARS` the environment does not set
+to 1: in ``python -m worker_service`` before numpy or torch is imported (they read them once, at import); the
+PyTorch bridge sets torch's threads from it (:func:`torch_threads`); :func:`describe` says what applies. Imports
+nothing but ``os``, so it can run first.
 """
 from __future__ import annotations
 
