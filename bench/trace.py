@@ -169,7 +169,7 @@ def trace(scenario: str) -> list[dict]:
                     if kind == "push":
                         client.push(wid, step, _grads(step))
                     else:
-                        client._prefetched = None  # a pull that asks the PS
+                        client.prefetched = None  # a pull that asks the PS
                         client.pull(step, wid, wait=10.0)
                 lines.append({"scenario": scenario, "transport": transport, "request": kind, **summarise(events)})
             return lines

@@ -146,10 +146,10 @@ def test_a_workers_endpoint_follows_the_pair_and_votes_once_per_term():
     client = PSClient("http://a:1,http://b:2", connection=MockTransport(a), attempts=10, retry_timeout=10)
     client.endpoint._transports["http://b:2"] = MockTransport(b)
     client.endpoint.voter = "w0"
-    assert client.call_json("GET", "/v1/thing")["ok"] and client.endpoint.term == 2
+    assert client.endpoint.call_json("GET", "/v1/thing")["ok"] and client.endpoint.term == 2
     assert votes == [{"term": 2, "name": "w0"}] and client.endpoint.ballot == {2: "http://b:2"}
     assert client.base_url == "http://b:2" and client.ps_url == "http://a:1,http://b:2"
-    client.call_json("GET", "/v1/again")
+    client.endpoint.call_json("GET", "/v1/again")
     assert seen[-1] == ("b", "/v1/again", "2")  # the newest term, sent along
     assert lost[0] == "1"  # B is told that A just lost the worker's connection (a standby asks for votes sooner)
     # B's 503 standby right after A was lost keeps the worker at B (a vanished host's connect would hang seconds)
@@ -407,7 +407,7 @@ def test_a_restarted_primary_whose_workers_voted_for_the_other_ps_never_becomes_
                 ep.ballot = {4: b}
                 ep.term = 4 if name == "w0" else 3
             try:
-                assert client.call_json("GET", "/v1/model") == {"ok": True} and name == "w0"  # from the other PS
+                assert client.endpoint.call_json("GET", "/v1/model") == {"ok": True} and name == "w0"  # from the other PS
             except (ProtocolError, ServerError, ConnectionLost):  # (w1: the PS it voted for does not answer; w2: this PS does not win)
                 assert name != "w0"
             assert seen, name  # each asked this PS first

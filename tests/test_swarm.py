@@ -548,7 +548,7 @@ def _colocated_job_checked(colo: Stack, swarm: Swarm, manager: str, steps: int, 
     assert seen == {n: "shm" if node == manager else "http" for n, node in placed.items()}, (seen, placed)
     client = PSClient(colo.url, timeout=10.0, attempts=3, token=swarm.tokens[TOKEN])
     try:
-        m = shards.from_wire(client.call_json("GET", "/v1/shards")["map"])
+        m = shards.from_wire(client.endpoint.call_json("GET", "/v1/shards")["map"])
         own = client.pull(0, wait=5.0).tensors  # the coordinator's pieces
     finally:
         client.close()

@@ -289,7 +289,7 @@ def test_async_workers_hold_the_ps_weights_bit_for_bit():
         step = ps.rt.core.global_step
         assert step >= 10
         for c, wid in zip(clients, wids):
-            c._prefetched = None
+            c.prefetched = None
             assert c.pull(step, wid, 5.0).step == step
             assert all(bits(c.tensors.current.held.tensors[k]) == bits(v) for k, v in ps.rt.core.weights.items())
             c.close()

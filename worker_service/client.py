@@ -1,17 +1,13 @@
 """The worker's client of the PS protocol (docs/protocol.md): registration, the model's upload, pulls and pushes.
 
-Every exchange goes through one :class:`~worker_service.transport.endpoint.Endpoint` (its contract: timeouts, retries,
-the 4xx it raises, the token), over one :class:`~worker_service.transport.base.Transport` (the lean
-:class:`~shared.rawhttp.RawConnection` for ``http://``; httpx for ``https://``; a drill wraps either in
-:class:`~worker_service.transport.faults.FaultyConnection`; tests may give a
-:class:`~worker_service.transport.mock.MockTransport`). Pushes are safe to retry: the PS answers a repeated (worker,
-step) with ``duplicate``. Timeouts and retry attempts default to the ``WORKER_*`` settings' defaults.
-
-Tensors go through one tensor transport, chosen by :meth:`PSClient.attach` once the worker is registered
-(:class:`~worker_service.transport.attach.Attached`: same-host files or request bodies, compressed as the job
-says; :class:`~worker_service.transport.sharded.ShardedTransport` through every shard of a sharded PS).
-A push asks the PS to answer with the next weights once its round closes (one round trip per step);
-those weights are kept and returned by the next :meth:`PSClient.pull` that they satisfy.
+Every exchange goes through one :class:`~worker_service.transport.endpoint.Endpoint` (timeouts, retries, the 4xx it
+raises, the token) over one :class:`~worker_service.transport.base.Transport`; timeouts and retry attempts default to
+the ``WORKER_*`` settings' defaults. Pushes are safe to retry: the PS answers a repeated (worker, step) with
+``duplicate``. Tensors go through one tensor transport, chosen by :meth:`PSClient.attach` once the worker is
+registered (:class:`~worker_service.transport.attach.Attached`, or
+:class:`~worker_service.transport.sharded.ShardedTransport` for a sharded PS). A push asks the PS to answer with the
+next weights once its round closes (one round trip per step); those weights are kept and returned by the next
+:meth:`PSClient.pull` that they satisfy.
 """
 from __future__ import annotations
 
@@ -29,7 +25,7 @@ from shared.protocol import API
 from shared.rawhttp import ConnectionLost
 from worker_service.settings import default
 from worker_service.transport.attach import Attached
-from worker_service.transport.base import Pulled, PushAnswer, Response, TensorTransport, Transport
+from worker_service.transport.base import Pulled, PushAnswer, TensorTransport, Transport
 from worker_service.transport.endpoint import Endpoint, connect, split_urls
 from worker_service.transport.http import BodyTransport
 from worker_service.transport.sharded import ShardedTransport
@@ -57,7 +53,8 @@ class PSClient:
             token=SecretStr(token) if isinstance(token, str) else token, urls=urls)
         #: seconds a push waits for its round to close (then it answers without weights)
         self.push_wait = 5.0
-        self._prefetched: Pulled | None = None
+        #: the weights the last push brought back, until a pull takes them (None: none)
+        self.prefetched: Pulled | None = None
         #: the shared directory of the same-host transport (None: tensors always in request bodies)
         self.shm_dir = shm_dir
         self.tensors: TensorTransport = BodyTransport(self.endpoint)
@@ -85,22 +82,12 @@ class PSClient:
         while these come often enough."""
         return max(self._renewed, min(time.monotonic(), self._held_until))
 
-    prefetched = property(lambda self: self._prefetched, doc="the weights the last push brought back, until a pull "
-                                                             "takes them (None: none)")
     transport = property(lambda self: self.tensors.name, doc="the tensor transport's name (shm, http, http+topk...)")
-
-    # ---- exchanges ----------------------------------------------------------------------
-    def call(self, method: str, path: str, **kw: Any) -> Response:
-        """One exchange (:meth:`Endpoint.call`: retried on connection errors, timeouts and 5xx; a 4xx raised)."""
-        return self.endpoint.call(method, path, **kw)
-
-    def call_json(self, method: str, path: str, obj: Any = None, **kw: Any) -> Any:
-        return self.endpoint.call_json(method, path, obj, **kw)
 
     # ---- control ------------------------------------------------------------------------
     def register(self, name: str) -> dict:
         self.endpoint.voter = name  # a hot-standby pair's elections: this worker's vote
-        reg = self.call_json("POST", f"{API}/workers", {"name": name})
+        reg = self.endpoint.call_json("POST", f"{API}/workers", {"name": name})
         self.compression = Spec.from_wire(reg.get("compression"))
         self.partition_bytes = int(reg.get("partition_bytes") or 0)  # docs/protocol-partitions.md
         self.shards = reg.get("shards", 1)
@@ -119,18 +106,18 @@ class PSClient:
         return reg
 
     def leave(self, worker_id: str) -> None:
-        self.call("DELETE", f"{API}/workers/{worker_id}")
+        self.endpoint.call("DELETE", f"{API}/workers/{worker_id}")
 
     def heartbeat(self, worker_id: str) -> dict:
-        return self.call_json("POST", f"{API}/workers/{worker_id}/heartbeat")
+        return self.endpoint.call_json("POST", f"{API}/workers/{worker_id}/heartbeat")
 
     def status(self) -> dict:
-        return self.call_json("GET", f"{API}/status")
+        return self.endpoint.call_json("GET", f"{API}/status")
 
     def attach_reader(self) -> None:
         """A client that only pulls (evaluation, monitoring): through every shard when the PS is sharded."""
         try:
-            self.shards = self.call_json("GET", f"{API}/shards")["shards"]
+            self.shards = self.endpoint.call_json("GET", f"{API}/shards")["shards"]
         except ProtocolError as exc:
             if exc.status != 404:  # 404: not a sharded PS
                 raise
@@ -154,7 +141,7 @@ class PSClient:
         """True if this call initialised the model, False if another caller had (409)."""
         body = frame.encode(tensors, {"optimizer": dict(optimizer or {})})
         try:
-            self.call("PUT", f"{API}/model", body=body, headers={"content-type": frame.MEDIA_TYPE})
+            self.endpoint.call("PUT", f"{API}/model", body=body, headers={"content-type": frame.MEDIA_TYPE})
             return True
         except ProtocolError as exc:
             if exc.status == 409:
@@ -166,7 +153,7 @@ class PSClient:
         read-only arrays: through request bodies (weight deltas included) the caller may keep them, later pulls and
         pushes never change them; through the same-host file they view the PS's live weights, which change once the
         round of their step closes (a caller that keeps them must copy them)."""
-        ready, self._prefetched = self._prefetched, None
+        ready, self.prefetched = self.prefetched, None
         if ready is not None and (ready.step >= min_step or ready.done):
             return ready
         if not worker_id:
@@ -187,13 +174,8 @@ class PSClient:
                 "timings": dict(timings or {})}
         answer = self.tensors.push(meta, grads, self.push_wait, self.timeout, on_way)
         self._renewed = time.monotonic()
-        self._prefetched = answer.pulled
+        self.prefetched = answer.pulled
         return {"status": answer.status, "step": answer.step, "done": answer.done}
-
-    def gradient_buffers(self) -> dict[str, np.ndarray] | None:
-        """Where the next push's gradients may be computed, for a push that copies nothing (the same-host
-        file), or None (:meth:`TensorTransport.gradient_buffers`)."""
-        return self.tensors.gradient_buffers()
 
     # ---- lifecycle ----------------------------------------------------------------------
     def wait_ready(self, deadline_seconds: float = 60.0) -> None:

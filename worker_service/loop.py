@@ -184,7 +184,7 @@ def train(client: PSClient, task: Task, name: str, batch_size: int, stop: StopFl
                 t1 = time.monotonic()
                 place = (pulled.ranks.index(summary.rank), len(pulled.ranks))
                 batch = ahead.get(pulled.step, *place)
-                into = client.gradient_buffers() if into_buffers else None  # the same-host file: no copy
+                into = client.tensors.gradient_buffers() if into_buffers else None  # the same-host file: no copy
                 loss, grads, n = (task.loss_and_grads(pulled.tensors, batch) if into is None
                                   else task.loss_and_grads(pulled.tensors, batch, out=into))
                 if compute_delay > 0:
