@@ -1,24 +1,13 @@
 """A syncps model as a file another framework loads: safetensors, or a PyTorch ``state_dict`` (``python -m syncps
-export``).
+export``, docs/guides/export.md).
 
-Contract:
-
-- **Where the weights come from**: :func:`from_ps` pulls a running PS's current weights (``GET /v1/model``,
-  docs/protocol.md; through every shard of a sharded PS, reassembled; with the *training* token when the PS has
-  ``PS_AUTH_TOKEN``: the monitor token does not open the pull), or :func:`from_checkpoint` reads a checkpoint file,
-  or the newest valid one of a ``PS_CHECKPOINT_DIR`` (docs/checkpoint.md; decoded and checked by
-  :func:`ps_service.checkpoint.decode`). A shard's checkpoint holds only that shard's pieces: it is refused (export
-  the live sharded PS instead).
-- **Names** are the model's: the PS's names with the ``buffer:`` prefix of averaged buffers removed
-  (:mod:`syncps.tensors`), so ``module.load_state_dict`` takes them. What the PS never held is not in the file:
-  frozen parameters, buffers kept local (``buffers="local"``), integer buffers (BatchNorm's ``num_batches_tracked``,
-  which ``load_state_dict(strict=True)`` does without: it keeps the module's).
-- **Bit for bit**: each tensor is written with the PS's dtype, shape and bytes; nothing is cast.
-- :func:`write_safetensors` writes the safetensors format (an 8-byte little-endian header length, a JSON header
-  ``{name: {"dtype", "shape", "data_offsets"}, "__metadata__": {str: str}}`` padded with spaces to a multiple of 8,
-  then the tensors' little-endian bytes back to back in name order) without the ``safetensors`` package;
-  :func:`write_torch` is ``torch.save`` of ``{name: tensor}`` (needs torch). Both write a temp file and rename it
-  over ``path``: a reader never sees half a file.
+Contract: the weights come from a running PS (:func:`from_ps`: ``GET /v1/model``, through every shard of a sharded
+PS, with the training token) or a checkpoint file or the newest valid one of a ``PS_CHECKPOINT_DIR``
+(:func:`from_checkpoint`, decoded by :func:`ps_service.checkpoint.decode`; a shard's checkpoint is refused). Names are
+the model's (the ``buffer:`` prefix removed: :mod:`syncps.tensors`), so ``module.load_state_dict`` takes them; each
+tensor keeps the PS's dtype, shape and bytes. :func:`write_safetensors` writes the safetensors format without the
+``safetensors`` package; :func:`write_torch` is ``torch.save`` of ``{name: tensor}``. Both write a temp file and
+rename it over ``path``: a reader never sees half a file.
 """
 from __future__ import annotations
 

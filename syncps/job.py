@@ -1,13 +1,7 @@
-"""What a ``WORKER_TASK=package.module:factory`` factory may return to train a torch model with the stock
-worker (``python -m worker_service``), instead of writing a numpy task.
-
-``factory(seed=..., dtype=...)`` returns a :class:`TorchJob`; the worker wraps it into the task
-interface (:meth:`TorchJob.task`: ``syncps/task.py``): each step it loads the PS's weights into the
-model, runs ``loss_fn(model(*inputs), target)`` on its shard of the round's batch (a batch of
-``dataset`` is a tuple whose last item is the target, the others the model's inputs), backpropagates
-and pushes the gradients. ``evaluate`` reports ``metrics(model, eval_dataset)``, by default the mean
-loss and, for class logits, the accuracy on ``eval_dataset``. Build the model from ``seed`` so every
-worker starts from the same weights (the first one initialises the PS; the others pull anyway).
+"""What a ``WORKER_TASK=package.module:factory`` factory may return to train a torch model with the stock worker
+(docs/torch.md, "Task adapter"): a :class:`TorchJob`, which the worker wraps into the task interface
+(:meth:`TorchJob.task`: ``syncps/task.py``). A batch of ``dataset`` is a tuple whose last item is the target, the
+others the model's inputs. Build the model from ``seed`` so every worker starts from the same weights.
 """
 from __future__ import annotations
 

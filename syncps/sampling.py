@@ -1,13 +1,10 @@
 """Which examples a worker takes at a step: a shard of the round's global batch (numpy only, no torch).
 
-The data is one endless **stream** of example indices: epoch ``e`` is ``range(n)`` permuted by a
-generator seeded with ``(seed, e)`` (or in order without ``shuffle``), and epochs follow each other.
-At global step ``s`` with the round's ranks ``R`` (``len(R)`` workers, batch ``B`` each), the global
-batch is stream positions ``[s * len(R) * B, (s + 1) * len(R) * B)``; the worker at position ``k`` in
-``R`` takes the ``k``-th block of ``B``. So the workers' batches, concatenated in rank order, are
-exactly what one process with batch ``len(R) * B`` reads at step ``s``; when the worker count changes
-every worker re-shards at the next round (the cursor is the global step, as the numpy tasks'),
-and a prefetching loader is kept in step by :class:`RoundBatchSampler`.
+The data is one endless stream of example indices: epoch ``e`` is ``range(n)`` permuted by a generator seeded with
+``(seed, e)`` (in order without ``shuffle``). At global step ``s`` with the round's ranks ``R`` (batch ``B`` each),
+the global batch is stream positions ``[s * len(R) * B, (s + 1) * len(R) * B)`` and the worker at position ``k`` in
+``R`` takes the ``k``-th block of ``B``: concatenated in rank order, exactly what one process with batch
+``len(R) * B`` reads (docs/torch.md, "Sharding").
 """
 from __future__ import annotations
 

@@ -1,17 +1,11 @@
-"""The stock worker's task interface (:class:`worker_service.tasks.Task`) over a :class:`syncps.job.TorchJob`:
-how ``python -m worker_service`` trains a torch model.
+"""The stock worker's task interface (:class:`worker_service.tasks.Task`) over a :class:`syncps.job.TorchJob`: how
+``python -m worker_service`` trains a torch model (docs/torch.md, "Task adapter").
 
-The worker's ``load_task`` wraps what a ``package.module:factory`` returns when it is a TorchJob (anything without
-``loss_and_grads``: it calls :meth:`syncps.job.TorchJob.task`, which builds a :class:`TorchTask` of it; ``job``
-is that TorchJob, not imported here: job.py imports this module). The model is cast to the worker's dtype
-(``WORKER_DTYPE``) and its tensors are named as :mod:`syncps.tensors` says (parameters, ``buffer:`` buffers).
-Each step loads the PS's weights into the model in place, runs the forward and backward pass on this worker's shard
-(:func:`syncps.sampling.round_batch`: the round's global batch, split by the round's ranks) and
-returns numpy views of the gradients, which the loop pushes before the next step reuses them.
-
-Threads: unless ``OMP_NUM_THREADS`` says otherwise, torch computes on one thread. Workers usually share
-a host with other workers (``--scale worker=4``); torch's default of one thread per core in every
-process oversubscribes the cores and spins (a 6 ms step of ``cnn`` took 500 ms with 4 workers on 2 cores).
+``load_task`` wraps a TorchJob through :meth:`syncps.job.TorchJob.task` (``job`` is not imported here: job.py imports
+this module). The model is cast to ``WORKER_DTYPE`` and named as :mod:`syncps.tensors` says; each step loads the PS's
+weights in place, runs the forward and backward pass on this worker's shard (:func:`syncps.sampling.round_batch`) and
+returns numpy views of the gradients. torch computes on one thread unless ``OMP_NUM_THREADS`` says otherwise
+(:func:`worker_service.threads.torch_threads`).
 """
 from __future__ import annotations
 

@@ -1,22 +1,12 @@
-"""A torch module's tensors as the PS names them, and the zero-copy moves between the two.
+"""A torch module's tensors as the PS names them, and the zero-copy moves between the two (docs/torch.md, "What goes
+to the PS" and "Buffers").
 
-Contract:
-
-- **Parameters** that require grad are PS tensors under their ``named_parameters()`` names; their
-  gradients (``p.grad``) are pushed. Frozen parameters (``requires_grad=False``) stay on the worker:
-  build them identically everywhere (e.g. from the same pretrained file).
-- **Buffers** (``buffers="mean"``, the default): every persistent floating-point buffer (BatchNorm's
-  ``running_mean`` / ``running_var``) is a PS tensor named ``"buffer:" + name``. A worker pushes the
-  buffer's value after its forward pass where a parameter pushes its gradient; the PS sets the buffer
-  to the mean of the round's values (``shared.compression.BUFFER_PREFIX``). Integer buffers
-  (``num_batches_tracked``) and non-persistent ones stay local. ``buffers="local"``: none goes to the PS.
-- :meth:`ModelTensors.grads` gives numpy **views** of the gradients (no copy for contiguous CPU
-  tensors; a copy otherwise), valid until the next backward pass; a missing ``.grad`` is left out
-  (the PS then answers that the tensor is missing) unless ``allow_unused``, which sends zeros.
-- :meth:`ModelTensors.load` copies PS tensors into the module in place (``torch.no_grad``), casting
-  nothing silently but dtype (the PS refuses a gradient of another dtype at the next push); a shape that
-  differs raises :class:`ModelMismatch` naming the tensor. :meth:`ModelTensors.check`: a whole pulled model
-  with other tensor names than the module's raises it too (the bridge checks each pull after it registers).
+Contract: parameters that require grad are PS tensors under their ``named_parameters()`` names (frozen ones stay on
+the worker); with ``buffers="mean"`` every persistent floating-point buffer is a PS tensor ``"buffer:" + name``
+(``shared.compression.BUFFER_PREFIX``), pushed as its value; ``buffers="local"``: none. :meth:`ModelTensors.grads`
+gives numpy views of the gradients (a copy only for a tensor that is not contiguous on the CPU), a missing ``.grad``
+left out unless ``allow_unused`` (zeros). :meth:`ModelTensors.load` copies PS tensors into the module in place;
+:class:`ModelMismatch` for a shape (or, :meth:`ModelTensors.check`, tensor names) that differs.
 """
 from __future__ import annotations
 

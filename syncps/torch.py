@@ -8,21 +8,12 @@
         ps.step()                          # push every p.grad, wait for the round, load the new weights
     ps.close()                             # or `with connect(...) as ps:`; leaves the cluster
 
-Contract of :class:`DistributedOptimizer` (Horovod's ``DistributedOptimizer`` and TF's ``SyncReplicasOptimizer`` in
-one object; the PS runs the optimizer), each call as docs/torch.md's API table says:
-
-- **Connect**: register; the first worker initialises the PS with the model's tensors (:mod:`syncps.tensors`) and
-  the optimizer's hyper-parameters (:func:`syncps.spec.optimizer_spec`, run with torch's formulas); the others pull.
-  The same-host transport when the PS is on this host; a heartbeat thread keeps the lease. The model then holds
-  the weights of the first round it takes part in.
-- **step()**, after ``loss.backward()``: pushes every gradient (numpy views of ``p.grad``), waits for the round and
-  copies the new weights into the parameters in place; the push's status, ``rejoined`` or ``done``. A refused push
-  raises :class:`GradientRejected` naming the parameter.
-- **Restart**: when the PS forgets this worker (404/409) it registers again (re-initialising an empty PS from its
-  current weights) and goes on from the PS's step. **close()** / context exit: stops the heartbeat and leaves.
-
-Defaults come from the stock worker's ``WORKER_*`` settings (``WORKER_PS_URL``, ``WORKER_AUTH_TOKEN``,
-``WORKER_NAME``, ``WORKER_SHM_DIR``, timeouts), so a script runs under Compose like the stock worker.
+Contract: :class:`DistributedOptimizer` (Horovod's ``DistributedOptimizer`` and TF's ``SyncReplicasOptimizer`` in
+one object; the PS runs the optimizer) does each call as docs/torch.md's API table says: it registers (the first
+worker initialises the PS with :mod:`syncps.tensors`' tensors and :func:`syncps.spec.optimizer_spec`), keeps the
+lease with a heartbeat thread, pushes and loads in ``step()`` (a refused push raises :class:`GradientRejected`
+naming the parameter), registers again when the PS forgets it, and leaves in ``close()``. Defaults come from the
+stock worker's ``WORKER_*`` settings, so a script runs under Compose like the stock worker.
 """
 from __future__ import annotations
 
