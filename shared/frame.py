@@ -180,7 +180,7 @@ class Frame:
     tensors: dict[str, np.ndarray]  # views of the decoded buffer, in header order
 
 
-def decode(buf: bytes | bytearray | memoryview, exact: bool = True, max_tensor_bytes: int | None = None) -> Frame:
+def decode(buf: bytes | bytearray | memoryview, exact: bool = True) -> Frame:
     """Check and view a frame (see the module docstring). ``exact``: ``buf`` is the frame and nothing
     more (a body); else the frame is a prefix of ``buf`` (a file region)."""
     mv = memoryview(buf).cast("B")
@@ -199,7 +199,7 @@ def decode(buf: bytes | bytearray | memoryview, exact: bool = True, max_tensor_b
     meta, entries, data_bytes = head["meta"], head["tensors"], head["data_bytes"]
     if not isinstance(meta, dict):
         raise bad_frame("header.meta must be a map")
-    layout = _layout(entries, max_tensor_bytes) if entries != [] else _EMPTY  # no tensors: a control message
+    layout = _layout(entries) if entries != [] else _EMPTY  # no tensors: a control message
     if type(data_bytes) is not int or data_bytes != layout.data_bytes:
         raise bad_frame(f"header.data_bytes must be {layout.data_bytes} (the end of the last tensor)")
     start = aligned(PREFIX.size + hlen)
@@ -293,7 +293,7 @@ def encode_many(frames: list[tuple[Mapping[str, np.ndarray], Mapping[str, Any]]]
 _EMPTY = Layout(())  # a frame with no tensors (a same-host push, an answer whose weights are in the file)
 
 
-def _layout(entries: Any, max_tensor_bytes: int | None) -> Layout:
+def _layout(entries: Any) -> Layout:
     if not isinstance(entries, list):
         raise bad_frame("header.tensors must be a list")
     if len(entries) > MAX_TENSORS:
@@ -315,9 +315,6 @@ def _layout(entries: Any, max_tensor_bytes: int | None) -> Layout:
         spec = TensorSpec(name, DTYPES.get(dtype) or bfloat16(), tuple(shape), at)  # (bfloat16: looked up once)
         if math.prod(d for d in shape if d) * spec.dtype.itemsize >= 1 << 62:
             raise unprocessable("bad_shape", f"tensor {name!r}: shape {shape} is too large")
-        if max_tensor_bytes is not None and spec.nbytes > max_tensor_bytes:
-            raise unprocessable("tensor_too_large", f"tensor {name!r} declares {spec.nbytes} bytes, "
-                                                    f"limit {max_tensor_bytes}")
         if type(offset) is not int or offset != at:
             raise bad_frame(f"tensor {name!r}: offset must be {at} (canonical layout, {ALIGN}-byte aligned)")
         names.add(name)
