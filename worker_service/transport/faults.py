@@ -1,18 +1,12 @@
-"""A fault-injecting connection: an unreliable network between a worker and the PS, for tests and drills.
+"""A fault-injecting connection: an unreliable network between a worker and the PS, for tests and drills
+(docs/guides/faults.md).
 
-:class:`FaultyConnection` wraps the production connection (``shared.rawhttp.RawConnection``),
-so a drill runs through the same code as training, whichever tensor transport (request bodies or
-same-host files) the worker uses. Each exchange, independently, with the configured probabilities (a
-seeded ``random.Random``, so a run's fault pattern is reproducible for a given sequence of requests):
-
-- ``drop_before``: the request never reaches the PS; the client gets ``ConnectionLost`` (nothing was
-  processed).
-- ``drop_after``: the PS processes the request and answers, but the answer is lost; the client gets
-  ``ConnectionLost`` (it must retry a request that already took effect: the case idempotency exists for).
-- ``duplicate``: the request reaches the PS twice (the network duplicated it); the client gets the first
-  answer.
-
-Enabled in a worker by the ``WORKER_FAULT_*`` settings; counts of what was injected are in ``counts``.
+:class:`FaultyConnection` wraps the production connection, so a drill runs through the same code as training,
+whichever tensor transport the worker uses. Each exchange, independently, with the configured probabilities (a
+seeded ``random.Random``: a run's fault pattern is reproducible): ``drop_before``, the request never reaches the PS
+(``ConnectionLost``, nothing processed); ``drop_after``, the PS processes it but the answer is lost
+(``ConnectionLost``: the retry repeats a request that took effect); ``duplicate``, the PS gets it twice and the
+client the first answer. Enabled in a worker by the ``WORKER_FAULT_*`` settings; what was injected is in ``counts``.
 """
 from __future__ import annotations
 

@@ -1,17 +1,13 @@
 """Tensors through same-host files (shared/shm.py): gradients into the worker's file, weights from the PS's.
 
-Contract: :meth:`ShmTransport.open` maps the PS's weights file named by ``GET /v1/shm`` read-only from
-the worker's shared directory and checks it (kind, nonce, frame: OSError/ValueError otherwise: the PS
-is on another host, and the worker stays on HTTP), then makes and maps the worker's own gradient file
-(``0600``, random name, random nonce, the same layout). Once the PS attached it, :meth:`unlink` removes
-its name: the mappings keep it alive until both sides are gone. :meth:`write` stores one push under a
-fresh sequence number (the marker is -1 while writing); a task can compute them straight into the file
-(:meth:`ShmTransport.gradient_buffers`, the loop's ``out``), and the push then copies nothing. A push's frame
-names the sequence number (``shm_seq``) and holds no tensor; gradients that do not fit the layout go in the body.
-:attr:`live` are read-only arrays over the PS's live weights: they hold the step the last pull named until the PS
-closes that step's round, which needs this worker's push (or refuses it as late). The PS copies a push out of the
-file once, checking what it copies, when it takes the push (before its answer): a rewrite after the answer changes
-nothing; the worker writes its next push only after the next step's weights.
+Contract: :meth:`ShmTransport.open` maps the PS's weights file named by ``GET /v1/shm`` read-only and checks it
+(OSError/ValueError otherwise: the PS is on another host, and the worker stays on HTTP), then makes the worker's own
+gradient file (``0600``, random name and nonce, the same layout); once the PS attached it, :meth:`unlink` removes its
+name. :meth:`write` stores one push under a fresh sequence number (the marker is -1 while writing); a task can compute
+straight into the file (:meth:`ShmTransport.gradient_buffers`) and the push then copies nothing. A push's frame names
+the sequence number (``shm_seq``) and holds no tensor; gradients that do not fit the layout go in the body.
+:attr:`live` are read-only arrays over the PS's live weights: they hold the step the last pull named until the round
+of that step closes, which needs this worker's push. The PS copies a push out of the file, checked, before its answer.
 """
 from __future__ import annotations
 
