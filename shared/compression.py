@@ -1,22 +1,17 @@
 """Gradient compression on the wire (worker -> PS, request bodies only): the encodings, their checks, and
 the worker's error-feedback residuals (docs/protocol.md, "Compression", gives the byte layout of each).
 
-The job chooses one encoding (``PS_COMPRESSION``); the PS tells workers at registration (:class:`Spec`,
-``to_wire``). Only float32 model tensors are compressed (not the ``buffer:`` statistics of a torch
-model); every other tensor travels as it is, and a compressed one keeps its name.
+The job chooses one encoding (``PS_COMPRESSION``); the PS tells workers at registration (:class:`Spec`). Only float32
+model tensors are compressed (not a torch model's ``buffer:`` statistics); a compressed tensor keeps its name.
 
-Contract: :func:`decode_push` (PS side; :func:`check_declared` for same-host pushes) checks every
-compressed tensor's form before it makes its float32 gradient (a dense array in fresh memory the PS owns; top-k:
-a :class:`SparseTensor` of its entries, which the PS sums without making it dense), and raises
-ProtocolError 422 ``compression_mismatch`` (the push declares another encoding than the job's) or
-``bad_encoding`` (a tensor does not have its encoding's form); decoding is exact (the float32 values
-the worker chose). :class:`Compressor` is the worker side:
-``topk`` and ``2bit`` keep per tensor the residual of what was not sent and add it to the next gradient
-(error feedback); ``topk`` sends more during the job's warm-up steps (:meth:`Spec.density`: the push's step
-picks k). With partitioned rounds (docs/protocol-partitions.md) each partition's pieces are encoded as tensors of
-their own (:meth:`Compressor.encode_partitions`) and decoded against them (:func:`decode_push`): every encoding is
-elementwise, so the pieces decoded and put together, and the residuals, are the whole tensor's, bit for bit. Pure
-numpy; no I/O.
+Contract: :func:`decode_push` (PS side; :func:`check_declared` for same-host pushes) checks every compressed tensor's
+form before it makes its float32 gradient (dense, in memory the PS owns; top-k: a :class:`SparseTensor`), exactly,
+and raises ProtocolError 422 ``compression_mismatch`` (the push declares another encoding than the job's) or
+``bad_encoding``. :class:`Compressor` is the worker side: ``topk`` and ``2bit`` keep per tensor the residual of what
+was not sent and add it to the next gradient (error feedback); ``topk`` sends more during the warm-up steps
+(:meth:`Spec.density`). With partitioned rounds each partition's pieces are encoded as tensors of their own
+(:meth:`Compressor.encode_partitions`): every encoding is elementwise, so the pieces and the residuals are the whole
+tensor's, bit for bit. Pure numpy; no I/O.
 """
 from __future__ import annotations
 

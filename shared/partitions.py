@@ -1,19 +1,12 @@
-"""The partitions of a model (issue 53, docs/partitions.md, docs/protocol-partitions.md). Pure, no I/O.
+"""The partitions of a model (docs/partitions.md, docs/protocol-partitions.md). Pure, no I/O.
 
 Contract (:func:`plan`): from the model's spec (name -> (shape, dtype)) and a partition size in bytes, Q partitions,
-each a tuple of the shard map's pieces (:class:`shared.shards.Piece`: a whole tensor, or a contiguous slice of its
-flattened elements), such that:
-
-- every element of every tensor is in exactly one piece of one partition, and the partitions' pieces, taken in
-  partition order, run through the tensors in name order (the order of the PS's weights) and through each tensor
-  from its first element to its last;
-- a tensor larger than the size is cut into slices of at most the size (the shard map's cut, sizes differing by at
-  most one element), and consecutive pieces are grouped into one partition while the group stays within the size;
-- a size of 0 gives Q = 1: one partition of every tensor whole, today's round (:attr:`Plan.whole`).
-
-The plan is a function of the spec and the size only, so the PS and every worker compute the same one.
-:meth:`Plan.split` gives one partition's pieces of a set of tensors as views (no copy), keyed by
-:attr:`~shared.shards.Piece.key`: a partition's gradient (a worker's push frame), weights or slots (the PS's update).
+each a tuple of the shard map's pieces (:class:`shared.shards.Piece`), such that every element is in exactly one
+piece; the pieces, in partition order, run through the tensors in name order and through each tensor in order; a
+tensor larger than the size is cut into slices of at most the size (the shard map's cut) and consecutive pieces are
+grouped while the group stays within the size; a size of 0 gives one partition of every tensor whole
+(:attr:`Plan.whole`). The PS and every worker compute the same plan from the spec and the size.
+:meth:`Plan.split` gives one partition's pieces of a set of tensors as views, keyed by :attr:`Piece.key`.
 """
 from __future__ import annotations
 

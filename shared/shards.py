@@ -1,15 +1,12 @@
 """The shard map: which shard of a sharded PS owns which part of which tensor. Pure, no I/O.
 
-Contract: :func:`plan` makes docs/protocol-shards.md's map ("The shard map") from the model's spec (name -> (shape,
-dtype)), the shard count S and the split bound B (elements): each tensor whole or cut into ``ceil(n / B)`` contiguous
-flat slices (MXNet's ``MXNET_KVSTORE_BIGARRAY_BOUND``, BytePS's partitions), the pieces placed largest first on the
-least-loaded shard. So the loads differ by at most one piece's bytes, every element is in exactly one piece, and the
-first S pieces go to S different shards; fewer pieces than shards is a ``ValueError``. Workers and shards compute it
-the same way and check they agree by :attr:`ShardMap.digest`. On a shard a piece is a tensor of its own
-(:attr:`Piece.key`); every optimizer of the PS is elementwise, so stepping the pieces on S shards gives the bits of
-stepping the whole model on one. :func:`split` cuts a worker's tensors into one shard's pieces (views, no copy);
-:func:`place` copies one shard's slices of the split tensors into :func:`split_memory` as its answer arrives, and
-:func:`gathered` returns the whole tensors once every shard's are in.
+Contract: :func:`plan` makes docs/protocol-shards.md's map ("The shard map") from the model's spec, the shard count S
+and the split bound B (elements): each tensor whole or cut into ``ceil(n / B)`` contiguous flat slices, the pieces
+placed largest first on the least-loaded shard (fewer pieces than shards: ``ValueError``). Workers and shards compute
+it alike and check they agree by :attr:`ShardMap.digest`. On a shard a piece is a tensor of its own
+(:attr:`Piece.key`); every optimizer is elementwise, so S shards step the bits one PS would. :func:`split` cuts
+tensors into one shard's pieces (views); :func:`place` copies one shard's slices into :func:`split_memory` as its
+answer arrives, and :func:`gathered` returns the whole tensors once every shard's are in.
 """
 from __future__ import annotations
 
