@@ -61,7 +61,4 @@ def cnn_job(seed: int = 0, dtype: str = "float32", optimizer=None):
 
 
 def CNNTask(seed: int = 0, dtype: str = "float32"):
-    require_torch()
-    from syncps.task import TorchTask
-
-    return TorchTask(cnn_job(seed, dtype), dtype, name="cnn")
+    return cnn_job(seed, dtype).task(dtype, name="cnn")
