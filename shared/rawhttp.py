@@ -290,8 +290,6 @@ def _dropped(sock: socket.socket) -> bool:
 
     Between two requests the server has nothing to say: readable means its FIN (it closed the
     connection), a reset, or bytes nobody asked for; any of them, and the socket is done with."""
-    if hasattr(select, "poll"):
-        poller = select.poll()
-        poller.register(sock, select.POLLIN)
-        return bool(poller.poll(0))
-    return bool(select.select([sock], [], [], 0)[0])
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(0))
