@@ -31,7 +31,6 @@ class ShmTransport(OnePS):
     def __init__(self, endpoint: Endpoint | None, directory: str, weights: shm.Region) -> None:
         super().__init__(endpoint)
         self.layout = weights.layout
-        self._weights_region = weights
         self.live: dict[str, np.ndarray] = weights.views()
         self.nonce = secrets.token_bytes(shm.NONCE_BYTES)
         self.gradient_file = f"syncps-g-{secrets.token_hex(16)}"
