@@ -1,25 +1,18 @@
 """The worker's training loop: register, (initialise), then pull -> compute -> push until done.
 
 Contract:
-- The first worker to find the PS empty initialises it with the task's weights
-  and optimizer; the others get 409 and just pull.
-- Each step's shard is the worker's position among the round's ranks (the
-  ``ranks`` list of the pull) out of their count; a pull whose ranks do not hold
-  this worker (it joined mid-round) is skipped to the next step.
-- A heartbeat thread keeps the lease while the worker computes.
-- While a push and its round are out, the next step's batch is drawn in a thread (:mod:`worker_service.prefetch`,
-  ``prefetch``: WORKER_PREFETCH), for the same position among the same ranks; a guess that turns out wrong is
-  drawn again, so the batches are those of a worker that does not prefetch.
-- A 404/409 from the PS (it restarted, or the lease expired; a sharded PS's ``not_held``) means register
-  again and carry on from the PS's step.
-- The first weights pulled after each registration must be the task's model (the same tensor names,
-  shapes and dtypes): a PS initialised, or restored from a checkpoint, for another model raises :class:`WrongModel`
-  (retrying cannot help), before any gradient is computed or the weights evaluated.
-- ``stop`` (SIGTERM; a ``StopFlag``, which a signal handler may set) ends the loop
-  between two calls; the worker then leaves the cluster so the barrier stops
-  waiting for it. Returns a summary (its metrics: the last weights pulled, or those the last push brought back).
-- A step's weights are let go once its gradients are computed, before the push: nothing views the transport's
-  copy when the push's answer (a weight delta) is written into it, so it is written in place, not into a copy.
+- The first worker to find the PS empty initialises it with the task's weights and optimizer; the others pull.
+- Each step's shard is the worker's position among the pull's ``ranks`` out of their count; a pull whose ranks do not
+  hold this worker (it joined mid-round) is skipped to the next step. A heartbeat thread keeps the lease.
+- While a push and its round are out, the next step's batch is drawn in a thread (:mod:`worker_service.prefetch`).
+- A 404/409 from the PS (:data:`REJOIN_CODES`: it restarted, or the lease expired) means register again and carry on
+  from the PS's step.
+- The first weights pulled after each registration must be the task's model (tensor names, shapes and dtypes), else
+  :class:`WrongModel` (retrying cannot help), before any gradient is computed or the weights evaluated.
+- ``stop`` (SIGTERM; a ``StopFlag``, which a signal handler may set) ends the loop between two calls; the worker then
+  leaves the cluster. Returns a summary (its metrics: of the last weights pulled, or those the last push brought back).
+- A step's weights are let go before its push, so the answer's weight delta is written into the transport's copy in
+  place, not into a copy.
 """
 from __future__ import annotations
 
@@ -191,9 +184,7 @@ def train(client: PSClient, task: Task, name: str, batch_size: int, stop: StopFl
                     stop.wait(compute_delay)  # WORKER_COMPUTE_DELAY_SECONDS: a deliberately slow worker
                 t2 = time.monotonic()
                 times = {"fetch": t1 - t0, "compute": t2 - t1, "push": times["push"]}  # push: the previous one's
-                # this step's weights are let go before its push: the answer's weight delta (a job with them) is then
-                # written into the transport's held copy in place, not into a copy (worker_service/transport/http.py)
-                this, params, pulled = pulled.step, None, None
+                this, params, pulled = pulled.step, None, None  # let go before the push (the module docstring)
                 # the next batch, drawn while this push and its round are out
                 res = client.push(worker_id, this, grads, loss, n, times,
                                   on_way=lambda s=this + 1, at=place: ahead.ahead(s, *at))

@@ -30,12 +30,9 @@ def describe(exc: BaseException) -> str:
 def call(fn: Callable[[], T], what: str, attempts: int, timeout: float,
          retry_on: tuple[type[BaseException], ...], *, slow_after: float = 5.0,
          wait_initial: float = 0.05, wait_max: float = 1.0, wait_jitter: float = 0.2) -> T:
-    """``fn()``, retried on ``retry_on`` errors at most ``attempts`` times in all.
-
-    ``what`` names the request in the log lines (e.g. ``"POST /v1/gradients (step 12)"``).
-    ``timeout`` is the time budget in seconds of all attempts and waits: no retry is
-    scheduled whose wait would end past it. Each attempt's own timeout is ``fn``'s business.
-    """
+    """``fn()``, retried on ``retry_on`` errors at most ``attempts`` times in all. ``what`` names the request in the
+    log lines; ``timeout`` is the time budget in seconds of all attempts and waits: no retry is scheduled whose wait
+    would end past it. Each attempt's own timeout is ``fn``'s business."""
     if attempts < 1:
         raise ValueError(f"attempts must be at least 1, not {attempts}")
     start = time.monotonic()
