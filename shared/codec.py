@@ -1,15 +1,10 @@
 """Control messages: strict msgpack, and the dtype allow-list every tensor is checked against.
 
-Tensors never travel inside msgpack (they travel in frames: :mod:`shared.frame`); what is msgpack is
-small: a frame's header, a checkpoint's envelope. :func:`unpack` refuses anything that is not plain
-data: extension types, map keys other than strings, a key that appears twice in one map (a reader
-must never have to guess which one wins), truncated or trailing bytes; and it bounds what a message
-may make it allocate. Every refusal is a :class:`shared.errors.ProtocolError` with status 400.
-
-Writing is msgpack's :func:`msgpack.packb`; reading is the one reader below, not msgpack's unpacker: that one
-allocates each container at its declared length before reading its items (a nested header can declare far more
-than it carries) and returns ``bin`` values as copies. Its C path on headers up to 2 KB was measured within the
-noise (docs/performance.md, the fast-path ledger) and was removed.
+Tensors never travel inside msgpack (they travel in frames: :mod:`shared.frame`); what is msgpack is small: a frame's
+header, a checkpoint's envelope. Writing is msgpack's :func:`msgpack.packb`; reading is the one reader below
+(:func:`unpack`: plain data only, bounded allocation, every refusal a 400 :class:`shared.errors.ProtocolError`), not
+msgpack's unpacker, which allocates each container at its declared length before reading its items and copies
+``bin`` values.
 """
 from __future__ import annotations
 

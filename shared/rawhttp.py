@@ -86,11 +86,8 @@ class RawConnection:
 
     def request(self, method: str, target: str, headers: Mapping[str, str], body: Iterable[bytes | memoryview] = (),
                 timeout: float = 30.0) -> RawResponse:
-        """Send one request (``body``: buffers sent as they are, in order) and read its answer.
-
-        ``timeout`` bounds each socket operation (connect, every send, every receive). Raises
-        :class:`ConnectionLost` when the request failed; it is never sent twice from here.
-        """
+        """Send one request (``body``: buffers sent as they are, in order) and read its answer. ``timeout`` bounds each
+        socket operation (connect, every send, every receive)."""
         parts = self._message(method, target, headers, body)
         if self.sock is not None and (self._idle.expired() or _dropped(self.sock)):
             self.close()  # a kept-alive socket idle for long, or closed: nothing was sent on it
@@ -286,10 +283,8 @@ class _Closed(Exception):
 
 
 def _dropped(sock: socket.socket) -> bool:
-    """Whether an idle kept-alive socket is unusable, without waiting (urllib3's ``is_connection_dropped``).
-
-    Between two requests the server has nothing to say: readable means its FIN (it closed the
-    connection), a reset, or bytes nobody asked for; any of them, and the socket is done with."""
+    """Whether an idle kept-alive socket is unusable, without waiting (urllib3's ``is_connection_dropped``): between two
+    requests the server has nothing to say, so readable means its FIN, a reset, or bytes nobody asked for."""
     poller = select.poll()
     poller.register(sock, select.POLLIN)
     return bool(poller.poll(0))
