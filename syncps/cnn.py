@@ -1,13 +1,9 @@
 """A small CNN on scikit-learn's 8x8 digits, trained through torch: the stock worker's ``cnn`` task
-(``WORKER_TASK=cnn`` names ``syncps.cnn:CNNTask``; needs the ``torch`` and ``mlp`` extras; the data ships inside
-scikit-learn, no download).
+(``WORKER_TASK=cnn``; needs the ``torch`` and ``mlp`` extras; docs/torch.md, "The ``cnn`` task").
 
-conv 3x3 (1 -> 8) + ReLU, conv 3x3 (8 -> 16) + ReLU, 2x2 max-pool, fully connected 256 -> 10 (3,818
-parameters);
-cross-entropy, torch.optim.Adam lr 0.003 (torch's formulas on the PS). The same seeded 80/20 split as
-``mlp``: workers train on shards of the 1437 training images, ``evaluate`` reports the loss and the
-accuracy on the 360 held-out ones. The initial weights come from ``seed`` (torch's generator, forked so
-the caller's is untouched).
+conv 3x3 (1 -> 8) + ReLU, conv 3x3 (8 -> 16) + ReLU, 2x2 max-pool, fully connected 256 -> 10 (3,818 parameters);
+cross-entropy, torch.optim.Adam lr 0.003, the initial weights from ``seed``. The data is ``mlp``'s seeded 80/20 split:
+``evaluate`` reports the loss and the accuracy on the 360 held-out images.
 """
 from __future__ import annotations
 

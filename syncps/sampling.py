@@ -42,15 +42,10 @@ def round_batch(n: int, step: int, position: int, workers: int, batch_size: int,
 
 
 class RoundBatchSampler:
-    """A ``batch_sampler`` for ``torch.utils.data.DataLoader``: yields this worker's indices for each step
-    until ``round()`` says stop.
-
-    ``round()`` returns ``(step, position, workers)`` of the round whose weights the model holds, or
-    None once training should stop. The batch of a request is for that step; a loader that asks
-    ahead (``num_workers > 0`` prefetches) gets the steps after it, with the sharding known when it
-    asked (sharding is exact with ``num_workers=0``). If the PS's step goes back (it restarted from
-    a checkpoint), the stream follows it.
-    """
+    """A ``batch_sampler`` for ``torch.utils.data.DataLoader``: this worker's indices for each step until ``round()``
+    (``(step, position, workers)`` of the round whose weights the model holds) says None. A loader that asks ahead
+    (``num_workers > 0``) gets the steps after it, sharded as known when it asked; a step that goes back (the PS
+    restarted from a checkpoint) is followed."""
 
     def __init__(self, round: Callable[[], tuple[int, int, int] | None], n: int, batch_size: int,
                  seed: int = 0, shuffle: bool = True) -> None:
