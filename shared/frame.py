@@ -1,17 +1,13 @@
-"""The one tensor frame: how a set of named tensors is laid out in an HTTP body, a shared-memory file
-and a checkpoint (docs/protocol.md, "Tensor frame", specifies it byte by byte).
+"""The one tensor frame: how a set of named tensors is laid out in an HTTP body, a shared-memory file and a checkpoint
+(docs/protocol.md, "Tensor frame", specifies it byte by byte: a prefix, a msgpack header, padding, then the tensors'
+raw bytes in the canonical layout, :meth:`Layout.of`). ``meta`` carries the message's control fields: the route's
+business, not the frame's.
 
-A frame is a 16-byte prefix (:data:`MAGIC`, the header's length H, a reserved 0), a msgpack header
-``{"meta", "tensors": [[name, dtype, shape, offset], ...], "data_bytes"}``, zero padding up to ``data_start``
-(a multiple of :data:`ALIGN`), then the tensors' raw bytes in the canonical layout (:meth:`Layout.of`), in the spirit
-of safetensors. ``meta`` carries the message's control fields (a push's worker id and step...): what they are is the
-business of the route, not of the frame.
-
-Contract: decoding checks every field (allow-listed dtypes, at most MAX_NDIM dimensions and MAX_TENSORS
-tensors, unique names, canonical offsets, exact lengths) before it makes any array, never unpickles,
-and returns arrays that are views of the given buffer (no copy; writable when the buffer is). Every
-refusal is a :class:`shared.errors.ProtocolError`: 400 ``bad_frame`` for a malformed frame, 422 for a
-well-formed tensor that is not acceptable (``unsupported_dtype``, ``bad_shape``, ``too_many_tensors``).
+Contract: decoding checks every field (allow-listed dtypes, at most MAX_NDIM dimensions and MAX_TENSORS tensors,
+unique names, canonical offsets, exact lengths) before it makes any array, never unpickles, and returns arrays that
+are views of the given buffer (no copy; writable when the buffer is). Every refusal is a
+:class:`shared.errors.ProtocolError`: 400 ``bad_frame`` for a malformed frame, 422 for a well-formed tensor that is
+not acceptable (``unsupported_dtype``, ``bad_shape``, ``too_many_tensors``).
 """
 from __future__ import annotations
 

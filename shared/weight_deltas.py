@@ -1,11 +1,9 @@
-"""Exact weight deltas PS -> worker (docs/protocol.md, "Weight deltas"): the layout of one tensor's changed
-entries, how the PS finds them and how a worker applies them. Pure numpy; no I/O.
+"""Exact weight deltas PS -> worker (docs/protocol.md, "Weight deltas"): the layout of one tensor's changed entries,
+how the PS finds them and how a worker applies them. Pure numpy; no I/O.
 
-A float32 tensor of ``n`` elements that changed in ``k`` entries between two steps travels as the top-k
-layout of shared/compression.py: uint32 ``[2, k]``, row 0 the flat indices (C order) strictly increasing,
-row 1 the **new** float32 values' bits (not differences). "Changed" compares bit patterns, so applying the
-entries to the old tensor gives the new one bit for bit (-0.0, NaN payloads included). A tensor is worth
-sending so only while ``2 * k < n`` (8 bytes per changed entry against 4 per element).
+A float32 tensor that changed in ``k`` of its ``n`` entries travels as shared/compression.py's top-k layout, row 1 the
+**new** values' bits; "changed" compares bit patterns, so the old tensor with the entries applied is the new one bit
+for bit. Worth sending so only while ``2 * k < n``.
 """
 from __future__ import annotations
 
