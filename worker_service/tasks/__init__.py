@@ -1,11 +1,9 @@
 """Training tasks: a model, its data and its gradients, in numpy.
 
-A task is any object with this small interface (see :class:`Task`); the worker
-loads a built-in one by name or yours by ``package.module:factory`` (a callable
-taking ``(seed, dtype)``), so a user can bring their own model and data. The
-factory may also return a torch model, its data and its loss as a
-:class:`syncps.job.TorchJob`, which the worker turns into a task with its ``task(dtype, name)`` (the built-in
-``cnn`` is ``syncps.cnn:CNNTask``). The worker imports no ``syncps`` module itself: ``syncps`` builds on it.
+A task is any object with the small interface of :class:`Task`; the worker loads a built-in one by name or yours by
+``package.module:factory`` (a callable taking ``(seed, dtype)``). The factory may also return a
+:class:`syncps.job.TorchJob`, which the worker turns into a task with its ``task(dtype, name)`` (the built-in ``cnn``
+is ``syncps.cnn:CNNTask``). The worker imports no ``syncps`` module itself: ``syncps`` builds on it.
 """
 from __future__ import annotations
 

@@ -2,10 +2,9 @@
 
 :class:`Attached` chooses same-host files when the PS's weights file is found in ``shm_dir`` and the PS takes the
 worker's gradient file (``GET /v1/shm``, ``POST /v1/workers/{id}/shm``), else request bodies, compressed as the job
-says (``compression`` of the registration answer). A reader (no worker id) always uses request bodies. When a push
-is refused with a code of :data:`SHM_AGAIN` (the PS restarted and lost or rewrote the same-host file), the transport
-is chosen again and the push sent again; if the PS says so again, it goes in the request body. ``on_way`` is
-called at most once per push, however often it is sent.
+says; a reader (no worker id) always uses request bodies. A push refused with a code of :data:`SHM_AGAIN` (the PS
+restarted) chooses again and is sent again; refused so again, it goes in the request body. ``on_way`` is called at
+most once per push.
 """
 from __future__ import annotations
 
