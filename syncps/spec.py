@@ -1,12 +1,9 @@
-"""The PS optimizer spec of a ``torch.optim`` optimizer: its hyper-parameters, run by the PS with torch's
-formulas (``"flavor": "torch"``, docs/torch.md).
+"""The PS optimizer spec of a ``torch.optim`` optimizer: its hyper-parameters, run by the PS with torch's formulas
+(``"flavor": "torch"``, docs/torch.md, "Optimizers on the PS").
 
-Supported: ``SGD`` (momentum, dampening, nesterov, weight_decay), ``Adam``, ``AdamW`` (or Adam with
-``decoupled_weight_decay``), ``Adagrad`` (lr_decay, weight_decay, initial_accumulator_value, eps).
-Every parameter group must have the same hyper-parameters (the PS runs one optimizer), and options
-the PS does not run (``maximize``, ``amsgrad``, sparse gradients...) are refused with a ValueError
-that names them, rather than silently trained another way. The local optimizer is never stepped: the
-PS owns the weights and the optimizer state; a learning-rate scheduler on the worker has no effect.
+Supported: ``SGD``, ``Adam``, ``AdamW`` (or Adam with ``decoupled_weight_decay``), ``Adagrad``, with the options of
+:data:`SUPPORTED`. Every parameter group must have the same hyper-parameters (the PS runs one optimizer), and an
+option the PS does not run (:data:`MUST_BE`: ``maximize``, ``amsgrad``...) is refused with a ValueError naming it.
 """
 from __future__ import annotations
 
