@@ -68,7 +68,7 @@ def create_app(settings: PSSettings | None = None, exit_on_refusal: bool = False
                     await background
             if checkpointer is not None:
                 await asyncio.to_thread(checkpointer.finish, rt.core)
-            rt.shm.close()
+            rt.tensors.close()
             if rt.shards is not None and rt.shards.links is not None:
                 await rt.shards.links.close()
             if rt.ha is not None:

@@ -58,7 +58,7 @@ class StateCollector:
         self.rt = rt
 
     def collect(self):
-        rt, core = self.rt, self.rt.core
+        rt, core, shm = self.rt, self.rt.core, self.rt.tensors.shm
         now = rt.now()
         yield _gauge("ps_global_step", "Model version: the global step (rounds applied).", core.global_step)
         yield _gauge("ps_max_steps", "Global steps to train (absent: forever).", rt.settings.max_steps)
@@ -90,10 +90,10 @@ class StateCollector:
             yield _gauge("ps_worker_clock_spread", "Fastest minus slowest live clock (ssp: <= bound + 1).", modes.spread)
         yield _counter("ps_received_bytes", "Bytes of model and gradient request bodies received.", rt.tensors.bytes_in)
         yield _counter("ps_sent_bytes", "Bytes of weight response bodies sent.", rt.tensors.bytes_out)
-        yield _counter("ps_shm_received_bytes", "Gradient bytes read from same-host workers' files.", rt.shm.bytes_in)
-        yield _gauge("ps_shm_workers", "Workers whose tensors go through the same-host transport.", len(rt.shm.attached))
+        yield _counter("ps_shm_received_bytes", "Gradient bytes read from same-host workers' files.", shm.bytes_in)
+        yield _gauge("ps_shm_workers", "Workers whose tensors go through the same-host transport.", len(shm.attached))
         yield _counter("ps_shm_weights_copies", "Copies of a step's weights into the same-host weights file (made while "
-                       "the weights live in the frame of the answers sent over HTTP).", rt.shm.mirrored)
+                       "the weights live in the frame of the answers sent over HTTP).", shm.mirrored)
         intake = core.intake
         yield _counter("ps_push_reads_deferred", "Times a large push's tensors were left unread for their turn in rank "
                        "order (ps_service/core/intake.py).", intake.deferred)

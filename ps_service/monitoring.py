@@ -153,7 +153,7 @@ def status_view(rt: Runtime) -> dict:
                  "moving_average_rounds": len(losses)},
         "throughput": throughput(core, now),
         "examples": core.examples, "bytes_received": rt.tensors.bytes_in, "bytes_sent": rt.tensors.bytes_out,
-        "shm_bytes_received": rt.shm.bytes_in, "compression": rt.tensors.compression.to_wire(),
+        "shm_bytes_received": rt.tensors.shm.bytes_in, "compression": rt.tensors.compression.to_wire(),
         "auth_failures": rt.auth_failures, "started_at": rt.started_wall,
         "training_started_at": None if core.started_at is None else wall(rt, core.started_at),
         "uptime_seconds": now - rt.started_mono,
@@ -177,7 +177,7 @@ def worker_view(rt: Runtime, m, now: float, totals: dict[str, dict], awaited: tu
     return {
         "worker_id": m.worker_id, "name": m.name, "rank": m.rank, "state": state,
         "last_seen": wall(rt, m.last_seen), "last_seen_seconds_ago": now - m.last_seen,
-        "transport": rt.shm.last_transport.get(m.worker_id),
+        "transport": rt.tensors.shm.last_transport.get(m.worker_id),
         "registered_at": wall(rt, m.registered_at), "registrations": m.registrations,
         "last_step": last_step, "last_push_status": last_status, "in_current_round": in_round,
         "awaited": m.worker_id in awaited, "waiting": rt.core.members.waits.get(m.worker_id, 0) > 0,

@@ -197,11 +197,6 @@ class Runtime:
                 return
             await asyncio.sleep(0)
 
-    @property
-    def shm(self):
-        """The same-host transport's hub (monitoring reads its counters)."""
-        return self.tensors.shm
-
     async def wait_for(self, predicate: Callable[[], bool], timeout: float, worker_id: str | None = None,
                        first: bool = False) -> bool:
         """:meth:`wait_until`, at most ``PS_PULL_TIMEOUT_MAX_SECONDS``; with ``worker_id`` the wait keeps that
@@ -251,8 +246,9 @@ class Runtime:
                 self.ha.watch(now)  # a standby that no longer hears its primary
             self.core.tick(now)
             self.notify()
-            if self.shm.attached and (self.shards is None or self.shards.coordinator):  # followers have no members
-                self.shm.prune(self.core.members.active_by_id.keys())
+            shm = self.tensors.shm
+            if shm.attached and (self.shards is None or self.shards.coordinator):  # followers have no members
+                shm.prune(self.core.members.active_by_id.keys())
 
     def run_guarded(self, fn: Callable[[], object]) -> object:
         """Run a core call and wake the waiters whatever happened."""

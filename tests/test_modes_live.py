@@ -147,7 +147,7 @@ def test_same_host_pulls_get_the_weights_in_the_body_in_async(tmp_path):
         c.init_model(W, SGD)
         assert c.attach(wid) == "shm"
         first = c.pull(0, wid, 5.0)
-        assert c.push(wid, 0, G)["status"] == "accepted" and ps.rt.shm.bytes_in > 0  # the push went by file
+        assert c.push(wid, 0, G)["status"] == "accepted" and ps.rt.tensors.shm.bytes_in > 0  # the push went by file
         second = c.pull(1, wid, 5.0)
         assert second.step == 1 and first.tensors["w"][0] == 0 and second.tensors["w"][0] == np.float32(-0.1)
         with ps.http() as http:

@@ -116,7 +116,7 @@ def test_same_host_worker_moves_no_tensor_bytes(shm_dir):
         assert a.init_model(W0, {"name": "sgd", "learning_rate": 0.5})
         assert a.attach(wa) == "shm" and a.transport == "shm"
         channel = a.tensors.current
-        assert os.listdir(shm_dir) == [ps.rt.shm.weights_name]  # the worker's file is unlinked once attached
+        assert os.listdir(shm_dir) == [ps.rt.tensors.shm.weights_name]  # the worker's file is unlinked once attached
         pulled = a.pull(0, wa, wait=5.0)
         assert pulled.tensors is channel.live
         np.testing.assert_array_equal(pulled.tensors["w"], W0["w"])
@@ -146,7 +146,7 @@ def test_with_body_answers_the_weights_live_in_their_frame_and_the_file_gets_a_c
         a, b = ps.client(shm_dir=shm_dir), ps.client()
         wa, wb = a.register("a")["worker_id"], b.register("b")["worker_id"]
         assert a.init_model(W0, {"name": "sgd", "learning_rate": 0.5}) and a.attach(wa) == "shm"
-        core, hub, store, channel = ps.rt.core, ps.rt.shm, ps.rt.core.store, a.tensors.current
+        core, hub, store, channel = ps.rt.core, ps.rt.tensors.shm, ps.rt.core.store, a.tensors.current
         region = hub._weights  # the file's mapping (its marker: the step of the weights it holds)
 
         def round_(step: int, body_pull: bool) -> None:
@@ -188,7 +188,7 @@ def test_an_async_job_answers_from_the_frame_and_leaves_the_file_alone(shm_dir):
             pulled = a.pull(step + 1, wa, wait=5.0)
             np.testing.assert_array_equal(pulled.tensors["w"], W0["w"] - np.float32(0.5 * (step + 1)))
             assert pulled.tensors is not a.tensors.current.live  # a body answer
-            assert ps.rt.core.store.holds(ps.rt.core.weights) and ps.rt.shm.mirrored == 0
+            assert ps.rt.core.store.holds(ps.rt.core.weights) and ps.rt.tensors.shm.mirrored == 0
         a.close()
 
 
@@ -238,7 +238,7 @@ def test_hostile_attach_and_push_change_nothing(shm_dir):
         for send, status, code in cases:
             resp = send()
             assert (resp.status_code, resp.json()["error"]) == (status, code), resp.text
-        assert not ps.rt.shm.attached
+        assert not ps.rt.tensors.shm.attached
         ok = attach(real.gradient_file)  # protocol.md, Same-host transport item 3: the answer
         assert (ok.status_code, ok.json()) == (200, {"worker_id": wid, "transport": "shm"})
         real.unlink()
@@ -339,9 +339,9 @@ def test_a_ps_that_lost_the_file_gets_it_again(shm_dir):
         c = ps.client(shm_dir=shm_dir)
         wid = c.register("a")["worker_id"]
         assert c.init_model(W0, {"name": "sgd", "learning_rate": 0.5}) and c.attach(wid) == "shm"
-        ps.rt.shm.detach(wid)
+        ps.rt.tensors.shm.detach(wid)
         assert c.push(wid, 0, grads(1.0))["status"] == "accepted" and c.transport == "shm"
-        assert ps.rt.core.global_step == 1 and wid in ps.rt.shm.attached
+        assert ps.rt.core.global_step == 1 and wid in ps.rt.tensors.shm.attached
         with ps.http() as h:
             h.delete(f"/v1/workers/{wid}")
             seq = c.tensors.current.write(grads(1.0))
@@ -381,7 +381,7 @@ def test_weights_file_of_a_killed_ps_is_swept(shm_dir):
             wid = c.register("a")["worker_id"]
             assert c.init_model(W0, {"name": "sgd", "learning_rate": 0.5}) and c.attach(wid) == "shm"
             ShmHub(shm_dir)  # a second PS starting on the directory (it sweeps) keeps the live one's file
-            assert os.path.exists(os.path.join(shm_dir, ps.rt.shm.weights_name))
+            assert os.path.exists(os.path.join(shm_dir, ps.rt.tensors.shm.weights_name))
             c.close()
     finally:
         os.close(holder)
