@@ -76,11 +76,6 @@ def round_record(rt: Runtime, rec: RoundRecord) -> dict:
     }
 
 
-def last_rounds(rt: Runtime, limit: int) -> list[RoundRecord]:
-    """The last ``limit`` core round records, newest first."""
-    return list(islice(reversed(rt.core.rounds), limit))
-
-
 def straggler_totals(records: list[RoundRecord]) -> list[dict]:
     """Per straggler name over ``records``: rounds and seconds it cost; most costly first."""
     totals: dict[str, dict] = {}
@@ -125,7 +120,10 @@ def wait_reason(rt: Runtime, now: float) -> str | None:
     return rt.core.wait_reason(now) if rt.shards is None else rt.shards.wait_reason(now)
 
 
-def status_view(rt: Runtime) -> dict:
+@router.get(f"{API}/status", response_model=Status)
+async def status(request: Request) -> dict:
+    """Job state, progress, mode, optimizer, the open round, loss, throughput, uptime, checkpoint."""
+    rt = runtime(request)
     core, s, now = rt.core, rt.settings, rt.now()
     losses = [l for _, l in list(core.loss_history)[-LOSS_AVERAGE_ROUNDS:]]
     states = [m.state for m in core.members.by_id.values()]
@@ -195,27 +193,18 @@ def worker_view(rt: Runtime, m, now: float, totals: dict[str, dict], awaited: tu
     }
 
 
-def workers_view(rt: Runtime) -> dict:
+@router.get(f"{API}/workers", response_model=Workers)
+async def workers(request: Request) -> dict:
+    """Every member: state, last seen, push outcomes, mean phase times, straggler counts; membership events."""
+    rt = runtime(request)
     now = rt.now()
-    window = last_rounds(rt, STRAGGLER_WINDOW_ROUNDS)
+    window = list(islice(reversed(rt.core.rounds), STRAGGLER_WINDOW_ROUNDS))
     ranked = straggler_totals(window)
     events = [{**e, "time": wall(rt, e["time"])} for e in list(rt.core.members.events)[-100:]]
     waits = awaited(rt.core)
     totals = {t["name"]: t for t in ranked}
     return {"workers": [worker_view(rt, m, now, totals, waits) for m in rt.core.members.all()],
             "straggler": ranked[0]["name"] if ranked else None, "window_rounds": len(window), "events": events}
-
-
-@router.get(f"{API}/status", response_model=Status)
-async def status(request: Request) -> dict:
-    """Job state, progress, mode, optimizer, the open round, loss, throughput, uptime, checkpoint."""
-    return status_view(runtime(request))
-
-
-@router.get(f"{API}/workers", response_model=Workers)
-async def workers(request: Request) -> dict:
-    """Every member: state, last seen, push outcomes, mean phase times, straggler counts; membership events."""
-    return workers_view(runtime(request))
 
 
 @router.get(f"{API}/rounds", response_model=Rounds)
@@ -225,7 +214,7 @@ async def rounds(request: Request,
     """The last ``limit`` closed rounds (newest first): contributors in arrival order, late pushes, missing
     members, the straggler and what it cost; plus the open round and per-straggler totals."""
     rt = runtime(request)
-    records = last_rounds(rt, limit)
+    records = list(islice(reversed(rt.core.rounds), limit))  # newest first
     return {"rounds": [round_record(rt, r) for r in records], "current": current_round(rt),
             "stragglers": straggler_totals(records)}
 
