@@ -30,8 +30,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("".join(f"{ap.prog}: {line}\n" for line in settings_errors(exc, "PS_")))
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s ps %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a shard's links log their own failures, not every request
-    # httptools, with large bodies written straight into the routes' buffers (ps_service/transport/bodysink.py);
-    # the event loop: PS_EVENT_LOOP (docs/performance.md says when each one wins)
+    # httptools with the body sink (server_options); the event loop: PS_EVENT_LOOP (docs/performance.md)
     app = create_app(settings, exit_on_refusal=True)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                 timeout_graceful_shutdown=5, loop=settings.event_loop, **server_options(settings))

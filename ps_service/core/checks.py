@@ -1,18 +1,13 @@
 """What the core checks of a gradient before it takes it. Pure, no I/O.
 
 Contract:
-
-- :func:`validate` says whether a gradient fits the model, before anything changes: exactly the
-  model's tensor names, and per tensor exactly its shape and dtype (422 ``tensor_mismatch``
-  otherwise; nothing is ever cast), then no NaN/Inf in those very arrays (422
-  ``nonfinite_gradient`` under the ``reject`` policy; False under ``skip``).
-- NaN/Inf checks (:func:`finite`) are a BLAS dot product of the tensor with itself, chunk by chunk: NaN or Inf
-  exactly when an element is (squares are >= 0: nothing cancels), unless the squares overflow (|x| > 1.8e19 in
-  float32), where that chunk is checked exactly by a dot product with zeros. The round's sum is checked so too
-  when it could overflow (:mod:`ps_service.core.rounds`).
-- :func:`read_checked` copies memory another process may write (a same-host worker's file,
-  ps_service/transport/shm.py) into the PS's own and checks the copy while it is in the cache: what is checked is
-  what is kept.
+- :func:`validate` says whether a gradient fits the model, before anything changes: exactly the model's tensor
+  names, per tensor exactly its shape and dtype (422 ``tensor_mismatch``; nothing is cast), then no NaN/Inf in those
+  very arrays (422 ``nonfinite_gradient`` under the ``reject`` policy; False under ``skip``).
+- NaN/Inf checks (:func:`finite`) are a BLAS dot product of the tensor with itself, chunk by chunk (exact unless the
+  squares overflow, |x| > 1.8e19 in float32: that chunk is then checked exactly). The round's sum is checked so too.
+- :func:`read_checked` copies memory another process may write (a same-host worker's file) into the PS's own and
+  checks the copy while it is in the cache: what is checked is what is kept.
 """
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """The core's one error: a refusal with a stable code and a text for humans, and no transport in it.
 
-Whatever the core refuses (a push that does not fit the model, a worker that must register again, a model
-initialised twice, an optimizer spec it cannot run) raises :class:`CoreError` before any state changes. The core
-knows no HTTP: the HTTP layer maps each code to a status (``ps_service.http.STATUS``), and a code missing there is
-a test failure (tests/test_core_errors.py), never a guess at run time.
+Whatever the core refuses raises :class:`CoreError` before any state changes. The HTTP layer maps each code to a
+status (``ps_service.http.STATUS``); a code missing there is a test failure (tests/test_core_errors.py).
 """
 from __future__ import annotations
 

@@ -1,11 +1,9 @@
 """Per-second rates of monotonic counters over a sliding window. Pure, no I/O: the clock is an argument.
 
-Contract: ``sample(now, counts)`` records the counters' values (a tuple, e.g. (rounds closed,
-examples)) at most once every ``resolution`` seconds; ``rates(now, counts)`` answers
-``(span, per-second rates)`` where each rate is ``(count_now - count_then) / (now - then)`` and
-``then`` is the newest sample at least ``window`` seconds old (the oldest one while there is none
-so old). Two readings of a counter are subtracted, so a rate is never capped by how many events
-are kept; memory is at most ``window / resolution + 2`` samples.
+Contract: ``sample(now, counts)`` records the counters' values at most once every ``resolution`` seconds;
+``rates(now, counts)`` answers ``(span, per-second rates)``, each ``(count_now - count_then) / (now - then)`` with
+``then`` the newest sample at least ``window`` seconds old (else the oldest). Memory: at most ``window / resolution
++ 2`` samples, and a rate is never capped by how many events are kept.
 """
 from __future__ import annotations
 
