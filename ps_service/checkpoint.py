@@ -1,19 +1,10 @@
 """Crash-consistent PS checkpoints: the file format, atomic writes, pruning, restore, and the periodic policy.
 
-The format and the policy's bound are docs/checkpoint.md's contract (with a plain-script reader). In short:
-
-- One file ``ckpt-<global step, 10 digits>.msgpack``: a msgpack map ``{"format": "syncps-checkpoint", "version": 2,
-  "sha256": hex, "payload": bin}``, ``payload`` one tensor frame (:mod:`shared.frame`) of
-  :meth:`ps_service.core.ParameterServerCore.export_state` (tensors ``weights/<name>``, ``slots/<slot>/<name>``; the
-  rest, and ``written_at``, in its meta). No pickle anywhere.
-- A write goes to a hidden temp file, fsynced, renamed, the directory fsynced; then the newest ``keep`` are kept and
-  ``manifest.json`` is rewritten the same way.
-- Restore takes the newest file that is valid: checksum, every field's type and range (integers in [0,
-  :data:`shared.protocol.MAX_INT`], the step the file name's, the optimizer spec one the PS runs with the slots of its
-  weights, weights floating point and finite, members well-formed); any other is logged with its reason and skipped.
-- :class:`Checkpointer` decides when (every N steps and/or T seconds once the step moved; at once when the job is
-  done), snapshots on the event loop and writes on its own thread, one write at a time, so the newest file on disk is
-  never more than ``2 * every_steps`` steps behind the live step.
+The format (one ``ckpt-<step>.msgpack`` a checkpoint: a checksummed envelope around one tensor frame of
+:meth:`ps_service.core.ParameterServerCore.export_state`; no pickle), the manifest, the atomic write and what restore
+checks are docs/checkpoint.md's contract (with a plain-script reader). :class:`Checkpointer` decides when (every N
+steps and/or T seconds once the step moved; at once when the job is done), snapshots on the event loop and writes on
+its own thread, one write at a time, so the newest file is never more than ``2 * every_steps`` steps behind.
 """
 from __future__ import annotations
 

@@ -1,29 +1,9 @@
 """torch.optim's update rules on the PS (``"flavor": "torch"``), in numpy, without torch.
 
 Each rule is torch's single-tensor CPU implementation (``torch/optim/*.py``, ``foreach=False``), operation by
-operation, in the weight's dtype:
-
-- ``sgd`` / ``momentum`` (torch.optim.SGD; "momentum" when momentum > 0: its buffer is the slot ``accum``)::
-
-      g = fma(w, wd, g)                          if weight_decay
-      buf = g  (step 1);  buf = fma(g, 1 - dampening, buf * momentum)  (later steps)
-      g = fma(buf, momentum, g) if nesterov else buf
-      w = fma(g, -lr, w)
-
-- ``adam`` / ``adamw`` (torch.optim.Adam / AdamW; slots ``m`` = exp_avg, ``v`` = exp_avg_sq)::
-
-      w = w * (1 - lr * wd)                      adamw, if weight_decay
-      g = fma(w, wd, g)                          adam, if weight_decay
-      m = lerp(m, g, c) = fma(c, g - m, m) with c = 1 - b1   (fma(c - 1, g - m, g) when c >= 0.5)
-      v = fma((1 - b2) * g, g, v * b2)
-      bc1 = 1 - b1^t;  bc2 = 1 - b2^t            (Python floats, as torch)
-      w = w + (-(lr / bc1) * m) / (sqrt(v) / sqrt(bc2) + eps)
-
-- ``adagrad`` (torch.optim.Adagrad; slot ``accum`` = sum)::
-
-      g = fma(w, wd, g)                          if weight_decay
-      clr = lr / (1 + (t - 1) * lr_decay)
-      a = fma(g, g, a);  w = w + (-clr * g) / (sqrt(a) + eps)
+operation, in the weight's dtype: docs/torch.md's table has every formula. Slots: ``sgd`` / ``momentum``
+(torch.optim.SGD, "momentum" when momentum > 0) its buffer as ``accum``; ``adam`` / ``adamw`` ``m`` (exp_avg) and
+``v`` (exp_avg_sq); ``adagrad`` ``accum`` (sum).
 
 Scalars are computed as torch does (Python floats), then rounded to the weight's dtype; ``fma`` is a fused
 multiply-add (:mod:`ps_service.core.fma`), as torch's CPU kernels use for ``add(alpha=)``, ``lerp`` and ``addcmul``.
