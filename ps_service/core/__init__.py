@@ -12,10 +12,9 @@ of reach, recall, deadline, close, start, end) and its push statuses ("POST /v1/
   take effect at the next boundary, unless the round is *stuck* (its own members cannot close it): then a member that
   registers joins it at once, and the active members it does not count, or whose push for it was late, are recalled
   (:meth:`_recall`). A member that registers again under its name keeps its id and rank and counts as a join.
-- Push of worker w for step s: a second push of (w, s) is ``duplicate``; s == g from an eligible w is ``accepted``
-  (``skipped`` if not finite under ``nonfinite_policy="skip"``); s == g from a non-eligible w, or s == g-1 from a
-  member of round g-1 that missed it, is ``late``; anything older is ``stale``. Every check (:func:`validate`) comes
-  before any state changes; only ``accepted`` gradients are applied, and the core owns their arrays.
+- A push's status (:meth:`classify`): a repeat of (w, s) ``duplicate``; s == g from an eligible w ``accepted``
+  (``skipped`` if not finite under policy skip); from another w, or s == g-1 from a member of round g-1 that missed it,
+  ``late``; older ``stale``. Every check (:func:`validate`) comes before any state changes; the core owns the arrays.
 - Start: round 0 opens once the model is initialised and ``min_workers`` are active, after the grace (:meth:`tick`;
   a restored checkpoint's members, or the deployment's count, :meth:`deploy`); at ``max_steps`` the job is done.
 

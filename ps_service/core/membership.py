@@ -1,20 +1,12 @@
 """Who is in the job: registration, ranks, leases. Pure state, no I/O, no clock of its own.
 
-Contract:
-- A worker registers by ``name``. A new name gets a fresh random ``worker_id`` and the lowest rank no other
-  *present* member holds (present = active or expired; a member that left gracefully gives its rank back). The same
-  name registering again (a restarted container) gets the same ``worker_id`` and rank, and becomes active again.
-- Every request from a worker renews its lease (``touch``); ``expire(now)`` marks members whose lease ran out as
-  ``expired``; ``leave`` is the graceful exit. Expired and left members stay listed, for monitoring.
-- A worker waiting on the barrier (a long-poll pull) is alive while it waits: ``begin_wait`` renews its lease and
-  counts a wait in flight (they nest), ``expire`` never expires a member with one, ``end_wait`` renews from then.
-- Leases can be *held* (:meth:`hold`: a sharded PS whose follower does not answer): ``expire`` then expires nobody,
-  and :meth:`release` gives every active member a lease from then.
-- Leases are held too while the PS hears from no worker (*silence*: no request for :data:`SILENCE_LEASES` of a lease
-  while members are active and none waits; or :meth:`stalled`: the PS itself did not run that long); the first worker
-  heard from again ends it, as :meth:`release` does. Why (a PS cut off or paused cannot tell that from every worker
-  gone): docs/protocol.md, register. A PS ending a wait is not hearing from its worker.
-- Every change is appended to ``events`` (bounded) with its time.
+Contract: docs/protocol.md, register (names, ids, the lowest free rank, leases, the silence that holds them). In the
+module's terms: ``touch`` renews a lease, ``expire(now)`` marks members whose lease ran out ``expired``, ``leave`` is
+the graceful exit; expired and left members stay listed. A wait on the barrier (``begin_wait`` .. ``end_wait``,
+nested) holds its member's lease. Leases are *held* by :meth:`hold` (a sharded PS whose follower does not answer)
+until :meth:`release`, and by a silence (no worker heard from for :data:`SILENCE_LEASES` of a lease, or
+:meth:`stalled`) until a worker is heard from; either way every active member then gets a lease from then. Every
+change is appended to ``events`` (bounded).
 
 Cost: no call scans the members. ``expire`` pops a heap of lease ends (one entry per member; a renewed lease's entry
 is pushed back to its new end when it comes due): O(log K) per lease that ran out or was renewed; the active members,

@@ -14,8 +14,7 @@ Contract:
 - :meth:`ShmHub.gradients` copies a push once out of the worker's file into a pooled buffer of the PS's own
   (:data:`ps_service.core.buffers.POOL`), checking for NaN/Inf as it copies
   (:func:`ps_service.core.checks.read_checked`), between two reads of the marker (409 ``shm_torn``).
-- Refusals: 409 ``shm_unavailable`` (the worker then uses plain HTTP), 409 ``shm_not_attached`` / ``shm_torn``
-  (attach again, or push over HTTP), 400 for malformed names.
+- Refusals (409 ``shm_unavailable``, ``shm_not_attached``, ``shm_torn``; 400 for malformed names): docs/protocol.md.
 The weights file is unlinked on shutdown; files left by a killed PS (no flock held) are swept on start.
 """
 from __future__ import annotations

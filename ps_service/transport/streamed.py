@@ -1,4 +1,4 @@
-"""A pull answered partition by partition (docs/protocol-partitions.md, Pull).
+"""A pull answered partition by partition (docs/protocol-partitions.md, Pull: the frames and their layout).
 
 Contract: with partitioned rounds (``PS_PARTITION_BYTES`` > 0) the core calls :meth:`Partitions.closed` (its
 ``on_partition`` hook) after every call that closed partitions. While round s is decided and its partitions still
@@ -6,9 +6,7 @@ close, :attr:`Partitions.current` is step s + 1's :class:`StepFrames`: each part
 encoded (copied once into a pooled buffer) as soon as the partition closed, so an answer in flight sends bytes no
 later round changes; the last one waits for the round's close (its meta names the next round's ``ranks`` and
 ``done``). A pull may send a :class:`StepFrames` while it fills, each frame once encoded (:meth:`StepFrames.has`).
-Frame 0 is the answer's head, ``{"step": s + 1, "partitions": Q}``, with partition 0's pieces; frame q has the meta
-``{"partition": q}`` (the last: with ``"done"`` and ``"ranks"``), each at the next multiple of 64 bytes, as a
-partitioned push's body. Without partitions :meth:`closed` is not installed.
+Without partitions :meth:`closed` is not installed.
 """
 from __future__ import annotations
 
