@@ -10,13 +10,11 @@ Closing rule: :meth:`CloseRule.progress`, checked after every change (its reason
 ``unreachable``, ``deadline``: docs/protocol.md, "The barrier"). *Stuck* (:attr:`Progress.stuck`): its own members
 cannot close it (only a deadline could); a worker that registers then joins the open round instead of the next one.
 
-Fixed R counts a push at its *head* (:meth:`Round.head`, before its tensors are read: :mod:`ps_service.core.intake`):
-the contributors are the first R heads (``heads``, arrival order), and a push whose head comes after R others' is
-``late`` (:meth:`Round.lose`: its member is done with the round). A head whose push then fails (4xx, or its body
-could not be read), or whose member expires or leaves, gives its place back (:meth:`Round.unhead`) to the next head
-that sorts after the sum already made; else R is out of reach once those awaited are in. On a sharded PS the
-coordinator's hold is the push's head (:meth:`~ps_service.core.ParameterServerCore.hold`); a hold after R heads is
-late (:meth:`Round.refuse`: listed in ``refused``; in ``back`` too if it registers again into the stuck round).
+Fixed R (docs/protocol.md, "The barrier"): a push counts at its *head* (:meth:`Round.head`, before its tensors are
+read: :mod:`ps_service.core.intake`); the contributors are the first R heads (``heads``), a later one is ``late``
+(:meth:`Round.lose`), a head whose push fails or whose member goes gives its place back (:meth:`Round.unhead`). A
+sharded coordinator's hold is the push's head (:meth:`~ps_service.core.ParameterServerCore.hold`); a hold after R
+heads is late (:meth:`Round.refuse`: listed in ``refused``; in ``back`` too if it registers again into the stuck round).
 
 Cost: the counts (``live``, ``waiting``) follow every mutator and :meth:`Round.member_changed`, so the rule's decision
 is O(1) per push; the sorted eligible keys' frontier (below it every key contributed) makes the lowest pending key,

@@ -10,8 +10,7 @@ new step is one optimizer apply past the previous one and that apply updated a t
 bits), and that tensor's snapshot is dropped; a step that is not such an apply sends it dense once and takes a new
 snapshot.
 
-``lineage`` names this sequence of weights: random per PS process, drawn again if the weights of one step changed
-(the iterations moved while the step did not, or the step went back), so a delta is exact whatever happens.
+``lineage`` (docs/protocol.md) is drawn again when a step comes again with other weights (gone back, re-applied).
 """
 from __future__ import annotations
 
