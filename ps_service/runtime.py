@@ -88,8 +88,7 @@ class Runtime:
         self.wake_waits()
 
     def now(self) -> float:
-        """The core's clock; a reading long after the one before (the ticker reads it every ``PS_TICK_SECONDS``) is
-        a stall, told to the membership first (:meth:`Membership.stalled`)."""
+        """The core's clock; a reading long after the one before is a stall, told first (:meth:`Membership.stalled`)."""
         t = self.clock()
         if t - self._read_at >= self.core.members.stall_seconds:  # (a call only when it can be one)
             self.core.members.stalled(self._read_at, t)
@@ -125,8 +124,8 @@ class Runtime:
                     log.exception("observer failed")
 
     async def wait_until(self, predicate: Callable[[], bool], timeout: float, first: bool = False) -> bool:
-        """Wait (at most ``timeout`` s) until ``predicate()``, a function of :meth:`barrier` only (it is
-        checked again when the barrier moves); its final value. ``first``: woken before the waits that are not."""
+        """Wait (at most ``timeout`` s) until ``predicate()``, a function of :meth:`barrier` only; its final value.
+        ``first``: woken before the waits that are not."""
         deadline, rewinds, aborts = self.clock() + timeout, self.core.rewinds, self.aborts
         while not predicate():
             remaining = deadline - self.clock()

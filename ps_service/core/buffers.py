@@ -38,8 +38,7 @@ class BufferPool:
         self.made = 0
 
     def take(self, n: int, keep: bool = True) -> memoryview:
-        """A writable view of ``n`` bytes that nothing else uses. ``keep`` False: a buffer made for it is not kept
-        (one that comes once: a model's upload), though a kept one that is free may serve it."""
+        """A writable view of ``n`` bytes that nothing else uses; ``keep`` False: a buffer made for it is not kept."""
         if n < POOL_MIN_BUFFER:
             return memoryview(bytearray(n))
         best = None

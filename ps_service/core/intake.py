@@ -70,8 +70,7 @@ class Intake:
         return True
 
     def late_readers(self) -> tuple[str, ...]:
-        """The pushes :meth:`claim_late` would let be read now: every one waiting while none is read (the first to ask
-        wins; a name whose push went away meanwhile wakes nobody)."""
+        """The pushes :meth:`claim_late` would let be read now: every one waiting while none is read."""
         return () if self.refusing else tuple(self.queued)
 
     def _defer(self) -> bool:

@@ -124,9 +124,8 @@ class ModelState:
 
     def update(self, grads: Mapping[str, np.ndarray], consume: bool = False, mean_of: int = 1,
                pieces: Sequence[Piece] | None = None, advance: bool = True) -> None:
-        """One optimizer step of the weights, in place (:meth:`Optimizer.apply`), after the store's ``before_change``.
-        ``pieces``: one partition of the step (:mod:`ps_service.core.partitions`; ``grads`` keyed by their keys),
-        ``advance`` False for the step's partitions after its first."""
+        """One optimizer step of the weights, in place (:meth:`Optimizer.apply`), after the store's ``before_change``;
+        ``pieces``: one partition's, ``advance`` False after its step's first."""
         self.store.before_change()
         self.optimizer.apply(self.weights, grads, consume=consume, mean_of=mean_of, pieces=pieces, advance=advance)
 

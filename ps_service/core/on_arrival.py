@@ -35,8 +35,8 @@ def classify(core, m: Member, req: PushRequest, finite: bool, now: float) -> tup
 
 
 def take(core, req: PushRequest, v: Verdict, grads: Mapping[str, np.ndarray]) -> None:
-    """Do what the verdict says: one optimizer step with ``grads`` (PS-owned: consumed) if it applies, and
-    ``global_step += 1`` if it advances (the step's input goes to ``core.on_step`` first, as a round's does)."""
+    """Do what the verdict says: one optimizer step with ``grads`` (consumed) if it applies, after ``core.on_step``;
+    ``global_step += 1`` if it advances."""
     if v.advances and core.on_step is not None:
         core.on_step(grads if v.applies else None, 1, int(v.applies))
     if v.applies:

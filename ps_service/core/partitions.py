@@ -69,8 +69,8 @@ class RoundParts:
         return worker_id in self.came[q]
 
     def frame(self, q: int, worker_id: str, rank: int | None, grads) -> list[int]:
-        """Take a member of C's frame of partition q (validated; its arrays are the accumulator's from now on; ``rank``
-        None: not known before the decision, which names it); the partitions that can close now."""
+        """Take a member of C's validated frame of partition q (its arrays the accumulator's; ``rank`` None: named
+        by the decision); the partitions that can close now."""
         self.came[q].add(worker_id)
         if not self.decided:
             if rank is None:

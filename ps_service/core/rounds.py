@@ -362,8 +362,8 @@ class Round:
         return loss if loss is not None and math.isfinite(loss) else None  # huge losses can overflow the mean
 
     def close(self, now: float, reason: str, replicas: int | None):
-        """(its :class:`RoundRecord`, the rank-order sum to apply or None, n: the sum / n is the mean): the round's
-        gradients summed and checked; a sum that overflows applies none of them, and the record says so."""
+        """(its :class:`RoundRecord`, the rank-order sum or None, n: sum / n is the mean); a sum that overflows
+        applies none of the gradients, and the record says so."""
         keys = self.acc.keys
         total, n = self.acc.take_sum() if keys else (None, 1)
         applied = keys if total is not None else {}
@@ -527,8 +527,7 @@ class Accumulator:
                 self._fold_owned(grads)
 
     def _fold_owned(self, grads: Mapping[str, np.ndarray | SparseTensor]) -> None:
-        """``acc += grads``: a sparse tensor onto a sum of such (:class:`Terms`, added when the sum is taken); else in
-        place, the sum made dense first, unchecked: the whole sum is checked once, :meth:`_check_sum`."""
+        """``acc += grads``: a sparse tensor onto :class:`Terms`; else in place, dense, unchecked (``_check_sum``)."""
         with np.errstate(over="ignore", invalid="ignore"):  # an overflowing sum is found by the check, not warned about
             for name, acc in self.acc.items():
                 g = grads[name]

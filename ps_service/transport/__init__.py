@@ -152,11 +152,10 @@ class TensorSeam:
 
     def _give(self, push: PushRequest, parts: list[tuple[Mapping, bool]] | None, now: float, take: Take | None = None,
               plan=None) -> PushResult:
-        """The core's calls for one push read whole, one per partition frame, the head's first, all at ``now``; the
-        head's status and the step after the last (docs/partitions.md, The seam). ``parts``: the later frames' tensors
-        and whether each is known finite; None: one frame, cut into a partitioned round's partitions (it must hold
-        every model tensor, else 422 ``tensor_mismatch``). ``take``: who takes the frames (default: the core's round;
-        a sharded follower's partitions, cut by ``plan``)."""
+        """The core's calls for one push read whole, one per partition frame, the head's first, all at ``now``: the
+        head's status, the step after the last (docs/partitions.md, The seam). ``parts``: the later frames' tensors,
+        each known finite or not; None: one frame, which a partitioned round cuts (422 ``tensor_mismatch`` unless it
+        holds every model tensor). ``take``: the core's round, or a sharded follower's partitions cut by ``plan``."""
         core = self.core
         if parts is None:
             if plan is None:
@@ -281,8 +280,7 @@ class TensorSeam:
         return replace(push, tensors=tensors, finite_checked=checked)
 
     async def receive_model(self, request: Request) -> ModelInit:
-        """A model's upload: a large one read one at a time, and not at all once the model is initialised (409
-        ``already_initialized`` before its body)."""
+        """A model's upload: a large one read one at a time, none once the model is in (409 before its body)."""
         if _length(request) >= GATED_BYTES:
             declared_length(request, self.settings.max_body_bytes, frame.MEDIA_TYPE)  # 415, 413 first
             async with self._model_reads:
@@ -347,8 +345,7 @@ class TensorSeam:
         return {"step": core.global_step, "done": core.done, "ranks": core.ranks()}
 
     def _weights_frame(self, since: int | None) -> bytes | memoryview:
-        """The weights' frame (dense, or a delta from ``since``), each form encoded once per (step, round membership)
-        into a buffer never written again while an answer still sends it."""
+        """The weights' frame (dense, or a delta from ``since``), each form encoded once per (step, membership)."""
         core, deltas = self.core, self.deltas
         head = self._head()
         key = (head["step"], head["done"], tuple(head["ranks"]), core.optimizer.iterations)

@@ -65,8 +65,7 @@ BODY_IDLE_TIMEOUT = 30.0
 
 
 def declared_length(request: Request, limit: int, media_types: tuple[str, ...] | str) -> int | None:
-    """The body's Content-Length (None: chunked), after the checks every body meets first: 415 for another content
-    type, 400 for a malformed length, 413 past ``limit``."""
+    """The body's Content-Length (None: chunked) after the checks every body meets first (415, 400, 413)."""
     allowed = (media_types,) if isinstance(media_types, str) else media_types
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if ctype not in allowed:

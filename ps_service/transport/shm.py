@@ -121,8 +121,7 @@ class ShmHub:
         return weights.get(first) is self._views[first]
 
     def adopt(self, weights: dict[str, np.ndarray], copy: bool = True) -> None:
-        """Make the file's arrays the core's (the optimizer updates the file from now on), copying the weights in
-        first unless the file already holds their values (``copy`` False: :meth:`mirror` just wrote them)."""
+        """Make the file's arrays the core's, copying the weights in first (``copy`` False: :meth:`mirror` just did)."""
         for key, view in self._views.items():
             if weights[key] is not view:
                 if copy:

@@ -38,8 +38,8 @@ class Partitions:
         self.answered = 0
 
     def streamable(self, min_step: int) -> StepFrames | None:
-        """The frames a pull of ``min_step`` may be answered with partition by partition: round ``min_step - 1``
-        is decided and still closing (else None: the pull waits, or is answered whole, as without partitions)."""
+        """The frames a pull of ``min_step`` may be answered with, partition by partition (None: round
+        ``min_step - 1`` is not decided and closing: the pull waits, or is answered whole)."""
         core, cur = self.core, self.current
         if core.deciding and core.global_step + 1 == min_step and cur is not None and cur.step == min_step:
             return cur

@@ -50,9 +50,8 @@ class CloseUnread:
 
 
 class LingeringTransport:
-    """The connection's transport: :meth:`close` while ``body_pending()`` (the request being answered has not sent its
-    whole body) half-closes and lingers (:attr:`lingering`: the protocol drops what arrives) instead of closing;
-    everything else is the inner transport's."""
+    """The connection's transport: :meth:`close` while ``body_pending()`` half-closes and lingers (:attr:`lingering`:
+    the protocol drops what arrives); everything else is the inner transport's."""
 
     def __init__(self, inner: Any, body_pending: Callable[[], bool]) -> None:
         self.inner = inner
