@@ -195,7 +195,7 @@ def fed_pair(optimizer: str, workers: int, log_dir: str | None = None):
     ids = [primary.register(f"w{i}", 0.0)[0].worker_id for i in range(workers)]
     pair = Pair(PSSettings(role="standby", peer_url="http://peer:8000"), ParameterServerCore(core_config(**settings)))
     pair.rt = SimpleNamespace(now=lambda: 9.0, notify=lambda: None, abort_waits=lambda: None)
-    pair.log_dir = log_dir
+    pair.reader.log_dir = log_dir
     pair.adopt(1, 0, messages.decode_state(messages.encode_state(primary.export_state())), 0, 0.0)
     return primary, ids, sent, pair
 

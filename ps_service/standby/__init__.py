@@ -7,7 +7,7 @@ message once read and checked and applies it (:meth:`~ps_service.core.ParameterS
 the answer went out (:meth:`Pair.settle`; anything that reads or replaces the model settles first), so a round a worker
 saw closed is on the standby. Two carriers, one link: on one host the step is on the standby once committed in the
 log the standby owns in its shared-memory directory (:mod:`.ring`: the primary counts it acknowledged then, without
-a round trip; the standby reads the log behind, :meth:`Pair.drain`, and on takeover first applies every record
+a round trip; the standby reads the log behind, :mod:`.reader`, and on takeover first applies every record
 committed), between hosts (no shared file) it is on the standby once acknowledged over HTTP (:mod:`.link`). Only a
 standby that took its term's state may take over (``synced``). A PS that sees a newer term accepts no push and becomes
 a standby (fencing); every change of term or role is on disk before the PS acts in it (:mod:`.kept`).
@@ -17,18 +17,17 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import os
 import secrets
 import time
 from collections import deque
 
 import numpy as np
 
-from ps_service.standby import messages, ring
+from ps_service.standby import messages
 from ps_service.standby.election import Election, roster
 from ps_service.standby.kept import kept
 from ps_service.standby.link import Link, probe
-from shared import frame
+from ps_service.standby.reader import Reader
 from shared.errors import ProtocolError
 
 log = logging.getLogger("ps_service")
@@ -38,8 +37,6 @@ PRIMARY, STANDBY, CANDIDATE = "primary", "standby", "candidate"
 REPORTED_SILENCE_SECONDS = 0.4
 #: the longest a worker's answer waits for the standby's acknowledgement before it is refused (503, retried)
 REPLICATED_WAIT_SECONDS = 10.0
-#: how often a standby looks at its same-host log while records come (:meth:`Pair._read_log`)
-READ_EVERY_SECONDS = 0.005
 #: what replication has cost this process (``GET /v1/ha`` ``costs``, docs/protocol-standby.md)
 COSTS = ("messages", "logged", "encode_s", "send_s", "writer_cpu_s", "exposed_s", "exposed", "read_s", "decode_s",
          "apply_s")
@@ -86,9 +83,7 @@ class Pair:
         self.members: list[dict] = []
         self.staleness: dict | None = None
         self.bytes_received = 0
-        self.log: ring.Log | None = None  # the log the primary writes the steps into (same host), from a state on
-        self.log_dir: str | None = None  # where this PS makes it (PS_SHM_DIR, set by start(); None: none)
-        self.reader: asyncio.Task | None = None  # reads the log behind (drain)
+        self.reader = Reader(self)  # the same-host log it reads (.reader)
         # ---- elections
         self.election: Election | None = None
         self.takeovers = 0
@@ -100,10 +95,6 @@ class Pair:
         """The role to start in (docs/protocol-standby.md, Terms and roles): a PS set primary asks its peer first."""
         self.rt = rt
         self.heard = rt.now()
-        shm_dir = self.settings.shm_dir
-        if shm_dir and os.path.isdir(shm_dir) and ring.USABLE:
-            self.log_dir = shm_dir
-            ring.sweep(shm_dir)  # the logs of a standby killed here
         self.link = Link(self)
         self.stored = stored = self.kept.load() if self.kept is not None else 0
         peer = await probe(self.peer, self.settings.auth_token, self.failover * 2)
@@ -117,13 +108,10 @@ class Pair:
             self._become(STANDBY, 0, "started as the standby" + (
                 f" (its peer is the {peer['role']} of term {peer['term']})" if peer else ""))
         self.link.start()
-        self.reader = asyncio.create_task(self._read_log())
+        self.reader.start(self.settings.shm_dir)
 
     async def close(self) -> None:
-        if self.reader is not None:
-            self.reader.cancel()
-            await asyncio.wait({self.reader}, timeout=self.failover)
-        self._drop_log()
+        await self.reader.close()
         if self.link is not None:
             await self.link.close()
 
@@ -311,7 +299,7 @@ class Pair:
             self._become(PRIMARY, e.term, f"won the election after a restart ({len(e.votes)} vote(s)): serves from "
                                           f"step {self.core.global_step}")
         else:  # the standby takes over: the model it holds (every step it acknowledged: each record committed in its
-            self._last_records(e.term)  # log too), the members last replicated
+            self.reader.last_records(e.term)  # log too), the members last replicated
             self.settle()
             if not self.synced:  # its step did not apply: it does not hold what it acknowledged
                 self.role, self.election = STANDBY, None
@@ -357,10 +345,10 @@ class Pair:
         self.settle()  # (first: a step that failed to apply leaves no message taken, and this one a gap)
         self.from_primary(term, seq, now)
         if seq > self.applied:
-            self._take(seq, gated, body)
+            self.take(seq, gated, body)
         return self.answer()
 
-    def _take(self, seq: int, gated: bool, body) -> None:
+    def take(self, seq: int, gated: bool, body) -> None:
         """Message ``seq`` (this PS's next) checked and taken, its step pending; 409 ``ha_gap`` if it does not fit."""
         t = time.perf_counter()
         meta, total = messages.decode_step(body)
@@ -393,81 +381,17 @@ class Pair:
                 log.exception("hot standby: the step of message %d did not apply: the state again", self.applied)
                 self.applied, self.synced = 0, False
             self.costs["apply_s"] += time.perf_counter() - t
-        if self.log is not None and self.applied:
-            self.log.applied = self.applied
+        if self.reader.log is not None and self.applied:
+            self.reader.log.applied = self.applied
 
-    # ---- the standby's log (same host) ------------------------------------------------------------------
+    @property
+    def log(self):
+        """The same-host log this standby reads (None: none)."""
+        return self.reader.log
+
     def drain(self, now: float) -> int:
-        """Take and apply the records committed in the log after the last message taken, in order; how many. A record
-        that does not apply (it cannot, for a primary's of this model) closes the log: this PS is no longer ``synced``
-        and the primary sends the state again."""
-        n = 0
-        while self.log is not None and self.role != PRIMARY and not self.restarted:
-            rec = self.log.record(self.applied + 1, self.term)
-            if rec is None:
-                break
-            try:
-                self.apply(self.term, self.applied + 1, rec[0], rec[1], now)
-                self.settle()
-                self.costs["logged"] += 1
-            except ProtocolError as exc:
-                log.warning("hot standby: record %d of the log refused (%s): the state again", self.applied + 1, exc)
-                self.synced = False
-                self._drop_log()
-            n += 1
-        return n
-
-    async def _read_log(self) -> None:
-        """Read the log behind: every :data:`READ_EVERY_SECONDS` while records come, backing off to 4 times that (no
-        log: 50 ms). Every record committed is read at each look, so the ring fills only if the standby falls behind
-        by its slots; fewer looks leave the CPU to the job's processes (a look wakes this process)."""
-        pause = READ_EVERY_SECONDS
-        while True:
-            try:
-                found = self.drain(self.rt.now()) if self.log is not None else 0
-            except Exception:  # never let the reader die
-                log.exception("hot standby: reading the log failed")
-                found = 0
-            if found:
-                self.rt.notify()
-            pause = READ_EVERY_SECONDS if found else min(4 * READ_EVERY_SECONDS, pause * 2)
-            await asyncio.sleep(pause if self.log is not None else 0.05)
-
-    def _last_records(self, term: int) -> None:
-        """Taking over with ``term``: the log closed (a record committed after this is refused by its writer), then
-        every record committed before taken; a record that does not apply: not ``synced`` (no takeover)."""
-        if self.log is None:
-            return
-        self.log.close_for(term)
-        while (rec := self.log.record(self.applied + 1, self.term)) is not None:
-            try:
-                self.settle()
-                self._take(self.applied + 1, rec[0], rec[1])
-                self.costs["logged"] += 1
-            except ProtocolError as exc:
-                log.warning("hot standby: record %d of the log refused at takeover (%s)", self.applied + 1, exc)
-                self.synced = False
-                break
-        self.settle()
-        self._drop_log()
-
-    def _new_log(self) -> None:
-        """A log for the primary of the state just taken (the old one closed), or none (no directory, no space)."""
-        self._drop_log()
-        if self.log_dir is None or not self.core.initialized:
-            return
-        layout = frame.Layout.of(self.core.weights)
-        try:
-            self.log = ring.Log.create(self.log_dir, layout, self.applied)
-        except OSError as exc:
-            log.warning("hot standby: no log in %s (%s): the steps come over HTTP", self.log_dir, exc)
-
-    def _drop_log(self) -> None:
-        if self.log is not None:
-            if not self.log.closed:  # (a takeover closed it with its new term)
-                self.log.close_for(max(self.term, 1))
-            self.log.remove()
-            self.log = None
+        """The records committed in the log, taken and applied (:meth:`.reader.Reader.drain`)."""
+        return self.reader.drain(now)
 
     def ping(self, term: int, seq: int, gated: bool, now: float) -> dict:
         self.from_primary(term, None, now)
@@ -488,14 +412,14 @@ class Pair:
         self.applied, self.synced, self.heard = seq, True, now  # the primary waits for us from its snapshot on
         self.bytes_received += size
         self._become(STANDBY, term, f"got the state of step {self.core.global_step} from the primary")
-        self._new_log()
+        self.reader.new_log()
         return self.answer()
 
     def answer(self) -> dict:
         return {"role": self.role, "term": self.term, "applied": self.applied,
                 "step": self.core.global_step + (self.pending is not None),
                 "boot": self.boot, "synced": self.synced, "gated": self.gated,
-                "log": None if self.log is None else self.log.advert()}
+                "log": self.reader.advert()}
 
     def digest(self) -> str | None:
         """sha256 of the step, the optimizer's iterations, every weight's and slot's bytes in name order (None: no
