@@ -66,13 +66,13 @@ def create_app(settings: PSSettings | None = None, exit_on_refusal: bool = False
                 background.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await background
+            if rt.ha is not None:
+                await rt.ha.close()  # (a standby's reader thread stopped: nothing changes the model any more)
             if checkpointer is not None:
                 await asyncio.to_thread(checkpointer.finish, rt.core)
             rt.tensors.close()
             if rt.shards is not None and rt.shards.links is not None:
                 await rt.shards.links.close()
-            if rt.ha is not None:
-                await rt.ha.close()
 
     # /docs and /redoc from the package's assets (fastapi-offline: no CDN); none, nor /openapi.json, in production
     make, docs = FastAPIOffline, {}

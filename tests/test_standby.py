@@ -194,7 +194,7 @@ def fed_pair(optimizer: str, workers: int, log_dir: str | None = None):
     primary.init_model(ModelInit({k: v.copy() for k, v in W.items()}, {"name": optimizer, "learning_rate": 0.1}), 0.0)
     ids = [primary.register(f"w{i}", 0.0)[0].worker_id for i in range(workers)]
     pair = Pair(PSSettings(role="standby", peer_url="http://peer:8000"), ParameterServerCore(core_config(**settings)))
-    pair.rt = SimpleNamespace(now=lambda: 9.0, notify=lambda: None, abort_waits=lambda: None)
+    pair.rt = SimpleNamespace(now=lambda: 9.0, clock=lambda: 9.0, notify=lambda: None, abort_waits=lambda: None)
     pair.reader.log_dir = log_dir
     pair.adopt(1, 0, messages.decode_state(messages.encode_state(primary.export_state())), 0, 0.0)
     return primary, ids, sent, pair
@@ -285,6 +285,81 @@ def test_a_standby_takes_over_with_every_record_committed_in_its_log_and_fences_
     assert w.commit(4, 1, True, 100) == 2  # the old primary's record after the takeover: refused, with term 2
 
 
+def logged_pair(tmp_path, steps: int):
+    """:func:`fed_pair` with its log, ``steps`` rounds of the primary (``states``: its bits after each) and a writer of
+    the log (``record(seq)``: message ``seq`` committed by the primary of term 1; 0 if it counts)."""
+    from ps_service.standby import ring
+    primary, ids, sent, pair = fed_pair("adam", 2, str(tmp_path))
+    states = [state_bytes(primary)]
+    for step in range(steps):
+        for rank, wid in enumerate(ids):
+            primary.push(PushRequest(wid, primary.global_step, grads(step, rank, False)), 1.0)
+        states.append(state_bytes(primary))
+    w = ring.LogWriter.open(str(tmp_path), pair.answer()["log"])
+
+    def record(seq: int) -> int:
+        return w.commit(seq, 1, True, len(messages.copied([sent[seq - 1]], w.begin(seq))))
+    return pair, sent, states, w, record
+
+
+def test_the_log_is_applied_by_an_idle_thread_and_a_takeover_takes_what_it_left_without_it(tmp_path):
+    """The standby's reader thread (ps_service/standby/reader.py) runs in SCHED_IDLE (on Linux) and applies the
+    records as they are committed; while the event loop holds the standby's state it takes none; the takeover applies
+    every record committed itself (the thread may never run again)."""
+    import asyncio
+    import os
+
+    from cluster.processes import wait_for
+    from tests.timing import allow
+    pair, _, states, w, record = logged_pair(tmp_path, 5)
+    loop = asyncio.new_event_loop()
+    pair.reader.start(None, loop)
+    try:
+        assert record(1) == 0 and record(2) == 0
+        wait_for(lambda: pair.applied == 2, allow(10), "the reader thread to apply records 1 and 2")
+        assert state_bytes(pair.core) == states[2] and w.applied == 2
+        if hasattr(os, "SCHED_IDLE"):
+            assert pair.reader.policy == "idle"
+            assert os.sched_getscheduler(pair.reader.thread.native_id) == os.SCHED_IDLE
+            assert os.sched_getscheduler(0) != os.SCHED_IDLE  # the thread alone
+        with pair.reader.held():  # the event loop at work: the thread takes no record
+            assert record(3) == 0 and record(4) == 0 and record(5) == 0
+            pair.watch(pair.heard + pair.failover + 1)
+            pair.vote(2, "w0"), pair.vote(2, "w1")
+            assert (pair.role, pair.term, pair.applied) == ("primary", 2, 5) and state_bytes(pair.core) == states[5]
+        assert pair.log is None and pair.costs["logged"] == 5
+    finally:
+        pair.reader.close().join(allow(5))
+        loop.close()
+    assert not pair.reader.thread.is_alive()
+
+
+def test_a_full_ring_sends_the_next_message_over_http_after_the_records_before_it(tmp_path):
+    """A reader that lags by every slot: the primary's writer does not wait for room, it sends the message over HTTP
+    (ps_service/standby/link.py); the standby's route takes the records committed first (``drain``), then the
+    message: in order, the primary's bits."""
+    from ps_service.standby.link import Link
+    pair, sent, states, w, record = logged_pair(tmp_path, 6)
+    for seq in range(1, w.slots + 1):
+        assert record(seq) == 0
+    nxt = w.slots + 1
+    assert not w.room(nxt)
+    link = Link(pair)  # (the standby's pair stands in for the primary's: the writer reads its epoch, feeding, log)
+    link.log, pair.feeding = w, True
+    try:
+        assert link._into_log(pair.epoch, nxt, sent[nxt - 1]) is None  # over HTTP
+        assert pair.drain(2.0) == w.slots  # POST /v1/ha/steps: the records before it, then the message
+        pair.apply(1, nxt, True, bytearray(sent[nxt - 1]), 2.0)
+        pair.settle()
+        assert pair.applied == nxt and state_bytes(pair.core) == states[nxt] and w.room(nxt + 1)
+        assert link._into_log(pair.epoch, nxt + 1, sent[nxt]) == 200  # room again: the next one in the log
+    finally:
+        import asyncio
+        link.conn.close()
+        asyncio.run(link.client.aclose())
+        pair.feeding = False
+
+
 # ---- the term kept on disk (PS_CHECKPOINT_DIR): a primary that restarts while its peer does not answer --------------
 def restarted_primary(tmp_path, monkeypatch, kept_term: int | None, peer: dict | None = None, workers: int = 3):
     """A PS configured ``primary`` started (``Pair.start``) with its peer answering ``peer`` (None: not at all), its
@@ -323,7 +398,8 @@ def restarted_primary(tmp_path, monkeypatch, kept_term: int | None, peer: dict |
         KeptTerm(tmp_path).save(kept_term, "primary")
     ckpt = None if kept_term is None else str(tmp_path)
     pair = standby.Pair(PSSettings(role="primary", peer_url="http://peer:8000", checkpoint_dir=ckpt), core)
-    asyncio.run(pair.start(SimpleNamespace(now=lambda: 5.0, notify=lambda: None, abort_waits=lambda: None)))
+    rt = SimpleNamespace(now=lambda: 5.0, clock=lambda: 5.0, notify=lambda: None, abort_waits=lambda: None)
+    asyncio.run(pair.start(rt))
     return pair
 
 

@@ -12,6 +12,9 @@ The crash loop is tests/test_standby_crash.py.
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -55,11 +58,11 @@ def test_the_standby_holds_the_primarys_bits_in_every_mode(mode, carrier):
     assert (p["role"], p["term"], p["step"]) == ("primary", 1, steps)
     assert (s["role"], s["term"], s["step"]) == ("standby", 1, steps)
     assert p["digest"] == s["digest"] and s["synced"] and p["gated"]
-    logged = carrier == "log"  # every step message through the log, or none
-    assert p["costs"]["logged"] == (p["costs"]["messages"] if logged else 0) and (s["log"] is not None) == logged
+    logged = carrier == "log"  # the messages through the log (over HTTP if its reader lags by every slot), or none
+    assert (s["log"] is not None) == logged and (logged or p["costs"]["logged"] == 0)
+    assert s["costs"]["logged"] == p["costs"]["logged"] <= s["costs"]["messages"]  # each by one carrier
     # (on a loaded machine the standby may attach only after the last round: then it took the state, no message)
-    assert (s["costs"]["read_s"] > 0) == (not logged and s["costs"]["messages"] > 0)
-    assert s["costs"]["logged"] == (s["costs"]["messages"] if logged else 0)
+    assert (s["costs"]["read_s"] > 0) == (s["costs"]["messages"] > s["costs"]["logged"])
     assert pair["standby"] == "in_sync" and pair["lag_rounds"] == 0
     assert pair["transfers"] >= 1 and pair["bytes_sent"] > 0
     assert standby["pair"]["role"] == "standby" and standby["pair"]["synced"] and standby["pair"]["bytes_received"] > 0
@@ -69,6 +72,35 @@ def test_the_standby_holds_the_primarys_bits_in_every_mode(mode, carrier):
         assert line in metrics.splitlines(), line
     if mode == "sync":
         assert_bit_identical(got, reference(steps))
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling")
+def test_a_standby_whose_log_reader_lags_takes_the_steps_over_http_once_its_log_is_full():
+    """The standby's log reader runs only when a core would idle (SCHED_IDLE, ps_service/standby/reader.py): the
+    standby on one core with a busy loop beside it, the reader lags, the ring fills, and the primary sends the next
+    message over HTTP (the standby takes the records before it first) instead of waiting: each message by one carrier,
+    the job's weights one process's."""
+    steps = 60
+    pin = [sys.executable, "-c", "import os, sys; os.sched_setaffinity(0, {0}); os.execv(sys.argv[1], sys.argv[1:])"]
+    busy = subprocess.Popen([*pin, sys.executable, "-c", "while True: pass"])
+    try:
+        env = {"PS_MAX_STEPS": steps, "PS_TOTAL_NUM_REPLICAS": 3}
+        with LocalCluster(3, ps_env=env, worker_env=TASK, standby=True,
+                          prefix=lambda name: pin if name == "ps-standby" else []) as c:
+            try:
+                assert c.wait_workers(allow(90)) == [0, 0, 0]
+                wait_for(lambda: same_bits(c) and status(c.url)["pair"]["lag_rounds"] == 0, allow(20),
+                         "the standby to hold the primary's bits")
+                p, s = ha(c.url), ha(c.peer_url)
+                got = final_weights(c)
+            except Exception:
+                raise AssertionError(f"job failed; logs:\n{c.logs()}")
+    finally:
+        busy.kill()
+        busy.wait()
+    assert s["log"] is not None and s["costs"]["logged"] == p["costs"]["logged"] > 0
+    assert s["costs"]["messages"] > s["costs"]["logged"]  # some over HTTP: the log was full
+    assert_bit_identical(got, reference(steps))
 
 
 def test_the_standby_killed_the_primary_goes_on_alone_and_takes_it_back():

@@ -11,9 +11,10 @@ restarted with a term kept asks its peer ``GET /v1/ha`` as often (:meth:`Pair.pe
 
 Two carriers: when the standby's state answer advertises a log (:mod:`.ring`) that this PS can map in its own
 shared-memory directory (the very file: same host), each step message is written into it instead (:meth:`write_now`
-on the event loop as the core queues it, or the writer thread once the ring has room), acknowledged once committed;
-one that does not fit a slot still goes over HTTP, in order. With a log the task pings every quarter of the failover
-timeout, busy or not (the pings, answered once the standby read the log up to them, say it is alive).
+on the event loop as the core queues it, or the writer thread), acknowledged once committed; one that does not fit a
+slot, or finds the ring full (the standby's reader behind by every slot), goes over HTTP, in order. With a log the
+task pings every quarter of the failover timeout, busy or not (the pings, answered once the standby read the log up
+to them, say it is alive).
 """
 from __future__ import annotations
 
@@ -282,17 +283,13 @@ class Link:
                 time.sleep(min(p.failover / 4, 0.02 * 2 ** min(self.failures, 6)))
 
     def _into_log(self, epoch: int, seq: int, body) -> int | None:
-        """The writer thread's way into the log: wait for room (the standby reading behind), then commit; None: no
-        log (or the message does not fit a slot): over HTTP; 409: not written (the event loop knows why)."""
+        """The writer thread's way into the log: commit if the ring has room; None: no log, the ring full (the
+        standby's reader lags: it takes the records before the message over HTTP first) or the message does not fit
+        a slot: over HTTP; 409: not written (the event loop knows why)."""
         p, w = self.pair, self.log
-        if w is None:
-            return None
-        while True:  # (a job of an older snapshot is dropped: the log is its epoch's)
-            if self._closing or epoch != p.epoch or not p.feeding or self.log is not w:
-                return 409
-            if w.room(seq):
-                return self._commit(w, seq, [body])
-            time.sleep(0.0005)
+        if w is not None and (self._closing or epoch != p.epoch or not p.feeding):
+            return 409  # (a job of an older snapshot is dropped: the log is its epoch's)
+        return self._commit(w, seq, [body]) if w is not None and w.room(seq) else None
 
     def _step_answered(self, epoch: int, seq: int, size: int, members, status: int | None, answer: str) -> None:
         """The writer thread's result, on the event loop's thread."""
