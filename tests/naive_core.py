@@ -1,14 +1,18 @@
 """The oracle of the incremental core: the same :class:`ParameterServerCore` with every piece of incremental
 bookkeeping replaced by the plain scan it stands for (the code before issue 17). Lease expiry scans all
-members, the lowest free rank and the active set are recomputed, the closing rule lists the live and
-awaited members from the round's sets on every call, and the rank-order sum's bound is the minimum of
-the pending keys. tests/test_core_oracle.py drives both with the same random sequences of calls.
+members, the lowest free rank and the active set are recomputed, the closing rule (:class:`NaiveRule`, which the core
+and its round both ask) lists the live and awaited members from the round's sets on every call, and the lowest key
+that may still bring a gradient (the rank-order sum's bound, whose push is read next) is found by a scan of every
+eligible member, with no frontier. tests/test_core_oracle.py drives both with the same random sequences of calls, and
+checks that every method overridden here is one the core calls.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from ps_service.core import ParameterServerCore
 from ps_service.core.membership import ACTIVE, EXPIRED, LEFT, Member, Membership
-from ps_service.core.rounds import Progress, Round
+from ps_service.core.rounds import CloseRule, Progress, Round
 
 
 class NaiveMembership(Membership):
@@ -44,22 +48,37 @@ class NaiveMembership(Membership):
 
 
 class NaiveRound(Round):
-    #: the naive core's _progress of this round (NaiveCore._open_round)
-    naive_progress = None
+    """The round without its frontier or its kept order: the lowest key that may still bring a gradient (the bound of
+    the early rank-order sum, and whose push is read next) is found by a scan of every eligible member, and the ranks
+    are sorted afresh."""
+    #: no frontier: every scan starts at the lowest key (what Round writes to it is dropped)
+    frontier = property(lambda self: 0, lambda self, value: None)
 
-    def _first_pending(self, but: str, keep: bool = True):
-        return min((self.key(w) for w in self.eligible if w not in self.acc and w not in self.skipped and w != but),
-                   default=None)
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(sorted(self.eligible.values()))
 
-    def progress(self, rule, now: float | None) -> Progress:
-        return self.naive_progress(now)  # where the round stands, by the scans
+    def _pending_at(self, i: int, but: str | None) -> int:
+        keys = sorted(self.key(w) for w in self.eligible)
+        assert keys == self.order, (keys, self.order)  # the kept order is the eligible keys, sorted
+        floor = self.acc.folded[-1] if self.acc.folded else None
+
+        def may_bring(key) -> bool:  # the definition, Round._pending_at's docstring
+            w = key[1]
+            if w in self.acc.keys or w in self.skipped or w == but or not self.alive(w) or w in self.gone:
+                return False
+            return self.replicas is None or (
+                w not in self.lost and (w in self.heads or len(self.heads) < self.replicas)
+                and (floor is None or key >= floor))
+
+        return next((j for j in range(i, len(keys)) if may_bring(keys[j])), len(keys))
 
 
 def naive_progress(rule, r: Round, alive, now: float | None = None, deadline_from: float | None = None) -> Progress:
     """CloseRule.progress before issue 17: lists the live and awaited members on every call (the deadline counts
     from ``deadline_from``, by default the round's opening)."""
     live = [w for w in r.eligible if r.counts(w) and alive(w)]
-    awaited = tuple(sorted((w for w in live if w not in r.acc and w not in r.skipped), key=r.key))
+    awaited = tuple(sorted((w for w in live if w not in r.acc and w not in r.skipped and w not in r.lost), key=r.key))
     got = len(r.acc)
     done, want = got + len(r.skipped), rule.replicas_to_aggregate
     unreachable = bool(want) and done + len(awaited) < want
@@ -83,19 +102,29 @@ def naive_progress(rule, r: Round, alive, now: float | None = None, deadline_fro
     return p
 
 
+@dataclass(frozen=True)
+class NaiveRule(CloseRule):
+    """The closing rule by :func:`naive_progress`: the round's members listed on every call (its deadline from the
+    round's opening or the leases' release, by the membership; ``now`` is None while leases are held)."""
+    members: Membership | None = field(default=None, compare=False)
+
+    def progress(self, r: Round, now: float | None = None, but: str | None = None) -> Progress:
+        by_id = self.members.by_id
+        return naive_progress(self, r, lambda w: w != but and by_id[w].state == ACTIVE, now,
+                              max(r.opened_at, self.members.released_at))
+
+
 class NaiveCore(ParameterServerCore):
+    """The core with the naive membership, rule and rounds: the rule decides wherever the core or its round asks it
+    (the core's ``_progress``, :meth:`Round.accept`)."""
+
     def __init__(self, config) -> None:
         super().__init__(config)
         self.members = NaiveMembership(config.lease_seconds)
-
-    def _progress(self, r: Round, now: float | None = None, but: str | None = None) -> Progress:
-        by_id, ms = self.members.by_id, self.members
-        return naive_progress(self.rule, r, lambda w: w != but and by_id[w].state == ACTIVE,
-                              None if ms.held else now, max(r.opened_at, ms.released_at))
+        rule = self.rule
+        self.rule = NaiveRule(rule.replicas_to_aggregate, rule.min_replicas, rule.round_timeout, self.members)
 
     def _open_round(self, now: float) -> None:
         super()._open_round(now)
-        r = self.round
-        if r is not None:
-            r.__class__ = NaiveRound
-            r.naive_progress = lambda now: self._progress(r, now)
+        if self.round is not None:
+            self.round.__class__ = NaiveRound

@@ -1,7 +1,9 @@
 """The incremental core against its oracle (tests/naive_core.py: the same core with plain scans instead of
 kept counts, heaps and sorted frontiers), by simulation: random sequences of register, leave, heartbeat,
-begin_wait, end_wait, push (any step, finite or not) and tick with time jumps (leases running out) give the
-same answers, statuses, closes, round records, awaited members, wait reasons and final weights."""
+begin_wait, end_wait, claim and release (a push's head, its read failed), push (any step, finite or not) and tick
+with time jumps (leases running out) give the same answers, statuses, closes, round records, awaited members, wait
+reasons, the sum made so far, whose push is read next and final weights. The oracle is live: every scan it stands on
+is one the core calls (a scan the core no longer calls would leave it comparing the core with itself)."""
 from __future__ import annotations
 
 import itertools
@@ -16,7 +18,7 @@ from tests.configs import core_config
 from ps_service.core.membership import Member
 from ps_service.http import REFUSALS, status_of
 from shared.protocol import ModelInit, PushRequest
-from tests.naive_core import NaiveCore, naive_progress
+from tests.naive_core import NaiveCore, NaiveMembership, NaiveRound, NaiveRule, naive_progress
 
 NAMES = ("a", "b", "c", "d", "e")
 W0 = {"w": np.zeros(3, np.float32)}
@@ -32,7 +34,8 @@ configs = st.fixed_dictionaries({
 })
 names = st.sampled_from(NAMES)
 #: pushes for the open round dominate, as in a job; the rest moves membership and time
-KINDS = ["push"] * 8 + ["register", "register", "leave", "touch", "begin_wait", "end_wait", "tick", "tick"]
+KINDS = ["push"] * 8 + ["register", "register", "leave", "touch", "begin_wait", "end_wait", "tick", "tick", "claim",
+                        "claim", "release"]
 JUMPS = (0.0, 0.5, 1.0, 2.0, 3.5, 7.0)
 OFFSETS = (0, 0, 0, 0, -1, -2, 1)
 #: one call, drawn as plain integers (cheap to draw and to shrink): kind, name, tick jump or push offset, finite
@@ -99,6 +102,10 @@ def operation(op, now: float):
                                             {"w": np.full(3, value + c.global_step, np.float32)}), now)
     if kind == "leave":
         return lambda c: c.leave(wid(c), now)
+    if kind == "claim":  # a push's head, before its tensors are read (fixed R: it counts here)
+        return lambda c: c.claim(wid(c), c.global_step)
+    if kind == "release":  # the read failed (fixed R: the head gives its place back)
+        return lambda c: c.release(wid(c))
     return lambda c: getattr(c.members, kind)(wid(c), now)  # touch (a heartbeat), begin_wait, end_wait
 
 
@@ -112,11 +119,12 @@ def snapshot(core: ParameterServerCore, now: float) -> dict:
         "active_count": core.members.active_count, "free_rank": core.members._free_rank(),
         "rounds": [(rec.step, rec.reason, rec.aggregated, rec.eligible, rec.missing, rec.closed_at, rec.straggler,
                     [a.worker_id for a in rec.contributors], [a.worker_id for a in rec.late]) for rec in core.rounds],
-        "wait_reason": core.wait_reason(now),
+        "wait_reason": core.wait_reason(now), "readers": core.readers(), "ranks": core.ranks(),
     }
     if r is not None:
         p = core.progress(now)
-        out["round"] = (r.step, r.opened_at, dict(r.eligible), set(r.gone), set(r.skipped), set(r.acc.keys))
+        out["round"] = (r.step, r.opened_at, dict(r.eligible), set(r.gone), set(r.skipped), set(r.acc.keys),
+                        list(r.acc.folded), list(r.heads), set(r.lost))  # folded: the sum made so far
         out["progress"] = (p.waiting, p.needed, p.unreachable, p.reason, p.effective, p.stuck, p.awaited)
         out["needed"] = core.progress().needed
     return out
@@ -128,7 +136,7 @@ def check_counts(core: ParameterServerCore, now: float) -> None:
     if r is None:
         return
     live = [w for w in r.eligible if r.counts(w) and core.members.by_id[w].active]
-    awaited = [w for w in live if w not in r.acc and w not in r.skipped]
+    awaited = [w for w in live if w not in r.acc and w not in r.skipped and w not in r.lost]
     assert (r.live, r.waiting) == (len(live), len(awaited))
     ms = core.members
     naive = naive_progress(core.rule, r, lambda w: ms.by_id[w].active, None if ms.held else now,
@@ -157,3 +165,40 @@ def test_the_incremental_core_decides_exactly_as_the_scans(cfg, first, script):
         check_counts(cores[0], now)
         assert snapshot(cores[0], now) == snapshot(cores[1], now), step
     assert cores[0].weights["w"].tobytes() == cores[1].weights["w"].tobytes()
+
+
+def test_every_scan_of_the_oracle_is_one_the_core_calls(monkeypatch):
+    """Each method and property the naive classes override is called by a short job on NaiveCore: a rename in the
+    core (a method the naive class overrides that the core no longer has) fails here."""
+    calls: dict[str, int] = {}
+
+    def spy(name, fn):
+        def counted(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return counted
+
+    for cls in (NaiveMembership, NaiveRound, NaiveRule):
+        for name, attr in vars(cls).items():
+            if name.startswith("__") or not (callable(attr) or isinstance(attr, property)):
+                continue
+            key = f"{cls.__name__}.{name}"
+            calls[key] = 0
+            if isinstance(attr, property):
+                attr = property(spy(key, attr.fget), attr.fset and spy(key, attr.fset))
+            else:
+                attr = spy(key, attr)
+            monkeypatch.setattr(cls, name, attr)
+    core, ids, now = NaiveCore(core_config(round_timeout_seconds=4.0, lease_seconds=3.0,
+                                                   startup_grace_seconds=0.0)), Ids(), 0.0
+    core.init_model(ModelInit({"w": W0["w"].copy()}, {"name": "sgd", "learning_rate": 0.5}), now)
+    script = [("register", "a"), ("register", "b"), ("register", "c"), ("tick", 0.0), ("push", "b", 0, True),
+              ("push", "a", 0, True), ("push", "c", 0, True), ("leave", "a"), ("register", "d"), ("register", "a"),
+              ("tick", 7.0)]
+    for op in script:
+        now += op[1] if op[0] == "tick" else 0.25
+        got = call(core, ids, (lambda c, now=now: c.tick(now)) if op[0] == "tick" else operation(op, now))
+        assert got[0] == "ok", (op, got)
+        core.readers(), core.ranks(), core.wait_reason(now)
+    assert core.global_step == 1 and core.rounds[0].reason == "full"
+    assert all(calls.values()), calls
