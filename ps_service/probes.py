@@ -21,7 +21,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from ps_service import monitoring
 from ps_service.http import error_response, install_error_handlers
 from ps_service.runtime import Runtime
-from ps_service.transport.bodysink import IdleUntilHead
+from ps_service.transport.bodysink import CheckedHead, IdleUntilHead
 
 log = logging.getLogger("ps_service.probes")
 
@@ -31,8 +31,9 @@ PULSE_SECONDS = 1.0
 STALL_SECONDS = 30.0
 
 
-class ProbeProtocol(IdleUntilHead, HttpToolsProtocol):
-    """uvicorn's, its idle timeout (``PS_HTTP_KEEPALIVE_SECONDS``) running from the start until a head is whole."""
+class ProbeProtocol(CheckedHead, IdleUntilHead, HttpToolsProtocol):
+    """uvicorn's, its idle timeout (``PS_HTTP_KEEPALIVE_SECONDS``, as the main port's) running from the connection's
+    start until a request's head is whole, and malformed HTTP answered as on the main port (400 ``bad_http``)."""
 
 
 class ProbeListener:

@@ -7,6 +7,7 @@ table sends one request and asserts (status, error code, unchanged state hash).
 """
 from __future__ import annotations
 
+import json
 import select
 import socket
 import threading
@@ -537,6 +538,40 @@ def test_a_refusal_after_the_whole_body_keeps_the_connection(ps, unchanged, pad)
 def test_malformed_framing_is_refused_by_the_http_layer(ps, unchanged, extra):
     status, _ = raw_exchange(ps.port, head(extra=extra) + b"0\r\n\r\n")
     assert status == 400
+
+
+def _hosts(req: bytes, hosts: str) -> bytes:
+    """``req`` with its Host header replaced by ``hosts`` (header lines)."""
+    return req.replace(b"Host: ps\r\n", hosts.encode(), 1)
+
+
+def _valid_push(c: Ctx) -> bytes:
+    """B's push for the open round, which the PS would accept: the fast lane (ps_service/hotpath.py) serves it."""
+    body = push(c)
+    return head(extra=f"Content-Length: {len(body)}\r\n") + body
+
+
+@pytest.mark.parametrize("req", [
+    lambda c: _hosts(_valid_push(c), ""),
+    lambda c: _hosts(_valid_push(c), "Host: ps\r\nHost: ps\r\n"),
+    lambda c: b"GET /v1/model?min_step=0&timeout=0 HTTP/1.1\r\n\r\n",
+    lambda c: b"GET /v1/status HTTP/1.1\r\n\r\n",
+    lambda c: b"GET /v1/status HTTP/1.1\r\nHost: a\r\nhost: b\r\n\r\n",
+    lambda c: b"GET /v1/status HTTP/1.0\r\nHost: a\r\nHost: a\r\n\r\n",
+], ids=["push-no-host", "push-two-hosts", "pull-no-host", "route-no-host", "route-two-hosts", "http10-two-hosts"])
+def test_a_request_without_one_host_header_is_refused_as_bad_http(ps, unchanged, req):
+    """RFC 9112 3.2 (docs/protocol.md, Errors): HTTP/1.1 without a Host header, or any request with two, is 400
+    ``bad_http`` and the connection closes, on the fast lane (a push the PS would take otherwise) as on the routes."""
+    with socket.create_connection(("127.0.0.1", ps.port), timeout=10) as s:
+        s.sendall(req(ps.ctx))
+        got, head_text, rest = _answer_then_eof(s)
+    assert got == 400 and json.loads(rest)["error"] == "bad_http" and "\r\nconnection: close" in head_text, rest
+    assert b"Host" in rest
+
+
+def test_http10_without_a_host_header_is_answered(ps, unchanged):
+    status, body = raw_exchange(ps.port, b"GET /v1/status HTTP/1.0\r\n\r\n")
+    assert status == 200 and json.loads(body)["global_step"] == ps.ctx.step
 
 
 def test_the_ps_still_trains_after_the_table(ps):

@@ -5,6 +5,7 @@ a PS goes on without when that port is taken; 0 turns it off."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import socket
 import threading
@@ -16,7 +17,7 @@ import pytest
 from cluster.processes import bindable, free_port
 from ps_service import probes
 from ps_service.settings import PSSettings
-from tests.live_ps import live_ps
+from tests.live_ps import live_ps, raw_exchange
 
 
 def port_with_a_free_neighbour() -> int:
@@ -108,6 +109,9 @@ def test_the_probe_port_answers_health_and_readiness_without_a_token():
             for path in ("/v1/status", "/metrics", "/v1/workers", "/healthz/"):  # nothing else (a 307 was)
                 r = probe.get(path)
                 assert r.status_code == 404 and set(r.json()) == {"error", "detail"}
+        for req in (b"GET /healthz HTTP/1.1\r\n\r\n", b"GET /healthz HTTP/1.1\r\nHost: a\r\nHost: a\r\n\r\n"):
+            status, body = raw_exchange(port, req)  # RFC 9112 3.2, as on the main port
+            assert status == 400 and json.loads(body)["error"] == "bad_http", body
 
 
 def test_healthz_on_the_probe_port_says_stalled_when_the_main_loop_stops_turning(monkeypatch):

@@ -17,6 +17,10 @@ buffer) to uvicorn's parser as before.
 
 Under another server (or uvicorn's stock protocol) ``read_body`` gets the chunks as usual: the sink is an
 optimisation, never a contract.
+
+Two mixins of the protocol, which the probe port's (ps_service/probes.py) shares, judge a request's head before any
+route sees it: :class:`IdleUntilHead` (the idle timeout runs until the head is whole) and :class:`CheckedHead`
+(malformed HTTP, and a head without one ``Host`` header, answered 400 ``bad_http`` in JSON).
 """
 from __future__ import annotations
 
@@ -72,7 +76,38 @@ class IdleUntilHead:
             idle.cancel()
 
 
-class SinkHttpToolsProtocol(IdleUntilHead, HttpToolsProtocol):
+class CheckedHead:
+    """Mixed into uvicorn's httptools protocol (the PS's main port, its probe port): a request head that HTTP bids a
+    server refuse, HTTP/1.1 without a ``Host`` header or any request with more than one (RFC 9112 3.2), is refused as
+    the HTTP parser refuses malformed framing, before any route (or the fast lane, :mod:`ps_service.hotpath`) sees it:
+    400 ``bad_http`` with the protocol's JSON error body, and the connection is closed."""
+    #: why the head at hand is refused (None: it was not)
+    refused_head: str | None = None
+
+    def on_headers_complete(self) -> None:
+        hosts = sum(name == b"host" for name, _ in self.headers)
+        if hosts > 1 or (not hosts and self.parser.get_http_version() == "1.1"):
+            self.refused_head = (f"{hosts} Host headers: an HTTP/1.1 request carries exactly one, any other at most "
+                                 "one (RFC 9112 3.2)")
+            raise httptools.HttpParserError(self.refused_head)  # the parser stops; uvicorn calls send_400_response
+        super().on_headers_complete()
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to a request its HTTP parser refuses (bad framing: a bad chunk size, a
+        Content-Length that is not one non-negative number, Content-Length with chunked...), or to a head refused
+        above, with the protocol's JSON error body instead of plain text. The connection is closed."""
+        detail = self.refused_head or ("the HTTP request is malformed (request line, headers, Content-Length or "
+                                       "chunked encoding): " + msg[:200])
+        body = json.dumps({"error": "bad_http", "detail": detail}).encode()
+        head = [b"HTTP/1.1 400 Bad Request\r\n"]
+        head += [name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers]
+        head += [b"content-type: application/json\r\n", b"content-length: %d\r\n" % len(body),
+                 b"connection: close\r\n\r\n"]
+        self.transport.write(b"".join(head) + body)
+        self.transport.close()
+
+
+class SinkHttpToolsProtocol(CheckedHead, IdleUntilHead, HttpToolsProtocol):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         #: where the bytes of the pending read go: a sink, "discard" (a bypassed body nobody reads any
@@ -82,19 +117,6 @@ class SinkHttpToolsProtocol(IdleUntilHead, HttpToolsProtocol):
         self._body_left: int | None = None
         #: the parser has been bypassed for part of this body: the rest must bypass it too
         self._bypassing = False
-
-    def send_400_response(self, msg: str) -> None:
-        """uvicorn's answer to a request its parser refuses (bad framing), with the protocol's JSON error body
-        instead of plain text; the connection is closed."""
-        detail = ("the HTTP request is malformed (request line, headers, Content-Length or chunked encoding): "
-                  + msg[:200])
-        body = json.dumps({"error": "bad_http", "detail": detail}).encode()
-        head = [b"HTTP/1.1 400 Bad Request\r\n"]
-        head += [name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers]
-        head += [b"content-type: application/json\r\n", b"content-length: %d\r\n" % len(body),
-                 b"connection: close\r\n\r\n"]
-        self.transport.write(b"".join(head) + body)
-        self.transport.close()
 
     def on_headers_complete(self) -> None:
         super().on_headers_complete()
