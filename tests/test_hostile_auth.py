@@ -10,6 +10,7 @@ from pydantic import ValidationError
 
 from cluster.processes import free_port, wait_for
 from ps_service.settings import PSSettings
+from shared.protocol import MAX_INT
 from shared.tokens import presented_token
 from tests.live_ps import live_ps, state_hash
 from worker_service.settings import WorkerSettings
@@ -97,3 +98,32 @@ def test_a_request_without_the_training_token_cannot_fence_a_primary():
                 assert (pair.role, pair.term) == ("primary", term)
             r = h.post("/v1/workers", json={"name": "x"}, headers={**hostile, "Authorization": f"Bearer {TOKEN}"})
             assert (r.status_code, r.json()["error"]) == (503, "fenced")  # a worker's newer term: as documented
+
+
+MALFORMED_TERMS = {"letters": ["abc"], "negative": ["-1"], "fraction": ["1.5"], "empty": [""], "hex": ["0x10"],
+                   "past 2^53 - 1": [str(MAX_INT + 1)], "41 digits": ["1" + "0" * 40], "twice": ["1", "1"]}
+
+
+def test_a_malformed_term_is_refused_by_a_ps_of_a_pair_and_not_read_by_a_lone_one():
+    """docs/protocol-standby.md: on a PS of a pair, a training request (with the token) whose ``x-syncps-term`` is not
+    one decimal integer in [0, 2^53 - 1] given once is 400 ``bad_request`` and changes nothing (it was read as no
+    term: served); a lone PS reads no pair header."""
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    with live_ps(auth_token=TOKEN, role="primary", peer_url=f"http://127.0.0.1:{free_port()}") as ps:
+        pair = ps.rt.ha
+        wait_for(lambda: pair.role == "primary", 10, "the primary of term 1 (its peer does not answer)")
+        with httpx.Client(base_url=ps.url, timeout=10.0) as h:
+            for case, terms in MALFORMED_TERMS.items():
+                before = state_hash(ps.rt)
+                headers = [("x-syncps-peer-lost", "1"), *(("x-syncps-term", t) for t in terms), *auth.items()]
+                r = h.post("/v1/workers", json={"name": "x"}, headers=headers)
+                assert (r.status_code, r.json()["error"]) == (400, "bad_request"), (case, r.text)
+                assert r.headers["x-syncps-term"] == str(pair.term) and "x-syncps-term" in r.json()["detail"]
+                assert (pair.role, pair.term) == ("primary", 1) and state_hash(ps.rt) == before
+            r = h.post("/v1/workers", json={"name": "x"}, headers={"x-syncps-term": str(MAX_INT), **auth})
+            assert (r.status_code, r.json()["error"]) == (503, "fenced")  # the largest term is one
+    with live_ps(auth_token=TOKEN) as ps, httpx.Client(base_url=ps.url, timeout=10.0) as h:
+        for case, terms in MALFORMED_TERMS.items():
+            r = h.post("/v1/workers", json={"name": case}, headers=[*(("x-syncps-term", t) for t in terms),
+                                                                     *auth.items()])
+            assert r.status_code == 200, (case, r.text)

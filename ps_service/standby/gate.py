@@ -3,15 +3,17 @@ process's role (``x-syncps-term``, ``x-syncps-role``), and a training request (r
 model, pushes, pulls, the same-host offer) with the training token (without it: the route's 401, and its headers
 change nothing) is refused with 503 before any route runs unless this PS is the primary:
 ``standby``, ``election`` (vote: ``POST /v1/ha/vote``) or ``fenced`` (the request's ``x-syncps-term`` is newer than
-this PS's). Workers retry a 503 (:mod:`worker_service.transport.endpoint`: at the other PS, or after a vote). A
-request that says the other PS just lost its connection (``x-syncps-peer-lost``) is the standby's cue
-(:meth:`Pair.reported`).
+this PS's); a present ``x-syncps-term`` that is not one decimal integer in [0, 2^53 - 1], or given twice, is 400
+``bad_request`` first (nothing counted). Workers retry a 503 (:mod:`worker_service.transport.endpoint`: at the other
+PS, or after a vote). A request that says the other PS just lost its connection (``x-syncps-peer-lost``) is the
+standby's cue (:meth:`Pair.reported`).
 """
 from __future__ import annotations
 
 from ps_service.auth import authorised
 from ps_service.http import refusal_response
-from shared.protocol import API
+from shared.errors import ProtocolError
+from shared.protocol import API, MAX_INT
 
 TERM, ROLE = "x-syncps-term", "x-syncps-role"
 TRAINING = tuple(f"{API}/{p}" for p in ("workers", "model", "gradients", "shm"))
@@ -19,11 +21,15 @@ WORKERS = f"{API}/workers"
 
 
 def _headers(scope) -> tuple[int | None, bool]:
-    """The request's ``x-syncps-term`` (None: none, or not a number) and whether it carries ``x-syncps-peer-lost``."""
+    """The request's ``x-syncps-term`` (None: none) and whether it carries ``x-syncps-peer-lost``; a term that is not
+    one decimal integer in [0, 2^53 - 1], or given twice: 400 ``bad_request``."""
     term, lost = None, False
     for name, value in scope["headers"]:
         if name == b"x-syncps-term":
-            term = int(value) if value.isdigit() and len(value) < 17 else None
+            if term is not None or not (value.isdigit() and len(value) < 17 and int(value) <= MAX_INT):
+                raise ProtocolError(400, "bad_request", f"x-syncps-term must be given once, a decimal integer in "
+                                                        f"[0, {MAX_INT}]: got {value[:40]!r}")
+            term = int(value)
         elif name == b"x-syncps-peer-lost":
             lost = True
     return term, lost
@@ -41,10 +47,13 @@ class Gate:
         path = scope["path"]
         if (path.startswith(TRAINING) and not (scope["method"] == "GET" and path == WORKERS)  # (the list: monitoring)
                 and authorised(scope)):  # else the route answers 401 (its headers change nothing)
-            term, lost = _headers(scope)
-            if lost:  # a worker lost its connection to the other PS just now
-                ha.reported(scope["app"].state.runtime.now())
-            exc = ha.refusal(term)
+            try:
+                term, lost = _headers(scope)
+                if lost:  # a worker lost its connection to the other PS just now
+                    ha.reported(scope["app"].state.runtime.now())
+                exc = ha.refusal(term)
+            except ProtocolError as bad:  # a malformed term (_headers): refused before anything counts
+                exc = bad
             if exc is not None and exc.code == "fenced":
                 ha.deposed(exc.detail)
             if exc is not None:
