@@ -1,9 +1,10 @@
 """docs/reference/configuration.md rendered from the settings classes: the page is the code (``python -m docgen``).
 
-Every pydantic-settings class of the project (``PSSettings``: ``PS_*``, ``WorkerSettings``: ``WORKER_*``) gives
+Every pydantic-settings class of the project (``PSSettings``: ``PS_*``, ``WorkerSettings``: ``WORKER_*``,
+``ProcessSettings``: ``SYNCPS_*`` every process reads) gives
 one table row per field: its environment variable, its default and its ``description``, grouped by
 :data:`GROUPS`. A field that no group names stops the script (add it to a group), so a new setting cannot
-reach the page without a place on it. The Compose-only variables (``SYNCPS_*``, read by docker-compose.yml,
+reach the page without a place on it. The Compose-only variables (other ``SYNCPS_*``, read by docker-compose.yml,
 not by any class) are listed here in :data:`COMPOSE_ONLY`.
 """
 from __future__ import annotations
@@ -46,6 +47,9 @@ GROUPS = {
         ("Process", ["log_every_seconds", "stopped_exit_code", "cpus"]),
         ("Fault drill", ["fault_drop_before", "fault_drop_after", "fault_duplicate", "fault_seed"]),
     ]),
+    "process": ("Every process", "python -m ps_service, python -m worker_service, python -m bench.*", [
+        ("Tracing", ["marks_dir"]),
+    ]),
 }
 
 #: variables docker-compose.yml reads for itself (no settings class has them): name -> (default, meaning)
@@ -65,7 +69,8 @@ HEAD = """# Configuration
      tests/test_docs.py fails while this page differs. -->
 
 Every setting is an environment variable, read by pydantic-settings in one class per service
-(`ps_service/settings.py`, `worker_service/settings.py`). A bad value stops the process at start with one line
+(`ps_service/settings.py`, `worker_service/settings.py`), and in one class what every process reads
+(`shared/settings.py`). A bad value stops the process at start with one line
 that names the variable. Under Docker Compose they live in `.env` (`cp .env.example .env`): see
 [Docker Compose](../guides/compose.md).
 """
@@ -90,8 +95,10 @@ Read by docker-compose.yml only:
 def settings_classes() -> dict[str, tuple[type, str]]:
     """service -> (settings class, env prefix): every pydantic-settings class of the project."""
     from ps_service.settings import PSSettings
+    from shared.settings import ProcessSettings
     from worker_service.settings import WorkerSettings
-    return {"ps": (PSSettings, "PS_"), "worker": (WorkerSettings, "WORKER_")}
+    return {"ps": (PSSettings, "PS_"), "worker": (WorkerSettings, "WORKER_"),
+            "process": (ProcessSettings, "SYNCPS_")}
 
 
 def default_text(field) -> str:

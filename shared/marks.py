@@ -1,8 +1,8 @@
 """Opt-in timeline marks: where a partitioned step waits (``python -m bench.timeline`` reads them).
 
-Contract: ``SYNCPS_MARKS_DIR`` (read here, once, at import; the one place) names a directory; unset or empty, marks
-are off: :data:`ON` is False and callers test it before calling (``if marks.ON: marks.mark(...)``), so an untraced
-process makes no call and builds no fields. On, :func:`mark` appends one JSON line ``{"t": ns, "pid", "ev", ...}``
+Contract: ``SYNCPS_MARKS_DIR`` (:class:`shared.settings.ProcessSettings`, read once, at import) names a directory;
+unset or empty, marks are off: :data:`ON` is False and callers test it before calling
+(``if marks.ON: marks.mark(...)``), so an untraced process makes no call and builds no fields. On, :func:`mark` appends one JSON line ``{"t": ns, "pid", "ev", ...}``
 to ``<dir>/<pid>.jsonl`` with one ``write`` (an ``O_APPEND`` file: nothing is lost when the process is killed),
 ``t`` from :func:`time.perf_counter_ns`: CLOCK_MONOTONIC, one clock for every process of one machine, network
 namespaces included (bench.hosts' emulated hosts).
@@ -14,7 +14,9 @@ import os
 import threading
 import time
 
-DIR = os.environ.get("SYNCPS_MARKS_DIR", "")
+from shared.settings import ProcessSettings
+
+DIR = ProcessSettings().marks_dir or ""
 #: marks are recorded (tested by callers before :func:`mark`)
 ON = bool(DIR)
 _fd: tuple[int, int] | None = None  # (the pid that opened it, the file): a forked child opens its own

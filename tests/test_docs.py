@@ -255,3 +255,17 @@ def test_the_readmes_links_resolve():
         if anchor:
             headings = re.findall(r"^#+ (.+)$", target.read_text(), re.M)
             assert anchor in {_slug(h) for h in headings}, f"README links to {link}: no such heading"
+
+
+def test_the_services_read_their_variables_only_through_the_settings_classes():
+    """``PS_*``, ``WORKER_*`` and ``SYNCPS_*`` are read by the pydantic-settings classes only (docgen/configuration.py's
+    ``settings_classes``: ps_service/settings.py, worker_service/settings.py, shared/settings.py), so
+    docs/reference/configuration.md lists every variable the PS, the workers and the shared code read; one read from
+    ``os.environ`` or ``os.getenv`` in those packages would be on no page (``SYNCPS_MARKS_DIR`` was)."""
+    read = re.compile(r"""(environ(\.get)?\s*[\[(]|getenv\s*\()\s*["'](PS|WORKER|SYNCPS)_""")
+    hits = [f"{path.relative_to(ROOT)}:{n}" for pkg in ("ps_service", "worker_service", "shared", "syncps")
+            for path in sorted((ROOT / pkg).rglob("*.py"))
+            for n, line in enumerate(path.read_text().splitlines(), 1) if read.search(line)]
+    assert not hits, hits
+    page = (ROOT / configuration.PAGE).read_text()
+    assert "| `SYNCPS_MARKS_DIR` | `unset` |" in page
