@@ -1,26 +1,19 @@
 """Optimizers that live on the PS, in two flavours: TensorFlow 1.x's (the default) and torch.optim's.
 
-A spec is ``{"name", "learning_rate", <hyper-parameters>}``, plus ``"flavor": "torch"`` for
-torch's formulas (:mod:`ps_service.core.torch_rules`). docs/protocol.md's optimizer table and docs/torch.md
-list every formula; the TF1 ones are ``tf.compat.v1.train``'s kernels (``training_ops.cc``), :meth:`Optimizer._tf1`.
+A spec is ``{"name", "learning_rate", <hyper-parameters>}``, plus ``"flavor": "torch"`` for torch's formulas
+(:mod:`ps_service.core.torch_rules`); docs/protocol.md's optimizer table and docs/torch.md list every formula. The TF1
+ones are ``tf.compat.v1.train``'s kernels (``training_ops.cc``, :meth:`Optimizer._tf1`): every constant is a scalar
+of the weight's dtype and every operation rounded in it, in the kernels' order, so TF1 training is reproduced bit for
+bit in float32 and float64 (given float64 hyper-parameters), but for float32 Adagrad's approximate ``vrsqrtps``
+(:func:`rsqrt`, docs/torch.md).
 
-Every constant, ``1 - beta`` included, is a scalar of the weight's dtype and every operation is
-rounded in it, in the kernels' order: TF1 training is reproduced bit for bit in float32 and float64
-(float64 given float64 hyper-parameters; TF1 turns Python floats into float32 tensors), but for float32
-Adagrad, where TensorFlow's CPU build takes the approximate ``vrsqrtps`` (:func:`rsqrt`, docs/torch.md).
+A tensor named ``buffer:...`` (:data:`BUFFER_PREFIX`) is not stepped: it takes the round's aggregate (BatchNorm's
+running statistics, docs/torch.md). Slots are arrays of the weights' dtype keyed by (slot, tensor)
+(:data:`SLOT_NAMES`, the checkpoint's layout); ``apply`` updates weights and slots in place in a fixed order.
 
-Buffers: a tensor whose name starts with :data:`BUFFER_PREFIX` is not stepped by any optimizer: the
-round sets it to the aggregate of what the workers pushed for it (their mean under the default
-``PS_AGGREGATION=mean``). That carries BatchNorm's running statistics (docs/torch.md).
-
-Slots are arrays of the weights' dtype keyed by (slot, tensor), named after the optimizer
-(:data:`SLOT_NAMES`, the checkpoint's layout); ``apply`` updates weights and slots in place, in a
-fixed order, so a run is bit-reproducible.
-
-A gradient may come as its entries (:class:`~shared.compression.SparseTensor`: the round's sum of top-k pushes,
-+0.0 elsewhere): TF1's SGD then updates those entries only, the same bits as the dense update (``w - (0 / n) * lr``
-is ``w``), in O(k); every other rule gets it made dense. :attr:`Optimizer.touched` says which entries the last
-apply changed (the weight deltas take them instead of comparing the weights).
+A gradient may come as its entries (:class:`~shared.compression.SparseTensor`, the sum of top-k pushes): TF1's SGD
+then updates those entries only, the same bits in O(k); every other rule gets it made dense.
+:attr:`Optimizer.touched` says which entries the last apply changed (the weight deltas take them).
 """
 from __future__ import annotations
 
