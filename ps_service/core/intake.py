@@ -1,25 +1,19 @@
 """Which pushes' tensors the PS may read now: what it holds of a round stays flat in the worker count.
 
 A push's head (worker id, step) comes before its tensors (the rest of a body, a same-host worker's file). The
-transport reads a large push's tensors only once :meth:`Intake.claim` says so; until then they stay where they are and
-it waits for a turn (:meth:`Intake.readers` names who may read next).
+transport reads a large push's tensors only once :meth:`Intake.claim` says so, else waits for a turn
+(:meth:`Intake.readers`); a claim ends when the core takes the push or the transport gives it back (:meth:`release`).
 
-- **Sync, elastic**: the round sums in rank order as gradients arrive, so the push next in rank order
-  (:meth:`~ps_service.core.rounds.Round.turns`) may be read, and while the round holds no gradient the one after it
-  too. The PS holds at most two gradients of a round, whatever N; the sum is the same, bit for bit.
+- **Sync, elastic**: the push next in rank order (:meth:`~ps_service.core.rounds.Round.turns`) may be read, the one
+  after it too while the round holds no gradient: at most two gradients of a round held, the sum the same bits.
 - **Async / SSP**: one push read at a time (the transport wakes the longest-waiting first).
-- **Fixed R**: a push counts at its head (:meth:`~ps_service.core.rounds.Round.head`), so the contributors, the first R
-  heads, are known before any body is read; they are read in rank order as above, and a push whose head comes after R
-  others' is ``late``. Late, stale and duplicate pushes are read one at a time (:meth:`claim_late`: N - R of them a
-  round). So the PS holds the running sum, the push being read (two while nothing is summed) and one being refused
-  (with ``min_replicas`` q > 2, the first q gradients wait unsummed). A head whose push fails (:meth:`release` before
-  the core took it) gives its place back.
+- **Fixed R**: a push counts at its head, so the contributors are known before any body is read; they are read in rank
+  order as above; late, stale and duplicate pushes (N - R a round) one at a time (:meth:`claim_late`). So the PS holds
+  the running sum, the push being read (two while nothing is summed) and one being refused (with ``min_replicas`` q
+  > 2, the first q gradients wait unsummed). A head whose push fails gives its place back.
 - A push waits for its turn at most a lease (by then a member ahead of it that is gone has expired), then is read out
-  of turn (``overdue``): a round held up by a slow member holds more; steady rounds do not.
-- Elastic: a push that would not be accepted now, or of a worker whose other body is being read, is read at once.
-
-A claim ends when the core takes the push (:meth:`ParameterServerCore.push`) or the transport gives it back
-(:meth:`release`); either way the next turn may begin. Pure, no I/O, no clock.
+  of turn (``overdue``). Elastic: a push that would not be accepted now, or of a worker whose other body is being
+  read, is read at once. Pure, no I/O, no clock.
 """
 from __future__ import annotations
 

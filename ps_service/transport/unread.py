@@ -1,16 +1,11 @@
 """An answer sent before its request's body arrived whole closes the connection, without a reset.
 
-The PS answers some requests without reading their body to the end (401, 413, 415, 408, any error a route raises
-before it reads); the rest of that body may still be coming, so the connection cannot carry another request.
 :class:`CloseUnread` (the outermost ASGI middleware) adds ``connection: close`` to a response that starts before the
-request's body was read to its end: the server closes the connection once the response is written, and a client
-knows not to reuse it. :func:`ps_service.transport.body.read_body` marks the scope (:data:`READ_KEY`) once it received
-the body's end; a request with no body is complete from the start.
-
-Closing a socket while the peer's bytes arrive makes the kernel answer them with a reset, which can reach the client
-before the answer (it never sees the 413). :class:`LingeringTransport` (:mod:`ps_service.transport.bodysink`) closes
-in two stages, as HTTP servers do (RFC 9112 9.6): the answer and a FIN, then what still arrives is dropped until the
-peer closes its side, or :data:`LINGER_SECONDS`.
+request's body was read to its end (401, 413, 415, 408, an error before the read: docs/protocol.md), whose rest may
+still come; :func:`ps_service.transport.body.read_body` marks the scope (:data:`READ_KEY`) at the body's end. Closing
+a socket while the peer's bytes arrive would make the kernel answer them with a reset, which can reach the client
+before the answer: :class:`LingeringTransport` closes in two stages (RFC 9112 9.6): the answer and a FIN, then what
+still arrives is dropped until the peer closes its side, or :data:`LINGER_SECONDS`.
 """
 from __future__ import annotations
 
