@@ -7,22 +7,15 @@ Contract:
   another optimizer name in the settings drops the brought hyper-parameters.
 - ``restore`` loads checkpointed weights, optimizer slots and global step; ``model_state`` is the same data as plain
   copies (safe to encode off the event loop). ``version`` bumps on every change a waiting pull may care about.
-- Once an answer was made of them, the weights live in :class:`WeightsStore`'s frame: the optimizer updates them there
-  and an answer is a view of it with the step's header rewritten in place (docs/performance.md, "Weights out"). They
-  change in place only through :meth:`update` (and ``core.rewind``), each calling the store's
-  :meth:`~WeightsStore.before_change` first (counted: ``store.changes``). The transports read the store, never the
-  other way.
+- The weights live in :class:`WeightsStore`'s frame, copy on write (docs/performance.md, "Weights out"). They change
+  in place only through :meth:`update` (and ``core.rewind``), each calling :meth:`~WeightsStore.before_change` first
+  (counted: ``store.changes``). The transports read the store, never the other way.
 
-The store's rule keeps every answer's bytes fixed once handed to the server: :meth:`answer` gives each answer its own
-``memoryview`` of :attr:`_answer`, so the view's reference count counts the answers not yet written out;
-:meth:`~WeightsStore.before_change` moves the weights to a fresh buffer first whenever an answer still holds the
-current one (copy on write: the old buffer goes back to :mod:`ps_service.core.buffers` after them); a new header is
-written in place only under the same rule. In a synchronous job every worker has read its answer before it pushes,
-so a step copies nothing; a slow reader (a monitor, async/ssp) costs one copy.
-
-:meth:`answer` gives None when the weights cannot live here (not this store's, not plain arrays the PS owns): the seam
-copies them into a snapshot then. The same-host weights file's arrays are ``claim``-ed by the seam: the file gets a
-copy per step (``TensorSeam._file_current``).
+The store's rule keeps every answer's bytes fixed: :meth:`answer` gives each answer its own ``memoryview`` of
+:attr:`_answer`, whose reference count counts the answers not yet written out; :meth:`~WeightsStore.before_change`
+moves the weights to a fresh pooled buffer first while an answer holds the current one; a new header is written in
+place only under the same rule. :meth:`answer` gives None when the weights cannot live here (not plain arrays the PS
+owns): the seam copies them then; it ``claim``-s the same-host file's arrays (``TensorSeam._file_current``).
 """
 from __future__ import annotations
 
