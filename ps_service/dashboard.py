@@ -1,17 +1,11 @@
 """The live dashboard: ``GET /`` serves one static page that polls the monitoring API.
 
-The page (``static/dashboard.html``, ``.js``, ``.css``) draws with plain SVG: no CDN, no third-party script, no build
-step. It reads ``/v1/status``, ``/v1/workers``, ``/v1/rounds`` and ``/v1/loss`` once a second and shows the job
-state, the step, the loss curve, rounds/s and gradients/s, the open round, the async/ssp clocks and staleness, and a
-per-worker table with the straggler highlighted. Files are read once, at import.
-
-What the page promises (tests/test_dashboard_widths.py, at 800 and 1400 px): every column of the workers table in
-view from 800 px on; text at least 11 px; worker names never broken; numbers never in e-notation; the loss plot on a
-log scale by default, linear by a remembered toggle (and with a note when a loss is <= 0); the awaited workers are
-the round line's, from one ``/v1/status`` answer.
-
-With ``PS_MONITOR_TOKEN`` set, the script sends the token of the page's ``#token=<token>`` fragment (which never
-leaves the browser) as a bearer header to the monitoring API; the page and its files hold no data and are open.
+The page (``static/dashboard.html``, ``.js``, ``.css``; plain SVG, no CDN, no build step) reads ``/v1/status``,
+``/v1/workers``, ``/v1/rounds`` and ``/v1/loss`` once a second; its files are read once, at import. What it shows and
+promises (every column in view from 800 px, text >= 11 px, no e-notation, the loss on a remembered log/linear scale,
+the awaited workers from one ``/v1/status`` answer): tests/test_dashboard_widths.py. With ``PS_MONITOR_TOKEN`` set,
+the script sends the token of the page's ``#token=<token>`` fragment (never sent by the browser) as a bearer header;
+the page and its files hold no data and are open.
 """
 from __future__ import annotations
 

@@ -1,22 +1,14 @@
 """Large request bodies written by the HTTP protocol straight into the route's buffer.
 
-uvicorn hands a body to the app chunk by chunk through a growing ``bytearray`` and a ``bytes`` copy per
-``receive()``: two copies and an event-loop round trip per 64 KB, about a third of the PS's time on 40 MB pushes. A
-route that knows the body's size (:func:`ps_service.transport.body.read_body`) puts a
-:class:`~ps_service.transport.body.BodySink` in the ASGI scope under ``SINK_KEY``; :class:`SinkHttpToolsProtocol`
-(the PS's uvicorn protocol, ``ps_service/__main__.py``) then copies each chunk once, into the sink, and wakes the
-route only every ``WAKE_BYTES`` or ``WAKE_SECONDS`` of progress and at the end (so the route's idle timeout still
-sees a slow but steady body move). Bytes that arrived before the sink was set land first (the sink keeps the offset).
-
-Once the sink is set, the rest of a ``Content-Length`` body is not copied at all: through
-:class:`BufferedSinkProtocol` (asyncio and uvloop read into a protocol's buffer only for a ``BufferedProtocol``) the
-loop reads the socket straight into the sink (``get_buffer`` hands out exactly the body's remaining bytes); the
-message is then ended by hand and a fresh parser takes the next request. Every other byte goes through the thread's
-scratch buffer (:func:`scratch`, handed on before the loop reads another connection: an idle connection holds no
-buffer) to uvicorn's parser as before.
-
-Under another server (or uvicorn's stock protocol) ``read_body`` gets the chunks as usual: the sink is an
-optimisation, never a contract.
+uvicorn hands a body to the app through a growing ``bytearray`` and a ``bytes`` copy per ``receive()``: two copies
+and an event-loop round trip per 64 KB, a third of the PS's time on 40 MB pushes. A route that knows the body's size
+(:func:`ps_service.transport.body.read_body`) puts a :class:`~ps_service.transport.body.BodySink` in the ASGI scope
+(``SINK_KEY``); :class:`SinkHttpToolsProtocol` (the PS's uvicorn protocol) then copies each chunk once, into the sink
+(what came before lands first), and wakes the route every ``WAKE_BYTES`` or ``WAKE_SECONDS`` and at the end. Through
+:class:`BufferedSinkProtocol` the loop then reads the rest of a ``Content-Length`` body straight into the sink
+(``get_buffer`` hands out exactly its remaining bytes; the message is ended by hand and a fresh parser takes the
+next request); every other byte goes through the thread's scratch buffer (:func:`scratch`) to uvicorn's parser.
+Under another server ``read_body`` gets the chunks as usual: the sink is an optimisation, never a contract.
 
 Two mixins of the protocol, which the probe port's (ps_service/probes.py) shares, judge a request's head before any
 route sees it: :class:`IdleUntilHead` (the idle timeout runs until the head is whole) and :class:`CheckedHead`
