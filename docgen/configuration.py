@@ -30,7 +30,8 @@ GROUPS = {
         ("Requests and limits", [
             "max_body_bytes", "body_idle_timeout_seconds", "http_keepalive_seconds", "pull_timeout_max_seconds"]),
         ("Security", [
-            "auth_token", "auth_token_file", "require_auth", "monitor_token", "monitor_token_file", "production"]),
+            "auth_token", "auth_token_file", "require_auth", "monitor_token", "monitor_token_file", "peer_token",
+            "peer_token_file", "production"]),
         ("Checkpoints", [
             "checkpoint_dir", "checkpoint_every_steps", "checkpoint_every_seconds", "checkpoint_keep"]),
         ("Same-host transport and compression", [

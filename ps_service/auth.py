@@ -3,7 +3,10 @@
 Contract:
 - :func:`require_training` guards every route that registers, leaves,
   heartbeats, initialises, pulls, pushes or controls: with ``PS_AUTH_TOKEN``
-  set, the request needs ``Authorization: Bearer <that token>``.
+  set, the request needs ``Authorization: Bearer <that token>``. A sharded PS's routes from its
+  coordinator to a follower (:data:`PEER_ROUTES`) take ``PS_PEER_TOKEN`` instead when it is set
+  (the training token is every worker's: it must not make a follower apply a round), and
+  ``GET /v1/shard/state`` either (:func:`training_tokens`).
 - :func:`require_monitor` guards the read-only monitoring routes (status,
   workers, rounds, metrics, the dashboard): with ``PS_MONITOR_TOKEN`` set, they
   need that token or the training token; unset, they are open. The monitor
@@ -29,6 +32,7 @@ from pydantic import SecretStr
 
 from ps_service.runtime import runtime
 from shared.errors import ProtocolError
+from shared.protocol import API
 from shared.tokens import presented_token
 
 REALM = 'Bearer realm="syncps"'
@@ -58,14 +62,32 @@ def token_matches(presented: str, expected: SecretStr) -> bool:
     return hmac.compare_digest(_digest(presented), _digest(expected.get_secret_value()))
 
 
+#: a sharded PS's routes from its coordinator to a follower: with ``PS_PEER_TOKEN`` set, that token only opens them
+PEER_ROUTES = frozenset({("PUT", f"{API}/shard/model"), *(("POST", f"{API}/shard/{p}")
+                                                          for p in ("apply", "progress", "lost", "restore"))})
+#: the coordinator's links ask it too: with ``PS_PEER_TOKEN`` set, it takes either token
+SHARD_STATE = f"{API}/shard/state"
+
+
+def training_tokens(settings, method: str, path: str) -> tuple[SecretStr, ...]:
+    """The tokens that open the training route ``method path`` (none: it is open): the peer token alone on
+    :data:`PEER_ROUTES` when one is set, else the training token."""
+    peer, training = settings.peer_token, settings.auth_token
+    if peer is not None and (method, path) in PEER_ROUTES:
+        return (peer,)
+    if training is None:
+        return ()
+    return (training, peer) if peer is not None and path == SHARD_STATE else (training,)
+
+
 def authorised(scope: dict) -> bool:
     """Whether an ASGI request ``scope`` may use a training route (for the middlewares that run before the routes'
     dependencies: ps_service/hotpath.py, ps_service/standby/gate.py); nothing counted or raised."""
-    token = scope["app"].state.runtime.settings.auth_token
-    if token is None:
+    tokens = training_tokens(scope["app"].state.runtime.settings, scope.get("method"), scope.get("path"))
+    if not tokens:
         return True
     presented = presented_token([v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"])
-    return bool(presented) and token_matches(presented, token)
+    return bool(presented) and any([token_matches(presented, token) for token in tokens])
 
 
 def check(request: Request, *accepted: SecretStr | None) -> None:
@@ -88,8 +110,9 @@ def check(request: Request, *accepted: SecretStr | None) -> None:
 
 async def require_training(request: Request,
                            creds: HTTPAuthorizationCredentials | None = Depends(_training_scheme)) -> None:
-    """Dependency of the training and control routes (PS_AUTH_TOKEN)."""
-    check(request, runtime(request).settings.auth_token)
+    """Dependency of the training and control routes (PS_AUTH_TOKEN; a sharded PS's peer routes: PS_PEER_TOKEN when
+    set, :func:`training_tokens`)."""
+    check(request, *training_tokens(runtime(request).settings, request.method, request.scope["path"]))
 
 
 async def require_monitor(request: Request,

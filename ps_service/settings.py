@@ -115,6 +115,15 @@ class PSSettings(BaseSettings):
     monitor_token_file: Path | None = Field(
         None, description="File holding the monitoring token (a Docker or Kubernetes secret); instead of "
                           "PS_MONITOR_TOKEN, not with it.")
+    peer_token: SecretStr | None = Field(
+        None, description="Bearer token of the routes between the processes of a sharded PS (the coordinator's to a "
+                          "follower: PUT /v1/shard/model, POST /v1/shard/apply, /progress, /lost, /restore): set, "
+                          "they take it and only it (the training token, every worker's, no longer opens them), GET "
+                          "/v1/shard/state takes either, and the coordinator sends it. The same on every shard. "
+                          "Unset: they take the training token.")
+    peer_token_file: Path | None = Field(
+        None, description="File holding the peer token (a Docker or Kubernetes secret); instead of PS_PEER_TOKEN, "
+                          "not with it.")
     production: bool = Field(False, description="Production mode: no /docs, /redoc or /openapi.json.")
     pull_timeout_max_seconds: float = Field(60.0, gt=0, description="Upper bound of a pull's ?timeout=.")
     tick_seconds: float = Field(0.1, gt=0, description="How often leases and round deadlines are checked.")
@@ -222,6 +231,7 @@ class PSSettings(BaseSettings):
         if self.require_auth and self.auth_token is None:
             raise ValueError(f"{refusal}, and neither PS_AUTH_TOKEN nor PS_AUTH_TOKEN_FILE is set. {MAKE_A_TOKEN}")
         self.monitor_token = resolve_token(self.monitor_token, self.monitor_token_file, "PS_MONITOR_TOKEN")
+        self.peer_token = resolve_token(self.peer_token, self.peer_token_file, "PS_PEER_TOKEN")
         return self
 
     @property

@@ -10,9 +10,11 @@ from pydantic import ValidationError
 
 from cluster.processes import free_port, wait_for
 from ps_service.settings import PSSettings
+from shared import frame, shards
 from shared.protocol import MAX_INT
 from shared.tokens import presented_token
 from tests.live_ps import live_ps, state_hash
+from tests.test_shards import W0, post_frame, two_shards
 from worker_service.settings import WorkerSettings
 
 TOKEN = "train-3f9c1e7a5b2d4c6e8f0a1b3c5d7e9f11"
@@ -127,3 +129,39 @@ def test_a_malformed_term_is_refused_by_a_ps_of_a_pair_and_not_read_by_a_lone_on
             r = h.post("/v1/workers", json={"name": case}, headers=[*(("x-syncps-term", t) for t in terms),
                                                                      *auth.items()])
             assert r.status_code == 200, (case, r.text)
+
+
+def test_with_a_peer_token_a_workers_token_cannot_make_a_follower_apply_a_round():
+    """PS_PEER_TOKEN (docs/protocol-shards.md): a sharded PS's routes from the coordinator to a follower take it and
+    only it. A worker's training token there is 401 and changes nothing (without a peer token it made a follower apply
+    its own pieces as a whole round, a step ahead of the coordinator); the job runs on, the coordinator's links
+    carrying the peer token, and the peer token opens no worker route."""
+    peer, grads = "peer-9d7c5b3a1f2e4d6c8b0a9f7e5d3c1b2a", {"w": np.ones((3, 1)), "b": np.ones(1)}
+    with two_shards(auth_token=TOKEN, peer_token=peer) as (c, f), c.http(TOKEN) as hc, f.http(TOKEN) as hf:
+        ids = [hc.post("/v1/workers", json={"name": f"w{i}"}).json()["worker_id"] for i in range(2)]
+        body = b"".join(bytes(p) for p in frame.encode(W0, {"optimizer": {"name": "sgd", "learning_rate": 0.5}}))
+        assert hc.put("/v1/model", content=body, headers={"content-type": frame.MEDIA_TYPE}).status_code == 201
+        m = shards.from_wire(hc.get("/v1/shards").json()["map"])
+        wait_for(lambda: c.rt.core.round is not None and f.rt.core.initialized, 10, "round 0 and the follower's model")
+        before = state_hash(f.rt)
+        for method, path, msg in [("POST", "apply", {"step": 0, "contributors": [], "mean_of": 1}),
+                                  ("POST", "progress", {"step": 0, "start": 0, "folded": [], "turns": None}),
+                                  ("POST", "lost", {"step": 0, "workers": ids}),
+                                  ("POST", "restore", {"step": 0, "receipt_key": "0" * 64}),
+                                  ("PUT", "model", {})]:
+            r = hf.request(method, f"/v1/shard/{path}", json=msg)
+            assert (r.status_code, r.json()["error"]) == (401, "unauthorized"), (path, r.text)
+        assert state_hash(f.rt) == before and f.rt.core.global_step == 0
+        assert hf.get("/v1/shard/state").status_code == 200  # either token
+        with f.http(peer) as as_peer:
+            assert as_peer.get("/v1/shard/state").status_code == 200
+            assert as_peer.post("/v1/workers", json={"name": "x"}).status_code == 401
+        for w in ids:  # what a worker does: hold on both shards, commit with the follower's receipt
+            pieces = [shards.split(grads, m.pieces[i]) for i in range(2)]
+            held = [post_frame(h, "/v1/shard/gradients", pieces[i], {"worker_id": w, "step": 0}, map=m.digest)
+                    for i, h in enumerate((hc, hf))]
+            assert all(r.status_code == 200 for r in held), [r.text for r in held]
+            r = post_frame(hc, "/v1/shard/commit", {}, {"worker_id": w, "step": 0,
+                                                        "receipts": [held[1].json()["receipt"]]})
+            assert r.status_code == 200, r.text
+        wait_for(lambda: f.rt.core.global_step == 1, 10, "the follower to apply round 0 (the peer token's links)")

@@ -51,6 +51,7 @@ VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["versi
 SECRET = "syncps-token"
 TOKEN = "k8s-test-4e1f9a0c7b3d5e2f8a6c1b0d9e7f3a5c"
 MONITOR = "k8s-watch-7c2e5a9f1b3d0e8c6a4f2b1d9e7c5a3f"
+PEER = "k8s-peer-3b8d1f6a0c4e2d9b7a5f3c1e0d8b6a4f"
 #: 32+ characters with letters and digits: a token's look (a field name has no digit, a path has slashes)
 TOKEN_LIKE = re.compile(r"(?=[\w+-]*\d)(?=[\w+-]*[A-Za-z])[\w+-]{32,}")
 #: variables a worker container may set that are not WORKER_* settings
@@ -194,6 +195,7 @@ def token_files(tmp_path, monkeypatch) -> dict[str, str]:
         monkeypatch.delenv(name)
     (tmp_path / "token").write_text(TOKEN + "\n")
     (tmp_path / "monitor-token").write_text(MONITOR + "\n")
+    (tmp_path / "peer-token").write_text(PEER + "\n")
     files = {}
     for w in (PS, WORKERS):
         (volume,) = [v for v in pod(w)["volumes"] if v.get("secret", {}).get("secretName") == SECRET]
@@ -244,8 +246,9 @@ def test_shards_take_their_index_from_the_pod_ordinal(ordinal, token_files, monk
     assert s.shard_url_list == [f"http://{name}-{i}.{svc}:{port}" for i in range(s.shards)]
     assert s.shard_url_list[0] == env_values(WORKERS)["WORKER_PS_URL"]  # workers dial shard 0, the coordinator
     assert SHARD_PS["spec"]["podManagementPolicy"] == "Parallel"  # every shard up at once
+    assert s.peer_token.get_secret_value() == PEER  # the coordinator's routes to a follower: not the workers' token
     # the rest of the PS is the base's
-    rest = {k: v for k, v in env_values(SHARD_PS).items() if not k.startswith("PS_SHARD")}
+    rest = {k: v for k, v in env_values(SHARD_PS).items() if not k.startswith(("PS_SHARD", "PS_PEER_TOKEN"))}
     assert rest == env_values(PS)
 
 

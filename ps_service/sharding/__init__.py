@@ -53,8 +53,8 @@ class ShardRole:
         self.holds = Holds()
         self.map: ShardMap | None = None
         self.initialising = False
-        self.links = (Links(self.urls, settings.auth_token, settings.http_keepalive_seconds) if self.coordinator
-                      else None)
+        token = settings.peer_token or settings.auth_token  # PS_PEER_TOKEN opens the followers' peer routes
+        self.links = Links(self.urls, token, settings.http_keepalive_seconds) if self.coordinator else None
         self.sidecar = Path(settings.checkpoint_dir) / SIDECAR if settings.checkpoint_dir else None
         self._seen_closed = 0
         self._sent_step = -1

@@ -1,4 +1,5 @@
-"""The coordinator's links to its followers (PS -> PS HTTP with the training token, every call with a timeout).
+"""The coordinator's links to its followers (PS -> PS HTTP with the peer token, PS_PEER_TOKEN, else the training
+token; every call with a timeout).
 
 One sender task per follower sends its queue in order, each message retried (capped backoff) until the follower
 answers: the applies of closed rounds (``POST /v1/shard/apply``; partitioned rounds: their decisions) and, between
