@@ -305,9 +305,11 @@ def logged_pair(tmp_path, steps: int):
 def test_the_log_is_applied_by_an_idle_thread_and_a_takeover_takes_what_it_left_without_it(tmp_path):
     """The standby's reader thread (ps_service/standby/reader.py) runs in SCHED_IDLE (on Linux) and applies the
     records as they are committed; while the event loop holds the standby's state it takes none; the takeover applies
-    every record committed itself (the thread may never run again)."""
+    every record committed itself (the thread may never run again); the event loop's wait for a record in progress is
+    counted (``wait_s``)."""
     import asyncio
     import os
+    import threading
 
     from cluster.processes import wait_for
     from tests.timing import allow
@@ -328,6 +330,18 @@ def test_the_log_is_applied_by_an_idle_thread_and_a_takeover_takes_what_it_left_
             pair.vote(2, "w0"), pair.vote(2, "w1")
             assert (pair.role, pair.term, pair.applied) == ("primary", 2, 5) and state_bytes(pair.core) == states[5]
         assert pair.log is None and pair.costs["logged"] == 5
+        taken, free = threading.Event(), threading.Event()
+
+        def record_in_progress():  # (as the reader thread holds the state while it applies a record)
+            with pair.reader.lock:
+                taken.set()
+                free.wait(allow(5))
+        other = threading.Thread(target=record_in_progress)
+        other.start()
+        taken.wait(allow(5))
+        threading.Timer(0.05, free.set).start()
+        assert pair.answer()["applied"] == 5 and pair.costs["wait_s"] >= 0.04  # the event loop waited for it
+        other.join()
     finally:
         pair.reader.close().join(allow(5))
         loop.close()

@@ -97,6 +97,8 @@ def test_a_standby_whose_log_reader_lags_takes_the_steps_over_http_once_its_log_
                 got = final_weights(c)
             except Exception:
                 raise AssertionError(f"job failed; logs:\n{c.logs()}")
+            finally:  # (before the standby stops: its reader thread, starved, would hold back its exit)
+                busy.kill()
     finally:
         busy.kill()
         busy.wait()
@@ -207,7 +209,8 @@ def test_a_partition_between_the_two_ps_one_side_takes_rounds_never_both(majorit
     assert won([w], cut_at[winner]), (w, cut_at)  # it trains on
     # the loser never serves a term of its own, and closes at most the round that was open (never answered)
     assert all(x["term"] == 1 for x in seen[loser])
-    assert max(x["step"] for x in seen[loser]) <= cut_at[loser] + 1 and l["role"] != "primary"
+    # (bounded by the primary's step at the cut: a standby's log reader may be behind the records acknowledged then)
+    assert max(x["step"] for x in seen[loser]) <= max(cut_at.values()) + 1 and l["role"] != "primary"
     assert after["role"] == "standby" and after["term"] == 2
 
 

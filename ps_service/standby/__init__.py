@@ -40,7 +40,7 @@ REPORTED_SILENCE_SECONDS = 0.4
 REPLICATED_WAIT_SECONDS = 10.0
 #: what replication has cost this process (``GET /v1/ha`` ``costs``, docs/protocol-standby.md)
 COSTS = ("messages", "logged", "encode_s", "send_s", "writer_cpu_s", "exposed_s", "exposed", "read_s", "decode_s",
-         "apply_s")
+         "apply_s", "wait_s")
 
 
 def held(method):

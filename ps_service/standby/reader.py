@@ -22,6 +22,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 
 from ps_service.standby import ring
 from shared import frame
@@ -60,13 +61,19 @@ class Reader:
 
     def start(self, shm_dir: str | None, loop) -> None:
         """Logs go into ``shm_dir`` if it is a directory (the logs of a standby killed there unlinked); the reader
-        thread starts (it tells ``loop``'s thread of each record taken)."""
+        thread starts with the first log (it tells ``loop``'s thread of each record taken): a PS that never had one
+        (a primary) has no thread in ``SCHED_IDLE`` (on a saturated host such a thread holds back its process's
+        exit)."""
         if shm_dir and os.path.isdir(shm_dir) and ring.USABLE:
             self.log_dir = shm_dir
             ring.sweep(shm_dir)  # the logs of a standby killed here
         self._loop = loop
-        self.thread = threading.Thread(target=self._run, name="standby-reader", daemon=True)
-        self.thread.start()
+        self._thread_for_log()
+
+    def _thread_for_log(self) -> None:
+        if self.log is not None and self.thread is None and self._loop is not None:
+            self.thread = threading.Thread(target=self._run, name="standby-reader", daemon=True)
+            self.thread.start()
 
     def close(self) -> threading.Thread | None:
         """Stop the thread (joined by the caller, off the event loop) and drop the log."""
@@ -84,8 +91,14 @@ class Reader:
             return
         self.wanted += 1
         try:
-            with self.lock:
+            if not self.lock.acquire(blocking=False):  # the thread is applying a record: wait for it (``wait_s``)
+                t = time.perf_counter()
+                self.lock.acquire()
+                self.pair.costs["wait_s"] += time.perf_counter() - t
+            try:
                 yield
+            finally:
+                self.lock.release()
         finally:
             self.wanted -= 1
 
@@ -160,6 +173,7 @@ class Reader:
             self.log = ring.Log.create(self.log_dir, frame.Layout.of(core.weights), self.pair.applied)
         except OSError as exc:
             log.warning("hot standby: no log in %s (%s): the steps come over HTTP", self.log_dir, exc)
+        self._thread_for_log()
 
     def drop_log(self) -> None:
         if self.log is not None:
