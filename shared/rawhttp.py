@@ -1,8 +1,8 @@
 """A lean HTTP/1.1 keep-alive client connection: the worker's tensor calls (pull, push), the standby link's steps.
 
 Contract: the request is sent with ``sendmsg`` straight from the caller's buffers (headers, framing and tensor memory,
-no join); a response body is received with ``recv_into`` into one of two reusable numpy byte arrays, taken only when
-nothing still views it (the arrays a caller decoded from the previous answer stay valid). ``Content-Length`` and
+no join); a response body is received with ``recv_into`` into one of two reusable numpy byte arrays (a large one
+:data:`LOW_WATER` bytes a call at least), taken only when nothing still views it (the arrays a caller decoded from the previous answer stay valid). ``Content-Length`` and
 chunked bodies (a chunked one received chunk after chunk into one pooled buffer, returned whole), keep-alive,
 ``http://`` only; every call has a timeout. A kept-alive socket is reused only while idle for less than half the
 server's keep-alive timeout (shared/keepalive.py) and still open (a poll, no wait). A request is never sent twice from
@@ -29,6 +29,10 @@ from shared import keepalive, liveness, marks, refs
 HEADER_LIMIT = 64 * 1024
 #: bodies smaller than this are plain bytes (a buffer pool is not worth it)
 POOL_MIN_BYTES = 64 * 1024
+#: a body part at least this large is received this much at a time at least (``SO_RCVLOWAT``; its last bytes: all
+#: that is left): one wake-up and one ``recv_into`` where a 1 Gb/s link shared by a worker's pulls gave ~80 KB each
+LOW_WATER = 256 * 1024
+_LOWAT = getattr(socket, "SO_RCVLOWAT", None)
 
 
 class ConnectionLost(Exception):
@@ -213,12 +217,24 @@ class RawConnection:
         return bytes(view) if small else view
 
     def _fill(self, view: memoryview, got: int, what: str) -> None:
-        """Receive into ``view`` from byte ``got`` to its end."""
-        while got < len(view):
-            r = self._live().recv_into(view[got:], len(view) - got)
-            if not r:
-                raise ValueError(f"connection closed inside {what}")
-            got += r
+        """Receive into ``view`` from byte ``got`` to its end (a large part :data:`LOW_WATER` bytes a call at least:
+        the socket's low-water mark, set back to 1 at the end)."""
+        sock, low = self._live(), 1
+        try:
+            while got < len(view):
+                sock = self._live()
+                if _LOWAT is not None and (low > 1 or len(view) - got >= LOW_WATER):
+                    want = min(len(view) - got, LOW_WATER)
+                    if want != low:
+                        sock.setsockopt(socket.SOL_SOCKET, _LOWAT, want)
+                        low = want
+                r = sock.recv_into(view[got:], len(view) - got)
+                if not r:
+                    raise ValueError(f"connection closed inside {what}")
+                got += r
+        finally:
+            if low > 1 and self.sock is sock:
+                sock.setsockopt(socket.SOL_SOCKET, _LOWAT, 1)
 
     def _chunked(self, pending: bytearray) -> bytes | memoryview:
         """A chunked body (``pending``: its bytes already read), whole: each chunk received straight into one buffer,

@@ -390,3 +390,27 @@ def test_large_answers_are_received_into_two_pooled_buffers_taken_in_turn_and_th
             assert conn.request("GET", "/echo", {}, timeout=allow(10)).json()["port"] == first
         finally:
             conn.close()
+
+
+def test_a_large_answer_is_received_whole_with_its_tail_below_the_low_water_mark():
+    """A body part of LOW_WATER bytes or more is received with the socket's low-water mark set: its last bytes, fewer
+    than the mark, still come (the mark is what is left), and the mark is back at 1 for the next answer."""
+    from shared import rawhttp
+    body = bytes(range(256)) * (3 * rawhttp.LOW_WATER // 256 + 1)
+
+    def handle(conn, request, n):
+        conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/octet-stream\r\ncontent-length: %d\r\n\r\n"
+                     % len(body) + body[:-100])
+        time.sleep(0.2)  # the tail alone, later
+        conn.sendall(body[-100:])
+        return True
+
+    with socket_server(handle) as (url, _):
+        conn = RawConnection(url)
+        try:
+            for _ in range(2):
+                resp = conn.request("GET", "/x", {}, timeout=allow(10.0))
+                assert resp.status_code == 200 and bytes(resp.content) == body
+                assert conn.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 1
+        finally:
+            conn.close()
