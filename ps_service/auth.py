@@ -3,10 +3,11 @@
 Contract:
 - :func:`require_training` guards every route that registers, leaves,
   heartbeats, initialises, pulls, pushes or controls: with ``PS_AUTH_TOKEN``
-  set, the request needs ``Authorization: Bearer <that token>``. A sharded PS's routes from its
-  coordinator to a follower (:data:`PEER_ROUTES`) take ``PS_PEER_TOKEN`` instead when it is set
-  (the training token is every worker's: it must not make a follower apply a round), and
-  ``GET /v1/shard/state`` either (:func:`training_tokens`).
+  set, the request needs ``Authorization: Bearer <that token>``. The routes between the PS processes
+  (:data:`PEER_ROUTES`: a sharded PS's coordinator to a follower, a hot-standby pair's primary to
+  its standby) take ``PS_PEER_TOKEN`` instead when it is set (the training token is every worker's:
+  it must not make a follower apply a round nor a standby a step), and their read-only state
+  (:data:`PEER_READABLE`) either (:func:`training_tokens`); a PS sends its peers :func:`peer_token`.
 - :func:`require_monitor` guards the read-only monitoring routes (status,
   workers, rounds, metrics, the dashboard): with ``PS_MONITOR_TOKEN`` set, they
   need that token or the training token; unset, they are open. The monitor
@@ -62,22 +63,38 @@ def token_matches(presented: str, expected: SecretStr) -> bool:
     return hmac.compare_digest(_digest(presented), _digest(expected.get_secret_value()))
 
 
-#: a sharded PS's routes from its coordinator to a follower: with ``PS_PEER_TOKEN`` set, that token only opens them
+#: the routes between the PS processes: a sharded PS's coordinator to a follower, a hot-standby pair's primary to its
+#: standby; with ``PS_PEER_TOKEN`` set, that token only opens them
 PEER_ROUTES = frozenset({("PUT", f"{API}/shard/model"), *(("POST", f"{API}/shard/{p}")
-                                                          for p in ("apply", "progress", "lost", "restore"))})
-#: the coordinator's links ask it too: with ``PS_PEER_TOKEN`` set, it takes either token
-SHARD_STATE = f"{API}/shard/state"
+                                                          for p in ("apply", "progress", "lost", "restore")),
+                         ("PUT", f"{API}/ha/state"), ("POST", f"{API}/ha/steps"), ("POST", f"{API}/ha/ping")})
+#: the peers' read-only state (the coordinator's links, the pair's probes ask it too): either token opens it
+PEER_READABLE = frozenset({("GET", f"{API}/shard/state"), ("GET", f"{API}/ha")})
 
 
 def training_tokens(settings, method: str, path: str) -> tuple[SecretStr, ...]:
     """The tokens that open the training route ``method path`` (none: it is open): the peer token alone on
-    :data:`PEER_ROUTES` when one is set, else the training token."""
+    :data:`PEER_ROUTES` when one is set, else the training token (and the peer token on :data:`PEER_READABLE`)."""
     peer, training = settings.peer_token, settings.auth_token
     if peer is not None and (method, path) in PEER_ROUTES:
         return (peer,)
     if training is None:
         return ()
-    return (training, peer) if peer is not None and path == SHARD_STATE else (training,)
+    return (training, peer) if peer is not None and (method, path) in PEER_READABLE else (training,)
+
+
+def peer_token(settings) -> SecretStr | None:
+    """The token a PS sends its peers (a coordinator its followers, a PS of a pair the other): PS_PEER_TOKEN, else the
+    training token."""
+    return settings.peer_token or settings.auth_token
+
+
+def from_peer(request: Request) -> bool:
+    """Whether a request that passed :func:`require_training` may see what only a peer needs (the standby's log
+    advert): no peer token set, or it presented that one."""
+    peer = runtime(request).settings.peer_token
+    presented = presented_token(request.headers.getlist("authorization"))
+    return peer is None or bool(presented) and token_matches(presented, peer)
 
 
 def authorised(scope: dict) -> bool:

@@ -116,11 +116,12 @@ class PSSettings(BaseSettings):
         None, description="File holding the monitoring token (a Docker or Kubernetes secret); instead of "
                           "PS_MONITOR_TOKEN, not with it.")
     peer_token: SecretStr | None = Field(
-        None, description="Bearer token of the routes between the processes of a sharded PS (the coordinator's to a "
-                          "follower: PUT /v1/shard/model, POST /v1/shard/apply, /progress, /lost, /restore): set, "
-                          "they take it and only it (the training token, every worker's, no longer opens them), GET "
-                          "/v1/shard/state takes either, and the coordinator sends it. The same on every shard. "
-                          "Unset: they take the training token.")
+        None, description="Bearer token of the routes between the PS processes (a sharded PS's coordinator to a "
+                          "follower: PUT /v1/shard/model, POST /v1/shard/apply, /progress, /lost, /restore; a "
+                          "hot-standby pair's primary to its standby: PUT /v1/ha/state, POST /v1/ha/steps, /ping): "
+                          "set, they take it and only it (the training token, every worker's, no longer opens them), "
+                          "GET /v1/shard/state and GET /v1/ha take either, and the PS sends it to its peers. The same "
+                          "on every shard and on both PS of a pair. Unset: they take the training token.")
     peer_token_file: Path | None = Field(
         None, description="File holding the peer token (a Docker or Kubernetes secret); instead of PS_PEER_TOKEN, "
                           "not with it.")

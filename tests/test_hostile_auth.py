@@ -10,6 +10,7 @@ from pydantic import ValidationError
 
 from cluster.processes import free_port, wait_for
 from ps_service.settings import PSSettings
+from ps_service.standby import messages
 from shared import frame, shards
 from shared.protocol import MAX_INT
 from shared.tokens import presented_token
@@ -165,3 +166,49 @@ def test_with_a_peer_token_a_workers_token_cannot_make_a_follower_apply_a_round(
                                                         "receipts": [held[1].json()["receipt"]]})
             assert r.status_code == 200, r.text
         wait_for(lambda: f.rt.core.global_step == 1, 10, "the follower to apply round 0 (the peer token's links)")
+
+
+def test_with_a_peer_token_a_workers_token_cannot_feed_a_standby():
+    """PS_PEER_TOKEN (docs/protocol-standby.md): a pair's routes from the primary to its standby take it and only it. A
+    worker's training token there is 401 and changes nothing (without a peer token a forged step made the standby's
+    bits differ from the primary's, and it would have taken over with them); ``GET /v1/ha`` takes either, its log's
+    advert only the peer's; the pair replicates on the peer token, bit for bit, and the standby takes over."""
+    peer, pp, sp = "peer-9d7c5b3a1f2e4d6c8b0a9f7e5d3c1b2a", free_port(), free_port()
+    pair_of = {"auth_token": TOKEN, "peer_token": peer, "failover_timeout_seconds": 2.0, "min_workers": 2,
+               "startup_grace_seconds": 0.0}
+    grads = {"w": np.ones((3, 1), np.float32), "b": np.ones(1, np.float32)}
+    with live_ps(sp, role="standby", peer_url=f"http://127.0.0.1:{pp}", **pair_of) as s, s.http(TOKEN) as hs:
+        with live_ps(pp, role="primary", peer_url=f"http://127.0.0.1:{sp}", **pair_of) as p:
+            wait_for(lambda: p.rt.ha.role == "primary", 30, "the primary of term 1")
+            c = p.client(TOKEN)
+            ids = [c.register(f"w{i}")["worker_id"] for i in range(2)]
+            assert c.init_model({k: np.zeros_like(v) for k, v in grads.items()}, {"name": "sgd", "learning_rate": 0.5})
+            wait_for(lambda: s.rt.core.initialized and p.rt.ha.gated, 30, "the standby to take the state")
+            before, info = (state_hash(s.rt), s.rt.ha.digest()), s.rt.ha.answer()
+            forged = bytes(messages.encode_step(info["step"], {k: 100 * v for k, v in grads.items()}, 1, 1,
+                                                {"members": p.rt.core.members.export()}))
+            at = {"term": info["term"], "seq": info["applied"] + 1, "gated": 1}
+            for method, path, body in [("POST", "steps", forged), ("POST", "ping", None),
+                                       ("PUT", "state", messages.encode_state(s.rt.core.export_state()))]:
+                r = hs.request(method, f"/v1/ha/{path}", params=at, content=body,
+                               headers={"content-type": frame.MEDIA_TYPE})
+                assert (r.status_code, r.json()["error"]) == (401, "unauthorized"), (path, r.text)
+            assert (state_hash(s.rt), s.rt.ha.digest()) == before and s.rt.ha.answer()["applied"] == info["applied"]
+            seen = hs.get("/v1/ha")
+            assert seen.status_code == 200 and seen.json()["log"] is None  # either token; the advert: the peer's
+            with s.http(peer) as as_peer:
+                assert as_peer.get("/v1/ha").json()["log"] == s.rt.ha.answer()["log"]
+                assert as_peer.post("/v1/workers", json={"name": "x"}).status_code == 401
+            wait_for(lambda: p.rt.core.round is not None, 10, "round 0")
+            for w in ids:
+                c.push(w, 0, grads)
+            wait_for(lambda: s.rt.ha.answer()["step"] == 1 and p.rt.core.global_step == 1, 30, "step 1 on both")
+            held = p.rt.ha.digest()
+            assert s.rt.ha.digest() == held != before[1]
+            c.close()
+        term = s.rt.ha.term  # the primary is gone: the workers vote, and the standby serves with the primary's bits
+        wait_for(lambda: s.rt.ha.role == "candidate", 30, "the standby to ask for votes")
+        for i in range(2):
+            assert hs.post("/v1/ha/vote", json={"term": term + 1, "name": f"w{i}"}).status_code == 200
+        wait_for(lambda: s.rt.ha.role == "primary", 30, "the standby to take over")
+        assert s.rt.ha.digest() == held and np.array_equal(s.rt.core.weights["w"], np.full((3, 1), -0.5))

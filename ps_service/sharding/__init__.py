@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ps_service.auth import peer_token
 from ps_service.checkpoint import CheckpointError, checkpoint_name, decode, list_checkpoints, step_of
 from ps_service.core.model import check_weights
 from ps_service.sharding import receipts, rollback
@@ -53,8 +54,8 @@ class ShardRole:
         self.holds = Holds()
         self.map: ShardMap | None = None
         self.initialising = False
-        token = settings.peer_token or settings.auth_token  # PS_PEER_TOKEN opens the followers' peer routes
-        self.links = Links(self.urls, token, settings.http_keepalive_seconds) if self.coordinator else None
+        self.links = (Links(self.urls, peer_token(settings), settings.http_keepalive_seconds) if self.coordinator
+                      else None)
         self.sidecar = Path(settings.checkpoint_dir) / SIDECAR if settings.checkpoint_dir else None
         self._seen_closed = 0
         self._sent_step = -1

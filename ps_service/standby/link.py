@@ -1,5 +1,6 @@
-"""The primary's link to its standby (PS -> PS HTTP with the training token; every call with a timeout; the messages
-and their answers are docs/protocol-standby.md's).
+"""The primary's link to its standby (PS -> PS HTTP with the peer token, PS_PEER_TOKEN, else the training token:
+:func:`ps_service.auth.peer_token`; every call with a timeout; the messages and their answers are
+docs/protocol-standby.md's).
 
 Contract (one asyncio task, :meth:`Link.run`, while this PS is the primary or an incumbent candidate): without a
 standby fed it sends the state (``GET /v1/ha`` first: a newer term there deposes this PS; the snapshot on the event
@@ -26,6 +27,7 @@ from collections import deque
 
 import httpx
 
+from ps_service.auth import peer_token
 from ps_service.standby import messages, ring
 from shared import liveness
 from shared.frame import MEDIA_TYPE as FRAME
@@ -61,7 +63,7 @@ class Link:
         f = pair.failover
         transport = httpx.AsyncHTTPTransport(socket_options=liveness.socket_options())
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(f, connect=f), transport=transport,
-                                        headers=dict(bearer_header(pair.settings.auth_token)))
+                                        headers=dict(bearer_header(peer_token(pair.settings))))
         self.url = f"{pair.peer}{API}/ha"
         self.last_ok = time.monotonic()
         self.failures = 0
@@ -71,7 +73,7 @@ class Link:
         self.transferred = -1  # the snapshot epoch (Pair.epoch) the standby took the state of
         # the writer thread of the steps (one request at a time, on a kept-alive connection of its own)
         self.conn = RawConnection(pair.peer) if pair.peer.startswith("http://") else HttpxConnection(pair.peer)
-        self._step_headers = {**bearer_header(pair.settings.auth_token), "content-type": FRAME}
+        self._step_headers = {**bearer_header(peer_token(pair.settings)), "content-type": FRAME}
         self._ready = threading.Condition()
         self._done = (-1, 0)  # (epoch, seq): the newest step the writer got acknowledged
         self._closing = False

@@ -1,8 +1,9 @@
 """The routes of a hot-standby pair (docs/protocol.md, Hot standby); app.py mounts them only when ``PS_ROLE`` is set.
 
-Primary -> standby: ``PUT /v1/ha/state`` (the whole state), ``POST /v1/ha/steps`` (one step's input, in order),
-``POST /v1/ha/ping`` (idle). Anyone: ``GET /v1/ha`` (role, term, messages taken, step, boot id, costs). Workers:
-``POST /v1/ha/vote`` (a vote in an election). Thin drivers of :class:`ps_service.standby.Pair`.
+Primary -> standby (with ``PS_PEER_TOKEN`` set, that token only: :data:`ps_service.auth.PEER_ROUTES`): ``PUT
+/v1/ha/state`` (the whole state), ``POST /v1/ha/steps`` (one step's input, in order), ``POST /v1/ha/ping`` (idle).
+Anyone (either token): ``GET /v1/ha`` (role, term, messages taken, step, boot id, costs). Workers: ``POST
+/v1/ha/vote`` (a vote in an election). Thin drivers of :class:`ps_service.standby.Pair`.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from starlette.background import BackgroundTask
 
+from ps_service.auth import from_peer
 from ps_service.http import JSON_BODY_LIMIT, JsonInt, parse_json
 from ps_service.runtime import runtime
 from ps_service.standby import messages
@@ -30,9 +32,11 @@ Count = Annotated[int, Query(ge=0, le=MAX_INT)]
 async def info(request: Request, digest: bool = Query(False, description=(
         "Add `digest`: sha256 of the step, the optimizer's iterations, weights and slots (two PS holding the same "
         "bits have the same one; reads the whole model)."))) -> dict:
-    """This PS's role, term, the primary's messages it took, its step and boot id, what replication cost it."""
+    """This PS's role, term, the primary's messages it took, its step and boot id, what replication cost it (its log's
+    advert only to its peer when ``PS_PEER_TOKEN`` is set: a worker's token does not learn it)."""
     ha = runtime(request).ha
-    return {**ha.answer(), "costs": ha.costs, **({"digest": ha.digest()} if digest else {})}
+    answer = ha.answer() if from_peer(request) else {**ha.answer(), "log": None}
+    return {**answer, "costs": ha.costs, **({"digest": ha.digest()} if digest else {})}
 
 
 @router.put("/state", openapi_extra=FRAME_BODY)
