@@ -50,8 +50,8 @@ STANDBY_FILE = ROOT / "deploy" / "swarm" / "standby.yml"
 PUBLISHED_FILE = ROOT / "deploy" / "swarm" / "published.yml"
 #: the PS and the workers on each node's `host` network (docs/guides/swarm.md: Two nodes against local processes)
 HOSTNET_FILE = ROOT / "deploy" / "swarm" / "hostnet.yml"
-#: the stack's Docker secrets: the training token, the monitoring token
-TOKEN, MONITOR_TOKEN = "syncps_token", "syncps_monitor_token"
+#: the stack's Docker secrets: the training token, the monitoring token, the pair's peer token (standby.yml)
+TOKEN, MONITOR_TOKEN, PEER_TOKEN = "syncps_token", "syncps_monitor_token", "syncps_peer_token"
 
 #: The swarm commands of docs/guides/swarm.md, run by the swarm tests as written (the stack name aside).
 DOCUMENTED = {
@@ -236,7 +236,7 @@ class Swarm:
     """One test's swarm (this engine as the manager); :meth:`leave` undoes everything it made."""
 
     def __init__(self) -> None:
-        self.tokens = {TOKEN: secrets.token_hex(16), MONITOR_TOKEN: secrets.token_hex(16)}
+        self.tokens = {name: secrets.token_hex(16) for name in (TOKEN, MONITOR_TOKEN, PEER_TOKEN)}
         self.stacks: list[Stack] = []
         self.node2_up = False
 

@@ -273,11 +273,12 @@ def test_a_hot_standby_pair_takes_its_roles_from_the_pod_ordinal_on_two_nodes(or
 def test_the_standby_pairs_environment_takes_over_with_the_tokens(token_files, tmp_path):
     """Live, with deploy/k8s-standby's environment (tokens required, production mode; only addresses, ports and the
     checkpoint folder are local): a pair of PS processes and the Job's 4 workers. The primary is kill -9'd once its
-    standby is in sync: the standby takes over (the link between the two and the workers' votes carry the training
-    token, /v1/status needs the monitoring one) and the job ends there, every worker exiting 0."""
+    standby is in sync: the standby takes over (the link between the two carries the Secret's peer token, the workers'
+    votes the training token, /v1/status needs the monitoring one) and the job ends there, every worker exiting 0."""
     ps = RENDERED["standby"]["StatefulSet", "syncps-ps"]
     jobs = RENDERED["standby"]["Job", "syncps-worker"]
     ps_env = {k: v for k, v in pod_env(ps, {}, token_files).items() if k not in ("PS_HOST", "PS_PORT", "PS_PROBE_PORT")}
+    assert Path(ps_env["PS_PEER_TOKEN_FILE"]).read_text().strip() == PEER  # the pair's routes: not the workers' token
     steps = 300
     c = LocalCluster(4, ps_env={**ps_env, "PS_MAX_STEPS": steps, "PS_CHECKPOINT_DIR": tmp_path / "ckpt"}, standby=True)
     monitor = {"Authorization": f"Bearer {MONITOR}"}

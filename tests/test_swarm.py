@@ -33,8 +33,8 @@ from tests.conftest import degraded
 from tests.reference import train_reference
 from tests.timing import allow
 from shared import shards
-from tests.swarm_util import (COLOCATED_FILE, DOCUMENTED, HOSTNET_FILE, MONITOR_TOKEN, NODE2, PUBLISHED_FILE, ROOT,
-                              STACK_FILE, STANDBY_FILE, TOKEN,
+from tests.swarm_util import (COLOCATED_FILE, DOCUMENTED, HOSTNET_FILE, MONITOR_TOKEN, NODE2, PEER_TOKEN,
+                              PUBLISHED_FILE, ROOT, STACK_FILE, STANDBY_FILE, TOKEN,
                               Stack, Swarm, docker0_address, for_node2, remove_node2, run, stack_config, start_node2,
                               still_there, swarm_unavailable, two_nodes_unavailable)
 from bench.swarm import node2_docker
@@ -182,6 +182,10 @@ def test_the_standby_stack_puts_a_pair_with_the_same_settings_on_two_nodes(reque
     own = ("environment", "ports", "deploy", "secrets")
     assert {k: v for k, v in standby.items() if k not in own} == {k: v for k, v in ps.items() if k not in own}
     assert sorted(standby["secrets"], key=str) == sorted(ps["secrets"], key=str)
+    # the two PS talk with a token the workers do not hold (PS_PEER_TOKEN: docs/protocol-standby.md)
+    assert ps["environment"]["PS_PEER_TOKEN_FILE"] == f"/run/secrets/{PEER_TOKEN}"
+    assert config["secrets"][PEER_TOKEN]["external"] and PEER_TOKEN in {s["source"] for s in ps["secrets"]}
+    assert PEER_TOKEN not in str(worker.get("secrets")) and "PS_PEER_TOKEN_FILE" not in worker["environment"]
     rest = lambda svc: {k: v for k, v in svc["deploy"].items() if k != "placement"}  # noqa: E731
     assert rest(standby) == rest(ps)
     assert ps["deploy"]["placement"]["constraints"] == ["node.role == manager", "node.labels.syncps.host == 0"]

@@ -11,6 +11,9 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 stack=${SYNCPS_STACK:-syncps}
 secrets=(syncps_token syncps_monitor_token)
+for f in "$@"; do  # a stack file given with -c that uses the peer token (deploy/swarm/standby.yml) needs it too
+  if [ -f "$f" ] && grep -q syncps_peer_token "$f"; then secrets+=(syncps_peer_token); break; fi
+done
 
 if [ "$(docker info -f '{{.Swarm.ControlAvailable}}' 2>/dev/null)" != true ]; then
   echo "deploy.sh: this Docker engine is not a swarm manager: run \`docker swarm init\` (or deploy from a manager)" >&2
