@@ -12,7 +12,7 @@ Off the job's CPU: the records are taken by a thread of this process whose sched
 (:func:`idle`: it runs only when a core would otherwise idle; else nice 19; else as any thread), one record at a time
 under :attr:`Reader.lock`, the lock of the standby's state (the core's model, the pair's messages taken): every call
 of the event loop's that reads or changes that state holds it (:meth:`Reader.held`), and the thread takes no next
-record while one waits for it. A thread in ``SCHED_IDLE`` cannot leave it, so nothing depends on it: before it answers
+record while one waits for it, nor before the event loop ran its observers for the one it took. A thread in ``SCHED_IDLE`` cannot leave it, so nothing depends on it: before it answers
 a ping or a message over HTTP the event loop takes the records committed itself (:meth:`Reader.drain`), and so does a
 takeover. The thread lags by at most the ring's slots: with the ring full the primary sends over HTTP (:mod:`.link`).
 """
@@ -136,12 +136,20 @@ class Reader:
                     found = self.drain(clock(), most=1)
                 except Exception:  # never let the reader die
                     log.exception("hot standby: reading the log failed")
-            if found:
-                self._loop.call_soon_threadsafe(self.pair.rt.notify)
+            if found:  # the event loop's observers (which hold the state) before the next record: no wait for it there
+                told = threading.Event()
+                self._loop.call_soon_threadsafe(self._told, told)
+                told.wait(4 * READ_EVERY_SECONDS)
                 pause = READ_EVERY_SECONDS
                 continue
             self._stop.wait(pause if self.log is not None else 0.05)
             pause = min(4 * READ_EVERY_SECONDS, pause * 2)
+
+    def _told(self, told: threading.Event) -> None:
+        try:
+            self.pair.rt.notify()
+        finally:
+            told.set()
 
     def last_records(self, term: int) -> None:
         """Taking over with ``term``: the log closed (a record committed after this is refused by its writer), then
