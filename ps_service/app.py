@@ -67,7 +67,7 @@ def create_app(settings: PSSettings | None = None, exit_on_refusal: bool = False
                 with contextlib.suppress(asyncio.CancelledError):
                     await background
             if rt.ha is not None:
-                await rt.ha.close()  # (a standby's reader thread stopped: nothing changes the model any more)
+                await rt.ha.close()  # (its reader stopped: no record changes the model the last checkpoint writes)
             if checkpointer is not None:
                 await asyncio.to_thread(checkpointer.finish, rt.core)
             rt.tensors.close()

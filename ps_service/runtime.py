@@ -9,7 +9,6 @@ change of the core and must be O(1).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import socket
 import time
@@ -63,9 +62,6 @@ class Runtime:
         self.ha = None
         #: waits in flight answer at once when it moves (:meth:`abort_waits`)
         self.aborts = 0
-        #: the core's model to this thread alone, around the observers (a checkpoint reads it): a hot standby applies
-        #: its log's records in a thread of its own (ps_service/standby/reader.py)
-        self.held: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
     def take_parts(self, shards, ha) -> None:
         """Take this process's parts in a sharded PS and in a hot-standby pair (None: none)."""
@@ -121,12 +117,11 @@ class Runtime:
                             fut.set_result(True)
                             if first:
                                 self._first_woken += 1
-            with self.held():
-                for observe in self.observers:
-                    try:
-                        observe()
-                    except Exception:  # monitoring must never break training
-                        log.exception("observer failed")
+            for observe in self.observers:
+                try:
+                    observe()
+                except Exception:  # monitoring must never break training
+                    log.exception("observer failed")
 
     async def wait_until(self, predicate: Callable[[], bool], timeout: float, first: bool = False) -> bool:
         """Wait (at most ``timeout`` s) until ``predicate()``, a function of :meth:`barrier` only; its final value.

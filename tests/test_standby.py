@@ -194,7 +194,7 @@ def fed_pair(optimizer: str, workers: int, log_dir: str | None = None):
     primary.init_model(ModelInit({k: v.copy() for k, v in W.items()}, {"name": optimizer, "learning_rate": 0.1}), 0.0)
     ids = [primary.register(f"w{i}", 0.0)[0].worker_id for i in range(workers)]
     pair = Pair(PSSettings(role="standby", peer_url="http://peer:8000"), ParameterServerCore(core_config(**settings)))
-    pair.rt = SimpleNamespace(now=lambda: 9.0, clock=lambda: 9.0, notify=lambda: None, abort_waits=lambda: None)
+    pair.rt = SimpleNamespace(now=lambda: 9.0, notify=lambda: None, abort_waits=lambda: None)
     pair.reader.log_dir = log_dir
     pair.adopt(1, 0, messages.decode_state(messages.encode_state(primary.export_state())), 0, 0.0)
     return primary, ids, sent, pair
@@ -302,52 +302,6 @@ def logged_pair(tmp_path, steps: int):
     return pair, sent, states, w, record
 
 
-def test_the_log_is_applied_by_an_idle_thread_and_a_takeover_takes_what_it_left_without_it(tmp_path):
-    """The standby's reader thread (ps_service/standby/reader.py) runs in SCHED_IDLE (on Linux) and applies the
-    records as they are committed; while the event loop holds the standby's state it takes none; the takeover applies
-    every record committed itself (the thread may never run again); the event loop's wait for a record in progress is
-    counted (``wait_s``)."""
-    import asyncio
-    import os
-    import threading
-
-    from cluster.processes import wait_for
-    from tests.timing import allow
-    pair, _, states, w, record = logged_pair(tmp_path, 5)
-    loop = asyncio.new_event_loop()
-    pair.reader.start(None, loop)
-    try:
-        assert record(1) == 0 and record(2) == 0
-        wait_for(lambda: pair.applied == 2, allow(10), "the reader thread to apply records 1 and 2")
-        assert state_bytes(pair.core) == states[2] and w.applied == 2
-        if hasattr(os, "SCHED_IDLE"):
-            assert pair.reader.policy == "idle"
-            assert os.sched_getscheduler(pair.reader.thread.native_id) == os.SCHED_IDLE
-            assert os.sched_getscheduler(0) != os.SCHED_IDLE  # the thread alone
-        with pair.reader.held():  # the event loop at work: the thread takes no record
-            assert record(3) == 0 and record(4) == 0 and record(5) == 0
-            pair.watch(pair.heard + pair.failover + 1)
-            pair.vote(2, "w0"), pair.vote(2, "w1")
-            assert (pair.role, pair.term, pair.applied) == ("primary", 2, 5) and state_bytes(pair.core) == states[5]
-        assert pair.log is None and pair.costs["logged"] == 5
-        taken, free = threading.Event(), threading.Event()
-
-        def record_in_progress():  # (as the reader thread holds the state while it applies a record)
-            with pair.reader.lock:
-                taken.set()
-                free.wait(allow(5))
-        other = threading.Thread(target=record_in_progress)
-        other.start()
-        taken.wait(allow(5))
-        threading.Timer(0.05, free.set).start()
-        assert pair.answer()["applied"] == 5 and pair.costs["wait_s"] >= 0.04  # the event loop waited for it
-        other.join()
-    finally:
-        pair.reader.close().join(allow(5))
-        loop.close()
-    assert not pair.reader.thread.is_alive()
-
-
 def test_a_full_ring_sends_the_next_message_over_http_after_the_records_before_it(tmp_path):
     """A reader that lags by every slot: the primary's writer does not wait for room, it sends the message over HTTP
     (ps_service/standby/link.py); the standby's route takes the records committed first (``drain``), then the
@@ -412,8 +366,7 @@ def restarted_primary(tmp_path, monkeypatch, kept_term: int | None, peer: dict |
         KeptTerm(tmp_path).save(kept_term, "primary")
     ckpt = None if kept_term is None else str(tmp_path)
     pair = standby.Pair(PSSettings(role="primary", peer_url="http://peer:8000", checkpoint_dir=ckpt), core)
-    rt = SimpleNamespace(now=lambda: 5.0, clock=lambda: 5.0, notify=lambda: None, abort_waits=lambda: None)
-    asyncio.run(pair.start(rt))
+    asyncio.run(pair.start(SimpleNamespace(now=lambda: 5.0, notify=lambda: None, abort_waits=lambda: None)))
     return pair
 
 

@@ -12,9 +12,6 @@ The crash loop is tests/test_standby_crash.py.
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import threading
 import time
 
@@ -72,39 +69,6 @@ def test_the_standby_holds_the_primarys_bits_in_every_mode(mode, carrier):
         assert line in metrics.splitlines(), line
     if mode == "sync":
         assert_bit_identical(got, reference(steps))
-
-
-@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling")
-def test_a_standby_whose_log_reader_lags_takes_the_steps_over_http_once_its_log_is_full():
-    """The standby's log reader runs only when a core would idle (SCHED_IDLE, ps_service/standby/reader.py): the
-    standby on one core with a busy loop beside it, the reader lags, the ring fills, and the primary sends the next
-    message over HTTP (the standby takes the records before it first) instead of waiting: each message by one carrier,
-    the job's weights one process's."""
-    steps = 60
-    cpu = min(os.sched_getaffinity(0))  # one core of those this test may use
-    pin = [sys.executable, "-c", f"import os, sys; os.sched_setaffinity(0, {{{cpu}}}); "
-                                 "os.execv(sys.argv[1], sys.argv[1:])"]
-    busy = subprocess.Popen([*pin, sys.executable, "-c", "while True: pass"])
-    try:
-        env = {"PS_MAX_STEPS": steps, "PS_TOTAL_NUM_REPLICAS": 3}
-        with LocalCluster(3, ps_env=env, worker_env=TASK, standby=True,
-                          prefix=lambda name: pin if name == "ps-standby" else []) as c:
-            try:
-                assert c.wait_workers(allow(90)) == [0, 0, 0]
-                wait_for(lambda: same_bits(c) and status(c.url)["pair"]["lag_rounds"] == 0, allow(20),
-                         "the standby to hold the primary's bits")
-                p, s = ha(c.url), ha(c.peer_url)
-                got = final_weights(c)
-            except Exception:
-                raise AssertionError(f"job failed; logs:\n{c.logs()}")
-            finally:  # (before the standby stops: its reader thread, starved, would hold back its exit)
-                busy.kill()
-    finally:
-        busy.kill()
-        busy.wait()
-    assert s["log"] is not None and s["costs"]["logged"] == p["costs"]["logged"] > 0
-    assert s["costs"]["messages"] > s["costs"]["logged"]  # some over HTTP: the log was full
-    assert_bit_identical(got, reference(steps))
 
 
 def test_the_standby_killed_the_primary_goes_on_alone_and_takes_it_back():

@@ -15,7 +15,6 @@ a standby (fencing); every change of term or role is on disk before the PS acts 
 from __future__ import annotations
 
 import asyncio
-import functools
 import hashlib
 import logging
 import secrets
@@ -41,17 +40,7 @@ REPORTED_SILENCE_SECONDS = 0.4
 REPLICATED_WAIT_SECONDS = 10.0
 #: what replication has cost this process (``GET /v1/ha`` ``costs``, docs/protocol-standby.md)
 COSTS = ("messages", "logged", "encode_s", "send_s", "writer_cpu_s", "exposed_s", "exposed", "read_s", "decode_s",
-         "apply_s", "wait_s")
-
-
-def held(method):
-    """``method`` called with the standby's state held (:meth:`.reader.Reader.held`: the log's reader thread applies
-    records between the event loop's calls)."""
-    @functools.wraps(method)
-    def call(self, *args, **kw):
-        with self.reader.held():
-            return method(self, *args, **kw)
-    return call
+         "apply_s")
 
 
 def pair(settings, core) -> "Pair | None":
@@ -120,13 +109,10 @@ class Pair:
             self._become(STANDBY, 0, "started as the standby" + (
                 f" (its peer is the {peer['role']} of term {peer['term']})" if peer else ""))
         self.link.start()
-        self.reader.start(self.settings.shm_dir, asyncio.get_running_loop())
-        rt.held = self.reader.held  # (the runtime's observers read the model: a checkpoint)
+        self.reader.start(self.settings.shm_dir)
 
     async def close(self) -> None:
-        thread = self.reader.close()
-        if thread is not None:
-            await asyncio.to_thread(thread.join, self.failover)
+        await self.reader.close()
         if self.link is not None:
             await self.link.close()
 
@@ -303,7 +289,6 @@ class Pair:
         self._said(f"candidate for term {self.term + 1}: {why}")
         self._check_won()
 
-    @held
     def _check_won(self) -> None:
         e = self.election
         if e is None or not e.won:
@@ -355,7 +340,6 @@ class Pair:
             self.role, self.election = STANDBY, None
             self.last_change = f"standby of term {self.term}: the primary answers again"
 
-    @held
     def apply(self, term: int, seq: int, gated: bool, body, now: float) -> dict:
         """Take message ``seq``: checked (its step this PS's next, its tensors the model's), the answer acknowledges it;
         its optimizer step is pending until :meth:`settle`."""
@@ -384,7 +368,6 @@ class Pair:
         self.costs["decode_s"] += time.perf_counter() - t
         self.costs["messages"] += 1
 
-    @held
     def settle(self) -> None:
         """Apply the pending step (of the message taken last), if any. Should it fail (it cannot, for a message that
         fits the model), this PS no longer holds the primary's bits: it may not take over, and the primary's next
@@ -411,7 +394,6 @@ class Pair:
         """The records committed in the log, taken and applied (:meth:`.reader.Reader.drain`)."""
         return self.reader.drain(now)
 
-    @held
     def ping(self, term: int, seq: int, gated: bool, now: float) -> dict:
         self.from_primary(term, None, now)
         self.drain(now)
@@ -421,7 +403,6 @@ class Pair:
         self.synced = gated  # (a ping comes when every message is acknowledged)
         return self.answer()
 
-    @held
     def adopt(self, term: int, seq: int, state: dict, size: int, now: float) -> dict:
         """A primary's state (the transfer): become its standby at message ``seq`` of ``term``."""
         self._not_stale(term)
@@ -435,14 +416,12 @@ class Pair:
         self.reader.new_log()
         return self.answer()
 
-    @held
     def answer(self) -> dict:
         return {"role": self.role, "term": self.term, "applied": self.applied,
                 "step": self.core.global_step + (self.pending is not None),
                 "boot": self.boot, "synced": self.synced, "gated": self.gated,
                 "log": self.reader.advert()}
 
-    @held
     def digest(self) -> str | None:
         """sha256 of the step, the optimizer's iterations, every weight's and slot's bytes in name order (None: no
         model): two PS with the same digest hold the same bits."""
