@@ -99,10 +99,11 @@ def kill_loop(c: LocalCluster, rng: random.Random, kills: int, deadline: float =
     return again
 
 
-def run_job(workers: int, steps: int, kills: int, seed: int, deadline: float = 120.0) -> dict:
+def run_job(workers: int, steps: int, kills: int, seed: int, deadline: float = 120.0, carrier: str = "log") -> dict:
     """One job (``kills`` 0: uninterrupted). Its primary's digest and final weights, the kill times, the rounds
-    lost."""
-    env = {"PS_MAX_STEPS": steps, "PS_TOTAL_NUM_REPLICAS": workers}
+    lost. ``carrier``: the steps through the standby's same-host log, or over HTTP (``PS_SHM_DIR`` empty: as between
+    hosts)."""
+    env = {"PS_MAX_STEPS": steps, "PS_TOTAL_NUM_REPLICAS": workers, **({"PS_SHM_DIR": ""} if carrier == "http" else {})}
     with LocalCluster(workers, ps_env=env, worker_env={**TASK, "WORKER_COMPUTE_DELAY_SECONDS": 0.02},
                       standby=True) as c:
         try:
