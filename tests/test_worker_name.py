@@ -138,3 +138,57 @@ def test_pid_1_uses_the_compose_name_and_falls_back(monkeypatch):
     assert ws.default_name() == "syncps-worker-4"
     monkeypatch.setattr(ws, "compose_name", lambda: None)
     assert ws.default_name() == f"{socket.gethostname()}:1"
+
+
+class FakeClock:
+    """``time`` for :func:`ws.compose_name`: ``sleep`` and a silent resolver's timeouts pass at once."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.mark.parametrize("server", [ws.DOCKER_DNS, "10.0.0.2"])
+def test_a_slow_docker_resolver_is_waited_for_and_each_query_waits_longer(monkeypatch, server):
+    """A resolver silent for 20 s, then answering (Docker's on a busy machine): the worker waits for Docker's
+    (:data:`ws.DOCKER_LOOKUP_SECONDS`), each query's timeout doubling to 8 s, and takes its container's name; any
+    other resolver is given :data:`ws.NAME_LOOKUP_SECONDS`, then the worker falls back to hostname:pid."""
+    clock, asked = FakeClock(), []
+
+    def slow(ip, srv, timeout):
+        asked.append(timeout)
+        if clock.now < 20.0:
+            clock.now += timeout
+            raise socket.timeout("timed out")
+        return "syncps-worker-5.syncps_default"
+    monkeypatch.setattr(ws, "time", clock)
+    monkeypatch.setattr(ws, "_nameserver", lambda: server)
+    monkeypatch.setattr(ws.socket, "gethostbyname", lambda host: "172.18.0.9")
+    monkeypatch.setattr(ws, "reverse_dns", slow)
+    if server == ws.DOCKER_DNS:
+        assert ws.compose_name() == "syncps-worker-5"
+        assert asked[:5] == [1.0, 2.0, 4.0, 8.0, 8.0] and 20.0 <= clock.now < ws.DOCKER_LOOKUP_SECONDS
+    else:
+        assert ws.compose_name() is None
+        assert ws.NAME_LOOKUP_SECONDS <= clock.now < ws.NAME_LOOKUP_SECONDS + 1.0
+
+
+def test_the_fallback_name_needs_no_lookup_and_differs_between_containers(monkeypatch):
+    """PID 1 with no compose name: the kernel's hostname (Docker's: the container id, one per container) and the pid;
+    nothing resolved to make it."""
+    def no_lookup(*args):
+        raise AssertionError("a lookup")
+    monkeypatch.setattr(ws.os, "getpid", lambda: 1)
+    monkeypatch.setattr(ws, "compose_name", lambda: None)
+    for name in ("gethostbyname", "gethostbyaddr", "getfqdn", "getaddrinfo"):
+        monkeypatch.setattr(ws.socket, name, no_lookup)
+    names = set()
+    for container_id in ("ab295147d939", "3f1c0e2d7a55"):
+        monkeypatch.setattr(ws.socket, "gethostname", lambda c=container_id: c)
+        names.add(ws.default_name())
+    assert names == {"ab295147d939:1", "3f1c0e2d7a55:1"}

@@ -4,7 +4,10 @@ Under Compose a worker is its container's PID 1 on a user-defined network, whose
 server) answers a reverse lookup of the container's address with ``<container name>.<network>``: the
 name ``docker compose ps`` shows, without a Docker socket. The C resolver cannot be asked (it answers
 from /etc/hosts, where Docker maps the address to the container id), so this module sends the one PTR
-query itself, over UDP, with a timeout.
+query itself, over UDP, with a timeout: up to :data:`DOCKER_LOOKUP_SECONDS` when the resolver is Docker's
+(127.0.0.11), which can take seconds to answer on a busy machine, and whose answer is the name that gives a restarted
+container its rank back; :data:`NAME_LOOKUP_SECONDS` for any other. The fallback needs no lookup and is unique per
+container: the kernel's hostname (under Docker the container id) and the pid.
 """
 from __future__ import annotations
 
@@ -13,8 +16,13 @@ import socket
 import struct
 import time
 
-#: how long the compose-name lookup may take before the worker falls back to hostname:pid
+#: how long the compose-name lookup may take before the worker falls back to hostname:pid (a resolver not Docker's)
 NAME_LOOKUP_SECONDS = 3.0
+#: the same for Docker's embedded resolver, which answers every container on a compose network (a slow answer)
+DOCKER_LOOKUP_SECONDS = 30.0
+DOCKER_DNS = "127.0.0.11"
+#: each query's timeout: the first, doubled after each one unanswered (a reply later than its query's is lost)
+QUERY_SECONDS, QUERY_SECONDS_MAX = 1.0, 8.0
 RESOLV_CONF = "/etc/resolv.conf"
 
 
@@ -73,30 +81,35 @@ def reverse_dns(ip: str, server: str, timeout: float, port: int = 53) -> str | N
     return None
 
 
-def compose_name(timeout: float = NAME_LOOKUP_SECONDS) -> str | None:
+def compose_name(timeout: float | None = None) -> str | None:
     """The container's name on its Docker network (``syncps-worker-1``: the first label of the PTR name), or None
-    (anything unexpected). Retried until ``timeout`` (right after a container (re)starts, its record may lag its
-    process by a moment)."""
-    end = time.monotonic() + timeout
+    (anything unexpected). Retried until ``timeout`` (None: :data:`DOCKER_LOOKUP_SECONDS` on Docker's resolver,
+    else :data:`NAME_LOOKUP_SECONDS`): right after a container (re)starts, its record may lag its process, and a busy
+    resolver answers late."""
     server = _nameserver()
     if server is None:
         return None
+    if timeout is None:
+        timeout = DOCKER_LOOKUP_SECONDS if server == DOCKER_DNS else NAME_LOOKUP_SECONDS
+    end = time.monotonic() + timeout
     try:
         host = socket.gethostname()
         ip = socket.gethostbyname(host)  # /etc/hosts: the container's address on its network
     except OSError:
         return None
+    wait = QUERY_SECONDS
     while True:
         left = end - time.monotonic()
         if left <= 0:
             return None
         try:
-            fqdn = reverse_dns(ip, server, min(1.0, left))
+            fqdn = reverse_dns(ip, server, min(wait, left))
         except (OSError, ValueError, IndexError, struct.error):
             fqdn = None
         if fqdn:
             label, _, network = fqdn.partition(".")
             return label if label and network and label != host else None
+        wait = min(2 * wait, QUERY_SECONDS_MAX)
         time.sleep(min(0.2, max(0.0, end - time.monotonic())))
 
 
