@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cluster.processes import LocalCluster, wait_for
+from tests.timing import allow
 from worker_service.client import PSClient
 
 
@@ -37,7 +38,7 @@ def run_job(workers: int, ps_env: dict, worker_env: dict, deadline: float = 120.
     with LocalCluster(workers, ps_env=ps_env, worker_env=worker_env, shards=shards) as c:
         try:
             codes = c.wait_workers(deadline)
-            wait_for(lambda: c.status()["state"] == "done", 10, "the PS to report done")
+            wait_for(lambda: c.status()["state"] == "done", allow(10), "the PS to report done")
             return JobResult(final_weights(c), c.status(), c.get("/v1/workers").json()["workers"], codes)
         except Exception:
             raise AssertionError(f"job failed; logs:\n{c.logs()}")

@@ -61,7 +61,7 @@ def test_a_failed_heartbeat_is_logged_as_a_warning(caplog):
     with caplog.at_level("WARNING", logger="worker"):
         hb.start()
         try:
-            wait_for(lambda: hb.failed >= 2, 10.0, "2 failed heartbeats")
+            wait_for(lambda: hb.failed >= 2, allow(10.0), "2 failed heartbeats")
         finally:
             hb.halt.set()
             hb.join(5)

@@ -25,6 +25,7 @@ from shared import frame
 from shared.protocol import MAX_INT, JobState
 from tests.live_ps import live_ps, raw_exchange, read_response, state_hash
 from tests.wire import FRAME, Packed, hand_frame, msgpack_map, pack, parts, push_frame, raw_frame, repeated, tampered
+from tests.timing import allow
 
 LIMIT = 1 << 20  # PS_MAX_BODY_BYTES of the PS under test
 IDLE = 0.5  # PS_BODY_IDLE_TIMEOUT_SECONDS
@@ -726,7 +727,7 @@ def test_a_worker_that_leaves_while_its_counted_push_waits_gets_its_status_at_on
 
         t = threading.Thread(target=waiting_push)
         t.start()
-        wait_for(lambda: ps.rt.core.push_counts["accepted"] == 1, 10, "a's push in the round (its answer waits)")
+        wait_for(lambda: ps.rt.core.push_counts["accepted"] == 1, allow(10), "a's push in the round (its answer waits)")
         with ps.http() as h:
             assert h.delete(f"/v1/workers/{a}").json()["state"] == "left"
         t.join(10)
@@ -747,7 +748,7 @@ def test_a_worker_that_leaves_while_its_counted_push_waits_gets_its_status_at_on
 
         t = threading.Thread(target=waiting_pull)
         t.start()
-        wait_for(lambda: ps.rt._waiters, 10, "the pull to wait")
+        wait_for(lambda: ps.rt._waiters, allow(10), "the pull to wait")
         with ps.http() as h:
             assert h.delete(f"/v1/workers/{b}").json()["state"] == "left"
         t.join(10)

@@ -16,6 +16,7 @@ from shared.protocol import MAX_INT
 from shared.tokens import presented_token
 from tests.live_ps import live_ps, state_hash
 from tests.test_shards import W0, post_frame, two_shards
+from tests.timing import allow
 from worker_service.settings import WorkerSettings
 
 TOKEN = "train-3f9c1e7a5b2d4c6e8f0a1b3c5d7e9f11"
@@ -92,7 +93,7 @@ def test_a_request_without_the_training_token_cannot_fence_a_primary():
     ``fenced``, the pair left with no primary)."""
     with live_ps(auth_token=TOKEN, role="primary", peer_url=f"http://127.0.0.1:{free_port()}") as ps:
         pair = ps.rt.ha
-        wait_for(lambda: pair.role == "primary", 10, "the primary of term 1 (its peer does not answer)")
+        wait_for(lambda: pair.role == "primary", allow(10), "the primary of term 1 (its peer does not answer)")
         term, hostile = pair.term, {"x-syncps-term": str(pair.term + 5), "x-syncps-peer-lost": "1"}
         with httpx.Client(base_url=ps.url, timeout=10.0) as h:
             for auth in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Bearer {TOKEN}, Bearer x"}):
@@ -114,7 +115,7 @@ def test_a_malformed_term_is_refused_by_a_ps_of_a_pair_and_not_read_by_a_lone_on
     auth = {"Authorization": f"Bearer {TOKEN}"}
     with live_ps(auth_token=TOKEN, role="primary", peer_url=f"http://127.0.0.1:{free_port()}") as ps:
         pair = ps.rt.ha
-        wait_for(lambda: pair.role == "primary", 10, "the primary of term 1 (its peer does not answer)")
+        wait_for(lambda: pair.role == "primary", allow(10), "the primary of term 1 (its peer does not answer)")
         with httpx.Client(base_url=ps.url, timeout=10.0) as h:
             for case, terms in MALFORMED_TERMS.items():
                 before = state_hash(ps.rt)
@@ -143,7 +144,8 @@ def test_with_a_peer_token_a_workers_token_cannot_make_a_follower_apply_a_round(
         body = b"".join(bytes(p) for p in frame.encode(W0, {"optimizer": {"name": "sgd", "learning_rate": 0.5}}))
         assert hc.put("/v1/model", content=body, headers={"content-type": frame.MEDIA_TYPE}).status_code == 201
         m = shards.from_wire(hc.get("/v1/shards").json()["map"])
-        wait_for(lambda: c.rt.core.round is not None and f.rt.core.initialized, 10, "round 0 and the follower's model")
+        wait_for(lambda: c.rt.core.round is not None and f.rt.core.initialized, allow(10),
+                 "round 0 and the follower's model")
         before = state_hash(f.rt)
         for method, path, msg in [("POST", "apply", {"step": 0, "contributors": [], "mean_of": 1}),
                                   ("POST", "progress", {"step": 0, "start": 0, "folded": [], "turns": None}),
@@ -165,7 +167,8 @@ def test_with_a_peer_token_a_workers_token_cannot_make_a_follower_apply_a_round(
             r = post_frame(hc, "/v1/shard/commit", {}, {"worker_id": w, "step": 0,
                                                         "receipts": [held[1].json()["receipt"]]})
             assert r.status_code == 200, r.text
-        wait_for(lambda: f.rt.core.global_step == 1, 10, "the follower to apply round 0 (the peer token's links)")
+        wait_for(lambda: f.rt.core.global_step == 1, allow(10),
+                 "the follower to apply round 0 (the peer token's links)")
 
 
 def test_with_a_peer_token_a_workers_token_cannot_feed_a_standby():
@@ -179,11 +182,11 @@ def test_with_a_peer_token_a_workers_token_cannot_feed_a_standby():
     grads = {"w": np.ones((3, 1), np.float32), "b": np.ones(1, np.float32)}
     with live_ps(sp, role="standby", peer_url=f"http://127.0.0.1:{pp}", **pair_of) as s, s.http(TOKEN) as hs:
         with live_ps(pp, role="primary", peer_url=f"http://127.0.0.1:{sp}", **pair_of) as p:
-            wait_for(lambda: p.rt.ha.role == "primary", 30, "the primary of term 1")
+            wait_for(lambda: p.rt.ha.role == "primary", allow(30), "the primary of term 1")
             c = p.client(TOKEN)
             ids = [c.register(f"w{i}")["worker_id"] for i in range(2)]
             assert c.init_model({k: np.zeros_like(v) for k, v in grads.items()}, {"name": "sgd", "learning_rate": 0.5})
-            wait_for(lambda: s.rt.core.initialized and p.rt.ha.gated, 30, "the standby to take the state")
+            wait_for(lambda: s.rt.core.initialized and p.rt.ha.gated, allow(30), "the standby to take the state")
             before, info = (state_hash(s.rt), s.rt.ha.digest()), s.rt.ha.answer()
             forged = bytes(messages.encode_step(info["step"], {k: 100 * v for k, v in grads.items()}, 1, 1,
                                                 {"members": p.rt.core.members.export()}))
@@ -199,16 +202,16 @@ def test_with_a_peer_token_a_workers_token_cannot_feed_a_standby():
             with s.http(peer) as as_peer:
                 assert as_peer.get("/v1/ha").json()["log"] == s.rt.ha.answer()["log"]
                 assert as_peer.post("/v1/workers", json={"name": "x"}).status_code == 401
-            wait_for(lambda: p.rt.core.round is not None, 10, "round 0")
+            wait_for(lambda: p.rt.core.round is not None, allow(10), "round 0")
             for w in ids:
                 c.push(w, 0, grads)
-            wait_for(lambda: s.rt.ha.answer()["step"] == 1 and p.rt.core.global_step == 1, 30, "step 1 on both")
+            wait_for(lambda: s.rt.ha.answer()["step"] == 1 and p.rt.core.global_step == 1, allow(30), "step 1 on both")
             held = p.rt.ha.digest()
             assert s.rt.ha.digest() == held != before[1]
             c.close()
         term = s.rt.ha.term  # the primary is gone: the workers vote, and the standby serves with the primary's bits
-        wait_for(lambda: s.rt.ha.role == "candidate", 30, "the standby to ask for votes")
+        wait_for(lambda: s.rt.ha.role == "candidate", allow(30), "the standby to ask for votes")
         for i in range(2):
             assert hs.post("/v1/ha/vote", json={"term": term + 1, "name": f"w{i}"}).status_code == 200
-        wait_for(lambda: s.rt.ha.role == "primary", 30, "the standby to take over")
+        wait_for(lambda: s.rt.ha.role == "primary", allow(30), "the standby to take over")
         assert s.rt.ha.digest() == held and np.array_equal(s.rt.core.weights["w"], np.full((3, 1), -0.5))

@@ -30,6 +30,7 @@ from ps_service.sharding.links import Links
 from shared import liveness
 from shared.rawhttp import ConnectionLost, RawConnection
 from shared.httpxconn import HttpxConnection
+from tests.timing import allow
 
 #: named after this process, so that two test runs on one machine never share (and remove) each other's hosts
 PREFIX, SUBNET = f"spl{os.getpid() % 10000:04d}", f"10.91.{os.getpid() % 250}"
@@ -170,7 +171,7 @@ def test_the_ps_ends_a_connection_whose_client_leaves_a_large_answer_unread():
     delivered (the PS's kernel ends the connection); read sooner, it arrives whole."""
     worker_env = {"WORKER_TASK": "bench.task:params_4000000", "WORKER_SHM_DIR": "", "WORKER_COMPUTE_DELAY_SECONDS": 0.5}
     with LocalCluster(1, ps_env={"PS_MAX_STEPS": 100000}, worker_env=worker_env) as c:
-        wait_for(lambda: c.status()["global_step"] >= 1, 60, "the model and a first step")
+        wait_for(lambda: c.status()["global_step"] >= 1, allow(60), "the model and a first step")
         host, port = c.url.split("//")[1].rsplit(":", 1)
         got, error = _model_answer_after(host, int(port), 1.0)
         assert got > 16_000_000 and error is None, (got, error)  # 4e6 float32 weights, whole
@@ -191,7 +192,7 @@ def test_the_ps_sets_them_on_the_connections_it_accepts():
             out = subprocess.run(["ss", "-tnoH", "state", "established", f"( sport = :{port} and dport = :{mine} )"],
                                  capture_output=True, text=True, timeout=10).stdout
             return out if "keepalive" in out else ""
-        wait_for(ps_side, 10, "the PS's end with its keep-alive timer")
+        wait_for(ps_side, allow(10), "the PS's end with its keep-alive timer")
         client.close()
     finally:
         c.stop()
@@ -232,7 +233,7 @@ def test_a_request_waiting_for_its_answer_notices_the_hosts_silence(mute_host):
     waiting = threading.Thread(target=lambda: got.update(r=_request(conn)))
     waiting.start()
     # the request sent and acknowledged: the connection is idle in its wait, as in a long poll
-    wait_for(lambda: conn.sock is not None and _unacknowledged(conn.sock) == 0, 10, "the request acknowledged")
+    wait_for(lambda: conn.sock is not None and _unacknowledged(conn.sock) == 0, allow(10), "the request acknowledged")
     with mute_host.cut_off(0):
         waiting.join(REQUEST_TIMEOUT + 5)
     seconds, why = got["r"]

@@ -132,7 +132,7 @@ def test_ssp_checkpoint_restore_keeps_the_clocks(tmp_path):
         # each comes back at max(its saved clock, the slowest live clock): the slower one first keeps both
         assert b.register("b")["worker_id"] == idb and a.register("a")["worker_id"] == ida
         assert {i: ps.rt.core.modes.workers[i].clock for i in saved} == saved
-        wait_for(lambda: ps.rt.core.started, 10, "training to resume")
+        wait_for(lambda: ps.rt.core.started, allow(10), "training to resume")
         assert b.pull(3, idb, 5.0).step == 3 and b.push(idb, 3, G)["status"] == "accepted"
         assert a.pull(3, ida, 5.0).step == 4 and a.push(ida, 4, G)["status"] == "accepted"
         np.testing.assert_allclose(ps.rt.core.weights["w"], -0.5 * np.ones(4, np.float32), rtol=1e-6)
@@ -196,7 +196,7 @@ def test_metrics_and_monitoring_in_async():
         ida = a.register("a")["worker_id"]
         a.init_model(W, SGD)
         idb = b.register("b")["worker_id"]
-        wait_for(lambda: ps.rt.core.started, 10, "training to start")
+        wait_for(lambda: ps.rt.core.started, allow(10), "training to start")
         for step in range(3):  # a: staleness 0, 0, 0; then b's gradient of step 0 is 3 steps old
             assert a.push(ida, step, G)["status"] == "accepted"
         assert b.push(idb, 0, G)["status"] == "accepted"
@@ -226,7 +226,7 @@ def test_auth_and_bad_input_in_ssp_are_4xx_json_and_change_nothing():
         c = ps.client(token="s3cret")
         wid = c.register("a")["worker_id"]
         c.init_model(W, SGD)
-        wait_for(lambda: ps.rt.core.started, 10, "training to start")
+        wait_for(lambda: ps.rt.core.started, allow(10), "training to start")
         assert c.push(wid, 0, G)["status"] == "accepted"
         core = ps.rt.core
         before = state_hash(ps.rt), core.modes.export(), dict(core.modes.staleness_counts)

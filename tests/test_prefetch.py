@@ -8,6 +8,7 @@ import pytest
 from cluster.processes import LocalCluster
 from tests.clusters import final_weights, wait_for
 from tests.reference import train_reference
+from tests.timing import allow
 from worker_service.prefetch import BatchAhead
 from worker_service.settings import WorkerSettings
 
@@ -107,7 +108,7 @@ def test_a_job_with_and_without_prefetch_ends_with_the_one_process_weights(prefe
                                   "WORKER_BATCH_SIZE": 16, "WORKER_SHM_DIR": "", "WORKER_PREFETCH": prefetch}) as c:
         try:
             assert c.wait_workers(120) == [0, 0]
-            wait_for(lambda: c.status()["state"] == "done", 10, "the PS to report done")
+            wait_for(lambda: c.status()["state"] == "done", allow(10), "the PS to report done")
             got = final_weights(c)
             summaries = [json.loads(line.removeprefix("SUMMARY ")) for p in sorted(c.log_dir.glob("worker*.log"))
                          for line in p.read_text().splitlines() if line.startswith("SUMMARY ")]

@@ -22,6 +22,7 @@ from ps_service.http import REFUSALS, status_of
 from shared.protocol import ModelInit, PushRequest, PushStatus
 from tests.clusters import closed_rounds, final_weights
 from tests.reference import train_reference
+from tests.timing import allow
 from worker_service.loop import REJOIN_CODES
 
 W0 = {"w": np.zeros((3, 2)), "b": np.zeros(2)}
@@ -89,14 +90,14 @@ def test_a_follower_killed_and_restarted_mid_job_rolls_the_job_back_and_it_finis
               "PS_CHECKPOINT_KEEP": 8}
     with LocalCluster(workers, ps_env=ps_env, worker_env={**TASK, "WORKER_COMPUTE_DELAY_SECONDS": 0.02}, shards=2) as c:
         try:
-            wait_for(lambda: c.status()["global_step"] >= kill_at, 60, f"step {kill_at}")
+            wait_for(lambda: c.status()["global_step"] >= kill_at, allow(60), f"step {kill_at}")
             killed_at = c.kill(c.followers[0])
             for newest in sorted((ckpt / "shard-1").glob("ckpt-*.msgpack"))[::-1][:lose]:
                 newest.unlink()
             c.start_ps()  # only shard 1 is not running: it comes back from its checkpoint directory
             up = time.time() - killed_at
             assert c.wait_workers(60) == [0] * workers
-            wait_for(lambda: c.status()["state"] == "done", 10, "the PS to report done")
+            wait_for(lambda: c.status()["state"] == "done", allow(10), "the PS to report done")
             st = c.status()
             rounds = closed_rounds(c, steps)
             got = final_weights(c)

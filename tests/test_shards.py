@@ -28,6 +28,7 @@ from shared.errors import ProtocolError
 from tests.clusters import closed_rounds, final_weights, run_job
 from tests.live_ps import live_ps, state_hash
 from tests.reference import train_reference
+from tests.timing import allow
 from worker_service.tasks import load_task
 
 
@@ -200,10 +201,10 @@ def test_a_worker_leaving_mid_job_leaves_every_shard_at_one_boundary():
                       worker_env={"WORKER_TASK": "linear", **TASK, "WORKER_COMPUTE_DELAY_SECONDS": 0.005},
                       shards=2) as c:
         try:
-            wait_for(lambda: c.status()["global_step"] >= 10, 60, "step 10")
+            wait_for(lambda: c.status()["global_step"] >= 10, allow(60), "step 10")
             c.workers[2].send_signal(signal.SIGTERM)  # leaves the cluster (DELETE /v1/workers/...) and exits 0
             assert c.wait_workers(120) == [0, 0, 0]
-            wait_for(lambda: c.status()["state"] == "done", 10, "done")
+            wait_for(lambda: c.status()["state"] == "done", allow(10), "done")
             rounds = closed_rounds(c, steps)
             names = {w["name"]: w["rank"] for w in c.get("/v1/workers").json()["workers"]}
             got = final_weights(c)
@@ -231,14 +232,14 @@ def test_a_follower_that_stops_answering_for_a_while_delays_the_job_and_changes_
     with LocalCluster(2, ps_env={"PS_MAX_STEPS": steps, "PS_SHARD_SPLIT_ELEMENTS": 2},
                       worker_env={"WORKER_TASK": "linear", **TASK, "WORKER_SHM_DIR": ""}, shards=2) as c:
         try:
-            wait_for(lambda: c.status()["global_step"] >= 5, 60, "step 5")
+            wait_for(lambda: c.status()["global_step"] >= 5, allow(60), "step 5")
             c.followers[0].send_signal(signal.SIGSTOP)  # unreachable: holds, pulls and applies wait and retry
             stuck = c.status()["global_step"]
             time.sleep(1.0)  # the outage's length, not a synchronisation
             assert c.status()["global_step"] <= stuck + 1  # at most the round in flight closes: the job waits
             c.followers[0].send_signal(signal.SIGCONT)
             assert c.wait_workers(120) == [0, 0]
-            wait_for(lambda: c.status()["shard"]["shards"][1]["step"] == steps, 20, "shard 1 to catch up")
+            wait_for(lambda: c.status()["shard"]["shards"][1]["step"] == steps, allow(20), "shard 1 to catch up")
             got = final_weights(c)
         except Exception:
             c.followers[0].send_signal(signal.SIGCONT)
@@ -280,7 +281,7 @@ def start_job(c, f):
     body = b"".join(bytes(p) for p in frame.encode(W0, {"optimizer": {"name": "sgd", "learning_rate": 0.5}}))
     assert hc.put("/v1/model", content=body, headers={"content-type": frame.MEDIA_TYPE}).status_code == 201
     m = shards.from_wire(hc.get("/v1/shards").json()["map"])
-    wait_for(lambda: c.rt.core.round is not None, 10, "round 0")
+    wait_for(lambda: c.rt.core.round is not None, allow(10), "round 0")
     return hc, hf, m, ids
 
 
@@ -314,7 +315,7 @@ def test_pieces_held_on_one_shard_without_a_commit_never_count():
         assert commit(hc, a, 0).json()["error"] == "not_held"
         assert push_pieces(hc, hf, m, b, 0, gb).json()["status"] == "accepted"
         assert hc.delete(f"/v1/workers/{a}").status_code == 200  # the round closes with b alone
-        wait_for(lambda: f.rt.core.global_step == 1, 10, "shard 1 to apply round 0")
+        wait_for(lambda: f.rt.core.global_step == 1, allow(10), "shard 1 to apply round 0")
         want = {k: W0[k] - gb[k] * 0.5 for k in W0}
         whole = assemble(m, [c.rt.core.weights, f.rt.core.weights])
         assert all(whole[k].tobytes() == want[k].tobytes() for k in W0)
@@ -339,25 +340,25 @@ def test_a_restore_never_mixes_steps(tmp_path):
     with two_shards(ports, dirs) as (c, f):
         hc, hf, m, ids = start_job(c, f)
         one_round(hc, hf, m, ids, 0, {"w": np.ones((3, 1)), "b": np.ones(1)})
-        wait_for(lambda: f.rt.core.global_step == 1, 10, "shard 1 to apply round 0")
+        wait_for(lambda: f.rt.core.global_step == 1, allow(10), "shard 1 to apply round 0")
         before = assemble(m, [dict(c.rt.core.weights), dict(f.rt.core.weights)])
     with live_ps(port=ports[1], shard_index=1, **shard_settings(ports), **dirs[1]) as f:  # the follower alone
         assert f.rt.core.global_step == 1  # restored, but no coordinator gave it a receipt key: it holds nothing
         r = hold(f.http(), m, 1, ids[0], 1, {"w": np.ones((3, 1)), "b": np.ones(1)})
         assert (r.status_code, r.json()["error"]) == (409, "shard_behind") and len(f.rt.shards.holds) == 0
     with two_shards(ports, dirs) as (c, f):  # both restored step 1: workers come back, training goes on
-        wait_for(lambda: c.rt.shards.links.blocked is None, 20, "the coordinator's check of the followers")
+        wait_for(lambda: c.rt.shards.links.blocked is None, allow(20), "the coordinator's check of the followers")
         hc, hf = c.http(), f.http()
         ids = [hc.post("/v1/workers", json={"name": f"w{i}"}).json()["worker_id"] for i in range(2)]
-        wait_for(lambda: c.rt.core.round is not None, 10, "round 1")
+        wait_for(lambda: c.rt.core.round is not None, allow(10), "round 1")
         whole = assemble(m, [c.rt.core.weights, f.rt.core.weights])
         assert c.rt.core.global_step == 1 and all(whole[k].tobytes() == before[k].tobytes() for k in W0)
         one_round(hc, hf, m, ids, 1, {"w": np.ones((3, 1)), "b": np.ones(1)})
-        wait_for(lambda: f.rt.core.global_step == 2, 10, "shard 1 to apply round 1")
+        wait_for(lambda: f.rt.core.global_step == 2, allow(10), "shard 1 to apply round 1")
     for p in (tmp_path / "1").iterdir():  # shard 1 lost its checkpoints: it would start from nothing
         p.unlink()
     with two_shards(ports, dirs) as (c, f):
-        wait_for(lambda: not c.rt.shards.links.blocked.startswith("checking"), 20, "the check of the followers")
+        wait_for(lambda: not c.rt.shards.links.blocked.startswith("checking"), allow(20), "the check of the followers")
         r = c.http().post("/v1/workers", json={"name": "w0"})
         assert r.status_code == 503 and r.json()["error"] == "shards_inconsistent"
         assert "restored step 2 but shard 1 is at step none" in r.json()["detail"]
@@ -385,7 +386,7 @@ def scripted_job(bad_at: int | None, steps: int = 4) -> tuple[dict, list, dict]:
                 with pytest.raises(ProtocolError) as refused:  # shard 1 refuses the hold: nothing is committed
                     worker.push(a, step, nan)
                 assert (refused.value.status, refused.value.code) == (422, "nonfinite_gradient")
-                wait_for(lambda: c.rt.shards.holds.get(a, step) is not None, 10, "shard 0's hold of a's pieces")
+                wait_for(lambda: c.rt.shards.holds.get(a, step) is not None, allow(10), "shard 0's hold of a's pieces")
                 before = state_hash(c.rt), state_hash(f.rt)
                 # a client commits for a all the same: the coordinator counts nothing a follower does not hold
                 for wrong in (None, [None], ["0" * 64], [first], ["not hex"]):  # first: a's receipt of step 0
@@ -401,13 +402,13 @@ def scripted_job(bad_at: int | None, steps: int = 4) -> tuple[dict, list, dict]:
             assert answer["status"] == "accepted"
             if step == 0:  # the receipt shard 1 gave a's hold of step 0
                 first = receipts.receipt(f.rt.shards.receipt_key, 1, a, 0)
-            wait_for(lambda: f.rt.core.global_step == step + 1, 10, f"shard 1 to apply round {step}")
+            wait_for(lambda: f.rt.core.global_step == step + 1, allow(10), f"shard 1 to apply round {step}")
         whole = assemble(m, [dict(c.rt.core.weights), dict(f.rt.core.weights)])
         rounds = [sorted(x["rank"] for x in r["contributors"]) for r in hc.get("/v1/rounds").json()["rounds"]]
         def heard() -> dict | None:  # the coordinator's view of shard 1 is as its link last heard
             st = hc.get("/v1/status").json()["shard"]
             return st if [r["step"] for r in st["shards"]] == [steps, steps] else None
-        st = wait_for(heard, 10, "the coordinator to hear shard 1's step")
+        st = wait_for(heard, allow(10), "the coordinator to hear shard 1's step")
         worker.close()
     return whole, rounds, st
 
@@ -509,7 +510,7 @@ def test_the_fast_lane_serves_the_shard_routes_only_on_a_sharded_ps(monkeypatch)
         hc, hf, m, ids = start_job(c, f)
         one_round(hc, hf, m, ids, 0, {"w": np.ones((3, 1)), "b": np.ones(1)})
         assert served.count("/v1/shard/gradients") == 4 and served.count("/v1/shard/commit") == 2
-        wait_for(lambda: f.rt.core.global_step == 1, 10, "shard 1 to apply round 0")
+        wait_for(lambda: f.rt.core.global_step == 1, allow(10), "shard 1 to apply round 0")
         assert served.count("/v1/shard/apply") == 1  # the coordinator's apply, in the follower's fast lane
         r = hc.post("/v1/shard/gradients", content=b"")  # no map: FastAPI's own 4xx
         assert r.status_code in (400, 422) and served.count("/v1/shard/gradients") == 4
@@ -523,15 +524,15 @@ def test_a_coordinator_restored_behind_a_follower_has_it_restore_the_same_step(t
     with two_shards(ports, dirs) as (c, f):
         hc, hf, m, ids = start_job(c, f)
         one_round(hc, hf, m, ids, 0, grads)
-        wait_for(lambda: f.rt.core.global_step == 1, 10, "shard 1 to apply round 0")
+        wait_for(lambda: f.rt.core.global_step == 1, allow(10), "shard 1 to apply round 0")
         at_1 = assemble(m, [{k: v.copy() for k, v in r.core.weights.items()} for r in (c.rt, f.rt)])
         one_round(hc, hf, m, ids, 1, grads)
-        wait_for(lambda: f.rt.core.global_step == 2, 10, "shard 1 to apply round 1")
-        wait_for(lambda: f.http().get("/v1/shard/state").json()["checkpoints"][:2] == [2, 1], 10,
+        wait_for(lambda: f.rt.core.global_step == 2, allow(10), "shard 1 to apply round 1")
+        wait_for(lambda: f.http().get("/v1/shard/state").json()["checkpoints"][:2] == [2, 1], allow(10),
                  "shard 1's checkpoint of step 2 (written in the background)")
     (tmp_path / "0" / "ckpt-0000000002.msgpack").unlink()  # the coordinator comes back at step 1, shard 1 at 2
     with two_shards(ports, dirs) as (c, f):
-        wait_for(lambda: c.rt.shards.links.blocked is None, 20, "the coordinator to have shard 1 restore step 1")
+        wait_for(lambda: c.rt.shards.links.blocked is None, allow(20), "the coordinator to have shard 1 restore step 1")
         assert (c.rt.core.global_step, f.rt.core.global_step) == (1, 1)
         whole = assemble(m, [c.rt.core.weights, f.rt.core.weights])
         assert all(whole[k].tobytes() == at_1[k].tobytes() for k in W0)
@@ -555,9 +556,9 @@ def test_a_coordinator_restored_behind_a_follower_has_it_restore_the_same_step(t
         r = hc.post("/v1/shard/restore", json={"step": 1})
         assert (r.status_code, r.json()["error"]) == (409, "not_follower")
         ids = [hc.post("/v1/workers", json={"name": f"w{i}"}).json()["worker_id"] for i in range(2)]
-        wait_for(lambda: c.rt.core.round is not None, 10, "round 1")
+        wait_for(lambda: c.rt.core.round is not None, allow(10), "round 1")
         one_round(hc, f.http(), m, ids, 1, grads)
-        wait_for(lambda: f.rt.core.global_step == 2, 10, "shard 1 to apply round 1 again")
+        wait_for(lambda: f.rt.core.global_step == 2, allow(10), "shard 1 to apply round 1 again")
 
 
 def test_a_follower_restarted_with_nothing_to_go_back_to_leaves_registration_refused_saying_what_to_do():
@@ -567,9 +568,10 @@ def test_a_follower_restarted_with_nothing_to_go_back_to_leaves_registration_ref
         with live_ps(port=ports[1], shard_index=1, **common) as f:
             hc, hf, m, ids = start_job(c, f)
             one_round(hc, hf, m, ids, 0, {"w": np.ones((3, 1)), "b": np.ones(1)})
-            wait_for(lambda: f.rt.core.global_step == 1, 10, "shard 1 to apply round 0")
+            wait_for(lambda: f.rt.core.global_step == 1, allow(10), "shard 1 to apply round 0")
         with live_ps(port=ports[1], shard_index=1, **common):  # the same follower, started again
-            wait_for(lambda: (c.rt.shards.links.blocked or "").endswith("or all fresh"), 20, "the rollback to give up")
+            wait_for(lambda: (c.rt.shards.links.blocked or "").endswith("or all fresh"), allow(20),
+                     "the rollback to give up")
             r = hc.post("/v1/workers", json={"name": "w0"})
             assert (r.status_code, r.json()["error"]) == (503, "shards_inconsistent")
             assert "shard 1 restarted" in r.json()["detail"] and "set PS_CHECKPOINT_DIR on every shard" in r.json()["detail"]

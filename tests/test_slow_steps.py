@@ -46,7 +46,7 @@ def test_a_worker_waiting_longer_than_its_lease_stays_active():
             w0 = {"w": np.zeros(3, np.float32)}
             body = frame.encode_bytes(w0, {"optimizer": {"name": "sgd", "learning_rate": 0.1}})
             assert h.put("/v1/model", content=body, headers={"content-type": frame.MEDIA_TYPE}).status_code == 201
-            wait_for(lambda: h.get("/v1/status").json()["state"] == "training", 10, "round 0")
+            wait_for(lambda: h.get("/v1/status").json()["state"] == "training", allow(10), "round 0")
             answer: dict = {}
 
             def long_poll() -> None:  # round 0 waits for this very worker: the pull times out after 3 leases

@@ -14,6 +14,7 @@ from ps_service.core import ParameterServerCore
 from shared.protocol import ModelInit
 from tests.configs import core_config
 from tests.live_ps import live_ps
+from tests.timing import allow
 
 W0 = {"w": np.zeros(2, np.float32)}
 
@@ -69,14 +70,14 @@ def test_a_live_ps_counts_the_addresses_of_ps_workers_dns_and_waits_for_that_man
     addresses = len({info[4][0] for info in socket.getaddrinfo("localhost", None, type=socket.SOCK_STREAM)})
     with live_ps(workers_dns="localhost", startup_grace_seconds=0, start_timeout_seconds=600, shm_dir="") as ps:
         core = ps.rt.core
-        wait_for(lambda: core.deployed == addresses, 20, "the PS to resolve localhost")
+        wait_for(lambda: core.deployed == addresses, allow(20), "the PS to resolve localhost")
         clients = [ps.client() for _ in range(addresses)]
         ids = [c.register(f"w{i}")["worker_id"] for i, c in enumerate(clients)]
         assert clients[0].init_model(W0, {"name": "sgd", "learning_rate": 0.5})
         if addresses > 1:
             status = ps.http().get("/v1/status").json()
             assert not core.started and "expected (the deployment's workers, PS_WORKERS_DNS)" in status["wait_reason"]
-        wait_for(lambda: core.started, 20, "step 0 once every deployed worker is in")
+        wait_for(lambda: core.started, allow(20), "step 0 once every deployed worker is in")
         assert len(core.round.eligible) == addresses == len(ids)
         for c in clients:
             c.close()
