@@ -14,6 +14,7 @@ import pytest
 
 from bench.run import measure
 from cluster.processes import wait_for
+from ps_service.core.buffers import ROUND_BYTES
 from tests.live_ps import live_ps
 from tests.test_intake import held
 from tests.timing import allow
@@ -22,6 +23,20 @@ from tests.wire import FRAME, push_frame
 #: float32 parameters: 1.6 MB, a push above the seam's gate (ps_service/transport: GATED_BYTES)
 P = 400_000
 W0 = {"w": np.zeros(P, np.float32)}
+
+
+#: what a job of 6 workers holds at its peak beyond one of 3 (R = 4, R = 2) other than model-sized buffers (their
+#: connections' state, allocator slack): 0.5-0.8 MiB in 3 pairs of runs at load 2.4-5.1, with margin
+OTHER_MIB = 2.0
+
+
+def one_copy_mib(params: int) -> float:
+    """One more float32 model (or piece) of ``params`` held by the PS, as the peak fields count it (MiB): a buffer of
+    the pool (ps_service/core/buffers.py), its frame (the tensors and a header) rounded up to ROUND_BYTES: 10 MiB at
+    2.5e6 parameters, more than the model's 9.5. Which buffers a job holds at once at its peak varies with timing
+    (the pushes being read, one being refused as late, the weights' frame and one an answer still sends): a run of the
+    job with fewer workers may miss the coincidence the other one meets, so each bound allows one such buffer."""
+    return -(-(4 * params + (64 << 10)) // ROUND_BYTES) * ROUND_BYTES / 2**20
 
 
 def gradient(i: int) -> dict[str, np.ndarray]:
@@ -153,9 +168,10 @@ def test_with_backup_workers_a_contributor_whose_body_fails_gives_its_place_to_t
 def _peak_rss_mb(workers: int, params: int, transport: str, shards: int = 1, replicas: int | None = None) -> dict:
     """One ``bench.run`` job's line (``replicas``: with ``PS_REPLICAS_TO_AGGREGATE``, all N workers there at step 0),
     measured from this process: its cluster forked from this process's warm fork server (cluster/forkserver.py), not
-    from the zygotes of a ``python -m bench.run`` of its own."""
+    from the zygotes of a ``python -m bench.run`` of its own. Its window (1.5 s on a quiet machine, a few rounds) scales
+    with the load: it must hold a round (none of a sharded job of 5e6 parameters closed in 1.5 s at load 10)."""
     ps_env = None if replicas is None else {"PS_REPLICAS_TO_AGGREGATE": replicas, "PS_MIN_WORKERS": workers}
-    line = measure(workers, params, 1.5, warmup=1.0, transport=transport, shards=shards, ps_env=ps_env)
+    line = measure(workers, params, allow(1.5), warmup=allow(1.0), transport=transport, shards=shards, ps_env=ps_env)
     assert line["steps_per_s"] is not None and line["steps"] > 0, line
     return line
 
@@ -166,10 +182,10 @@ def test_the_ps_peak_memory_does_not_grow_with_the_workers(transport):
     (it held one more copy per worker before: 4 copies more at 6 workers). Over TCP its peak RSS (VmHWM); same-host
     its anonymous memory (``peak_anon_MB``): its RSS also counts the workers' gradient files it maps, shared pages
     of theirs."""
-    params, model_mb = 2_500_000, 10.0
+    params = 2_500_000
     field = "peak_rss_MB" if transport == "http" else "peak_anon_MB"
     two, six = (_peak_rss_mb(n, params, transport) for n in (2, 6))
-    assert six[field] - two[field] < model_mb, (two, six)
+    assert six[field] - two[field] < one_copy_mib(params) + OTHER_MIB, (two, six)
 
 
 def test_a_followers_peak_memory_does_not_grow_with_the_workers():
@@ -177,9 +193,9 @@ def test_a_followers_peak_memory_does_not_grow_with_the_workers():
     is within a piece copy of its peak at 2 (it held every worker's piece until the round's apply before: 4 pieces more
     at 6 workers; ps_service/sharding/turns.py). The coordinator's RSS varies by more than a piece between runs of one
     N here (its encoded answers): tests/test_shard_follow.py counts what it holds instead."""
-    params, piece_mb = 5_000_000, 10.0
+    params = 5_000_000
     two, six = (_peak_rss_mb(n, params, "http", shards=2) for n in (2, 6))
-    assert six["shard_peak_rss_MB"][1] - two["shard_peak_rss_MB"][1] < piece_mb, (two, six)
+    assert six["shard_peak_rss_MB"][1] - two["shard_peak_rss_MB"][1] < one_copy_mib(params // 2) + OTHER_MIB, (two, six)
 
 
 @pytest.mark.parametrize("transport", ["http", "auto"])
@@ -187,10 +203,10 @@ def test_with_backup_workers_the_ps_peak_memory_does_not_grow_with_the_workers(t
     """Fixed R (backup workers, ps_service/core/intake.py): a push counts at its head, the R contributors are read in
     rank order and the others are refused one at a time, so at 6 workers with R = 4 the PS's peak memory is within
     one model copy of its peak at 3 workers with R = 2 (it read every push on arrival before: R held, N - R read)."""
-    params, model_mb = 2_500_000, 10.0
+    params = 2_500_000
     field = "peak_rss_MB" if transport == "http" else "peak_anon_MB"
     three, six = (_peak_rss_mb(n, params, transport, replicas=r) for n, r in ((3, 2), (6, 4)))
-    assert six[field] - three[field] < model_mb, (three, six)
+    assert six[field] - three[field] < one_copy_mib(params) + OTHER_MIB, (three, six)
 
 
 def test_a_push_that_waits_its_turn_longer_than_the_tcp_user_timeout_keeps_its_connection():
