@@ -176,13 +176,13 @@ class ParameterServerCore(ModelState):
         wid, start, r = m.worker_id, self.global_step, self.round
         if self.modes is not None:
             self.modes.join(wid, now)
-        if r is not None and self.deciding:  # the round's partitions still close: it joins the next one
+        if r is not None:
             r.member_changed(wid, not returning, True)
+        if r is not None and self.deciding:  # the round's partitions still close: it joins the next one
             start += 1
             if prev is not None:  # a member of the round that registers again brings no more frames of it
                 self._lose(now, (wid,))
         elif r is not None:
-            r.member_changed(wid, not returning, True)
             if prev is not None and self.parts is not None:
                 self.parts.drop(wid)  # (undecided: the decision will not wait for its later partitions)
             if wid in r.acc:
@@ -403,7 +403,7 @@ class ParameterServerCore(ModelState):
         return self.parts is not None and self.parts.decided
 
     def _close(self, now: float, reason: str) -> None:
-        self._closed(now, *self.round.close(now, reason, self.rule.replicas_to_aggregate))
+        self._closed(now, *self.round.close(now, reason))
 
     def _closed(self, now: float, rec: RoundRecord, total, n: int) -> None:
         """The open round's rule is met (its record, its sum or None, the mean's n): one partition, it closes; with

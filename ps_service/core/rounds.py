@@ -317,7 +317,7 @@ class Round:
         self.examples += examples or 0
         p = rule.progress(self, now)
         if p.reason is not None:
-            p.closed = self.close(arrival.at, p.reason, rule.replicas_to_aggregate)
+            p.closed = self.close(arrival.at, p.reason)
         return p
 
     def skip(self, arrival: Arrival) -> None:
@@ -361,7 +361,7 @@ class Round:
         loss = sum(v * n for v, n in self.losses) / total if total else None
         return loss if loss is not None and math.isfinite(loss) else None  # huge losses can overflow the mean
 
-    def close(self, now: float, reason: str, replicas: int | None):
+    def close(self, now: float, reason: str):
         """(its :class:`RoundRecord`, the rank-order sum or None, n: sum / n is the mean); a sum that overflows
         applies none of the gradients, and the record says so."""
         keys = self.acc.keys
@@ -374,7 +374,7 @@ class Round:
             self.step, self.opened_at, now, reason, len(applied), len(self.eligible),
             tuple(a for a in self.arrivals if a.worker_id in applied),
             tuple(n for n, _ in missing), straggler(self.opened_at, now, came, missing),
-            self.mean_loss(), self.examples, tuple(self.late), replicas, tuple(self.skips)), total, n
+            self.mean_loss(), self.examples, tuple(self.late), self.replicas, tuple(self.skips)), total, n
 
 
 @dataclass(frozen=True)
