@@ -117,9 +117,8 @@ class ParameterServerCore(ModelState):
     def import_state(self, state: Mapping[str, Any], now: float) -> None:
         """Load :meth:`export_state`'s data before any worker talks to this PS, this start's optimizer settings on top
         (:meth:`~ps_service.core.model.ModelState.resumed_spec`); members come back expired (left ones stay left)."""
-        opt = state["optimizer"]
-        spec = self.resumed_spec(opt["spec"])  # the settings' hyper-parameters apply; another optimizer is refused
-        self.restore(state["weights"], spec, opt["iterations"], opt["slots"], state["global_step"])
+        # the settings' hyper-parameters apply; another optimizer is refused
+        self.restore(state, self.resumed_spec(state["optimizer"]["spec"]))
         self._load_members(state, now)
 
     def _load_members(self, state: Mapping[str, Any], now: float) -> None:
@@ -135,8 +134,7 @@ class ParameterServerCore(ModelState):
         forgotten; records and losses of steps >= the checkpoint's are dropped, the counters keep counting. The
         expired members, in registration order."""
         live = self.weights
-        self.restore(state["weights"], state["optimizer"]["spec"], state["optimizer"]["iterations"],
-                     state["optimizer"]["slots"], state["global_step"])
+        self.restore(state, state["optimizer"]["spec"])
         if live is not None and all(live[k].shape == w.shape and live[k].dtype == w.dtype
                                     for k, w in self.weights.items()) and live.keys() == self.weights.keys():
             self.store.before_change()

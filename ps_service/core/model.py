@@ -106,13 +106,13 @@ class ModelState:
             raise CoreError("already_initialized",
                             f"the model is initialised (global step {self.global_step}); pull it")
 
-    def restore(self, weights: dict[str, np.ndarray], spec: Mapping[str, Any], iterations: int,
-                slots: Mapping[str, Mapping[str, np.ndarray]], global_step: int) -> None:
-        """Load a checkpointed model (before any worker talks to this PS)."""
-        self.weights = {k: np.array(v, copy=True) for k, v in sorted(weights.items())}
+    def restore(self, state: Mapping[str, Any], spec: Mapping[str, Any]) -> None:
+        """Load a checkpointed model (:meth:`model_state`'s data) with the optimizer ``spec``."""
+        opt = state["optimizer"]
+        self.weights = {k: np.array(v, copy=True) for k, v in sorted(state["weights"].items())}
         self.optimizer = Optimizer(spec, self.weights)
-        self.optimizer.load_state(iterations, slots)
-        self.global_step = int(global_step)
+        self.optimizer.load_state(opt["iterations"], opt["slots"])
+        self.global_step = int(state["global_step"])
         self._changed()
 
     def update(self, grads: Mapping[str, np.ndarray], consume: bool = False, mean_of: int = 1,
