@@ -135,8 +135,8 @@ class ParameterServerCore(ModelState):
         expired members, in registration order."""
         live = self.weights
         self.restore(state, state["optimizer"]["spec"])
-        if live is not None and all(live[k].shape == w.shape and live[k].dtype == w.dtype
-                                    for k, w in self.weights.items()) and live.keys() == self.weights.keys():
+        if live is not None and live.keys() == self.weights.keys() and all(
+                live[k].shape == w.shape and live[k].dtype == w.dtype for k, w in self.weights.items()):
             self.store.before_change()
             for k, w in self.weights.items():  # into the arrays the weights were in (a same-host weights file)
                 np.copyto(live[k], w)
