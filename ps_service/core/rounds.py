@@ -56,7 +56,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 from ps_service.core import checks
-from shared.compression import F32, SparseTensor
+from shared.compression import F32, SparseTensor, dense
 
 Key = tuple[int, str]  # (rank, worker_id): the order of the sum
 
@@ -172,7 +172,6 @@ class Round:
     #: the eligible keys in sum order, and the index before which every key has contributed
     order: list[Key] = field(default_factory=list, init=False, repr=False)
     frontier: int = field(default=0, init=False, repr=False)
-    _ranks: tuple[int, ...] | None = field(default=None, init=False, repr=False, compare=False)
     #: R (fixed R; None: elastic)
     replicas: int | None = None
     #: fixed R: the members whose push counted at its head (at most R), and those done without contributing (late)
@@ -196,12 +195,10 @@ class Round:
         """An eligible member the round counts (not come back mid-round)."""
         return worker_id in self.eligible and worker_id not in self.gone
 
-    @property
+    @cached_property
     def ranks(self) -> tuple[int, ...]:
-        """The eligible members' ranks, sorted."""
-        if self._ranks is None:
-            self._ranks = tuple(rank for rank, _ in self.order)
-        return self._ranks
+        """The eligible members' ranks, sorted (forgotten when :meth:`join` changes them)."""
+        return tuple(rank for rank, _ in self.order)
 
     def standing(self, worker_id: str, alive: bool | None = None) -> tuple[bool, bool]:
         """(live, waiting) of a member: counted and alive; and with no contribution yet."""
@@ -351,7 +348,7 @@ class Round:
                 self.frontier -= i < self.frontier
             i = bisect.bisect_left(self.order, (rank, worker_id))
             self.order.insert(i, (rank, worker_id))
-            self._ranks = None
+            self.__dict__.pop("ranks", None)
         self.frontier = min(self.frontier, bisect.bisect_left(self.order, (rank, worker_id)))  # pending again
         self.eligible[worker_id] = rank
         self._count(worker_id, before)
@@ -534,9 +531,8 @@ class Accumulator:
                 if isinstance(acc, Terms) and isinstance(g, SparseTensor):
                     acc.append(g)
                 else:
-                    acc = self._summed(name, acc)
-                    acc = self.acc[name] = acc.dense() if isinstance(acc, SparseTensor) else acc
-                    np.add(acc, g.dense() if isinstance(g, SparseTensor) else g, out=acc)
+                    acc = self.acc[name] = dense(self._summed(name, acc))
+                    np.add(acc, dense(g), out=acc)
                     self._finite = False
 
     def _summed(self, name: str, acc: np.ndarray | Terms) -> np.ndarray | SparseTensor:
