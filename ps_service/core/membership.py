@@ -138,9 +138,6 @@ class Membership:
     def is_active(self, worker_id: str) -> bool:
         return worker_id in self.active_by_id
 
-    def _is_taken(self, rank: int) -> bool:
-        return rank in self._taken
-
     def _free_rank(self) -> int:
         """The lowest rank no present member holds."""
         free, taken = self._free, self._taken
@@ -193,7 +190,7 @@ class Membership:
             self._event(now, "joined", m)
             self._heard(now)
             return m, False
-        if m.state == LEFT and self._is_taken(m.rank):
+        if m.state == LEFT and m.rank in self._taken:
             m.rank = self._free_rank()
         self._set_state(m, ACTIVE)
         m.registrations += 1
