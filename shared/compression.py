@@ -246,8 +246,6 @@ def decode_push(spec: Spec, declared: str | None, tensors: Mapping[str, np.ndarr
     :class:`SparseTensor`; dense ones into memory from ``alloc``), and whether they are :func:`known_finite`. Tensors
     the model does not have are left as they are (the core refuses them)."""
     check_declared(spec, declared, via_body=True)
-    if not spec.on:
-        return tensors, False
     out = dict(tensors)
     for name, wire in tensors.items():
         ref = model.get(name)
