@@ -148,7 +148,6 @@ class Endpoint:
                 if resp.status_code >= 500:
                     raise ServerError(f"{resp.status_code} from the PS")
                 return resp
-            raise AssertionError("unreachable")
 
         # a pair: short waits (the other PS, or the election, answers within the failover timeout)
         backoff = {"wait_max": PAIR_WAIT_MAX_SECONDS, "wait_jitter": PAIR_WAIT_MAX_SECONDS / 4} if pair else {}

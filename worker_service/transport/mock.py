@@ -54,8 +54,7 @@ class Answer:
     @classmethod
     def of_frame(cls, tensors: Mapping[str, np.ndarray], meta: dict, headers: Mapping[str, str] | None = None
                  ) -> "Answer":
-        body = b"".join(bytes(p) for p in frame.encode(tensors, meta))
-        return cls(200, {"content-type": frame.MEDIA_TYPE, **(headers or {})}, body)
+        return cls(200, {"content-type": frame.MEDIA_TYPE, **(headers or {})}, frame.encode_bytes(tensors, meta))
 
 
 class MockTransport:
