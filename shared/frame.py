@@ -202,11 +202,8 @@ def decode(buf: bytes | bytearray | memoryview, exact: bool = True) -> Frame:
     end = start + data_bytes
     if (len(mv) != end) if exact else (len(mv) < end):
         raise bad_frame(f"the frame is {len(mv)} bytes; its header says {end}")
-    if mv[PREFIX.size + hlen:start] != _PAD[:start - PREFIX.size - hlen]:
-        raise bad_frame("padding bytes must be zero")
-    if layout is _EMPTY:
-        return Frame(meta, layout, start, {})
-    gaps = [(start + a.offset + a.nbytes, start + b.offset) for a, b in zip(layout.tensors, layout.tensors[1:])]
+    gaps = [(PREFIX.size + hlen, start), *((start + a.offset + a.nbytes, start + b.offset)
+                                           for a, b in zip(layout.tensors, layout.tensors[1:]))]
     if any(mv[lo:hi] != _PAD[:hi - lo] for lo, hi in gaps):
         raise bad_frame("padding bytes must be zero")
     return Frame(meta, layout, start, layout.views(mv[start:end]))
