@@ -49,7 +49,6 @@ class ShardRole:
         self.index, self.count = settings.shard_index, settings.shards
         self.urls = settings.shard_url_list
         self.split_elements = settings.shard_split_elements
-        self.aggregation = settings.aggregation
         self.core = core
         self.holds = Holds()
         self.map: ShardMap | None = None
@@ -160,7 +159,7 @@ class ShardRole:
             else ())  # (contributors lost before the decision)
         if marks.ON:
             marks.mark("decision.queued", step=rec.step)
-        self.links.round_closed(rec.step, contributors, n if self.aggregation == "mean" and n > 1 else 1, lost)
+        self.links.round_closed(rec.step, contributors, n if self.core.config.aggregation == "mean" and n > 1 else 1, lost)
         self._sent_step = rec.step
 
     def lost(self, step: int, worker_id: str) -> None:
