@@ -162,8 +162,7 @@ class Round:
     late: list[Arrival] = field(default_factory=list)
     losses: list[tuple[float, int]] = field(default_factory=list)  # (loss, examples)
     gone: set[str] = field(default_factory=set)  # came back mid-round: not waited for
-    skipped: set[str] = field(default_factory=set)  # NaN/Inf under policy skip: done, nothing applied
-    skips: list[Arrival] = field(default_factory=list)  # those pushes, in arrival order
+    skipped: dict[str, Arrival] = field(default_factory=dict)  # NaN/Inf under policy skip (their pushes, in order)
     examples: int = 0
     #: the round timeout counts from here: its opening, or when held leases were released (a silent shard)
     deadline_from: float = field(default=0.0, init=False)
@@ -322,8 +321,7 @@ class Round:
         before = self.standing(arrival.worker_id)
         if self.replicas is not None:
             self.head(arrival.worker_id)
-        self.skipped.add(arrival.worker_id)
-        self.skips.append(arrival)
+        self.skipped[arrival.worker_id] = arrival
         self._count(arrival.worker_id, before)
 
     def drop(self, worker_id: str) -> None:
@@ -366,12 +364,12 @@ class Round:
         applied = keys if total is not None else {}
         missing = [(self.name_of(w), rank) for w, rank in self.eligible.items()
                    if w not in applied and w not in self.skipped]
-        came = sorted([*self.arrivals, *self.skips], key=lambda a: a.at) if self.skips else self.arrivals
+        came = sorted([*self.arrivals, *self.skipped.values()], key=lambda a: a.at) if self.skipped else self.arrivals
         return RoundRecord(
             self.step, self.opened_at, now, reason, len(applied), len(self.eligible),
             tuple(a for a in self.arrivals if a.worker_id in applied),
             tuple(n for n, _ in missing), straggler(self.opened_at, now, came, missing),
-            self.mean_loss(), self.examples, tuple(self.late), self.replicas, tuple(self.skips)), total, n
+            self.mean_loss(), self.examples, tuple(self.late), self.replicas, tuple(self.skipped.values())), total, n
 
 
 @dataclass(frozen=True)
