@@ -233,3 +233,18 @@ def test_backup_workers_a_head_whose_request_went_away_while_it_waited_gives_its
     assert list(core.round.heads) == [ids[2]] and core.intake.reading == {ids[2]}
     assert core.claim(ids[0], 0) and list(core.round.heads) == [ids[2], ids[0]]  # takes it, and is read (nothing summed)
     assert core.claim(ids[1], 0) and core.intake.refusing == {ids[1]}  # late at its head
+
+
+def test_backup_workers_a_push_late_at_its_head_stays_late_when_a_place_comes_free_while_it_is_read():
+    """Hypothesis's counterexample (N=6, R=3): rank 3's head came after R others', so its push is read as late; rank
+    1's read fails meanwhile. Taken then, rank 3's gradient would wait for rank 2's, read next: three held."""
+    core, ids = make(6, replicas_to_aggregate=3)
+    assert core.claim(ids[0], 0) and core.claim(ids[1], 0) and not core.claim(ids[2], 0)  # R heads
+    assert core.claim(ids[3], 0) and core.intake.refusing == {ids[3]}  # late at its head: read on the late lane
+    assert core.push(PushRequest(ids[0], 0, gradient(0, 0)), 0.0).status is PushStatus.ACCEPTED
+    core.release(ids[0])
+    core.release(ids[1])  # rank 1's read failed: its place goes back
+    assert core.push(PushRequest(ids[3], 0, gradient(0, 3)), 0.0).status is PushStatus.LATE
+    core.release(ids[3])
+    assert list(core.round.heads) == [ids[0], ids[2]] and core.readers() == (ids[1],)
+    assert core.claim(ids[1], 0) and held(core) == 2  # its push again: back in turn, before rank 2

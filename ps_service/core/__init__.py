@@ -616,7 +616,8 @@ class ParameterServerCore(ModelState):
         if step == g and self.deciding:  # decided: its contributors are fixed
             return PushStatus.LATE
         r = self.round  # (r.counts(wid), read inline: a push classifies once or twice)
-        if step == g and wid in r.eligible and wid not in r.gone and (r.replicas is None or r.may_head(wid)):
+        if step == g and wid in r.eligible and wid not in r.gone and (r.replicas is None or (
+                r.may_head(wid) and wid not in self.intake.refusing)):  # fixed R: late at its head stays late
             return PushStatus.ACCEPTED if finite else PushStatus.SKIPPED  # NaN/Inf under policy skip: skipped
         if step == g or (step == g - 1 and self.last_round is not None and wid in self.last_round.eligible):
             return PushStatus.LATE

@@ -10,7 +10,8 @@ transport reads a large push's tensors only once :meth:`Intake.claim` says so, e
 - **Fixed R**: a push counts at its head, so the contributors are known before any body is read; they are read in rank
   order as above; late, stale and duplicate pushes (N - R a round) one at a time (:meth:`claim_late`). So the PS holds
   the running sum, the push being read (two while nothing is summed) and one being refused (with ``min_replicas`` q
-  > 2, the first q gradients wait unsummed). A head whose push fails gives its place back.
+  > 2, the first q gradients wait unsummed). A head whose push fails gives its place back, to a push claimed later:
+  one read as late stays late (taken, it would wait unsummed for a lower rank's: three gradients of the round held).
 - A push waits for its turn at most a lease (by then a member ahead of it that is gone has expired), then is read out
   of turn (``overdue``). Elastic: a push that would not be accepted now, or of a worker whose other body is being
   read, is read at once. Pure, no I/O, no clock.
