@@ -1,9 +1,9 @@
 """Opt-in timeline marks: where a partitioned step waits (``python -m bench.timeline`` reads them).
 
 Contract: ``SYNCPS_MARKS_DIR`` (:class:`shared.settings.ProcessSettings`, read once, at import) names a directory;
-unset or empty, marks are off: :data:`ON` is False and callers test it before calling
-(``if marks.ON: marks.mark(...)``), so an untraced process makes no call and builds no fields. On, :func:`mark` appends one JSON line ``{"t": ns, "pid", "ev", ...}``
-to ``<dir>/<pid>.jsonl`` with one ``write`` (an ``O_APPEND`` file: nothing is lost when the process is killed),
+unset or empty, marks are off: :data:`ON` is False and callers test it before calling (``if marks.ON:
+marks.mark(...)``), so an untraced process makes no call and builds no fields. On, :func:`mark` appends one JSON line
+``{"t": ns, "pid", "ev", ...}`` to ``<dir>/<pid>.jsonl`` with one ``write`` (an ``O_APPEND`` file: nothing is lost when the process is killed),
 ``t`` from :func:`time.perf_counter_ns`: CLOCK_MONOTONIC, one clock for every process of one machine, network
 namespaces included (bench.hosts' emulated hosts).
 """

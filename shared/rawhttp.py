@@ -2,7 +2,8 @@
 
 Contract: the request is sent with ``sendmsg`` straight from the caller's buffers (headers, framing and tensor memory,
 no join); a response body is received with ``recv_into`` into one of two reusable numpy byte arrays (a large one
-:data:`LOW_WATER` bytes a call at least), taken only when nothing still views it (the arrays a caller decoded from the previous answer stay valid). ``Content-Length`` and
+:data:`LOW_WATER` bytes a call at least), taken only when nothing still views it (the arrays a caller decoded from
+the previous answer stay valid). ``Content-Length`` and
 chunked bodies (a chunked one received chunk after chunk into one pooled buffer, returned whole), keep-alive,
 ``http://`` only; every call has a timeout. A kept-alive socket is reused only while idle for less than half the
 server's keep-alive timeout (shared/keepalive.py) and still open (a poll, no wait). A request is never sent twice from

@@ -450,7 +450,8 @@ def test_a_restarted_primary_whose_workers_voted_for_the_other_ps_never_becomes_
                 ep.ballot = {4: b}
                 ep.term = 4 if name == "w0" else 3
             try:
-                assert client.endpoint.call_json("GET", "/v1/model") == {"ok": True} and name == "w0"  # from the other PS
+                answer = client.endpoint.call_json("GET", "/v1/model")
+                assert answer == {"ok": True} and name == "w0"  # from the other PS
             except (ProtocolError, ServerError, ConnectionLost):  # (w1: the PS it voted for does not answer; w2: this PS does not win)
                 assert name != "w0"
             assert seen, name  # each asked this PS first

@@ -159,7 +159,8 @@ class ShardRole:
             else ())  # (contributors lost before the decision)
         if marks.ON:
             marks.mark("decision.queued", step=rec.step)
-        self.links.round_closed(rec.step, contributors, n if self.core.config.aggregation == "mean" and n > 1 else 1, lost)
+        mean_of = n if self.core.config.aggregation == "mean" and n > 1 else 1
+        self.links.round_closed(rec.step, contributors, mean_of, lost)
         self._sent_step = rec.step
 
     def lost(self, step: int, worker_id: str) -> None:
