@@ -33,12 +33,19 @@ class JobResult:
     exit_codes: list[int]
 
 
+def settled(status: dict) -> bool:
+    """The job is done and, on a sharded PS, every follower's row shows the last step: the rows are what the
+    coordinator last heard (docs/protocol-shards.md), so a follower's answer to the last apply may come after done."""
+    rows = (status.get("shard") or {}).get("shards") or []
+    return status["state"] == "done" and all(r["step"] == status["global_step"] for r in rows)
+
+
 def run_job(workers: int, ps_env: dict, worker_env: dict, deadline: float = 120.0, shards: int = 1) -> JobResult:
     """Train to PS_MAX_STEPS (on ``shards`` PS processes); fails with the process logs if anything goes wrong."""
     with LocalCluster(workers, ps_env=ps_env, worker_env=worker_env, shards=shards) as c:
         try:
             codes = c.wait_workers(deadline)
-            wait_for(lambda: c.status()["state"] == "done", allow(10), "the PS to report done")
+            wait_for(lambda: settled(c.status()), allow(10), "the PS to report done, every shard at its step")
             return JobResult(final_weights(c), c.status(), c.get("/v1/workers").json()["workers"], codes)
         except Exception:
             raise AssertionError(f"job failed; logs:\n{c.logs()}")

@@ -20,7 +20,7 @@ from ps_service.core import ParameterServerCore
 from tests.configs import core_config
 from ps_service.http import REFUSALS, status_of
 from shared.protocol import ModelInit, PushRequest, PushStatus
-from tests.clusters import closed_rounds, final_weights
+from tests.clusters import closed_rounds, final_weights, settled
 from tests.reference import train_reference
 from tests.timing import allow
 from worker_service.loop import REJOIN_CODES
@@ -97,7 +97,7 @@ def test_a_follower_killed_and_restarted_mid_job_rolls_the_job_back_and_it_finis
             c.start_ps()  # only shard 1 is not running: it comes back from its checkpoint directory
             up = time.time() - killed_at
             assert c.wait_workers(60) == [0] * workers
-            wait_for(lambda: c.status()["state"] == "done", allow(10), "the PS to report done")
+            wait_for(lambda: settled(c.status()), allow(10), "the PS to report done, every shard at its step")
             st = c.status()
             rounds = closed_rounds(c, steps)
             got = final_weights(c)

@@ -324,6 +324,8 @@ def test_pieces_held_on_one_shard_without_a_commit_never_count():
         # monitoring: the whole job on the coordinator, each follower says which shard it is
         mine = hf.get("/v1/status").json()["shard"]
         assert (mine["index"], mine["count"], mine["role"], mine["step"]) == (1, 2, "follower", 1)
+        wait_for(lambda: hc.get("/v1/status").json()["shard"]["shards"][1]["step"] == 1, allow(10),
+                 "the coordinator to hear shard 1's answer")  # its rows are what it last heard
         rows = hc.get("/v1/status").json()["shard"]["shards"]
         assert [(r["index"], r["step"], r["reachable"]) for r in rows] == [(0, 1, True), (1, 1, True)]
         assert sum(r["bytes_owned"] for r in rows) == 4 * 8

@@ -24,8 +24,9 @@ import numpy as np
 import pytest
 
 from cluster.processes import LocalCluster, wait_for
-from tests.clusters import closed_rounds, final_weights
+from tests.clusters import closed_rounds, final_weights, settled
 from tests.reference import train_reference
+from tests.timing import allow
 from worker_service.tasks import shard_batch_indices
 
 WORKERS, STEPS, PARAMS = 64, 100, 100_000
@@ -109,7 +110,7 @@ def test_64_worker_processes_train_100_rounds_of_1e5_params_on_two_shards_exactl
             trained = time.monotonic() - started
             assert forker.returncode == 0, forker.stdout + forker.stderr
             t1 = time.monotonic()
-            wait_for(lambda: c.status()["state"] == "done", 10, "the PS to report done")
+            wait_for(lambda: settled(c.status()), allow(10), "the PS to report done, every shard at its step")
             status, rounds = c.status(), closed_rounds(c, STEPS)
             got = final_weights(c)
             logs = {p.name: p.read_text(errors="replace") for p in c.log_dir.glob("*.log")}
