@@ -19,6 +19,7 @@ from tests.live_ps import live_ps
 from ps_service import checkpoint
 from ps_service.core import ParameterServerCore
 from tests.configs import core_config
+from tests.timing import allow
 from shared import frame
 from shared.codec import pack, unpack
 from ps_service.http import REFUSALS, status_of
@@ -229,7 +230,7 @@ def test_a_live_ps_skips_a_forged_checkpoint_of_step_2_64_and_trains_on(tmp_path
         assert [c.push(w, 2, grads)["status"] for w in ids] == ["accepted", "accepted"]
         assert c.pull(3, ids[0], wait=10.0).step == 3
         assert h.get("/metrics").status_code == 200
-        wait_for(lambda: (ps.rt.checkpoint_info or {}).get("step") == 3, 30, "the checkpoint of step 3")
+        wait_for(lambda: (ps.rt.checkpoint_info or {}).get("step") == 3, allow(30), "the checkpoint of step 3")
         c.close()
     assert checkpoint.load_latest(tmp_path)[0]["global_step"] == 3
 
@@ -340,12 +341,13 @@ def test_the_step_that_ends_the_job_is_written_at_once(tmp_path, caplog):
 def test_a_ps_killed_after_the_job_is_done_comes_back_done(tmp_path):
     ps_env = {"PS_MAX_STEPS": 30, "PS_CHECKPOINT_DIR": tmp_path, "PS_CHECKPOINT_EVERY_STEPS": 1000}
     with LocalCluster(2, ps_env=ps_env, worker_env={"WORKER_TASK": "linear"}) as c:
-        assert c.wait_workers(60) == [0, 0]
-        # written when the job was done, not 60 s later (PS_CHECKPOINT_EVERY_SECONDS) nor at shutdown
+        assert c.wait_workers(allow(60)) == [0, 0]
+        # written when the job was done, not 60 s later (PS_CHECKPOINT_EVERY_SECONDS) nor at shutdown; the PS's
+        # writer thread logs the write after renaming the file into place: the file may be seen before the line
         wait_for(lambda: [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["ckpt-0000000030.msgpack",
-                                                                                  "ckpt-0000000000.msgpack"], 30,
-                 "the checkpoint of the last step (and of the first)")
-        assert "checkpoint at global step 30 (the job is done)" in c.log("ps")
+                                                                                  "ckpt-0000000000.msgpack"]
+                 and "checkpoint at global step 30 (the job is done)" in c.log("ps"), allow(30),
+                 "the checkpoint of the last step (and of the first), and its log line")
         c.kill()  # kill -9: no final checkpoint on the way out
         c.start_ps()
         st = c.status()
@@ -370,7 +372,7 @@ def test_a_real_ps_writes_on_sigterm_and_restores_on_start(tmp_path):
               "PS_CHECKPOINT_EVERY_SECONDS": 0}
     c = LocalCluster(1, ps_env=ps_env, worker_env={"WORKER_TASK": "linear"})
     with c:
-        assert c.wait_workers(60) == [0]
+        assert c.wait_workers(allow(60)) == [0]
         assert checkpoint.list_checkpoints(tmp_path) == []  # periodic checkpoints are off
     state, path = checkpoint.load_latest(tmp_path)  # the final one, written on SIGTERM
     assert path.name == "ckpt-0000000030.msgpack" and state["members"][0]["name"] == "worker-0"
