@@ -15,6 +15,7 @@ import time
 import pytest
 
 from ps_service.sharding.links import PROBE_SECONDS, PROBE_TIMEOUT_SECONDS, SILENT_SECONDS, Follower, Links
+from tests.timing import allow
 
 
 class HeldFollower:
@@ -129,12 +130,13 @@ def test_sent_returns_once_the_apply_is_written_before_the_follower_answers():
                 f = links.followers[0]
                 assert f.sent == -1
                 links.round_closed(0, [(0, "w0"), (1, "w1")], 2)
-                await asyncio.wait_for(links.sent(0, 30.0), 10.0)  # long before its 30 s bound
-                assert f.sent == 0 and not follower.release.is_set()  # written, not answered
-                await _until(lambda: any(b"POST /v1/shard/apply" in r for r in follower.requests), 10, "the apply")
+                await asyncio.wait_for(links.sent(0, 30.0), allow(10.0))  # long before its 30 s bound
+                assert f.sent == 0 and not follower.release.is_set()  # written (not its bound), not answered
+                await _until(lambda: any(b"POST /v1/shard/apply" in r for r in follower.requests), allow(10),
+                             "the apply")
                 follower.release.set()
-                await _until(lambda: f.step == 1, 10, "the follower's answer")
-                await asyncio.wait_for(links.sent(0, 30.0), 1.0)  # already written: at once
+                await _until(lambda: f.step == 1, allow(10), "the follower's answer")
+                await asyncio.wait_for(links.sent(0, 30.0), allow(1.0))  # already written: at once, not at its bound
             finally:
                 await links.close()
     asyncio.run(main())
@@ -150,11 +152,11 @@ def test_sent_is_bounded_when_a_follower_cannot_be_reached_and_ends_for_a_stoppe
             links.round_closed(3, [(0, "w0")], 1)
             t = time.monotonic()
             await links.sent(3, 0.3)
-            assert 0.25 < time.monotonic() - t < 5 and links.followers[0].sent == -1
+            assert 0.25 < time.monotonic() - t < allow(5) and links.followers[0].sent == -1
             waiting = asyncio.ensure_future(links.sent(3, 30.0))
             await asyncio.sleep(0)
             links._restarted(links.followers[0], "refused")  # a stopped link is not waited for
-            await asyncio.wait_for(waiting, 1.0)
+            await asyncio.wait_for(waiting, allow(1.0))  # not its 30 s bound
         finally:
             await links.close()
     asyncio.run(main())
@@ -171,7 +173,7 @@ def test_a_follower_is_silent_while_an_apply_waits_too_long_for_its_answer_and_a
                 assert links.silent(queued + SILENT_SECONDS / 2) == []
                 assert links.silent(queued + SILENT_SECONDS + 0.1) == [f]
                 follower.release.set()
-                await _until(lambda: f.step == 1 and f.unanswered_since is None, 10, "the follower's answer")
+                await _until(lambda: f.step == 1 and f.unanswered_since is None, allow(10), "the follower's answer")
                 assert links.silent(time.monotonic() + 60) == []
             finally:
                 await links.close()
@@ -186,7 +188,8 @@ def test_a_follower_whose_probe_gets_no_answer_is_silent_until_one_does():
             links.start()
             f = links.followers[0]
             t = time.monotonic()
-            await _until(lambda: links.silent() == [f], PROBE_SECONDS + PROBE_TIMEOUT_SECONDS + 5, "a silent follower")
+            await _until(lambda: links.silent() == [f], PROBE_SECONDS + PROBE_TIMEOUT_SECONDS + allow(5),
+                         "a silent follower")
             assert time.monotonic() - t >= PROBE_TIMEOUT_SECONDS - 0.1 and f.reachable is False
             await links.close()
         finally:
@@ -198,7 +201,7 @@ def test_a_follower_whose_probe_gets_no_answer_is_silent_until_one_does():
 def test_sent_with_no_followers_or_no_rounds_to_wait_for_returns_at_once(step):
     async def main() -> None:
         links = Links(["http://coordinator.invalid"], None)  # a coordinator alone
-        await asyncio.wait_for(links.sent(step, 30.0), 1.0)
+        await asyncio.wait_for(links.sent(step, 30.0), allow(1.0))  # not its 30 s bound
         await links.close()
     asyncio.run(main())
 
@@ -224,7 +227,7 @@ def test_stop_ends_a_sender_whose_cancellation_wait_for_dropped():
         queue.put_nowait("round 12")  # completes the get ...
         links.tasks = [task]
         stopping = asyncio.create_task(links.stop())  # ... as stop() cancels: the first cancellation is dropped
-        done, _ = await asyncio.wait({stopping}, timeout=3.0)  # (asyncio.wait cancels nothing when it times out)
+        done, _ = await asyncio.wait({stopping}, timeout=allow(3.0))  # (asyncio.wait cancels nothing when it times out)
         stopped = stopping in done
         for t in (stopping, task):  # without the fix: end them anyway, then fail
             while not t.done():
@@ -253,7 +256,8 @@ def test_every_apply_presents_the_training_token_and_one_answered_5xx_is_sent_ag
         try:
             for step in (0, 1):
                 links.round_closed(step, [(0, "w0")], 1)
-            await _until(lambda: f.sent == 1 and f.queue.empty() and len(follower.applies) == 3, 10, "rounds 0, 1")
+            await _until(lambda: f.sent == 1 and f.queue.empty() and len(follower.applies) == 3, allow(10),
+                         "rounds 0, 1")
             assert [b'"step": 0' in b or b'"step":0' in b for _, b in follower.applies] == [True, True, False]
             assert all(b"authorization: bearer s3cret" in h.lower() for h in follower.heads), follower.heads
         finally:

@@ -12,6 +12,7 @@ import numpy as np
 from ps_service.runtime import Runtime
 from ps_service.settings import PSSettings
 from shared.protocol import ModelInit, PushRequest
+from tests.timing import allow
 
 
 async def _resume_order() -> list[str]:
@@ -34,7 +35,7 @@ async def _resume_order() -> list[str]:
             await asyncio.sleep(0)
     assert len(rt._waiters) == len(order)
     rt.run_guarded(lambda: core.push(PushRequest(wid, 0, {"w": np.ones(4, np.float32)}), rt.now()))
-    await asyncio.wait_for(asyncio.gather(*tasks), 10.0)
+    await asyncio.wait_for(asyncio.gather(*tasks), allow(10.0))
     assert not rt.tensors.file_behind()  # no same-host file: never a copy to make
     rt.tensors.close()
     return resumed
@@ -70,7 +71,7 @@ async def _closer_and_waits(shm_dir: str, body_answered_before: bool) -> list[st
     resumed.append("shm")
     rt.tensors.weights_response("shm")
     assert not rt.tensors.file_behind() and rt.tensors.shm._weights.marker == 1
-    await asyncio.wait_for(asyncio.gather(*tasks), 10.0)
+    await asyncio.wait_for(asyncio.gather(*tasks), allow(10.0))
     rt.tensors.close()
     return resumed
 
