@@ -10,6 +10,7 @@ import httpx
 
 from cluster.processes import LocalCluster, wait_for
 from tests.test_dashboard import chromium, dashboard_page  # noqa: F401 (a fixture)
+from tests.timing import allow
 
 
 def _routes(url: str) -> set[str]:
@@ -44,9 +45,9 @@ def test_swagger_ui_and_redoc_render_offline(chromium):  # noqa: F811
                        lambda route: (errors.append(f"outside request: {route.request.url}"), route.abort()))
             page.goto(f"{c.url}/docs", wait_until="load")
             shown = lambda: {p.strip() for p in page.locator(".opblock-summary-path").all_text_contents()}  # noqa: E731
-            wait_for(lambda: routes <= {p.replace("\u200b", "") for p in shown()}, 30, "every route on /docs")
+            wait_for(lambda: routes <= {p.replace("\u200b", "") for p in shown()}, allow(30), "every route on /docs")
             page.goto(f"{c.url}/redoc", wait_until="load")
-            wait_for(lambda: "/v1/gradients" in (page.text_content("body") or ""), 30, "the routes on /redoc")
+            wait_for(lambda: "/v1/gradients" in (page.text_content("body") or ""), allow(30), "the routes on /redoc")
     finally:
         c.stop()
     redoc_logo = "https://cdn.redoc.ly/redoc/logo-mini.svg"

@@ -12,6 +12,7 @@ import pytest
 
 from cluster.processes import LocalCluster, wait_for
 from tests.conftest import degraded
+from tests.timing import allow
 
 CHROMIUM = os.environ.get("SYNCPS_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -52,10 +53,10 @@ def dashboard_page(chromium: str, errors: list[str], failed_requests: bool = Tru
     """A page of a headless Chromium, WIDTH x HEIGHT, that appends console errors, page errors and (if
     ``failed_requests``) failed requests to ``errors``; the browser closes on exit."""
     with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=chromium, args=FLAGS, timeout=60_000)
+        browser = pw.chromium.launch(executable_path=chromium, args=FLAGS, timeout=allow(60) * 1000)
         try:
             page = browser.new_page(viewport={"width": WIDTH, "height": HEIGHT})
-            page.set_default_timeout(15_000)
+            page.set_default_timeout(allow(15) * 1000)
             page.on("console", lambda m: errors.append(f"console {m.type}: {m.text}") if m.type == "error" else None)
             page.on("pageerror", lambda e: errors.append(f"page error: {e}"))
             if failed_requests:
@@ -83,29 +84,31 @@ def test_dashboard_shows_live_training_and_fits_1280px(chromium, tmp_path):
         with dashboard_page(chromium, errors) as page:
             page.goto(f"{c.url}/", wait_until="load")
             assert page.title() == "syncps parameter server"
-            wait_for(lambda: page.text_content("#state") == "waiting for model", 15, "the page to show the job state")
+            wait_for(lambda: page.text_content("#state") == "waiting for model", allow(15),
+                     "the page to show the job state")
             assert page.text_content("#step") == "0"
 
             c.start_worker(0, env={"WORKER_NAME": FAST})
             c.start_worker(1, env={"WORKER_NAME": SLOW, "WORKER_COMPUTE_DELAY_SECONDS": 0.08})  # the straggler
             step = lambda: int(page.text_content("#step"))  # noqa: E731
-            wait_for(lambda: page.text_content("#state") == "training" and step() > 0, 60, "training on the page")
+            wait_for(lambda: page.text_content("#state") == "training" and step() > 0, allow(60),
+                     "training on the page")
             points = lambda: int(page.get_attribute("#loss-plot", "data-points"))  # noqa: E731
-            wait_for(lambda: points() >= 2, 30, "a loss curve")
+            wait_for(lambda: points() >= 2, allow(30), "a loss curve")
             first_points, first_path, first_step = points(), page.get_attribute("#loss-plot path", "d"), step()
             # the page polls once a second: the curve and the step move on while training runs
-            wait_for(lambda: points() > first_points and step() > first_step, 30, "the plot to update")
+            wait_for(lambda: points() > first_points and step() > first_step, allow(30), "the plot to update")
             assert page.get_attribute("#loss-plot path", "d") != first_path
             now = c.status()["global_step"]
             assert 0 <= now - step() < 100  # the current step: at most a poll (1 s of rounds) behind
-            wait_for(lambda: page.get_attribute("#workers tr.straggler", "data-name") == SLOW, 30,
+            wait_for(lambda: page.get_attribute("#workers tr.straggler", "data-name") == SLOW, allow(30),
                      "the straggler row to be highlighted")
             assert page.locator("#workers tbody tr").count() == 2
             assert page.locator("#workers tbody tr td:nth-child(4)").all_text_contents() == ["shm", "shm"]
             assert float(page.text_content("#rps")) > 0
             assert int(page.get_attribute("#rate-plot", "data-points")) >= 2
             assert page.text_content("#straggler") == SLOW
-            wait_for(lambda: page.locator("#rounds tbody tr").count() == 10, 30, "the last 10 rounds listed")
+            wait_for(lambda: page.locator("#rounds tbody tr").count() == 10, allow(30), "the last 10 rounds listed")
 
             page.screenshot(path=str(shot), full_page=True)
             print(f"\ndashboard screenshot at {WIDTH} px: {shot}")

@@ -22,6 +22,7 @@ import re
 
 from cluster.processes import LocalCluster, wait_for
 from tests.test_dashboard import LAYOUT_JS, chromium, dashboard_page  # noqa: F401 (a fixture)
+from tests.timing import allow
 
 WIDTHS, HEIGHT = (800, 1400), 900
 WORKERS = {"syncps-worker-10": 0.01, "syncps-worker-11": 0.06, "syncps-worker-12": 0.03}  # name: compute delay
@@ -89,7 +90,8 @@ def next_render(page, after: int) -> dict:
     """The page as rendered by a poll answered after render ``after``. The page's clock jumps over the wait before its
     next poll (POLL_MS, dashboard.js): that poll starts at once, instead of up to a second later."""
     page.clock.fast_forward(POLL_MS)
-    wait_for(lambda: page.evaluate("() => Number(document.body.dataset.polls || 0)") > after, 30, "the next render")
+    wait_for(lambda: page.evaluate("() => Number(document.body.dataset.polls || 0)") > after, allow(30),
+             "the next render")
     return page.evaluate(PAGE_JS)
 
 
@@ -126,7 +128,7 @@ def later_round(c: LocalCluster):
     """A route handler: the request goes on to the PS only once two more rounds have closed."""
     def handler(route):
         step = c.status()["global_step"]
-        wait_for(lambda: c.status()["global_step"] > step + 1, 30, "two more rounds")
+        wait_for(lambda: c.status()["global_step"] > step + 1, allow(30), "two more rounds")
         route.continue_()
     return handler
 
@@ -141,7 +143,7 @@ def check_log_toggle(page) -> None:
     assert not linear["checked"] and linear["scale"] == "linear" and linear["path"] != log["path"], linear
     assert placed_by(linear["ticks"], False), linear["ticks"]  # evenly spaced values: not log
     page.reload(wait_until="load")
-    wait_for(lambda: page.evaluate(LOSS_JS)["points"] >= 2, 30, "the loss curve after a reload")
+    wait_for(lambda: page.evaluate(LOSS_JS)["points"] >= 2, allow(30), "the loss curve after a reload")
     kept = page.evaluate(LOSS_JS)
     assert not kept["checked"] and kept["scale"] == "linear", kept
     page.click("#loss-log")
@@ -157,7 +159,7 @@ def check_nonpositive_loss(page) -> None:
 
     page.route("**/v1/loss*", zero_first)
     page.reload(wait_until="load")
-    wait_for(lambda: page.evaluate(LOSS_JS)["points"] >= 2, 30, "the loss curve with a zero")
+    wait_for(lambda: page.evaluate(LOSS_JS)["points"] >= 2, allow(30), "the loss curve with a zero")
     curve = page.evaluate(LOSS_JS)
     assert curve["checked"] and curve["scale"] == "linear" and "log impossible" in curve["note"], curve
     page.unroute("**/v1/loss*")
@@ -171,13 +173,13 @@ def test_dashboard_reads_at_800_and_1400px(chromium, tmp_path):  # noqa: F811
         c.start_ps()
         for i, (name, delay) in enumerate(WORKERS.items()):
             c.start_worker(i, env={"WORKER_NAME": name, "WORKER_COMPUTE_DELAY_SECONDS": delay})
-        wait_for(lambda: c.status()["global_step"] >= 20, 60, "training")
+        wait_for(lambda: c.status()["global_step"] >= 20, allow(60), "training")
         with dashboard_page(chromium, errors) as page:
             page.clock.install()  # its time goes on as the real one, and next_render makes it jump
             page.set_viewport_size({"width": WIDTHS[0], "height": HEIGHT})
             page.goto(f"{c.url}/", wait_until="load")
-            wait_for(lambda: page.evaluate(LOSS_JS)["points"] >= 20, 30, "a loss curve")
-            wait_for(lambda: page.locator("#workers tbody tr").count() == len(WORKERS), 30, "the workers")
+            wait_for(lambda: page.evaluate(LOSS_JS)["points"] >= 20, allow(30), "a loss curve")
+            wait_for(lambda: page.locator("#workers tbody tr").count() == len(WORKERS), allow(30), "the workers")
             check_log_toggle(page)
             page.route("**/v1/workers", later_round(c))
             seen = [names for w in WIDTHS for names in check_width(page, w, tmp_path / f"dashboard-{w}px.png")]

@@ -7,6 +7,7 @@ import re
 
 from cluster.processes import LocalCluster, wait_for
 from tests.test_dashboard import LAYOUT_JS, WIDTH, chromium, dashboard_page  # noqa: F401
+from tests.timing import allow
 
 BOUND = 2
 NUMBER = r"-|[0-9]+(\.[0-9]+)?(×10⁻?[⁰¹²³⁴⁵⁶⁷⁸⁹]+)?"  # a number as the page writes it: 0.25, 3×10⁻⁴
@@ -20,10 +21,11 @@ def test_dashboard_shows_clocks_spread_and_staleness_in_ssp(chromium):  # noqa: 
         c.start_ps()
         c.start_worker(0)
         c.start_worker(1, env={"WORKER_COMPUTE_DELAY_SECONDS": 0.05})
-        wait_for(lambda: c.status()["staleness"]["applied"] > 10, 60, "training")
+        wait_for(lambda: c.status()["staleness"]["applied"] > 10, allow(60), "training")
         with dashboard_page(chromium, errors, failed_requests=False) as page:
             page.goto(f"{c.url}/", wait_until="load")
-            wait_for(lambda: re.fullmatch(r"\d+\.\.\d+", page.text_content("#clocks") or ""), 15, "the clocks card")
+            wait_for(lambda: re.fullmatch(r"\d+\.\.\d+", page.text_content("#clocks") or ""), allow(15),
+                     "the clocks card")
             assert page.text_content("#mode") == f"ssp, s = {BOUND}"
             lo, hi = map(int, page.text_content("#clocks").split(".."))
             assert 0 <= hi - lo <= BOUND + 1
