@@ -22,9 +22,10 @@ import pytest
 from cluster.processes import wait_for
 from tests.compose_util import DOCUMENTED, IMAGE, ComposeProject, build_image, compose_unavailable, docker
 from tests.conftest import degraded
+from tests.timing import allow
 from worker_service.client import PSClient
 
-pytestmark = [pytest.mark.compose, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.compose, pytest.mark.timeout(allow(420))]  # scaled as the waits inside
 
 W_TRUE, B_TRUE = [0.1, 0.2, 0.3], 0.4
 
@@ -104,14 +105,14 @@ def test_up_builds_without_a_registry_trains_4_named_workers_and_down_cleans_up(
             text = out.stdout + out.stderr
             assert "Pulling" not in text and "pull access denied" not in text and "registry" not in text, text
             assert docker("image", "inspect", fresh, check=False).returncode == 0, text
-            done = p.wait_status(lambda s: s["state"] == "done", 180, "the job to finish")
+            done = p.wait_status(lambda s: s["state"] == "done", allow(180), "the job to finish")
             report(request, f"[compose] up -d (4 workers by default) -> done (400 linear steps): "
                             f"{time.monotonic() - t0:.1f} s")
             assert done["global_step"] == 400
             assert_linear_solved(p, token)
             assert httpx.get(f"{p.url}/v1/model", timeout=5.0).status_code == 401
             assert p.get("/v1/status")["auth_failures"] == 1  # that probe; the workers were never refused
-            containers = p.wait_workers_exited(60)
+            containers = p.wait_workers_exited(allow(60))
             assert len(containers) == 4  # the compose file's default count
             assert [c["State"]["ExitCode"] for c in containers] == [0] * 4, [c["Name"] for c in containers]
             # Workers are named as `docker compose ps` names their containers (syncps-...-worker-1), all pushed.
@@ -144,7 +145,7 @@ def test_documented_commands_restart_the_ps_and_rescale_without_changing_the_job
     p = compose("rescale", PS_MAX_STEPS=steps, WORKER_TASK="linear", PS_CHECKPOINT_EVERY_STEPS=50)
     with logs_on_failure(p):
         p.run("up")
-        p.wait_status(lambda s: s["state"] == "training" and s["global_step"] >= 50, 120, "training to start")
+        p.wait_status(lambda s: s["state"] == "training" and s["global_step"] >= 50, allow(120), "training to start")
         workers = sorted(c["Id"] for c in p.running("worker"))
         assert len(workers) == 4
         (ps,) = p.inspect("ps")
@@ -152,11 +153,11 @@ def test_documented_commands_restart_the_ps_and_rescale_without_changing_the_job
         # 1. the PS killed, then the guide's `docker compose up -d`: the same PS again, still 4 workers
         t0 = time.monotonic()
         p.run("kill_ps")
-        wait_for(lambda: p.inspect("ps")[0]["State"]["Status"] == "exited", 30, "the PS container to stop")
+        wait_for(lambda: p.inspect("ps")[0]["State"]["Status"] == "exited", allow(30), "the PS container to stop")
         p.run("up")
         assert sorted(c["Id"] for c in p.running("worker")) == workers  # none dropped, none recreated
         assert p.inspect("ps")[0]["Id"] == ps["Id"]  # started again, not recreated
-        back = p.wait_status(lambda s: s["state"] == "training" and s["workers"]["active"] == 4, 90,
+        back = p.wait_status(lambda s: s["state"] == "training" and s["workers"]["active"] == 4, allow(90),
                              "training with 4 workers after `up -d`")
         assert back["max_steps"] == steps
         report(request, f"[compose] kill ps + up -d -> training with 4 workers in {time.monotonic() - t0:.1f} s")
@@ -164,8 +165,8 @@ def test_documented_commands_restart_the_ps_and_rescale_without_changing_the_job
         # 2. two more workers on the running job: nothing restarted
         started = p.get("/v1/status")["started_at"]
         p.run("scale_up")
-        grown = p.wait_status(lambda s: s["workers"]["active"] == 6, 90, "6 active workers")
-        p.wait_status(lambda s: s["global_step"] >= grown["global_step"] + 20, 60, "rounds with 6 workers")
+        grown = p.wait_status(lambda s: s["workers"]["active"] == 6, allow(90), "6 active workers")
+        p.wait_status(lambda s: s["global_step"] >= grown["global_step"] + 20, allow(60), "rounds with 6 workers")
         assert len(contributors(p)) == 6
         assert p.inspect("ps")[0]["Id"] == ps["Id"] and p.get("/v1/status")["started_at"] == started
         assert set(workers) <= {c["Id"] for c in p.running("worker")}
@@ -176,20 +177,20 @@ def test_documented_commands_restart_the_ps_and_rescale_without_changing_the_job
         p.run("start_ps")
         assert len(p.running("worker")) == 6
         again = p.wait_status(lambda s: s["state"] == "training" and s["workers"]["active"] == 6
-                              and s["started_at"] != started, 90, "training with 6 workers after `start ps`")
+                              and s["started_at"] != started, allow(90), "training with 6 workers after `start ps`")
         report(request, f"[compose] kill ps + start ps -> training with 6 workers in {time.monotonic() - t0:.1f} s")
         assert again["max_steps"] == steps and p.inspect("ps")[0]["Id"] == ps["Id"]
 
         # 4. down to 2: SIGTERM, the 4 removed workers leave gracefully; none had to expire
         t0 = time.monotonic()
         p.run("scale_down")
-        shrunk = p.wait_status(lambda s: s["workers"]["active"] == 2, 90, "2 active workers")
+        shrunk = p.wait_status(lambda s: s["workers"]["active"] == 2, allow(90), "2 active workers")
         report(request, f"[compose] 6 -> 2 workers in {time.monotonic() - t0:.1f} s, at step {shrunk['global_step']}")
         remaining = sorted(p.worker_name(c) for c in p.running("worker"))
         assert remaining == [f"{p.name}-worker-1", f"{p.name}-worker-2"] == p.ps_names("worker")
         st = states(p)
         assert {n: st[n] for n in st if n not in remaining} == {f"{p.name}-worker-{i}": "left" for i in range(3, 7)}
-        p.wait_status(lambda s: s["global_step"] >= shrunk["global_step"] + 20, 60, "rounds with 2 workers")
+        p.wait_status(lambda s: s["global_step"] >= shrunk["global_step"] + 20, allow(60), "rounds with 2 workers")
         assert_linear_solved(p)  # converged long ago; the job goes on
         assert not [e for e in p.workers()["events"] if e["event"] == "expired"]
         assert p.get("/v1/status")["max_steps"] == steps
@@ -224,17 +225,17 @@ def test_kill_a_worker_crash_a_worker_crash_the_ps_job_finishes(compose, request
                 PS_CHECKPOINT_EVERY_STEPS=100, WORKER_COMPUTE_DELAY_SECONDS=0.025)
     with logs_on_failure(p):
         p.run("up")
-        p.wait_status(lambda s: s["state"] == "training" and s["global_step"] >= 50, 120, "training to start")
+        p.wait_status(lambda s: s["state"] == "training" and s["global_step"] >= 50, allow(120), "training to start")
         # 1. docker kill one worker: its lease expires, the round stops waiting for it, training goes on.
         victim = p.inspect("worker")[0]
         name = p.worker_name(victim)
         t0 = time.monotonic()
         docker("kill", victim["Id"])
-        p.wait_status(lambda s: s["workers"]["active"] == 3, 60, "the killed worker's lease to expire")
+        p.wait_status(lambda s: s["workers"]["active"] == 3, allow(60), "the killed worker's lease to expire")
         stall = time.monotonic() - t0
         assert states(p)[name] == "expired"
         at = p.get("/v1/status")["global_step"]
-        p.wait_status(lambda s: s["global_step"] >= at + 20, 60, "training to go on with 3 workers")
+        p.wait_status(lambda s: s["global_step"] >= at + 20, allow(60), "training to go on with 3 workers")
         (victim,) = [c for c in p.inspect("worker") if c["Id"] == victim["Id"]]
         assert (victim["State"]["ExitCode"], victim["RestartCount"]) == (137, 0)
         # 2. A worker crashes: restarted (on-failure), the same container names itself the same: same rank back.
@@ -243,7 +244,8 @@ def test_kill_a_worker_crash_a_worker_crash_the_ps_job_finishes(compose, request
         t_crash = time.monotonic()
         by_policy = crash(crashed)
         again = lambda: {w["name"]: w for w in p.workers()["workers"]}[before["name"]]  # noqa: E731
-        wait_for(lambda: again()["registrations"] == 2 and again()["state"] == "active", 60, "the crashed worker back")
+        wait_for(lambda: again()["registrations"] == 2 and again()["state"] == "active", allow(60),
+                 "the crashed worker back")
         assert again()["rank"] == before["rank"]
         worker_back = time.monotonic() - t_crash
         if by_policy:
@@ -253,10 +255,11 @@ def test_kill_a_worker_crash_a_worker_crash_the_ps_job_finishes(compose, request
         assert before < steps - 200, f"the job is (nearly) over at step {before}: the PS crash would test nothing"
         t1 = time.monotonic()
         by_policy = crash(p.inspect("ps")[0])
-        back = p.wait_status(lambda s: s["uptime_seconds"] < time.monotonic() - t1 + 1, 90, "the PS to come back")
+        back = p.wait_status(lambda s: s["uptime_seconds"] < time.monotonic() - t1 + 1, allow(90),
+                             "the PS to come back")
         t_back = time.monotonic() - t1
         resumed = p.wait_status(lambda s: s["state"] == "training" and s["global_step"] > back["global_step"],
-                                90, "training to resume")
+                                allow(90), "training to resume")
         t_resume = time.monotonic() - t1
         (ps,) = p.inspect("ps")
         if by_policy:
@@ -269,13 +272,13 @@ def test_kill_a_worker_crash_a_worker_crash_the_ps_job_finishes(compose, request
                         f"restarted by policy: {by_policy}")
         if restored is not None:  # checkpoints every 100 steps: about one interval lost at most
             assert before - 200 <= restored <= back["global_step"]
-        done = p.wait_status(lambda s: s["state"] == "done", 240, "the job to finish after the PS restart")
+        done = p.wait_status(lambda s: s["state"] == "done", allow(240), "the job to finish after the PS restart")
         assert done["global_step"] == steps
         # every worker attached to the restarted PS, which swept its predecessor's weights file
         assert {w["transport"] for w in p.workers()["workers"] if w["pushes"]["accepted"]} == {"shm"}
         files = p.compose("exec", "-T", "ps", "ls", "/syncps-shm").stdout.split()
         assert len(files) == 1 and files[0].startswith("syncps-w-"), files
         assert_linear_solved(p)
-        containers = p.wait_workers_exited(60)
+        containers = p.wait_workers_exited(allow(60))
         codes = sorted(c["State"]["ExitCode"] for c in containers)
         assert codes == [0, 0, 0, 137]

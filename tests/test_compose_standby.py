@@ -23,8 +23,9 @@ from bench.swarm import PublishedPS
 from cluster.processes import free_port
 from tests.compose_util import DOCUMENTED_STANDBY, STANDBY_FILES
 from tests.test_compose import assert_linear_solved, compose, image, logs_on_failure, report  # noqa: F401 (fixtures)
+from tests.timing import allow
 
-pytestmark = [pytest.mark.compose, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.compose, pytest.mark.timeout(allow(420))]  # scaled as the waits inside
 
 TOOK_OVER = re.compile(r"took over at step (\d+)")
 #: the steps after the old primary rejoined only run out the clock: it gated the new primary at steps ~430 (load 20)
@@ -47,8 +48,8 @@ def test_the_primary_killed_the_standby_finishes_the_job_and_the_old_primary_rej
         p.run("up", timeout=600)
         p.wait_status(lambda s: s["state"] == "training" and s["workers"]["active"] == 4 and s["global_step"] >= 100
                       and pair(s).get("role") == "primary" and pair(s).get("standby") == "in_sync"
-                      and pair(s).get("lag_rounds") == 0, 180, "training with 4 workers and the standby in sync")
-        synced = standby.wait_status(lambda s: pair(s).get("role") == "standby" and pair(s).get("synced"), 30,
+                      and pair(s).get("lag_rounds") == 0, allow(180), "training with 4 workers and the standby in sync")
+        synced = standby.wait_status(lambda s: pair(s).get("role") == "standby" and pair(s).get("synced"), allow(30),
                                      "the standby synced")
         assert synced["pair"]["term"] == 1 and synced["max_steps"] == STEPS
         t_sync = time.monotonic() - t_up
@@ -59,12 +60,12 @@ def test_the_primary_killed_the_standby_finishes_the_job_and_the_old_primary_rej
         term = before["pair"]["term"]
         t0 = time.monotonic()
         p.run("kill_ps")
-        took = standby.wait_status(lambda s: pair(s).get("role") == "primary", 60, "the standby to take over")
+        took = standby.wait_status(lambda s: pair(s).get("role") == "primary", allow(60), "the standby to take over")
         t_takeover = time.monotonic() - t0
         m = TOOK_OVER.search(took["pair"]["last_change"] or "")
         assert m, took["pair"]
         at = int(m.group(1))
-        again = standby.wait_status(lambda s: s["global_step"] > at, 60, "a round closed on the new primary")
+        again = standby.wait_status(lambda s: s["global_step"] > at, allow(60), "a round closed on the new primary")
         t_again = time.monotonic() - t0
         assert took["pair"]["term"] > term and took["pair"]["takeovers"] == 1
         redone = before["global_step"] - at
@@ -74,17 +75,17 @@ def test_the_primary_killed_the_standby_finishes_the_job_and_the_old_primary_rej
         # the killed PS started again: the standby of the newer term, in sync
         t1 = time.monotonic()
         p.run("start_ps")
-        back = p.wait_status(lambda s: pair(s).get("role") == "standby" and pair(s).get("synced"), 90,
+        back = p.wait_status(lambda s: pair(s).get("role") == "standby" and pair(s).get("synced"), allow(90),
                              "the old primary to rejoin as the standby")
         assert back["pair"]["term"] == took["pair"]["term"]
         gated = standby.wait_status(lambda s: pair(s).get("standby") == "in_sync" and pair(s).get("lag_rounds") == 0,
-                                    60, "the new primary to gate on its new standby")
+                                    allow(60), "the new primary to gate on its new standby")
         t_rejoin = time.monotonic() - t1
 
-        done = standby.wait_status(lambda s: s["state"] == "done", 240, "the job to finish on the new primary")
+        done = standby.wait_status(lambda s: s["state"] == "done", allow(240), "the job to finish on the new primary")
         assert done["global_step"] == STEPS and done["pair"]["role"] == "primary"
         assert_linear_solved(standby)
-        workers = p.wait_workers_exited(60)
+        workers = p.wait_workers_exited(allow(60))
         assert [c["State"]["ExitCode"] for c in workers] == [0] * 4, [c["Name"] for c in workers]
         resumed = [tuple(map(int, m)) for m in RESUMED.findall(p.compose("logs", "--no-color", "worker").stdout)]
         assert resumed and all(back_at >= was - 1 for was, back_at in resumed), resumed

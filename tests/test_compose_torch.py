@@ -28,8 +28,9 @@ from tests.compose_util import (
 )
 from tests.conftest import degraded
 from tests.test_compose import logs_on_failure, report
+from tests.timing import allow
 
-pytestmark = [pytest.mark.compose, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.compose, pytest.mark.timeout(allow(900))]  # scaled as the waits inside
 
 WHEELS = Path("/opt/wheels")
 #: the Dockerfile's Python (python:3.11-slim), which the wheel must fit
@@ -91,7 +92,7 @@ def test_cnn_task_trains_on_the_torch_image_with_4_workers(torch_image, request)
         with logs_on_failure(p):
             t0 = time.monotonic()
             p.compose("up", "-d", "--scale", "worker=4", timeout=300)
-            done = p.wait_status(lambda s: s["state"] == "done", 300, "the cnn job to finish")
+            done = p.wait_status(lambda s: s["state"] == "done", allow(300), "the cnn job to finish")
             t_done = time.monotonic() - t0
             assert done["global_step"] == STEPS and done["optimizer"]["flavor"] == "torch"
             assert done["pushes"]["accepted"] == 4 * STEPS, done["pushes"]
@@ -99,7 +100,7 @@ def test_cnn_task_trains_on_the_torch_image_with_4_workers(torch_image, request)
             assert sorted(w["name"] for w in workers if w["pushes"]["accepted"] == STEPS) == \
                 [f"{p.name}-worker-{i}" for i in range(1, 5)]
             assert {w["transport"] for w in workers} == {"shm"}
-            containers = p.wait_workers_exited(120)
+            containers = p.wait_workers_exited(allow(120))
             t_exit = time.monotonic() - t0
             assert [c["State"]["ExitCode"] for c in containers] == [0] * 4
             finished = FINISHED.findall(p.compose("logs", "--no-color", "worker").stdout)
