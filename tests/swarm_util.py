@@ -40,6 +40,7 @@ from bench.swarm import (NODE2, NODE_DOCKERFILE, NODE_IMAGE, TWO_NODE_SCRIPT, Pu
 from cluster.processes import free_port, wait_for
 from shared.tokens import bearer_header
 from tests.compose_util import IMAGE, ROOT, compose_unavailable, docker
+from tests.timing import allow
 
 STACK_FILE = ROOT / "docker-stack.yml"
 #: the co-located shards' extra stack file (docs/guides/shards.md: Full precision between hosts)
@@ -129,7 +130,7 @@ def start_node2(*images: str) -> float:
     docker("run", "-d", "--name", NODE2, "--hostname", NODE2, "--cap-add", "SYS_ADMIN", "--cap-add", "NET_ADMIN",
            "--security-opt", "seccomp=unconfined", "--cgroupns=host", "-v", "/sys/fs/cgroup:/sys/fs/cgroup:rw",
            NODE_IMAGE)
-    wait_for(lambda: docker("exec", NODE2, "docker", "info", check=False).returncode == 0, 60,
+    wait_for(lambda: docker("exec", NODE2, "docker", "info", check=False).returncode == 0, allow(60),
              "node 2's engine to answer", interval=0.2)
     run(["bash", str(TWO_NODE_SCRIPT), "load", *images], env=scrubbed_env(), timeout=600)
     return time.monotonic() - t0
@@ -207,15 +208,15 @@ class Stack(PublishedPS):
         """After :meth:`start_rm`: the stack's volumes once its containers are gone; what is left (should be [])."""
         label = f"label=com.docker.stack.namespace={self.name}"
         try:
-            wait_for(lambda: not docker("ps", "-aq", "--filter", label).stdout.split(), 60,
+            wait_for(lambda: not docker("ps", "-aq", "--filter", label).stdout.split(), allow(60),
                      f"the containers of stack {self.name} to go", interval=0.5)
         except TimeoutError:
             pass  # reported below
         for vol in docker("volume", "ls", "-q", "--filter", label, check=False).stdout.split():
             docker("volume", "rm", vol, check=False)
         try:  # the swarm removes the stack's network on its own schedule, after its containers
-            wait_for(lambda: not docker("network", "ls", "-q", "--filter", label, check=False).stdout.split(), 30,
-                     f"the network of stack {self.name} to go", interval=0.5)
+            wait_for(lambda: not docker("network", "ls", "-q", "--filter", label, check=False).stdout.split(),
+                     allow(30), f"the network of stack {self.name} to go", interval=0.5)
         except TimeoutError:
             pass  # reported below
         self.settings_file.unlink(missing_ok=True)

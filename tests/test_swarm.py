@@ -42,7 +42,7 @@ from worker_service.client import PSClient
 from tests.test_compose import assert_linear_solved, final_weights, report
 from worker_service.settings import WorkerSettings
 
-pytestmark = [pytest.mark.compose, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.compose, pytest.mark.timeout(allow(420))]  # scaled as the waits inside
 #: seconds node 2 is cut off in the two-node test: longer than job 2's lease, shorter than Swarm's node-down time
 #: (2 to 3 dispatcher heartbeats: 40-60 s with the guide's DOCUMENTED["heartbeat"])
 CUT = 10.0
@@ -274,14 +274,14 @@ def test_one_node_stack_trains_to_done_over_tcp_then_scales_to_6(swarm, request)
         t0 = time.monotonic()
         st.deploy()
         st.wait_status(lambda s: s["state"] == "training" and s["workers"]["active"] == 4 and s["global_step"] >= 20,
-                       120, "training with 4 workers")
+                       allow(120), "training with 4 workers")
         t_train = time.monotonic() - t0
         assert list(st.running_on("ps").values()) == [docker("info", "-f", "{{.Name}}").stdout.strip()]  # the manager
         t1 = time.monotonic()
         st.run("scale")  # waits until the 6 tasks run
-        grown = st.wait_status(lambda s: s["workers"]["active"] == 6, 60, "6 active workers")
+        grown = st.wait_status(lambda s: s["workers"]["active"] == 6, allow(60), "6 active workers")
         t_scale = time.monotonic() - t1
-        done = st.wait_status(lambda s: s["state"] == "done", 180, "the job to finish")
+        done = st.wait_status(lambda s: s["state"] == "done", allow(180), "the job to finish")
         report(request, f"[swarm] 1 node: deploy.sh -> training with 4 workers in {t_train:.1f} s; service scale "
                         f"-> 6 active in {t_scale:.1f} s (at step {grown['global_step']}); done ({steps} steps) "
                         f"{time.monotonic() - t0:.1f} s after the deploy")
@@ -442,7 +442,7 @@ def test_two_nodes_train_exactly_then_lose_node_2_and_finish(swarm, shared, requ
 
         # job 2: node 2 cut off the network for CUT s, then killed, mid-training
         fault.wait_status(lambda s: s["state"] == "training" and s["workers"]["active"] == 4 and s["global_step"] >= 30,
-                          120, "job 2 training with 4 workers")
+                          allow(120), "job 2 training with 4 workers")
         placed = fault.running_on("worker")
         remote = sorted(n for n, node in placed.items() if node != manager)
         local = sorted(n for n, node in placed.items() if node == manager)
@@ -450,10 +450,10 @@ def test_two_nodes_train_exactly_then_lose_node_2_and_finish(swarm, shared, requ
         t_cut_expired, t_back, cut_at = _cut_node_2_and_back(fault, swarm, remote, lease)
         t_kill = time.monotonic()
         swarm.kill_node2()
-        shrunk = fault.wait_status(lambda s: s["workers"]["active"] == 2, 30, "node 2's workers to expire")
+        shrunk = fault.wait_status(lambda s: s["workers"]["active"] == 2, allow(30), "node 2's workers to expire")
         t_expired = time.monotonic() - t_kill
         at = shrunk["global_step"]
-        done = fault.wait_status(lambda s: s["state"] == "done", 120, "job 2 to finish on the manager's workers")
+        done = fault.wait_status(lambda s: s["state"] == "done", allow(120), "job 2 to finish on the manager's workers")
         report(request, f"[swarm] 2 nodes: node 2 with {IMAGE} copied {how} in {t_node:.1f} s; exact job "
                         f"({steps} steps) "
                         f"done {t_exact:.1f} s after deploy, the co-located one {t_colo:.1f} s, the hostnet one "
@@ -524,7 +524,7 @@ def _cut_node_2_and_back(fault: Stack, swarm: Swarm, remote: list[str], lease: f
 def _spread_job_checked(st: Stack, swarm: Swarm, manager: str, steps: int, ref: dict) -> None:
     """A job of ``steps`` float64 steps, 2 workers on each node, done: every worker pushed every round over TCP, and
     the final weights are bit-identical to one process training on the 4 shards (``ref``)."""
-    done = st.wait_status(lambda s: s["state"] == "done", 180, f"{st.name} to finish")
+    done = st.wait_status(lambda s: s["state"] == "done", allow(180), f"{st.name} to finish")
     assert done["global_step"] == steps and done["pushes"]["accepted"] == 4 * steps
     placed = sorted(t["Node"] for t in st.tasks("worker"))  # finished tasks: 2 on each node
     assert placed == sorted([manager] * 2 + [NODE2] * 2), placed
@@ -543,7 +543,7 @@ def _colocated_job_checked(colo: Stack, swarm: Swarm, manager: str, steps: int, 
     them); shard 0's pieces bit-identical to one process (shard 1 is reached only inside the overlay). Seconds
     from ``deployed`` (monotonic) to done."""
     done = colo.wait_status(lambda s: s["state"] == "done" and all(r["step"] == steps for r in s["shard"]["shards"]),
-                            180, "the co-located job to finish on both shards")
+                            allow(180), "the co-located job to finish on both shards")
     assert done["global_step"] == steps and done["pushes"]["accepted"] == 4 * steps
     assert [t["Node"] for t in colo.tasks("ps")] == [manager] and [t["Node"] for t in colo.tasks("ps-1")] == [NODE2]
     placed = {f"{colo.name}_worker-{t['Name'].rsplit('.', 1)[1]}": t["Node"] for t in colo.tasks("worker")}
