@@ -23,6 +23,7 @@ import numpy as np
 import uvicorn
 
 from cluster.processes import bindable, free_port, wait_for
+from tests.timing import allow
 from cluster.inprocess import serve_in_thread
 from ps_service.runtime import Runtime
 from ps_service.settings import PSSettings
@@ -63,7 +64,7 @@ def live_ps(port: int | None = None, **settings: Any) -> Iterator[LivePS]:
     app, server, thread = _start(ps_settings)
     if not server.started and given:  # a PS started again on its port: the port can be held a moment longer
         # (CI, twice: EADDRINUSE, with ports from the ephemeral range; free_port now hands out ports below it)
-        wait_for(lambda: bindable(port, reuse_address=True), 20, f"port {port} to be free again")
+        wait_for(lambda: bindable(port, reuse_address=True), allow(20), f"port {port} to be free again")
         app, server, thread = _start(ps_settings)
     try:
         assert server.started, "uvicorn did not start"

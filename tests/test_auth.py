@@ -10,6 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from cluster.processes import LocalCluster, wait_for
+from tests.timing import allow
 from ps_service.app import create_app
 from ps_service.settings import PSSettings
 from shared import frame
@@ -186,7 +187,7 @@ def test_forged_pushes_during_live_training_change_nothing():
             ids = [w["worker_id"] for w in c.get("/v1/workers").json()["workers"]]
             return ids if len(ids) == workers else None
 
-        ids = wait_for(registered, 60, "the workers to register")
+        ids = wait_for(registered, allow(60), "the workers to register")
         forged, mid_run, stop = {"none": 0, "wrong": 0, "mangled": 0}, [0], threading.Event()
         bad_headers = {"none": {}, "wrong": {"Authorization": f"Bearer {TOKEN[::-1]}"},
                        "mangled": {"Authorization": f"Bearer {TOKEN.upper()}"}}
@@ -206,7 +207,7 @@ def test_forged_pushes_during_live_training_change_nothing():
         t = threading.Thread(target=forge, daemon=True)
         t.start()
         try:
-            codes = c.wait_workers(120)
+            codes = c.wait_workers(allow(120))
         finally:
             stop.set()
             t.join(10)

@@ -12,6 +12,7 @@ import pytest
 from safetensors.numpy import load_file, safe_open
 
 from cluster.processes import LocalCluster
+from tests.timing import allow
 from ps_service import checkpoint
 from syncps.__main__ import main
 from syncps.export import Model, write_safetensors
@@ -151,7 +152,7 @@ def test_a_sharded_ps_exports_the_whole_model(tmp_path, capsys):
                       worker_env={"WORKER_TASK": "linear", "WORKER_DTYPE": "float64", "WORKER_SHM_DIR": ""},
                       shards=2) as c:
         try:
-            assert c.wait_workers(120) == [0, 0]
+            assert c.wait_workers(allow(120)) == [0, 0]
             out = tmp_path / "m.safetensors"
             code, said, err = export(capsys, "--url", c.url, "--out", str(out))
             assert code == 0, err

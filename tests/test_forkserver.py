@@ -15,6 +15,7 @@ import pytest
 
 from cluster import forkserver
 from cluster.processes import LocalCluster, wait_for
+from tests.timing import allow
 from tests.clusters import run_job
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -82,7 +83,7 @@ def test_child_starts_exactly_as_exec(child_cwd, tmp_path):
 def test_signals(child_cwd, tmp_path, forked, how, code):
     log = tmp_path / "child.log"
     proc = start("wait", forked, child_cwd, log)
-    wait_for(lambda: "waiting" in log.read_text(), 30, "the child to start")
+    wait_for(lambda: "waiting" in log.read_text(), allow(30), "the child to start")
     with pytest.raises(subprocess.TimeoutExpired):
         proc.wait(0.05)
     assert proc.poll() is None
@@ -133,7 +134,7 @@ def test_falls_back_to_exec(child_cwd, tmp_path, monkeypatch):
     # a zygote that died: exec'd from then on
     zygote = forkserver.server(CHILD, child_env("report"), child_cwd)
     zygote.proc.kill()
-    wait_for(lambda: not zygote.alive, 10, "the zygote's end to be seen")
+    wait_for(lambda: not zygote.alive, allow(10), "the zygote's end to be seen")
     assert forkserver.spawn(CHILD, child_env("report"), log, cwd=child_cwd) is None
 
 

@@ -14,6 +14,7 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families 
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.processes import LocalCluster, free_port, wait_for
+from tests.timing import allow
 from ps_service.app import create_app
 from ps_service.settings import PSSettings
 from tests.conftest import degraded
@@ -35,7 +36,7 @@ class ThreadServer:
 
     def __enter__(self) -> "ThreadServer":
         self.thread.start()
-        wait_for(lambda: self.server.started, 30, "uvicorn to start")
+        wait_for(lambda: self.server.started, allow(30), "uvicorn to start")
         return self
 
     def __exit__(self, *exc) -> None:
@@ -72,8 +73,8 @@ def job():
                 s = samples(text)
                 return text if s[("ps_job_state", (("state", "training"),))] == 1 and s[("ps_global_step", ())] >= 1 else None
 
-            during = wait_for(training_scrape, 60, "a scrape while training")
-            codes = c.wait_workers(90)
+            during = wait_for(training_scrape, allow(60), "a scrape while training")
+            codes = c.wait_workers(allow(90))
             rt = ps.app.state.runtime
             rt.auth_failures = 3  # what the access-control and checkpoint code feed
             rt.checkpoint_info = {"step": STEPS, "path": "/tmp/ckpt", "time": time.time(), "duration_seconds": 0.25,

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from cluster.processes import LocalCluster, wait_for
+from tests.timing import allow
 from ps_service.core import ParameterServerCore
 from tests.configs import core_config
 from ps_service.monitoring import current_round, throughput
@@ -42,8 +43,8 @@ def job():
         out = {"readyz_before": c.get("/readyz"), "status_before": c.status()}
         for i in range(3):
             c.start_worker(i, env={"WORKER_COMPUTE_DELAY_SECONDS": DELAY} if f"worker-{i}" == SLOW else None)
-        out["during"] = wait_for(lambda: awaiting_slow(c), 60, "a round awaiting only the slow worker")
-        out["codes"] = c.wait_workers(90)
+        out["during"] = wait_for(lambda: awaiting_slow(c), allow(60), "a round awaiting only the slow worker")
+        out["codes"] = c.wait_workers(allow(90))
         out["status"] = c.status()
         out["workers"] = c.get("/v1/workers").json()
         out["rounds"] = c.get("/v1/rounds", params={"limit": 1000}).json()
@@ -251,9 +252,9 @@ def test_backup_workers_show_late_pushes_and_late_state():
             ws = {w["name"]: w for w in c.get("/v1/workers").json()["workers"]}
             return SLOW in ws and ws[SLOW]["state"] == "late"
 
-        wait_for(slow_is_late, 60, "worker-2 to show as late")
+        wait_for(slow_is_late, allow(60), "worker-2 to show as late")
         st_during = c.status()
-        assert c.wait_workers(90) == [0, 0, 0]
+        assert c.wait_workers(allow(90)) == [0, 0, 0]
         st = c.status()
         ws = {w["name"]: w for w in c.get("/v1/workers").json()["workers"]}
         rounds = c.get("/v1/rounds", params={"limit": 1000}).json()["rounds"]

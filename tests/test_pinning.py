@@ -8,6 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from cluster.processes import LocalCluster, wait_for
+from tests.timing import allow
 from worker_service.settings import WorkerSettings, cpu_list
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="no CPU affinity on this OS")
@@ -36,9 +37,9 @@ def test_a_local_cluster_gives_each_worker_a_cpu_of_its_own_when_they_fit():
     with LocalCluster(n, ps_env=LONG_JOB) as c:
         assert c.pinned == {i: CPUS[i] for i in range(n)}
         for i, w in enumerate(c.workers):
-            wait_for(lambda i=i: f"running on CPU {CPUS[i]} (WORKER_CPUS)" in c.log(f"worker-{i}"), 60,
+            wait_for(lambda i=i: f"running on CPU {CPUS[i]} (WORKER_CPUS)" in c.log(f"worker-{i}"), allow(60),
                      f"worker {i} to pin itself")
-            wait_for(lambda w=w: len(os.listdir(f"/proc/{w.pid}/task")) >= 2, 60, "the heartbeat thread")
+            wait_for(lambda w=w: len(os.listdir(f"/proc/{w.pid}/task")) >= 2, allow(60), "the heartbeat thread")
             assert all(allowed(int(t)) == {CPUS[i]} for t in os.listdir(f"/proc/{w.pid}/task"))
         assert allowed(c.ps.pid) == set(CPUS)
 
@@ -47,11 +48,11 @@ def test_more_workers_than_cpus_or_a_given_worker_cpus_are_left_alone():
     """One worker more than CPUs: none is pinned (two would share a CPU). WORKER_CPUS given: it wins."""
     with LocalCluster(len(CPUS) + 1, ps_env=LONG_JOB) as c:
         assert c.pinned == {}
-        wait_for(lambda: "registered as" in c.log("worker-0"), 60, "worker 0 to register")
+        wait_for(lambda: "registered as" in c.log("worker-0"), allow(60), "worker 0 to register")
         assert all(allowed(w.pid) == set(CPUS) for w in c.workers)
     with LocalCluster(1, ps_env=LONG_JOB, worker_env={"WORKER_CPUS": str(CPUS[-1])}) as c:
         assert c.pinned == {}
-        wait_for(lambda: "registered as" in c.log("worker-0"), 60, "worker 0 to register")
+        wait_for(lambda: "registered as" in c.log("worker-0"), allow(60), "worker 0 to register")
         assert allowed(c.workers[0].pid) == {CPUS[-1]}
     with LocalCluster(1, ps_env=LONG_JOB, pin_workers=False) as c:
         assert c.pinned == {}
@@ -59,5 +60,5 @@ def test_more_workers_than_cpus_or_a_given_worker_cpus_are_left_alone():
 
 def test_a_worker_told_to_run_on_cpus_it_cannot_use_stops_and_says_why():
     with LocalCluster(1, ps_env=LONG_JOB, worker_env={"WORKER_CPUS": "4096"}) as c:
-        assert c.wait_workers(60) != [0]
+        assert c.wait_workers(allow(60)) != [0]
         assert "WORKER_CPUS=4096: cannot run on those CPUs" in c.log("worker-0")

@@ -66,7 +66,7 @@ def echo_server(keepalive: float = 5.0) -> Iterator[str]:
     thread = threading.Thread(target=server.run, name=f"echo-{port}", daemon=True)
     thread.start()
     try:
-        wait_for(lambda: server.started or not thread.is_alive(), 20, "the echo server to start")
+        wait_for(lambda: server.started or not thread.is_alive(), allow(20), "the echo server to start")
         assert server.started, "uvicorn did not start"
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -245,7 +245,7 @@ def test_a_request_the_server_may_have_processed_is_not_sent_again():
             assert conn.request("GET", "/a", {}, timeout=10.0).status_code == 200
             with pytest.raises(ConnectionLost, match="closed the connection"):
                 conn.request("POST", "/b", {}, [b"payload"], timeout=10.0)
-            wait_for(lambda: len(seen) == 2, 10, "the server to record the request")
+            wait_for(lambda: len(seen) == 2, allow(10), "the server to record the request")
         finally:
             conn.close()
     assert [r.split(b" ")[1] for r in seen] == [b"/a", b"/b"]  # /b once

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from cluster.processes import LocalCluster
+from tests.timing import allow
 from tests.clusters import final_weights
 from tests.reference import train_reference
 from worker_service.client import PSClient
@@ -96,7 +97,7 @@ def run_linear(workers: int, steps: int, worker_env: dict) -> tuple[dict, dict, 
                                                          **worker_env})
     with c:
         try:
-            assert c.wait_workers(120) == [0] * workers
+            assert c.wait_workers(allow(120)) == [0] * workers
             st = c.status()
             assert st["state"] == "done" and st["global_step"] == steps
             used = {w["transport"] for w in c.get("/v1/workers").json()["workers"]}

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from cluster.processes import LocalCluster, wait_for
+from tests.timing import allow
 import struct
 
 from shared import frame, shm
@@ -397,8 +398,8 @@ def _job(worker_dirs: list[str], steps: int = 30) -> tuple[dict, dict, list[dict
         for i, d in enumerate(worker_dirs):
             c.start_worker(i, {"WORKER_SHM_DIR": d})
         try:
-            assert c.wait_workers(120) == [0] * n
-            wait_for(lambda: c.status()["state"] == "done", 10, "the PS to report done")
+            assert c.wait_workers(allow(120)) == [0] * n
+            wait_for(lambda: c.status()["state"] == "done", allow(10), "the PS to report done")
             return final_weights(c), c.status(), c.get("/v1/workers").json()["workers"]
         except Exception:
             raise AssertionError(f"job failed; logs:\n{c.logs()}")

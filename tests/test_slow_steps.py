@@ -29,7 +29,7 @@ def test_a_step_slower_than_the_keep_alive_costs_no_extra_time():
     ps_env = {"PS_MAX_STEPS": steps, "PS_HTTP_KEEPALIVE_SECONDS": KEEPALIVE, "PS_TOTAL_NUM_REPLICAS": 2}
     worker_env = {"WORKER_TASK": "linear", "WORKER_COMPUTE_DELAY_SECONDS": DELAY, "WORKER_REQUEST_TIMEOUT_SECONDS": 20}
     with LocalCluster(2, ps_env=ps_env, worker_env=worker_env) as c:
-        assert c.wait_workers(60) == [0, 0], c.logs()
+        assert c.wait_workers(allow(60)) == [0, 0], c.logs()
         rounds = closed_rounds(c)
         logs = c.logs()
     assert len(rounds) == steps

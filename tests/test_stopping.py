@@ -19,6 +19,7 @@ import time
 import httpx
 
 from cluster.processes import LocalCluster, wait_for
+from tests.timing import allow
 from worker_service.stopping import StopFlag
 
 HARNESS = textwrap.dedent("""
@@ -82,13 +83,13 @@ def test_wait_wakes_when_another_thread_sets_and_times_out_otherwise():
 def test_a_worker_stopped_during_a_long_compute_leaves_at_once():
     with LocalCluster(2, ps_env={"PS_MAX_STEPS": 1000, "PS_LEASE_SECONDS": 600},
                       worker_env={"WORKER_TASK": "linear", "WORKER_COMPUTE_DELAY_SECONDS": 600}) as c:
-        wait_for(lambda: len(c.get("/v1/workers").json()["workers"]) == 2, 60, "two workers")
+        wait_for(lambda: len(c.get("/v1/workers").json()["workers"]) == 2, allow(60), "two workers")
         wait_for(lambda: c.status()["global_step"] == 0 and all(
-            w["state"] == "active" for w in c.get("/v1/workers").json()["workers"]), 60, "both active")
+            w["state"] == "active" for w in c.get("/v1/workers").json()["workers"]), allow(60), "both active")
         for p in c.workers:
             p.send_signal(signal.SIGTERM)  # both are in their 600 s compute of step 0
         t0 = time.monotonic()
-        assert c.wait_workers(60) == [0, 0]
+        assert c.wait_workers(allow(60)) == [0, 0]
         assert time.monotonic() - t0 < 30  # the compute's wait woke: not 600 s, nor a lease
         left = httpx.get(f"{c.url}/v1/workers", timeout=10).json()["workers"]
         assert all(w["state"] == "left" for w in left), left

@@ -7,6 +7,7 @@ import tempfile
 from pathlib import Path
 
 from cluster.processes import wait_for
+from tests.timing import allow
 from tests.live_ps import live_ps
 from tests.torch_util import logs, start_workers
 
@@ -36,7 +37,7 @@ def test_the_documented_script_trains_with_two_workers():
         path = Path(tmp) / "train.py"
         path.write_text(script)
         procs = start_workers(2, ps.url, {}, Path(tmp), script=str(path))
-        wait_for(lambda: all(p.exitcode is not None for p in procs), 120, "the scripts to end", 0.1)
+        wait_for(lambda: all(p.exitcode is not None for p in procs), allow(120), "the scripts to end", 0.1)
         out = logs(Path(tmp))
         assert [p.exitcode for p in procs] == [0, 0], out
         with ps.http() as http:
@@ -44,7 +45,7 @@ def test_the_documented_script_trains_with_two_workers():
         assert ps.rt.core.examples >= 2 * STEPS  # the script passes num_examples: /v1/status shows examples/s
         # a copy started once the job is done ends at once with the final weights (it raised NameError: no loss)
         proc = start_workers(1, ps.url, {"WORKER_NAME": "latecomer"}, Path(late), script=str(path))[0]
-        wait_for(lambda: proc.exitcode is not None, 60, "the late script to end", 0.1)
+        wait_for(lambda: proc.exitcode is not None, allow(60), "the late script to end", 0.1)
         late_out = logs(Path(late))
         assert proc.exitcode == 0, late_out
     finals = re.findall(rf"done at global step {STEPS}, loss on all the data (\S+)", out + late_out)

@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 from cluster.processes import wait_for
+from tests.timing import allow
 from tests.clusters import JobResult
 from tests.live_ps import live_ps
 
@@ -81,7 +82,7 @@ def run_forked_job(workers: int, ps_settings: dict, worker_env: dict, deadline: 
         try:
             wait_for(lambda: all(p.exitcode is not None for p in procs), deadline, "the workers to exit", 0.1)
             with ps.http() as http:
-                wait_for(lambda: http.get("/v1/status").json()["state"] == "done", 10, "the PS to report done")
+                wait_for(lambda: http.get("/v1/status").json()["state"] == "done", allow(10), "the PS to report done")
                 status, members = http.get("/v1/status").json(), http.get("/v1/workers").json()["workers"]
             return JobResult(final_weights(ps), status, members, [p.exitcode for p in procs])
         except Exception:
