@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from cluster.processes import LocalCluster, wait_for
+from tests.timing import allow
 from shared import frame
 from tests.clusters import closed_rounds, final_weights
 from worker_service.tasks import load_task
@@ -60,25 +61,25 @@ def kill_workers_in_turn(n_workers: int, kills: int, every: int, restart_at_once
     t0 = time.time()
     with c:
         try:
-            wait_for(lambda: c.status()["workers"]["active"] == n_workers, 60, "the workers to register")
+            wait_for(lambda: c.status()["workers"]["active"] == n_workers, allow(60), "the workers to register")
             ranks = {w["name"]: w["rank"] for w in c.get("/v1/workers").json()["workers"]}
             procs = {f"worker-{i}": (c.workers[i], 0.0) for i in range(n_workers)}
             for k in range(kills):
                 name = f"worker-{k % n_workers}"
                 proc, started = procs[name]
-                wait_for(lambda: c.status()["global_step"] >= every * (k + 1), 60, f"step {every * (k + 1)}")
-                wait_for(lambda: any(contributed_after(r, name, started) for r in closed_rounds(c, 20)), 60,
+                wait_for(lambda: c.status()["global_step"] >= every * (k + 1), allow(60), f"step {every * (k + 1)}")
+                wait_for(lambda: any(contributed_after(r, name, started) for r in closed_rounds(c, 20)), allow(60),
                          f"{name} to push")
                 killed_at = c.kill(proc)
                 if restart_at_once:
                     procs[name] = (c.start_worker(k % n_workers), time.time())
-                rec = wait_for(lambda: stalled_round(c, name, killed_at), 30, f"a round to close without {name}")
+                rec = wait_for(lambda: stalled_round(c, name, killed_at), allow(30), f"a round to close without {name}")
                 records.append({"name": name, "stall": rec["closed_at"] - killed_at, "reason": rec["reason"],
                                 "step": rec["step"], "at": time.time() - t0})
                 if not restart_at_once:
                     procs[name] = (c.start_worker(k % n_workers), time.time())
             alive = [p for p, _ in procs.values()]
-            wait_for(lambda: all(p.poll() is not None for p in alive), 120, "the workers to finish")
+            wait_for(lambda: all(p.poll() is not None for p in alive), allow(120), "the workers to finish")
             assert [p.returncode for p in alive] == [0] * n_workers
             st = c.status()
             assert st["state"] == "done" and st["global_step"] == steps
@@ -125,11 +126,11 @@ def run_with_checkpoints(ckpt_dir, steps: int, every: int, kill_at: int | None) 
     with c:
         try:
             if kill_at is not None:
-                wait_for(lambda: c.status()["global_step"] >= kill_at, 60, f"step {kill_at}")
+                wait_for(lambda: c.status()["global_step"] >= kill_at, allow(60), f"step {kill_at}")
                 out["killed_at"] = c.kill()
                 c.start_ps()
                 out["ps_up"] = time.time() - out["killed_at"]
-            assert c.wait_workers(120) == [0, 0, 0]
+            assert c.wait_workers(allow(120)) == [0, 0, 0]
             st = c.status()
             assert st["state"] == "done" and st["global_step"] == steps
             out["tensors"] = final_weights(c)
@@ -221,14 +222,14 @@ def test_kill_9_at_many_moments_redoes_at_most_two_checkpoint_intervals(tmp_path
             rng = np.random.default_rng(49)
             for k in range(kills):
                 target = len(answered) + int(rng.integers(2, 4 * every))
-                wait_for(lambda: len(answered) >= target, 60, f"{target} accepted pushes")
+                wait_for(lambda: len(answered) >= target, allow(60), f"{target} accepted pushes")
                 seen = failures[0]
                 c.kill()
-                wait_for(lambda: failures[0] > seen, 30, "the worker to see the PS gone")
+                wait_for(lambda: failures[0] > seen, allow(30), "the worker to see the PS gone")
                 killed = answered[-1]  # the PS was at this step, or one more (a push in flight)
                 c.start_ps()
                 restored = wait_for(lambda: [int(s) for s in re.findall(r"restored ckpt-\d+\.msgpack: global step (\d+)",
-                                                                        c.log("ps"))][k:], 30, "the restore")[0]
+                                                                        c.log("ps"))][k:], allow(30), "the restore")[0]
                 lost.append(killed - restored)
                 assert killed - 2 * every <= restored <= killed + 1, (k, killed, restored)
             stop.set()

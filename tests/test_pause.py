@@ -92,7 +92,7 @@ def test_a_ps_paused_for_longer_than_a_lease_loses_no_gradient():
     worker_env = {"WORKER_TASK": "mlp", "WORKER_DTYPE": "float64", "WORKER_COMPUTE_DELAY_SECONDS": 0.03}
     with LocalCluster(workers, ps_env=ps_env, worker_env=worker_env) as c:
         try:
-            wait_for(lambda: c.status()["global_step"] >= 30, 60, "step 30")
+            wait_for(lambda: c.status()["global_step"] >= 30, allow(60), "step 30")
             st = _pause_the_ps_then_finish(c, pause, workers, steps)
             assert st["pushes"]["accepted"] == workers * steps and _events(c, "expired") == []
             got = final_weights(c)
@@ -140,9 +140,9 @@ def test_every_member_of_a_round_killed_recalls_the_worker_waiting_for_the_next(
     with LocalCluster(2, ps_env=ps_env, worker_env={"WORKER_COMPUTE_DELAY_SECONDS": 3600}) as c:
         try:
             wait_for(lambda: (s := c.status())["state"] == "training" and s["round"]["step"] == 0
-                     and len(s["round"]["awaited"]) == 2, 30, "round 0 waiting for workers 0 and 1")
+                     and len(s["round"]["awaited"]) == 2, allow(30), "round 0 waiting for workers 0 and 1")
             joiner = c.start_worker(2, env={"WORKER_COMPUTE_DELAY_SECONDS": 0})
-            wait_for(lambda: c.status()["workers"]["active"] == 3, 30, "worker 2 registered (for round 1)")
+            wait_for(lambda: c.status()["workers"]["active"] == 3, allow(30), "worker 2 registered (for round 1)")
             for w in c.workers[:2]:
                 c.kill(w)
             assert joiner.wait(60) == 0

@@ -96,7 +96,7 @@ def test_a_follower_killed_and_restarted_mid_job_rolls_the_job_back_and_it_finis
                 newest.unlink()
             c.start_ps()  # only shard 1 is not running: it comes back from its checkpoint directory
             up = time.time() - killed_at
-            assert c.wait_workers(60) == [0] * workers
+            assert c.wait_workers(allow(60)) == [0] * workers
             wait_for(lambda: settled(c.status()), allow(10), "the PS to report done, every shard at its step")
             st = c.status()
             rounds = closed_rounds(c, steps)
