@@ -31,6 +31,10 @@ and one process ran each of them alone at the end while the other idled): the fi
 first, then the others, most tests first, as xdist orders them. A process asks for its next file while 2 tests of
 its last are left, so a long file handed out last would keep the other process idle for most of its length.
 
+**Timeouts.** pytest-timeout's bound on each test (its ``timeout`` marker, else ``timeout`` in pyproject.toml, 300 s)
+is an allowance like the waits inside the test (tests/timing.py): :func:`pytest_runtest_protocol` multiplies it by the
+load's scale as the test starts, before pytest-timeout reads it.
+
 **SIGINT.** A suite started in the background of a non-interactive shell (``make test &``, ``( .ci/run & )``)
 inherits SIGINT *ignored*, and so would every process it starts, since an ignored signal stays ignored across
 ``exec``: Python then installs no KeyboardInterrupt handler, a child's Ctrl-C does nothing, and the tests of what a
@@ -50,6 +54,7 @@ from pathlib import Path
 import pytest
 
 from cluster import forkserver
+from tests.timing import allow
 
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # inherited from a background job: see the module's docstring
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -108,6 +113,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     slow = {f: i for i, f in enumerate(SLOWEST)}
     order = {f: rank for rank, f in enumerate(sorted(files, key=lambda f: (slow.get(f, len(slow)), -files[f])))}
     items.sort(key=lambda item: order[item.nodeid.split("::", 1)[0]])
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem):
+    """The test's timeout (**Timeouts**) scaled with the load now; outermost, so pytest-timeout's wrapper reads it."""
+    marker = item.get_closest_marker("timeout")
+    args, kwargs = (list(marker.args), dict(marker.kwargs)) if marker is not None else ([], {})
+    base = args.pop(0) if args else kwargs.pop("timeout", getattr(item.config, "_env_timeout", None))
+    if base:  # (0 or None: no timeout)
+        item.add_marker(pytest.mark.timeout(allow(float(base)), *args, **kwargs), append=False)
+    yield
 
 
 @pytest.hookimpl(optionalhook=True)

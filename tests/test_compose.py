@@ -25,7 +25,7 @@ from tests.conftest import degraded
 from tests.timing import allow
 from worker_service.client import PSClient
 
-pytestmark = [pytest.mark.compose, pytest.mark.timeout(allow(420))]  # scaled as the waits inside
+pytestmark = [pytest.mark.compose, pytest.mark.timeout(420)]
 
 W_TRUE, B_TRUE = [0.1, 0.2, 0.3], 0.4
 

@@ -25,7 +25,7 @@ from tests.compose_util import DOCUMENTED_STANDBY, STANDBY_FILES
 from tests.test_compose import assert_linear_solved, compose, image, logs_on_failure, report  # noqa: F401 (fixtures)
 from tests.timing import allow
 
-pytestmark = [pytest.mark.compose, pytest.mark.timeout(allow(420))]  # scaled as the waits inside
+pytestmark = [pytest.mark.compose, pytest.mark.timeout(420)]
 
 TOOK_OVER = re.compile(r"took over at step (\d+)")
 #: the steps after the old primary rejoined only run out the clock: it gated the new primary at steps ~430 (load 20)

@@ -30,7 +30,7 @@ from tests.conftest import degraded
 from tests.test_compose import logs_on_failure, report
 from tests.timing import allow
 
-pytestmark = [pytest.mark.compose, pytest.mark.timeout(allow(900))]  # scaled as the waits inside
+pytestmark = [pytest.mark.compose, pytest.mark.timeout(900)]
 
 WHEELS = Path("/opt/wheels")
 #: the Dockerfile's Python (python:3.11-slim), which the wheel must fit

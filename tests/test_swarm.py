@@ -42,7 +42,7 @@ from worker_service.client import PSClient
 from tests.test_compose import assert_linear_solved, final_weights, report
 from worker_service.settings import WorkerSettings
 
-pytestmark = [pytest.mark.compose, pytest.mark.timeout(allow(420))]  # scaled as the waits inside
+pytestmark = [pytest.mark.compose, pytest.mark.timeout(420)]
 #: seconds node 2 is cut off in the two-node test: longer than job 2's lease, shorter than Swarm's node-down time
 #: (2 to 3 dispatcher heartbeats: 40-60 s with the guide's DOCUMENTED["heartbeat"])
 CUT = 10.0
