@@ -51,6 +51,7 @@ class PushAnswer:
     step: int
     done: bool
     pulled: Pulled | None  # the next weights, when the PS answered with them
+    receipt: str | None = None  # a sharded PS's follower's hold (docs/protocol-shards.md)
 
 
 class TensorTransport(ABC):

@@ -13,16 +13,14 @@ An answer without ``lineage`` is used as it is: views of the answer's buffer.
 from __future__ import annotations
 
 import ctypes
-from typing import Callable, Mapping
+from typing import Mapping
 
 import numpy as np
 
-from shared import frame, marks, partitions, refs, weight_deltas
+from shared import frame, partitions, refs, weight_deltas
 from shared.compression import Compressor, Spec
 from shared.errors import ProtocolError
-from shared.protocol import API
 from shared.shards import spec_of
-from worker_service.transport.base import PushAnswer
 from worker_service.transport.endpoint import Endpoint
 from worker_service.transport.oneps import OnePS
 from worker_service.transport.partitioned import Alongside
@@ -115,7 +113,7 @@ class BodyTransport(OnePS):
         self.held = HeldWeights()
         self.partition_bytes = partition_bytes
         self._plan: tuple[dict, partitions.Plan] | None = None  # (the gradients' spec, its plan)
-        self._puller: Endpoint | None = None  # the connection pulls go on while pushes go on this one (partitions)
+        self._alongside: Alongside | None = None  # the last pull alongside a push (partitions), on its connection
 
     def push_body(self, meta: dict, grads: Mapping[str, np.ndarray]) -> list[bytes | memoryview]:
         if self.partition_bytes and (p := self._partitions(grads)).count > 1:
@@ -144,35 +142,25 @@ class BodyTransport(OnePS):
         return frame.encode_many([(parts[0], {**meta, "partitions": p.count}),
                                   *[(t, {"partition": q}) for q, t in enumerate(parts[1:], 1)]])
 
-    def push(self, meta: dict, grads: Mapping[str, np.ndarray], wait: float, timeout: float,
-             on_way: Callable[[], None] | None = None, hold: dict | None = None,
-             into: Mapping[str, np.ndarray] | None = None) -> PushAnswer:
-        """With partitions: the push on this connection (its JSON answer) while :class:`Alongside` pulls the next
-        weights on a second one as the PS sends them (worker_service/transport/partitioned.py); else one request
-        with ``pull=1``. ``hold``: the query of a sharded PS's follower's hold (``POST /v1/shard/gradients``, its
-        pull naming no worker), partitioned rounds only; ``into``: where the pull joins cut tensors (:func:`whole`)."""
-        body = self.push_body(meta, grads)
+    def alongside(self, meta: dict, hold: dict | None, wait: float, timeout: float,
+                  into: Mapping[str, np.ndarray] | None) -> Alongside | None:
+        """With partitions (a push of several, or a follower's hold): :class:`Alongside` pulls the next weights on a
+        second connection as the PS sends them (worker_service/transport/partitioned.py), its pull naming no worker
+        for a hold; ``into``: where it joins cut tensors (:func:`whole`)."""
         p = self._plan[1] if self._plan is not None and self.partition_bytes else None
-        path = f"{API}/gradients" if hold is None else f"{API}/shard/gradients"
-        if (p is None or p.count == 1) and hold is None:
-            return super().push(meta, grads, wait, timeout, on_way, body=body)
-        if self._puller is None:
-            self._puller = self.endpoint.sibling(self.endpoint.base_url)
-        pull = Alongside(self._puller, meta["step"] + 1, None if hold is not None else meta["worker_id"], wait, timeout,
-                         p, self._plan[0], into)
-        try:
-            answer = super().push(meta, grads, 0.0, timeout, on_way, body=body, pull=False, path=path, params=hold)
-            if marks.ON:
-                marks.mark("push.answered", peer=self.endpoint.base_url.split("//")[-1], step=meta["step"])
-            got = pull.result()  # as a ``pull=1`` answer: the step and done of the weights it carries
-        finally:
-            if pull.running:  # (a push that failed, or a pull past its wait) its connection stays its own until it ends
-                self._puller = None
-        return answer if got is None else PushAnswer(answer.status, got.step, got.done, got)
+        if p is None or (p.count == 1 and hold is None):
+            return None
+        # a pull still reading (a push that failed, or a pull past its wait) keeps its connection until it ends
+        last = self._alongside
+        free = last is not None and not last.running
+        puller = last.endpoint if free else self.endpoint.sibling(self.endpoint.base_url)
+        self._alongside = Alongside(puller, meta["step"] + 1, None if hold is not None else meta["worker_id"], wait,
+                                    timeout, p, self._plan[0], into)
+        return self._alongside
 
     def close(self) -> None:
-        if self._puller is not None:
-            self._puller.close()
+        if self._alongside is not None:
+            self._alongside.endpoint.close()
         super().close()
 
     def pull_params(self) -> dict:

@@ -8,10 +8,11 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from shared import frame
+from shared import frame, marks
 from shared.protocol import API, PUSH_STATUS_HEADER
 from worker_service.transport.base import Pulled, PushAnswer, Response, TensorTransport
 from worker_service.transport.endpoint import Endpoint
+from worker_service.transport.partitioned import Alongside
 
 
 class OnePS(TensorTransport):
@@ -45,30 +46,43 @@ class OnePS(TensorTransport):
             return m, None
         return m, Pulled(m["step"], m["done"], list(m.get("ranks", [])), tensors, len(body))
 
+    def alongside(self, meta: dict, hold: dict | None, wait: float, timeout: float,
+                  into: Mapping[str, np.ndarray] | None) -> Alongside | None:
+        """The pull of the next weights to run alongside this push (a partitioned push, a sharded PS's follower's
+        partitioned hold: :class:`~worker_service.transport.http.BodyTransport`'s), started; None: the push's own
+        answer carries them (or, a hold, nothing does)."""
+        return None
+
     def push(self, meta: dict, grads: Mapping[str, np.ndarray], wait: float, timeout: float,
-             on_way: Callable[[], None] | None = None, body: list | None = None, pull: bool = True,
-             path: str = f"{API}/gradients", params: dict | None = None,
+             on_way: Callable[[], None] | None = None, hold: dict | None = None,
              into: Mapping[str, np.ndarray] | None = None) -> PushAnswer:
-        """One request, which this thread sends: ``on_way`` is called at once. ``body``: the push's, if made
-        already; ``pull``: ask for the next weights (``pull=1``), else the JSON answer only; ``path`` and ``params``:
-        another route's (a sharded PS's follower's hold, partitioned rounds); ``into``: where a partitioned pull
-        joins cut tensors (:class:`~worker_service.transport.http.BodyTransport`'s; unused here)."""
+        """One request, which this thread sends: ``on_way`` is called once its body is made. A push asks for the next
+        weights (``pull=1``) unless :meth:`alongside` pulls them; ``hold``: the query of a sharded PS's hold (``POST
+        /v1/shard/gradients``, its JSON answer: the receipt); ``into``: where a pull alongside joins cut tensors."""
+        body = self.push_body(meta, grads)
+        pull = self.alongside(meta, hold, wait, timeout, into)
         if on_way is not None:
             on_way()
-        params = {**({"pull": 1, "timeout": wait, **self.answer_params()} if pull else {}), **(params or {})}
-        resp = self.endpoint.call("POST", path, params=params,
-                                  body=self.push_body(meta, grads) if body is None else body,
-                                  headers={"content-type": frame.MEDIA_TYPE},
-                                  timeout=timeout + wait, what=f"POST {path} (step {meta['step']})")
-        return self.push_answer(resp)
+        ask = hold is None and pull is None
+        path = f"{API}/gradients" if hold is None else f"{API}/shard/gradients"
+        resp = self.endpoint.call("POST", path, body=body, headers={"content-type": frame.MEDIA_TYPE},
+                                  params={"pull": 1, "timeout": wait, **self.answer_params()} if ask else hold,
+                                  timeout=timeout + (wait if ask else 0.0), what=f"POST {path} (step {meta['step']})")
+        answer = self.push_answer(resp)
+        if pull is None:
+            return answer
+        if marks.ON:
+            marks.mark("push.answered", peer=self.endpoint.base_url.split("//")[-1], step=meta["step"])
+        got = pull.result()  # as a ``pull=1`` answer: the step and done of the weights it carries
+        return answer if got is None else PushAnswer(answer.status, got.step, got.done, got)
 
     def push_answer(self, resp: Response) -> PushAnswer:
         """A push's answer: the next weights (a frame, the status in a header), or JSON without them."""
         if resp.headers.get("content-type", "").startswith(frame.MEDIA_TYPE):
             m, got = self._pulled(resp.content)  # got None: the client pulls
             return PushAnswer(resp.headers[PUSH_STATUS_HEADER.lower()], m["step"], m["done"], got)
-        obj = resp.json()
-        return PushAnswer(obj["status"], obj["step"], obj["done"], None)
+        obj = resp.json()  # (a hold's: its receipt, and no done)
+        return PushAnswer(obj["status"], obj["step"], obj.get("done", False), None, obj.get("receipt"))
 
     def pull(self, min_step: int, worker_id: str | None, wait: float, timeout: float) -> Pulled | None:
         params: dict[str, Any] = {"min_step": min_step, "timeout": wait, **self.pull_params()}

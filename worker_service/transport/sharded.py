@@ -26,7 +26,6 @@ from shared.protocol import API
 from worker_service.transport.attach import Attached
 from worker_service.transport.base import Pulled, PushAnswer, TensorTransport
 from worker_service.transport.endpoint import Endpoint
-from worker_service.transport.oneps import OnePS
 
 #: seconds a shard's answers may keep disagreeing on the step before a pull gives up (None: the caller retries)
 AGREE_SECONDS = 30.0
@@ -79,76 +78,59 @@ class ShardedTransport(TensorTransport):
                 raise f.exception()
         return [f.result() for f in futures]
 
-    def _hold(self, i: int, meta: dict, pieces: Mapping[str, np.ndarray], timeout: float) -> str | None:
-        """Shard ``i`` holds ``pieces``: its receipt (a follower's; None from the coordinator, or a late answer)."""
-        def once(t: OnePS) -> str | None:
-            resp = t.endpoint.call("POST", f"{API}/shard/gradients", params={"map": self.map.digest},
-                                   body=t.push_body(dict(meta), pieces), headers={"content-type": frame.MEDIA_TYPE},
-                                   timeout=timeout, what=f"hold on shard {i} (step {meta['step']})")
-            return resp.json().get("receipt")
-
-        return self.links[i].send(once)
+    def _send(self, i: int, meta: dict, grads: Mapping[str, np.ndarray], wait: float, timeout: float,
+              hold: dict | None, into: dict[str, np.ndarray]) -> PushAnswer:
+        """Shard ``i``'s pieces of ``grads`` as a push (``hold`` None) or a hold, through its link; the weights an
+        answer brings (a partitioned push's or hold's, pulled alongside) joined and placed ``into``."""
+        if marks.ON:
+            marks.mark("push.start", shard=i, peer=self.links[i].endpoint.base_url.split("//")[-1], step=meta["step"])
+        pieces = shards.split(grads, self.map.pieces[i])
+        dest = {p.key: into[p.name].reshape(-1)[p.start:p.stop] for p in self.map.pieces[i] if not p.whole}
+        answer = self.links[i].send(lambda t: t.push(meta, pieces, wait, timeout, hold=hold, into=dest))
+        self._placed(i, answer.pulled, into)  # (joined in place already: nothing left to copy)
+        if marks.ON:
+            marks.mark("shard.done", shard=i, step=meta["step"])
+        return answer
 
     def push(self, meta: dict, grads: Mapping[str, np.ndarray], wait: float, timeout: float,
              on_way: Callable[[], None] | None = None) -> PushAnswer:
+        """Every shard's pieces in parallel: partitioned rounds, the coordinator's a push and a follower's a hold,
+        each with its weights pulled alongside; else every shard's a hold, then the commit while the followers'
+        weights are pulled. ``on_way`` once the calls are with their threads: woken before, its thread took this one's
+        core for 1.5-2 ms just as the push was to start
+        (bench/results/2026-12-03-where-a-co-located-1e6-x-4-step-between-hosts-goes-and-the-n.jsonl)."""
+        step, into = meta["step"], self._target()
+        held, hold = {"worker_id": meta["worker_id"], "step": step}, {"map": self.map.digest}
+        if marks.ON:
+            marks.mark("step.push", step=step, worker=meta["worker_id"])
         if self.partitioned:
-            return self._push_parts(meta, grads, wait, timeout, on_way)
-        step = meta["step"]
-        held = {"worker_id": meta["worker_id"], "step": step}
-        # on_way once the holds are with their threads: woken before, its thread took this one's core for 1.5-2 ms
-        # just as the push was to start
-        # (bench/results/2026-12-03-where-a-co-located-1e6-x-4-step-between-hosts-goes-and-the-n.jsonl)
-        _, *receipts = self._all([lambda i=i, ps=ps: self._hold(i, held, shards.split(grads, ps), timeout)
-                                  for i, ps in enumerate(self.map.pieces)], on_way)
-        into = self._target()
+            calls = [lambda i=i: self._send(i, held if i else meta, grads, wait, timeout, hold if i else None, into)
+                     for i in range(len(self.links))]
+            answers = self._placing(into, calls, on_way)
+            head, parts = answers[0], [a.pulled for a in answers]
+        else:
+            _, *holds = self._all([lambda i=i: self._send(i, held, grads, 0.0, timeout, hold, into)
+                                   for i in range(len(self.links))], on_way)
 
-        def commit() -> PushAnswer:
-            t = self.links[0].current
-            resp = t.endpoint.call("POST", f"{API}/shard/commit", params={"pull": 1, "timeout": wait},
-                                   body=frame.encode({}, {**meta, "receipts": receipts}),
-                                   headers={"content-type": frame.MEDIA_TYPE}, timeout=timeout + wait,
-                                   what=f"commit (step {step})")
-            answer = t.push_answer(resp)
-            self._placed(0, answer.pulled, into)
-            return answer
+            def commit() -> PushAnswer:
+                t = self.links[0].current
+                resp = t.endpoint.call("POST", f"{API}/shard/commit", params={"pull": 1, "timeout": wait},
+                                       body=frame.encode({}, {**meta, "receipts": [h.receipt for h in holds]}),
+                                       headers={"content-type": frame.MEDIA_TYPE}, timeout=timeout + wait,
+                                       what=f"commit (step {step})")
+                answer = t.push_answer(resp)
+                self._placed(0, answer.pulled, into)
+                return answer
 
-        answer, *rest = self._placing(into, [commit, *(lambda i=i: self._pull(i, step + 1, None, wait, timeout, into)
-                                                       for i in range(1, len(self.links)))])
-        return self._answer(answer, [answer.pulled, *rest], into)
-
-    def _push_parts(self, meta: dict, grads: Mapping[str, np.ndarray], wait: float, timeout: float,
-                    on_way: Callable[[], None] | None) -> PushAnswer:
-        """Partitioned rounds: every shard in parallel, the coordinator's pieces a push, a follower's a hold."""
-        into = self._target()
-        hold, held = {"map": self.map.digest}, {"worker_id": meta["worker_id"], "step": meta["step"]}
-
-        def one(i: int) -> PushAnswer:
-            if marks.ON:
-                marks.mark("push.start", shard=i, peer=self.links[i].endpoint.base_url.split("//")[-1],
-                           step=meta["step"])
-            pieces = shards.split(grads, self.map.pieces[i])
-            dest = {p.key: into[p.name].reshape(-1)[p.start:p.stop] for p in self.map.pieces[i] if not p.whole}
-            if i == 0:  # (its pull joins the cut tensors in place too: then nothing is left to place)
-                answer = self.links[0].send(lambda t: t.push(meta, pieces, wait, timeout, into=dest))
-            else:
-                answer = self.links[i].send(lambda t: t.push(held, pieces, wait, timeout, hold=hold, into=dest))
-            self._placed(i, answer.pulled, into)
-            if marks.ON:
-                marks.mark("shard.done", shard=i, step=meta["step"])
-            return answer
-
+            head, *rest = self._placing(into, [commit, *(lambda i=i: self._pull(i, step + 1, None, wait, timeout, into)
+                                                         for i in range(1, len(self.links)))])
+            parts = [head.pulled, *rest]
+        # the coordinator's answer, with the whole model if every shard sent its weights of one step
+        got = PushAnswer(head.status, head.step, head.done,
+                         self._joined(parts, into) if all(p is not None for p in parts) else None)
         if marks.ON:
-            marks.mark("step.push", step=meta["step"], worker=meta["worker_id"])
-        answers = self._placing(into, [lambda i=i: one(i) for i in range(len(self.links))], on_way)
-        got = self._answer(answers[0], [a.pulled for a in answers], into)
-        if marks.ON:
-            marks.mark("step.pulled", step=meta["step"])
+            marks.mark("step.pulled", step=step)
         return got
-
-    def _answer(self, head: PushAnswer, parts: list[Pulled | None], into: dict[str, np.ndarray]) -> PushAnswer:
-        """The coordinator's answer ``head``, with the whole model if every shard sent its weights of one step."""
-        pulled = self._joined(parts, into) if all(p is not None for p in parts) else None
-        return PushAnswer(head.status, head.step, head.done, pulled)
 
     def _placing(self, into: dict[str, np.ndarray], calls, started: Callable[[], None] | None = None) -> list:
         """:meth:`_all` of calls that place their answers ``into``. If one fails, the others may still be running and
