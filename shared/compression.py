@@ -243,29 +243,21 @@ def decode_push(spec: Spec, declared: str | None, tensors: Mapping[str, np.ndarr
                 model: Mapping[str, np.ndarray], alloc: Alloc = fresh
                 ) -> tuple[Mapping[str, np.ndarray | SparseTensor], bool]:
     """A body push's tensors as the core takes them: the compressed ones decoded to float32 (top-k ones as
-    :class:`SparseTensor`; dense ones into memory from ``alloc``), and whether they are :func:`known_finite`. Tensors
-    the model does not have are left as they are (the core refuses them)."""
+    :class:`SparseTensor`; dense ones into memory from ``alloc``), and whether the push is known to hold no NaN/Inf
+    without reading its dense tensors: every model tensor came top-k (its k values checked here) or 2-bit (+-threshold
+    or 0 by construction); False: not known, the core checks the dense tensors as any others. Tensors the model does
+    not have are left as they are (the core refuses them)."""
     check_declared(spec, declared, via_body=True)
     out = dict(tensors)
+    finite = spec.name in ("topk", "2bit") and tensors.keys() == model.keys()
     for name, wire in tensors.items():
         ref = model.get(name)
-        if ref is not None and spec.compresses(name, ref.dtype):
-            out[name] = decode_tensor(spec, name, tuple(ref.shape), wire, alloc)
-    return out, known_finite(spec, tensors, model)
-
-
-def known_finite(spec: Spec, wire: Mapping[str, np.ndarray], model: Mapping[str, np.ndarray]) -> bool:
-    """Whether the push :func:`decode_push` made of ``wire`` holds no NaN/Inf, known without reading its dense
-    tensors: every model tensor came top-k (its k values checked here) or 2-bit (+-threshold or 0 by
-    construction). False: not known, the core checks the dense tensors as any others."""
-    if spec.name not in ("topk", "2bit") or wire.keys() != model.keys():
-        return False
-    for name, ref in model.items():
-        if not spec.compresses(name, ref.dtype):
-            return False
-        if spec.name == "topk" and not np.isfinite(wire[name][1].view(F32)).all():
-            return False
-    return True
+        if ref is None or not spec.compresses(name, ref.dtype):
+            finite = False
+            continue
+        out[name] = decode_tensor(spec, name, tuple(ref.shape), wire, alloc)
+        finite = finite and (spec.name != "topk" or bool(np.isfinite(out[name].values).all()))
+    return out, finite
 
 
 class Compressor:
