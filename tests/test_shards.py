@@ -120,7 +120,7 @@ def test_assembled_tensors_reuse_memory_nothing_else_references():
     del fourth
     free = t._target()  # the fourth's memory, free again
     with pytest.raises(ConnectionError):
-        t._placing(free, [fails])  # a call of that batch may still be writing into it: never handed out again
+        t._all([fails], into=free)  # a call of that batch may still be writing into it: never handed out again
     assert all(k is not free for k in t._kept) and t._target() is not free
     t.close()
 

@@ -65,16 +65,19 @@ class ShardedTransport(TensorTransport):
                                 compression, partition_bytes) for i, url in enumerate(urls)], worker_id,
                    partition_bytes > 0)
 
-    def _all(self, calls, started: Callable[[], None] | None = None) -> list:
+    def _all(self, calls, started: Callable[[], None] | None = None, into: dict[str, np.ndarray] | None = None) -> list:
         """Run the calls in parallel; their results in order, or an error as soon as one fails (e.g. 409
         ``not_active`` from the coordinator after a rollback, while a follower's long-poll pull still waits: it is
-        left to end by itself). ``started`` is called once every call is handed to a thread."""
+        left to end by itself). ``started`` is called once every call is handed to a thread. ``into``: the set the
+        calls place their answers in; if one fails, the others may still be writing there: it is dropped, never handed
+        out again."""
         futures = [self.pool.submit(c) for c in calls]
         if started is not None:
             started()
         wait_all(futures, return_when=FIRST_EXCEPTION)
         for f in futures:
             if f.done() and f.exception() is not None:
+                self._kept = [k for k in self._kept if k is not into]
                 raise f.exception()
         return [f.result() for f in futures]
 
@@ -106,7 +109,7 @@ class ShardedTransport(TensorTransport):
         if self.partitioned:
             calls = [lambda i=i: self._send(i, held if i else meta, grads, wait, timeout, hold if i else None, into)
                      for i in range(len(self.links))]
-            answers = self._placing(into, calls, on_way)
+            answers = self._all(calls, on_way, into)
             head, parts = answers[0], [a.pulled for a in answers]
         else:
             _, *holds = self._all([lambda i=i: self._send(i, held, grads, 0.0, timeout, hold, into)
@@ -122,8 +125,8 @@ class ShardedTransport(TensorTransport):
                 self._placed(0, answer.pulled, into)
                 return answer
 
-            head, *rest = self._placing(into, [commit, *(lambda i=i: self._pull(i, step + 1, None, wait, timeout, into)
-                                                         for i in range(1, len(self.links)))])
+            head, *rest = self._all([commit, *(lambda i=i: self._pull(i, step + 1, None, wait, timeout, into)
+                                               for i in range(1, len(self.links)))], into=into)
             parts = [head.pulled, *rest]
         # the coordinator's answer, with the whole model if every shard sent its weights of one step
         got = PushAnswer(head.status, head.step, head.done,
@@ -131,15 +134,6 @@ class ShardedTransport(TensorTransport):
         if marks.ON:
             marks.mark("step.pulled", step=step)
         return got
-
-    def _placing(self, into: dict[str, np.ndarray], calls, started: Callable[[], None] | None = None) -> list:
-        """:meth:`_all` of calls that place their answers ``into``. If one fails, the others may still be running and
-        writing there: that set is dropped, never handed out again."""
-        try:
-            return self._all(calls, started)
-        except BaseException:
-            self._kept = [k for k in self._kept if k is not into]
-            raise
 
     def _pull(self, i: int, min_step: int, worker_id: str | None, wait: float, timeout: float,
               into: dict[str, np.ndarray]) -> Pulled | None:
@@ -176,9 +170,8 @@ class ShardedTransport(TensorTransport):
     def pull(self, min_step: int, worker_id: str | None, wait: float, timeout: float) -> Pulled | None:
         end, into = time.monotonic() + AGREE_SECONDS, self._target()
         while True:
-            parts = self._placing(into, [lambda i=i, s=min_step: self._pull(i, s, worker_id if i == 0 else None, wait,
-                                                                            timeout, into)
-                                         for i in range(len(self.links))])
+            parts = self._all([lambda i=i, s=min_step: self._pull(i, s, None if i else worker_id, wait, timeout, into)
+                               for i in range(len(self.links))], into=into)
             if any(p is None for p in parts):
                 return None
             joined = self._joined(parts, into)
