@@ -250,9 +250,9 @@ def test_live_ps_applies_the_decoded_gradients_exactly(name):
         sent: list[list[dict]] = [[], []]
         for i, c in enumerate(workers):
             c.attach(regs[i]["worker_id"])
-            encode = c.tensors.current.compressor.encode
-            c.tensors.current.compressor.encode = (lambda g, step, encode=encode, i=i:
-                                           sent[i].append(encode(g, step)) or sent[i][-1])
+            encode = c.tensors.current.compressor.encode_partitions  # (one partition: the whole push)
+            c.tensors.current.compressor.encode_partitions = (lambda g, plan, step, encode=encode, i=i:
+                                                      sent[i].append(encode(g, plan, step)[0]) or [sent[i][-1]])
         weights = {k: v.copy() for k, v in init.items()}
         for step in range(4):
             for i, c in enumerate(workers):

@@ -20,7 +20,7 @@ import numpy as np
 from shared import frame, partitions, refs, weight_deltas
 from shared.compression import Compressor, Spec
 from shared.errors import ProtocolError
-from shared.shards import spec_of
+from shared.shards import Piece, spec_of
 from worker_service.transport.endpoint import Endpoint
 from worker_service.transport.oneps import OnePS
 from worker_service.transport.partitioned import Alongside
@@ -116,12 +116,19 @@ class BodyTransport(OnePS):
         self._alongside: Alongside | None = None  # the last pull alongside a push (partitions), on its connection
 
     def push_body(self, meta: dict, grads: Mapping[str, np.ndarray]) -> list[bytes | memoryview]:
-        if self.partition_bytes and (p := self._partitions(grads)).count > 1:
-            return self._partitioned(meta, grads, p)
-        if self.compressor is None:
-            return frame.encode(grads, meta)  # the arrays' memory is sent as it is (scatter-gather)
-        encoded = self.compressor.encode(grads, meta["step"])
-        return frame.encode(encoded, {**meta, "compression": self.compressor.spec.name})
+        """The push's frames: with partitions (the job's ``partition_bytes``, more than one) its partitions', head
+        first, else one, of the gradients in their order; views of the gradients, sent as they are (no copy), or their
+        pieces' encodings (:meth:`Compressor.encode_partitions`; the head says ``compression``)."""
+        p = self._partitions(grads) if self.partition_bytes else None
+        if p is None or p.count == 1:
+            p = partitions.Plan((tuple(Piece(k, 0, np.size(g), True) for k, g in grads.items()),))
+        c = self.compressor
+        if c is None:
+            parts = [p.split(grads, q) for q in range(p.count)]
+        else:
+            parts, meta = c.encode_partitions(grads, p, meta["step"]), {**meta, "compression": c.spec.name}
+        head = {**meta, "partitions": p.count} if p.count > 1 else meta
+        return frame.encode_many([(parts[0], head), *[(t, {"partition": q}) for q, t in enumerate(parts[1:], 1)]])
 
     def _partitions(self, grads: Mapping[str, np.ndarray]) -> partitions.Plan:
         """The plan of the gradients' spec (computed once)."""
@@ -129,18 +136,6 @@ class BodyTransport(OnePS):
         if self._plan is None or self._plan[0] != spec:
             self._plan = (spec, partitions.plan(spec, self.partition_bytes))
         return self._plan[1]
-
-    def _partitioned(self, meta: dict, grads: Mapping[str, np.ndarray], p: partitions.Plan
-                     ) -> list[bytes | memoryview]:
-        """The push as its partitions' frames: views of the gradients, sent as they are (no copy), or their pieces'
-        encodings (:meth:`Compressor.encode_partitions`; the head says ``compression``)."""
-        c = self.compressor
-        if c is None:
-            parts = [p.split(grads, q) for q in range(p.count)]
-        else:
-            parts, meta = c.encode_partitions(grads, p, meta["step"]), {**meta, "compression": c.spec.name}
-        return frame.encode_many([(parts[0], {**meta, "partitions": p.count}),
-                                  *[(t, {"partition": q}) for q, t in enumerate(parts[1:], 1)]])
 
     def alongside(self, meta: dict, hold: dict | None, wait: float, timeout: float,
                   into: Mapping[str, np.ndarray] | None) -> Alongside | None:
