@@ -109,20 +109,7 @@ class Holds:
         here already; 409 and nothing changed if ahead, out of order, or a piece is not held."""
         if passed(global_step, step):
             return False
-        if self.step != step:
-            self.step, self.folded, self.sum, self.late = step, [], None, set()
-        done = len(self.folded)
-        keys = [tuple(k) for k in keys]
-        if start > done or self.folded[start:start + len(keys)] != keys[:done - start]:
-            raise ProtocolError(409, "order_mismatch", f"round {step}: keys {keys[:4]} from the {start}-th do not "
-                                                       f"follow the {done} summed here")
-        new = keys[done - start:]
-        self._check_held(step, new)
-        if new and self.sum is None:
-            self.sum = Accumulator(tuple(names), "sum")
-        for rank, w in new:
-            self.sum.apply(w, rank, self.by_worker.pop(w).tensors, ())  # nothing still possible sorts before it
-            self.folded.append((rank, w))
+        self._fold(names, step, start, keys)
         for w in late:
             self.late.add(w)
             self.discard(w, step)  # read in its turn before R heads came, then refused: never summed
@@ -132,29 +119,34 @@ class Holds:
             self.late -= self.turns
         return True
 
-    def _check_held(self, step: int, keys: Sequence[Key]) -> None:
-        missing = [w for _, w in keys if self.get(w, step) is None]
+    def take(self, names: Iterable[str], step: int, contributors: Sequence[Key]) -> tuple[dict | None, int]:
+        """(The rank-order sum of round ``step`` over ``contributors``, None if it overflows; their count):
+        :func:`apply_round`'s sum, the keys summed so far being the first of ``contributors``."""
+        if not contributors:  # the round applies nothing (its sum overflowed on the coordinator), whatever was summed
+            return None, 0
+        self._fold(names, step, 0, contributors, whole=True)
+        total, _ = self.sum.take_sum()  # None: this shard's pieces of the round overflow when summed
+        return total, len(contributors)
+
+    def _fold(self, names: Iterable[str], step: int, start: int, keys: Sequence[Key], whole: bool = False) -> None:
+        """Sum on the held pieces of ``keys`` (from the ``start``-th key of round ``step``'s sum; ``whole``: every key
+        summed so far must be among them); 409 and nothing summed if they do not follow the sum or are not held."""
+        if self.step != step:
+            self.step, self.folded, self.sum, self.late = step, [], None, set()
+        done, keys = len(self.folded), [tuple(k) for k in keys]
+        if start > done or self.folded[start:start + len(keys)] != keys[:done - start] or (whole and len(keys) < done):
+            raise ProtocolError(409, "order_mismatch", f"round {step}: keys {keys[:4]} from the {start}-th do not "
+                                                       f"follow the {done} summed here")
+        new = keys[done - start:]
+        missing = [w for _, w in new if self.get(w, step) is None]
         if missing:
             raise ProtocolError(409, "missing_gradient", f"round {step}: no held push of {missing[:4]} here (this "
                                                          "shard restarted since they pushed?)")
-
-    def take(self, names: Iterable[str], step: int, contributors: Sequence[Key]) -> tuple[dict | None, int]:
-        """(The rank-order sum of round ``step`` over ``contributors``, None if it overflows; their count):
-        :func:`apply_round`'s sum."""
-        contributors = [tuple(k) for k in contributors]
-        if not contributors:  # the round applies nothing (its sum overflowed on the coordinator), whatever was summed
-            return None, 0
-        folded = self.folded if self.step == step else []
-        if contributors[:len(folded)] != folded:
-            raise ProtocolError(409, "order_mismatch", f"round {step}: its contributors {contributors[:4]} do not "
-                                                       f"begin with the {len(folded)} summed here {folded[:4]}")
-        rest = contributors[len(folded):]
-        self._check_held(step, rest)
-        acc = self.sum if folded else Accumulator(tuple(names), "sum")
-        for rank, w in rest:
-            acc.apply(w, rank, self.by_worker[w].tensors)
-        total, _ = acc.take_sum()  # None: this shard's pieces of the round overflow when summed; nothing applied
-        return total, len(contributors)
+        if new and self.sum is None:
+            self.sum = Accumulator(tuple(names), "sum")
+        for rank, w in new:
+            self.sum.apply(w, rank, self.by_worker.pop(w).tensors, ())  # nothing still possible sorts before it
+            self.folded.append((rank, w))
 
 
 def apply_round(core, holds: Holds, step: int, contributors: Sequence[Key], mean_of: int) -> bool:
