@@ -103,8 +103,7 @@ class ShardRole:
         self.links.start()
         if core.initialized:  # restored: registration waits (503) until every follower says it is at our step
             self.links.blocked = "checking that every shard restored the same step"
-            self.links.tasks.append(asyncio.create_task(self.links.check_steps(
-                core.global_step, self.checkpoint_steps(), self.restore_body(core.global_step))))
+            self.links.tasks.append(asyncio.create_task(rollback.check_start(self)))
 
     def _load_map(self) -> None:
         if self.sidecar is not None and self.sidecar.exists():
@@ -166,7 +165,7 @@ class ShardRole:
     def lost(self, step: int, worker_id: str) -> None:
         """The core's hook (``on_lost``, partitioned rounds): a contributor of the decided round ``step`` will bring no
         more frames of it; the followers close their partitions without it (``POST /v1/shard/lost``)."""
-        self.links.progress({"step": step, "workers": [worker_id]}, list(range(1, self.count)), "/shard/lost")
+        self.links.queue("/shard/lost", {"step": step, "workers": [worker_id]})
 
     def observe(self) -> None:
         """Runtime observer (O(1) unless a round closed): queue each newly closed round :meth:`decided` did not send
@@ -182,7 +181,7 @@ class ShardRole:
         if self._folding and self.links.tasks:
             msg = self.tracker.message(core)
             if msg is not None:
-                self.links.progress(msg, self._folding)
+                self.links.queue("/shard/progress", msg, self._folding)
 
     async def init_model(self, init: ModelInit) -> ModelInit:
         """Plan the map of the brought model, give every follower its pieces, and return the coordinator's own
@@ -205,11 +204,6 @@ class ShardRole:
             self.initialising = False
         self._keep_map(m)
         return ModelInit(split(init.tensors, m.pieces[0]), spec)
-
-    # ---- hold receipts (.receipts) ----------------------------------------------------------
-    def restore_body(self, step: int) -> dict:
-        """The coordinator's ``POST /v1/shard/restore`` body: go back to ``step``, with the current receipt key."""
-        return {"step": step, "receipt_key": self.receipt_key.hex()}
 
     # ---- a follower ---------------------------------------------------------------------
     def init_follower(self, f: frame.Frame, now: float) -> dict:

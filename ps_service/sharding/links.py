@@ -1,16 +1,12 @@
 """The coordinator's links to its followers (PS -> PS HTTP with the peer token, PS_PEER_TOKEN, else the training
-token; every call with a timeout).
-
-One sender task per follower sends its queue in order, each message retried (capped backoff) until the follower
-answers: the applies of closed rounds (``POST /v1/shard/apply``; partitioned rounds: their decisions) and, between
-them, the open round's progress (``POST /v1/shard/progress``; partitioned rounds: contributors lost mid-round, ``POST
-/v1/shard/lost``). An idle link probes its follower's state every ``PROBE_SECONDS`` (``GET /v1/shard/state``). A
-follower that *restarted* (it refuses a message, 4xx, or answers with another ``boot`` id) stops its link
-(:attr:`Follower.error`, in ``/v1/status``) and is reported to :attr:`Links.on_restart` (the coordinator's live
-rollback, :mod:`.rollback`; without one the job stalls). The coordinator's weights answers wait for :meth:`Links.sent`,
-so that an apply leaves before megabytes of weights on the coordinator's network interface (a FIFO queue) and the
-followers' answers are not late by the time those take. :meth:`Links.silent` names the followers that do not answer
-now: the coordinator holds every worker's lease meanwhile (:meth:`ShardRole.hold_leases`).
+token; every call with a timeout). One sender task per follower sends its queue in order, each message retried (capped
+backoff) until answered: applies of closed rounds (partitioned rounds: decisions) and, between them, the open round's
+progress (partitioned rounds: contributors lost); an idle link probes ``GET /v1/shard/state`` every ``PROBE_SECONDS``.
+A follower that *restarted* (it refuses a message, 4xx, or answers with another ``boot``) stops its link
+(:attr:`Follower.error`) and is reported to :attr:`Links.on_restart` (:mod:`.rollback`). Weights answers wait for
+:meth:`Links.sent`, so an apply leaves before megabytes of weights on the coordinator's network interface (a FIFO
+queue). :meth:`Links.silent`: the followers that do not answer now (every lease held meanwhile:
+:meth:`ShardRole.hold_leases`). :meth:`Links.state` and :meth:`Links.restore` ask one follower directly.
 """
 from __future__ import annotations
 
@@ -41,6 +37,7 @@ PROBE_TIMEOUT_SECONDS = 2.0
 SILENT_SECONDS = 1.0
 #: how long :meth:`Links.stop` waits for a cancelled sender before it cancels it again
 CANCEL_AGAIN_SECONDS = 0.2
+APPLY = "/shard/apply"
 
 
 @dataclass
@@ -54,15 +51,6 @@ class Follower:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     sent: int = -1  # the newest round whose apply was written to its connection
     unanswered_since: float | None = None  # when the oldest apply still unanswered was queued (monotonic)
-
-
-def common_step(own: set[int], states: dict[int, dict]) -> int | None:
-    """The newest step every shard can go back to (``own``: the coordinator's; ``states``: each follower's
-    ``GET /v1/shard/state`` answer): a checkpoint of it, or (a follower) being at it now."""
-    common = set(own)
-    for st in states.values():
-        common &= set(st.get("checkpoints") or []) | ({st["step"]} if st.get("initialized") else set())
-    return max(common, default=None)
 
 
 class Links:
@@ -85,8 +73,7 @@ class Links:
         self.tasks = [asyncio.create_task(self._sender(f)) for f in self.followers]
 
     async def stop(self) -> None:
-        """Stop every sender (an apply in flight is abandoned), empty the queues, clear the errors (:meth:`start`
-        starts them again)."""
+        """Stop every sender (an apply in flight is abandoned), empty the queues, clear the errors."""
         await self._cancel()
         for f in self.followers:
             f.unanswered_since = None
@@ -169,13 +156,13 @@ class Links:
         """Queue round ``step``'s apply (partitioned rounds: its decision, and ``lost``: contributors that will bring
         no more frames of it) for every follower."""
         msg = {"step": step, "contributors": [list(c) for c in contributors], "mean_of": mean_of}
-        self.progress(msg if lost is None else {**msg, "lost": lost}, [f.index for f in self.followers], None)
+        self.queue(APPLY, msg if lost is None else {**msg, "lost": lost})
 
-    def progress(self, msg: dict, indices: list[int], path: str | None = "/shard/progress") -> None:
-        """Queue the open round's progress ``msg`` (:class:`.turns.Tracker`'s; ``path`` ``/shard/lost``: a contributor
-        lost mid-round, partitioned rounds; None: an apply) for the followers of ``indices``."""
+    def queue(self, path: str, msg: dict, indices: list[int] | None = None) -> None:
+        """Queue ``POST path`` with ``msg`` (an apply, the open round's progress, contributors lost) for the followers
+        of ``indices`` (None: every one)."""
         for f in self.followers:
-            if f.index in indices:
+            if indices is None or f.index in indices:
                 f.queue.put_nowait((path, msg))
                 if f.unanswered_since is None:
                     f.unanswered_since = time.monotonic()
@@ -199,15 +186,15 @@ class Links:
                 if msg is None:  # idle: is it still the process we know?
                     resp = await self._exchange(f, "GET", "/shard/state", time.monotonic() + PROBE_SECONDS,
                                                 timeout=PROBE_TIMEOUT_SECONDS)
-                else:  # an apply (path None) or the open round's progress
+                else:
                     path, body = msg
 
                     async def trace(event: str, info: dict, step: int = body["step"]) -> None:
                         if event == "http11.send_request_body.complete":  # httpcore's "trace" request extension
                             self._mark_sent(f, step)
-                    resp = await self._exchange(f, "POST", path or "/shard/apply", float("inf"), json=body,
-                                                extensions={} if path else {"trace": trace})
-                    if path is None:
+                    resp = await self._exchange(f, "POST", path, float("inf"), json=body,
+                                                extensions={"trace": trace} if path == APPLY else {})
+                    if path == APPLY:
                         self._mark_sent(f, body["step"])
             except TimeoutError:
                 continue  # a probe that got no answer: the next one asks again
@@ -217,11 +204,32 @@ class Links:
                 continue
             if msg is not None and f.queue.empty():
                 f.unanswered_since = None  # every apply queued so far is answered
-            answer = resp.json()
-            boot, f.step = answer.get("boot"), answer.get("step") if answer.get("initialized", True) else None
-            if f.boot is not None and boot != f.boot:
+            if self._heard(f, resp.json()):
                 self._restarted(f, f"shard {f.index} restarted (it answers at step {f.step} as another process)")
-            f.boot = boot
+
+    @staticmethod
+    def _heard(f: Follower, answer: dict) -> bool:
+        """Note a follower's ``step`` and ``boot`` from its answer: True if it is another process than before."""
+        was, f.boot = f.boot, answer.get("boot")
+        f.step = answer.get("step") if answer.get("initialized", True) else None
+        return was is not None and f.boot != was
+
+    async def state(self, f: Follower) -> dict:
+        """``GET /v1/shard/state`` of ``f`` (noted: :meth:`_heard`); TimeoutError, or ValueError if refused."""
+        resp = await self.ask(f, "GET", "/shard/state")
+        if resp.status_code != 200:
+            raise ValueError(f"{resp.status_code} {resp.text[:200]}")
+        answer = resp.json()
+        self._heard(f, answer)
+        return answer
+
+    async def restore(self, f: Follower, step: int, key: bytes) -> str | None:
+        """``POST /v1/shard/restore``: ``f`` goes back to ``step`` and takes ``key``; None, or why it refused."""
+        resp = await self.ask(f, "POST", "/shard/restore", json={"step": step, "receipt_key": key.hex()})
+        if resp.status_code != 200:
+            return f"shard {f.index} refused to restore step {step}: {resp.status_code} {resp.text[:200]}"
+        self._heard(f, resp.json())
+        return None
 
     def _restarted(self, f: Follower, why: str) -> None:
         f.error = why
@@ -231,34 +239,3 @@ class Links:
                       "same step)", why)
             return
         self.on_restart(f, why)
-
-    async def check_steps(self, step: int, own: list[int], restore: dict) -> None:
-        """Start-up after the coordinator restored ``step`` (``own``: its checkpoint steps): a follower at it or with a
-        checkpoint of it is told to restore it (``POST /v1/shard/restore``, body ``restore``: with the receipt key);
-        any other keeps registration refused (:attr:`blocked`, naming the newest step every shard has)."""
-        bad, states = [], {}
-        for f in self.followers:
-            try:
-                st = states[f.index] = (await self.ask(f, "GET", "/shard/state")).json()
-            except (TimeoutError, ValueError) as exc:
-                bad.append(f"shard {f.index} did not answer ({exc})")
-                continue
-            f.step = st.get("step") if st.get("initialized") else None
-            f.boot = st.get("boot")
-            if f.step == step or step in (st.get("checkpoints") or []):
-                resp = await self.ask(f, "POST", "/shard/restore", json=restore)
-                if resp.status_code != 200:
-                    bad.append(f"shard {f.index} refused to restore step {step}: {resp.status_code} {resp.text[:200]}")
-                    continue
-                if f.step != step:
-                    log.warning("shard %d was at step %s: it restored step %d, the coordinator's", f.index, f.step, step)
-                f.step = step
-            if f.step != step:
-                bad.append(f"shard {f.index} is at step {'none (no model)' if f.step is None else f.step}")
-        self.blocked = None
-        if bad:
-            newest = common_step(set(own) | {step}, states)
-            self.blocked = (f"the coordinator restored step {step} but {'; '.join(bad)}: restore every shard from a "
-                            f"checkpoint of the same step (the newest every shard has: {newest}), or start them all "
-                            "fresh")
-            log.error("%s", self.blocked)

@@ -1,26 +1,56 @@
-"""The coordinator's live rollback of a sharded PS when a follower restarted (docs/protocol-shards.md).
-
-A follower killed and started again comes back from its newest checkpoint: maybe behind the coordinator, and
-always without the pieces held for the open round. The job goes on from the newest step every shard has a
-checkpoint of (or is at), without restarting anything else. :func:`roll_back` (one at a time; :class:`ShardRole`
-starts it when :attr:`.links.Links.on_restart` reports a restart), in this order: registration refused (503
-``shards_inconsistent``, ``shard.blocked`` and ``shard.last_rollback`` in ``/v1/status`` say why) and the links
-stopped (applies in flight abandoned); the coordinator out of the job (every member expired, no round open) and a
-new hold receipt key (:mod:`.receipts`); each follower's state asked until it answers; each follower sent back to the
-common step (``POST /v1/shard/restore``), then the coordinator itself
-(:meth:`~ps_service.core.ParameterServerCore.rewind`); checkpoints of later steps deleted on every shard; the links
-started again and registration opened (one WARNING line; ``shard.rollbacks``, ``ps_shard_rollbacks_total``). No
-common step, or a follower refusing: registration stays refused, saying what the operator must do; nothing mixes steps.
+"""The coordinator brings every shard to one step (docs/protocol-shards.md). :func:`check_start`: after it restored
+step g, a follower at g or with a checkpoint of g restores g (``POST /v1/shard/restore``, with the receipt key); any
+other keeps registration refused (503 ``shards_inconsistent``; ``shard.blocked`` names the newest common step).
+:func:`roll_back` (one at a time, on :attr:`.links.Links.on_restart`): a restarted follower comes back from its newest
+checkpoint, without the pieces held for the open round. In order: registration refused (``shard.blocked`` and
+``shard.last_rollback`` say why), the links stopped, the coordinator out of the job (every member expired, no round
+open) with a new receipt key (:mod:`.receipts`); each follower's state asked until it answers; each follower, then the
+coordinator (:meth:`~ps_service.core.ParameterServerCore.rewind`), sent back to the newest step every shard has a
+checkpoint of (or is at), later checkpoints deleted; links and registration open again (a WARNING line,
+``shard.rollbacks``). No common step, or a follower refusing: registration stays refused, saying what to do.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 
-from ps_service.sharding.links import common_step
 from ps_service.sharding.receipts import new_key
 
 log = logging.getLogger("ps_service")
+
+
+def common_step(own: set[int], states: dict[int, dict]) -> int | None:
+    """The newest step every shard can go back to (``own``: the coordinator's; ``states``: each follower's
+    ``GET /v1/shard/state`` answer): a checkpoint of it, or (a follower) being at it now."""
+    common = set(own)
+    for st in states.values():
+        common &= set(st.get("checkpoints") or []) | ({st["step"]} if st.get("initialized") else set())
+    return max(common, default=None)
+
+
+async def check_start(role) -> None:
+    """Start-up after the coordinator restored its step (the module's contract); registration waits meanwhile."""
+    links, step = role.links, role.core.global_step
+    bad, states = [], {}
+    for f in links.followers:
+        try:
+            st = states[f.index] = await links.state(f)
+        except (TimeoutError, ValueError) as exc:
+            bad.append(f"shard {f.index} did not answer ({exc})")
+            continue
+        was = f.step
+        if was != step and step not in (st.get("checkpoints") or []):
+            bad.append(f"shard {f.index} is at step {'none (no model)' if was is None else was}")
+        elif refused := await links.restore(f, step, role.receipt_key):
+            bad.append(refused)
+        elif was != step:
+            log.warning("shard %d was at step %s: it restored step %d, the coordinator's", f.index, was, step)
+    links.blocked = None
+    if bad:
+        newest = common_step(set(role.checkpoint_steps()) | {step}, states)
+        links.blocked = (f"the coordinator restored step {step} but {'; '.join(bad)}: restore every shard from a "
+                         f"checkpoint of the same step (the newest every shard has: {newest}), or start them all fresh")
+        log.error("%s", links.blocked)
 
 
 async def _states(role) -> dict[int, dict]:
@@ -29,15 +59,10 @@ async def _states(role) -> dict[int, dict]:
     for f in links.followers:
         while f.index not in out:
             try:
-                resp = await links.ask(f, "GET", "/shard/state")
-                if resp.status_code == 200:
-                    out[f.index] = resp.json()
-                    continue
-                why = f"{resp.status_code} {resp.text[:200]}"
-            except TimeoutError as exc:
-                why = str(exc)
-            links.blocked = f"rolling back: waiting for shard {f.index}'s state ({why})"
-            await asyncio.sleep(1.0)
+                out[f.index] = await links.state(f)
+            except (TimeoutError, ValueError) as exc:
+                links.blocked = f"rolling back: waiting for shard {f.index}'s state ({exc})"
+                await asyncio.sleep(1.0)
     return out
 
 
@@ -78,12 +103,11 @@ async def _roll_back(role, why: str, was: int) -> None:
                              "step, or all fresh")
         return
     for f in links.followers:
-        resp = await links.ask(f, "POST", "/shard/restore", json=role.restore_body(step))
-        if resp.status_code != 200:
-            _failed(role, was, f"{why}; rolling back to step {step}, shard {f.index} refused: {resp.status_code} "
-                               f"{resp.text[:300]}: restart every shard from checkpoints of step {step}")
+        refused = await links.restore(f, step, role.receipt_key)
+        if refused:
+            _failed(role, was, f"{why}; rolling back to step {step}, {refused}: restart every shard from checkpoints "
+                               f"of step {step}")
             return
-        f.step, f.boot = step, resp.json().get("boot", f.boot)
     state = await asyncio.to_thread(role.step_state, step)
     await role.go_back(state, rt.now())
     links.start()
