@@ -27,8 +27,8 @@ import numpy as np
 from ps_service.auth import peer_token
 from ps_service.checkpoint import CheckpointError, checkpoint_name, decode, list_checkpoints, step_of
 from ps_service.core.model import check_weights
-from ps_service.sharding import receipts, rollback
-from ps_service.sharding.holds import Holds
+from ps_service.sharding import parts, receipts, rollback
+from ps_service.sharding.holds import Holds, apply_round
 from ps_service.sharding.links import Links
 from ps_service.sharding.turns import FOLD_BYTES, Gate, Tracker
 from shared import frame, marks
@@ -90,8 +90,8 @@ class ShardRole:
 
     # ---- lifecycle ----------------------------------------------------------------------
     async def start(self, rt, checkpointer=None) -> None:
-        """After a checkpoint restore (app start): read the map kept next to the checkpoints; the coordinator
-        starts its links and, when it restored a step, checks every follower is at that step too."""
+        """After a checkpoint restore (app start): read the kept map; the coordinator starts its links and, when it
+        restored a step, has every follower at that step too (:func:`.rollback.check_start`)."""
         core = self.core
         self.rt, self.checkpointer = rt, checkpointer
         if core.initialized:
@@ -107,42 +107,39 @@ class ShardRole:
 
     def _load_map(self) -> None:
         if self.sidecar is not None and self.sidecar.exists():
-            self._set_map(from_wire(json.loads(self.sidecar.read_text())))
+            self._set_map(from_wire(json.loads(self.sidecar.read_text())), keep=False)
 
-    def _set_map(self, m: ShardMap) -> None:
+    def _set_map(self, m: ShardMap, keep: bool = True) -> None:
+        """Take the map (``keep``: and write it next to the checkpoints)."""
         self.map = m
-        self._folding = [i for i in range(1, self.count) if self.folds(i) and not self.partitioned]
-        self._folds_here = not self.coordinator and self.folds(self.index) and not self.partitioned
-
-    def folds(self, index: int) -> bool:
-        """Shard ``index`` (a follower) sums a round as the coordinator's is summed and reads holds in their turn:
-        its pieces weigh :data:`.turns.FOLD_BYTES` or more."""
-        return self.map is not None and self.map.bytes_owned(index) >= FOLD_BYTES
-
-    def _keep_map(self, m: ShardMap) -> None:
-        self._set_map(m)
-        if self.sidecar is not None:
+        self._folding = [i for i in range(1, self.count) if self.folds(i)]
+        self._folds_here = not self.coordinator and self.folds(self.index)
+        if keep and self.sidecar is not None:
             self.sidecar.parent.mkdir(parents=True, exist_ok=True)
             self.sidecar.write_text(json.dumps(m.to_wire()))
 
+    def folds(self, index: int) -> bool:
+        """Follower ``index`` sums a round as told and reads holds in their turn (:mod:`.turns`): its pieces weigh
+        :data:`.turns.FOLD_BYTES` or more, and rounds are not partitioned."""
+        return not self.partitioned and self.map is not None and self.map.bytes_owned(index) >= FOLD_BYTES
+
     def need(self, coordinator: bool, what: str = "ask shard 0") -> None:
-        """409 ``not_coordinator`` unless this shard is the coordinator (``coordinator``: membership, the model's init
-        and commits live on shard 0), or 409 ``not_follower`` unless it is a follower (the coordinator's messages)."""
+        """409 ``not_coordinator`` unless this shard is the coordinator (``coordinator``), or 409 ``not_follower``
+        unless it is a follower."""
         if coordinator and not self.coordinator:
             raise ProtocolError(409, "not_coordinator", f"this is shard {self.index} of {self.count}: {what}")
         if not coordinator and self.coordinator:
             raise ProtocolError(409, "not_follower", "this is the coordinator (shard 0)")
 
     def admit(self) -> None:
-        """Registration is the coordinator's (:meth:`need`), and refused there (503, retried by workers) while the
-        shards are not consistent."""
+        """Registration: the coordinator's (:meth:`need`), 503 while the shards are not at one step."""
         self.need(True, "workers register with shard 0, the coordinator")
         if self.links is not None and self.links.blocked:
             raise ProtocolError(503, "shards_inconsistent", self.links.blocked)
 
     # ---- the coordinator ----------------------------------------------------------------
     def decided(self, rec) -> None:
-        """The core's ``on_decided`` hook: the followers' applies run while the coordinator steps its own share."""
+        """The core's ``on_decided`` hook: the followers apply while the coordinator steps its own share."""
         try:
             if rec.step > self._sent_step:
                 self._send(rec)
@@ -163,14 +160,12 @@ class ShardRole:
         self._sent_step = rec.step
 
     def lost(self, step: int, worker_id: str) -> None:
-        """The core's hook (``on_lost``, partitioned rounds): a contributor of the decided round ``step`` will bring no
-        more frames of it; the followers close their partitions without it (``POST /v1/shard/lost``)."""
+        """The core's ``on_lost`` hook (partitioned rounds): the followers close round ``step`` without a worker."""
         self.links.queue("/shard/lost", {"step": step, "workers": [worker_id]})
 
     def observe(self) -> None:
-        """Runtime observer (O(1) unless a round closed): queue each newly closed round :meth:`decided` did not send
-        for the followers, and drop what was held for closed rounds; then, for the followers that sum as told, the
-        open round's progress if it moved (:class:`.turns.Tracker`)."""
+        """Runtime observer (O(1) unless a round closed): queue the closed rounds :meth:`decided` did not send and drop
+        their holds; then the open round's progress if it moved, for the followers that sum as told (:mod:`.turns`)."""
         core = self.core
         if core.rounds_closed != self._seen_closed:
             self._seen_closed = core.rounds_closed
@@ -184,8 +179,7 @@ class ShardRole:
                 self.links.queue("/shard/progress", msg, self._folding)
 
     async def init_model(self, init: ModelInit) -> ModelInit:
-        """Plan the map of the brought model, give every follower its pieces, and return the coordinator's own
-        (the core then initialises with them). 409 while another initialisation is under way."""
+        """Plan the map, give every follower its pieces, return the coordinator's own (409 while another init runs)."""
         core = self.core
         if self.initialising or core.initialized:
             raise ProtocolError(409, "already_initialized", "the model is initialised (or being initialised); pull it")
@@ -202,13 +196,12 @@ class ShardRole:
                                              for i in range(1, self.count)})
         finally:
             self.initialising = False
-        self._keep_map(m)
+        self._set_map(m)
         return ModelInit(split(init.tensors, m.pieces[0]), spec)
 
     # ---- a follower ---------------------------------------------------------------------
     def init_follower(self, f: frame.Frame, now: float) -> dict:
-        """``PUT /v1/shard/model``: this follower's pieces and the receipt key from the coordinator (a repeat of the
-        same map at step 0: 200, with the key it brings)."""
+        """``PUT /v1/shard/model``: this follower's pieces and the receipt key (the same map again at step 0: 200)."""
         core = self.core
         key = receipts.parse_key(f.meta.get("receipt_key"))
         if key is None:
@@ -221,7 +214,8 @@ class ShardRole:
         if (m.shards, m.split_elements) != (self.count, self.split_elements):
             raise ProtocolError(409, "shard_map_mismatch",
                                 f"the coordinator plans {m.shards} shards split at {m.split_elements} elements; "
-                                f"this shard runs PS_SHARDS={self.count}, PS_SHARD_SPLIT_ELEMENTS={self.split_elements}")
+                                f"this shard runs PS_SHARDS={self.count}, "
+                                f"PS_SHARD_SPLIT_ELEMENTS={self.split_elements}")
         if set(f.tensors) != {p.key for p in m.pieces[self.index]}:
             raise ProtocolError(409, "shard_map_mismatch", f"the pieces sent are not shard {self.index}'s")
         if core.initialized:
@@ -235,15 +229,13 @@ class ShardRole:
             raise ProtocolError(400, "bad_field", "optimizer must be a map")
         core.optimizer_overrides = {}  # the coordinator resolved the spec with its settings
         core.init_model(ModelInit(dict(f.tensors), optimizer), now)
-        self._keep_map(m)
+        self._set_map(m)
         self.receipt_key = key
         return {"step": core.global_step, "digest": m.digest}
 
     async def turn(self, worker_id: str, step: int, seconds: float, last: bool = True) -> bool:
-        """A follower's hold waits for its turn (the seam's ``turn``): True once the coordinator awaits that worker's
-        push, or at once if this shard does not sum as told or has no receipt key (it restarted: the hold is refused,
-        409 ``shard_behind``, as soon as read); at the end of ``seconds`` False, or (``last``) True, read out of
-        turn."""
+        """A follower's hold waits for its turn (the seam's ``turn``; :class:`.turns.Gate`), at once if this shard
+        does not sum as told or has no receipt key (it restarted: the hold is refused once read)."""
         if not self._folds_here or self.receipt_key is None:
             return True
         holds, core = self.holds, self.core
@@ -253,10 +245,26 @@ class ShardRole:
                 not holds.late_for(worker_id, step) or core.intake.claim_late(worker_id))
         return await self.gate.wait(may, seconds, last)
 
+    def apply(self, step: int, contributors, mean_of: int, lost, now: float) -> bool:
+        """``POST /v1/shard/apply``: apply round ``step`` (:func:`.holds.apply_round`), or, partitioned rounds, take
+        its decision (:func:`.parts.decide`) and ``lost``; wake the holds waiting for their turn."""
+        try:
+            if not self.partitioned:
+                return apply_round(self.core, self.holds, step, contributors, mean_of)
+            if marks.ON:
+                marks.mark("decision.in", step=step, shard=self.index)
+            done = parts.decide(self.core, step, contributors, now)
+            self.drop(step, lost, now)
+            return done
+        finally:
+            self.gate.wake()
+
+    def drop(self, step: int, workers, now: float) -> bool:
+        """``POST /v1/shard/lost`` (partitioned rounds): ``workers`` bring no more frames of round ``step``."""
+        return any([parts.drop(self.core, step, w, now) for w in workers])
+
     def progress(self, step: int, start: int, keys, turns, late=(), back=()) -> bool:
-        """``POST /v1/shard/progress``: the coordinator's open round summed ``keys`` (from its ``start``-th), awaits
-        ``turns``, will not take the pushes of ``late`` and takes those of ``back`` again: sum them here, drop those
-        (:meth:`.holds.Holds.progress`), wake the holds whose turn came."""
+        """``POST /v1/shard/progress`` (:meth:`.holds.Holds.progress`); wake the holds whose turn came."""
         try:
             return self.holds.progress(tuple(self.core.weights), self.core.global_step, step, start, keys, turns, late,
                                        back)
@@ -269,8 +277,7 @@ class ShardRole:
         return [step_of(p) for p in list_checkpoints(self.sidecar.parent)] if self.sidecar else []
 
     def step_state(self, step: int) -> dict:
-        """The model of ``step``: its checkpoint's, or, with none, the live one if this shard is at ``step``.
-        404 ``unknown_checkpoint`` if neither (409 if the file is unusable)."""
+        """The model of ``step``: its checkpoint's, else the live one at ``step``; 404/409 ``unknown_checkpoint``."""
         if self.sidecar is not None and step in self.checkpoint_steps():
             path = self.sidecar.parent / checkpoint_name(step)
             try:
@@ -284,9 +291,8 @@ class ShardRole:
                                                        f"(it has {self.checkpoint_steps()})")
 
     async def go_back(self, state: dict, now: float) -> None:
-        """Rewind the core live to ``state`` (:meth:`~ps_service.core.ParameterServerCore.rewind`), drop every
-        held push, wait for the checkpoint writes in flight and delete the checkpoints of later steps (a future
-        the job abandoned: never restored later, never mixed with the redone steps' files)."""
+        """Rewind the core live to ``state``, drop every held push, wait for the checkpoint writes in flight and
+        delete the checkpoints of later steps (a future the job abandoned: never mixed with the redone steps')."""
         step = state["global_step"]
         self.core.rewind(state, now)
         self.holds = Holds()
@@ -316,8 +322,8 @@ class ShardRole:
         return {"step": self.core.global_step, "boot": self.boot}
 
     def _follower_restarted(self, f, why: str) -> None:
-        """:attr:`Links.on_restart`: roll the job back live (one rollback at a time; before the model exists
-        there is nothing to roll back: the link goes on)."""
+        """:attr:`Links.on_restart`: roll the job back live, one rollback at a time (before the model exists the link
+        goes on)."""
         if not self.core.initialized:
             f.error = None
             return
@@ -325,8 +331,8 @@ class ShardRole:
             self._rolling = asyncio.create_task(rollback.roll_back(self, why))
 
     def hold_leases(self, now: float) -> None:
-        """The coordinator's tick: no lease runs out and no round closes by its deadline while a follower does not
-        answer (:meth:`.links.Links.silent`: no round can be applied on it); :meth:`Membership.hold`, ``release``."""
+        """The coordinator's tick: no lease runs out and no round closes by its deadline while a follower is silent
+        (:meth:`.links.Links.silent`)."""
         if self.links is not None:
             (self.core.members.hold if self.links.silent() else self.core.members.release)(now)
 
@@ -352,10 +358,9 @@ class ShardRole:
         if self.coordinator:
             rows = [{"index": 0, "url": self.urls[0], "step": core.global_step, "reachable": True, "bytes_owned": own,
                      "error": None}]
-            for f in self.links.followers:
-                rows.append({"index": f.index, "url": f.url, "step": f.step, "reachable": f.reachable,
-                             "bytes_owned": None if self.map is None else self.map.bytes_owned(f.index),
-                             "error": f.error, "rounds_queued": f.queue.qsize()})
+            rows += [{"index": f.index, "url": f.url, "step": f.step, "reachable": f.reachable,
+                      "bytes_owned": self.map and self.map.bytes_owned(f.index), "error": f.error,
+                      "rounds_queued": f.queue.qsize()} for f in self.links.followers]
             out["shards"], out["blocked"] = rows, self.links.blocked
             out["leases_held"] = core.members.held_since is not None
             out["rollbacks"], out["last_rollback"] = self.rollbacks, self.last_rollback

@@ -18,9 +18,9 @@ from ps_service.http import JSON_BODY_LIMIT, JsonInt, json_body, parse_json
 from ps_service.runtime import runtime
 from ps_service.sharding import parts, receipts
 from ps_service.core.checks import validate
-from ps_service.sharding.holds import Held, apply_round
+from ps_service.sharding.holds import Held
 from ps_service.transport.body import read_body
-from shared import frame, marks
+from shared import frame
 from shared.errors import ProtocolError, unprocessable, bad_request
 from shared.protocol import API, FRAME_BODY, JSON, MAX_INT, PushStatus, parse_push_meta
 
@@ -52,7 +52,7 @@ async def shards(request: Request, timeout: float = Query(0.0, ge=0, allow_inf_n
 
 @router.post("/shard/gradients", openapi_extra=FRAME_BODY)
 async def hold(request: Request, map: str = Query(..., max_length=64, description=(
-        "The digest of the worker's shard map (GET /v1/shards): 409 shard_map_mismatch if it is not this shard's."))) -> dict:
+        "The digest of the worker's shard map (GET /v1/shards): 409 shard_map_mismatch if not this shard's."))) -> dict:
     """Hold this worker's pieces for ``step`` (checked as a push is; nothing counted until the commit); a follower
     answers with its receipt of the hold, which the commit carries."""
     rt, role = _role(request)
@@ -173,40 +173,29 @@ Count = Annotated[JsonInt, Field(ge=0, le=MAX_INT)]
 
 class ApplyRound(BaseModel):
     step: Count
-    contributors: list[tuple[Count, str]] = Field(description="(rank, worker_id) of the round's contributors, in sum order.")
+    contributors: list[tuple[Count, str]] = Field(
+        description="(rank, worker_id) of the round's contributors, in sum order.")
     mean_of: Annotated[JsonInt, Field(ge=1, le=MAX_INT)]
     lost: list[str] = Field(default_factory=list, description=(
         "Partitioned rounds: contributors that will bring no more frames of the round (lost before its decision)."))
 
 
-async def _from_coordinator(request: Request, model: type[BaseModel], limit: int = APPLY_BODY_LIMIT,
-                            initialized: bool = True):
-    """A follower's (runtime, role, JSON body parsed as ``model``); then 409 ``not_initialized`` (``initialized``)."""
+async def _told(request: Request, model: type[BaseModel], answered: str, act) -> dict:
+    """A coordinator's message to this follower: its JSON body parsed as ``model``, 409 ``not_initialized``, then
+    ``act(role, message, now)``; answered ``{"step", <answered>: what act returned, "boot"}``."""
     rt, role = _role(request, coordinator=False)
-    msg = parse_json(await read_body(request, limit, JSON, rt.settings.body_idle_timeout_seconds), model)
-    if initialized:
-        rt.core.admit(None)
-    return rt, role, msg
+    msg = parse_json(await read_body(request, APPLY_BODY_LIMIT, JSON, rt.settings.body_idle_timeout_seconds), model)
+    rt.core.admit(None)
+    done = rt.run_guarded(lambda: act(role, msg, rt.now()))
+    return {"step": rt.core.global_step, answered: done, "boot": role.boot}
 
 
 @router.post("/shard/apply", openapi_extra=json_body(ApplyRound))
 async def apply(request: Request) -> dict:
-    """Coordinator -> follower: apply round ``step`` with these contributors (a repeat: answered, not applied again)."""
-    rt, role, msg = await _from_coordinator(request, ApplyRound)
-    if role.partitioned:  # the decision: each partition closes here once its contributors' frames are in
-        def decide() -> bool:
-            if marks.ON:
-                marks.mark("decision.in", step=msg.step, shard=role.index)
-            done = parts.decide(rt.core, msg.step, msg.contributors, rt.now())
-            _drop(rt, msg.step, msg.lost)
-            return done
-        applied = rt.run_guarded(decide)
-    else:
-        try:
-            applied = rt.run_guarded(lambda: apply_round(rt.core, role.holds, msg.step, msg.contributors, msg.mean_of))
-        finally:
-            role.gate.wake()  # holds waiting for their turn: the next round's come once the coordinator says
-    return {"step": rt.core.global_step, "applied": applied, "boot": role.boot}
+    """Coordinator -> follower: apply round ``step`` with these contributors (a repeat: answered, not applied again);
+    partitioned rounds: its decision."""
+    return await _told(request, ApplyRound, "applied", lambda role, m, now: role.apply(
+        m.step, m.contributors, m.mean_of, m.lost, now))
 
 
 class Progress(BaseModel):
@@ -215,7 +204,8 @@ class Progress(BaseModel):
     folded: list[tuple[Count, str]] = Field(description="(rank, worker_id) summed since the last message, in order.")
     turns: list[str] | None = Field(description="Whose pushes the round awaits next (null: any, no order).")
     late: list[str] = Field(default_factory=list, description=(
-        "Workers whose pushes the round will not take (fixed R: their hold came after R heads), since the last message."))
+        "Workers whose pushes the round will not take (fixed R: their hold came after R heads), since the last "
+        "message."))
     back: list[str] = Field(default_factory=list, description=(
         "Workers named late whom the round takes again (they registered again into the stuck round), since the last "
         "message."))
@@ -224,9 +214,8 @@ class Progress(BaseModel):
 @router.post("/shard/progress", openapi_extra=json_body(Progress))
 async def progress(request: Request) -> dict:
     """Coordinator -> follower: the open round summed these keys and awaits these workers next (a repeat: skipped)."""
-    rt, role, msg = await _from_coordinator(request, Progress)
-    done = rt.run_guarded(lambda: role.progress(msg.step, msg.start, msg.folded, msg.turns, msg.late, msg.back))
-    return {"step": rt.core.global_step, "summed": done, "boot": role.boot}
+    return await _told(request, Progress, "summed", lambda role, m, now: role.progress(
+        m.step, m.start, m.folded, m.turns, m.late, m.back))
 
 
 class Lost(BaseModel):
@@ -238,15 +227,7 @@ class Lost(BaseModel):
 async def lost(request: Request) -> dict:
     """Coordinator -> follower (partitioned rounds): these contributors of round ``step`` are lost mid-round (lease
     ended, left): its partitions close without them."""
-    rt, role, msg = await _from_coordinator(request, Lost)
-    done = rt.run_guarded(lambda: _drop(rt, msg.step, msg.workers))
-    return {"step": rt.core.global_step, "dropped": done, "boot": role.boot}
-
-
-def _drop(rt, step: int, workers: list[str]) -> bool:
-    """Partitioned rounds: ``workers`` bring no more frames of round ``step`` (:func:`.parts.drop`)."""
-    now = rt.now()
-    return any([parts.drop(rt.core, step, w, now) for w in workers])
+    return await _told(request, Lost, "dropped", lambda role, m, now: role.drop(m.step, m.workers, now))
 
 
 @router.get("/shard/state")
@@ -267,7 +248,9 @@ class RestoreStep(BaseModel):
 @router.post("/shard/restore", openapi_extra=json_body(RestoreStep))
 async def restore(request: Request) -> dict:
     """Coordinator -> follower: go back live to your checkpoint of ``step`` (the step the coordinator chose)."""
-    rt, role, msg = await _from_coordinator(request, RestoreStep, JSON_BODY_LIMIT, initialized=False)
+    rt, role = _role(request, coordinator=False)
+    body = await read_body(request, JSON_BODY_LIMIT, JSON, rt.settings.body_idle_timeout_seconds)
+    msg = parse_json(body, RestoreStep)
     try:
         return await role.restore_step(msg.step, bytes.fromhex(msg.receipt_key), rt.now())
     finally:
