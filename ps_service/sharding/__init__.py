@@ -1,17 +1,14 @@
-"""A sharded PS (``PS_SHARDS`` = S > 1): this process's part in it. The wire contract is docs/protocol-shards.md;
-:func:`role` is None on an unsharded PS, and nothing here runs then.
+"""A sharded PS (``PS_SHARDS`` = S > 1): this process's part in it (docs/protocol-shards.md); :func:`role` is None
+on an unsharded PS, and nothing here runs then.
 
-Shard 0, the *coordinator*, alone holds membership, the barrier and the round records (its core as on one PS), and
-owns a share of the tensors; shards 1..S-1, the *followers*, own their share (:mod:`shared.shards`: each core's
-model is its pieces) and its optimizer slots, hold pushes (:mod:`.holds`) and decide nothing. A commit counts on
-the coordinator only with every follower's receipt of its hold (:mod:`.receipts`), so no round names a contributor
-a follower cannot apply. When round s is decided, :meth:`ShardRole.decided` (the core's ``on_decided`` hook, before
-the coordinator applies its own share) queues "apply round s with C" for every follower (:mod:`.links`), who sums
-the held pieces of C in rank order and steps the same optimizer: the coordinator's additions in its order, bit for
-bit. While a round fills, a follower whose pieces are large sums them as the coordinator's round sums its own and
-reads a hold only in its worker's turn (:mod:`.turns`: :meth:`ShardRole.observe`, :meth:`ShardRole.turn`), so a
-shard's memory stays flat in the worker count. A follower that restarted (another ``boot`` id in its answers) makes
-the coordinator roll the job back live to the newest checkpoint step every shard has (:mod:`.rollback`).
+Shard 0, the *coordinator*, alone holds membership, the barrier and the round records, and owns a share of the
+tensors; shards 1..S-1, the *followers*, own their share (:mod:`shared.shards`) and its optimizer slots, hold pushes
+(:mod:`.holds`) and decide nothing. A commit counts only with every follower's receipt of its hold (:mod:`.receipts`).
+When round s is decided, :meth:`ShardRole.decided` (the core's ``on_decided`` hook) queues "apply round s with C" for
+every follower (:mod:`.links`), who sums the held pieces of C in rank order and steps the same optimizer, bit for bit
+the coordinator's. A follower whose pieces are large sums a round as it fills and reads a hold only in its worker's
+turn (:mod:`.turns`), so its memory stays flat in the worker count. A follower that restarted makes the coordinator
+roll the job back live to the newest checkpoint step every shard has (:mod:`.rollback`).
 """
 from __future__ import annotations
 
@@ -56,23 +53,18 @@ class ShardRole:
         self.links = (Links(self.urls, peer_token(settings), settings.http_keepalive_seconds) if self.coordinator
                       else None)
         self.sidecar = Path(settings.checkpoint_dir) / SIDECAR if settings.checkpoint_dir else None
-        self._seen_closed = 0
-        self._sent_step = -1
+        self._seen_closed, self._sent_step = 0, -1  # the coordinator: rounds closed, and sent to the followers
         self.boot = secrets.token_hex(8)  # this process: a follower answering with another one restarted
-        self.rt = None  # the runtime (set by start): its clock and notify, for a live rollback
-        self.checkpointer = None  # this shard's checkpoint writer (ps_service/checkpoint.py), if any
-        self.rollbacks = 0  # live rollbacks the coordinator made (a follower restarted)
-        self.last_rollback: str | None = None  # the last one: from which step to which, and why (or how it failed)
+        self.rt, self.checkpointer = None, None  # set by start: the runtime and this shard's checkpoint writer
+        self.rollbacks, self.last_rollback = 0, None  # the coordinator's live rollbacks, and what the last one did
         # the hold receipts' key (.receipts): the coordinator's own; a follower's as the coordinator last gave it
         self.receipt_key: bytes | None = receipts.new_key() if self.coordinator else None
         self._rolling: asyncio.Task | None = None
         self.tracker = Tracker()  # the coordinator: the open round's order, as its folding followers last heard it
         self.gate = Gate()  # a follower: holds waiting for their turn
-        self._folding: list[int] = []  # the coordinator: the followers that sum as told (their pieces' bytes)
+        self._folding: list[int] = []  # the coordinator: the followers that sum as told (:meth:`folds`)
         self._folds_here = False  # a follower that sums as told
-        #: partitioned rounds (PS_PARTITION_BYTES > 0: .parts): the coordinator's decision goes to the followers at
-        #: once, each closes its own partitions; no receipts, no commits, no progress
-        self.partitioned = settings.partition_bytes > 0
+        self.partitioned = settings.partition_bytes > 0  # (.parts): no receipts, no commits, no progress
         if not self.coordinator:
             core.follow()
         else:
@@ -90,8 +82,7 @@ class ShardRole:
 
     # ---- lifecycle ----------------------------------------------------------------------
     async def start(self, rt, checkpointer=None) -> None:
-        """After a checkpoint restore (app start): read the kept map; the coordinator starts its links and, when it
-        restored a step, has every follower at that step too (:func:`.rollback.check_start`)."""
+        """App start, after a checkpoint restore: the kept map; the coordinator's links, and its start-up check."""
         core = self.core
         self.rt, self.checkpointer = rt, checkpointer
         if core.initialized:
@@ -101,7 +92,7 @@ class ShardRole:
         self._seen_closed, self._sent_step = core.rounds_closed, core.global_step - 1
         self.links.on_restart = self._follower_restarted
         self.links.start()
-        if core.initialized:  # restored: registration waits (503) until every follower says it is at our step
+        if core.initialized:  # restored: registration waits (503) until every follower is at our step
             self.links.blocked = "checking that every shard restored the same step"
             self.links.tasks.append(asyncio.create_task(rollback.check_start(self)))
 
@@ -147,12 +138,13 @@ class ShardRole:
             log.exception("queueing the apply of round %d failed", rec.step)
 
     def _send(self, rec) -> None:
+        """Queue the followers' apply of round ``rec`` (partitioned rounds: with the contributors lost already)."""
         contributors = sorted((a.rank, a.worker_id) for a in rec.contributors)
         n = len(contributors)
-        parts = self.core.parts
+        open_parts = self.core.parts
         lost = None if not self.partitioned else sorted(
-            parts.lost & {w for _, w in contributors} if parts is not None and rec.step == self.core.global_step
-            else ())  # (contributors lost before the decision)
+            open_parts.lost & {w for _, w in contributors}
+            if open_parts is not None and rec.step == self.core.global_step else ())
         if marks.ON:
             marks.mark("decision.queued", step=rec.step)
         mean_of = n if self.core.config.aggregation == "mean" and n > 1 else 1
@@ -313,7 +305,7 @@ class ShardRole:
                 (self.sidecar.parent / checkpoint_name(newer)).unlink(missing_ok=True)
 
     async def restore_step(self, step: int, key: bytes, now: float) -> dict:
-        """``POST /v1/shard/restore``: :meth:`step_state`, :meth:`go_back`, and the coordinator's receipt ``key``."""
+        """``POST /v1/shard/restore``: back to ``step``, with the coordinator's receipt ``key``."""
         state = self.step_state(step)
         await self.go_back(state, now)
         self.receipt_key = key
@@ -338,7 +330,7 @@ class ShardRole:
 
     # ---- monitoring ---------------------------------------------------------------------
     def wait_reason(self, now: float) -> str | None:
-        """What this shard waits for: the coordinator's reason (or why it admits no worker); a follower's rounds."""
+        """What this shard waits for (``/v1/status``)."""
         core = self.core
         if self.coordinator:
             silent = ", ".join(f"shard {f.index} at {f.url}" for f in self.links.silent())

@@ -1,23 +1,19 @@
 """The sans-IO half of a shard: pushes held until a round names them, and a follower's rank-order sum of a round.
-
 No I/O, no clock. Contract:
 
-- :func:`passed`: a message of the coordinator about round s (progress, apply; partitioned rounds' frames,
-  decisions, losses: :mod:`ps_service.sharding.parts`) is for a round this shard has passed (nothing to do) or is
-  at; else 409 ``shard_behind``.
+- :func:`passed`: a message of the coordinator about round s is for a round this shard has passed (nothing to do) or
+  is at; else 409 ``shard_behind``.
 - :class:`Holds` keeps one held push per worker (a later one replaces it) and, on a follower, the open round's
   running sum as the coordinator's :class:`~ps_service.core.rounds.Accumulator` makes it (:meth:`Holds.progress`):
-  the keys it summed, in order (each an accepted commit, which stays a contributor: nothing is summed on a guess),
-  whose pushes it awaits next (:meth:`Holds.may_read`: a hold of anyone else waits unread, as one PS reads a push
-  in its turn, :mod:`ps_service.core.intake`) and, fixed R, whose it will not take (``late``: a hold of them is read,
-  answered late and kept nowhere) or takes again (``back``: they registered again into the stuck round).
-- :func:`apply_round` (a follower told "apply round s with contributors C"): the keys summed so far must be the
-  first of C; the rest of C's held pieces are summed on in (rank, worker_id) order, the same optimizer is stepped
-  once with the coordinator's ``mean_of``, the global step bumped and every hold of step <= s dropped. The sum is
-  ``acc = g[c0]; acc += g[c1] ...``, bit for bit, however the additions were spread in time. A repeat is answered
-  done; one ahead of the shard, naming a gradient not held, or whose first keys are not those summed, is 409 and
-  changes nothing. No contributors (the coordinator's sum overflowed) or a sum that overflows here: nothing applied
-  here (logged: the other shards apply theirs).
+  the keys it summed, in order (each an accepted commit: nothing is summed on a guess), whose pushes it awaits next
+  (:meth:`Holds.may_read`: a hold of anyone else waits unread) and, fixed R, whose it will not take (``late``: read,
+  answered late, kept nowhere) or takes again (``back``).
+- :func:`apply_round` ("apply round s with contributors C"): the keys summed so far must be the first of C; the rest
+  of C's held pieces are summed on in (rank, worker_id) order, the optimizer is stepped once with the coordinator's
+  ``mean_of``, and every hold of step <= s dropped: ``acc = g[c0]; acc += g[c1] ...``, bit for bit, however the
+  additions were spread in time. A repeat is answered done; one ahead of the shard, naming a gradient not held, or
+  not following the keys summed is 409 and changes nothing. No contributors (the coordinator's sum overflowed) or a
+  sum that overflows here: nothing applied here (logged).
 """
 from __future__ import annotations
 

@@ -55,8 +55,7 @@ class Follower:
 
 class Links:
     def __init__(self, urls: list[str], token, keepalive_seconds: float = keepalive.DEFAULT_SERVER_SECONDS) -> None:
-        """``keepalive_seconds``: the followers' ``PS_HTTP_KEEPALIVE_SECONDS`` (every shard takes the same settings);
-        a connection idle for half of it is not reused (shared/keepalive.py)."""
+        """``keepalive_seconds``: the followers' ``PS_HTTP_KEEPALIVE_SECONDS`` (shared/keepalive.py)."""
         self.followers = [Follower(i, url) for i, url in enumerate(urls) if i > 0]
         self.headers = dict(bearer_header(token))
         limits = httpx.Limits(keepalive_expiry=keepalive.reuse_seconds(keepalive_seconds))
@@ -122,9 +121,8 @@ class Links:
         return await self._exchange(f, method, path, time.monotonic() + INIT_DEADLINE_SECONDS, **kw)
 
     async def init_followers(self, bodies: dict[int, bytes]) -> None:
-        """PUT each follower its pieces (``bodies``: index -> the frame), in parallel, each retried for at most
-        ``INIT_DEADLINE_SECONDS``: a follower's 4xx is 409 ``shard_init_failed``, one unreachable 503
-        ``shard_unreachable``."""
+        """PUT each follower its pieces (``bodies``: index -> the frame), in parallel (:meth:`ask`): a follower's 4xx
+        is 409 ``shard_init_failed``, one unreachable 503 ``shard_unreachable``."""
         async def one(f: Follower) -> None:
             try:
                 resp = await self.ask(f, "PUT", "/shard/model", content=bodies[f.index],
@@ -168,8 +166,8 @@ class Links:
                     f.unanswered_since = time.monotonic()
 
     def silent(self, now: float | None = None) -> list[Follower]:
-        """The followers that do not answer now (their link not stopped by a restart: :mod:`.rollback` handles
-        those): the last exchange got no answer, or an apply has waited more than ``SILENT_SECONDS`` for one."""
+        """The followers whose link runs and whose last exchange got no answer, or whose apply has waited more than
+        ``SILENT_SECONDS`` for one."""
         now = time.monotonic() if now is None else now
         return [f for f in self.followers if f.error is None and (
             f.reachable is False or (f.unanswered_since is not None and now - f.unanswered_since > SILENT_SECONDS))]

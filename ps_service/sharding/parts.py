@@ -1,26 +1,20 @@
 """A follower's partitioned rounds (``PS_PARTITION_BYTES`` = P > 0 on a sharded PS; docs/partitions.md, Shards).
 Pure, no I/O, no clock.
 
-Contract: a follower's pieces are planned into partitions with the wire's plan (:func:`shared.partitions.plan` over
-the shard's own pieces as its model, and P: its core's :attr:`~ps_service.core.ParameterServerCore.partitions`, or
-one partition of them whole: :func:`plan_of`).
-Its core's open round is a :class:`~ps_service.core.partitions.RoundParts` from partition 0 (``first`` = 0), opened
-when the round's first frame or decision comes. Three inputs drive it, in any order:
+Contract: a follower's pieces are planned into partitions with the wire's plan over its own pieces as its model
+(:func:`plan_of`). Its core's open round is a :class:`~ps_service.core.partitions.RoundParts` from partition 0, opened
+by the round's first frame or decision. Three inputs drive it, in any order:
 
-- :func:`frame`: a worker's frame of partition q of step s (a hold's head or later frame), checked as a push's
-  pieces are (names, dtypes, shapes: 422 ``tensor_mismatch``; NaN/Inf: 422 ``nonfinite_gradient``) before anything
-  changes. Kept (``held``) until the decision names its sender, then summed in rank order; ``duplicate`` if that
-  worker's frame of q came already, ``late`` (kept nowhere) if round s is over here, or decided without that worker
-  or without waiting for it there; 409 ``shard_behind`` if s is ahead of this shard.
-- :func:`decide`: the coordinator's decision of round s: the contributors C as (rank, worker_id) in sum order. Frames
-  of others are dropped. From then on each partition closes, summed over C in rank order and applied
-  (``ModelState.update(pieces=...)``, the iteration advanced by the first), as soon as C's frames of it are in;
-  the step advances with the last partition. A repeat, or a step this shard has passed: nothing done (False).
-- :func:`drop`: a member of round s will bring no more frames (its lease ended, it left): the partitions waiting for
-  it close without it (the mean over the others there), as on one PS.
+- :func:`frame`: a worker's frame of partition q of step s, checked as a push's pieces are (422 ``tensor_mismatch``,
+  ``nonfinite_gradient``) before anything changes. Kept (``held``) until the decision names its sender; ``duplicate``
+  if that worker's frame of q came already, ``late`` (kept nowhere) if round s is over here or decided without that
+  worker (or no longer waiting for it); 409 ``shard_behind`` if s is ahead of this shard.
+- :func:`decide`: the coordinator's decision of round s, the contributors as (rank, worker_id) in sum order; frames
+  of others are dropped. Each partition closes, summed over them in rank order and applied, once their frames of it
+  are in; the step advances with the last. A repeat, or a step this shard has passed: nothing done (False).
+- :func:`drop`: a member of round s brings no more frames: the partitions waiting for it close without it.
 
-The sums are those of one accumulator over C's pieces of a partition in rank order, so the weights are those of the
-same round at P = 0, bit for bit, when no member is lost mid-round.
+The weights are those of the same round at P = 0, bit for bit, when no member is lost mid-round.
 """
 from __future__ import annotations
 

@@ -27,8 +27,7 @@ from shared.protocol import API, FRAME_BODY, JSON, MAX_INT, PushStatus, parse_pu
 router = APIRouter(prefix=API, tags=["shards"])
 #: a follower's apply names every contributor: room for thousands of workers
 APPLY_BODY_LIMIT = 1 << 22
-#: how long a commit's weights answer waits at most for the followers' applies to be written (Links.sent): a few
-#: loop turns when the links work; bounded for a follower that does not answer (the job waits for it anyway)
+#: how long a commit's weights answer waits at most for the followers' applies to be written (Links.sent)
 APPLY_FIRST_SECONDS = 1.0
 
 
@@ -77,15 +76,15 @@ async def hold(request: Request, map: str = Query(..., max_length=64, descriptio
     if step > g:  # never held: a hold outlives nothing but its own round
         raise unprocessable("future_step", f"step {step} is ahead of shard {role.index}'s global step {g}")
     validate(rt.core.weights, push.tensors, "reject", check_finite=not push.finite_checked)  # before any change
-    late = {"status": "late", "step": step, "shard": role.index, "global_step": g}
+    answer = {"status": "late", "step": step, "shard": role.index, "global_step": g}
     if step < g:  # its round is over here: nothing to keep (the commit says late or stale)
-        return late
+        return answer
     # fixed R: the coordinator's hold is the push's head; one after R heads is late there, and on every follower told so
     kept = (rt.run_guarded(lambda: rt.core.hold(push.worker_id, step)) if role.coordinator
             else not role.holds.late_for(push.worker_id, step))
     if not kept:
-        return late
-    answer = {"status": "held", "step": step, "shard": role.index, "global_step": g}
+        return answer
+    answer["status"] = "held"
     if not role.coordinator:  # 409 shard_behind before anything is kept, if it has no key (it restarted)
         answer["receipt"] = receipts.receipt(role.receipt_key, role.index, push.worker_id, step)
     if not role.holds.summed(push.worker_id, step):  # (summed: a retry of a hold whose pieces are in the sum)
@@ -95,8 +94,7 @@ async def hold(request: Request, map: str = Query(..., max_length=64, descriptio
 
 
 async def _hold_parts(request: Request, rt, role) -> dict:
-    """A follower's hold in a job with partitioned rounds: its frames go to its partitions as they arrive
-    (:mod:`.parts`; the coordinator takes its pieces as a push: 409 ``sharded``); no receipt."""
+    """A follower's hold, partitioned rounds: its frames go to its partitions as they arrive (:mod:`.parts`)."""
     if role.coordinator:
         raise ProtocolError(409, "sharded", "partitioned rounds: push the coordinator's pieces (POST /v1/gradients)")
     core = rt.core
@@ -173,11 +171,9 @@ Count = Annotated[JsonInt, Field(ge=0, le=MAX_INT)]
 
 class ApplyRound(BaseModel):
     step: Count
-    contributors: list[tuple[Count, str]] = Field(
-        description="(rank, worker_id) of the round's contributors, in sum order.")
+    contributors: list[tuple[Count, str]] = Field(description="(rank, worker_id) of the contributors, in sum order.")
     mean_of: Annotated[JsonInt, Field(ge=1, le=MAX_INT)]
-    lost: list[str] = Field(default_factory=list, description=(
-        "Partitioned rounds: contributors that will bring no more frames of the round (lost before its decision)."))
+    lost: list[str] = Field(default_factory=list, description="Partitioned rounds: contributors lost before it.")
 
 
 async def _told(request: Request, model: type[BaseModel], answered: str, act) -> dict:
@@ -192,8 +188,7 @@ async def _told(request: Request, model: type[BaseModel], answered: str, act) ->
 
 @router.post("/shard/apply", openapi_extra=json_body(ApplyRound))
 async def apply(request: Request) -> dict:
-    """Coordinator -> follower: apply round ``step`` with these contributors (a repeat: answered, not applied again);
-    partitioned rounds: its decision."""
+    """Coordinator -> follower: apply round ``step`` with these contributors (partitioned rounds: its decision)."""
     return await _told(request, ApplyRound, "applied", lambda role, m, now: role.apply(
         m.step, m.contributors, m.mean_of, m.lost, now))
 
@@ -203,12 +198,8 @@ class Progress(BaseModel):
     start: Count = Field(description="The index of the first key of ``folded`` in the round's summed prefix.")
     folded: list[tuple[Count, str]] = Field(description="(rank, worker_id) summed since the last message, in order.")
     turns: list[str] | None = Field(description="Whose pushes the round awaits next (null: any, no order).")
-    late: list[str] = Field(default_factory=list, description=(
-        "Workers whose pushes the round will not take (fixed R: their hold came after R heads), since the last "
-        "message."))
-    back: list[str] = Field(default_factory=list, description=(
-        "Workers named late whom the round takes again (they registered again into the stuck round), since the last "
-        "message."))
+    late: list[str] = Field(default_factory=list, description="Workers whose pushes the round will not take (fixed R).")
+    back: list[str] = Field(default_factory=list, description="Workers named late whom the round takes again.")
 
 
 @router.post("/shard/progress", openapi_extra=json_body(Progress))
@@ -225,15 +216,13 @@ class Lost(BaseModel):
 
 @router.post("/shard/lost", openapi_extra=json_body(Lost))
 async def lost(request: Request) -> dict:
-    """Coordinator -> follower (partitioned rounds): these contributors of round ``step`` are lost mid-round (lease
-    ended, left): its partitions close without them."""
+    """Coordinator -> follower (partitioned rounds): these contributors of round ``step`` are lost mid-round."""
     return await _told(request, Lost, "dropped", lambda role, m, now: role.drop(m.step, m.workers, now))
 
 
 @router.get("/shard/state")
 async def state(request: Request) -> dict:
-    """This shard: index, count, whether it holds a model, its step, map digest, checkpoint steps on disk and boot
-    id (another one than before: the process restarted)."""
+    """This shard: index, count, whether it holds a model, its step, map digest, checkpoint steps and boot id."""
     rt, role = _role(request)
     return {"index": role.index, "shards": role.count, "initialized": rt.core.initialized,
             "step": rt.core.global_step, "digest": role.digest, "checkpoints": role.checkpoint_steps(),

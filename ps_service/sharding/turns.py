@@ -1,20 +1,17 @@
 """The open round's order, coordinator -> followers: what keeps a follower's memory flat in the worker count.
-
 A follower knows no membership; the coordinator's round knows who contributes and in what order. Contract:
 
 - :class:`Tracker` (the coordinator): after every change of its core, the message a folding follower needs when the
-  open round moved (``POST /v1/shard/progress``: ``{"step", "start", "folded", "turns", "late", "back"}``), else None;
-  O(1) when nothing moved, each summed key and each late member sent once. With fixed R, ``turns`` names only the
-  members whose head came (the coordinator's hold), so a follower never reads a push the round may not take.
-- :class:`Gate`: a bounded wait for a condition, looked at again at each ``wake`` (:meth:`.links.Links.sent` waits on
-  one too). A follower's hold of the open round waits in one unread until
-  :meth:`~ps_service.sharding.holds.Holds.may_read` lets it, at most its transport's patience (a lease); then it is
-  read out of turn (``overdue``). The coordinator's messages, applies and rollbacks wake it. A late hold is read one
-  at a time (:meth:`~ps_service.core.intake.Intake.claim_late`, as one PS reads a late push) and kept nowhere.
+  open round moved (``POST /v1/shard/progress``), else None; O(1) when nothing moved, each summed key and each late
+  member sent once. With fixed R, ``turns`` names only members whose head came, so a follower never reads a push the
+  round may not take.
+- :class:`Gate`: a bounded wait for a condition, looked at again at each ``wake``. A follower's hold of the open round
+  waits in one unread until :meth:`~ps_service.sharding.holds.Holds.may_read` lets it, at most its transport's
+  patience (a lease), then is read out of turn (``overdue``). A late hold is read one at a time and kept nowhere.
 
-Only followers whose pieces weigh :data:`FOLD_BYTES` or more (the seam's bound: smaller bodies are read at once) get
-these messages and gate their holds: both sides decide from the shard map. What stays held beyond the bound: the
-pieces of a worker that held them and never committed (to the round's apply), and a hold read out of turn.
+Only followers whose pieces weigh :data:`FOLD_BYTES` or more get these messages and gate their holds (both sides
+decide from the shard map). Held beyond the bound: pieces never committed (until the round's apply), a hold read out
+of turn.
 """
 from __future__ import annotations
 
@@ -31,9 +28,9 @@ class Tracker:
     def __init__(self) -> None:
         self.reset()
 
-    def reset(self) -> None:
-        """Nothing sent (a new job state: start, rollback)."""
-        self._step, self._sent, self._turns, self._late, self._back = -1, 0, (), 0, 0
+    def reset(self, step: int = -1) -> None:
+        """Nothing sent of round ``step`` (-1: a new job state, start or rollback)."""
+        self._step, self._sent, self._turns, self._late, self._back = step, 0, (), 0, 0
 
     def message(self, core) -> dict | None:
         g, r = core.global_step, core.round
@@ -44,7 +41,7 @@ class Tracker:
             if r.replicas is not None:  # fixed R: a member yet to push may still come after R heads (late)
                 turns = tuple(w for w in turns if w in r.heads)
         if g != self._step:
-            self._step, self._sent, self._turns, self._late, self._back = g, 0, (), 0, 0
+            self.reset(g)
         elif len(folded) == self._sent and turns == self._turns and len(late) == self._late \
                 and len(back) == self._back:
             return None
