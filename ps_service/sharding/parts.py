@@ -24,12 +24,10 @@ import numpy as np
 
 from ps_service.core.checks import validate
 from ps_service.core.partitions import RoundParts
-from ps_service.sharding.holds import passed
+from ps_service.sharding.holds import Key, passed
 from shared.errors import unprocessable
 from shared.partitions import Plan, plan as partition_plan
 from shared.shards import spec_of
-
-Key = tuple[int, str]  # (rank, worker_id): the sum's order
 
 
 def plan_of(core) -> Plan:

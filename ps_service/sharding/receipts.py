@@ -1,12 +1,10 @@
-"""Hold receipts: a follower's proof, checked by the coordinator with no round trip, that it holds a worker's pieces.
+"""Hold receipts: a follower's proof, checked by the coordinator with no round trip, that it holds a worker's pieces
+(a commit counts only if every follower does: no round names a contributor a follower cannot apply).
 
-A commit counts on the coordinator only if every follower holds that worker's pieces of that step (else a round
-would name a contributor a follower cannot apply). The coordinator draws a secret :func:`new_key` and gives it to
-each follower with its pieces and at every restore (a live rollback draws a new one: no receipt of an abandoned
-future is good again); a follower answers a hold it keeps with :func:`receipt`, which it keeps until the round of
-its step is applied there; :func:`check` refuses a commit unless every follower's receipt in it is good. The
-MAC covers (shard, worker id, step), not the pieces' bytes (a digest would hash every byte on the hold's path).
-No I/O, no clock.
+The coordinator draws a secret :func:`new_key` and gives it to each follower with its pieces and at every restore (a
+live rollback draws a new one: no receipt of an abandoned future is good again); a follower answers a hold it keeps
+with :func:`receipt`; :func:`check` refuses a commit unless every follower's receipt in it is good. The MAC covers
+(shard, worker id, step), not the pieces' bytes (a digest would hash every byte on the hold's path). No I/O, no clock.
 """
 from __future__ import annotations
 

@@ -53,19 +53,6 @@ async def check_start(role) -> None:
         log.error("%s", links.blocked)
 
 
-async def _states(role) -> dict[int, dict]:
-    """Each follower's ``GET /v1/shard/state`` answer, asked again until it answers (the reason says who is awaited)."""
-    links, out = role.links, {}
-    for f in links.followers:
-        while f.index not in out:
-            try:
-                out[f.index] = await links.state(f)
-            except (TimeoutError, ValueError) as exc:
-                links.blocked = f"rolling back: waiting for shard {f.index}'s state ({exc})"
-                await asyncio.sleep(1.0)
-    return out
-
-
 async def roll_back(role, why: str) -> None:
     """Roll the job back live (the module's contract); any failure leaves registration refused, saying why (in
     ``shard.blocked`` and ``shard.last_rollback``)."""
@@ -93,7 +80,14 @@ async def _roll_back(role, why: str, was: int) -> None:
     await links.stop()  # no apply of an abandoned round reaches a restored follower
     await role.go_back(core.model_state(), rt.now())  # the job stops here: every worker out, no round open
     role.receipt_key = new_key()  # no receipt of the abandoned steps is good again (every member is out)
-    states = await _states(role)
+    states = {}
+    for f in links.followers:  # each follower's state, asked again until it answers
+        while f.index not in states:
+            try:
+                states[f.index] = await links.state(f)
+            except (TimeoutError, ValueError) as exc:
+                links.blocked = f"rolling back: waiting for shard {f.index}'s state ({exc})"
+                await asyncio.sleep(1.0)
     step = common_step(set(role.checkpoint_steps()) | {was}, states)
     if step is None:
         _failed(role, was, f"{why}, and no step is in every shard's checkpoints (the coordinator is at step {was}; "

@@ -1,8 +1,7 @@
-"""The routes of a sharded PS (docs/protocol-shards.md: each one, its body and its answers); app.py mounts them only
-when ``PS_SHARDS`` > 1. Workers': ``GET /v1/shards``, ``POST /v1/shard/gradients`` (a hold), ``POST
-/v1/shard/commit``; the coordinator's to a follower: ``PUT /v1/shard/model``, ``POST /v1/shard/progress``, ``/apply``,
-``/lost``, ``/restore``; ``GET /v1/shard/state``. Thin drivers, as :mod:`ps_service.api`: a hold's pieces are checked
-as a push's (the core's ``validate``), every barrier decision is the core's.
+"""The routes of a sharded PS (docs/protocol-shards.md: each one, its body and its answers), mounted only when
+``PS_SHARDS`` > 1: the workers' ``GET /v1/shards``, ``POST /v1/shard/gradients`` (a hold) and ``/commit``; the
+coordinator's to a follower ``PUT /v1/shard/model``, ``POST /v1/shard/apply``, ``/progress``, ``/lost``, ``/restore``;
+``GET /v1/shard/state``. Thin drivers, as :mod:`ps_service.api`: every barrier decision is the core's.
 """
 from __future__ import annotations
 
