@@ -12,7 +12,9 @@ older than that option ignores). With ``--json`` it prints each run's JSON line 
 when the tree's ``bench.run`` reports it); each line names its ``side`` (``before``, ``after``). Without it, a table
 of the summaries. Cells: ``--cells`` as ``transport:params:workers``, then optionally a compression (``--compression``
 of ``bench.run``), ``S`` with a number of PS shards (``--shards``) and ``standby`` (a hot-standby pair:
-``--standby``), e.g. ``http:10000000:2:S2``, ``shm:1000000:4:standby`` (default: the eight of ``make bench`` at 1e6
+``--standby``) and ``pin`` (the job on every CPU but the last, a standby on the last alone: ``--pin``), e.g.
+``http:10000000:2:S2``, ``shm:1000000:4:standby``, ``shm:1000000:4:standby:pin`` against ``shm:1000000:4:pin``
+(default: the eight of ``make bench`` at 1e6
 and 1e7, uncompressed, one PS); ``--interleave`` runs the cells in turn (each round every cell, both trees), so that
 a cell and its baseline share the machine's drift. Each run's line has ``load_1min`` (as it ended) and ``machine``.
 """
@@ -33,13 +35,14 @@ DEFAULT_CELLS = [f"{t}:{p}:{n}" for p in (1_000_000, 10_000_000) for n in (2, 4)
 
 
 def one_run(tree: str, transport: str, params: int, workers: int, seconds: float, warmup: float = 2.0,
-            compression: str = "none", shards: int = 1, standby: bool = False) -> dict:
+            compression: str = "none", shards: int = 1, standby: bool = False, pin: bool = False) -> dict:
     cmd = [sys.executable, "-m", "bench.run", "--workers", str(workers), "--params", str(params),
            "--seconds", str(seconds), "--warmup", str(warmup)]
     cmd += ["--transport", "http"] if transport == "http" else []
     cmd += ["--compression", compression] if compression != "none" else []
     cmd += ["--shards", str(shards)] if shards > 1 else []
     cmd += ["--standby"] if standby else []
+    cmd += ["--pin"] if pin else []
     try:
         out = subprocess.run(cmd, cwd=tree, capture_output=True, text=True, timeout=seconds + 300,
                              env={**os.environ, output.ENV: "1"})
@@ -49,7 +52,7 @@ def one_run(tree: str, transport: str, params: int, workers: int, seconds: float
     d = lines[-1] if lines else {"error": "no output"}
     d["tree"] = tree
     d["cell"] = (f"{transport}:{params}:{workers}" + (f":{compression}" if compression != "none" else "")
-                 + (f":S{shards}" if shards > 1 else "") + (":standby" if standby else ""))
+                 + (f":S{shards}" if shards > 1 else "") + (":standby" if standby else "") + (":pin" if pin else ""))
     steps = d.get("steps_per_s", 0) * d.get("window_s", 0)
     for key, name in (("ps_cpu_s", "ps_ms"), ("workers_cpu_s", "workers_ms")):
         if steps and key in d:
@@ -79,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=5.0, help="measured seconds of each run (bench.run --seconds)")
     ap.add_argument("--warmup", type=float, default=2.0, help="seconds of training before each run's window")
     ap.add_argument("--cells", default=",".join(DEFAULT_CELLS),
-                    help="transport:params:workers[:compression][:S<shards>][:standby],...")
+                    help="transport:params:workers[:compression][:S<shards>][:standby][:pin],... (pin: bench.run "
+                         "--pin, the job on every CPU but the last, a standby on the last alone)")
     ap.add_argument("--interleave", action="store_true",
                     help="each round runs every cell once a side (a cost measured against its baseline cell in the "
                          "same round, e.g. shm:1000000:4:standby,shm:1000000:4)")
@@ -113,7 +117,7 @@ def _pair(args: argparse.Namespace, trees: list[str], cell: str, results: list[l
     """One run of ``cell`` a side, before then after, each line with the load as it ended and the machine."""
     from bench.table import machine
     transport, params, workers, *extra = cell.split(":")
-    options = dict(("standby", True) if x == "standby" else ("shards", int(x[1:])) if x.startswith("S")
+    options = dict((x, True) if x in ("standby", "pin") else ("shards", int(x[1:])) if x.startswith("S")
                    else ("compression", x) for x in extra)
     for side, tree in enumerate(trees):
         d = one_run(tree, transport, int(params), int(workers), args.seconds, args.warmup, **options)

@@ -41,6 +41,13 @@ line gets ``cpu_ms_per_step_of`` (the primary's, the standby's and the workers' 
 measures its cost: each repeat runs the job alone and with a pair, the order swapped every other repeat, every line
 with ``load_1min`` (``os.getloadavg``, as the run ends) and ``machine``.
 
+``--pin`` measures a same-host standby with a core of its own (issue 51; :mod:`bench.pin`): the job (the PS, its
+shards, the workers) started on every CPU but the last (``taskset``), a ``--standby``'s standby on the last alone, in
+both arms of ``--alternate`` (alone, the last CPU idle); the workers' own pinning is then off. The line gets ``pin``
+(``job``: its CPUs, ``standby``: the standby's) and ``affinity`` (the CPUs each process's threads may run on, read
+from them as the window ends: ``ps``, one list per shard; ``standby``; ``workers``), and ``oversubscribed`` counts the
+job's CPUs only.
+
 ``--task cnn`` measures the torch ``cnn`` task instead (syncps/cnn.py, batch 32 per
 worker; ``--params`` does not apply): its side-by-side with torch DDP is ``python -m bench.ddp_cnn``.
 """
@@ -54,6 +61,7 @@ import time
 
 import httpx
 
+from bench import pin as pinning
 from bench.output import Results, add_json_option
 from bench.task import task_workload
 from cluster.processes import LocalCluster, wait_for
@@ -162,12 +170,18 @@ def _pair_lines(costs0: list[dict], costs1: list[dict], steps: int, cpu: list, w
 def measure(workers: int, params: int, seconds: float, warmup: float = 2.0, dtype: str = "float32",
             ps_env: dict | None = None, worker_env: dict | None = None, start_deadline: float = 120.0,
             transport: str = "auto", task: str = "linear", compression: str = "none", shards: int = 1,
-            cluster_options: dict | None = None, step_aligned: bool = False) -> dict:
+            cluster_options: dict | None = None, step_aligned: bool = False, pin: bool = False) -> dict:
     """One run; the result line as a dict. ``cluster_options``: more :class:`LocalCluster` arguments (``host`` or
     ``hosts``, ``prefix``: ``bench.hosts`` runs each process in a network namespace of its own). ``step_aligned``: the window
-    starts and ends as a global step completes (polled every 10 ms), for runs of only a few steps."""
+    starts and ends as a global step completes (polled every 10 ms), for runs of only a few steps. ``pin``: the job on
+    every CPU but the last, a standby on the last (the module's docstring, ``--pin``)."""
     p, (d, k), task_env = task_workload(task, params)
     out: dict = {"system": "syncps", "workers": workers, "params": p, "params_requested": int(params)}
+    job_cpus = os.cpu_count() or 1
+    if pin:
+        job, standby = pinning.cpus()
+        out["pin"], job_cpus = {"job": job, "standby": standby}, len(job)
+        cluster_options = {**(cluster_options or {}), "prefix": pinning.prefix(job, standby), "pin_workers": False}
     if task != "linear":
         out.update(task=task, params_requested=p)
     if shards > 1:
@@ -211,6 +225,10 @@ def measure(workers: int, params: int, seconds: float, warmup: float = 2.0, dtyp
             t1, g1, st = _global_step(client)
             cpu1, wcpu1, shard_wire1 = _shard_cpu(procs), _shard_cpu(cluster.workers), _wire_bytes(urls)
             costs1 = _pair_costs(cluster)
+            if pin:
+                out["affinity"] = {"ps": [pinning.affinity(proc.pid) for proc in [cluster.ps, *cluster.followers]],
+                                   "standby": None if cluster.peer is None else pinning.affinity(cluster.peer.pid),
+                                   "workers": [pinning.affinity(w.pid) for w in cluster.workers]}
             members = client.get("/v1/workers").json()["workers"]
         rate = (g1 - g0) / (t1 - t0)
         cpu, wcpu = ([None if a is None or b is None else round(b - a, 3) for a, b in zip(*ab)]
@@ -253,7 +271,7 @@ def measure(workers: int, params: int, seconds: float, warmup: float = 2.0, dtyp
                     "log_dir": str(cluster.log_dir)})
     finally:
         cluster.stop()
-    out["oversubscribed"] = workers + shards > (os.cpu_count() or 1)
+    out["oversubscribed"] = workers + shards > job_cpus
     return out
 
 
@@ -278,6 +296,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="a hot-standby pair (PS_ROLE: every step also applied on a second PS; docs/guides/standby.md)")
     ap.add_argument("--alternate", action="store_true",
                     help="with --standby: each repeat runs the job alone and with a pair, alternating (its cost)")
+    ap.add_argument("--pin", action="store_true",
+                    help="the job (PS, shards, workers) on every CPU but the last, a --standby's standby on the last "
+                         "alone (taskset; without a standby the last CPU idle): a standby's cost with a core of its "
+                         "own (the workers' own pinning off)")
     ap.add_argument("--no-pin", action="store_true",
                     help="workers not pinned to CPUs (a local cluster pins each to its own when workers <= CPUs)")
     add_json_option(ap)
@@ -289,8 +311,9 @@ def main(argv: list[str] | None = None) -> int:
             for standby in sides:
                 line = measure(args.workers, args.params, args.seconds, args.warmup, args.dtype,
                                transport=args.transport, task=args.task, compression=args.compression,
-                               shards=args.shards, cluster_options={**({"pin_workers": False} if args.no_pin else {}),
-                                                                   **({"standby": True} if standby else {})} or None)
+                               shards=args.shards, pin=args.pin,
+                               cluster_options={**({"pin_workers": False} if args.no_pin else {}),
+                                                **({"standby": True} if standby else {})} or None)
                 if args.alternate:
                     line.update(standby=standby, pair=i, load_1min=round(os.getloadavg()[0], 2), machine=machine())
                 out.add(line)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import subprocess
 import socket
 import sys
@@ -53,6 +54,27 @@ def test_bench_ab_alternates_two_trees_and_sums_each_cell_up():
     assert all(r["transport"] == "http" for r in runs) and [r.get("shards", 1) for r in runs] == [1, 1, 2, 2]
     assert all(r["steps_per_s"] > 0 and r["ps_ms"] > 0 and r["workers_ms"] > 0 for r in runs)
     assert len(sums) == 4 and all(s["runs"] == 1 and s["failed"] == 0 and s["median"] > 0 for s in sums)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2
+                    or shutil.which("taskset") is None, reason="pinning needs two CPUs and taskset")
+def test_bench_ab_pins_the_job_to_all_cpus_but_the_last_and_the_standby_to_the_last():
+    """``:pin`` (bench.run --pin): in both arms the PS and the workers may run on every CPU but the last, a standby
+    on the last only, as read from each started process's threads (os.sched_getaffinity)."""
+    from pathlib import Path
+    root = str(Path(__file__).resolve().parent.parent)
+    cpus = sorted(os.sched_getaffinity(0))
+    out = subprocess.run([sys.executable, "-m", "bench.ab", root, root, "--json", "--runs", "1", "--seconds", "1",
+                          "--warmup", "0.3", "--interleave", "--cells", "shm:4:2:standby:pin,shm:4:2:pin"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    runs = [x for x in map(json.loads, out.stdout.splitlines()) if "summary" not in x]
+    assert [r["cell"] for r in runs] == ["shm:4:2:standby:pin"] * 2 + ["shm:4:2:pin"] * 2
+    for r in runs:
+        assert r["steps_per_s"] > 0 and r["pin"] == {"job": cpus[:-1], "standby": cpus[-1]}
+        assert r["affinity"]["ps"] == [cpus[:-1]] and r["affinity"]["workers"] == [cpus[:-1]] * 2
+        assert r["affinity"]["standby"] == ([cpus[-1]] if r.get("standby") else None)
+    assert [bool(r.get("standby")) for r in runs] == [True, True, False, False]
 
 
 @pytest.mark.parametrize("p,dims", [(4, (3, 1)), (999, (998, 1)), (1_000_000, (999, 1000)),
