@@ -179,9 +179,9 @@ def test_a_push_refused_after_its_head_is_completed_by_sending_it_again():
 
 
 def test_a_compressed_partitioned_push_is_refused_for_its_encoding():
-    """bf16 job: a head declaring another encoding, or whose pieces are not bf16, changes nothing, and so does a later
-    frame that is not bf16 in a chunked body (read whole); in a body taken as it arrives that frame is refused after
-    its head, and the push sent again (chunked) completes it."""
+    """bf16 job: a head declaring another encoding, or whose pieces are not bf16, changes nothing; a later frame that
+    is not bf16 is refused after its head and the frames before it were taken, in a chunked body (fed whole once read)
+    as in one taken as it arrives, and the push sent again (chunked) completes it."""
     from shared.compression import Compressor, Spec
 
     def bodies(meta, parts):
@@ -193,8 +193,8 @@ def test_a_compressed_partitioned_push_is_refused_for_its_encoding():
         yield push({"compression": "fp16"}, bf16), True
         yield push({"compression": "bf16"}, [parts[0], *bf16[1:]]), True  # the head's pieces are not bf16
         bad = push({"compression": "bf16"}, [*bf16[:2], parts[2], bf16[3]])  # frame 2 is not
-        yield iter([bad]), True  # chunked: read whole, every frame decoded before the head is given
-        yield bad, False  # as it arrives: the head and frame 1 taken
+        yield iter([bad]), False  # chunked: the head and frame 1 taken
+        yield bad, False  # as it arrives: the same (both duplicate now)
         yield iter([push({"compression": "bf16"}, bf16)]), False  # chunked: frame 2 completes the round
     answers, _, step = one_push(bodies, compression="bf16", shm_dir="")
     assert answers == [(422, "compression_mismatch"), (422, "compression_mismatch"), (422, "bad_encoding"),

@@ -22,9 +22,7 @@ from __future__ import annotations
 import asyncio
 import math
 from dataclasses import replace
-from typing import Awaitable, Callable, Mapping
-
-import numpy as np
+from typing import Awaitable, Callable
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -33,13 +31,13 @@ from ps_service.transport.body import declared_length, read_body, read_prefix
 from ps_service.core import PushResult
 from ps_service.core.buffers import POOL
 from ps_service.transport.deltas import WeightDeltas
-from ps_service.transport.partitioned import Feed, Take, check_head, decoded_head, to_core
+from ps_service.transport.partitioned import Feed, Take, check_head
 from ps_service.transport.streamed import Partitions
 from ps_service.transport.shm import ShmHub
 from shared import compression, frame, liveness
-from shared.errors import ProtocolError, bad_request, unprocessable
-from shared.protocol import (STEP_HEADER, ModelInit, PushRequest, check_partition_meta, parse_model_meta,
-                             parse_push_meta, push_partitions)
+from shared.errors import ProtocolError, bad_request
+from shared.protocol import (STEP_HEADER, ModelInit, PushRequest, parse_model_meta, parse_push_meta,
+                             push_partitions)
 
 
 #: a push's tensors from this size on are read in their turn (ps_service/core/intake.py); smaller ones at once
@@ -126,101 +124,47 @@ class TensorSeam:
     async def push(self, request: Request, clock: Callable[[], float], turn: Turn | None = None
                    ) -> tuple[PushResult, PushRequest, str]:
         """A worker's push read and given to the core at ``clock()``: (the core's result, the push, the transport to
-        answer through); one core call, or one per partition (:meth:`_give`; frames as they arrive:
-        :mod:`ps_service.transport.partitioned`). ``turn``: a large push's tensors are read only once it returns."""
+        answer through); one core call, or, with partitioned rounds, one per partition (its frames, or a push of one
+        frame cut into them: :mod:`ps_service.transport.partitioned`). ``turn``: a large push's tensors are read only
+        once it returns."""
         claimed: list[str] = []
         try:
-            partition_bytes = self.settings.partition_bytes
-            feed = Feed(self.core, partition_bytes, clock, self.compression, self._part) if partition_bytes else None
-            push, seq, frames = await self._push_frame(request, turn, claimed, feed)
+            feed = Feed(self.core, clock, self.compression) if self.settings.partition_bytes else None
+            push, seq, f = await self._push_frame(request, turn, claimed, feed)
             await self._file_turn(push, seq, turn, claimed)
             via = "http" if seq is None else "shm"
-            if feed is not None and feed.partitioned:  # its frames went to the core as they came
+            if f is None:  # its frames went to the core as they came
                 result = feed.result()
             else:
-                parts = None
-                if len(frames) > 1:
-                    push, parts = self._check_partitioned(push, seq, frames)
-                elif seq is not None or self.compression.name != "none" or "compression" in frames[0].meta:
-                    push = self._tensors(push, seq, frames[0])  # (a nil compression decodes as none)
-                result = self._give(push, parts, clock())
+                if feed is None and _count(f.meta) > 1:  # several frames to a job without partitions: refused
+                    check_head(self.core, push, seq, f.meta, _count(f.meta), self.compression)
+                if seq is not None or self.compression.name != "none" or "compression" in f.meta:
+                    push = self._tensors(push, seq, f)  # (a nil compression decodes as none)
+                plan = None if feed is None else self.core.partitions
+                if plan is None:
+                    result = self.core.push(push, clock())
+                else:
+                    feed.whole(push, plan)
+                    result = feed.result()
         finally:
             for worker_id in claimed:
                 self.core.release(worker_id)
         self.shm.last_transport[push.worker_id] = via  # monitoring: how its tensors travel
         return result, push, via
 
-    def _give(self, push: PushRequest, parts: list[tuple[Mapping, bool]] | None, now: float, take: Take | None = None,
-              plan=None) -> PushResult:
-        """The core's calls for one push read whole, one per partition frame, the head's first, all at ``now``: the
-        head's status, the step after the last (docs/partitions.md, The seam). ``parts``: the later frames' tensors,
-        each known finite or not; None: one frame, which a partitioned round cuts (422 ``tensor_mismatch`` unless it
-        holds every model tensor). ``take``: the core's round, or a sharded follower's partitions cut by ``plan``."""
-        core = self.core
-        if parts is None:
-            if plan is None:
-                plan = core.partitions if self.settings.partition_bytes else None
-            if plan is None:
-                return core.push(push, now)
-            if not _whole(push.tensors, core.weights):  # (partition 0 alone would pass for a head)
-                core.admit(push.worker_id if take is None else None)
-                raise unprocessable("tensor_mismatch", "a push of one frame carries every model tensor, of its dtype "
-                                    f"and shape (this job's rounds have {plan.count} partitions)")
-            whole = {k: compression.dense(t) for k, t in push.tensors.items()}
-            push, parts = replace(push, tensors=plan.split(whole, 0)), [(plan.split(whole, q), push.finite_checked)
-                                                                        for q in range(1, plan.count)]
-        take = take or to_core(core)
-        before, status = core.global_step, take(push, now)
-        for q, (tensors, checked) in enumerate(parts, 1):
-            take(PushRequest(push.worker_id, push.step, tensors, finite_checked=checked, partition=q), now)
-        return PushResult(status, core.global_step, core.global_step != before)
-
     async def receive_parts(self, request: Request, take: Take, plan, clock: Callable[[], float]
                             ) -> tuple[PushRequest, object]:
         """A sharded follower's hold with partitioned rounds (sharding/parts.py): its frames given to ``take`` as
-        they arrive (no member checks), or read whole and cut by ``plan``; (its head's push, the head's status). In
-        the body only, uncompressed (400 ``bad_field``)."""
-        feed = Feed(self.core, self.settings.partition_bytes, clock, take=take, members=False)
-        push, seq, frames = await self._push_frame(request, None, None, feed)
-        if feed.partitioned:
-            return push, feed.status
-        if seq is not None or frames[0].meta.get("compression") not in (None, "none"):
-            raise bad_request("bad_field", "a hold of a job with partitioned rounds carries its pieces in its body, "
-                                           "uncompressed")
-        parts = None
-        if len(frames) > 1:
-            check_head(self.core, self.settings.partition_bytes, push, seq, frames[0].meta, len(frames), None, False)
-            for q, g in enumerate(frames[1:], 1):
-                check_partition_meta(g.meta, q)
-            parts = [(g.tensors, False) for g in frames[1:]]
-        return push, self._give(push, parts, clock(), take, plan).status
-
-    def _check_partitioned(self, push: PushRequest, seq: int | None, frames: list[frame.Frame]
-                           ) -> tuple[PushRequest, list[tuple[Mapping, bool]]]:
-        """A body of several frames read whole: the head's refusals (:func:`check_head`), then each later frame's
-        meta and tensors (:meth:`_part`; 400 ``bad_field``), after the core's refusals. The head's push and the later
-        frames' tensors as :meth:`_give` takes them."""
-        head = frames[0].meta
-        check_head(self.core, self.settings.partition_bytes, push, seq, head, len(frames), self.compression)
-        push = decoded_head(self.core, push, self._part, head)
-        try:
-            parts = []
-            for q, g in enumerate(frames[1:], 1):
-                check_partition_meta(g.meta, q)
-                parts.append(self._part(q, g.tensors, head.get("compression")))
-        except ProtocolError:
-            self.core.admit(push.worker_id)
-            raise
-        return push, parts
-
-    def _part(self, q: int, tensors: Mapping[str, np.ndarray], declared) -> tuple[Mapping, bool]:
-        """Partition ``q``'s frame's tensors as the core takes them, and whether known finite: decoded against the
-        partition's pieces when the job compresses; else as they are (a job without partitions: the core refuses)."""
-        core = self.core
-        p = core.partitions
-        if not self.compression.on or p is None:
-            return tensors, False
-        return compression.decode_push(self.compression, declared, tensors, p.split(core.weights, q), POOL.array)
+        they arrive (no member checks), or one frame of its pieces whole cut by ``plan``; (its head's push, the head's
+        status). In the body only, uncompressed (400 ``bad_field``)."""
+        feed = Feed(self.core, clock, take=take, members=False)
+        push, seq, f = await self._push_frame(request, feed=feed)
+        if f is not None:
+            if seq is not None or f.meta.get("compression") not in (None, "none"):
+                raise bad_request("bad_field", "a hold of a job with partitioned rounds carries its pieces in its "
+                                               "body, uncompressed")
+            feed.whole(push, plan)
+        return push, feed.status
 
     async def receive_push(self, request: Request, members: bool = True, turn: Turn | None = None
                            ) -> tuple[PushRequest, str]:
@@ -228,35 +172,39 @@ class TensorSeam:
         register (``members`` False: no membership check, a follower). ``turn``: as :meth:`push`'s."""
         claimed: list[str] = []
         try:
-            push, seq, frames = await self._push_frame(request, turn, claimed)
+            push, seq, f = await self._push_frame(request, turn, claimed)
             self.core.admit(push.worker_id if members else None)  # no core.push follows a hold: the core's refusals
-            if len(frames) > 1:
+            if _count(f.meta) > 1:
                 raise bad_request("bad_field", "a shard's hold is one frame (partitions: a PS_SHARDS=1 job's)")
             await self._file_turn(push, seq, turn, claimed)
-            return self._tensors(push, seq, frames[0], admitted=True), "http" if seq is None else "shm"
+            return self._tensors(push, seq, f, admitted=True), "http" if seq is None else "shm"
         finally:
             for worker_id in claimed:
                 self.core.release(worker_id)
 
     async def _push_frame(self, request: Request, turn: Turn | None = None, claimed: list | None = None,
-                          feed: Feed | None = None) -> tuple[PushRequest, int | None, list[frame.Frame]]:
-        """(the push of the body's first frame, its ``shm_seq``, the body's frames), the body counted in
-        :attr:`bytes_in` if it carries the tensors. ``feed``: a partitioned push's frames go as they arrive."""
+                          feed: Feed | None = None) -> tuple[PushRequest, int | None, frame.Frame | None]:
+        """(the push of the body's first frame, its ``shm_seq``, that frame: None when ``feed`` took the body's
+        frames), the body counted in :attr:`bytes_in` if it carries the tensors. ``feed``: a partitioned push's frames
+        go to it as they arrive, or once the body is read (chunked)."""
         self.drop_body()  # its buffer may serve this push's body (bounds the PS's memory)
         body = await self._body(request, turn=turn, claimed=claimed, progress=feed)
+        if feed is not None and feed.count is None:  # not seen as it came (chunked): fed whole
+            feed(body, len(body))
         if feed is not None and feed.partitioned:
             feed.finish(len(body))
-            push, seq, frames = feed.push, None, feed.frames
+            push, seq, f = feed.push, None, None
         else:
             f = frame.decode(body, exact=False)
-            count = 1 if f.meta.get("partitions") is None else push_partitions(f.meta)
-            if count == 1 and f.data_start + f.layout.data_bytes != len(body):
+            count = _count(f.meta)
+            if count > 1:
+                frame.decode_following(body, count)  # (a job without partitions: refused, each frame checked first)
+            elif f.data_start + f.layout.data_bytes != len(body):
                 frame.decode(body)  # refused as one frame, as ever
-            frames = [f] if count == 1 else frame.decode_following(body, count)
             push, seq = parse_push_meta(f.meta, f.tensors)
         if seq is None:
             self.bytes_in += len(body)
-        return push, seq, frames
+        return push, seq, f
 
     def _tensors(self, push: PushRequest, seq: int | None, f: frame.Frame, admitted: bool = False) -> PushRequest:
         """The push with the arrays the core takes: decoded, or copied out of the worker's same-host file. When the
@@ -394,13 +342,13 @@ def _length(request: Request) -> int:
     return int(length) if length.isascii() and length.isdigit() else 0
 
 
+def _count(meta: dict) -> int:
+    """The frames of a push body, by its head's meta (:func:`push_partitions`, called only when it says)."""
+    return 1 if meta.get("partitions") is None else push_partitions(meta)
+
+
 def _meta_needs(got: bytearray) -> int:
     """The bytes of a body :func:`frame.peek_meta` needs to read its frame's meta (0: it has them, or never will)."""
     need = frame.peek_meta(got)
     return need if isinstance(need, int) else 0
 
-
-def _whole(tensors: Mapping[str, np.ndarray], weights: Mapping[str, np.ndarray]) -> bool:
-    """``tensors`` are one of each of the model's, of its dtype and shape (a push a partition plan may cut)."""
-    return len(tensors) == len(weights) and all(
-        (w := weights.get(k)) is not None and t.dtype == w.dtype and t.shape == w.shape for k, t in tensors.items())
