@@ -3,12 +3,12 @@
 uvicorn hands a body to the app through a growing ``bytearray`` and a ``bytes`` copy per ``receive()``: two copies
 and an event-loop round trip per 64 KB, a third of the PS's time on 40 MB pushes. A route that knows the body's size
 (:func:`ps_service.transport.body.read_body`) puts a :class:`~ps_service.transport.body.BodySink` in the ASGI scope
-(``SINK_KEY``); :class:`SinkHttpToolsProtocol` (the PS's uvicorn protocol) then copies each chunk once, into the sink
-(what came before lands first), and wakes the route every ``WAKE_BYTES`` or ``WAKE_SECONDS`` and at the end. Through
-:class:`BufferedSinkProtocol` the loop then reads the rest of a ``Content-Length`` body straight into the sink
-(``get_buffer`` hands out exactly its remaining bytes; the message is ended by hand and a fresh parser takes the
-next request); every other byte goes through the thread's scratch buffer (:func:`scratch`) to uvicorn's parser.
-Under another server ``read_body`` gets the chunks as usual: the sink is an optimisation, never a contract.
+(``SINK_KEY``); through :class:`BufferedSinkProtocol` (the PS's uvicorn protocol) the loop then reads the rest of a
+``Content-Length`` body straight into the sink (what the parser held of it lands first; ``get_buffer`` hands out
+exactly its remaining bytes; the message is ended by hand and a fresh parser takes the next request) and wakes the
+route every ``WAKE_BYTES`` or ``WAKE_SECONDS`` and at the end. Every other byte goes through the thread's scratch
+buffer (:func:`scratch`) to uvicorn's parser, and a body's to the route as uvicorn gives them. Under another server
+``read_body`` gets the chunks as usual: the sink is an optimisation, never a contract.
 
 Two mixins of the protocol, which the probe port's (ps_service/probes.py) shares, judge a request's head before any
 route sees it: :class:`IdleUntilHead` (the idle timeout runs until the head is whole) and :class:`CheckedHead`
@@ -164,22 +164,11 @@ class SinkHttpToolsProtocol(CheckedHead, IdleUntilHead, HttpToolsProtocol):
             self.cycle.message_event.set()
 
     def on_body(self, body: bytes) -> None:
+        """Bytes of the body through the parser (those read before the route's sink was set, or outside one): to
+        the route as uvicorn gives them (``receive()``, then :func:`~ps_service.transport.body.read_body`), counted."""
         if self._body_left is not None:
             self._body_left -= len(body)
-        cycle = self.cycle
-        sink = cycle.scope.get(SINK_KEY) if cycle is not None else None
-        if sink is None or cycle.response_complete or (self.parser.should_upgrade() and self._should_upgrade()):
-            return super().on_body(body)
-        try:
-            if cycle.body:  # arrived before the route set the sink: it goes first
-                sink.write(cycle.body)
-                cycle.body = bytearray()
-            sink.write(body)
-        except ValueError:  # cannot happen with a Content-Length body; leave it to the stock path
-            del cycle.scope[SINK_KEY]
-            return super().on_body(body)
-        if sink.due():
-            cycle.message_event.set()
+        super().on_body(body)
 
 
 class BufferedSinkProtocol(asyncio.BufferedProtocol):
