@@ -66,10 +66,8 @@ class TensorSeam:
         self._body_step = -2
         self.bytes_in = 0
         self.bytes_out = 0
-        #: form ("dense" or "delta") -> (key, the encoded answer)
+        #: form ("dense", "delta" or "shm") -> (key, the encoded answer)
         self._bodies: dict[str, tuple[tuple, bytes | memoryview]] = {}
-        self._shm_key: tuple | None = None
-        self._shm_body = b""
         #: one large model upload read at a time (:meth:`receive_model`)
         self._model_reads = asyncio.Lock()
         #: step s + 1's weights as round s's partitions close (None: the job's rounds are not partitioned)
@@ -248,19 +246,13 @@ class TensorSeam:
     def weights_response(self, via: str, headers: dict | None = None, since: int | None = None) -> Response:
         """The current weights: a frame of them (the same bytes for every worker of a step), or, same-host, a frame
         with no tensors. ``since``: the step whose weights the worker holds (a delta when offered, else dense)."""
-        core = self.core
         if via == "shm":
             self._file_current()
-            head = self._head()
-            key = (head["step"], head["done"], head["ranks"])
-            if key != self._shm_key:  # the same small frame for every same-host worker of a step
-                self._shm_body, self._shm_key = frame.encode_bytes({}, {**head, "shm": True}), key
-            body: bytes | memoryview = self._shm_body
-        else:
-            body = self._weights_frame(since)
+        body = self._weights_frame(since, via == "shm")
+        if via != "shm":
             self.bytes_out += len(body)
         return Response(body, media_type=frame.MEDIA_TYPE,
-                        headers={STEP_HEADER: str(core.global_step), **(headers or {})})
+                        headers={STEP_HEADER: str(self.core.global_step), **(headers or {})})
 
     def file_behind(self) -> bool:
         """The next same-host answer copies the weights into the file first (:meth:`_file_current`)."""
@@ -292,11 +284,14 @@ class TensorSeam:
         # the open round's ranks, else (async/ssp, or no round) the active members': a cached sorted tuple
         return {"step": core.global_step, "done": core.done, "ranks": core.ranks()}
 
-    def _weights_frame(self, since: int | None) -> bytes | memoryview:
-        """The weights' frame (dense, or a delta from ``since``), each form encoded once per (step, membership)."""
+    def _weights_frame(self, since: int | None, shm: bool = False) -> bytes | memoryview:
+        """The weights' frame (dense, a delta from ``since``, or ``shm``: a frame with no tensors, the weights in the
+        same-host file), each form encoded once per (step, membership)."""
         core, deltas = self.core, self.deltas
         head = self._head()
         key = (head["step"], head["done"], tuple(head["ranks"]), core.optimizer.iterations)
+        if shm:  # the same small frame for every same-host worker of a step
+            return self._encoded("shm", key, {**head, "shm": True}, {})
         if deltas is not None:
             deltas.observe(core.global_step, core.optimizer.iterations, core.weights, core.optimizer.touched)
             head["lineage"] = deltas.lineage
