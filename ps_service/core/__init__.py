@@ -480,39 +480,39 @@ class ParameterServerCore(ModelState):
     def claim(self, worker_id: str, step: int, overdue: bool = False) -> bool:
         """May the tensors of ``worker_id``'s push for ``step`` be read now (:mod:`ps_service.core.intake`)? True: read
         them, then :meth:`push` (or :meth:`release`); False: wait until :meth:`readers` names the worker. ``overdue``:
-        read it now, out of turn if need be. Fixed R: the push counts here, at its head."""
+        read it now, out of turn if need be. Fixed R: the push counts here, at its head (:meth:`_head`)."""
         m = self.members.active_by_id.get(worker_id)
         if m is None or self.weights is None:
             return True  # refused once read, as ever
         if self.modes is not None:
             return self.intake.claim(worker_id, lambda: None, overdue)  # no order: one push read at a time
-        r, fixed = self.round, self.rule.replicas_to_aggregate
-        if r is None:
+        if self.round is None:
             return True
-        if self.classify(m, step, True) is not PushStatus.ACCEPTED:
-            return self.intake.claim_late(worker_id, overdue) if fixed else True
-        if fixed and r.head(worker_id):
-            self._changed()  # the turns may have moved (R heads came: who else may be read is known)
-        return self.intake.claim(worker_id, r.turns, overdue)
+        if self._head(m, step) is PushStatus.ACCEPTED:
+            return self.intake.claim(worker_id, self.round.turns, overdue)
+        return self.intake.claim_late(worker_id, overdue) if self.round.replicas else True
 
     def hold(self, worker_id: str, step: int) -> bool:
         """A sharded PS's coordinator read the pieces ``worker_id`` holds for ``step``: keep them (True) or not (False:
-        late). Fixed R: the hold is the push's head; after R heads it is late (``Round.refuse``). Elastic, or not
-        the open round: kept, nothing counted."""
+        late). Fixed R: the hold is the push's head (:meth:`_head`); after R heads it is late (``Round.lose``).
+        Elastic, or not the open round: kept, nothing counted."""
         r, m = self.round, self.members.active_by_id.get(worker_id)
         if r is None or r.replicas is None or m is None or step != self.global_step:
             return True
-        status = self.classify(m, step, True)
-        if status is PushStatus.ACCEPTED:
-            if r.head(worker_id):
-                self._changed()
-            return True
-        if status is not PushStatus.LATE:
-            return True  # a retry of a push the round took (duplicate): as before
+        if self._head(m, step) is not PushStatus.LATE:
+            return True  # its head counts; or a retry of a push the round took (duplicate): as before
         if r.counts(worker_id):
-            r.refuse(worker_id)
+            r.lose(worker_id)
             self._changed()
         return False
+
+    def _head(self, m: Member, step: int) -> PushStatus:
+        """What a push of ``step`` by ``m`` is now (sync, a round open); fixed R, one the round accepts counts at its
+        head from here (a place of R: :meth:`Round.head`), given back by :meth:`release` if it fails."""
+        status = self.classify(m, step, True)
+        if status is PushStatus.ACCEPTED and self.round.head(m.worker_id):
+            self._changed()  # the turns may have moved (R heads came: who else may be read is known)
+        return status
 
     def readers(self) -> tuple[str, ...] | None:
         """The workers whose waiting push :meth:`claim` would let be read now (None: the longest waiting; async/ssp)."""
@@ -527,16 +527,14 @@ class ParameterServerCore(ModelState):
         push the round did not take gives its place back."""
         released = self.intake.release(worker_id)
         r = self.round  # (its counts, hence its close, do not depend on the heads: only who may be read next does)
-        if (r is not None and r.replicas is not None and r.unhead(worker_id)) or released:
+        if (r is not None and r.unhead(worker_id)) or released:
             self._changed()
 
     def withdraw(self, worker_id: str) -> None:
         """A push's wait for its turn ended unclaimed: fixed R, its head gives its place back (unless being read)."""
         self.intake.queued.pop(worker_id, None)
-        r = self.round
-        if r is not None and r.replicas is not None and worker_id not in self.intake.reading \
-                and worker_id not in self.intake.refusing and r.unhead(worker_id):
-            self._changed()
+        if worker_id not in self.intake.reading and worker_id not in self.intake.refusing:
+            self.release(worker_id)
 
     def push(self, req: PushRequest, now: float) -> PushResult:
         """Check, classify, count and (if accepted) take a push; its tensors are the core's from now on."""
@@ -663,7 +661,7 @@ class ParameterServerCore(ModelState):
             p = self._progress(r, now)
         else:
             if status is PushStatus.LATE and req.step == self.global_step:
-                r.lose(at)  # fixed R: it came after R heads
+                r.lose(wid, at)  # fixed R: it came after R heads
             elif status is PushStatus.LATE:  # for the round that just closed: its record lists it
                 self.rounds[-1] = replace(self.rounds[-1], late=(*self.rounds[-1].late, at))
             return

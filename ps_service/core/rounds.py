@@ -14,7 +14,7 @@ Fixed R (docs/protocol.md, "The barrier"): a push counts at its *head* (:meth:`R
 read: :mod:`ps_service.core.intake`); the contributors are the first R heads (``heads``), a later one is ``late``
 (:meth:`Round.lose`), a head whose push fails or whose member goes gives its place back (:meth:`Round.unhead`). A
 sharded coordinator's hold is the push's head (:meth:`~ps_service.core.ParameterServerCore.hold`); a hold after R
-heads is late (:meth:`Round.refuse`: listed in ``refused``; in ``back`` too if it registers again into the stuck round).
+heads is late (:meth:`Round.lose`: listed in ``refused``; in ``back`` too if it registers again into the stuck round).
 
 Cost: the counts (``live``, ``waiting``) follow every mutator and :meth:`Round.member_changed`, so the rule's decision
 is O(1) per push; the sorted eligible keys' frontier (below it every key contributed) makes the lowest pending key,
@@ -176,7 +176,7 @@ class Round:
     #: fixed R: the members whose push counted at its head (at most R), and those done without contributing (late)
     heads: dict[str, None] = field(default_factory=dict, repr=False)
     lost: set[str] = field(default_factory=set, repr=False)
-    #: fixed R, a sharded PS: the members whose hold came after R heads (:meth:`refuse`), in order
+    #: fixed R, a sharded PS: the members whose hold came after R heads (:meth:`lose`), in order
     refused: list[str] = field(default_factory=list, repr=False)
     #: of them, those it took back (they registered again into the stuck round, :meth:`join`), in order
     back: list[str] = field(default_factory=list, repr=False)
@@ -260,8 +260,9 @@ class Round:
             and not (folded and self.key(worker_id) < folded[-1])
 
     def head(self, worker_id: str) -> bool:
-        """Fixed R: a push of this counted member came (its head); True if it counts now and did not before."""
-        if worker_id in self.heads or not self.may_head(worker_id):
+        """Fixed R: a push of this counted member came (its head); True if it counts now and did not before (elastic:
+        nothing counts at a head, False)."""
+        if self.replicas is None or worker_id in self.heads or not self.may_head(worker_id):
             return False
         self.heads[worker_id] = None
         return True
@@ -275,23 +276,18 @@ class Round:
         self.frontier = bisect.bisect_right(self.order, folded[-1]) if folded else 0
         return True
 
-    def lose(self, arrival: Arrival) -> None:
-        """A late push for this open round: a member's (fixed R: it came after R heads) is done with the round."""
-        self.late.append(arrival)
-        if self.replicas is not None and arrival.worker_id in self.eligible:
-            self._lose(arrival.worker_id)
-
-    def refuse(self, worker_id: str) -> None:
-        """Fixed R, a sharded PS: this counted member's hold came after R heads: it is done with the round, as a late
-        push's member (its commit is answered late), and listed in :attr:`refused`."""
-        if worker_id not in self.lost:
-            self._lose(worker_id)
+    def lose(self, worker_id: str, arrival: Arrival | None = None) -> None:
+        """A member is late for this open round: a late push (``arrival``, listed in :attr:`late`), or, fixed R on a
+        sharded PS, a hold after R heads (no ``arrival``: listed in :attr:`refused`, its commit answered late). Fixed
+        R, an eligible member's (it came after R heads) is done with the round."""
+        if arrival is not None:
+            self.late.append(arrival)
+        elif worker_id not in self.lost:
             self.refused.append(worker_id)
-
-    def _lose(self, worker_id: str) -> None:
-        before = self.standing(worker_id)
-        self.lost.add(worker_id)
-        self._count(worker_id, before)
+        if self.replicas is not None and worker_id in self.eligible:
+            before = self.standing(worker_id)
+            self.lost.add(worker_id)
+            self._count(worker_id, before)
 
     def accept(self, arrival: Arrival, grads, loss: float | None, examples: int | None, rule: CloseRule,
                now: float | None) -> Progress:
@@ -299,8 +295,7 @@ class Round:
         closes, the progress's ``closed`` is :meth:`close`'s at the arrival's time)."""
         wid = arrival.worker_id
         before = self.standing(wid, True)  # an active member: its push was just admitted
-        if self.replicas is not None:
-            self.head(wid)  # a push that reached the core unclaimed counts here
+        self.head(wid)  # fixed R: a push that reached the core unclaimed counts here
         pending = None  # fixed R below the quorum: what may sort before it is not known
         if not self.replicas or len(self.acc.keys) + 1 >= rule.quorum:  # the lowest key that may still bring one
             i = self.frontier = self._pending_at(self.frontier, wid)  # (wid brings its own now)
@@ -319,8 +314,7 @@ class Round:
     def skip(self, arrival: Arrival) -> None:
         """A NaN/Inf push under policy skip: its part in the round is over (not waited for)."""
         before = self.standing(arrival.worker_id)
-        if self.replicas is not None:
-            self.head(arrival.worker_id)
+        self.head(arrival.worker_id)
         self.skipped[arrival.worker_id] = arrival
         self._count(arrival.worker_id, before)
 
