@@ -485,12 +485,12 @@ class ParameterServerCore(ModelState):
         if m is None or self.weights is None:
             return True  # refused once read, as ever
         if self.modes is not None:
-            return self.intake.claim(worker_id, lambda: None, overdue)  # no order: one push read at a time
+            return self.intake.claim(worker_id, overdue=overdue)  # no order: one push read at a time
         if self.round is None:
             return True
         if self._head(m, step) is PushStatus.ACCEPTED:
             return self.intake.claim(worker_id, self.round.turns, overdue)
-        return self.intake.claim_late(worker_id, overdue) if self.round.replicas else True
+        return self.intake.claim(worker_id, overdue=overdue, late=True) if self.round.replicas else True
 
     def hold(self, worker_id: str, step: int) -> bool:
         """A sharded PS's coordinator read the pieces ``worker_id`` holds for ``step``: keep them (True) or not (False:

@@ -8,10 +8,11 @@ transport reads a large push's tensors only once :meth:`Intake.claim` says so, e
   after it too while the round holds no gradient: at most two gradients of a round held, the sum the same bits.
 - **Async / SSP**: one push read at a time (the transport wakes the longest-waiting first).
 - **Fixed R**: a push counts at its head, so the contributors are known before any body is read; they are read in rank
-  order as above; late, stale and duplicate pushes (N - R a round) one at a time (:meth:`claim_late`). So the PS holds
-  the running sum, the push being read (two while nothing is summed) and one being refused (with ``min_replicas`` q
-  > 2, the first q gradients wait unsummed). A head whose push fails gives its place back, to a push claimed later:
-  one read as late stays late (taken, it would wait unsummed for a lower rank's: three gradients of the round held).
+  order as above; late, stale and duplicate pushes (N - R a round) one at a time (:meth:`claim`'s ``late``). So the
+  PS holds the running sum, the push being read (two while nothing is summed) and one being refused (with
+  ``min_replicas`` q > 2, the first q gradients wait unsummed). A head whose push fails gives its place back, to a
+  push claimed later: one read as late stays late (taken, it would wait unsummed for a lower rank's: three gradients
+  of the round held).
 - A push waits for its turn at most a lease (by then a member ahead of it that is gone has expired), then is read out
   of turn (``overdue``). Elastic: a push that would not be accepted now, or of a worker whose other body is being
   read, is read at once. Pure, no I/O, no clock.
@@ -29,48 +30,35 @@ class Intake:
         self.deferred = 0
         #: pushes read out of turn, having waited their transport's patience: each a gradient held beyond the bound
         self.overdue = 0
-        #: fixed R: the worker whose late, stale or duplicate push is being read (:meth:`claim_late`), those waiting
+        #: fixed R: the worker whose late, stale or duplicate push is being read (``claim(late=True)``), those waiting
         self.refusing: set[str] = set()
         self.queued: dict[str, None] = {}
 
-    def claim(self, worker_id: str, turns: Callable[[], tuple[str, ...] | None], overdue: bool = False) -> bool:
-        """May ``worker_id``'s push (one the round would accept) be read now? ``turns()``: who may (None: anyone,
-        one at a time). Yes: it counts as being read until :meth:`release`. ``overdue``: yes, in turn or not."""
+    def claim(self, worker_id: str, turns: Callable[[], tuple[str, ...] | None] = lambda: None,
+              overdue: bool = False, late: bool = False) -> bool:
+        """May ``worker_id``'s push be read now? One the round would accept: ``turns()`` says who may (None: anyone,
+        one at a time); fixed R, one it will not take (``late``: late, stale, duplicate): one at a time, the others
+        queued. Yes: it counts as being read until :meth:`release`. ``overdue``: yes, in turn or not."""
         if overdue:
             self.overdue += 1
-        elif worker_id in self.reading:
-            return self._defer()
-        else:
-            allowed = turns()
-            if allowed is None:  # anyone, one at a time
-                ok = not self.reading
-            else:  # the next in order always; the one after it only beside that one
-                ok = bool(allowed) and (worker_id == allowed[0]
-                                        or (worker_id in allowed and self.reading <= set(allowed)))
-            if not ok:
-                return self._defer()
+        elif worker_id in self.reading or (self.refusing if late else not self._in_turn(worker_id, turns())):
+            if late:
+                self.queued[worker_id] = None
+            self.deferred += 1
+            return False
         self.queued.pop(worker_id, None)  # (fixed R: it waited as late, then took a place that came free)
-        self.reading.add(worker_id)
+        (self.refusing if late else self.reading).add(worker_id)
         return True
 
-    def claim_late(self, worker_id: str, overdue: bool = False) -> bool:
-        """May a push the round will not take (late, stale, duplicate) be read now? One at a time; ``overdue``: yes."""
-        if overdue:
-            self.overdue += 1
-        elif self.refusing or worker_id in self.reading:
-            self.queued[worker_id] = None
-            return self._defer()
-        self.queued.pop(worker_id, None)
-        self.refusing.add(worker_id)
-        return True
+    def _in_turn(self, worker_id: str, allowed: tuple[str, ...] | None) -> bool:
+        """The next in order always; the one after it only beside that one (``allowed`` None: one at a time)."""
+        if allowed is None:
+            return not self.reading
+        return bool(allowed) and (worker_id == allowed[0] or (worker_id in allowed and self.reading <= set(allowed)))
 
     def late_readers(self) -> tuple[str, ...]:
-        """The pushes :meth:`claim_late` would let be read now: every one waiting while none is read."""
+        """The late pushes :meth:`claim` would let be read now: every one waiting while none is read."""
         return () if self.refusing else tuple(self.queued)
-
-    def _defer(self) -> bool:
-        self.deferred += 1
-        return False
 
     def release(self, worker_id: str) -> bool:
         """The claim of ``worker_id`` ends (its push taken, or its read failed); True if it had one."""

@@ -234,7 +234,7 @@ class ShardRole:
 
         def may() -> bool:  # a late hold: one read at a time (the follower core's intake; the seam releases it)
             return holds.may_read(worker_id, step, core.global_step) and (
-                not holds.late_for(worker_id, step) or core.intake.claim_late(worker_id))
+                not holds.late_for(worker_id, step) or core.intake.claim(worker_id, late=True))
         return await self.gate.wait(may, seconds, last)
 
     def apply(self, step: int, contributors, mean_of: int, lost, now: float) -> bool:

@@ -7,7 +7,8 @@ A follower knows no membership; the coordinator's round knows who contributes an
   round may not take.
 - :class:`Gate`: a bounded wait for a condition, looked at again at each ``wake``. A follower's hold of the open round
   waits in one unread until :meth:`~ps_service.sharding.holds.Holds.may_read` lets it, at most its transport's
-  patience (a lease), then is read out of turn (``overdue``). A late hold is read one at a time and kept nowhere.
+  patience (a lease), then is read out of turn (``overdue``). A late hold is read one at a time
+  (:meth:`~ps_service.core.intake.Intake.claim`, ``late``) and kept nowhere.
 
 Only followers whose pieces weigh :data:`FOLD_BYTES` or more get these messages and gate their holds (both sides
 decide from the shard map). Held beyond the bound: pieces never committed (until the round's apply), a hold read out
