@@ -458,10 +458,8 @@ class ParameterServerCore(ModelState):
         if rec.loss is not None:
             self.loss_history.append((r.step, rec.loss))
         self.rounds.append(rec)
-        self.rounds_closed += 1
-        self.gradients_applied += rec.aggregated
         self.last_round = r
-        self.global_step += 1
+        self._stepped(rec.aggregated)
         self._open_round(now)
         # the counters moved: sampled here too, not only at the ticker's ticks (at most every 0.1 s: core/rates.py)
         self.rates.sample(now, (self.rounds_closed, self.examples, self.gradients_applied))
@@ -629,7 +627,7 @@ class ParameterServerCore(ModelState):
         self._stepped(contributors)
 
     def _stepped(self, contributors: int) -> None:
-        """A round decided elsewhere is applied: ``global_step += 1`` and the counters."""
+        """A round is applied (decided here: :meth:`_finish`; or elsewhere): ``global_step += 1`` and the counters."""
         self.global_step += 1
         self.rounds_closed += 1
         self.gradients_applied += contributors

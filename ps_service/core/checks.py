@@ -57,14 +57,10 @@ def read_checked(src: Mapping[str, np.ndarray], out: Mapping[str, np.ndarray]) -
     NaN/Inf, where it stopped, or None (``out`` is complete)."""
     for name, o in out.items():
         s, o1 = src[name].reshape(-1), o.reshape(-1)
-        if o1.nbytes <= WHOLE_BYTES:  # whole: it stays in the last-level cache for its check
-            np.copyto(o1, s)
-            if not finite(o1):
-                return name
-            continue
-        for lo in range(0, o1.size, CHUNK_ELEMENTS):
-            oc = o1[lo:lo + CHUNK_ELEMENTS]
-            np.copyto(oc, s[lo:lo + CHUNK_ELEMENTS])
+        step = max(1, o1.size) if o1.nbytes <= WHOLE_BYTES else CHUNK_ELEMENTS  # whole: it stays in the cache
+        for lo in range(0, o1.size, step):
+            oc = o1[lo:lo + step]
+            np.copyto(oc, s[lo:lo + step])
             if not finite(oc):
                 return name
     return None

@@ -103,9 +103,7 @@ class RoundParts:
     def drop(self, worker_id: str) -> list[int]:
         """A member brings no more frames of this round: the partitions that can close now (none if undecided)."""
         self.lost.add(worker_id)
-        if not self.decided:
-            return []
-        if worker_id not in self.contributors:
+        if not self.decided or worker_id not in self.contributors:
             return []
         touched = [q for q in range(self.first, self.plan.count) if worker_id in self.missing[q]]
         for q in touched:
