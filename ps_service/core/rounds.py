@@ -201,8 +201,7 @@ class Round:
 
     def standing(self, worker_id: str, alive: bool | None = None) -> tuple[bool, bool]:
         """(live, waiting) of a member: counted and alive; and with no contribution yet."""
-        live = worker_id in self.eligible and worker_id not in self.gone \
-            and (self.alive(worker_id) if alive is None else alive)
+        live = self.counts(worker_id) and (self.alive(worker_id) if alive is None else alive)
         return live, live and worker_id not in self.acc.keys and worker_id not in self.skipped \
             and worker_id not in self.lost
 
@@ -223,19 +222,13 @@ class Round:
         return tuple(w for _, w in self.order if w != but and self.standing(w)[1])
 
     def _pending_at(self, i: int, but: str | None) -> int:
-        """The index of the first key from ``i`` on that may still bring a gradient (len(order): none): not a
-        member's that contributed, is ``but``, is not alive or came back mid-round; fixed R, nor ``lost``, nor outside
-        R heads that came, nor sorting before the sum made. A key passed stays passed but for ``unhead``, ``join``."""
-        order, acc, skipped, alive, gone = self.order, self.acc.keys, self.skipped, self.alive, self.gone
-        fixed = self.replicas is not None
-        if fixed:  # a member yet to push can no longer come once R heads came, nor below the sum already made
-            heads, lost, full = self.heads, self.lost, len(self.heads) >= self.replicas
-            floor = self.acc.folded[-1] if self.acc.folded else None
-        while i < len(order):
-            w = order[i][1]
-            if not (w in acc or w in skipped or w == but or not alive(w) or w in gone) and not (
-                    fixed and (w in lost or (full and w not in heads) or (floor is not None and order[i] < floor))):
-                break
+        """The index of the first key from ``i`` on that may still bring a gradient (len(order): none): a waiting
+        member's (:meth:`standing`) other than ``but``; fixed R, one whose push may still count (:meth:`may_head`: it
+        did, or fewer than R heads came and it sorts after the sum made). A key passed stays passed but for
+        ``unhead``, ``join``."""
+        order, fixed = self.order, self.replicas is not None
+        while i < len(order) and (order[i][1] == but or not self.standing(order[i][1])[1]
+                                  or (fixed and not self.may_head(order[i][1]))):
             i += 1
         return i
 
