@@ -649,23 +649,22 @@ class ParameterServerCore(ModelState):
 
     def _take(self, m: Member, req: PushRequest, status: PushStatus, now: float, grads) -> None:
         r, wid, at = self.round, m.worker_id, Arrival(m.worker_id, m.name, m.rank, now)
-        if status is PushStatus.ACCEPTED:  # the round's rule then (leases and start-up are the tick's)
-            if self.parts is not None:  # (a member that came back and joined a stuck round brings its frames)
+        accepted, g = status is PushStatus.ACCEPTED, self.global_step
+        # skipped (NaN/Inf): its part in the round is over, the round does not wait for it
+        if accepted or (status is PushStatus.SKIPPED and req.step == g and wid in r.eligible and wid not in r.acc):
+            if accepted and self.parts is not None:  # (a member that came back and joined a stuck round: its frames)
                 self.parts.lost.discard(wid)
-            p = r.accept(at, grads, req.loss, req.num_examples, self.rule, self._rule_now(r, now))
-            self.examples += req.num_examples or 0
-        elif status is PushStatus.SKIPPED and req.step == self.global_step and wid in r.eligible and wid not in r.acc:
-            r.skip(at)  # its part in the round is over: do not wait for it
-            p = self._progress(r, now)
+            # the round's rule then (leases and start-up are the tick's)
+            p = r.accept(at, grads if accepted else None, req.loss, req.num_examples, self.rule, self._rule_now(r, now))
+            if accepted:
+                self.examples += req.num_examples or 0
         else:
-            if status is PushStatus.LATE and req.step == self.global_step:
+            if status is PushStatus.LATE and req.step == g:
                 r.lose(wid, at)  # fixed R: it came after R heads
             elif status is PushStatus.LATE:  # for the round that just closed: its record lists it
                 self.rounds[-1] = replace(self.rounds[-1], late=(*self.rounds[-1].late, at))
             return
         if p.closed is not None:  # the round's rule closed it (Round.accept)
             self._closed(now, *p.closed)
-        elif p.reason is not None:
-            self._close(now, p.reason)
         elif p.stuck:
             self.tick(now)  # recalls

@@ -284,32 +284,29 @@ class Round:
 
     def accept(self, arrival: Arrival, grads, loss: float | None, examples: int | None, rule: CloseRule,
                now: float | None) -> Progress:
-        """An accepted gradient, and where the round stands then (:meth:`progress` at ``now``; when the rule says it
+        """An accepted gradient (``grads`` None: a push skipped for NaN/Inf under policy skip, its part in the round
+        over, not waited for), and where the round stands then (:meth:`progress` at ``now``; when the rule says it
         closes, the progress's ``closed`` is :meth:`close`'s at the arrival's time)."""
         wid = arrival.worker_id
         before = self.standing(wid, True)  # an active member: its push was just admitted
         self.head(wid)  # fixed R: a push that reached the core unclaimed counts here
-        pending = None  # fixed R below the quorum: what may sort before it is not known
-        if not self.replicas or len(self.acc.keys) + 1 >= rule.quorum:  # the lowest key that may still bring one
-            i = self.frontier = self._pending_at(self.frontier, wid)  # (wid brings its own now)
-            pending = self.order[i:i + 1]
-        self.acc.apply(wid, self.eligible[wid], grads, pending)
+        if grads is None:
+            self.skipped[wid] = arrival
+        else:
+            pending = None  # fixed R below the quorum: what may sort before it is not known
+            if not self.replicas or len(self.acc.keys) + 1 >= rule.quorum:  # the lowest key that may still bring one
+                i = self.frontier = self._pending_at(self.frontier, wid)  # (wid brings its own now)
+                pending = self.order[i:i + 1]
+            self.acc.apply(wid, self.eligible[wid], grads, pending)
+            self.arrivals.append(arrival)
+            if loss is not None:
+                self.losses.append((loss, examples or 1))
+            self.examples += examples or 0
         self._count(wid, before, True)
-        self.arrivals.append(arrival)
-        if loss is not None:
-            self.losses.append((loss, examples or 1))
-        self.examples += examples or 0
         p = rule.progress(self, now)
         if p.reason is not None:
             p.closed = self.close(arrival.at, p.reason)
         return p
-
-    def skip(self, arrival: Arrival) -> None:
-        """A NaN/Inf push under policy skip: its part in the round is over (not waited for)."""
-        before = self.standing(arrival.worker_id)
-        self.head(arrival.worker_id)
-        self.skipped[arrival.worker_id] = arrival
-        self._count(arrival.worker_id, before)
 
     def drop(self, worker_id: str) -> None:
         """An eligible member came back mid-round: the round does not wait for it again."""
