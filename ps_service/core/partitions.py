@@ -95,9 +95,8 @@ class RoundParts:
         for q in range(self.first, self.plan.count):
             early, self.early[q] = self.early[q], {}
             self.came[q] -= set(early) - set(self.contributors)
-            pending = tuple(self.contributors[m] for m in self.missing[q])
             for w in sorted((w for w in early if w in self.contributors), key=self.contributors.__getitem__):
-                self.accs[q].apply(w, self.contributors[w][0], early[w], pending)  # (rank order: folds as it goes)
+                self.frame(q, w, None, early[w])  # as a frame after the decision (rank order: folds as it goes)
         return self._closable(range(self.first, self.plan.count))
 
     def drop(self, worker_id: str) -> list[int]:
