@@ -150,18 +150,19 @@ def _servers(scenario: str, recorder: Recorder, shm_dir: str) -> Iterator[str]:
         yield f"http://127.0.0.1:{ports[0]}"
 
 
-def trace(scenario: str) -> list[dict]:
-    """One push (closing its round, answered with the weights) and one pull of ``scenario``: a line each."""
+def trace(scenario: str, patience: float = 10.0) -> list[dict]:
+    """One push (closing its round, answered with the weights) and one pull of ``scenario``: a line each (each
+    request given ``patience`` seconds: profiled, a loaded machine needs more)."""
     from worker_service.client import PSClient
 
     recorder = Recorder()
     with tempfile.TemporaryDirectory(prefix="syncps-trace-") as shm_dir, _servers(scenario, recorder, shm_dir) as url:
-        client = PSClient(url, timeout=10.0, attempts=1, shm_dir=shm_dir if scenario == "shm" else None)
+        client = PSClient(url, timeout=patience, attempts=1, shm_dir=shm_dir if scenario == "shm" else None)
         try:
             wid = client.register("tracer")["worker_id"]
             client.init_model(W0, {"name": "sgd", "learning_rate": 0.1})
             transport = client.attach(wid)
-            client.pull(0, wid, wait=10.0)
+            client.pull(0, wid, wait=patience)
             client.push(wid, 0, _grads(0))  # warms every path once (first answers allocate)
             lines = []
             for step, kind in ((1, "push"), (2, "pull")):
@@ -170,7 +171,7 @@ def trace(scenario: str) -> list[dict]:
                         client.push(wid, step, _grads(step))
                     else:
                         client.prefetched = None  # a pull that asks the PS
-                        client.pull(step, wid, wait=10.0)
+                        client.pull(step, wid, wait=patience)
                 lines.append({"scenario": scenario, "transport": transport, "request": kind, **summarise(events)})
             return lines
         finally:

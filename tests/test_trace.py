@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bench import trace
+from tests.timing import allow
 
 
 #: the most moves between files from the route's entry to the optimizer's apply that each scenario may take (what
@@ -15,7 +16,7 @@ ROUTE_MOVES = {"tcp": 22, "shm": 30, "topk": 28, "sharded": 110}
 
 @pytest.mark.parametrize("scenario", trace.SCENARIOS)
 def test_the_core_never_calls_the_transport_or_http_layers(scenario):
-    lines = trace.trace(scenario)
+    lines = trace.trace(scenario, patience=allow(10))
     assert [line["request"] for line in lines] == ["push", "pull"]
     push, pull = lines
     # the push closed its round: the route reached the optimizer, through the core, in so many moves at most
