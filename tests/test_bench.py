@@ -437,6 +437,22 @@ def test_bench_floor_measures_each_part_on_this_machine():
         assert 0 < x["ps_floor_over_compute"] < 1
 
 
+def test_bench_standby_floor_times_each_part_through_the_standbys_own_path():
+    """bench/standby_floor.py drives a standby's ``Pair`` and a real same-host log by their methods: it fails here, not
+    in a later session's run, when they move."""
+    from ps_service.standby import ring
+    if not ring.USABLE:
+        pytest.skip("no same-host log on this machine (ps_service/standby/ring.py USABLE)")
+    out = subprocess.run([sys.executable, "-m", "bench.standby_floor", "--json", "--params", "20000", "--reps", "3"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = {x["figure"]: x for x in map(json.loads, out.stdout.splitlines())}
+    assert sorted(lines) == ["apply_cold_ms", "apply_hot_ms", "record_ms", "take_ms"]
+    assert all(x["ms"] > 0 and x["params"] == actual_params(20000) and x["workers"] == 4 and "machine" in x
+               and "load_1min" in x for x in lines.values())
+    assert lines["record_ms"]["ms"] >= lines["take_ms"]["ms"]  # a record taken, then its step applied
+
+
 def test_the_floor_table_sets_each_system_against_its_own_floor():
     from bench.table import floor_table
 

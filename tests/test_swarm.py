@@ -27,6 +27,7 @@ import pytest
 import yaml
 
 from ps_service.settings import PSSettings
+from tests.clusters import settled
 from tests.compose_util import IMAGE, build_image, docker
 from cluster.processes import free_port, wait_for
 from tests.conftest import degraded
@@ -542,8 +543,7 @@ def _colocated_job_checked(colo: Stack, swarm: Swarm, manager: str, steps: int, 
     2 workers beside each, the manager's reaching shard 0 by files and node 2's over the overlay (as shard 0 sees
     them); shard 0's pieces bit-identical to one process (shard 1 is reached only inside the overlay). Seconds
     from ``deployed`` (monotonic) to done."""
-    done = colo.wait_status(lambda s: s["state"] == "done" and all(r["step"] == steps for r in s["shard"]["shards"]),
-                            allow(180), "the co-located job to finish on both shards")
+    done = colo.wait_status(settled, allow(180), "the co-located job to finish on both shards")
     assert done["global_step"] == steps and done["pushes"]["accepted"] == 4 * steps
     assert [t["Node"] for t in colo.tasks("ps")] == [manager] and [t["Node"] for t in colo.tasks("ps-1")] == [NODE2]
     placed = {f"{colo.name}_worker-{t['Name'].rsplit('.', 1)[1]}": t["Node"] for t in colo.tasks("worker")}
