@@ -224,6 +224,21 @@ def test_a_worker_registering_after_the_end_is_not_in_the_ranks(mode):
     assert core.ranks() == (0, 1)
 
 
+def test_a_round_keeps_the_ranks_of_members_that_left_and_adds_those_that_join_it_at_once():
+    """protocol.md, pull: ``ranks`` are the round's members' (every pull of a round shards alike), so when every
+    member left and a newcomer joins the stuck round at once under a rank given back, that rank is listed twice."""
+    core, ids = make(2)
+    core.leave(ids[0], 1.0)
+    assert core.ranks() == (0, 1)  # w0 left mid-round: w1's shard stays 1 of 2
+    core.leave(ids[1], 1.0)
+    m, start = core.register("n", 2.0)  # nobody alive in round 0: joins it at once, under w0's rank
+    assert (m.rank, start, core.global_step) == (0, 0, 0) and core.ranks() == (0, 0, 1)
+    m2, start2 = core.register("n2", 2.0)  # round 0 has a live member again: n2 counts from round 1
+    assert (m2.rank, start2) == (1, 1) and core.ranks() == (0, 0, 1)
+    push(core, m.worker_id, 0)
+    assert core.global_step == 1 and core.ranks() == (0, 1)
+
+
 @pytest.mark.parametrize("policy", ["reject", "skip"])
 def test_a_push_for_the_final_step_once_done_is_stale_and_says_done(policy):
     """protocol.md, push: no round opens at PS_MAX_STEPS, so a push computed on the final weights is answered
