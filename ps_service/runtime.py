@@ -227,7 +227,7 @@ class Runtime:
             except (OSError, asyncio.TimeoutError):
                 count = None
             if count != self.core.deployed:
-                log.info("the deployment runs %s workers (%s)", count or "no", name)
+                log.info("the deployment runs %s worker%s (%s)", count or "no", "" if count == 1 else "s", name)
             now = self.now()
             self.core.deploy(count, now)
             self.core.tick(now)
