@@ -16,6 +16,7 @@ import asyncio
 import logging
 import os
 
+import ps_service.standby as standby  # its roles (read at call time: the package imports this module first)
 from ps_service.standby import ring
 from shared import frame
 from shared.errors import ProtocolError
@@ -53,7 +54,7 @@ class Reader:
         that does not apply (it cannot, for a primary's of this model) closes the log: this PS is no longer ``synced``
         and the primary sends the state again."""
         p, n = self.pair, 0
-        while self.log is not None and p.role != "primary" and not p.restarted:
+        while self.log is not None and p.role != standby.PRIMARY and not p.restarted:
             rec = self.log.record(p.applied + 1, p.term)
             if rec is None:
                 break
