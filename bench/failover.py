@@ -27,61 +27,63 @@ from worker_service.client import PSClient
 
 TASK = {"WORKER_TASK": "linear", "WORKER_DTYPE": "float64", "WORKER_SEED": 7, "WORKER_BATCH_SIZE": 16}
 RESUMED = re.compile(r"this worker was at step (\d+), resuming at (\d+)")
+#: seconds a PS has to answer a probe (``GET /v1/ha``, ``/v1/status``) on a quiet machine, times the patience
+PROBE_SECONDS = 2.0
 
 
-def ha(url: str, digest: bool = False) -> dict | None:
-    """A PS's ``GET /v1/ha`` (None: no answer)."""
+def ha(url: str, digest: bool = False, patience: float = 1.0) -> dict | None:
+    """A PS's ``GET /v1/ha`` (None: no answer within ``patience`` x :data:`PROBE_SECONDS`)."""
     try:
-        resp = httpx.get(f"{url}/v1/ha", params={"digest": digest}, timeout=2.0)
+        resp = httpx.get(f"{url}/v1/ha", params={"digest": digest}, timeout=PROBE_SECONDS * patience)
         return resp.json() if resp.status_code == 200 else None
     except httpx.HTTPError:
         return None
 
 
-def status(url: str) -> dict | None:
-    """A PS's ``GET /v1/status`` (None: no answer)."""
+def status(url: str, patience: float = 1.0) -> dict | None:
+    """A PS's ``GET /v1/status`` (None: no answer within ``patience`` x :data:`PROBE_SECONDS`)."""
     try:
-        return httpx.get(f"{url}/v1/status", timeout=2.0).json()
+        return httpx.get(f"{url}/v1/status", timeout=PROBE_SECONDS * patience).json()
     except (httpx.HTTPError, ValueError):
         return None
 
 
-def primary(c: LocalCluster) -> tuple[str, dict] | None:
+def primary(c: LocalCluster, patience: float = 1.0) -> tuple[str, dict] | None:
     """(URL, ``GET /v1/ha``) of the pair's PS that is the primary now."""
     for url in (c.url, c.peer_url):
-        got = ha(url)
+        got = ha(url, patience=patience)
         if got is not None and got["role"] == "primary":
             return url, got
     return None
 
 
-def same_bits(c: LocalCluster) -> bool:
-    a, b = ha(c.url, True), ha(c.peer_url, True)
+def same_bits(c: LocalCluster, patience: float = 1.0) -> bool:
+    a, b = ha(c.url, True, patience), ha(c.peer_url, True, patience)
     return a is not None and b is not None and a["digest"] is not None and a["digest"] == b["digest"]
 
 
-def _done(url: str) -> bool:
-    return (status(url) or {}).get("state") == "done"
+def _done(url: str, patience: float) -> bool:
+    return (status(url, patience) or {}).get("state") == "done"
 
 
-def kill_loop(c: LocalCluster, rng: random.Random, kills: int, deadline: float = 30.0) -> list[float]:
+def kill_loop(c: LocalCluster, rng: random.Random, kills: int, patience: float = 1.0) -> list[float]:
     """Until ``kills`` kills or the job is done: once the primary's standby took its state, after a pause of 0-0.4 s,
     kill -9 the primary, wait until the other took over and closed a round, start the killed one again. The seconds
-    from each kill until that round closed."""
+    from each kill until that round closed. Each wait: 30 s on a quiet machine, times ``patience``."""
     procs = {c.url: lambda: c.ps, c.peer_url: lambda: c.peer}
     again: list[float] = []
     while len(again) < kills:
         def ready():
-            p = primary(c)
+            p = primary(c, patience)
             if p is None:
                 return False
-            other = ha(c.peer_url if p[0] == c.url else c.url)
-            return (other is not None and other["role"] == "standby" and other["synced"]) or _done(p[0])
+            other = ha(c.peer_url if p[0] == c.url else c.url, patience=patience)
+            return (other is not None and other["role"] == "standby" and other["synced"]) or _done(p[0], patience)
 
-        wait_for(ready, deadline, "a primary whose standby took its state")
-        url, _ = primary(c)
-        time.sleep(rng.uniform(0.0, 0.4))
-        st = status(url) or {}
+        url, _ = wait_for(lambda: ready() and primary(c, patience), 30 * patience,
+                          "a primary whose standby took its state")
+        time.sleep(rng.uniform(0.0, 0.4))  # the kill's moment in the round, at random (not a synchronisation)
+        st = status(url, patience) or {}
         if st.get("state") == "done":
             break
         killed = time.monotonic()
@@ -89,34 +91,37 @@ def kill_loop(c: LocalCluster, rng: random.Random, kills: int, deadline: float =
         other = c.peer_url if url == c.url else c.url
 
         def moved():
-            s = status(other)
+            s = status(other, patience)
             return s is not None and s["pair"]["role"] == "primary" and (
                 s["global_step"] > st.get("global_step", 0) or s["state"] == "done")
 
-        wait_for(moved, deadline, "the standby to take over and close a round")
+        wait_for(moved, 30 * patience, "the standby to take over and close a round")
         again.append(time.monotonic() - killed)
         c.start_ps()  # the killed one comes back: the standby of the newer term
     return again
 
 
-def run_job(workers: int, steps: int, kills: int, seed: int, deadline: float = 120.0, carrier: str = "log") -> dict:
+def run_job(workers: int, steps: int, kills: int, seed: int, patience: float = 1.0, carrier: str = "log") -> dict:
     """One job (``kills`` 0: uninterrupted). Its primary's digest and final weights, the kill times, the rounds
     lost. ``carrier``: the steps through the standby's same-host log, or over HTTP (``PS_SHM_DIR`` empty: as between
-    hosts)."""
+    hosts). ``patience``: how many times a quiet machine's time every wait allows (a test passes the load's,
+    tests/timing.py; the job to train 120 s, each kill's takeover 30 s, the standby to hold the bits 10 s, a probe
+    :data:`PROBE_SECONDS`)."""
     env = {"PS_MAX_STEPS": steps, "PS_TOTAL_NUM_REPLICAS": workers, **({"PS_SHM_DIR": ""} if carrier == "http" else {})}
     with LocalCluster(workers, ps_env=env, worker_env={**TASK, "WORKER_COMPUTE_DELAY_SECONDS": 0.02},
                       standby=True) as c:
         try:
-            wait_for(lambda: (status(c.url) or {}).get("global_step", 0) >= 2, deadline, "training")
-            again = kill_loop(c, random.Random(seed), kills) if kills else []
-            codes = c.wait_workers(deadline)
-            wait_for(lambda: same_bits(c), 10, "the standby to hold the primary's bits")
-            url, got = primary(c)
-            digest = ha(url, True)["digest"]
-            logged = sum(ha(u)["costs"]["logged"] for u in (c.url, c.peer_url))  # steps the same-host log carried
-            reader = PSClient(url)
+            wait_for(lambda: (status(c.url, patience) or {}).get("global_step", 0) >= 2, 120 * patience, "training")
+            again = kill_loop(c, random.Random(seed), kills, patience) if kills else []
+            codes = c.wait_workers(120 * patience)
+            wait_for(lambda: same_bits(c, patience), 10 * patience, "the standby to hold the primary's bits")
+            url, got = wait_for(lambda: primary(c, patience), 10 * patience, "the primary's answer")
+            digest = ha(url, True, patience)["digest"]
+            # the steps the same-host log carried
+            logged = sum(ha(u, patience=patience)["costs"]["logged"] for u in (c.url, c.peer_url))
+            reader = PSClient(url, timeout=30 * patience)
             try:
-                weights = dict(reader.pull(0, wait=5.0).tensors)
+                weights = dict(reader.pull(0, wait=5.0 * patience).tensors)
             finally:
                 reader.close()
             resumed = [tuple(map(int, m)) for i in range(workers) for m in RESUMED.findall(c.log(f"worker-{i}"))]

@@ -16,7 +16,7 @@ import pytest
 
 from bench.failover import run_job
 from tests.test_standby_live import assert_bit_identical, reference
-from tests.timing import allow
+from tests.timing import scale
 
 KILLS: list[float] = []  # seconds from each kill until a round closed again (every job of this file)
 
@@ -25,7 +25,7 @@ KILLS: list[float] = []  # seconds from each kill until a round closed again (ev
 @pytest.mark.parametrize("carrier", ["log", "http"])
 def test_kill_the_primary_again_and_again_and_the_job_finishes_bit_identical(carrier, seed):
     steps, workers = 400, 3
-    job = run_job(workers, steps, 6, seed, deadline=allow(120), carrier=carrier)
+    job = run_job(workers, steps, 6, seed, patience=scale(), carrier=carrier)
     KILLS.extend(job["again"])
     assert job["kills"] >= 5 and job["exit_codes"] == [0] * workers and job["step"] == steps
     assert job["lost"] == 0  # no worker resumed behind the round it had open
