@@ -71,7 +71,7 @@ def live_ps(port: int | None = None, **settings: Any) -> Iterator[LivePS]:
         yield LivePS(f"http://127.0.0.1:{port}", port, app, server)
     finally:
         server.should_exit = True
-        thread.join(15)
+        thread.join(allow(15))
 
 
 def _canon(obj: Any) -> Any:

@@ -210,7 +210,7 @@ def test_forged_pushes_during_live_training_change_nothing():
             codes = c.wait_workers(allow(120))
         finally:
             stop.set()
-            t.join(10)
+            t.join(allow(10))
         st = c.status()
         metrics = c.get("/metrics").text
         pc = PSClient(c.url, token=TOKEN)

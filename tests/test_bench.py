@@ -23,12 +23,13 @@ from shared.errors import ProtocolError
 from shared.protocol import PUSH_STATUS_HEADER
 from tests.clusters import run_job
 from tests.live_ps import live_ps, raw_exchange, read_response, state_hash
+from tests.timing import allow
 from tests.wire import FRAME, push_frame
 
 
 def test_bench_run_prints_the_anchor_fields():
     out = subprocess.run([sys.executable, "-m", "bench.run", "--json", "--workers", "2", "--params", "4",
-                          "--seconds", "1", "--warmup", "0.3"], capture_output=True, text=True, timeout=120)
+                          "--seconds", "1", "--warmup", "0.3"], capture_output=True, text=True, timeout=allow(120))
     line = json.loads(out.stdout.strip().splitlines()[-1])
     assert out.returncode == 0, line
     assert line["system"] == "syncps" and line["workers"] == 2 and line["params"] == 4
@@ -46,7 +47,7 @@ def test_bench_ab_alternates_two_trees_and_sums_each_cell_up():
     root = str(Path(__file__).resolve().parent.parent)
     out = subprocess.run([sys.executable, "-m", "bench.ab", root, root, "--json", "--runs", "1", "--seconds", "1",
                           "--warmup", "0.3", "--cells", "http:4:2,http:4:2:S2"], capture_output=True, text=True,
-                         timeout=600)
+                         timeout=allow(600))
     lines = [json.loads(x) for x in out.stdout.splitlines()]
     assert out.returncode == 0, out.stderr[-2000:]
     runs, sums = [x for x in lines if "summary" not in x], [x for x in lines if "summary" in x]
@@ -66,7 +67,7 @@ def test_bench_ab_pins_the_job_to_all_cpus_but_the_last_and_the_standby_to_the_l
     cpus = sorted(os.sched_getaffinity(0))
     out = subprocess.run([sys.executable, "-m", "bench.ab", root, root, "--json", "--runs", "1", "--seconds", "1",
                           "--warmup", "0.3", "--interleave", "--cells", "shm:4:2:standby:pin,shm:4:2:pin"],
-                         capture_output=True, text=True, timeout=600)
+                         capture_output=True, text=True, timeout=allow(600))
     assert out.returncode == 0, out.stderr[-2000:]
     runs = [x for x in map(json.loads, out.stdout.splitlines()) if "summary" not in x]
     assert [r["cell"] for r in runs] == ["shm:4:2:standby:pin"] * 2 + ["shm:4:2:pin"] * 2
@@ -185,7 +186,7 @@ def test_push_and_wait_answers_the_next_weights_in_one_round_trip():
         for t in threads:
             t.start()
         for t in threads:
-            t.join(30)
+            t.join(allow(30))
         assert [a["status"] for a in answers] == ["accepted", "accepted"] and all(a["step"] == 1 for a in answers)
         for c in clients:
             pulled = c.pull(1, wait=0.0)  # the weights came with the push: no request
@@ -365,7 +366,7 @@ def test_the_grid_table_puts_two_shards_over_tcp_next_to_one():
 
 def test_bench_run_with_two_shards_sums_their_cpu():
     out = subprocess.run([sys.executable, "-m", "bench.run", "--json", "--shards", "2", "--params", "1000",
-                          "--seconds", "1", "--warmup", "0.3"], capture_output=True, text=True, timeout=120)
+                          "--seconds", "1", "--warmup", "0.3"], capture_output=True, text=True, timeout=allow(120))
     line = json.loads(out.stdout.strip().splitlines()[-1])
     assert out.returncode == 0, line
     assert line["shards"] == 2 and line["params"] == 992 and line["steps_per_s"] > 0 and line["steps"] > 0
@@ -424,7 +425,7 @@ def test_the_floor_adds_this_machines_costs_up_for_both_designs():
 
 def test_bench_floor_measures_each_part_on_this_machine():
     out = subprocess.run([sys.executable, "-m", "bench.floor", "--json", "--workers", "2", "4", "--params", "20000",
-                          "--steps", "3", "--bytes", "2e6"], capture_output=True, text=True, timeout=120)
+                          "--steps", "3", "--bytes", "2e6"], capture_output=True, text=True, timeout=allow(120))
     assert out.returncode == 0, out.stderr[-2000:]
     lines = [json.loads(x) for x in out.stdout.splitlines()]
     assert [(x["workers"], x["params_requested"]) for x in lines] == [(2, 20000), (4, 20000)]
@@ -444,7 +445,7 @@ def test_bench_standby_floor_times_each_part_through_the_standbys_own_path():
     if not ring.USABLE:
         pytest.skip("no same-host log on this machine (ps_service/standby/ring.py USABLE)")
     out = subprocess.run([sys.executable, "-m", "bench.standby_floor", "--json", "--params", "20000", "--reps", "3"],
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=allow(120))
     assert out.returncode == 0, out.stderr[-2000:]
     lines = {x["figure"]: x for x in map(json.loads, out.stdout.splitlines())}
     assert sorted(lines) == ["apply_cold_ms", "apply_hot_ms", "record_ms", "take_ms"]

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from bench import output
 from bench.output import Results, table
+from tests.timing import allow
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -61,7 +62,7 @@ def test_the_environment_asks_for_json_lines(monkeypatch):
 def test_a_real_bench_prints_the_same_numbers_in_both_forms():
     """bench.loopback (a second of CPU): its table's cells are its JSON line's fields, rounded as the table says."""
     run = lambda *a: subprocess.run([sys.executable, "-m", "bench.loopback", "--bytes", "2e6", *a], cwd=ROOT,  # noqa
-                                    capture_output=True, text=True, timeout=120)
+                                    capture_output=True, text=True, timeout=allow(120))
     as_json, as_table = run("--json"), run()
     assert as_json.returncode == as_table.returncode == 0, as_json.stderr + as_table.stderr
     line = json.loads(as_json.stdout)

@@ -16,6 +16,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResp
 
 from ps_service.transport import bodysink
 from tests.live_ps import live_ps, raw_exchange
+from tests.timing import allow
 
 #: the uvicorn releases this protocol was tested with (pyproject.toml bounds the dependency the same way)
 TESTED = ((0, 30), (0, 55))
@@ -75,7 +76,7 @@ def test_every_connection_of_a_thread_reads_through_one_buffer():
     other: list = []
     thread = threading.Thread(target=lambda: other.append(bodysink.scratch()))
     thread.start()
-    thread.join(10)
+    thread.join(allow(10))
     assert other and other[0] is not mine  # each event loop's thread has its own
 
 

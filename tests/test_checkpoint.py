@@ -277,7 +277,7 @@ def test_a_kill_at_any_step_loses_at_most_two_intervals_even_on_the_slowest_disk
 
     def held(directory, state, keep):  # a write that ends when its gate opens
         gate = gates.setdefault(state["global_step"], threading.Event())
-        assert fast or gate.wait(60), "a write was never waited for"
+        assert fast or gate.wait(allow(60)), "a write was never waited for"
         return real(directory, state, keep)
 
     monkeypatch.setattr(checkpoint, "write_checkpoint", held)
@@ -361,7 +361,7 @@ def test_the_documented_plain_script_reads_a_checkpoint(tmp_path):
     corrupt_newer = tmp_path / "ckpt-0000000010.msgpack"
     corrupt_newer.write_bytes(b"\x81")
     script = re.search(r"```python\n(.*?)```", DOC.read_text(), re.S).group(1)
-    out = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=allow(60))
     assert out.returncode == 0, out.stderr
     assert "global step 3" in out.stdout and "'name': 'adam'" in out.stdout
     assert f"b {core.weights['b'].tolist()}" in out.stdout

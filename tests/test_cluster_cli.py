@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from cluster.processes import LocalCluster
+from tests.timing import allow
 
 ROOT = Path(__file__).resolve().parent.parent
 PS_ONLY = {"PS_MIN_WORKERS": 1}  # a PS and no worker (LocalCluster(0) would ask for 0)
@@ -27,7 +28,7 @@ def log_root(tmp_path, monkeypatch):
 
 
 def cli(*args: str, timeout: float = 150) -> tuple[int, str]:
-    out = subprocess.run([sys.executable, "-m", "cluster", *args], capture_output=True, text=True, timeout=timeout,
+    out = subprocess.run([sys.executable, "-m", "cluster", *args], capture_output=True, text=True, timeout=allow(timeout),
                          cwd=ROOT, env={**os.environ, "COLUMNS": "160"})
     return out.returncode, out.stdout + out.stderr
 
@@ -86,7 +87,7 @@ def test_cli_failure_keeps_the_logs_and_says_where(log_root):
     # no COLUMNS and a pipe for stdout, as in `make run | tee log`: the URL lines come out whole
     env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
     out = subprocess.run([sys.executable, "-m", "cluster", "--workers", "1", "--steps", "10", "--deadline", "60"],
-                         capture_output=True, text=True, timeout=60, cwd=ROOT, env={**env, "PS_LEASE_SECONDS": "-1"})
+                         capture_output=True, text=True, timeout=allow(60), cwd=ROOT, env={**env, "PS_LEASE_SECONDS": "-1"})
     text = out.stdout + out.stderr
     assert out.returncode == 1 and "failed: PS exited with 1" in text and "PS_LEASE_SECONDS: " in text, text[-3000:]
     assert re.search(r"^dashboard http://127\.0\.0\.1:(\d+)/  metrics http://127\.0\.0\.1:\1/metrics  "
@@ -138,7 +139,7 @@ def test_mlp_without_scikit_learn_says_how_to_install_it(monkeypatch):
 def test_workers_that_all_fail_show_why_not_a_traceback():
     """Every worker exits 1 before the model exists: the end of each one's log, not the PS's 409 to a pull."""
     out = subprocess.run([sys.executable, "-m", "cluster", "--workers", "2", "--steps", "10", "--deadline", "60"],
-                         capture_output=True, text=True, timeout=90, cwd=ROOT,
+                         capture_output=True, text=True, timeout=allow(90), cwd=ROOT,
                          env={**os.environ, "COLUMNS": "160", "WORKER_BATCH_SIZE": "-1"})
     text = out.stdout + out.stderr
     assert out.returncode == 1 and "not_initialized" not in text, text[-3000:]  # (the workers' own tracebacks show)

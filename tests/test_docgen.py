@@ -12,6 +12,7 @@ import sys
 from bench import report
 from docgen import __main__ as docgen, cli, rest_api
 from docgen.markdown import COMMAND
+from tests.timing import allow
 
 
 ROOT = docgen.ROOT
@@ -19,7 +20,7 @@ ROOT = docgen.ROOT
 
 def test_every_generated_page_is_what_the_code_renders():
     done = subprocess.run([sys.executable, "-m", "docgen", "--check"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=allow(300))
     assert done.returncode == 0, done.stderr[-2000:]
 
 
@@ -110,7 +111,7 @@ def test_a_real_pass_renders_as_bench_table_printed_it(tmp_path):
     done = subprocess.run([sys.executable, "-m", "bench.table", "--params", "4", "--workers", "2", "--seconds", "1",
                            "--repeat", "1", "--compressions", "", "--anchors", "", "--cnn-workers", "", "--hosts", "",
                            "--floor-params", "", "--shard-params", "", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=240)
+                          cwd=ROOT, capture_output=True, text=True, timeout=allow(240))
     assert done.returncode == 0, done.stderr[-2000:]
     lines = report.read(out)
     assert [x["transport"] for x in lines if x["system"] == "syncps"] == ["shm", "http"]

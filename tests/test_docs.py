@@ -28,6 +28,7 @@ import yaml
 from docgen import configuration
 from ps_service.settings import PSSettings
 from tests.compose_util import COMPOSE_FIXED, GUIDES
+from tests.timing import allow
 from worker_service.settings import WorkerSettings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -171,7 +172,7 @@ def make(venv: Path, *args: str) -> str:
     env = {k: v for k, v in os.environ.items()
            if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "VENV", "RUN_ARGS", "PYTEST_ARGS")}
     out = subprocess.run(["make", "--no-print-directory", f"VENV={venv}", *args], capture_output=True, text=True,
-                         timeout=60, cwd=ROOT, env=env)
+                         timeout=allow(60), cwd=ROOT, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
     return out.stdout
 
@@ -232,7 +233,7 @@ def test_the_site_builds_strictly(tmp_path):
     if importlib.util.find_spec("mkdocs") is None or importlib.util.find_spec("material") is None:
         pytest.skip("mkdocs or mkdocs-material is not installed (pip install -e '.[docs]'): the site was not built")
     out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         cwd=ROOT, capture_output=True, text=True, timeout=allow(300),
                          env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert (tmp_path / "site" / "reference" / "configuration" / "index.html").exists()

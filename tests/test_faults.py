@@ -233,7 +233,7 @@ def test_kill_9_at_many_moments_redoes_at_most_two_checkpoint_intervals(tmp_path
                 lost.append(killed - restored)
                 assert killed - 2 * every <= restored <= killed + 1, (k, killed, restored)
             stop.set()
-            pusher.join(30)
+            pusher.join(allow(30))
         except Exception as exc:
             stop.set()
             raise AssertionError(f"{exc}\nsteps redone so far: {lost}\n{c.logs()}") from exc

@@ -56,7 +56,7 @@ def start(action: str, forked: bool, cwd: str, log: Path, **extra):
 def test_exit_codes_and_output_as_python_m(child_cwd, tmp_path, forked, action, code, text):
     log = tmp_path / "child.log"
     proc = start(action, forked, child_cwd, log)
-    assert proc.wait(30) == code and proc.poll() == code and proc.returncode == code
+    assert proc.wait(allow(30)) == code and proc.poll() == code and proc.returncode == code
     out = log.read_text()
     assert text in out
     if action == "raise":
@@ -68,7 +68,7 @@ def test_child_starts_exactly_as_exec(child_cwd, tmp_path):
     seen = {}
     for forked in (True, False):
         log = tmp_path / f"{forked}.log"
-        assert start("report", forked, child_cwd, log, SYNCPS_TEST_MARKER=f"m{forked}").wait(30) == 0
+        assert start("report", forked, child_cwd, log, SYNCPS_TEST_MARKER=f"m{forked}").wait(allow(30)) == 0
         seen[forked] = json.loads(log.read_text().splitlines()[0])
     assert seen[True].pop("marker") == "mTrue" and seen[False].pop("marker") == "mFalse"  # env reaches the child
     assert seen[True].pop("ppid") != seen[False].pop("ppid") == os.getpid()  # forked by the zygote
@@ -91,13 +91,13 @@ def test_signals(child_cwd, tmp_path, forked, how, code):
         proc.send_signal(signal.SIGINT)  # Python's own handler: KeyboardInterrupt, a traceback, then SIGINT
     else:
         getattr(proc, how)()
-    assert proc.wait(10) == code
+    assert proc.wait(allow(10)) == code
     proc.kill()  # after its exit: nothing (as Popen)
     assert proc.returncode == code
 
 
 def zygote_of(proc) -> int:
-    proc.wait(30)
+    proc.wait(allow(30))
     return json.loads(Path(proc.log).read_text().splitlines()[-2])["ppid"]
 
 

@@ -45,7 +45,7 @@ def test_heartbeats_keep_a_quiet_worker_and_stay_quiet_while_the_main_loop_renew
             assert hb.sent - sent <= 1  # at most one already under way when the renewals began (or to keep warm)
         finally:
             hb.halt.set()
-            hb.join(5)
+            hb.join(allow(5))
         c.close()
 
 
@@ -64,7 +64,7 @@ def test_a_failed_heartbeat_is_logged_as_a_warning(caplog):
             wait_for(lambda: hb.failed >= 2, allow(10.0), "2 failed heartbeats")
         finally:
             hb.halt.set()
-            hb.join(5)
+            hb.join(allow(5))
     assert hb.sent == 0
     said = [r.getMessage() for r in caplog.records if "heartbeat failed" in r.getMessage()]
     assert said and said[0].startswith("heartbeat failed (1 in a row") and "(2 in a row" in said[1]
@@ -78,7 +78,7 @@ def beating(hb: Heartbeat) -> Iterator[Heartbeat]:
         yield hb
     finally:
         hb.halt.set()
-        hb.join(5)
+        hb.join(allow(5))
 
 
 def counting_connects(monkeypatch) -> list:
@@ -167,5 +167,5 @@ def test_a_kept_connection_the_ps_closed_is_made_again_once_without_a_failure():
         thread.start()
         with beating(Heartbeat(f"http://127.0.0.1:{server.getsockname()[1]}", "w-1", 0.02, 5.0)) as hb:
             wait_for(lambda: hb.sent >= 3, allow(5.0), "3 heartbeats answered")
-        thread.join(5)
+        thread.join(allow(5))
     assert hb.failed == 0 and hb.stale == 1 and len(accepted) == 2

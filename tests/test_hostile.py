@@ -638,7 +638,7 @@ def test_two_finite_pushes_whose_sum_overflows_change_no_weight_over_http():
             for t in threads:
                 t.start()
             for t in threads:
-                t.join(30)
+                t.join(allow(30))
             assert sorted(a["status"] for a in answers) == ["accepted", "accepted"]
             assert ps.rt.core.global_step == 1 and ps.rt.core.weights["w"].tolist() == [0.0, 0.0, 0.0]
             rounds = clients[0].conn.request("GET", "/v1/rounds", {}, (), 10.0).json()["rounds"]
@@ -730,7 +730,7 @@ def test_a_worker_that_leaves_while_its_counted_push_waits_gets_its_status_at_on
         wait_for(lambda: ps.rt.core.push_counts["accepted"] == 1, allow(10), "a's push in the round (its answer waits)")
         with ps.http() as h:
             assert h.delete(f"/v1/workers/{a}").json()["state"] == "left"
-        t.join(10)
+        t.join(allow(10))
         r, took = answers["push"]
         assert (r.status_code, r.json()) == (200, {"status": "accepted", "step": 0, "done": False}) and took < 5
         with ps.http() as h:  # the round uses a's gradient: b's closes it with the mean of both
@@ -751,7 +751,7 @@ def test_a_worker_that_leaves_while_its_counted_push_waits_gets_its_status_at_on
         wait_for(lambda: ps.rt._waiters, allow(10), "the pull to wait")
         with ps.http() as h:
             assert h.delete(f"/v1/workers/{b}").json()["state"] == "left"
-        t.join(10)
+        t.join(allow(10))
         r, took = answers["pull"]
         assert (r.status_code, r.json()["error"]) == (409, "not_active") and took < 5
         c.close()

@@ -17,6 +17,7 @@ import pytest
 from cluster.processes import LocalCluster
 from shared import keepalive
 from tests.live_ps import live_ps
+from tests.timing import allow
 from shared.rawhttp import ConnectionLost, RawConnection
 from shared.httpxconn import HttpxConnection
 
@@ -95,7 +96,7 @@ def test_clients_that_send_just_as_the_ps_closes_their_idle_connections_lose_not
         for t in threads:
             t.start()
         for t in threads:
-            t.join(60)
+            t.join(allow(60))
         assert not any(t.is_alive() for t in threads)
     assert lost == []
 

@@ -209,7 +209,7 @@ def mute_host():
             yield hosts
         finally:
             server.kill()
-            server.wait(10)
+            server.wait(allow(10))
 
 
 def _unacknowledged(sock) -> int:

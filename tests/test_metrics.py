@@ -41,7 +41,7 @@ class ThreadServer:
 
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
-        self.thread.join(15)
+        self.thread.join(allow(15))
 
 
 def samples(text: str) -> dict[tuple, float]:
@@ -99,7 +99,8 @@ def test_format_passes_promtool_or_the_client_parser(job):
                  "checked with prometheus-client's parser only")
     for text in (job["during"], job["text"]):
         if promtool:
-            res = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=30)
+            res = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True,
+                                 timeout=allow(30))
             assert res.returncode == 0, res.stdout + res.stderr
         families = list(text_string_to_metric_families(text))
         assert families

@@ -182,7 +182,7 @@ def test_the_pytorch_bridge_trains_in_ssp():
         for t in threads:
             t.start()
         for t in threads:
-            t.join(60)
+            t.join(allow(60))
         st = httpx.get(f"{ps_.url}/v1/status", timeout=5).json()
     assert st["state"] == "done" and st["pushes"]["accepted"] == steps and st["clocks"]["max_spread"] <= 2
     assert all(s in ("accepted", "stale", "done") for r in results.values() for s in r) and len(results) == 2

@@ -33,6 +33,7 @@ from ps_service.core.optimizers import normalize_spec
 from tests.clusters import run_job
 from tests.reference import large_batch_gradient, worker_blas_threads
 from tests.tf_apply import read, write
+from tests.timing import allow
 from worker_service.tasks import load_task
 
 TF_PYTHON = os.environ.get("SYNCPS_TF_PYTHON", "")
@@ -79,7 +80,7 @@ def tensorflow_replay(task_name: str, dtype: str, spec: dict) -> tuple[dict[str,
         return weights, version
     finally:
         tf.stdin.close()
-        tf.wait(60)
+        tf.wait(allow(60))
 
 
 @pytest.mark.parametrize("task,dtype,optimizer,transport,shards,partition_bytes", CASES, ids=lambda v: str(v))

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from bench import timeline
+from tests.timing import allow
 
 MS = 1_000_000
 
@@ -21,10 +22,10 @@ def test_marks_are_off_by_default_and_one_json_line_each_when_on(tmp_path):
     code = ("from shared import marks; print(marks.ON)\n"
             "if marks.ON: marks.mark('step.push', step=3); marks.mark('step.pulled', step=3)")
     env = {k: v for k, v in os.environ.items() if k != "SYNCPS_MARKS_DIR"}
-    off = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    off = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=allow(60))
     assert off.stdout.strip() == "False"
     on = subprocess.run([sys.executable, "-c", code], env={**env, "SYNCPS_MARKS_DIR": str(tmp_path)},
-                        capture_output=True, text=True, timeout=60)
+                        capture_output=True, text=True, timeout=allow(60))
     assert on.stdout.strip() == "True"
     (f,) = tmp_path.glob("*.jsonl")
     lines = [json.loads(x) for x in f.read_text().splitlines()]

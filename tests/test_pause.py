@@ -145,7 +145,7 @@ def test_every_member_of_a_round_killed_recalls_the_worker_waiting_for_the_next(
             wait_for(lambda: c.status()["workers"]["active"] == 3, allow(30), "worker 2 registered (for round 1)")
             for w in c.workers[:2]:
                 c.kill(w)
-            assert joiner.wait(60) == 0
+            assert joiner.wait(allow(60)) == 0
             st = c.status()
             assert st["state"] == "done" and st["global_step"] == steps
             assert sorted(_events(c, "expired")) == ["worker-0", "worker-1"] and _events(c, "recalled") == ["worker-2"]

@@ -71,7 +71,7 @@ def echo_server(keepalive: float = 5.0) -> Iterator[str]:
         yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True
-        thread.join(10)
+        thread.join(allow(10))
 
 
 def body_parts(n: int = BIG) -> tuple[list, bytes]:
@@ -197,7 +197,7 @@ def socket_server(handle) -> Iterator[tuple[str, list]]:
     finally:
         halt.set()
         socket.create_connection(lsock.getsockname(), timeout=10).close()  # wakes a waiting accept()
-        thread.join(10)
+        thread.join(allow(10))
         lsock.close()
         assert not thread.is_alive()
 
@@ -213,7 +213,7 @@ def test_an_idle_connection_closed_without_notice_is_replaced_before_sending(aft
 
     def handle(conn, request, n):
         ok(conn)
-        if n == 1 and after_answer and answered.wait(10):  # once the client has read the answer
+        if n == 1 and after_answer and answered.wait(allow(10)):  # once the client has read the answer
             conn.sendall(after_answer)
         return False  # close
 
@@ -253,7 +253,7 @@ def test_a_request_the_server_may_have_processed_is_not_sent_again():
 
 def test_a_server_that_never_answers_times_out():
     release = threading.Event()
-    with socket_server(lambda conn, request, n: release.wait(10)) as (url, seen):
+    with socket_server(lambda conn, request, n: release.wait(allow(10))) as (url, seen):
         conn = RawConnection(url)
         try:
             t0 = time.monotonic()
@@ -352,7 +352,7 @@ def test_other_errors_are_raised_at_once_without_a_retry(caplog):
 
 def test_a_request_that_stalled_before_failing_is_logged_with_its_duration(caplog):
     release = threading.Event()
-    with socket_server(lambda conn, request, n: release.wait(10)) as (url, seen):
+    with socket_server(lambda conn, request, n: release.wait(allow(10))) as (url, seen):
         conn = RawConnection(url)
         try:
             with caplog.at_level(logging.INFO, logger="worker"), pytest.raises(ConnectionLost):

@@ -149,7 +149,7 @@ def test_a_sharded_push_starts_the_next_batch_once_its_holds_are_with_their_thre
 
     def hold(i: int) -> int:
         began.append(i)
-        assert on_way.wait(10), "on_way was not called while the holds ran"
+        assert on_way.wait(allow(10)), "on_way was not called while the holds ran"
         return i
 
     assert t._all([lambda i=i: hold(i) for i in range(2)], on_way.set) == [0, 1] and sorted(began) == [0, 1]

@@ -12,6 +12,7 @@ import numpy as np
 from ps_service.core.model import WeightsStore
 from shared import frame
 from tests.live_ps import live_ps
+from tests.timing import allow
 
 
 def _weights() -> dict[str, np.ndarray]:
@@ -105,7 +106,7 @@ class _Trickle(threading.Thread):
 
     def finish(self) -> bytearray:
         self.done.set()
-        self.join(10)
+        self.join(allow(10))
         return self.data
 
 
@@ -149,7 +150,7 @@ def test_a_slow_reader_gets_the_exact_weights_of_its_step_while_rounds_go_on():
                 for t in threads:
                     t.start()
                 for t in threads:
-                    t.join(60)
+                    t.join(allow(60))
                 assert [a["status"] for a in answers] == ["accepted", "accepted"]
                 for c in clients:
                     pulled = c.pull(step + 1, wait=0.0)
@@ -186,7 +187,7 @@ def test_a_synchronous_job_over_tcp_copies_no_weights_per_step():
         for t in threads:
             t.start()
         for t in threads:
-            t.join(120)
+            t.join(allow(120))
         assert ps.rt.core.global_step == rounds
         np.testing.assert_array_equal(ps.rt.core.weights["w"], np.full(size, -0.75 * rounds, np.float32))
         assert ps.rt.core.store.moves <= 1 + rounds // 4

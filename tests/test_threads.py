@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 from worker_service import threads
+from tests.timing import allow
 
 
 def test_unset_variables_become_one_and_set_ones_stay():
@@ -41,6 +42,6 @@ def test_python_m_worker_service_sets_them_before_numpy_loads():
     env = {k: v for k, v in os.environ.items() if k not in threads.VARS}
     code = ("import os, sys, worker_service.__main__; assert 'numpy' in sys.modules; "
             "print([os.environ[v] for v in ('OPENBLAS_NUM_THREADS', 'OMP_NUM_THREADS', 'MKL_NUM_THREADS')])")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=allow(120))
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "['1', '1', '1']"

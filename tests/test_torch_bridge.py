@@ -25,6 +25,7 @@ from syncps.tensors import ModelTensors
 from syncps.torch import DistributedOptimizer, GradientRejected, ModelMismatch, connect
 from tests.live_ps import live_ps, state_hash
 from tests.torch_tasks import SEEDING, batchnorm
+from tests.timing import allow
 from worker_service.client import PSClient
 
 X = torch.randn(256, 3, generator=torch.Generator().manual_seed(0))
@@ -53,7 +54,7 @@ def in_threads(*fns) -> list:
     for t in threads:
         t.start()
     for t in threads:
-        t.join(120)
+        t.join(allow(120))
     assert not any(t.is_alive() for t in threads), "a worker thread hung"
     if errors:
         raise errors[0]

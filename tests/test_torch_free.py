@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.timing import allow
+
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK = '''
 import sys
@@ -46,10 +48,10 @@ def test_the_ps_and_the_numpy_path_run_without_torch(tmp_path):
     (tmp_path / "sitecustomize.py").write_text(BLOCK)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
     check = subprocess.run([sys.executable, "-c", CHECK], env=env, cwd=ROOT, capture_output=True, text=True,
-                           timeout=120)
+                           timeout=allow(120))
     assert check.returncode == 0, check.stdout + check.stderr
     assert check.stdout.splitlines() == ["syncps.torch needs PyTorch: pip install -e '.[torch]'",
                                          "the cnn task needs PyTorch: pip install -e '.[torch,mlp]'"]
     run = subprocess.run([sys.executable, "-m", "cluster", "--workers", "2", "--task", "linear", "--steps", "20"],
-                         env=env, cwd=ROOT, capture_output=True, text=True, timeout=180)
+                         env=env, cwd=ROOT, capture_output=True, text=True, timeout=allow(180))
     assert run.returncode == 0 and "every worker exited 0" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]

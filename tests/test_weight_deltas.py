@@ -17,6 +17,7 @@ from shared import compression as C, frame, weight_deltas as wd
 from shared.errors import ProtocolError
 from tests.clusters import run_job
 from tests.live_ps import live_ps, state_hash
+from tests.timing import allow
 from worker_service.transport.http import HeldWeights
 
 F32, U32 = np.float32, np.uint32
@@ -209,7 +210,7 @@ def train(ps, rounds: int, scale: float, seed: int = 1):
     for t in threads:
         t.start()
     for t in threads:
-        t.join(60)
+        t.join(allow(60))
     assert not errors, errors
     return clients, regs, metas
 

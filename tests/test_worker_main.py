@@ -15,7 +15,7 @@ from worker_service.settings import WorkerSettings
 
 def worker(*args: str, timeout: float = 60.0, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "worker_service", *args], env={**os.environ, **env},
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=allow(timeout))
 
 
 def test_help_lists_every_setting_and_arguments_are_refused():

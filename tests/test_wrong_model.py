@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from tests.live_ps import live_ps
+from tests.timing import allow
 from worker_service.loop import WrongModel, train
 from worker_service.tasks import load_task
 
@@ -49,7 +50,7 @@ def test_the_worker_process_exits_3_and_says_so():
         assert c.init_model(OTHER, {"name": "sgd"})
         env = {**os.environ, "WORKER_PS_URL": ps.url, "WORKER_TASK": "linear", "WORKER_NAME": "w"}
         done = subprocess.run([sys.executable, "-m", "worker_service"], env=env, capture_output=True, text=True,
-                              timeout=120)
+                              timeout=allow(120))
         c.close()
     assert done.returncode == 3, done.stderr[-2000:]
     assert "WORKER_TASK=linear: the PS's model is not this task's model" in done.stderr

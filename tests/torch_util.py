@@ -91,4 +91,4 @@ def run_forked_job(workers: int, ps_settings: dict, worker_env: dict, deadline: 
             for p in procs:
                 if p.exitcode is None:
                     p.kill()
-                    p.join(10)
+                    p.join(allow(10))
