@@ -206,8 +206,10 @@ def sink(ip: str, port: int) -> None:
     """Accept one TCP stream and print its rate (bytes from the first to the last, over that time)."""
     import socket
     with socket.create_server((ip, port)) as server:
+        server.settimeout(60)  # the source connects within 10 s, then sends without pause: never a wait without end
         conn, _ = server.accept()
         with conn:
+            conn.settimeout(60)
             buf, total, first = bytearray(1 << 20), 0, None
             while n := conn.recv_into(buf):
                 first = first or time.perf_counter()

@@ -30,6 +30,7 @@ def sink(total: int, ports: mp.Queue, chunk: int = CHUNK, cpu: mp.Queue | None =
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
         server.listen(1)
+        server.settimeout(120)  # the sender connects at once (the bench's other end): never a wait without end
         ports.put(server.getsockname()[1])
         conn, _ = server.accept()
         with conn:
