@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ps_service.core.membership import FOLLOWER, SILENCE
 from ps_service.core.rounds import Accumulator
 from ps_service.core import ParameterServerCore
 from tests.configs import core_config
@@ -163,10 +164,10 @@ def test_held_leases_hold_the_lease_and_the_deadline_and_release_gives_both_afre
     core, ids = make(3, replicas_to_aggregate=3, round_timeout_seconds=2.0, min_replicas=2, lease_seconds=5.0)
     push(core, ids[0], 0, now=0.5)
     push(core, ids[1], 0, now=0.6)
-    core.members.hold(1.0)
+    core.members.hold(FOLLOWER, 1.0)
     core.tick(30.0)
     assert core.global_step == 0 and core.members.active_count == 3  # neither the deadline nor the lease ran out
-    core.members.release(30.0)
+    core.members.release(FOLLOWER, 30.0)
     core.members.touch(ids[0], 30.0)  # nor had the coordinator heard from any worker: that silence ends too
     core.tick(31.9)
     assert core.global_step == 0
@@ -616,7 +617,7 @@ def test_every_worker_silent_is_held_and_the_round_closes_once_one_is_back():
     core, ids = make(2, replicas_to_aggregate=2, lease_seconds=5.0)
     push(core, ids[0], 0, now=0.5)
     core.tick(60.0)
-    assert core.members.active_count == 2 and core.members.silent_since == 0.5
+    assert core.members.active_count == 2 and core.members.holds == {SILENCE: 0.5}
     assert core.wait_reason(60.0).startswith("no worker heard from for 59.5 s")
     push(core, ids[1], 0, now=61.0)  # w1 was cut off, not dead: the round closes exactly as without the outage
     assert core.global_step == 1 and core.rounds[-1].reason == "full" and core.rounds[-1].aggregated == 2

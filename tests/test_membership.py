@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from ps_service.core import ParameterServerCore
 from tests.configs import core_config
-from ps_service.core.membership import EXPIRED, LEFT, Membership
+from ps_service.core.membership import EXPIRED, FOLLOWER, LEFT, SILENCE, Membership
 from ps_service.http import REFUSALS
 from shared.protocol import ModelInit, PushRequest
 from tests.naive_core import NaiveMembership
@@ -42,16 +42,16 @@ def test_held_leases_run_out_for_nobody_and_run_whole_from_the_release():
     ms = Membership(lease_seconds=10.0)
     ms.register("a", 0.0)
     ms.register("b", 5.0)
-    ms.hold(8.0)
-    ms.hold(9.0)  # held since 8: holding again changes nothing
-    assert ms.held_since == 8.0 and ms.expire(100.0, False) == []
-    ms.release(100.0)
-    assert ms.held_since is None and ms.expire(109.9, False) == []
+    ms.hold(FOLLOWER, 8.0)
+    ms.hold(FOLLOWER, 9.0)  # held since 8: holding again changes nothing
+    assert ms.holds == {FOLLOWER: 8.0} and ms.expire(100.0, False) == []
+    ms.release(FOLLOWER, 100.0)
+    assert ms.holds == {} and ms.expire(109.9, False) == []
     assert [m.name for m in ms.expire(110.1, False)] == ["a", "b"]
-    ms.release(200.0)  # not held: nothing renewed
+    ms.release(FOLLOWER, 200.0)  # not held: nothing renewed
     ms.register("c", 200.0)
-    ms.hold(201.0)
-    ms.release(201.5)
+    ms.hold(FOLLOWER, 201.0)
+    ms.release(FOLLOWER, 201.5)
     assert ms.expire(211.4, False) == [] and [m.name for m in ms.expire(211.6, False)] == ["c"]
 
 
@@ -83,11 +83,11 @@ def test_a_silence_of_every_worker_expires_nobody_and_the_first_heard_gives_each
     for t in (3.0, 6.0):
         for m in (a, b, c):
             ms.touch(m.worker_id, t)
-    assert ms.expire(10.9) == [] and ms.silent_since is None  # heard 4.9 s ago: not silent
-    assert ms.expire(11.0) == [] and (ms.silent_since, ms.held) == (6.0, True)
+    assert ms.expire(10.9) == [] and ms.holds == {}  # heard 4.9 s ago: not silent
+    assert ms.expire(11.0) == [] and (ms.holds, ms.held) == ({SILENCE: 6.0}, True)
     assert ms.expire(60.0) == [] and all(m.active for m in (a, b, c))
     ms.touch(b.worker_id, 60.0)  # the first one back
-    assert (ms.silent_since, ms.held, ms.released_at) == (None, False, 60.0)
+    assert (ms.holds, ms.held, ms.released_at) == ({}, False, 60.0)
     ms.touch(a.worker_id, 63.0)  # each heard within half a lease of the last: no silence
     ms.touch(b.worker_id, 67.0)
     assert ms.expire(69.9) == [] and ms.expire(70.1) == [c]  # c never came back: a whole lease from 60, then out
@@ -101,9 +101,9 @@ def test_a_stalled_ps_expires_nobody_until_it_hears_from_a_worker_again():
     a, b = (ms.register(n, 0.0)[0] for n in "ab")
     ms.touch(a.worker_id, 30.0)  # read before the tick: nothing is silent yet
     ms.stalled(29.0, 30.0)  # a tick 1 s after the last one: not half a lease
-    assert ms.silent_since is None
+    assert ms.holds == {}
     ms.stalled(1.0, 30.0)  # the ticker: the process did not run from 1 s to now
-    assert ms.silent_since == 1.0 and ms.expire(30.1) == []
+    assert ms.holds == {SILENCE: 1.0} and ms.expire(30.1) == []
     ms.touch(a.worker_id, 31.0)
     assert ms.released_at == 31.0 and b.lease_until == 41.0
     ms.touch(a.worker_id, 35.0)
@@ -111,7 +111,7 @@ def test_a_stalled_ps_expires_nobody_until_it_hears_from_a_worker_again():
     assert ms.expire(40.9) == [] and ms.expire(41.1) == [b]
     ms.leave(a.worker_id, 42.0)
     ms.stalled(43.0, 60.0)  # nobody active: nothing to hold
-    assert ms.silent_since is None
+    assert ms.holds == {}
 
 
 def test_one_worker_silent_among_live_ones_expires_on_time():
@@ -120,19 +120,19 @@ def test_one_worker_silent_among_live_ones_expires_on_time():
     for t in range(1, 12):
         ms.touch(a.worker_id, float(t))
         ms.expire(float(t) + 0.5)
-    assert not b.active and b.state == EXPIRED and ms.silent_since is None
+    assert not b.active and b.state == EXPIRED and ms.holds == {}
 
 
 def test_a_hold_and_a_silence_both_end_before_leases_run_again():
     ms = Membership(lease_seconds=10.0)
     a, _ = ms.register("a", 0.0)
-    ms.hold(1.0)
-    assert ms.expire(20.0) == [] and ms.silent_since == 0.0
-    ms.release(20.0)  # the follower answers again, but no worker has been heard from
+    ms.hold(FOLLOWER, 1.0)
+    assert ms.expire(20.0) == [] and ms.holds == {FOLLOWER: 1.0, SILENCE: 0.0}
+    ms.release(FOLLOWER, 20.0)  # the follower answers again, but no worker has been heard from
     assert ms.held and ms.expire(50.0) == [] and a.lease_until == 10.0
     ms.touch(a.worker_id, 50.0)
     assert not ms.held and ms.released_at == 50.0
-    ms.hold(51.0)
+    ms.hold(FOLLOWER, 51.0)
     ms.touch(a.worker_id, 52.0)  # heard while held: the hold still holds
     assert ms.held and ms.expire(100.0) == []
 
@@ -140,8 +140,8 @@ def test_a_hold_and_a_silence_both_end_before_leases_run_again():
 def test_silence_is_not_watched_when_the_caller_says_so():
     ms = Membership(lease_seconds=10.0)
     a, _ = ms.register("a", 0.0)
-    assert ms.expire(8.0) == [] and ms.silent_since == 0.0
-    assert ms.expire(10.1, watch_silence=False) == [a] and ms.silent_since is None
+    assert ms.expire(8.0) == [] and ms.holds == {SILENCE: 0.0}
+    assert ms.expire(10.1, watch_silence=False) == [a] and ms.holds == {}
 
 
 names = st.sampled_from("abcdef")

@@ -34,7 +34,7 @@ from ps_service.core import on_arrival
 from ps_service.core.checks import validate
 from ps_service.core.config import CoreConfig
 from ps_service.core.intake import Intake
-from ps_service.core.membership import Member, Membership
+from ps_service.core.membership import SILENCE, Member, Membership
 from ps_service.core.model import ModelState
 from ps_service.core.partitions import RoundParts
 from ps_service.core.rates import RateMeter
@@ -299,7 +299,7 @@ class ParameterServerCore(ModelState):
                 return (f"waiting for workers: {active} of {expected} expected ({source}) registered; "
                         f"step 0 starts with those there in {left:.1f} s at the latest (PS_START_TIMEOUT_SECONDS)")
             return "start-up grace: waiting for more workers before step 0"
-        silent = self.members.silent_since
+        silent = self.members.holds.get(SILENCE)
         if silent is not None:
             return (f"no worker heard from for {now - silent:.1f} s (every worker stopped, or this PS was cut off from "
                     "them or paused): no lease runs out and no round closes by its deadline until one is")

@@ -3,10 +3,10 @@
 Contract: docs/protocol.md, register (names, ids, the lowest free rank, leases, the silence that holds them). In the
 module's terms: ``touch`` renews a lease, ``expire(now)`` marks members whose lease ran out ``expired``, ``leave`` is
 the graceful exit; expired and left members stay listed. A wait on the barrier (``begin_wait`` .. ``end_wait``,
-nested) holds its member's lease. Leases are *held* by :meth:`hold` (a sharded PS whose follower does not answer)
-until :meth:`release`, and by a silence (no worker heard from for :data:`SILENCE_LEASES` of a lease, or
-:meth:`stalled`) until a worker is heard from; either way every active member then gets a lease from then. Every
-change is appended to ``events`` (bounded).
+nested) holds its member's lease. Leases are *held* (:attr:`holds`, by reason) from :meth:`hold` until
+:meth:`release`: :data:`FOLLOWER`, a sharded PS whose follower does not answer; :data:`SILENCE`, no worker heard
+from for :data:`SILENCE_LEASES` of a lease (or :meth:`stalled`), released by the next worker heard from. When the
+last hold is released every active member gets a lease from then. Every change is appended to ``events`` (bounded).
 
 Cost: no call scans the members. ``expire`` pops a heap of lease ends (one entry per member; a renewed lease's entry
 is pushed back to its new end when it comes due): O(log K) per lease that ran out or was renewed; the active members,
@@ -27,6 +27,8 @@ MAX_NAME_LEN = 128
 #: a silence of this many leases (no worker heard from) holds the leases: above the lease/3 in which every live
 #: worker renews, below the lease/3 .. lease a member's lease has left when the PS goes silent
 SILENCE_LEASES = 0.5
+#: the reasons leases are held (:meth:`Membership.hold`)
+FOLLOWER, SILENCE = "follower", "silence"
 
 
 def refuse_blank(name: object) -> None:
@@ -114,12 +116,11 @@ class Membership:
         self._free: list[int] = []
         self._top = 0  # every rank from here on is free
         self._order: dict[str, int] = {}  # worker_id -> position in by_id (registration order)
-        #: since when leases are held (:meth:`hold`), or None
-        self.held_since: float | None = None
-        #: when a worker's request last renewed a lease, and since when a silence holds the leases (None: never, not)
+        #: reason (:data:`FOLLOWER`, :data:`SILENCE`) -> since when it holds the leases (:meth:`hold`)
+        self.holds: dict[str, float] = {}
+        #: when a worker's request last renewed a lease (None: never)
         self.heard_at: float | None = None
-        self.silent_since: float | None = None
-        #: when leases last ran again after a hold or a silence (a round's deadline counts from then at the earliest)
+        #: when leases last ran again after their holds (a round's deadline counts from then at the earliest)
         self.released_at = float("-inf")
 
     def _event(self, now: float, kind: str, m: Member) -> None:
@@ -128,8 +129,8 @@ class Membership:
 
     @property
     def held(self) -> bool:
-        """No lease runs out now: held (:meth:`hold`) or silence (no worker heard from)."""
-        return self.held_since is not None or self.silent_since is not None
+        """No lease runs out now: held for some reason (:meth:`hold`)."""
+        return bool(self.holds)
 
     @property
     def active_count(self) -> int:
@@ -231,24 +232,21 @@ class Membership:
     def _held_at(self, now: float, watch_silence: bool) -> bool:
         """:attr:`held` at ``now``, a silence noticed first (for :meth:`expire`)."""
         if not watch_silence:
-            self.silent_since = None
-        elif self.silent_since is None and self._silent(now):
-            self.silent_since = self.heard_at
+            self.release(SILENCE, now, renew=False)
+        elif self._silent(now):
+            self.hold(SILENCE, self.heard_at)
         return self.held
 
     def _heard(self, now: float) -> None:
         self.heard_at = now
-        if self.silent_since is not None:  # the silence ends
-            self.silent_since = None
-            if self.held_since is None:
-                self._leases_run(now)
+        self.release(SILENCE, now)
 
     def stalled(self, since: float, now: float) -> None:
         """The PS itself did not run from ``since`` to ``now`` (its ticker's two readings of the clock): a stall
         of :data:`SILENCE_LEASES` of a lease or more is a silence from ``since`` (if members are active), ended by the
         next worker heard from. Called before any request read since reaches the core."""
-        if now - since >= self.stall_seconds and self.active_by_id and self.silent_since is None:
-            self.silent_since = since
+        if now - since >= self.stall_seconds and self.active_by_id:
+            self.hold(SILENCE, since)
 
     def begin_wait(self, worker_id: str, now: float) -> Member:
         """A wait on the barrier starts: renew the lease (as :meth:`touch`, 404/409) and hold it while waiting."""
@@ -274,21 +272,16 @@ class Membership:
         self._heard(now)
         return m
 
-    def hold(self, now: float) -> None:
-        """No lease runs out, and no round closes by its deadline (the core's ``_rule_now``), until :meth:`release`."""
-        if self.held_since is None:
-            self.held_since = now
+    def hold(self, reason: str, since: float) -> None:
+        """No lease runs out, and no round closes by its deadline (the core's ``_rule_now``), from ``since`` until
+        :meth:`release` of ``reason`` (held already for it: held since then)."""
+        self.holds.setdefault(reason, since)
 
-    def release(self, now: float) -> None:
-        """Leases run again: every active member's lease lasts at least ``lease_seconds`` from ``now``."""
-        if self.held_since is None:
+    def release(self, reason: str, now: float, renew: bool = True) -> None:
+        """The hold for ``reason`` ends (none: nothing happens). The last one ends: leases run again, every active
+        member's lease lasting at least ``lease_seconds`` from ``now`` (``renew`` False: as they are)."""
+        if self.holds.pop(reason, None) is None or self.holds or not renew:
             return
-        self.held_since = None
-        if self.silent_since is None:
-            self._leases_run(now)
-
-    def _leases_run(self, now: float) -> None:
-        """After a hold or a silence: every active member's lease lasts at least ``lease_seconds`` from ``now``."""
         self.released_at = now
         for m in self.active_by_id.values():
             if m.lease_until < now + self.lease_seconds:

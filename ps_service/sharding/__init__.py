@@ -23,6 +23,7 @@ import numpy as np
 
 from ps_service.auth import peer_token
 from ps_service.checkpoint import CheckpointError, checkpoint_name, decode, list_checkpoints, step_of
+from ps_service.core.membership import FOLLOWER
 from ps_service.core.model import check_weights
 from ps_service.sharding import parts, receipts, rollback
 from ps_service.sharding.holds import Holds, apply_round
@@ -326,7 +327,7 @@ class ShardRole:
         """The coordinator's tick: no lease runs out and no round closes by its deadline while a follower is silent
         (:meth:`.links.Links.silent`)."""
         if self.links is not None:
-            (self.core.members.hold if self.links.silent() else self.core.members.release)(now)
+            (self.core.members.hold if self.links.silent() else self.core.members.release)(FOLLOWER, now)
 
     # ---- monitoring ---------------------------------------------------------------------
     def wait_reason(self, now: float) -> str | None:
@@ -354,6 +355,6 @@ class ShardRole:
                       "bytes_owned": self.map and self.map.bytes_owned(f.index), "error": f.error,
                       "rounds_queued": f.queue.qsize()} for f in self.links.followers]
             out["shards"], out["blocked"] = rows, self.links.blocked
-            out["leases_held"] = core.members.held_since is not None
+            out["leases_held"] = FOLLOWER in core.members.holds
             out["rollbacks"], out["last_rollback"] = self.rollbacks, self.last_rollback
         return out
