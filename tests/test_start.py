@@ -50,6 +50,8 @@ def test_at_the_start_timeout_step_0_starts_with_the_workers_there():
     core.register("w1", 100.0)
     core.tick(159.9)
     assert not core.started
+    # what /v1/status says before the tick is what the tick does: one decision (ParameterServerCore.decide)
+    assert core.wait_reason(160.0) == "step 0 starts with 2 of 4 expected workers" and not core.started
     core.tick(160.0)
     assert core.started and len(core.round.eligible) == 2
 

@@ -15,8 +15,9 @@ of reach, recall, deadline, close, start, end) and its push statuses ("POST /v1/
 - A push's status (:meth:`classify`): a repeat of (w, s) ``duplicate``; s == g from an eligible w ``accepted``
   (``skipped`` if not finite under policy skip); from another w, or s == g-1 from a member of round g-1 that missed it,
   ``late``; older ``stale``. Every check (:func:`validate`) comes before any state changes; the core owns the arrays.
-- Start: round 0 opens once the model is initialised and ``min_workers`` are active, after the grace (:meth:`tick`;
-  a restored checkpoint's members, or the deployment's count, :meth:`deploy`); at ``max_steps`` the job is done.
+- Start: round 0 opens once the model is initialised and ``min_workers`` are active, after the grace (a restored
+  checkpoint's members, or the deployment's count, :meth:`deploy`); at ``max_steps`` the job is done. The start and
+  the round's rule are one decision (:meth:`decide`): :meth:`tick` acts on it, :meth:`wait_reason` is its why.
 
 Modes (``config.mode``): the above is ``sync``. In ``async`` and ``ssp`` no round opens: each accepted gradient is
 applied on arrival (:mod:`ps_service.core.on_arrival`); the clocks, the SSP bound and the staleness records are
@@ -47,6 +48,19 @@ from shared.shards import spec_of
 
 RECENT_STEPS = 16  # per-worker memory of pushed steps, for duplicate detection
 RATE_WINDOW_SECONDS = 10.0
+
+
+#: what :meth:`ParameterServerCore.tick` does now (:class:`Decision`)
+WAIT, START, CLOSE, RECALL = "wait", "start", "close", "recall"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the core does now (:meth:`ParameterServerCore.decide`): ``action`` for the tick, ``why()`` for humans
+    (formatted only when asked: a tick stays O(log K))."""
+    action: str
+    why: Callable[[], str | None]
+    close_reason: str | None = None  # CLOSE: the round's rule's reason (full, membership, unreachable, deadline)
 
 
 @dataclass(frozen=True)
@@ -278,83 +292,111 @@ class ParameterServerCore(ModelState):
         return None if self.round is None else self._progress(self.round, now)
 
     def wait_reason(self, now: float) -> str | None:
-        """What the job waits for right now, for humans (None when done): e.g. why a round waits below its quorum."""
+        """What the job waits for right now, for humans (None when done): :meth:`decide`'s why."""
+        return self.decide(now).why()
+
+    def decide(self, now: float) -> Decision:
+        """What :meth:`tick` does now, after the leases, and why (:meth:`wait_reason`): the start rule, then the open
+        round's rule. One decision for both, so the reason a user reads is the tick's."""
         if not self.initialized:
-            return "waiting for a worker to initialise the model"
+            return Decision(WAIT, lambda: "waiting for a worker to initialise the model")
         if self.done:
-            return None
+            return Decision(WAIT, lambda: None)
         if not self.started:
-            active, want = self.members.active_count, max(1, self.config.min_workers)
-            if active < want:
-                return f"waiting for workers: {active} of min_workers {want} registered"
-            expected = self.expected_workers()
-            if expected and active >= expected and self._deployment_settling(now):
-                return (f"waiting for the deployment's worker count to settle: {self.deployed} resolved "
-                        f"(PS_WORKERS_DNS), unchanged for {now - self.deployed_since:.1f} of "
-                        f"{self.config.startup_grace_seconds:g} s (PS_STARTUP_GRACE_SECONDS)")
-            if expected and self._ready_since is not None:
-                left = max(0.0, self.config.start_timeout_seconds - (now - self._ready_since))
-                source = "the deployment's workers, PS_WORKERS_DNS" if expected == self.deployed else \
-                    "PS_TOTAL_NUM_REPLICAS" if self.config.total_num_replicas else "PS_REPLICAS_TO_AGGREGATE"
-                return (f"waiting for workers: {active} of {expected} expected ({source}) registered; "
-                        f"step 0 starts with those there in {left:.1f} s at the latest (PS_START_TIMEOUT_SECONDS)")
-            return "start-up grace: waiting for more workers before step 0"
-        silent = self.members.holds.get(SILENCE)
-        if silent is not None:
-            return (f"no worker heard from for {now - silent:.1f} s (every worker stopped, or this PS was cut off from "
-                    "them or paused): no lease runs out and no round closes by its deadline until one is")
+            return self._start_decision(now)
+        decision, silent = self._round_decision(now), self.members.holds.get(SILENCE)
+        if decision.action == WAIT and silent is not None:
+            return Decision(WAIT, lambda: f"no worker heard from for {now - silent:.1f} s (every worker stopped, or "
+                            "this PS was cut off from them or paused): no lease runs out and no round closes by its "
+                            "deadline until one is")
+        return decision
+
+    def _ready_at(self, now: float) -> float | None:
+        """Since when round 0 may start (the model in, ``min_workers`` active: the start's clocks count from then);
+        None: not yet. :meth:`tick` keeps it in ``_ready_since``."""
+        if not self.initialized or self.members.active_count < max(1, self.config.min_workers):
+            return None
+        return now if self._ready_since is None else self._ready_since
+
+    def _start_decision(self, now: float) -> Decision:
+        """Round 0 starts (the module docstring's Start) or waits, once ready (:meth:`_ready_at`)."""
+        active, config, since = self.members.active_count, self.config, self._ready_at(now)
+        if since is None:
+            want = max(1, config.min_workers)
+            return Decision(WAIT, lambda: f"waiting for workers: {active} of min_workers {want} registered")
+        expected, waited = self.expected_workers(), now - since
+        if expected:  # N, R or the deployment's count (once settled): wait for them, up to the start timeout
+            settling = active >= expected and self._deployment_settling(now)
+            if waited >= config.start_timeout_seconds or (active >= expected and not settling):
+                return Decision(START, lambda: f"step 0 starts with {active} of {expected} expected workers")
+            if settling:
+                return Decision(WAIT, lambda: f"waiting for the deployment's worker count to settle: {self.deployed} "
+                                f"resolved (PS_WORKERS_DNS), unchanged for {now - self.deployed_since:.1f} of "
+                                f"{config.startup_grace_seconds:g} s (PS_STARTUP_GRACE_SECONDS)")
+            source = "the deployment's workers, PS_WORKERS_DNS" if expected == self.deployed else \
+                "PS_TOTAL_NUM_REPLICAS" if config.total_num_replicas else "PS_REPLICAS_TO_AGGREGATE"
+            return Decision(WAIT, lambda: f"waiting for workers: {active} of {expected} expected ({source}) "
+                            f"registered; step 0 starts with those there in {config.start_timeout_seconds - waited:.1f}"
+                            " s at the latest (PS_START_TIMEOUT_SECONDS)")
+        # a restored checkpoint's members, back at once; else the grace for more
+        if (self.resume_expected and active >= self.resume_expected) or waited >= config.startup_grace_seconds:
+            return Decision(START, lambda: f"step 0 starts with {active} worker(s)")
+        return Decision(WAIT, lambda: "start-up grace: waiting for more workers before step 0")
+
+    def _round_decision(self, now: float) -> Decision:
+        """The started job: the open round closes (its rule's reason), recalls (stuck, with active members it does not
+        count or that are done without a gradient: :meth:`_recall`) or waits; async/ssp and a decided round's later
+        partitions wait."""
         if self.modes is not None:
-            return on_arrival.wait_reason(self, now)
+            return Decision(WAIT, lambda: on_arrival.wait_reason(self, now))
+        parts, r = self.parts, self.round
         if self.deciding:
-            left = [q for q in range(self.parts.plan.count) if q not in self.parts.closed]
-            return f"step {self.global_step} is decided: waiting for its contributors' partitions {left}"
-        r, p = self.round, self._progress(self.round)
+            return Decision(WAIT, lambda: f"step {self.global_step} is decided: waiting for its contributors' "
+                            f"partitions {[q for q in range(parts.plan.count) if q not in parts.closed]}")
+        if r is None:
+            return Decision(WAIT, lambda: "following another PS's rounds")  # (:meth:`follow`)
+        rule_now = self._rule_now(r, now)
+        p = self.rule.progress(r, rule_now)
+        if p.reason is not None:
+            return Decision(CLOSE, lambda: f"round {r.step} closes now ({p.reason})", p.reason)
         got, quorum, want = len(r.acc), self.rule.quorum, self.rule.replicas_to_aggregate
-        if p.stuck and not got and not r.live:
-            return "no live member in this round: waiting for a worker to (re)register"
         if p.stuck:
-            return (f"R={want} is out of reach: {got} gradient(s) in, below min_replicas {quorum}: "
-                    "waiting for a worker to (re)register")
-        timeout, since = self.rule.round_timeout, max(r.deadline_from, self.members.released_at)
-        if timeout is not None and now - since >= timeout and got < quorum:
-            return (f"round deadline passed {now - since - timeout:.1f} s ago but below the quorum: "
-                    f"{got} of min_replicas {quorum} gradients")
-        names = [self.members.by_id[w].name for w in p.awaited]
-        return (f"waiting for {p.needed} more gradient(s)" + (f" from {', '.join(names)}" if names else "")
-                + (f" (R={want} is out of reach: the round closes with what they bring)" if p.unreachable else ""))
+            recalls = self.members.active_count > r.live or any(self.members.is_active(w) for w in r.lost)
+            action = RECALL if recalls else WAIT
+            if not got and not r.live:
+                return Decision(action, lambda: "no live member in this round: waiting for a worker to (re)register")
+            return Decision(action, lambda: f"R={want} is out of reach: {got} gradient(s) in, below min_replicas "
+                            f"{quorum}: waiting for a worker to (re)register")
+        timeout = self.rule.round_timeout
+        if rule_now is not None and timeout is not None and now - r.deadline_from >= timeout:  # (below the quorum)
+            return Decision(WAIT, lambda: f"round deadline passed {now - r.deadline_from - timeout:.1f} s ago but "
+                            f"below the quorum: {got} of min_replicas {quorum} gradients")
+
+        def waiting() -> str:
+            names = [self.members.by_id[w].name for w in p.awaited]
+            return (f"waiting for {p.needed} more gradient(s)" + (f" from {', '.join(names)}" if names else "")
+                    + (f" (R={want} is out of reach: the round closes with what they bring)" if p.unreachable else ""))
+        return Decision(WAIT, waiting)
 
     def tick(self, now: float) -> bool:
-        """Advance time: leases, start-up, round closing rule. True if anything changed."""
+        """Advance time: the leases, then what :meth:`decide` says (start, close the round, recall). True if anything
+        changed."""
         gone = self.members.expire(now, watch_silence=self.started and not self.done)
         self._out(now, [m.worker_id for m in gone])
         changed = bool(gone)
-        if not self.started and self.initialized and not self.done:
-            active = self.members.active_count
-            if active >= max(1, self.config.min_workers):
-                if self._ready_since is None:
-                    self._ready_since = now
-                expected, waited = self.expected_workers(), now - self._ready_since
-                if expected:  # N, R or the deployment's count (once settled): wait for them, up to the start timeout
-                    go = (active >= expected and not self._deployment_settling(now)) or \
-                        waited >= self.config.start_timeout_seconds
-                else:  # a restored checkpoint's members, back at once; else the grace for more
-                    go = (self.resume_expected and active >= self.resume_expected) or \
-                        waited >= self.config.startup_grace_seconds
-                if go:
-                    self.started, self.started_at = True, now
-                    if self.modes is None:
-                        self._open_round(now)
-                    changed = True
-            else:
-                self._ready_since = None
-        if self.round is not None and not self.deciding:
-            p = self._progress(self.round, now)
-            if p.reason is not None:
-                self._close(now, p.reason)
-                changed = True
-            elif p.stuck and (self.members.active_count > self.round.live  # or a live member done without a gradient
-                              or any(self.members.is_active(w) for w in self.round.lost)):
-                changed |= self._recall(now)
+        if not self.started:
+            self._ready_since = self._ready_at(now)
+        decision = self.decide(now)
+        if decision.action == START:
+            self.started, self.started_at = True, now
+            if self.modes is None:
+                self._open_round(now)
+            changed, decision = True, self.decide(now)  # the round just opened, under its rule in this tick too
+        if decision.action == CLOSE:
+            self._close(now, decision.close_reason)
+            changed = True
+        elif decision.action == RECALL:
+            changed |= self._recall(now)
         if self.started:
             self.rates.sample(now, (self.rounds_closed, self.examples, self.gradients_applied))
         if changed:
