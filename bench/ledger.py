@@ -34,6 +34,26 @@ class FastPath:
     cells: tuple[str, ...]  # bench.ab cells (transport:params:workers[:compression])
 
 
+#: halves' plain casts of one encoding (``{0}``: bf16 or fp16; ``{1}``: its dtype), defined after (so over) its own
+_PLAIN_HALVES = """
+
+def to_{0}(x):
+    with np.errstate(all="ignore"):  # overflow to Inf, underflow to 0, a NaN: the cast's own
+        return np.asarray(x, F32).astype({1})
+
+
+def from_{0}(h, alloc=fresh):
+    out = alloc(4 * h.size).view(F32).reshape(h.shape)
+    out[...] = h
+    return out
+"""
+
+
+def _plain_halves(name: str, dtype: str) -> tuple[tuple[str, str, str], ...]:
+    end = "    return out.reshape(h.shape)\n"  # halves.py's last line
+    return (("shared/halves.py", end, end + _PLAIN_HALVES.format(name, dtype)),)
+
+
 PATHS: dict[str, FastPath] = {
     "hotpath": FastPath(
         "ps_service/hotpath.py (the fast lane: per-step push and pull without FastAPI's routing)",
@@ -52,6 +72,24 @@ PATHS: dict[str, FastPath] = {
           'return RawConnection(base_url) if base_url.startswith("http://") else HttpxConnection(base_url)',
           "return HttpxConnection(base_url)"),),
         ("http:1000:2", "http:1000000:2", "http:10000000:2")),
+    "halves-bf16": FastPath(
+        "shared/halves.py's to_bf16 and from_bf16 (whole-array integer arithmetic, chunk by chunk)",
+        "ml_dtypes' casts: astype(bfloat16), the widening an assignment",
+        _plain_halves("bf16", "bfloat16()"), ("http:1000000:2:bf16",)),
+    "halves-fp16": FastPath(
+        "shared/halves.py's to_fp16 and from_fp16 (a branchless rounding in float32 arithmetic; a table's gather)",
+        "numpy's casts: astype(float16), the widening an assignment",
+        _plain_halves("fp16", "F16"), ("http:1000000:2:fp16",)),
+    "topk-prune": FastPath(
+        "shared/compression.py's top_k (candidates at or above a magnitude estimated from a strided sample)",
+        "one argpartition of the whole tensor's magnitudes",
+        (("shared/compression.py", "    if n > 8 * _SAMPLE and k * 64 < n:", "    if False:"),),
+        ("http:1000000:2:topk",)),
+    "qsplit": FastPath(
+        "ps_service/hotpath.py's _pairs (an unescaped query split by hand)",
+        "parse_qsl for every query",
+        (("ps_service/hotpath.py", '    if "%" in query or "+" in query or not query:', "    if True:"),),
+        ("http:1000:2",)),
 }
 
 
