@@ -85,11 +85,6 @@ PATHS: dict[str, FastPath] = {
         "one argpartition of the whole tensor's magnitudes",
         (("shared/compression.py", "    if n > 8 * _SAMPLE and k * 64 < n:", "    if False:"),),
         ("http:1000000:2:topk",)),
-    "qsplit": FastPath(
-        "ps_service/hotpath.py's _pairs (an unescaped query split by hand)",
-        "parse_qsl for every query",
-        (("ps_service/hotpath.py", '    if "%" in query or "+" in query or not query:', "    if True:"),),
-        ("http:1000:2",)),
 }
 
 

@@ -82,17 +82,8 @@ ROUTES: dict[tuple[str, str], tuple[Callable, dict[str, Callable[[str], Any]], d
 
 
 def _pairs(query: str) -> list[tuple[str, str]]:
-    """``parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))``, split by hand when nothing in it is
-    escaped (what workers send); ValueError as parse_qsl for a field with no ``=``."""
-    if "%" in query or "+" in query or not query:
-        return parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))
-    pairs = []
-    for field in query.split("&"):
-        name, eq, value = field.partition("=")
-        if not eq:
-            raise ValueError(f"bad query field: {field!r}")
-        pairs.append((name, value))
-    return pairs
+    """The query's fields as the route reads them; ValueError for a field with no ``=`` (FastAPI judges it)."""
+    return parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))
 
 
 def _query(raw: bytes, parsers: dict, defaults: dict) -> dict | None:
