@@ -34,7 +34,7 @@ class FastPath:
     cells: tuple[str, ...]  # bench.ab cells (transport:params:workers[:compression])
 
 
-#: halves' plain casts of one encoding (``{0}``: bf16 or fp16; ``{1}``: its dtype), defined after (so over) its own
+#: halves' plain casts of one encoding (``{0}``: fp16; ``{1}``: its dtype), defined after (so over) its own
 _PLAIN_HALVES = """
 
 def to_{0}(x):
@@ -72,10 +72,6 @@ PATHS: dict[str, FastPath] = {
           'return RawConnection(base_url) if base_url.startswith("http://") else HttpxConnection(base_url)',
           "return HttpxConnection(base_url)"),),
         ("http:1000:2", "http:1000000:2", "http:10000000:2")),
-    "halves-bf16": FastPath(
-        "shared/halves.py's to_bf16 and from_bf16 (whole-array integer arithmetic, chunk by chunk)",
-        "ml_dtypes' casts: astype(bfloat16), the widening an assignment",
-        _plain_halves("bf16", "bfloat16()"), ("http:1000000:2:bf16",)),
     "halves-fp16": FastPath(
         "shared/halves.py's to_fp16 and from_fp16 (a branchless rounding in float32 arithmetic; a table's gather)",
         "numpy's casts: astype(float16), the widening an assignment",

@@ -1,14 +1,16 @@
 """float32 <-> the two 16-bit floats of the wire, ``bfloat16`` and IEEE ``float16``, bit for bit. Pure numpy; no I/O.
 
 The ``bf16`` and ``fp16`` encodings (shared/compression.py) cast float32 gradients down on the worker and back up on
-the PS. Each cast here is a few whole-array integer and float operations, chunk by chunk (:data:`shared.scan.CHUNK`
-elements: the temporaries stay in the L2 cache), float16 widened by a gather from a table; the libraries' casts go
-an element at a time (times: bench/results/2026-12-02-float16-casts-in-whole-array-arithmetic-sixteenth-session.jsonl).
+the PS. bfloat16 goes by ml_dtypes' own cast (``astype``) and an assignment: this module's integer arithmetic for it
+had no gain beyond the noise (docs/performance.md, the fast-path ledger). float16's casts here are a few whole-array
+float operations, chunk by chunk (:data:`shared.scan.CHUNK` elements: the temporaries stay in the L2 cache), widened
+by a gather from a table; numpy's casts go an element at a time (the ledger: +56 % steps/s at TCP 1e6 x 2 fp16; times:
+bench/results/2026-12-02-float16-casts-in-whole-array-arithmetic-sixteenth-session.jsonl).
 
 Contract: :func:`to_bf16` and :func:`to_fp16` return exactly ``x.astype(bfloat16)`` / ``x.astype(float16)`` of a
-float32 array (round to nearest even, subnormals and overflow to +-Inf included), with the shape of ``x``; a chunk
-holding a NaN is cast by the library. :func:`from_bf16` and :func:`from_fp16` widen to float32 exactly (every 16-bit
-pattern gives the library's float32), into memory from ``alloc``.
+float32 array (round to nearest even, subnormals, overflow to +-Inf and NaN included), with the shape of ``x`` and no
+floating-point warning; a float16 chunk holding a NaN is cast by numpy. :func:`from_bf16` and :func:`from_fp16` widen
+to float32 exactly (every 16-bit pattern gives the library's float32), into memory from ``alloc``.
 """
 from __future__ import annotations
 
@@ -46,35 +48,16 @@ def fresh(n: int) -> np.ndarray:
 
 
 def to_bf16(x: np.ndarray) -> np.ndarray:
-    """``x.astype(bfloat16)`` of a float32 array, bit for bit (round to nearest even): the upper 16 bits after
-    adding half of the lower 16 (10.9 against 26.7 ms for ml_dtypes' cast at 1e7 elements on the Xeon VM)."""
-    flat = np.ascontiguousarray(x, F32).reshape(-1)
-    bits, n = flat.view(U32), flat.size
-    out = np.empty(n, np.uint16)
-    up = np.empty(min(n, scan.CHUNK), U32)
-    for lo, hi in scan.ranges(n):
-        b, r = bits[lo:hi], up[:hi - lo]
-        np.right_shift(b, 16, out=r)
-        np.bitwise_and(r, 1, out=r)
-        r += np.uint32(0x7FFF)  # half of the dropped 16 bits' range, and one more to break a tie to even
-        r += b
-        np.right_shift(r, 16, out=r)
-        out[lo:hi] = r
-        if np.isnan(flat[lo:hi]).any():
-            with np.errstate(invalid="ignore"):  # ml_dtypes warns on a NaN's cast
-                out[lo:hi] = flat[lo:hi].astype(bfloat16()).view(np.uint16)
-    return out.view(bfloat16()).reshape(np.shape(x))
+    """``x.astype(bfloat16)`` of a float32 array (ml_dtypes' cast: round to nearest even, NaN and Inf kept)."""
+    with np.errstate(all="ignore"):  # ml_dtypes warns on a NaN's cast, and on overflow to Inf
+        return np.asarray(x, F32).astype(bfloat16())
 
 
 def from_bf16(b: np.ndarray, alloc: Alloc = fresh) -> np.ndarray:
-    """``b.astype(float32)`` of a bfloat16 array (exact: the bits moved up 16), into memory from ``alloc``."""
-    src = np.ascontiguousarray(b).reshape(-1).view(np.uint16)
-    out = alloc(4 * src.size).view(U32)
-    for lo, hi in scan.ranges(src.size):
-        part = out[lo:hi]
-        part[:] = src[lo:hi]
-        np.left_shift(part, 16, out=part)
-    return out.view(F32).reshape(b.shape)
+    """``b.astype(float32)`` of a bfloat16 array (exact), into memory from ``alloc``."""
+    out = alloc(4 * b.size).view(F32).reshape(b.shape)
+    out[...] = b
+    return out
 
 
 def to_fp16(x: np.ndarray) -> np.ndarray:
