@@ -79,10 +79,11 @@ class ParameterServerCore(ModelState):
         self.started = False
         self.round: Round | None = None
         self.last_round: Round | None = None
-        #: partitions 1.. of the open round, and its decision once partition 0 closed (None: one partition)
+        #: the open sync round's partitions (partition 0 is the Round's; the others its frames), and its decision's
+        #: record once partition 0 closed; a sharded follower's from partition 0
         self.parts: RoundParts | None = None
         self._decision: RoundRecord | None = None
-        self._plan: tuple[Plan | None] | None = None  # (the plan or None: one partition,), once the model is in
+        self._plan: tuple[Plan, Plan | None] | None = None  # (:attr:`plan`, :attr:`partitions`), once the model is in
         #: sync rounds close partition by partition, of about this many bytes each (docs/partitions.md); 0: one
         self.partition_bytes = 0  # (PS_PARTITION_BYTES: the runtime sets it before the model)
         self.rounds: deque[RoundRecord] = deque(maxlen=config.max_rounds_kept)
@@ -424,45 +425,50 @@ class ParameterServerCore(ModelState):
         self.round = Round(self.global_step, now, eligible, Accumulator(names, self.config.aggregation),
                            self.members.is_active, lambda w: self.members.by_id[w].name,
                            replicas=self.rule.replicas_to_aggregate)
-        self.parts = None if p is None else RoundParts.open(p, self.config.aggregation)
+        self.parts = RoundParts.open(self.plan, self.config.aggregation)
+
+    @property
+    def plan(self) -> Plan | None:
+        """A sync round's partitions (:attr:`partition_bytes`; one partition: the whole model, as in async/ssp); None
+        before the model."""
+        return self._plans()[0]
 
     @property
     def partitions(self) -> Plan | None:
-        """The partitions of a sync round (:attr:`partition_bytes`), None: one, the whole model (async/ssp: always)."""
+        """The partitions of a sync round, None: one, the whole model (async/ssp: always)."""
+        return self._plans()[1]
+
+    def _plans(self) -> tuple[Plan | None, Plan | None]:
         if self._plan is None:
             if self.weights is None:
-                return None
-            p = partition_plan(spec_of(self.weights), self.partition_bytes) \
-                if self.partition_bytes and self.modes is None else None
-            self._plan = (p if p is not None and not p.whole else None,)
-        return self._plan[0]
+                return None, None
+            p = partition_plan(spec_of(self.weights), self.partition_bytes if self.modes is None else 0)
+            self._plan = (p, None if p.whole else p)
+        return self._plan
 
     @property
     def deciding(self) -> bool:
         """The open round is decided (its partition 0 closed) and its later partitions are still closing."""
-        return self.parts is not None and self.parts.decided
+        return self.parts is not None and self.parts.contributors is not None  # (parts.decided, read inline)
 
     def _close(self, now: float, reason: str) -> None:
         self._closed(now, *self.round.close(now, reason))
 
     def _closed(self, now: float, rec: RoundRecord, total, n: int) -> None:
-        """The open round's rule is met (its record, its sum or None, the mean's n): one partition, it closes; with
-        several it is decided (partition 0 closes) and closes with its last partition (:meth:`close_parts`)."""
-        r = self.round
+        """The open round's rule is met (its record, partition 0's sum or None, the mean's n): it is decided, partition
+        0 closes, and the round closes with its last partition (:meth:`close_parts`; one partition: at once)."""
+        r, parts = self.round, self.parts
         if self.on_decided is not None:
             self.on_decided(rec)
-        parts = self.parts
-        if parts is None and self.on_step is not None:  # (a standby of a partitioned PS: not built)
+        p = self.partitions
+        if p is None and self.on_step is not None:  # (a standby of a partitioned PS: not built)
             self.on_step(total, n, rec.aggregated)
         # total None when every contribution was skipped (NaN/Inf) or the sum overflows: no update
         if total is not None:
-            self.update(total, consume=True, mean_of=n, pieces=None if parts is None else parts.plan.partitions[0])
-        if parts is None:
-            self._finish(now, r, rec)
-        else:
-            self._decision = rec
-            self.close_parts(now, parts.decide({a.worker_id: r.key(a.worker_id) for a in rec.contributors},
-                                               total is not None))
+            self.update(total, consume=True, mean_of=n, pieces=None if p is None else p.partitions[0])
+        self._decision = rec
+        contributors = {a.worker_id: (r.eligible[a.worker_id], a.worker_id) for a in rec.contributors}  # their keys
+        self.close_parts(now, parts.decide(contributors, total is not None))
 
     def _lose(self, now: float, worker_ids) -> None:
         """Members that will bring no more frames of the open round (expired, left, came back): the partitions that
@@ -475,8 +481,10 @@ class ParameterServerCore(ModelState):
         self.close_parts(now, [q for w in worker_ids for q in parts.drop(w)])
 
     def close_parts(self, now: float, qs) -> None:
-        """Close the decided round's partitions ``qs`` (the first applied advances the step's iteration); the round
-        closes with its last: this core's own (:meth:`_finish`) or one it follows (sharding/parts.py, ``_stepped``)."""
+        """Close the open round's partitions ``qs`` once it is decided (the first applied advances the step's
+        iteration); the round closes with its last: ``global_step += 1``, and for this core's own round its record and
+        the next round (:meth:`_finish`; a round it follows: sharding/parts.py). ``on_partition`` after a call that
+        leaves a round of several partitions decided or closed, or a followed one."""
         parts = self.parts
         for q in dict.fromkeys(qs):
             if q not in parts.closed:
@@ -486,22 +494,20 @@ class ParameterServerCore(ModelState):
                                 advance=not parts.advanced)
                     parts.advanced = True
         if parts.done:
-            if self.round is None:  # followed
-                self.parts = None
-                self._stepped(len(parts.contributors))
-            else:
+            self.parts = None
+            self._stepped(len(parts.contributors))
+            if self.round is not None:  # (None: followed)
                 rec, self._decision = self._decision, None
                 self._finish(now, self.round, rec)
-        if self.on_partition is not None:
+        if self.on_partition is not None and parts.decided and (not parts.plan.whole or self.round is None):
             self.on_partition()
 
     def _finish(self, now: float, r: Round, rec: RoundRecord) -> None:
-        """The round closed: its record, the counters, ``global_step += 1``, the next round."""
+        """The round closed and stepped: its record, the next round."""
         if rec.loss is not None:
             self.loss_history.append((r.step, rec.loss))
         self.rounds.append(rec)
         self.last_round = r
-        self._stepped(rec.aggregated)
         self._open_round(now)
         # the counters moved: sampled here too, not only at the ticker's ticks (at most every 0.1 s: core/rates.py)
         self.rates.sample(now, (self.rounds_closed, self.examples, self.gradients_applied))
@@ -636,10 +642,8 @@ class ParameterServerCore(ModelState):
                 status = PushStatus.DUPLICATE
             elif q in parts.closed or (parts.decided and m.worker_id not in parts.missing[q]):
                 status = PushStatus.LATE  # the partition no longer waits for it
-            elif parts.decided:
+            else:  # (summed now, or once the round is decided)
                 self.close_parts(now, parts.frame(q, m.worker_id, self.round.eligible[m.worker_id], req.tensors))
-            else:
-                parts.frame(q, m.worker_id, self.round.eligible[m.worker_id], req.tensors)
         self._changed()
         return PushResult(status, self.global_step, self.global_step != g)
 
@@ -669,7 +673,8 @@ class ParameterServerCore(ModelState):
         self._stepped(contributors)
 
     def _stepped(self, contributors: int) -> None:
-        """A round is applied (decided here: :meth:`_finish`; or elsewhere): ``global_step += 1`` and the counters."""
+        """A round is applied (closed here: :meth:`close_parts`; or decided elsewhere): ``global_step += 1`` and the
+        counters."""
         self.global_step += 1
         self.rounds_closed += 1
         self.gradients_applied += contributors
@@ -694,7 +699,7 @@ class ParameterServerCore(ModelState):
         accepted, g = status is PushStatus.ACCEPTED, self.global_step
         # skipped (NaN/Inf): its part in the round is over, the round does not wait for it
         if accepted or (status is PushStatus.SKIPPED and req.step == g and wid in r.eligible and wid not in r.acc):
-            if accepted and self.parts is not None:  # (a member that came back and joined a stuck round: its frames)
+            if accepted:  # (a member that came back and joined a stuck round: its frames)
                 self.parts.lost.discard(wid)
             # the round's rule then (leases and start-up are the tick's)
             p = r.accept(at, grads if accepted else None, req.loss, req.num_examples, self.rule, self._rule_now(r, now))

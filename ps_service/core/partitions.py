@@ -2,10 +2,11 @@
 
 The plan (:func:`shared.partitions.plan`) is the wire's, shared with the workers. A partition's rank-order sum is an
 :class:`~ps_service.core.rounds.Accumulator` over :meth:`Plan.keys`, its update ``ModelState.update(...,
-pieces=...)``: every rule elementwise, the bits of the whole step. :class:`RoundParts` holds a round's partitions from
-``first`` on: 1 on a core that decides (the Round holds partition 0, whose close decides the round), 0 on a sharded
-PS's follower (told the decision: :mod:`ps_service.sharding.parts`). A frame whose sender's rank is not known yet (a
-follower before the decision) waits unsummed until the decision names it, and is dropped if it does not.
+pieces=...)``: every rule elementwise, the bits of the whole step. Every sync round is a :class:`RoundParts` (one
+partition, the default: the whole model, closed with the decision), holding its partitions from ``first`` on: 1 on a
+core that decides (the Round holds partition 0, whose close decides the round), 0 on a sharded PS's follower (told the
+decision: :mod:`ps_service.sharding.parts`). A frame whose sender's rank is not known yet (a follower before the
+decision) waits unsummed until the decision names it, and is dropped if it does not.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ class RoundParts:
     decision comes from elsewhere (:meth:`decide`). Frames are summed in rank order once decided; partition q closes
     when every member of C still alive has its frame in (:meth:`drop`); those below ``first`` close at the decision."""
     plan: Plan
-    accs: list[Accumulator | None]  # [None, partition 1's, ...] (first = 1)
+    accs: list[Accumulator | None]  # one a partition: [None, partition 1's, ...] (first = 1)
     #: C's keys once decided (None: not yet)
     contributors: dict[str, Key] | None = None
     #: the decision's sum was applied (False: it applied nothing, none of the partitions does)
@@ -48,8 +49,8 @@ class RoundParts:
 
     @classmethod
     def open(cls, p: Plan, aggregation: str, first: int = 1) -> "RoundParts":
-        return cls(p, [*([None] * first), *(Accumulator(p.keys(q), aggregation) for q in range(first, p.count))],
-                   first=first)
+        later = (Accumulator(p.keys(q), aggregation) for q in range(first, len(p.partitions)))
+        return cls(p, [*([None] * first), *later], first=first)
 
     @property
     def decided(self) -> bool:
@@ -57,7 +58,7 @@ class RoundParts:
 
     @property
     def done(self) -> bool:
-        return self.decided and len(self.closed) == self.plan.count
+        return self.decided and len(self.closed) == len(self.accs)
 
     def awaiting(self) -> tuple[str, ...]:
         """The decided contributors a partition not closed still waits for, in rank order (monitoring)."""
@@ -91,20 +92,20 @@ class RoundParts:
         self.closed.update(range(self.first))
         self.missing = [set() for _ in range(self.first)] + [
             set(contributors) - set(self.accs[q].keys) - set(self.early[q]) - self.lost
-            for q in range(self.first, self.plan.count)]
-        for q in range(self.first, self.plan.count):
+            for q in range(self.first, len(self.accs))]
+        for q in range(self.first, len(self.accs)):
             early, self.early[q] = self.early[q], {}
             self.came[q] -= set(early) - set(self.contributors)
             for w in sorted((w for w in early if w in self.contributors), key=self.contributors.__getitem__):
                 self.frame(q, w, None, early[w])  # as a frame after the decision (rank order: folds as it goes)
-        return self._closable(range(self.first, self.plan.count))
+        return self._closable(range(self.first, len(self.accs)))
 
     def drop(self, worker_id: str) -> list[int]:
         """A member brings no more frames of this round: the partitions that can close now (none if undecided)."""
         self.lost.add(worker_id)
         if not self.decided or worker_id not in self.contributors:
             return []
-        touched = [q for q in range(self.first, self.plan.count) if worker_id in self.missing[q]]
+        touched = [q for q in range(self.first, len(self.accs)) if worker_id in self.missing[q]]
         for q in touched:
             self.missing[q].discard(worker_id)
         return self._closable(touched)

@@ -2,8 +2,9 @@
 Pure, no I/O, no clock.
 
 Contract: a follower's pieces are planned into partitions with the wire's plan over its own pieces as its model
-(:func:`plan_of`). Its core's open round is a :class:`~ps_service.core.partitions.RoundParts` from partition 0, opened
-by the round's first frame or decision. Three inputs drive it, in any order:
+(its core's :attr:`~ps_service.core.ParameterServerCore.plan`). Its core's open round is a
+:class:`~ps_service.core.partitions.RoundParts` from partition 0, opened by the round's first frame or decision. Three
+inputs drive it, in any order:
 
 - :func:`frame`: a worker's frame of partition q of step s, checked as a push's pieces are (422 ``tensor_mismatch``,
   ``nonfinite_gradient``) before anything changes. Kept (``held``) until the decision names its sender; ``duplicate``
@@ -26,26 +27,18 @@ from ps_service.core.checks import validate
 from ps_service.core.partitions import RoundParts
 from ps_service.sharding.holds import Key, passed
 from shared.errors import unprocessable
-from shared.partitions import Plan, plan as partition_plan
-from shared.shards import spec_of
-
-
-def plan_of(core) -> Plan:
-    """This shard's partitions: its core's plan, or one partition of its pieces whole when they make one (the
-    core then has none: :attr:`~ps_service.core.ParameterServerCore.partitions`)."""
-    return core.partitions or partition_plan(spec_of(core.weights), 0)
 
 
 def _open(core) -> RoundParts:
     if core.parts is None:
-        core.parts = RoundParts.open(plan_of(core), core.config.aggregation, first=0)
+        core.parts = RoundParts.open(core.plan, core.config.aggregation, first=0)
     return core.parts
 
 
 def frame(core, worker_id: str, step: int, q: int, tensors: Mapping[str, np.ndarray], now: float) -> str:
     """Take ``worker_id``'s frame of partition ``q`` of round ``step`` (its arrays are the round's from now on):
     ``held``, ``duplicate`` or ``late``."""
-    p = plan_of(core)
+    p = core.plan
     if not 0 <= q < p.count:
         raise unprocessable("tensor_mismatch", f"partition {q}: this shard's pieces make {p.count}")
     validate(p.split(core.weights, q), tensors, "reject")
@@ -54,12 +47,9 @@ def frame(core, worker_id: str, step: int, q: int, tensors: Mapping[str, np.ndar
     parts = _open(core)
     if parts.has(q, worker_id):
         return "duplicate"
-    if not parts.decided:
-        parts.frame(q, worker_id, None, tensors)
-    elif worker_id not in parts.missing[q]:
+    if parts.decided and worker_id not in parts.missing[q]:
         return "late"  # not a contributor, or the partition no longer waits for it
-    else:
-        core.close_parts(now, parts.frame(q, worker_id, None, tensors))
+    core.close_parts(now, parts.frame(q, worker_id, None, tensors))  # (summed now, or once the round is decided)
     return "held"
 
 

@@ -101,7 +101,7 @@ async def _hold_parts(request: Request, rt, role) -> dict:
     def take(req, now):
         return parts.frame(core, req.worker_id, req.step, req.partition, req.tensors, now)
     try:
-        push, status = await rt.tensors.receive_parts(request, take, parts.plan_of(core), rt.now)
+        push, status = await rt.tensors.receive_parts(request, take, core.plan, rt.now)
     finally:
         rt.notify()
     return {"status": "held" if status == "duplicate" else status, "step": push.step, "shard": role.index,
