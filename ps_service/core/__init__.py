@@ -526,7 +526,8 @@ class ParameterServerCore(ModelState):
     def claim(self, worker_id: str, step: int, overdue: bool = False) -> bool:
         """May the tensors of ``worker_id``'s push for ``step`` be read now (:mod:`ps_service.core.intake`)? True: read
         them, then :meth:`push` (or :meth:`release`); False: wait until :meth:`readers` names the worker. ``overdue``:
-        read it now, out of turn if need be. Fixed R: the push counts here, at its head (:meth:`_head`)."""
+        read it now, out of turn if need be. Fixed R: the push counts here, at its head (:meth:`_head`), or is late
+        from here once read on the late lane (``Round.lose``: it stays late, a retry too)."""
         m = self.members.active_by_id.get(worker_id)
         if m is None or self.weights is None:
             return True  # refused once read, as ever
@@ -534,9 +535,14 @@ class ParameterServerCore(ModelState):
             return self.intake.claim(worker_id, overdue=overdue)  # no order: one push read at a time
         if self.round is None:
             return True
-        if self._head(m, step) is PushStatus.ACCEPTED:
+        status = self._head(m, step)
+        if status is PushStatus.ACCEPTED:
             return self.intake.claim(worker_id, self.round.turns, overdue)
-        return self.intake.claim(worker_id, overdue=overdue, late=True) if self.round.replicas else True
+        # elastic: read at once; fixed R: on the late lane (late, stale or duplicate)
+        read = not self.round.replicas or self.intake.claim(worker_id, overdue=overdue, late=True)
+        if read and status is PushStatus.LATE and step == self.global_step and self.round.lose(worker_id):
+            self._changed()
+        return read
 
     def hold(self, worker_id: str, step: int) -> bool:
         """A sharded PS's coordinator read the pieces ``worker_id`` holds for ``step``: keep them (True) or not (False:
@@ -547,8 +553,7 @@ class ParameterServerCore(ModelState):
             return True
         if self._head(m, step) is not PushStatus.LATE:
             return True  # its head counts; or a retry of a push the round took (duplicate): as before
-        if r.counts(worker_id):
-            r.lose(worker_id)
+        if r.lose(worker_id):
             self._changed()
         return False
 
@@ -658,8 +663,7 @@ class ParameterServerCore(ModelState):
         if step == g and self.deciding:  # decided: its contributors are fixed
             return PushStatus.LATE
         r = self.round  # (r.counts(wid), read inline: a push classifies once or twice)
-        if step == g and wid in r.eligible and wid not in r.gone and (r.replicas is None or (
-                r.may_head(wid) and wid not in self.intake.refusing)):  # fixed R: late at its head stays late
+        if step == g and wid in r.eligible and wid not in r.gone and (r.replicas is None or r.may_head(wid)):
             return PushStatus.ACCEPTED if finite else PushStatus.SKIPPED  # NaN/Inf under policy skip: skipped
         if step == g or (step == g - 1 and self.last_round is not None and wid in self.last_round.eligible):
             return PushStatus.LATE
@@ -706,8 +710,9 @@ class ParameterServerCore(ModelState):
             if accepted:
                 self.examples += req.num_examples or 0
         else:
-            if status is PushStatus.LATE and req.step == g:
-                r.lose(wid, at)  # fixed R: it came after R heads
+            if status is PushStatus.LATE and req.step == g:  # its record lists it
+                r.late.append(at)
+                r.lose(wid)  # fixed R: it came after R heads (a push not claimed: here is its head)
             elif status is PushStatus.LATE:  # for the round that just closed: its record lists it
                 self.rounds[-1] = replace(self.rounds[-1], late=(*self.rounds[-1].late, at))
             return

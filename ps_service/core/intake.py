@@ -12,7 +12,7 @@ transport reads a large push's tensors only once :meth:`Intake.claim` says so, e
   PS holds the running sum, the push being read (two while nothing is summed) and one being refused (with
   ``min_replicas`` q > 2, the first q gradients wait unsummed). A head whose push fails gives its place back, to a
   push claimed later: one read as late stays late (taken, it would wait unsummed for a lower rank's: three gradients
-  of the round held).
+  of the round held), as the round records (``Round.lose``: who is late is the round's, not the intake's).
 - A push waits for its turn at most a lease (by then a member ahead of it that is gone has expired), then is read out
   of turn (``overdue``). Elastic: a push that would not be accepted now, or of a worker whose other body is being
   read, is read at once. Pure, no I/O, no clock.
@@ -31,6 +31,7 @@ class Intake:
         #: pushes read out of turn, having waited their transport's patience: each a gradient held beyond the bound
         self.overdue = 0
         #: fixed R: the worker whose late, stale or duplicate push is being read (``claim(late=True)``), those waiting
+        #: (the round records who is late: ``Round.lose``)
         self.refusing: set[str] = set()
         self.queued: dict[str, None] = {}
 

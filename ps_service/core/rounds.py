@@ -11,10 +11,10 @@ Closing rule: :meth:`CloseRule.progress`, checked after every change (its reason
 cannot close it (only a deadline could); a worker that registers then joins the open round instead of the next one.
 
 Fixed R (docs/protocol.md, "The barrier"): a push counts at its *head* (:meth:`Round.head`, before its tensors are
-read: :mod:`ps_service.core.intake`); the contributors are the first R heads (``heads``), a later one is ``late``
-(:meth:`Round.lose`), a head whose push fails or whose member goes gives its place back (:meth:`Round.unhead`). A
-sharded coordinator's hold is the push's head (:meth:`~ps_service.core.ParameterServerCore.hold`); a hold after R
-heads is late (:meth:`Round.lose`: listed in ``refused``; in ``back`` too if it registers again into the stuck round).
+read: :mod:`ps_service.core.intake`); the contributors are the first R heads (``heads``), a head whose push fails or
+whose member goes gives its place back (:meth:`Round.unhead`). A later head (a claim read as late, a sharded PS's
+hold, a push taken unclaimed) is late, its member done with the round (:meth:`Round.lose`, the one record of it:
+``lost``; listed in ``refused``, in ``back`` too if it registers again into the stuck round).
 
 Cost: the counts (``live``, ``waiting``) follow every mutator and :meth:`Round.member_changed`, so the rule's decision
 is O(1) per push; the sorted eligible keys' frontier (below it every key contributed) makes the lowest pending key,
@@ -176,7 +176,7 @@ class Round:
     #: fixed R: the members whose push counted at its head (at most R), and those done without contributing (late)
     heads: dict[str, None] = field(default_factory=dict, repr=False)
     lost: set[str] = field(default_factory=set, repr=False)
-    #: fixed R, a sharded PS: the members whose hold came after R heads (:meth:`lose`), in order
+    #: fixed R: the members whose head came after R heads (:meth:`lose`), in order (a sharded PS's followers' late)
     refused: list[str] = field(default_factory=list, repr=False)
     #: of them, those it took back (they registered again into the stuck round, :meth:`join`), in order
     back: list[str] = field(default_factory=list, repr=False)
@@ -269,18 +269,16 @@ class Round:
         self.frontier = bisect.bisect_right(self.order, folded[-1]) if folded else 0
         return True
 
-    def lose(self, worker_id: str, arrival: Arrival | None = None) -> None:
-        """A member is late for this open round: a late push (``arrival``, listed in :attr:`late`), or, fixed R on a
-        sharded PS, a hold after R heads (no ``arrival``: listed in :attr:`refused`, its commit answered late). Fixed
-        R, an eligible member's (it came after R heads) is done with the round."""
-        if arrival is not None:
-            self.late.append(arrival)
-        elif worker_id not in self.lost:
-            self.refused.append(worker_id)
-        if self.replicas is not None and worker_id in self.eligible:
-            before = self.standing(worker_id)
-            self.lost.add(worker_id)
-            self._count(worker_id, before)
+    def lose(self, worker_id: str) -> bool:
+        """Fixed R: a counted member's head came after R heads: it is done with the round, its push late (a retry's
+        too, until it registers again into the stuck round: :meth:`join`). True if it was not already."""
+        if self.replicas is None or not self.counts(worker_id) or worker_id in self.lost:
+            return False
+        before = self.standing(worker_id)
+        self.lost.add(worker_id)
+        self.refused.append(worker_id)
+        self._count(worker_id, before)
+        return True
 
     def accept(self, arrival: Arrival, grads, loss: float | None, examples: int | None, rule: CloseRule,
                now: float | None) -> Progress:
