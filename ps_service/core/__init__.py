@@ -643,10 +643,8 @@ class ParameterServerCore(ModelState):
         if status is PushStatus.ACCEPTED:
             if req.step != g or parts is None:
                 status = PushStatus.STALE  # its round closed without this partition (the member was lost)
-            elif parts.has(q, m.worker_id):
-                status = PushStatus.DUPLICATE
-            elif q in parts.closed or (parts.decided and m.worker_id not in parts.missing[q]):
-                status = PushStatus.LATE  # the partition no longer waits for it
+            elif (refusal := parts.refusal(q, m.worker_id)) is not None:
+                status = PushStatus(refusal)  # duplicate, or late: the partition does not wait for it
             else:  # (summed now, or once the round is decided)
                 self.close_parts(now, parts.frame(q, m.worker_id, self.round.eligible[m.worker_id], req.tensors))
         self._changed()

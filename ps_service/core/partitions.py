@@ -65,9 +65,12 @@ class RoundParts:
         want = set().union(*(m for q, m in enumerate(self.missing) if q not in self.closed))
         return tuple(sorted(want, key=self.contributors.__getitem__))
 
-    def has(self, q: int, worker_id: str) -> bool:
-        """``worker_id``'s frame of partition q came."""
-        return worker_id in self.came[q]
+    def refusal(self, q: int, worker_id: str) -> str | None:
+        """Why partition q does not take ``worker_id``'s frame: ``duplicate`` (its frame came), ``late`` (decided, the
+        partition does not wait for it: not a contributor, or closed); None: it does (:meth:`frame`)."""
+        if worker_id in self.came[q]:
+            return "duplicate"
+        return "late" if self.decided and worker_id not in self.missing[q] else None
 
     def frame(self, q: int, worker_id: str, rank: int | None, grads) -> list[int]:
         """Take a member of C's validated frame of partition q (its arrays the accumulator's; ``rank`` None: named

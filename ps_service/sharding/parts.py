@@ -45,10 +45,8 @@ def frame(core, worker_id: str, step: int, q: int, tensors: Mapping[str, np.ndar
     if passed(core.global_step, step):
         return "late"
     parts = _open(core)
-    if parts.has(q, worker_id):
-        return "duplicate"
-    if parts.decided and worker_id not in parts.missing[q]:
-        return "late"  # not a contributor, or the partition no longer waits for it
+    if (refusal := parts.refusal(q, worker_id)) is not None:
+        return refusal  # duplicate; late: not a contributor, or the partition no longer waits for it
     core.close_parts(now, parts.frame(q, worker_id, None, tensors))  # (summed now, or once the round is decided)
     return "held"
 
