@@ -79,10 +79,9 @@ class ParameterServerCore(ModelState):
         self.started = False
         self.round: Round | None = None
         self.last_round: Round | None = None
-        #: the open sync round's partitions (partition 0 is the Round's; the others its frames), and its decision's
-        #: record once partition 0 closed; a sharded follower's from partition 0
+        #: the open sync round's partitions and, once partition 0 (the Round's) closed, its decision; a sharded
+        #: follower's from partition 0
         self.parts: RoundParts | None = None
-        self._decision: RoundRecord | None = None
         self._plan: tuple[Plan, Plan | None] | None = None  # (:attr:`plan`, :attr:`partitions`), once the model is in
         #: sync rounds close partition by partition, of about this many bytes each (docs/partitions.md); 0: one
         self.partition_bytes = 0  # (PS_PARTITION_BYTES: the runtime sets it before the model)
@@ -166,7 +165,7 @@ class ParameterServerCore(ModelState):
                 self.modes.load(state["staleness"], now)
         self.resume_expected = len(gone) or self.resume_expected
         self.round = self.last_round = None
-        self.parts = self._decision = self._end_ranks = None
+        self.parts = self._end_ranks = None
         self.started, self._ready_since = False, None
         while self.rounds and self.rounds[-1].step >= self.global_step:
             self.rounds.pop()
@@ -466,7 +465,7 @@ class ParameterServerCore(ModelState):
         # total None when every contribution was skipped (NaN/Inf) or the sum overflows: no update
         if total is not None:
             self.update(total, consume=True, mean_of=n, pieces=None if p is None else p.partitions[0])
-        self._decision = rec
+        parts.record = rec
         contributors = {a.worker_id: (r.eligible[a.worker_id], a.worker_id) for a in rec.contributors}  # their keys
         self.close_parts(now, parts.decide(contributors, total is not None))
 
@@ -497,8 +496,7 @@ class ParameterServerCore(ModelState):
             self.parts = None
             self._stepped(len(parts.contributors))
             if self.round is not None:  # (None: followed)
-                rec, self._decision = self._decision, None
-                self._finish(now, self.round, rec)
+                self._finish(now, self.round, parts.record)
         if self.on_partition is not None and parts.decided and (not parts.plan.whole or self.round is None):
             self.on_partition()
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from ps_service.core.rounds import Accumulator, Key
+from ps_service.core.rounds import Accumulator, Key, RoundRecord
 from shared.partitions import Plan
 
 
@@ -42,6 +42,8 @@ class RoundParts:
     early: list[dict[str, object]] = field(default_factory=list)
     #: this round's update advanced the optimizer's iteration (its first applied partition does)
     advanced: bool = False
+    #: a core that decides: the decision's round record, kept for the round's close
+    record: RoundRecord | None = None
 
     def __post_init__(self) -> None:
         self.came = [set() for _ in self.accs]
