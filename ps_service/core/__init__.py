@@ -26,7 +26,7 @@ applied on arrival (:mod:`ps_service.core.on_arrival`); the clocks, the SSP boun
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import numpy as np
@@ -706,11 +706,10 @@ class ParameterServerCore(ModelState):
             if accepted:
                 self.examples += req.num_examples or 0
         else:
-            if status is PushStatus.LATE and req.step == g:  # its record lists it
-                r.late.append(at)
+            if status is PushStatus.LATE:  # its round lists it: the open one, or the one that just closed (its record)
+                (r if req.step == g else self.last_round).late.append(at)
+            if status is PushStatus.LATE and req.step == g:
                 r.lose(wid)  # fixed R: it came after R heads (a push not claimed: here is its head)
-            elif status is PushStatus.LATE:  # for the round that just closed: its record lists it
-                self.rounds[-1] = replace(self.rounds[-1], late=(*self.rounds[-1].late, at))
             return
         if p.closed is not None:  # the round's rule closed it (Round.accept)
             self._closed(now, *p.closed)

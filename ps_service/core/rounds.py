@@ -103,7 +103,7 @@ class Arrival:
 
 @dataclass(frozen=True)
 class RoundRecord:
-    """A closed round (core times, monotonic seconds). Immutable: a late push for it replaces the record."""
+    """A closed round (core times, monotonic seconds). Frozen, but for the late pushes that come after its close."""
     step: int
     opened_at: float
     closed_at: float
@@ -115,7 +115,7 @@ class RoundRecord:
     straggler: Straggler | None
     loss: float | None  # example-weighted mean of the reported losses
     examples: int
-    late: tuple[Arrival, ...] = ()  # late pushes for this round (they may come after the close)
+    late: Sequence[Arrival] = ()  # late pushes for this round: the Round's own list (:attr:`Round.late`)
     replicas_to_aggregate: int | None = None  # the R it aimed at (None: elastic)
     skipped: tuple[Arrival, ...] = ()  # pushes skipped (NaN/Inf, PS_NONFINITE_POLICY=skip), arrival order
 
@@ -351,7 +351,7 @@ class Round:
             self.step, self.opened_at, now, reason, len(applied), len(self.eligible),
             tuple(a for a in self.arrivals if a.worker_id in applied),
             tuple(n for n, _ in missing), straggler(self.opened_at, now, came, missing),
-            self.mean_loss(), self.examples, tuple(self.late), self.replicas, tuple(self.skipped.values())), total, n
+            self.mean_loss(), self.examples, self.late, self.replicas, tuple(self.skipped.values())), total, n
 
 
 @dataclass(frozen=True)
