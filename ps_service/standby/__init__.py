@@ -300,7 +300,7 @@ class Pair:
             self._become(PRIMARY, e.term, f"won the election after a restart ({len(e.votes)} vote(s)): serves from "
                                           f"step {self.core.global_step}")
         else:  # the standby takes over: the model it holds (every step it acknowledged: each record committed in its
-            self.reader.last_records(e.term)  # log too), the members last replicated
+            self.reader.drain(None, closing=e.term)  # log too), the members last replicated
             self.settle()
             if not self.synced:  # its step did not apply: it does not hold what it acknowledged
                 self.role, self.election = STANDBY, None
@@ -340,17 +340,15 @@ class Pair:
             self.role, self.election = STANDBY, None
             self.last_change = f"standby of term {self.term}: the primary answers again"
 
-    def apply(self, term: int, seq: int, gated: bool, body, now: float) -> dict:
-        """Take message ``seq``: checked (its step this PS's next, its tensors the model's), the answer acknowledges it;
-        its optimizer step is pending until :meth:`settle`."""
+    def apply(self, term: int, seq: int, gated: bool, body, now: float | None) -> dict:
+        """Take message ``seq``: checked (from its primary, ``now``: None, a record read at takeover; its step this PS's
+        next, its tensors the model's; else 409 ``ha_gap``), the answer acknowledges it; its optimizer step is pending
+        until :meth:`settle`."""
         self.settle()  # (first: a step that failed to apply leaves no message taken, and this one a gap)
-        self.from_primary(term, seq, now)
-        if seq > self.applied:
-            self.take(seq, gated, body)
-        return self.answer()
-
-    def take(self, seq: int, gated: bool, body) -> None:
-        """Message ``seq`` (this PS's next) checked and taken, its step pending; 409 ``ha_gap`` if it does not fit."""
+        if now is not None:
+            self.from_primary(term, seq, now)
+        if seq <= self.applied:
+            return self.answer()
         t = time.perf_counter()
         meta, total = messages.decode_step(body)
         core = self.core
@@ -367,6 +365,7 @@ class Pair:
         self.bytes_received += len(body)
         self.costs["decode_s"] += time.perf_counter() - t
         self.costs["messages"] += 1
+        return self.answer()
 
     def settle(self) -> None:
         """Apply the pending step (of the message taken last), if any. Should it fail (it cannot, for a message that

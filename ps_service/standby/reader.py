@@ -7,8 +7,8 @@ it; it takes the records committed in it in order, each as it would take the mes
 read loop on the event loop and before it answers a ping or a message over HTTP; with the ring full, the standby
 behind by every slot, the primary sends its next message over HTTP: :mod:`.link`). A record that does not apply
 closes the log: the standby is no longer ``synced`` and the primary sends the state again. Taking over with a term
-(:meth:`Reader.last_records`), it closes the log with that term first (a record committed after is refused by its
-writer), then takes every record committed before, then drops the log.
+(the same :meth:`Reader.drain`, ``closing``), it closes the log with that term first (a record committed after is
+refused by its writer), then takes every record committed before, then drops the log.
 """
 from __future__ import annotations
 
@@ -49,11 +49,15 @@ class Reader:
             await asyncio.wait({self.task}, timeout=self.pair.failover)
         self.drop_log()
 
-    def drain(self, now: float) -> int:
+    def drain(self, now: float | None, closing: int = 0) -> int:
         """Take and apply the records committed in the log after the last message taken, in order; how many. A record
         that does not apply (it cannot, for a primary's of this model) closes the log: this PS is no longer ``synced``
-        and the primary sends the state again."""
+        and the primary sends the state again. ``closing``: taking over with that term: the log closed first (a record
+        committed after is refused by its writer), every record committed before taken (``now`` None: no primary
+        heard), then the log dropped."""
         p, n = self.pair, 0
+        if closing and self.log is not None:
+            self.log.close_for(closing)
         while self.log is not None and p.role != standby.PRIMARY and not p.restarted:
             rec = self.log.record(p.applied + 1, p.term)
             if rec is None:
@@ -67,6 +71,8 @@ class Reader:
                 p.synced = False
                 self.drop_log()
             n += 1
+        if closing:
+            self.drop_log()
         return n
 
     async def _run(self) -> None:
@@ -84,25 +90,6 @@ class Reader:
                 rt.notify()
             pause = READ_EVERY_SECONDS if found else min(4 * READ_EVERY_SECONDS, pause * 2)
             await asyncio.sleep(pause if self.log is not None else 0.05)
-
-    def last_records(self, term: int) -> None:
-        """Taking over with ``term``: the log closed (a record committed after this is refused by its writer), then
-        every record committed before taken; a record that does not apply: not ``synced`` (no takeover)."""
-        p = self.pair
-        if self.log is None:
-            return
-        self.log.close_for(term)
-        while (rec := self.log.record(p.applied + 1, p.term)) is not None:
-            try:
-                p.settle()
-                p.take(p.applied + 1, rec[0], rec[1])
-                p.costs["logged"] += 1
-            except ProtocolError as exc:
-                log.warning("hot standby: record %d of the log refused at takeover (%s)", p.applied + 1, exc)
-                p.synced = False
-                break
-        p.settle()
-        self.drop_log()
 
     def new_log(self) -> None:
         """A log for the primary of the state just taken (the old one closed), or none (no directory, no space)."""
