@@ -315,12 +315,12 @@ def test_a_full_ring_sends_the_next_message_over_http_after_the_records_before_i
     link = Link(pair)  # (the standby's pair stands in for the primary's: the writer reads its epoch, feeding, log)
     link.log, pair.feeding = w, True
     try:
-        assert link._into_log(pair.epoch, nxt, sent[nxt - 1]) is None  # over HTTP
+        assert link._into_log(pair.epoch, nxt, [sent[nxt - 1]]) is None  # over HTTP
         assert pair.drain(2.0) == w.slots  # POST /v1/ha/steps: the records before it, then the message
         pair.apply(1, nxt, True, bytearray(sent[nxt - 1]), 2.0)
         pair.settle()
         assert pair.applied == nxt and state_bytes(pair.core) == states[nxt] and w.room(nxt + 1)
-        assert link._into_log(pair.epoch, nxt + 1, sent[nxt]) == 200  # room again: the next one in the log
+        assert link._into_log(pair.epoch, nxt + 1, [sent[nxt]]) == 200  # room again: the next one in the log
     finally:
         import asyncio
         link.conn.close()

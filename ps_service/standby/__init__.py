@@ -164,18 +164,9 @@ class Pair:
             extra["staleness"] = core.modes.export()
         self.seq += 1
         t = time.perf_counter()
-        parts = messages.step_parts(step, total, mean_of, contributors, extra)
-        logged = self.link.write_now(self.seq, parts)  # into the standby's log: on the standby now
-        if not logged:
-            self.queue.append((self.seq, messages.copied(parts), members))
+        self.link.send(self.seq, messages.step_parts(step, total, mean_of, contributors, extra), members)
         self.costs["encode_s"] += time.perf_counter() - t
         self.costs["messages"] += 1
-        if logged:
-            self.costs["logged"] += 1
-            self.bytes_sent += logged
-            self.acknowledged(self.seq, members)
-        else:
-            self.link.wake()
 
     def snapshot(self) -> tuple[int, dict]:
         """The state the standby gets (every step up to ``seq`` in it); the steps after it are queued from now on, and

@@ -11,7 +11,7 @@ deposed; another refusal: the state again. Retries back off up to a quarter of t
 restarted with a term kept asks its peer ``GET /v1/ha`` as often (:meth:`Pair.peer_answers`).
 
 Two carriers: when the standby's state answer advertises a log (:mod:`.ring`) that this PS can map in its own
-shared-memory directory (the very file: same host), each step message is written into it instead (:meth:`write_now`
+shared-memory directory (the very file: same host), each step message is written into it instead (:meth:`send`
 on the event loop as the core queues it, or the writer thread), acknowledged once committed; one that does not fit a
 slot, or finds the ring full (the standby's reader behind by every slot), goes over HTTP, in order. With a log the
 task pings every quarter of the failover timeout, busy or not (the pings, answered once the standby read the log up
@@ -194,14 +194,16 @@ class Link:
             if resp.status_code == 200:
                 p.acknowledged(seq, None)
 
-    # ---- the standby's log (same host) ---------------------------------------------------------------------
-    def write_now(self, seq: int, parts: list) -> int:
-        """On the event loop: message ``seq`` written into the standby's log if nothing is before it and it has room;
-        its bytes if it is acknowledged (committed in a log still open), else 0."""
-        p, w = self.pair, self.log
-        if w is None or p.queue or not p.feeding or self.transferred != p.epoch or not w.room(seq):
-            return 0
-        return self.logged[-1][1] if self._commit(w, seq, parts) == 200 else 0
+    # ---- the step messages: into the standby's log (same host) or over HTTP ------------------------------------
+    def send(self, seq: int, parts: list, members: frozenset | None) -> None:
+        """Message ``seq``, on the event loop as the core queues it: into the standby's log at once if nothing is queued
+        before it (acknowledged once committed), else queued for the writer thread (the log or HTTP), in order."""
+        p = self.pair
+        if not p.queue and self._into_log(p.epoch, seq, parts) == 200:
+            self._step_answered(p.epoch, seq, self.logged[-1][1], members, 200, LOGGED)
+        else:
+            p.queue.append((seq, messages.copied(parts), members))
+            self.wake()
 
     def _commit(self, w: ring.LogWriter, seq: int, parts: list) -> int | None:
         """Write and commit record ``seq``: 200 (acknowledged), 409 (the log was closed: the standby's answer
@@ -264,7 +266,7 @@ class Link:
                 return
             epoch, (seq, body, members) = job
             t, cpu = time.perf_counter(), time.thread_time()
-            status, answer = self._into_log(epoch, seq, body), LOGGED
+            status, answer = self._into_log(epoch, seq, [body]), LOGGED
             if status is None:
                 target = f"{API}/ha/steps?term={p.term}&seq={seq}&gated={int(p.gated)}"
                 try:
@@ -284,24 +286,25 @@ class Link:
             if status != 200:
                 time.sleep(min(p.failover / 4, 0.02 * 2 ** min(self.failures, 6)))
 
-    def _into_log(self, epoch: int, seq: int, body) -> int | None:
-        """The writer thread's way into the log: commit if the ring has room; None: no log, the ring full (the
-        standby's reader lags: it takes the records before the message over HTTP first) or the message does not fit
-        a slot: over HTTP; 409: not written (the event loop knows why)."""
+    def _into_log(self, epoch: int, seq: int, parts: list) -> int | None:
+        """Message ``seq`` committed in the log if the ring has room (:meth:`_commit`); None: no log, the ring full
+        (the standby's reader lags: it takes the records before the message over HTTP first) or the message does not
+        fit a slot: over HTTP; 409: not written (the event loop knows why)."""
         p, w = self.pair, self.log
         if w is not None and (self._closing or epoch != p.epoch or not p.feeding):
             return 409  # (a job of an older snapshot is dropped: the log is its epoch's)
-        return self._commit(w, seq, [body]) if w is not None and w.room(seq) else None
+        return self._commit(w, seq, parts) if w is not None and w.room(seq) else None
 
     def _step_answered(self, epoch: int, seq: int, size: int, members, status: int | None, answer: str) -> None:
-        """The writer thread's result, on the event loop's thread."""
+        """A message's result (the writer thread's, on the event loop's thread): a record committed in the log
+        (``LOGGED``) is acknowledged, not an answer heard from the standby (its pings say it is alive)."""
         p = self.pair
         if epoch != p.epoch or not p.feeding:
             return
         if status is None or status >= 500:
             self._failed(answer if status is None else f"{status} {answer[:200]}")
             return
-        if self._heard(status, answer, f"step message {seq}"):
+        if answer is not LOGGED and self._heard(status, answer, f"step message {seq}"):
             self.wake()
         elif status == 200:
             p.bytes_sent += size
