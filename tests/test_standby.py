@@ -332,7 +332,7 @@ def test_a_full_ring_sends_the_next_message_over_http_after_the_records_before_i
 def restarted_primary(tmp_path, monkeypatch, kept_term: int | None, peer: dict | None = None, workers: int = 3):
     """A PS configured ``primary`` started (``Pair.start``) with its peer answering ``peer`` (None: not at all), its
     checkpoint directory holding term ``kept_term`` (None: no directory) and a core restored from a state with
-    ``workers`` members (back as expired, as from a checkpoint); no network (the probe and the link stubbed)."""
+    ``workers`` members (back as expired, as from a checkpoint); no network (the link stubbed, its peer look too)."""
     import asyncio
     from types import SimpleNamespace
 
@@ -350,11 +350,10 @@ def restarted_primary(tmp_path, monkeypatch, kept_term: int | None, peer: dict |
         def log_behind(self):
             return None, 0
 
-    async def probe(*args):
-        return peer
+        async def peer(self, timeout=None):
+            return peer
 
     monkeypatch.setattr(standby, "Link", NoLink)
-    monkeypatch.setattr(standby, "probe", probe)
     settings = {"min_workers": max(workers, 1), "startup_grace_seconds": 0.0}
     old = ParameterServerCore(core_config(**settings))
     old.init_model(ModelInit({k: v.copy() for k, v in W.items()}, {"name": "sgd", "learning_rate": 0.1}), 0.0)

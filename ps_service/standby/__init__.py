@@ -23,11 +23,10 @@ from collections import deque
 
 import numpy as np
 
-from ps_service.auth import peer_token
 from ps_service.standby import messages
 from ps_service.standby.election import Election, roster
 from ps_service.standby.kept import kept
-from ps_service.standby.link import Link, probe
+from ps_service.standby.link import Link
 from ps_service.standby.reader import Reader
 from shared.errors import ProtocolError
 
@@ -98,7 +97,7 @@ class Pair:
         self.heard = rt.now()
         self.link = Link(self)
         self.stored = stored = self.kept.load() if self.kept is not None else 0
-        peer = await probe(self.peer, peer_token(self.settings), self.failover * 2)
+        peer = await self.link.peer(self.failover * 2)
         if self.settings.role == PRIMARY and peer is None and stored:
             self._restarted(stored)
         elif self.settings.role == PRIMARY and (peer is None or not peer.get("term")):

@@ -43,16 +43,6 @@ STATE_TIMEOUT_SECONDS = 60.0
 LOGGED = "(in the log)"  # the writer thread's answer for a message committed in the standby's log
 
 
-async def probe(url: str, token, timeout: float) -> dict | None:
-    """The peer's ``GET /v1/ha`` answer, or None if it does not answer in ``timeout`` s."""
-    try:
-        async with httpx.AsyncClient(timeout=timeout, headers=dict(bearer_header(token))) as client:
-            resp = await client.get(f"{url}{API}/ha")
-        return resp.json() if resp.status_code == 200 else None
-    except (httpx.HTTPError, ValueError):
-        return None
-
-
 class Unanswered(Exception):
     """No answer, or a 5xx."""
 
@@ -82,6 +72,14 @@ class Link:
         self.log: ring.LogWriter | None = None  # the standby's log, mapped (same host), for snapshot ``transferred``
         self.logged: deque[tuple[int, int]] = deque(maxlen=ring.SLOTS)  # (seq, bytes) of the records written last
         self.pinged = 0.0
+
+    async def peer(self, timeout: float | None = None) -> dict | None:
+        """The peer's ``GET /v1/ha`` answer, or None if it does not answer (in ``timeout`` s, else the link's)."""
+        try:
+            resp = await self.client.get(self.url, timeout=timeout or httpx.USE_CLIENT_DEFAULT)
+            return resp.json() if resp.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return None
 
     def start(self) -> None:
         self.loop = asyncio.get_running_loop()
@@ -127,9 +125,8 @@ class Link:
                 if p.role == PRIMARY or (p.role == CANDIDATE and p.election.incumbent):
                     await self._once()
                 elif p.restarted:  # a candidate back with a kept term: does its peer answer, and with a term?
-                    resp = await self._request("GET", "")
-                    if resp.status_code == 200:
-                        p.peer_answers(resp.json())
+                    if (answer := await self.peer()) is not None:
+                        p.peer_answers(answer)
                     await self._sleep(p.failover / 4)
                 else:
                     self.last_ok = time.monotonic()
