@@ -72,7 +72,7 @@ def _log_path_ms(task: BenchLinearTask, total: dict, workers: int, reps: int) ->
                 msg = messages.encode_step(pair.core.global_step, total, workers, workers, {})
                 w.commit(seq, 1, True, len(messages.copied([msg], w.begin(seq))))
                 t = time.process_time()
-                pair.apply(1, seq, True, pair.log.record(seq, 1)[1], 0.0)
+                pair.apply(1, seq, True, pair.reader.log.record(seq, 1)[1], 0.0)
                 takes.append(time.process_time() - t)
                 pair.settle()
                 records.append(time.process_time() - t)

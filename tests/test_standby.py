@@ -276,12 +276,12 @@ def test_a_standby_takes_over_with_every_record_committed_in_its_log_and_fences_
     def record(seq: int, commit: bool = True) -> int:
         n = len(messages.copied([sent[seq - 1]], w.begin(seq)))
         return w.commit(seq, 1, True, n) if commit else 0
-    assert record(1) == 0 and pair.drain(1.0) == 1 and state_bytes(pair.core) == states[1] and w.applied == 1
+    assert record(1) == 0 and pair.reader.drain(1.0) == 1 and state_bytes(pair.core) == states[1] and w.applied == 1
     assert record(2) == 0 and record(3) == 0 and record(4, commit=False) == 0  # 4: the primary killed mid-record
     pair.watch(10.0)  # silence: a candidate (its records not read yet)
     pair.vote(2, "w0"), pair.vote(2, "w1")
     assert (pair.role, pair.term, pair.applied) == ("primary", 2, 3) and state_bytes(pair.core) == states[3]
-    assert pair.costs["logged"] == 3 and pair.log is None and not (tmp_path / advert["name"]).exists()
+    assert pair.costs["logged"] == 3 and pair.reader.log is None and not (tmp_path / advert["name"]).exists()
     assert w.commit(4, 1, True, 100) == 2  # the old primary's record after the takeover: refused, with term 2
 
 
@@ -316,7 +316,7 @@ def test_a_full_ring_sends_the_next_message_over_http_after_the_records_before_i
     link.log, pair.feeding = w, True
     try:
         assert link._into_log(pair.epoch, nxt, [sent[nxt - 1]]) is None  # over HTTP
-        assert pair.drain(2.0) == w.slots  # POST /v1/ha/steps: the records before it, then the message
+        assert pair.reader.drain(2.0) == w.slots  # POST /v1/ha/steps: the records before it, then the message
         pair.apply(1, nxt, True, bytearray(sent[nxt - 1]), 2.0)
         pair.settle()
         assert pair.applied == nxt and state_bytes(pair.core) == states[nxt] and w.room(nxt + 1)

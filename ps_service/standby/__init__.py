@@ -243,6 +243,11 @@ class Pair:
                 pass
 
     # ---- every role: what a worker's request meets ------------------------------------------
+    @property
+    def leading(self) -> bool:
+        """The primary, or the incumbent candidate (it lost its standby): it feeds a standby (:mod:`.link`)."""
+        return self.role == PRIMARY or (self.role == CANDIDATE and self.election.incumbent)
+
     def refusal(self, term: int | None = None) -> ProtocolError | None:
         """Why this PS takes no training request now (None: it does): 503 ``standby``, ``election`` or ``fenced``."""
         if term is not None and term > self.term and self.role != STANDBY:
@@ -374,18 +379,9 @@ class Pair:
         if self.reader.log is not None and self.applied:
             self.reader.log.applied = self.applied
 
-    @property
-    def log(self):
-        """The same-host log this standby reads (None: none)."""
-        return self.reader.log
-
-    def drain(self, now: float) -> int:
-        """The records committed in the log, taken and applied (:meth:`.reader.Reader.drain`)."""
-        return self.reader.drain(now)
-
     def ping(self, term: int, seq: int, gated: bool, now: float) -> dict:
         self.from_primary(term, None, now)
-        self.drain(now)
+        self.reader.drain(now)
         self.settle()
         if seq > self.applied:
             raise ProtocolError(409, "ha_gap", f"the primary acknowledged message {seq}; this PS has {self.applied}")
@@ -430,7 +426,7 @@ class Pair:
 
     # ---- monitoring -------------------------------------------------------------------------
     def status(self) -> dict:
-        primary = self.role == PRIMARY or (self.election is not None and self.election.incumbent)
+        primary = self.leading
         lag = [m for m in self.queue if m[0] > self.acked]
         behind, logged_bytes = self.link.log_behind() if self.link is not None else (None, 0)
         return {

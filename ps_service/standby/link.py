@@ -27,6 +27,7 @@ from collections import deque
 
 import httpx
 
+import ps_service.standby as standby  # its roles (read at call time: the package imports this module first)
 from ps_service.auth import peer_token
 from ps_service.standby import messages, ring
 from shared import liveness
@@ -37,7 +38,6 @@ from shared.rawhttp import ConnectionLost, RawConnection
 from shared.tokens import bearer_header
 
 log = logging.getLogger("ps_service")
-PRIMARY, CANDIDATE = "primary", "candidate"  # (ps_service.standby's roles)
 #: a state transfer may take this long (megabytes over a slow link)
 STATE_TIMEOUT_SECONDS = 60.0
 LOGGED = "(in the log)"  # the writer thread's answer for a message committed in the standby's log
@@ -122,7 +122,7 @@ class Link:
         p = self.pair
         while not self._closing:
             try:
-                if p.role == PRIMARY or (p.role == CANDIDATE and p.election.incumbent):
+                if p.leading:
                     await self._once()
                 elif p.restarted:  # a candidate back with a kept term: does its peer answer, and with a term?
                     if (answer := await self.peer()) is not None:
@@ -143,7 +143,7 @@ class Link:
         p = self.pair
         self.failures += 1
         self.error = why
-        if time.monotonic() - self.last_ok > p.failover and (p.feeding or p.role == PRIMARY):
+        if time.monotonic() - self.last_ok > p.failover and (p.feeding or p.role == standby.PRIMARY):
             if p.feeding:
                 log.warning("hot standby: the standby at %s does not answer (%s)", p.peer, why)
             p.lost_standby(f"the standby has not answered for {time.monotonic() - self.last_ok:.1f} s ({why})")
@@ -316,7 +316,7 @@ class Link:
             await self._sleep(p.failover / 4)
             return
         resp = await self._request("GET", "")
-        if resp.status_code != 200 or p.role not in (PRIMARY, CANDIDATE):
+        if resp.status_code != 200 or not p.leading:
             return
         if resp.json().get("term", 0) > p.term:
             p.deposed(f"the peer is the {resp.json().get('role')} of term {resp.json().get('term')}")

@@ -56,7 +56,7 @@ async def steps(request: Request, term: Count, seq: Count, gated: bool = Query(F
     answer (its acknowledgement) went out; a repeat is answered."""
     rt = runtime(request)
     s = rt.settings
-    rt.run_guarded(lambda: rt.ha.drain(rt.now()))  # the records of the log before it (a message too big for a slot)
+    rt.run_guarded(lambda: rt.ha.reader.drain(rt.now()))  # the records of the log before it (a message over HTTP)
     rt.ha.from_primary(term, seq, rt.now())  # refusals before the body is read
     t = time.perf_counter()
     body = await read_body(request, s.max_body_bytes, frame.MEDIA_TYPE, s.body_idle_timeout_seconds)
