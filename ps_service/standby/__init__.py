@@ -3,14 +3,12 @@ hold the same bits (docs/protocol-standby.md says the roles, terms, elections an
 
 Contract: the primary answers a worker only once its standby acknowledged every step taken so far
 (:meth:`Pair.replicated`, from the snapshot of a state transfer on: ``gated``); the standby acknowledges a step's
-message once read and checked and applies it (:meth:`~ps_service.core.ParameterServerCore.apply_round`) right after
-the answer went out (:meth:`Pair.settle`; anything that reads or replaces the model settles first), so a round a worker
-saw closed is on the standby. Two carriers, one link: on one host the step is on the standby once committed in the
-log the standby owns in its shared-memory directory (:mod:`.ring`: the primary counts it acknowledged then, without
-a round trip; the standby reads the log behind, :mod:`.reader`, and on takeover first applies every record
-committed), between hosts (no shared file) it is on the standby once acknowledged over HTTP (:mod:`.link`). Only a
-standby that took its term's state may take over (``synced``). A PS that sees a newer term accepts no push and becomes
-a standby (fencing); every change of term or role is on disk before the PS acts in it (:mod:`.kept`).
+message once read and checked and applies it right after the answer went out (:meth:`Pair.settle`; anything that reads
+or replaces the model settles first), so a round a worker saw closed is on the standby. One link, two carriers
+(:mod:`.link`): a record committed in the standby's same-host log (:mod:`.ring`, read behind by :mod:`.reader`) or a
+message acknowledged over HTTP. Only a standby that took its term's state may take over (``synced``). A PS that sees a
+newer term accepts no push and becomes a standby (fencing); every change of term or role is on disk before the PS
+acts in it (:mod:`.kept`).
 """
 from __future__ import annotations
 

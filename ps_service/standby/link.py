@@ -1,21 +1,13 @@
-"""The primary's link to its standby (PS -> PS HTTP with the peer token, PS_PEER_TOKEN, else the training token:
-:func:`ps_service.auth.peer_token`; every call with a timeout; the messages and their answers are
-docs/protocol-standby.md's).
+"""The primary's link to its standby (PS -> PS HTTP with the peer token, :func:`ps_service.auth.peer_token`; every
+call with a timeout; the messages, their answers and the log's rules are docs/protocol-standby.md's).
 
-Contract (one asyncio task, :meth:`Link.run`, while this PS is the primary or an incumbent candidate): without a
-standby fed it sends the state (``GET /v1/ha`` first: a newer term there deposes this PS; the snapshot on the event
-loop, encoded off it), then its writer thread sends the queued steps in order on a kept-alive connection of its own,
-each until acknowledged, as soon as the core queues it; idle, the task pings every quarter of the failover timeout. No
-answer for ``PS_FAILOVER_TIMEOUT_SECONDS``: the standby is lost (:meth:`Pair.lost_standby`); 409 ``stale_term``:
-deposed; another refusal: the state again. Retries back off up to a quarter of the failover timeout. A candidate that
-restarted with a term kept asks its peer ``GET /v1/ha`` as often (:meth:`Pair.peer_answers`).
-
-Two carriers: when the standby's state answer advertises a log (:mod:`.ring`) that this PS can map in its own
-shared-memory directory (the very file: same host), each step message is written into it instead (:meth:`send`
-on the event loop as the core queues it, or the writer thread), acknowledged once committed; one that does not fit a
-slot, or finds the ring full (the standby's reader behind by every slot), goes over HTTP, in order. With a log the
-task pings every quarter of the failover timeout, busy or not (the pings, answered once the standby read the log up
-to them, say it is alive).
+Contract (one asyncio task, :meth:`Link.run`, while this PS leads, :attr:`Pair.leading`): without a standby fed it
+sends the state (the snapshot on the event loop, encoded off it); each step message goes into the standby's log if it
+advertised one this PS can map (:meth:`send`: at once on the event loop, else from the queue) or over HTTP from the
+writer thread (a kept-alive connection of its own), in order, each until acknowledged; the task pings every quarter
+of the failover timeout (idle, or with a log). No answer for ``PS_FAILOVER_TIMEOUT_SECONDS``: the standby is lost
+(:meth:`Pair.lost_standby`); 409 ``stale_term`` (or a log closed with a newer term): deposed; another refusal: the
+state again. A candidate restarted with a term kept asks its peer as often (:meth:`Pair.peer_answers`).
 """
 from __future__ import annotations
 

@@ -1,14 +1,11 @@
 """The standby's reader of its same-host log (:mod:`.ring`; docs/protocol-standby.md, "Same host: the log").
 
-Contract: a standby with a shared-memory directory (``PS_SHM_DIR``, a usable :mod:`.ring`) makes a new log with each
-state it takes (:meth:`Reader.new_log`, the previous one closed and unlinked: :meth:`Reader.drop_log`) and advertises
-it; it takes the records committed in it in order, each as it would take the message over HTTP
-(:meth:`ps_service.standby.Pair.apply`, then its step applied), behind the primary (:meth:`Reader.drain`, from the
-read loop on the event loop and before it answers a ping or a message over HTTP; with the ring full, the standby
-behind by every slot, the primary sends its next message over HTTP: :mod:`.link`). A record that does not apply
-closes the log: the standby is no longer ``synced`` and the primary sends the state again. Taking over with a term
-(the same :meth:`Reader.drain`, ``closing``), it closes the log with that term first (a record committed after is
-refused by its writer), then takes every record committed before, then drops the log.
+Contract: a standby with a shared-memory directory (``PS_SHM_DIR``) makes a new log with each state it takes
+(:meth:`Reader.new_log`, the previous one dropped) and advertises it; :meth:`Reader.drain` takes the records committed
+in it in order, each as the message over HTTP (:meth:`ps_service.standby.Pair.apply`), its step applied, behind the
+primary (a read loop, and before a ping or a message over HTTP); a record that does not apply closes the log (not
+``synced``: the state again). Taking over (``closing``), it closes the log with the new term first, then takes every
+record committed before, then drops the log.
 """
 from __future__ import annotations
 

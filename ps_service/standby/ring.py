@@ -1,21 +1,13 @@
 """The same-host carrier of a hot-standby pair's steps: a ring of records in a file the standby owns in its
-shared-memory directory (docs/protocol-standby.md, "Same host: the log", gives the bytes).
+shared-memory directory (docs/protocol-standby.md, "Same host: the log": the bytes, the checks, the order).
 
-The standby creates the file (:meth:`Log.create`: ``0600``, a random name ``syncps-l-<32 hex>``, an exclusive flock
-held while it lives, shared/shm.py's header with kind ``L`` and a nonce) and advertises it (:meth:`Log.advert`: name,
-nonce, slots, slot size); the primary maps it only if it is that very file (:meth:`LogWriter.open`: opened without
-following links, a regular file of this user with one link, of exactly the advertised size, the magic, kind, nonce
-and geometry in its header), so a file it can map is on its own host. A record is one step message (the bytes the
-primary would POST): the primary writes it into slot ``(seq - 1) % slots`` once the standby applied ``seq - slots``
-(:meth:`LogWriter.room`), the slot's commit marker zeroed first and ``seq`` written last (:meth:`LogWriter.commit`);
-a record is committed once its marker reads its ``seq`` (a primary killed mid-write leaves a record that never was).
-Committing returns the log's ``closed`` field read after a full barrier: 0, the record is on the standby (it will
-apply it, even after a takeover); else the standby closed the log first (it took over, with that term, or took a new
-state) and the record does not count. The standby closes the log (:meth:`Log.close_for`) and, after the same barrier,
-reads every committed record: a record committed before it closed is read, one committed after is refused by its
-writer (the two stores and two loads of Dekker's algorithm). :func:`barrier` is an uncontended lock's
-acquire and release (glibc's atomic compare-and-exchange: a locked instruction, a full barrier on x86-64); elsewhere
-(:data:`USABLE` false: another architecture, or no ``fcntl``) there is no log and the steps go over HTTP.
+The standby makes it (:meth:`Log.create`, an flock held while it lives) and advertises it (:meth:`Log.advert`); the
+primary maps only that very file (:meth:`LogWriter.open`), so a file it can map is on its own host. The primary
+writes record ``seq`` once the standby applied ``seq - slots`` (:meth:`LogWriter.room`), its marker last, and reads
+the log's ``closed`` after a full barrier (:meth:`LogWriter.commit`): 0, the record is on the standby; else the
+standby closed the log first (:meth:`Log.close_for`, then the same barrier, then it reads every record committed:
+Dekker's two stores and two loads) and the record does not count. :func:`barrier` is an uncontended lock's acquire and
+release (a locked instruction: a full barrier on x86-64); elsewhere (:data:`USABLE` false) there is no log.
 """
 from __future__ import annotations
 
