@@ -102,7 +102,6 @@ class Pair:
             self._become(PRIMARY, stored + 1, "started as the primary" + (
                 " (its peer does not answer)" if peer is None else f" (its peer has no term; term {stored} kept)"))
         else:
-            self.core.follow()
             self._become(STANDBY, 0, "started as the standby" + (
                 f" (its peer is the {peer['role']} of term {peer['term']})" if peer else ""))
         self.link.start()
@@ -130,6 +129,8 @@ class Pair:
             self.stored = max(self.stored, term)  # starts is at term 0 until it gets a state)
             self.kept.save(self.stored, role)
         self.role, self.term, self.election, self.restarted = role, term, None, False
+        if role == STANDBY:
+            self.core.follow()  # it takes the primary's steps, no membership of its own
         self._said(f"{role} of term {term}: {why}")
         self.feeding = self.gated = self.transferring = False  # a new standby (if any) gets our state first
         self.queue.clear()
@@ -214,7 +215,6 @@ class Pair:
         """The peer has a newer term: accept no push, wait for its state as its standby."""
         if self.role == STANDBY:
             return
-        self.core.follow()
         self.synced = False
         self._become(STANDBY, self.term, f"deposed: {why}")
 
@@ -391,7 +391,6 @@ class Pair:
         self._not_stale(term)
         self.pending = None  # the state holds it
         self.core.adopt(state, now)
-        self.core.follow()
         self.members, self.staleness = state["members"], state.get("staleness")
         self.applied, self.synced, self.heard = seq, True, now  # the primary waits for us from its snapshot on
         self.bytes_received += size
