@@ -1,12 +1,8 @@
-"""The pair's gate (ASGI middleware, only when ``PS_ROLE`` is set): every answer carries the pair's term and this
-process's role (``x-syncps-term``, ``x-syncps-role``), and a training request (register, leave, heartbeat, the
-model, pushes, pulls, the same-host offer) with the training token (without it: the route's 401, and its headers
-change nothing) is refused with 503 before any route runs unless this PS is the primary:
-``standby``, ``election`` (vote: ``POST /v1/ha/vote``) or ``fenced`` (the request's ``x-syncps-term`` is newer than
-this PS's); a present ``x-syncps-term`` that is not one decimal integer in [0, 2^53 - 1], or given twice, is 400
-``bad_request`` first (nothing counted). Workers retry a 503 (:mod:`worker_service.transport.endpoint`: at the other
-PS, or after a vote). A request that says the other PS just lost its connection (``x-syncps-peer-lost``) is the
-standby's cue (:meth:`Pair.reported`).
+"""The pair's gate (ASGI middleware, only when ``PS_ROLE`` is set; docs/protocol-standby.md, "Every answer carries the
+term"): every answer carries ``x-syncps-term`` and ``x-syncps-role``; a training request (:data:`TRAINING`) with the
+training token is refused before any route runs unless this PS is the primary (503 ``standby``, ``election`` or
+``fenced``; a malformed ``x-syncps-term``: 400 ``bad_request`` first, nothing counted), and its
+``x-syncps-peer-lost`` is the standby's cue (:meth:`Pair.reported`).
 """
 from __future__ import annotations
 

@@ -1,14 +1,12 @@
 """The bodies the primary sends its standby: one step of the model, and the whole state (docs/protocol-standby.md,
-Replication). Pure, no I/O.
+Replication, gives their fields). Pure, no I/O.
 
-Contract: :func:`encode_step` / :func:`decode_step` (:func:`step_parts` and :func:`copied` write it into a buffer
-of the caller's: the same-host log's slot, :mod:`.ring`): one frame (:mod:`shared.frame`) whose tensors are a step's
-input exactly as :meth:`ps_service.core.ParameterServerCore.apply_round` takes it (a top-k round's sparse sums as
-``<name>#indices`` / ``<name>#values``, their shapes in meta ``sparse``), with meta ``step`` (null: only ``members``
-and ``staleness``, which come when they changed), ``mean_of``, ``contributors``. Encoding copies the arrays once (the
-core consumes them) into a buffer of :data:`ps_service.core.buffers.POOL` (warm memory: a fresh 4 MB costs ~2 ms of
-page faults), back in the pool once nothing views it. :func:`encode_state` / :func:`decode_state`: the state transfer
-is a checkpoint file's bytes (:mod:`ps_service.checkpoint`: checksummed, every field checked on decode).
+Contract: :func:`encode_step` / :func:`decode_step` (:func:`step_parts` and :func:`copied` write it into a buffer of
+the caller's: the log's slot, :mod:`.ring`): one frame whose tensors are a step's input exactly as
+:meth:`ps_service.core.ParameterServerCore.apply_round` takes it. Encoding copies the arrays once (the core consumes
+them) into a buffer of :data:`ps_service.core.buffers.POOL` (warm memory: a fresh 4 MB costs ~2 ms of page faults).
+:func:`encode_state` / :func:`decode_state`: the state transfer is a checkpoint file's bytes
+(:mod:`ps_service.checkpoint`).
 """
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""The routes of a hot-standby pair (docs/protocol.md, Hot standby); app.py mounts them only when ``PS_ROLE`` is set.
-
-Primary -> standby (with ``PS_PEER_TOKEN`` set, that token only: :data:`ps_service.auth.PEER_ROUTES`): ``PUT
-/v1/ha/state`` (the whole state), ``POST /v1/ha/steps`` (one step's input, in order), ``POST /v1/ha/ping`` (idle).
-Anyone (either token): ``GET /v1/ha`` (role, term, messages taken, step, boot id, costs). Workers: ``POST
-/v1/ha/vote`` (a vote in an election). Thin drivers of :class:`ps_service.standby.Pair`.
+"""The routes of a hot-standby pair, ``/v1/ha`` (docs/protocol-standby.md: who may call each, the answers); app.py
+mounts them only when ``PS_ROLE`` is set. Thin drivers of :class:`ps_service.standby.Pair`.
 """
 from __future__ import annotations
 
