@@ -10,7 +10,8 @@ creator made; the kind keeps a weights file (or a link to it) from passing for a
 
 Contract: names match :data:`GRADIENT_FILE` / :data:`WEIGHTS_FILE`; a peer's file is opened without following links,
 must be a regular file of this user with one link, of exactly the expected size, with the expected magic, kind and
-nonce and a valid frame; nothing here trusts a length it did not compute.
+nonce and a valid frame; nothing here trusts a length it did not compute. :func:`create_file` / :func:`map_file`: the
+file and its header alone (a region's frame aside), for a file of another layout (the standby's log, ring.py).
 """
 from __future__ import annotations
 
@@ -83,13 +84,12 @@ def open_in(directory: str, name: str, flags: int) -> int:
     return fd
 
 
-def create_region(directory: str, name: str, kind: bytes, layout: frame.Layout, nonce: bytes,
-                  marker: int, lock: Callable[[int], None] | None = None) -> tuple[int, Region]:
-    """A new ``0600`` file holding ``layout`` (zero tensors), ``lock(fd)`` applied first if given, mapped
-    writable, header and frame header written; (its descriptor, for the caller to keep or close; the
-    region). OSError if impossible (it exists, the directory is full...)."""
+def create_file(directory: str, name: str, size: int, kind: bytes, nonce: bytes, marker: int,
+                lock: Callable[[int], None] | None = None) -> tuple[int, mmap.mmap]:
+    """A new ``0600`` file of ``size`` bytes (allocated now), ``lock(fd)`` applied first if given, mapped writable,
+    its header written; (its descriptor, for the caller to keep or close; the mapping). OSError if impossible (it
+    exists, the directory is full...)."""
     path = os.path.join(directory, name)
-    size = region_bytes(layout)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
         os.ftruncate(fd, size)
@@ -103,24 +103,28 @@ def create_region(directory: str, name: str, kind: bytes, layout: frame.Layout, 
         os.unlink(path)
         raise
     HEADER.pack_into(mapping, 0, MAGIC, kind, nonce, marker)
+    return fd, mapping
+
+
+def create_region(directory: str, name: str, kind: bytes, layout: frame.Layout, nonce: bytes,
+                  marker: int, lock: Callable[[int], None] | None = None) -> tuple[int, Region]:
+    """A new region holding ``layout`` (zero tensors): :func:`create_file`, and its frame header written."""
+    fd, mapping = create_file(directory, name, region_bytes(layout), kind, nonce, marker, lock)
     head = frame.header(layout)
     mapping[HEADER_BYTES:HEADER_BYTES + len(head)] = head
     return fd, Region(mapping, layout)
 
 
-def map_existing(directory: str, name: str, kind: bytes, nonce: bytes, writable: bool,
-                 layout: frame.Layout | None = None, size: int | None = None) -> tuple[Region, os.stat_result]:
-    """Map the peer's file ``name`` and check it is the file meant: magic, ``kind``, ``nonce``, a valid
-    frame, and ``layout`` (when given: the frame header must be exactly the one of that layout) or
-    ``size`` bytes. (the region, the file's stat). OSError if it cannot be opened here, ValueError if it
-    is not the file meant."""
+def map_file(directory: str, name: str, size: int | None, kind: bytes, nonce: bytes,
+             writable: bool) -> tuple[mmap.mmap, os.stat_result]:
+    """Map the peer's file ``name`` and check it is the file meant: ``size`` bytes, magic, ``kind``, ``nonce``. (the
+    mapping, the file's stat). OSError if it cannot be opened here, ValueError if it is not the file meant."""
     fd = open_in(directory, name, os.O_RDWR if writable else os.O_RDONLY)
     try:
         st = os.fstat(fd)
-        want = region_bytes(layout) if layout is not None else size
-        if want is None or st.st_size != want:
-            raise ValueError(f"{name} is {st.st_size} bytes, not {want}")
-        mapping = mmap.mmap(fd, want, access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ)
+        if size is None or st.st_size != size:
+            raise ValueError(f"{name} is {st.st_size} bytes, not {size}")
+        mapping = mmap.mmap(fd, size, access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ)
     finally:
         os.close(fd)
     magic, got_kind, got_nonce, _ = HEADER.unpack(mapping[:HEADER_BYTES])
@@ -128,6 +132,16 @@ def map_existing(directory: str, name: str, kind: bytes, nonce: bytes, writable:
         raise ValueError(f"{name} is not a syncps {kind.decode()} region")
     if not hmac.compare_digest(got_nonce, nonce):
         raise ValueError(f"{name} does not hold the expected nonce")
+    return mapping, st
+
+
+def map_existing(directory: str, name: str, kind: bytes, nonce: bytes, writable: bool,
+                 layout: frame.Layout | None = None, size: int | None = None) -> tuple[Region, os.stat_result]:
+    """A peer's region (:func:`map_file`) with a valid frame, and ``layout`` (when given: the frame header must be
+    exactly the one of that layout) or ``size`` bytes. OSError if it cannot be opened here, ValueError if it is not
+    the file meant."""
+    want = region_bytes(layout) if layout is not None else size
+    mapping, st = map_file(directory, name, want, kind, nonce, writable)
     if layout is not None:
         head = frame.header(layout)
         if mapping[HEADER_BYTES:HEADER_BYTES + len(head)] != head:

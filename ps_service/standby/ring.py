@@ -102,19 +102,8 @@ class Log(_Ring):
         n, slot = geometry(model)
         n = slots or n
         name, nonce = f"syncps-l-{secrets.token_hex(16)}", secrets.token_bytes(shm.NONCE_BYTES)
-        path, size = os.path.join(directory, name), SLOTS_AT + n * slot
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            os.ftruncate(fd, size)
-            if hasattr(os, "posix_fallocate"):
-                os.posix_fallocate(fd, 0, size)
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # "this log's standby is alive" (the sweep's test)
-            mapping = mmap.mmap(fd, size, access=mmap.ACCESS_WRITE)
-        except BaseException:
-            os.close(fd)
-            os.unlink(path)
-            raise
-        shm.HEADER.pack_into(mapping, 0, shm.MAGIC, KIND_LOG, nonce, applied)
+        fd, mapping = shm.create_file(directory, name, SLOTS_AT + n * slot, KIND_LOG, nonce, applied,
+                                      lambda fd: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB))  # (the sweep's test)
         GEOMETRY.pack_into(mapping, 48, n, slot)
         return cls(directory, name, nonce, fd, mapping, n, slot)
 
@@ -173,20 +162,11 @@ class LogWriter(_Ring):
         if not (isinstance(name, str) and NAME.fullmatch(name) and type(slots) is int and type(slot) is int
                 and 2 <= slots <= SLOTS and slot % shm.PAGE == 0 and SLOT_HEADER < slot <= 1 << 40):
             raise ValueError(f"not a log's advert: {advert!r}")
-        nonce = bytes.fromhex(str(advert.get("nonce")))
-        fd = shm.open_in(directory, name, os.O_RDWR)
-        try:
-            size = SLOTS_AT + slots * slot
-            if os.fstat(fd).st_size != size:
-                raise ValueError(f"{name} is {os.fstat(fd).st_size} bytes, not {size}")
-            mapping = mmap.mmap(fd, size, access=mmap.ACCESS_WRITE)
-        finally:
-            os.close(fd)
-        magic, kind, got, _ = shm.HEADER.unpack_from(mapping, 0)
-        if magic != shm.MAGIC or kind != KIND_LOG or len(nonce) != shm.NONCE_BYTES or got != nonce \
-                or GEOMETRY.unpack_from(mapping, 48) != (slots, slot):
+        mapping, _ = shm.map_file(directory, name, SLOTS_AT + slots * slot, KIND_LOG,
+                                  bytes.fromhex(str(advert.get("nonce"))), writable=True)
+        if GEOMETRY.unpack_from(mapping, 48) != (slots, slot):
             mapping.close()
-            raise ValueError(f"{name} is not the log advertised (magic, kind, nonce or geometry)")
+            raise ValueError(f"{name} is not the log advertised (its geometry)")
         return cls(mapping, slots, slot)
 
     def room(self, seq: int) -> bool:
