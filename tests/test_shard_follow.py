@@ -130,11 +130,11 @@ def test_a_follower_reads_a_late_workers_hold_and_keeps_none_of_it():
     h, piece = Holds(), {"w": np.ones(2, np.float32)}
     h.put("a", Held(0, piece, "http"))
     h.put("c", Held(0, piece, "http"))
-    assert h.progress(("w",), 0, 0, 0, [], ["a"]) and not h.may_read("b", 0, 0)
-    assert h.progress(("w",), 0, 0, 0, [], ["c"], late=["a", "b"])
+    assert h.progress(0, 0, 0, [], ["a"]) and not h.may_read("b", 0, 0)
+    assert h.progress(0, 0, 0, [], ["c"], late=["a", "b"])
     assert h.get("a", 0) is None and h.get("c", 0) is not None  # a's piece: read in its turn, then refused
     assert h.may_read("b", 0, 0) and h.late_for("b", 0) and not h.late_for("c", 0) and not h.may_read("d", 0, 0)
-    assert h.progress(("w",), 0, 0, 0, [], ["b"]) and not h.late_for("b", 0)  # named in turns: read and kept
+    assert h.progress(0, 0, 0, [], ["b"]) and not h.late_for("b", 0)  # named in turns: read and kept
     h.drop_through(0)
     assert not h.late_for("a", 0) and len(h) == 0
 

@@ -16,9 +16,12 @@ import pytest
 
 from ps_service.core import ParameterServerCore
 from ps_service.core.errors import CoreError
+from ps_service.core.rounds import Accumulator
 from ps_service.sharding import parts
+from ps_service.sharding.holds import Held, Holds
 from ps_service.transport.streamed import Partitions
 from shared import frame
+from shared.compression import SparseTensor
 from shared.errors import ProtocolError
 from shared.protocol import ModelInit, PushRequest, PushStatus
 from shared.shards import plan as shard_plan, spec_of, split
@@ -214,6 +217,43 @@ def test_the_coordinators_decision_and_lost_members_close_a_follower_as_the_coor
 
 
 # ---- real shards and stock workers (uvicorn, worker processes) -----------------------------------------------------
+def pushed(g: np.ndarray, topk: bool) -> np.ndarray | SparseTensor:
+    """A copy of ``g`` (the round's from now on), or as a top-k push's decoded tensor: 3 entries in an even spread."""
+    idx = np.linspace(0, g.size - 1, 3).astype(np.int64)
+    return SparseTensor(g.shape, idx, g.reshape(-1)[idx].astype(np.float32)) if topk else g.copy()
+
+
+@pytest.mark.parametrize("topk", [False, True], ids=["dense", "topk"])
+@pytest.mark.parametrize("aggregation", ["mean", "sum"])
+def test_an_unpartitioned_followers_round_is_one_partition_with_the_bits_of_one_step(aggregation, topk):
+    """P = 0: a follower's round is one partition of its pieces whole, summed as the coordinator's sum reaches each key
+    (:meth:`Holds.fold` to :func:`parts.fold`), the rest of C at the decision. Weights, iteration and TF1 SGD's touched
+    entries are those of one optimizer step on the rank-order sum (the core's ``apply_round``, a standby's), top-k
+    pushes' sparse sums included; held pushes of the round are dropped, and an empty decision applies nothing."""
+    new, old = follower(OPTIMIZERS[0], aggregation, 0), follower(OPTIMIZERS[0], aggregation, 0)
+    holds, c = Holds(lambda key, t: parts.fold(new, key, t)), contributors(range(WORKERS))
+    for step in range(STEPS):
+        acc = Accumulator(tuple(old.weights), "sum")
+        for r in range(WORKERS):
+            acc.apply(f"w{r}", r, {k: pushed(v, topk) for k, v in pieces(step, r).items()}, ())
+            holds.put(f"w{r}", Held(step, {k: pushed(v, topk) for k, v in pieces(step, r).items()}, "http"))
+        total, _ = acc.take_sum()
+        old.apply_round(total, WORKERS if aggregation == "mean" else 1, WORKERS)
+        assert holds.progress(new.global_step, step, 0, c[:1], None) and holds.folded == c[:1]
+        holds.fold(step, 0, c, whole=True)
+        assert parts.decide(new, step, c, 0.0) and new.parts is None and new.global_step == step + 1
+        holds.drop_through(step)
+        assert len(holds) == 0 and {k: v.tobytes() for k, v in new.weights.items()} == \
+            {k: v.tobytes() for k, v in old.weights.items()}
+        touched = set(new.optimizer.touched.entries)  # (top-k: TF1 SGD on the sum's entries)
+        assert (new.optimizer.iterations, touched) == (old.optimizer.iterations, set(old.optimizer.touched.entries))
+        assert bool(touched) == topk
+    holds.put("w0", Held(STEPS, pieces(STEPS, 0), "http"))
+    before = {k: v.tobytes() for k, v in new.weights.items()}
+    assert holds.progress(STEPS, STEPS, 0, c[:1], None) and parts.decide(new, STEPS, [], 0.0)  # (the sum overflowed)
+    assert new.global_step == STEPS + 1 and {k: v.tobytes() for k, v in new.weights.items()} == before
+
+
 @pytest.mark.parametrize("shards", [2, 4])
 def test_partitioned_rounds_on_shards_train_bit_identical_to_one_process(shards):
     """Stock workers over TCP, every shard's pieces pushed as partition frames while the next weights are pulled

@@ -157,7 +157,7 @@ def test_the_coordinator_tells_a_follower_that_a_late_member_is_back_in_the_stuc
     def heard() -> dict | None:
         msg = tracker.message(core)
         if msg is not None:
-            holds.progress(("w",), core.global_step, msg["step"], msg["start"], msg["folded"], msg["turns"],
+            holds.progress(core.global_step, msg["step"], msg["start"], msg["folded"], msg["turns"],
                            msg["late"], msg["back"])
         return msg
 

@@ -489,8 +489,8 @@ class ParameterServerCore(ModelState):
             if q not in parts.closed:
                 total, n = parts.close(q)
                 if total is not None:
-                    self.update(total, consume=True, mean_of=n, pieces=parts.plan.partitions[q],
-                                advance=not parts.advanced)
+                    self.update(total, consume=True, mean_of=n, advance=not parts.advanced,
+                                pieces=None if parts.plan.whole else parts.plan.partitions[q])  # (whole: sparse kept)
                     parts.advanced = True
         if parts.done:
             self.parts = None

@@ -6,7 +6,8 @@ pieces=...)``: every rule elementwise, the bits of the whole step. Every sync ro
 partition, the default: the whole model, closed with the decision), holding its partitions from ``first`` on: 1 on a
 core that decides (the Round holds partition 0, whose close decides the round), 0 on a sharded PS's follower (told the
 decision: :mod:`ps_service.sharding.parts`). A frame whose sender's rank is not known yet (a follower before the
-decision) waits unsummed until the decision names it, and is dropped if it does not.
+decision) waits unsummed until the decision names it, and is dropped if it does not; one the round's sum order has
+reached (``settled``) is summed at once.
 """
 from __future__ import annotations
 
@@ -74,15 +75,16 @@ class RoundParts:
             return "duplicate"
         return "late" if self.decided and worker_id not in self.missing[q] else None
 
-    def frame(self, q: int, worker_id: str, rank: int | None, grads) -> list[int]:
+    def frame(self, q: int, worker_id: str, rank: int | None, grads, settled: bool = False) -> list[int]:
         """Take a member of C's validated frame of partition q (its arrays the accumulator's; ``rank`` None: named
-        by the decision); the partitions that can close now."""
+        by the decision; ``settled``: no frame still possible sorts before it, so it is summed now); the partitions
+        that can close now."""
         self.came[q].add(worker_id)
         if not self.decided:
             if rank is None:
                 self.early[q][worker_id] = grads
             else:
-                self.accs[q].apply(worker_id, rank, grads, None)
+                self.accs[q].apply(worker_id, rank, grads, () if settled else None)
             return []
         self.missing[q].discard(worker_id)
         self.accs[q].apply(worker_id, self.contributors[worker_id][0], grads,

@@ -26,7 +26,7 @@ from ps_service.checkpoint import CheckpointError, checkpoint_name, decode, list
 from ps_service.core.membership import FOLLOWER
 from ps_service.core.model import check_weights
 from ps_service.sharding import parts, receipts, rollback
-from ps_service.sharding.holds import Holds, apply_round
+from ps_service.sharding.holds import Holds, passed
 from ps_service.sharding.links import Links
 from ps_service.sharding.turns import FOLD_BYTES, Gate, Tracker
 from shared import frame, marks
@@ -48,7 +48,7 @@ class ShardRole:
         self.urls = settings.shard_url_list
         self.split_elements = settings.shard_split_elements
         self.core = core
-        self.holds = Holds()
+        self.holds = Holds(lambda key, tensors: parts.fold(core, key, tensors))  # a follower's sums: its round's
         self.map: ShardMap | None = None
         self.initialising = False
         self.links = (Links(self.urls, peer_token(settings), settings.http_keepalive_seconds) if self.coordinator
@@ -239,15 +239,23 @@ class ShardRole:
         return await self.gate.wait(may, seconds, last)
 
     def apply(self, step: int, contributors, mean_of: int, lost, now: float) -> bool:
-        """``POST /v1/shard/apply``: apply round ``step`` (:func:`.holds.apply_round`), or, partitioned rounds, take
-        its decision (:func:`.parts.decide`) and ``lost``; wake the holds waiting for their turn."""
+        """``POST /v1/shard/apply``: round ``step``'s decision (:func:`.parts.decide`): unpartitioned, its held pieces
+        summed first (:meth:`.holds.Holds.fold`); partitioned, with ``lost``. Wake the holds waiting for their turn."""
+        core = self.core
         try:
-            if not self.partitioned:
-                return apply_round(self.core, self.holds, step, contributors, mean_of)
-            if marks.ON:
+            if marks.ON and self.partitioned:
                 marks.mark("decision.in", step=step, shard=self.index)
-            done = parts.decide(self.core, step, contributors, now)
+            fresh = not passed(core.global_step, step)
+            if fresh and contributors and not self.partitioned:
+                self.holds.fold(step, 0, contributors, whole=True)
+                own = len(contributors) if core.config.aggregation == "mean" and len(contributors) > 1 else 1
+                if mean_of != own:  # (the coordinator's PS_AGGREGATION is not this shard's)
+                    log.warning("round %d: the coordinator divides by %d, this shard by %d: set PS_AGGREGATION alike "
+                                "on every shard", step, mean_of, own)
+            done = parts.decide(core, step, contributors, now)
             self.drop(step, lost, now)
+            if fresh:
+                self.holds.drop_through(step)
             return done
         finally:
             self.gate.wake()
@@ -259,8 +267,7 @@ class ShardRole:
     def progress(self, step: int, start: int, keys, turns, late=(), back=()) -> bool:
         """``POST /v1/shard/progress`` (:meth:`.holds.Holds.progress`); wake the holds whose turn came."""
         try:
-            return self.holds.progress(tuple(self.core.weights), self.core.global_step, step, start, keys, turns, late,
-                                       back)
+            return self.holds.progress(self.core.global_step, step, start, keys, turns, late, back)
         finally:
             self.gate.wake()
 
@@ -288,7 +295,7 @@ class ShardRole:
         delete the checkpoints of later steps (a future the job abandoned: never mixed with the redone steps')."""
         step = state["global_step"]
         self.core.rewind(state, now)
-        self.holds = Holds()
+        self.holds = Holds(self.holds.into)
         self.gate.wake()  # holds waiting for their turn: their step is gone
         if self.coordinator:  # the rounds closed from now on go to the followers
             self._seen_closed, self._sent_step = self.core.rounds_closed, step - 1

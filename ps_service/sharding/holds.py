@@ -1,32 +1,28 @@
-"""The sans-IO half of a shard: pushes held until a round names them, and a follower's rank-order sum of a round.
+"""The sans-IO half of a shard: pushes held until a round names them, and the order of a follower's sum of a round.
 No I/O, no clock. Contract:
 
 - :func:`passed`: a message of the coordinator about round s is for a round this shard has passed (nothing to do) or
   is at; else 409 ``shard_behind``.
-- :class:`Holds` keeps one held push per worker (a later one replaces it) and, on a follower, the open round's
-  running sum as the coordinator's :class:`~ps_service.core.rounds.Accumulator` makes it (:meth:`Holds.progress`):
-  the keys it summed, in order (each an accepted commit: nothing is summed on a guess), whose pushes it awaits next
+- :class:`Holds` keeps one held push per worker (a later one replaces it) and, on a follower, the open round's sum
+  order as the coordinator's :class:`~ps_service.core.rounds.Accumulator` makes it (:meth:`Holds.progress`): the keys
+  summed, in order (each an accepted commit: nothing is summed on a guess), whose pushes it awaits next
   (:meth:`Holds.may_read`: a hold of anyone else waits unread) and, fixed R, whose it will not take (``late``: read,
   answered late, kept nowhere) or takes again (``back``).
-- :func:`apply_round` ("apply round s with contributors C"): the keys summed so far must be the first of C; the rest
-  of C's held pieces are summed on in (rank, worker_id) order, the optimizer is stepped once with the coordinator's
-  ``mean_of``, and every hold of step <= s dropped: ``acc = g[c0]; acc += g[c1] ...``, bit for bit, however the
-  additions were spread in time. A repeat is answered done; one ahead of the shard, naming a gradient not held, or
-  not following the keys summed is 409 and changes nothing. No contributors (the coordinator's sum overflowed) or a
-  sum that overflows here: nothing applied here (logged).
+- :meth:`Holds.fold`: the keys summed next must follow those summed (``order_mismatch``) and be held
+  (``missing_gradient``), else 409 and nothing changes; their held pieces go, in that order, to ``into``: the
+  follower's round (:func:`ps_service.sharding.parts.fold`), which sums them in rank order, bit for bit, however the
+  additions are spread in time. A round's decision folds its contributors so (``whole``: the keys summed so far must
+  be the first of them).
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from ps_service.core.rounds import Accumulator
 from shared.errors import ProtocolError
 
-log = logging.getLogger("ps_service")
 Key = tuple[int, str]  # (rank, worker_id): the sum's order
 
 
@@ -47,13 +43,15 @@ def passed(global_step: int, step: int) -> bool:
 
 
 class Holds:
-    def __init__(self) -> None:
+    def __init__(self, into: Callable[[Key, Mapping[str, np.ndarray]], None] = lambda key, tensors: None) -> None:
+        """``into``: where the held pieces of a key summed go (:meth:`fold`)."""
         self.by_worker: dict[str, Held] = {}
-        #: the round the coordinator last spoke of (:meth:`progress`), the keys summed of it in order, its running
-        #: sum, and whose pieces may be read now (None: anyone)
+        self.into = into
+        #: the round the coordinator last spoke of (:meth:`progress`), the keys summed of it in order (and their
+        #: workers), and whose pieces may be read now (None: anyone)
         self.step: int | None = None
         self.folded: list[Key] = []
-        self.sum: Accumulator | None = None
+        self.summers: set[str] = set()
         self.turns: frozenset[str] | None = frozenset()
         #: of that round, the workers whose pushes it will not take (fixed R), unless named in ``turns`` since
         self.late: set[str] = set()
@@ -77,12 +75,12 @@ class Holds:
         for w in [w for w, h in self.by_worker.items() if h.step <= step]:
             del self.by_worker[w]
         if self.step is not None and self.step <= step:
-            self.step, self.folded, self.sum, self.turns, self.late = None, [], None, frozenset(), set()
+            self.step, self.folded, self.summers, self.turns, self.late = None, [], set(), frozenset(), set()
 
     # ---- a follower: the round's sum as the coordinator makes it ---------------------------------------------
     def summed(self, worker_id: str, step: int) -> bool:
         """``worker_id``'s pieces of ``step`` are in the running sum already (a hold of them again keeps nothing)."""
-        return self.step == step and self.sum is not None and worker_id in self.sum
+        return self.step == step and worker_id in self.summers
 
     def may_read(self, worker_id: str, step: int, global_step: int) -> bool:
         """May a hold of (``worker_id``, ``step``) be read now: not of the open round, or awaited next (or any), or
@@ -98,14 +96,14 @@ class Holds:
         heads): a hold of it is answered late and kept nowhere."""
         return self.step == step and worker_id in self.late
 
-    def progress(self, names: Iterable[str], global_step: int, step: int, start: int, keys: Sequence[Key],
-                 turns: Sequence[str] | None, late: Iterable[str] = (), back: Iterable[str] = ()) -> bool:
+    def progress(self, global_step: int, step: int, start: int, keys: Sequence[Key], turns: Sequence[str] | None,
+                 late: Iterable[str] = (), back: Iterable[str] = ()) -> bool:
         """The coordinator's round ``step`` summed ``keys`` from its ``start``-th on (those summed here skipped),
         awaits ``turns``, refuses ``late`` and takes ``back`` again: sum, drop, note. False if the round is applied
         here already; 409 and nothing changed if ahead, out of order, or a piece is not held."""
         if passed(global_step, step):
             return False
-        self._fold(names, step, start, keys)
+        self.fold(step, start, keys)
         for w in late:
             self.late.add(w)
             self.discard(w, step)  # read in its turn before R heads came, then refused: never summed
@@ -115,20 +113,11 @@ class Holds:
             self.late -= self.turns
         return True
 
-    def take(self, names: Iterable[str], step: int, contributors: Sequence[Key]) -> tuple[dict | None, int]:
-        """(The rank-order sum of round ``step`` over ``contributors``, None if it overflows; their count):
-        :func:`apply_round`'s sum, the keys summed so far being the first of ``contributors``."""
-        if not contributors:  # the round applies nothing (its sum overflowed on the coordinator), whatever was summed
-            return None, 0
-        self._fold(names, step, 0, contributors, whole=True)
-        total, _ = self.sum.take_sum()  # None: this shard's pieces of the round overflow when summed
-        return total, len(contributors)
-
-    def _fold(self, names: Iterable[str], step: int, start: int, keys: Sequence[Key], whole: bool = False) -> None:
+    def fold(self, step: int, start: int, keys: Sequence[Key], whole: bool = False) -> None:
         """Sum on the held pieces of ``keys`` (from the ``start``-th key of round ``step``'s sum; ``whole``: every key
         summed so far must be among them); 409 and nothing summed if they do not follow the sum or are not held."""
         if self.step != step:
-            self.step, self.folded, self.sum, self.late = step, [], None, set()
+            self.step, self.folded, self.summers, self.late = step, [], set(), set()
         done, keys = len(self.folded), [tuple(k) for k in keys]
         if start > done or self.folded[start:start + len(keys)] != keys[:done - start] or (whole and len(keys) < done):
             raise ProtocolError(409, "order_mismatch", f"round {step}: keys {keys[:4]} from the {start}-th do not "
@@ -138,23 +127,8 @@ class Holds:
         if missing:
             raise ProtocolError(409, "missing_gradient", f"round {step}: no held push of {missing[:4]} here (this "
                                                          "shard restarted since they pushed?)")
-        if new and self.sum is None:
-            self.sum = Accumulator(tuple(names), "sum")
         for rank, w in new:
-            self.sum.apply(w, rank, self.by_worker.pop(w).tensors, ())  # nothing still possible sorts before it
+            self.into((rank, w), self.by_worker.pop(w).tensors)  # nothing still possible sorts before it
             self.folded.append((rank, w))
+            self.summers.add(w)
 
-
-def apply_round(core, holds: Holds, step: int, contributors: Sequence[Key], mean_of: int) -> bool:
-    """Apply round ``step`` with ``contributors`` on a follower's ``core``: True, or False if it was already."""
-    if passed(core.global_step, step):
-        return False
-    if mean_of < 1:
-        raise ProtocolError(400, "bad_field", "mean_of must be >= 1")
-    total, n = holds.take(tuple(core.weights), step, contributors)
-    if total is None and n:
-        log.warning("round %d: the sum of this shard's pieces of its %d contributors overflows: nothing applied here "
-                    "(the other shards apply theirs)", step, n)
-    holds.drop_through(step)
-    core.apply_round(total, mean_of, n)
-    return True
