@@ -2,22 +2,26 @@
 
 Contract: every name starts with ``ps_``, values are in base units (seconds, bytes), counters end in ``_total``,
 labels take a fixed, small set of values (push status, worker state, job state, round close reason): never a worker
-name. One registry per app: :class:`StateCollector` reads the core and the runtime's counters at scrape time;
-:class:`PSMetrics` observes every closed round and checkpoint into histograms (a :attr:`Runtime.observers` hook, and
-once more at each scrape).
+name. One registry per app: at scrape time :meth:`PSMetrics.collect` renders the ``/v1/status`` answer
+(:func:`ps_service.monitoring.snapshot`: one source per figure, each family's HELP its field's description) and the
+few counters only ``/metrics`` shows; :class:`PSMetrics` observes every closed round and checkpoint into histograms
+(a :attr:`Runtime.observers` hook, and once more at each scrape).
 """
 from __future__ import annotations
 
 from itertools import takewhile
+from typing import get_args
 
 from fastapi import APIRouter, Request, Response
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import choose_encoder
+from pydantic import BaseModel
 
+from ps_service import monitoring
 from ps_service.core.membership import ACTIVE, EXPIRED, LEFT
-from ps_service.monitoring import PUSH_KINDS
 from ps_service.core.rounds import CLOSE_REASONS
+from ps_service.monitoring_models import PairStatus, Status
 from ps_service.runtime import Runtime
 from shared.protocol import JobState
 
@@ -29,17 +33,58 @@ TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.
 STALENESS_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
-def _gauge(name: str, doc: str, value: float | None) -> GaugeMetricFamily:
-    g = GaugeMetricFamily(name, doc)
-    if value is not None:
-        g.add_metric([], value)
-    return g
+def described(path: str) -> str:
+    """The description of the ``/v1/status`` field at a dotted ``path`` (monitoring_models.Status)."""
+    model = Status
+    for key in path.split("."):
+        info = model.model_fields[key]
+        model = next((t for t in (info.annotation, *get_args(info.annotation))
+                      if isinstance(t, type) and issubclass(t, BaseModel)), None)
+    return info.description
 
 
-def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-    c = CounterMetricFamily(name, doc)
-    c.add_metric([], value)
-    return c
+def pick(view: dict | None, path: str):
+    """The value at a dotted ``path`` of an answer (None through a null or missing part)."""
+    for key in path.split("."):
+        view = None if view is None else view.get(key)
+    return view
+
+
+def family(name: str, doc: str, value: float | None, counter: bool = False):
+    """A family of one unlabelled sample: a gauge (no sample if ``value`` is None) or a counter (None: 0)."""
+    f = (CounterMetricFamily if counter else GaugeMetricFamily)(name, doc)
+    if value is not None or counter:
+        f.add_metric([], value or 0)
+    return f
+
+
+#: the families read from the ``/v1/status`` answer (monitoring.snapshot): (name, counter?, the answer's field as a
+#: dotted path, HELP: that field's description). A null ``clocks`` (sync) or ``pair`` (no pair): no family
+FROM_STATUS = tuple((name, counter, path, described(path)) for name, counter, path in (
+    ("ps_global_step", False, "global_step"), ("ps_max_steps", False, "max_steps"),
+    ("ps_membership_changes", True, "workers.membership_changes"), ("ps_examples", True, "examples"),
+    ("ps_gradients_applied", True, "gradients_applied"), ("ps_worker_clock_slowest", False, "clocks.slowest"),
+    ("ps_worker_clock_fastest", False, "clocks.fastest"), ("ps_worker_clock_spread", False, "clocks.spread"),
+    ("ps_received_bytes", True, "bytes_received"), ("ps_sent_bytes", True, "bytes_sent"),
+    ("ps_shm_received_bytes", True, "shm_bytes_received"), ("ps_auth_failures", True, "auth_failures"),
+    ("ps_round_open_seconds", False, "round.open_for_seconds"),
+    ("ps_round_awaited_workers", False, "round.still_needed"),
+    ("ps_loss", False, "loss.last"), ("ps_start_time_seconds", False, "started_at"),
+    ("ps_checkpoints", True, "checkpoint.count"), ("ps_checkpoint_last_step", False, "checkpoint.step"),
+    ("ps_checkpoint_last_duration_seconds", False, "checkpoint.duration_seconds"),
+    ("ps_pair_term", False, "pair.term"), ("ps_pair_standby_lag_rounds", False, "pair.lag_rounds"),
+    ("ps_pair_standby_lag_bytes", False, "pair.lag_bytes"), ("ps_pair_takeovers", True, "pair.takeovers"),
+    ("ps_pair_sent_bytes", True, "pair.bytes_sent")))
+OPTIONAL = ("clocks", "pair")
+ROLES = get_args(PairStatus.model_fields["role"].annotation)  # primary, standby, candidate
+
+
+def labelled(name: str, doc: str, label: str, values: dict, counter: bool = False):
+    """A family of one sample per value of ``label``: ``values`` maps each to its sample."""
+    f = (CounterMetricFamily if counter else GaugeMetricFamily)(name, doc, labels=[label])
+    for k, v in values.items():
+        f.add_metric([k], v)
+    return f
 
 
 def staleness_histogram(counts: dict[int, int]) -> HistogramMetricFamily:
@@ -51,110 +96,27 @@ def staleness_histogram(counts: dict[int, int]) -> HistogramMetricFamily:
     return h
 
 
-class StateCollector:
-    """Gauges and counters read from the core and runtime at scrape time."""
-
-    def __init__(self, rt: Runtime) -> None:
-        self.rt = rt
-
-    def collect(self):
-        rt, core, shm = self.rt, self.rt.core, self.rt.tensors.shm
-        now = rt.now()
-        yield _gauge("ps_global_step", "Model version: the global step (rounds applied).", core.global_step)
-        yield _gauge("ps_max_steps", "Global steps to train (absent: forever).", rt.settings.max_steps)
-        state = core.state().value
-        job = GaugeMetricFamily("ps_job_state", "1 for the job's current state.", labels=["state"])
-        for s in JobState:
-            job.add_metric([s.value], 1.0 if s.value == state else 0.0)
-        yield job
-        members = GaugeMetricFamily("ps_workers", "Registered workers by membership state.", labels=["state"])
-        states = [m.state for m in core.members.by_id.values()]
-        for s in (ACTIVE, EXPIRED, LEFT):
-            members.add_metric([s], states.count(s))
-        yield members
-        yield _counter("ps_membership_changes", "Joins, rejoins, leaves and lease expiries.", core.members.changes)
-        pushes = CounterMetricFamily("ps_pushes", "Gradient pushes by outcome.", labels=["status"])
-        for k in PUSH_KINDS:
-            pushes.add_metric([k], core.push_counts.get(k, 0))
-        yield pushes
-        yield _counter("ps_examples", "Examples behind the accepted gradients.", core.examples)
-        yield _counter("ps_gradients_applied",
-                       "Gradients applied since start (sync: every gradient a round summed into its one update).",
-                       core.gradients_applied)
-        modes = core.modes
-        if modes is not None:
-            yield staleness_histogram(modes.staleness_counts)
-            live = bool(modes.live_count())
-            yield _gauge("ps_worker_clock_slowest", "Slowest live worker's clock (async/ssp).", modes.floor if live else None)
-            yield _gauge("ps_worker_clock_fastest", "Fastest live worker's clock (async/ssp).", modes.fastest if live else None)
-            yield _gauge("ps_worker_clock_spread", "Fastest minus slowest live clock (ssp: <= bound + 1).", modes.spread)
-        yield _counter("ps_received_bytes", "Bytes of model and gradient request bodies received.", rt.tensors.bytes_in)
-        yield _counter("ps_sent_bytes", "Bytes of weight response bodies sent.", rt.tensors.bytes_out)
-        yield _counter("ps_shm_received_bytes", "Gradient bytes read from same-host workers' files.", shm.bytes_in)
-        yield _gauge("ps_shm_workers", "Workers whose tensors go through the same-host transport.", len(shm.attached))
-        yield _counter("ps_shm_weights_copies", "Copies of a step's weights into the same-host weights file (made while "
-                       "the weights live in the frame of the answers sent over HTTP).", shm.mirrored)
-        intake = core.intake
-        yield _counter("ps_push_reads_deferred", "Times a large push's tensors were left unread for their turn in rank "
-                       "order (ps_service/core/intake.py).", intake.deferred)
-        yield _counter("ps_push_reads_overdue", "Large pushes read out of turn after waiting a lease (a round held up by "
-                       "a slow member: each is one more gradient held).", intake.overdue)
-        yield _counter("ps_auth_failures", "Requests refused for a missing or wrong token.", rt.auth_failures)
-        r = core.round
-        yield _gauge("ps_round_open_seconds", "How long the open round has been open (absent: none open).",
-                     None if r is None else now - r.opened_at)
-        yield _gauge("ps_round_awaited_workers", "Gradients the open round still waits for.",
-                     None if r is None else core.progress().needed)
-        yield _gauge("ps_loss", "Loss of the last closed round.", core.loss_history[-1][1] if core.loss_history else None)
-        yield _gauge("ps_start_time_seconds", "Start of the PS, Unix time.", rt.started_wall)
-        info = rt.checkpoint_info or {}
-        yield _counter("ps_checkpoints", "Checkpoints written since start.", info.get("count") or 0)
-        yield _gauge("ps_checkpoint_last_step", "Global step of the last checkpoint.", info.get("step"))
-        yield _gauge("ps_checkpoint_last_duration_seconds", "How long writing the last checkpoint took.",
-                     info.get("duration_seconds"))
-        if rt.shards is not None:
-            yield from shard_gauges(rt.shards.view())
-        if rt.ha is not None:
-            yield from pair_gauges(rt.ha.status())
-
-
-def pair_gauges(view: dict):
-    """A hot-standby pair: this PS's role (label role, 1 for the current one), the term, the standby's lag."""
-    role = GaugeMetricFamily("ps_pair_role", "1 for this PS's role in its hot-standby pair.", labels=["role"])
-    for r in ("primary", "standby", "candidate"):
-        role.add_metric([r], float(view["role"] == r))
-    yield role
-    yield _gauge("ps_pair_term", "The pair's term as this PS knows it.", view["term"])
-    yield _gauge("ps_pair_standby_in_sync", "On the primary: 1 if its standby caught up (every answer waits for it).",
-                 None if view["standby"] is None else float(view["standby"] == "in_sync"))
-    yield _gauge("ps_pair_standby_lag_rounds", "On the primary: messages the standby has not acknowledged.",
-                 view["lag_rounds"])
-    yield _gauge("ps_pair_standby_lag_bytes", "On the primary: bytes of those messages.", view["lag_bytes"])
-    yield _counter("ps_pair_takeovers", "Times this process took over as primary.", view["takeovers"])
-    yield _counter("ps_pair_sent_bytes", "Bytes sent to the standby (states and steps).", view["bytes_sent"])
-
-
 def shard_gauges(view: dict):
     """A sharded PS: this shard's index; on the coordinator each shard's step, reachability and bytes (label shard)."""
-    yield _gauge("ps_shard_index", "This process's shard (0: the coordinator).", view["index"])
-    yield _gauge("ps_shards", "Shards of the PS (PS_SHARDS).", view["count"])
+    yield family("ps_shard_index", "This process's shard (0: the coordinator).", view["index"])
+    yield family("ps_shards", "Shards of the PS (PS_SHARDS).", view["count"])
     if "rollbacks" in view:
-        yield _counter("ps_shard_rollbacks", "Live rollbacks of the job to a checkpoint every shard has (a follower "
-                                             "restarted).", view["rollbacks"])
+        yield family("ps_shard_rollbacks", "Live rollbacks of the job to a checkpoint every shard has (a follower "
+                                           "restarted).", view["rollbacks"], True)
     families = [(GaugeMetricFamily(f"ps_shard_{key}", doc, labels=["shard"]), key) for key, doc in (
         ("step", "Each shard's global step, as the coordinator last heard it."),
         ("reachable", "1 if the coordinator's last exchange with the shard got an answer."),
         ("bytes_owned", "Bytes of the model the shard owns."))]
     for row in view.get("shards", []):
-        for family, key in families:
+        for f, key in families:
             if row[key] is not None:
-                family.add_metric([str(row["index"])], float(row[key]))
-    for family, _ in families:
-        yield family
+                f.add_metric([str(row["index"])], float(row[key]))
+    for f, _ in families:
+        yield f
 
 
 class PSMetrics:
-    """The app's registry: the scrape-time collector plus histograms fed from closed rounds."""
+    """The app's registry: histograms fed from closed rounds, and itself collecting the scrape-time families."""
 
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
@@ -169,7 +131,7 @@ class PSMetrics:
                 ("barrier_wait", "Per accepted gradient: from its arrival to the round's close."),
                 ("straggler_wait", "Per round with a straggler: what the straggler cost it (waited_seconds)."),
                 ("checkpoint_duration", "Checkpoint write duration.")))
-        reg.register(StateCollector(rt))
+        reg.register(self)  # (registered last: its collect, below)
         self._last_step = rt.core.rounds[-1].step if rt.core.rounds else None
         self._checkpoints = 0
         rt.observers.append(self.observe)
@@ -193,6 +155,37 @@ class PSMetrics:
             self._checkpoints = count
             if isinstance(info.get("duration_seconds"), (int, float)):
                 self.checkpoint_duration.observe(info["duration_seconds"])
+
+    def collect(self):
+        """At scrape time: the ``/v1/status`` answer's figures, and the few the runtime keeps for ``/metrics`` only."""
+        rt, shm, intake = self.rt, self.rt.tensors.shm, self.rt.core.intake
+        st = monitoring.snapshot(rt)
+        for name, counter, path, doc in FROM_STATUS:
+            part = path.split(".")[0]
+            if part not in OPTIONAL or st[part] is not None:
+                yield family(name, doc, pick(st, path), counter)
+        yield labelled("ps_job_state", "1 for the job's current state.", "state",
+                       {s.value: float(s.value == st["state"]) for s in JobState})
+        yield labelled("ps_workers", "Registered workers by membership state.", "state",
+                       {s: st["workers"][s] for s in (ACTIVE, EXPIRED, LEFT)})
+        yield labelled("ps_pushes", "Gradient pushes by outcome.", "status", st["pushes"], True)
+        if rt.core.modes is not None:
+            yield staleness_histogram(rt.core.modes.staleness_counts)
+        yield family("ps_shm_workers", "Workers whose tensors go through the same-host transport.", len(shm.attached))
+        yield family("ps_shm_weights_copies", "Copies of a step's weights into the same-host weights file (made while "
+                     "the weights live in the frame of the answers sent over HTTP).", shm.mirrored, True)
+        yield family("ps_push_reads_deferred", "Times a large push's tensors were left unread for their turn in rank "
+                     "order (ps_service/core/intake.py).", intake.deferred, True)
+        yield family("ps_push_reads_overdue", "Large pushes read out of turn after waiting a lease (a round held up by "
+                     "a slow member: each is one more gradient held).", intake.overdue, True)
+        if st["shard"] is not None:
+            yield from shard_gauges(st["shard"])
+        if st["pair"] is not None:
+            view = st["pair"]
+            yield labelled("ps_pair_role", "1 for this PS's role in its hot-standby pair.", "role",
+                           {r: float(view["role"] == r) for r in ROLES})
+            yield family("ps_pair_standby_in_sync", "On the primary: 1 if its standby caught up (every answer waits "
+                         "for it).", None if view["standby"] is None else float(view["standby"] == "in_sync"))
 
     def render(self, accept: str | None) -> tuple[bytes, str]:
         self.observe()

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from ps_service.core import ParameterServerCore
 from ps_service.http import DecimalInt
 from ps_service.core.membership import ACTIVE, EXPIRED, LEFT
-from ps_service.monitoring_models import LossCurve, Rounds, RoundRecord as RoundModel, Status, Workers
+from ps_service.monitoring_models import LossCurve, PushCounts, Rounds, RoundRecord as RoundModel, Status, Workers
 from ps_service.core.rounds import Arrival, RoundRecord
 from ps_service.runtime import Runtime, runtime
 from shared.errors import ProtocolError
@@ -26,7 +26,7 @@ health = APIRouter(tags=["health"])  # always open: orchestrators probe it
 
 LOSS_AVERAGE_ROUNDS = 20
 STRAGGLER_WINDOW_ROUNDS = 100
-PUSH_KINDS = ("accepted", "stale", "late", "duplicate", "skipped")
+PUSH_KINDS = tuple(PushCounts.model_fields)  # accepted, stale, late, duplicate, skipped
 
 
 def wall(rt: Runtime, t: float) -> float:
@@ -120,10 +120,8 @@ def wait_reason(rt: Runtime, now: float) -> str | None:
     return rt.core.wait_reason(now) if rt.shards is None else rt.shards.wait_reason(now)
 
 
-@router.get(f"{API}/status", response_model=Status)
-async def status(request: Request) -> dict:
-    """Job state, progress, mode, optimizer, the open round, loss, throughput, uptime, checkpoint."""
-    rt = runtime(request)
+def snapshot(rt: Runtime) -> dict:
+    """The ``/v1/status`` answer: the one source of the figures ``/metrics`` renders too (ps_service/metrics.py)."""
     core, s, now = rt.core, rt.settings, rt.now()
     losses = [l for _, l in list(core.loss_history)[-LOSS_AVERAGE_ROUNDS:]]
     states = [m.state for m in core.members.by_id.values()]
@@ -159,6 +157,12 @@ async def status(request: Request) -> dict:
         "shard": None if rt.shards is None else rt.shards.view(),
         "pair": None if rt.ha is None else rt.ha.status(),
     }
+
+
+@router.get(f"{API}/status", response_model=Status)
+async def status(request: Request) -> dict:
+    """Job state, progress, mode, optimizer, the open round, loss, throughput, uptime, checkpoint."""
+    return snapshot(runtime(request))
 
 
 def worker_view(rt: Runtime, m, now: float, totals: dict[str, dict], awaited: tuple[str, ...]) -> dict:

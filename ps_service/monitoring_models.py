@@ -24,7 +24,7 @@ class PushCounts(BaseModel):
 class CurrentRound(BaseModel):
     step: int = Field(description="The open round's step (= global step).")
     opened_at: float = Field(description="When the round opened (Unix s).")
-    open_for_seconds: float
+    open_for_seconds: float = Field(description="How long the round has been open.")
     eligible: list[str] = Field(description="Names of the members this round counts (fixed when it opened).")
     pushed_by: list[str] = Field(description="Names of accepted pushes, in arrival order.")
     awaited: list[str] = Field(description="Live eligible members that have not pushed yet.")
@@ -84,7 +84,7 @@ class CheckpointInfo(BaseModel):
     step: int | None = Field(None, description="Global step of the last checkpoint written or restored.")
     path: str | None = None
     time: float | None = Field(None, description="When it was written (Unix s).")
-    duration_seconds: float | None = Field(None, description="How long writing it took.")
+    duration_seconds: float | None = Field(None, description="How long writing the last checkpoint took.")
     count: int | None = Field(None, description="Checkpoints written since start.")
 
 
@@ -119,8 +119,8 @@ class PairStatus(BaseModel):
 
 class Status(BaseModel):
     state: str = Field(description="waiting_for_model | waiting_for_workers | training | done")
-    global_step: int
-    max_steps: int | None
+    global_step: int = Field(description="Model version: the global step (rounds applied).")
+    max_steps: int | None = Field(description="Global steps to train (none: forever).")
     progress: float | None = Field(description="global_step / max_steps, when max_steps is set.")
     mode: Literal["elastic", "fixed"] = Field(description="elastic: R = the round's live workers; fixed: R set.")
     training_mode: Literal["sync", "async", "ssp"] = Field(
@@ -130,7 +130,8 @@ class Status(BaseModel):
     max_staleness: int | None = Field(description="async/ssp: PS_MAX_STALENESS (null: no limit).")
     clocks: Clocks | None = Field(description="async/ssp: the workers' clocks (null in sync: the round is the clock).")
     staleness: StalenessSummary | None = Field(description="async/ssp: staleness of the applied gradients (null in sync).")
-    gradients_applied: int = Field(description="Gradients applied since this process started (every mode).")
+    gradients_applied: int = Field(description="Gradients applied since this process started (every mode; sync: "
+                                               "every gradient a round summed into its one update).")
     replicas_to_aggregate: int | None = Field(description="R as configured (null: elastic).")
     total_num_replicas: int | None = Field(description="N as configured (N > R: backup workers).")
     effective_replicas_to_aggregate: int | None = Field(
@@ -150,7 +151,7 @@ class Status(BaseModel):
     shm_bytes_received: int = Field(description="Gradient bytes read from workers' files (same-host transport).")
     compression: dict = Field(description='The job\'s gradient compression of body pushes (PS_COMPRESSION): '
                                           '{"name", "topk_ratio", "threshold", "topk_warmup_steps"}.')
-    auth_failures: int
+    auth_failures: int = Field(description="Requests refused for a missing or wrong token.")
     started_at: float = Field(description="PS start (Unix s).")
     training_started_at: float | None = Field(description="Round 0 opened (Unix s).")
     uptime_seconds: float
