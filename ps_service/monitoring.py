@@ -60,20 +60,16 @@ def current_round(rt: Runtime) -> dict | None:
 
 
 def arrivals_view(entries: tuple[Arrival, ...] | list[Arrival], opened_at: float) -> list[dict]:
-    return [{"order": i, "name": a.name, "rank": a.rank, "worker_id": a.worker_id,
-             "after_seconds": a.at - opened_at} for i, a in enumerate(entries, 1)]
+    """Each arrival's own fields (name, rank, worker_id), its place (1: first) and its time after the round opened."""
+    return [{**vars(a), "order": i, "after_seconds": a.at - opened_at} for i, a in enumerate(entries, 1)]
 
 
 def round_record(rt: Runtime, rec: RoundRecord) -> dict:
-    return {
-        "step": rec.step, "opened_at": wall(rt, rec.opened_at), "closed_at": wall(rt, rec.closed_at),
-        "duration_seconds": rec.duration, "reason": rec.reason, "aggregated": rec.aggregated,
-        "eligible": rec.eligible, "contributors": arrivals_view(rec.contributors, rec.opened_at),
-        "late": arrivals_view(rec.late, rec.opened_at), "skipped": arrivals_view(rec.skipped, rec.opened_at),
-        "missing": list(rec.missing),
-        "straggler": None if rec.straggler is None else asdict(rec.straggler), "loss": rec.loss,
-        "examples": rec.examples, "replicas_to_aggregate": rec.replicas_to_aggregate,
-    }
+    """The record's own fields (step, reason, aggregated, eligible, missing, loss, examples, replicas_to_aggregate: the
+    answer's schema picks them), its times as Unix seconds and its arrivals as :func:`arrivals_view`."""
+    return {**vars(rec), "opened_at": wall(rt, rec.opened_at), "closed_at": wall(rt, rec.closed_at),
+            "duration_seconds": rec.duration, "straggler": None if rec.straggler is None else asdict(rec.straggler),
+            **{k: arrivals_view(getattr(rec, k), rec.opened_at) for k in ("contributors", "late", "skipped")}}
 
 
 def straggler_totals(records: list[RoundRecord]) -> list[dict]:
@@ -113,18 +109,13 @@ def modes_view(core: ParameterServerCore) -> dict:
                           "p99": modes.percentile(99), "max": max(counts) if counts else None}}
 
 
-def wait_reason(rt: Runtime, now: float) -> str | None:
-    refusal = None if rt.ha is None else rt.ha.refusal()
-    if refusal is not None:  # a pair's standby, or an election: no worker trains here now
-        return refusal.detail
-    return rt.core.wait_reason(now) if rt.shards is None else rt.shards.wait_reason(now)
-
-
 def snapshot(rt: Runtime) -> dict:
     """The ``/v1/status`` answer: the one source of the figures ``/metrics`` renders too (ps_service/metrics.py)."""
     core, s, now = rt.core, rt.settings, rt.now()
     losses = [l for _, l in list(core.loss_history)[-LOSS_AVERAGE_ROUNDS:]]
     states = [m.state for m in core.members.by_id.values()]
+    refusal = None if rt.ha is None else rt.ha.refusal()  # a pair's standby, or an election: no worker trains here
+    reason = refusal.detail if refusal is not None else (core if rt.shards is None else rt.shards).wait_reason(now)
     return {
         "state": core.state().value, "global_step": core.global_step, "max_steps": s.max_steps,
         "progress": core.global_step / s.max_steps if s.max_steps else None,
@@ -139,7 +130,7 @@ def snapshot(rt: Runtime) -> dict:
         "aggregation": s.aggregation,
         "optimizer": core.optimizer.spec if core.optimizer else None,
         "round": current_round(rt),
-        "wait_reason": wait_reason(rt, now),
+        "wait_reason": reason,
         "workers": {"active": states.count(ACTIVE), "expired": states.count(EXPIRED), "left": states.count(LEFT),
                     "registered": len(states), "membership_changes": core.members.changes,
                     "leases_held": core.members.held},
