@@ -167,24 +167,20 @@ def worker_view(rt: Runtime, m, now: float, totals: dict[str, dict], awaited: tu
     modes = rt.core.modes
     rec = None if modes is None else modes.workers.get(m.worker_id)
     blocked = None if rec is None or not rec.live else modes.wait(m.worker_id, now)
-    return {
-        "worker_id": m.worker_id, "name": m.name, "rank": m.rank, "state": state,
-        "last_seen": wall(rt, m.last_seen), "last_seen_seconds_ago": now - m.last_seen,
-        "transport": rt.tensors.shm.last_transport.get(m.worker_id),
-        "registered_at": wall(rt, m.registered_at), "registrations": m.registrations,
+    return {  # the member's own fields (worker_id, name, rank, registrations, last_loss: the schema picks them), and
+        **vars(m), "state": state, "last_seen": wall(rt, m.last_seen), "last_seen_seconds_ago": now - m.last_seen,
+        "transport": rt.tensors.shm.last_transport.get(m.worker_id), "registered_at": wall(rt, m.registered_at),
         "last_step": last_step, "last_push_status": last_status, "in_current_round": in_round,
         "awaited": m.worker_id in awaited, "waiting": rt.core.members.waits.get(m.worker_id, 0) > 0,
         "pushes": {k: m.pushes.get(k, 0) for k in PUSH_KINDS},
         "mean_seconds": {k: v / n for k, v in m.phase_sums.items()},
-        "last_loss": m.last_loss,
         "straggler_rounds": t.get("rounds", 0), "straggler_seconds": t.get("waited_seconds", 0.0),
         "clock": None if rec is None else rec.clock,
         "staleness": None if rec is None else {"last": rec.last_staleness, "mean": rec.mean_staleness,
                                                "max": rec.staleness_max if rec.applied else None,
                                                "applied": rec.applied},
-        "blocked": None if blocked is None else {
-            "clock": blocked.clock, "needs": blocked.needs, "slowest": blocked.slowest,
-            "stragglers": [{"name": rt.core.members.by_id[w].name, "seconds": secs} for w, secs in blocked.stragglers]},
+        "blocked": None if blocked is None else {**vars(blocked), "stragglers": [
+            {"name": rt.core.members.by_id[w].name, "seconds": secs} for w, secs in blocked.stragglers]},
     }
 
 
