@@ -15,7 +15,8 @@ from fastapi.responses import JSONResponse
 from ps_service.core import ParameterServerCore
 from ps_service.http import DecimalInt
 from ps_service.core.membership import ACTIVE, EXPIRED, LEFT
-from ps_service.monitoring_models import LossCurve, PushCounts, Rounds, RoundRecord as RoundModel, Status, Workers
+from ps_service.monitoring_models import (EVENTS_SHOWN, ROUNDS_KEPT, LossCurve, PushCounts, Rounds,
+                                         RoundRecord as RoundModel, Status, Workers)
 from ps_service.core.rounds import Arrival, RoundRecord
 from ps_service.runtime import Runtime, runtime
 from shared.errors import ProtocolError
@@ -191,7 +192,7 @@ async def workers(request: Request) -> dict:
     now = rt.now()
     window = list(islice(reversed(rt.core.rounds), STRAGGLER_WINDOW_ROUNDS))
     ranked = straggler_totals(window)
-    events = [{**e, "time": wall(rt, e["time"])} for e in list(rt.core.members.events)[-100:]]
+    events = [{**e, "time": wall(rt, e["time"])} for e in list(rt.core.members.events)[-EVENTS_SHOWN:]]
     waits = awaited(rt.core)
     totals = {t["name"]: t for t in ranked}
     return {"workers": [worker_view(rt, m, now, totals, waits) for m in rt.core.members.all()],
@@ -199,9 +200,8 @@ async def workers(request: Request) -> dict:
 
 
 @router.get(f"{API}/rounds", response_model=Rounds)
-async def rounds(request: Request,
-                 limit: Annotated[DecimalInt, Query(ge=1, le=1000, description="How many of the last rounds.")] = 20
-                 ) -> dict:
+async def rounds(request: Request, limit: Annotated[DecimalInt, Query(
+        ge=1, le=ROUNDS_KEPT, description="How many of the last rounds.")] = 20) -> dict:
     """The last ``limit`` closed rounds (newest first): contributors in arrival order, late pushes, missing
     members, the straggler and what it cost; plus the open round and per-straggler totals."""
     rt = runtime(request)
@@ -211,7 +211,8 @@ async def rounds(request: Request,
 
 
 @router.get(f"{API}/rounds/{{step}}", response_model=RoundModel,
-            responses={404: {"description": "no such round kept (not closed yet, or older than the last 1000)"}})
+            responses={404: {"description": f"no such round kept (not closed yet, or older than the last "
+                                            f"{ROUNDS_KEPT})"}})
 async def one_round(step: DecimalInt, request: Request) -> dict:
     """One closed round: who slowed round ``step`` and by how much."""
     rt = runtime(request)

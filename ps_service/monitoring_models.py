@@ -10,6 +10,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ps_service.core import RATE_WINDOW_SECONDS
+from ps_service.core.config import CoreConfig
+
+#: closed rounds the core keeps (``/v1/rounds``' limit, ``/v1/rounds/{step}``); membership events ``/v1/workers`` shows
+ROUNDS_KEPT, EVENTS_SHOWN = CoreConfig.max_rounds_kept, 100
 WorkerState = Literal["active", "late", "left", "expired"]
 
 
@@ -41,13 +46,13 @@ class Loss(BaseModel):
 
 
 class Throughput(BaseModel):
-    window_seconds: float = Field(description="Span of the two rates below: the last 10 s or so (less just after "
-                                              "the start).")
+    window_seconds: float = Field(description=f"Span of the two rates below: the last {RATE_WINDOW_SECONDS:g} s or so (less just "
+                                              "after the start).")
     rounds_per_second: float = Field(description="Rounds closed in the window / its span (from the rounds counter).")
     examples_per_second: float = Field(description="Examples of accepted gradients in the window / its span.")
     gradients_per_second: float = Field(description="Gradients applied in the window / its span (every mode: sync "
                                                     "applies a round's gradients as one update).")
-    mean_rounds_per_second: float = Field(description="Over the kept rounds (up to 1000): rounds / their span.")
+    mean_rounds_per_second: float = Field(description=f"Over the kept rounds (up to {ROUNDS_KEPT}): rounds / their span.")
 
 
 class Clocks(BaseModel):
@@ -231,7 +236,7 @@ class Workers(BaseModel):
     workers: list[Worker] = Field(description="Every member ever registered, by rank.")
     straggler: str | None = Field(description="The member that cost the rounds of the window the most time.")
     window_rounds: int = Field(description="Rounds the straggler counts cover (the last ones).")
-    events: list[MembershipEvent] = Field(description="The last 100 membership changes, oldest first.")
+    events: list[MembershipEvent] = Field(description=f"The last {EVENTS_SHOWN} membership changes, oldest first.")
 
 
 class Contributor(BaseModel):
