@@ -46,17 +46,19 @@ class Loss(BaseModel):
 
 
 class Throughput(BaseModel):
-    window_seconds: float = Field(description=f"Span of the two rates below: the last {RATE_WINDOW_SECONDS:g} s or so (less just "
-                                              "after the start).")
+    window_seconds: float = Field(description=f"Span of the two rates below: the last {RATE_WINDOW_SECONDS:g} s or "
+                                              "so (less just after the start).")
     rounds_per_second: float = Field(description="Rounds closed in the window / its span (from the rounds counter).")
     examples_per_second: float = Field(description="Examples of accepted gradients in the window / its span.")
     gradients_per_second: float = Field(description="Gradients applied in the window / its span (every mode: sync "
                                                     "applies a round's gradients as one update).")
-    mean_rounds_per_second: float = Field(description=f"Over the kept rounds (up to {ROUNDS_KEPT}): rounds / their span.")
+    mean_rounds_per_second: float = Field(description=f"Over the kept rounds (up to {ROUNDS_KEPT}): rounds / their "
+                                                      "span.")
 
 
 class Clocks(BaseModel):
-    slowest: int | None = Field(description="The slowest live worker's clock (its completed iterations): the SSP floor.")
+    slowest: int | None = Field(description="The slowest live worker's clock (its completed iterations): the SSP "
+                                            "floor.")
     fastest: int | None = Field(description="The fastest live worker's clock.")
     spread: int = Field(description="fastest - slowest (ssp keeps it <= PS_SSP_STALENESS + 1).")
     max_spread: int = Field(description="The largest spread seen since start.")
@@ -112,7 +114,9 @@ class PairStatus(BaseModel):
     lag_rounds: int | None = Field(description="On the primary: messages (steps, membership) the standby has not "
                                                "acknowledged yet, or (same host) not yet read from its log.")
     lag_bytes: int | None = Field(description="On the primary: the bytes of those messages.")
-    applied: int = Field(description="On a standby: the primary's messages taken (of this term): read, checked and acknowledged; the last one may still be applying (it is applied right after its answer, before anything else).")
+    applied: int = Field(description="On a standby: the primary's messages taken (of this term): read, checked and "
+                                     "acknowledged; the last one may still be applying (it is applied right after its "
+                                     "answer, before anything else).")
     synced: bool = Field(description="On a standby: it took the state of its term (it may take over).")
     election: Election | None = Field(description="An election under way on this PS (null: none).")
     takeovers: int = Field(description="Times this process took over as primary.")
@@ -134,7 +138,8 @@ class Status(BaseModel):
     ssp_staleness: int | None = Field(description="ssp: the bound s (null in the other modes).")
     max_staleness: int | None = Field(description="async/ssp: PS_MAX_STALENESS (null: no limit).")
     clocks: Clocks | None = Field(description="async/ssp: the workers' clocks (null in sync: the round is the clock).")
-    staleness: StalenessSummary | None = Field(description="async/ssp: staleness of the applied gradients (null in sync).")
+    staleness: StalenessSummary | None = Field(description="async/ssp: staleness of the applied gradients (null in "
+                                                           "sync).")
     gradients_applied: int = Field(description="Gradients applied since this process started (every mode; sync: "
                                                "every gradient a round summed into its one update).")
     replicas_to_aggregate: int | None = Field(description="R as configured (null: elastic).")
@@ -220,7 +225,8 @@ class Worker(BaseModel):
     clock: int | None = Field(description="async/ssp: its clock (iterations completed, counted from the floor it "
                                           "joined at); null in sync.")
     staleness: WorkerStaleness | None = Field(description="async/ssp: staleness of its applied gradients.")
-    blocked: Blocked | None = Field(description="ssp: why its next pull waits (more than s clocks ahead); null: it may pull.")
+    blocked: Blocked | None = Field(description="ssp: why its next pull waits (more than s clocks ahead); null: it may "
+                                                "pull.")
 
 
 class MembershipEvent(BaseModel):
