@@ -1,8 +1,9 @@
 """Response schemas of the monitoring routes (``/v1/status``, ``/v1/workers``, ``/v1/rounds``, ``/v1/loss``).
 
-Only data shapes and their documentation (they appear in the OpenAPI schema at
-``/docs``); the values are built in :mod:`ps_service.monitoring`. Times named
-``*_at`` / ``time`` are Unix seconds (wall clock); durations are seconds.
+Only data shapes, their documentation (they appear in the OpenAPI schema at ``/docs``; ``/metrics`` takes its HELP
+lines from them) and the answers' sizes the routes and the descriptions both read (:data:`ROUNDS_KEPT`,
+:data:`EVENTS_SHOWN`); the values are built in :mod:`ps_service.monitoring`. Times named ``*_at`` / ``time`` are
+Unix seconds (wall clock); durations are seconds.
 """
 from __future__ import annotations
 
