@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Mapping
 
 import numpy as np
@@ -34,9 +35,10 @@ class Plan:
         """One partition of every tensor whole: the round is today's."""
         return self.count == 1 and all(p.whole for p in self.partitions[0])
 
-    def keys(self, q: int) -> tuple[str, ...]:
-        """Partition ``q``'s tensor names (its pieces' keys), sorted: the names of its sum."""
-        return tuple(sorted(p.key for p in self.partitions[q]))
+    @cached_property
+    def keys(self) -> tuple[tuple[str, ...], ...]:
+        """Per partition, its tensor names (its pieces' keys), sorted: the names of its sum; computed once a plan."""
+        return tuple(tuple(sorted(p.key for p in part)) for part in self.partitions)
 
     def split(self, tensors: Mapping[str, np.ndarray], q: int) -> dict[str, np.ndarray]:
         """Partition ``q``'s pieces of ``tensors`` (the whole model's), views where the tensors are C-contiguous."""

@@ -82,7 +82,7 @@ def test_partitions_carry_the_whole_tensors_encoding_piece_by_piece(name, n, see
         g = {k: rng.standard_normal(v.shape).astype(v.dtype) for k, v in model.items()}
         want = {k: C.dense(v) for k, v in C.decode_push(spec, name, whole.encode(g, step), model)[0].items()}
         parts = cut.encode_partitions(g, p, step)
-        assert [sorted(t) for t in parts] == [list(p.keys(q)) for q in range(p.count)]
+        assert [sorted(t) for t in parts] == [list(p.keys[q]) for q in range(p.count)]
         got = {k: np.empty_like(v) for k, v in model.items()}
         for q, wire in enumerate(parts):
             for key, piece in C.decode_push(spec, name, wire, p.split(model, q))[0].items():

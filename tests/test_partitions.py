@@ -78,7 +78,7 @@ def partitioned(optimizer: dict, aggregation: str, dtype: str, partition_bytes: 
     rng = random.Random(seed)
     for step in range(STEPS):
         grads = {rank: gradient(step, rank, dtype) for rank in range(WORKERS)}
-        accs = [Accumulator(p.keys(q), aggregation) for q in range(p.count)]
+        accs = [Accumulator(p.keys[q], aggregation) for q in range(p.count)]
         missing = [set(range(WORKERS)) for _ in range(p.count)]
         sent = {rank: 0 for rank in range(WORKERS)}  # each worker's next partition
         closed = 0

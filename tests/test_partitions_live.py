@@ -356,7 +356,7 @@ def test_compressed_partitioned_pushes_end_with_the_bits_of_p_0(codec):
         assert frame.decode(one).meta["compression"] == codec
         frames = frame.decode_following(body, p.count)
         assert frames[0].meta["compression"] == codec and frames[0].meta["partitions"] == p.count
-        assert [sorted(f.tensors) for f in frames] == [list(p.keys(q)) for q in range(p.count)]
+        assert [sorted(f.tensors) for f in frames] == [list(p.keys[q]) for q in range(p.count)]
         assert frames[0].tensors["c"].dtype == np.float64  # never compressed
         if codec == "topk":
             assert frames[3].tensors["w[500:750]"].shape == (2, 0)

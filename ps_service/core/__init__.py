@@ -420,7 +420,7 @@ class ParameterServerCore(ModelState):
             return
         eligible = {m.worker_id: m.rank for m in self.members.active()}
         p = self.partitions
-        names = tuple(self.weights) if p is None else p.keys(0)
+        names = tuple(self.weights) if p is None else p.keys[0]
         self.round = Round(self.global_step, now, eligible, Accumulator(names, self.config.aggregation),
                            self.members.is_active, lambda w: self.members.by_id[w].name,
                            replicas=self.rule.replicas_to_aggregate)

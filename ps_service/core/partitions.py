@@ -1,7 +1,7 @@
 """The later partitions of a partitioned round (issue 53, docs/partitions.md). Pure, no I/O, no clock.
 
 The plan (:func:`shared.partitions.plan`) is the wire's, shared with the workers. A partition's rank-order sum is an
-:class:`~ps_service.core.rounds.Accumulator` over :meth:`Plan.keys`, its update ``ModelState.update(...,
+:class:`~ps_service.core.rounds.Accumulator` over :attr:`Plan.keys`, its update ``ModelState.update(...,
 pieces=...)``: every rule elementwise, the bits of the whole step. Every sync round is a :class:`RoundParts` (one
 partition, the default: the whole model, closed with the decision), holding its partitions from ``first`` on: 1 on a
 core that decides (the Round holds partition 0, whose close decides the round), 0 on a sharded PS's follower (told the
@@ -52,7 +52,7 @@ class RoundParts:
 
     @classmethod
     def open(cls, p: Plan, aggregation: str, first: int = 1) -> "RoundParts":
-        later = (Accumulator(p.keys(q), aggregation) for q in range(first, len(p.partitions)))
+        later = (Accumulator(p.keys[q], aggregation) for q in range(first, len(p.partitions)))
         return cls(p, [*([None] * first), *later], first=first)
 
     @property
