@@ -1,8 +1,8 @@
 """The sans-IO half of a shard: pushes held until a round names them, and the order of a follower's sum of a round.
 No I/O, no clock. Contract:
 
-- :func:`passed`: a message of the coordinator about round s is for a round this shard has passed (nothing to do) or
-  is at; else 409 ``shard_behind``.
+- :func:`passed`: a message of the coordinator, or a worker's hold, about round s is for a round this shard has
+  passed (nothing to do) or is at; else 409 ``shard_behind``: every follower's one check of it.
 - :class:`Holds` keeps one held push per worker (a later one replaces it) and, on a follower, the open round's sum
   order as the coordinator's :class:`~ps_service.core.rounds.Accumulator` makes it (:meth:`Holds.progress`): the keys
   summed, in order (each an accepted commit: nothing is summed on a guess), whose pushes it awaits next
@@ -34,11 +34,12 @@ class Held:
 
 
 def passed(global_step: int, step: int) -> bool:
-    """The coordinator speaks of round ``step``: True if this shard is past it (nothing to do); 409 ``shard_behind`` if
-    it is ahead of this shard (the shard restarted from an older state than the coordinator)."""
+    """The coordinator, or a worker's hold, speaks of round ``step``: True if this shard is past it (nothing to do);
+    409 ``shard_behind`` if it is ahead of this shard (it restarted, or the job went back to a checkpoint)."""
     if step > global_step:
         raise ProtocolError(409, "shard_behind", f"this shard is at step {global_step}, told of round {step}: it "
-                                                 "restarted from an older state than the coordinator")
+                                                 "restarted or the job went back to a checkpoint (a worker: register "
+                                                 "again)")
     return step < global_step
 
 

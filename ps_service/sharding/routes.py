@@ -17,7 +17,7 @@ from ps_service.http import JSON_BODY_LIMIT, JsonInt, json_body, parse_json
 from ps_service.runtime import runtime
 from ps_service.sharding import parts, receipts
 from ps_service.core.checks import validate
-from ps_service.sharding.holds import Held
+from ps_service.sharding.holds import Held, passed
 from ps_service.transport.body import read_body
 from shared import frame
 from shared.errors import ProtocolError, unprocessable, bad_request
@@ -69,14 +69,12 @@ async def hold(request: Request, map: str = Query(..., max_length=64, descriptio
         if not role.coordinator and role.holds.late:
             role.gate.wake()  # a late hold waiting for the one being read may go now
     step, g = push.step, rt.core.global_step
-    if step > g and not role.coordinator:  # this follower restarted or went back: the worker registers again
-        raise ProtocolError(409, "shard_behind", f"step {step} is ahead of shard {role.index}'s global step {g} "
-                                                 "(it restarted or the job went back to a checkpoint): register again")
-    if step > g:  # never held: a hold outlives nothing but its own round
+    if step > g and role.coordinator:  # never held: a hold outlives nothing but its own round
         raise unprocessable("future_step", f"step {step} is ahead of shard {role.index}'s global step {g}")
+    over = passed(g, step)  # a step ahead of a follower: 409 shard_behind (the worker registers again)
     validate(rt.core.weights, push.tensors, "reject", check_finite=not push.finite_checked)  # before any change
     answer = {"status": "late", "step": step, "shard": role.index, "global_step": g}
-    if step < g:  # its round is over here: nothing to keep (the commit says late or stale)
+    if over:  # its round is over here: nothing to keep (the commit says late or stale)
         return answer
     # fixed R: the coordinator's hold is the push's head; one after R heads is late there, and on every follower told so
     kept = (rt.run_guarded(lambda: rt.core.hold(push.worker_id, step)) if role.coordinator
