@@ -116,17 +116,23 @@ class Links:
             await asyncio.sleep(delay)
             delay = min(BACKOFF_MAX_SECONDS, delay * 2)
 
-    async def ask(self, f: Follower, method: str, path: str, **kw) -> httpx.Response:
-        """One request to a follower, retried for at most ``INIT_DEADLINE_SECONDS`` (then TimeoutError)."""
-        return await self._exchange(f, method, path, time.monotonic() + INIT_DEADLINE_SECONDS, **kw)
+    async def ask(self, f: Follower, method: str, path: str, seconds: float = INIT_DEADLINE_SECONDS,
+                  **kw) -> tuple[dict, bool]:
+        """One request to a follower, retried for at most ``seconds`` (then TimeoutError; ValueError if refused: not
+        200): its answer, noted (:meth:`_heard`), and whether another process than before gave it."""
+        resp = await self._exchange(f, method, path, time.monotonic() + seconds, **kw)
+        if resp.status_code != 200:
+            raise ValueError(f"{resp.status_code} {resp.text[:300]}")
+        answer = resp.json()
+        return answer, self._heard(f, answer)
 
     async def init_followers(self, bodies: dict[int, bytes]) -> None:
-        """PUT each follower its pieces (``bodies``: index -> the frame), in parallel (:meth:`ask`): a follower's 4xx
-        is 409 ``shard_init_failed``, one unreachable 503 ``shard_unreachable``."""
+        """PUT each follower its pieces (``bodies``: index -> the frame), in parallel, retried as :meth:`ask`: a
+        follower's 4xx is 409 ``shard_init_failed``, one unreachable 503 ``shard_unreachable``."""
         async def one(f: Follower) -> None:
             try:
-                resp = await self.ask(f, "PUT", "/shard/model", content=bodies[f.index],
-                                      headers={"content-type": FRAME})
+                resp = await self._exchange(f, "PUT", "/shard/model", time.monotonic() + INIT_DEADLINE_SECONDS,
+                                            content=bodies[f.index], headers={"content-type": FRAME})
             except TimeoutError as exc:
                 raise ProtocolError(503, "shard_unreachable", str(exc)) from None
             if resp.status_code >= 400:
@@ -182,27 +188,26 @@ class Links:
                 continue
             try:
                 if msg is None:  # idle: is it still the process we know?
-                    resp = await self._exchange(f, "GET", "/shard/state", time.monotonic() + PROBE_SECONDS,
-                                                timeout=PROBE_TIMEOUT_SECONDS)
+                    _, other = await self.ask(f, "GET", "/shard/state", PROBE_SECONDS, timeout=PROBE_TIMEOUT_SECONDS)
                 else:
                     path, body = msg
 
                     async def trace(event: str, info: dict, step: int = body["step"]) -> None:
                         if event == "http11.send_request_body.complete":  # httpcore's "trace" request extension
                             self._mark_sent(f, step)
-                    resp = await self._exchange(f, "POST", path, float("inf"), json=body,
-                                                extensions={"trace": trace} if path == APPLY else {})
+                    _, other = await self.ask(f, "POST", path, float("inf"), json=body,
+                                              extensions={"trace": trace} if path == APPLY else {})
                     if path == APPLY:
                         self._mark_sent(f, body["step"])
             except TimeoutError:
                 continue  # a probe that got no answer: the next one asks again
-            if resp.status_code >= 400:
+            except ValueError as exc:
                 what = "its state" if msg is None else f"round {msg[1]['step']}"
-                self._restarted(f, f"shard {f.index} refused {what}: {resp.status_code} {resp.text[:300]}")
+                self._restarted(f, f"shard {f.index} refused {what}: {exc}")
                 continue
             if msg is not None and f.queue.empty():
                 f.unanswered_since = None  # every apply queued so far is answered
-            if self._heard(f, resp.json()):
+            if other:
                 self._restarted(f, f"shard {f.index} restarted (it answers at step {f.step} as another process)")
 
     @staticmethod
@@ -213,21 +218,15 @@ class Links:
         return was is not None and f.boot != was
 
     async def state(self, f: Follower) -> dict:
-        """``GET /v1/shard/state`` of ``f`` (noted: :meth:`_heard`); TimeoutError, or ValueError if refused."""
-        resp = await self.ask(f, "GET", "/shard/state")
-        if resp.status_code != 200:
-            raise ValueError(f"{resp.status_code} {resp.text[:200]}")
-        answer = resp.json()
-        self._heard(f, answer)
-        return answer
+        """``GET /v1/shard/state`` of ``f`` (:meth:`ask`)."""
+        return (await self.ask(f, "GET", "/shard/state"))[0]
 
     async def restore(self, f: Follower, step: int, key: bytes) -> str | None:
         """``POST /v1/shard/restore``: ``f`` goes back to ``step`` and takes ``key``; None, or why it refused."""
-        resp = await self.ask(f, "POST", "/shard/restore", json={"step": step, "receipt_key": key.hex()})
-        if resp.status_code != 200:
-            return f"shard {f.index} refused to restore step {step}: {resp.status_code} {resp.text[:200]}"
-        self._heard(f, resp.json())
-        return None
+        try:
+            await self.ask(f, "POST", "/shard/restore", json={"step": step, "receipt_key": key.hex()})
+        except ValueError as exc:
+            return f"shard {f.index} refused to restore step {step}: {exc}"
 
     def _restarted(self, f: Follower, why: str) -> None:
         f.error = why
