@@ -28,23 +28,37 @@ def common_step(own: set[int], states: dict[int, dict]) -> int | None:
     return max(common, default=None)
 
 
-async def check_start(role) -> None:
-    """Start-up after the coordinator restored its step (the module's contract); registration waits meanwhile."""
-    links, step = role.links, role.core.global_step
-    bad, states = [], {}
+async def _bring(role, pick, patient: bool) -> tuple[int | None, dict[int, dict], list[str]]:
+    """Each follower's state asked (once, or with ``patient`` again every second until it answers, registration
+    refused meanwhile saying so), the step ``pick(states)`` chosen, and each follower at it or with a checkpoint of it
+    sent back to it (``POST /v1/shard/restore``, the receipt key): that step, the states, and what went wrong."""
+    links, states, bad = role.links, {}, []
     for f in links.followers:
-        try:
-            st = states[f.index] = await links.state(f)
-        except (TimeoutError, ValueError) as exc:
-            bad.append(f"shard {f.index} did not answer ({exc})")
-            continue
+        while f.index not in states:
+            try:
+                states[f.index] = await links.state(f)
+            except (TimeoutError, ValueError) as exc:
+                if not patient:
+                    bad.append(f"shard {f.index} did not answer ({exc})")
+                    break
+                links.blocked = f"rolling back: waiting for shard {f.index}'s state ({exc})"
+                await asyncio.sleep(1.0)
+    step = pick(states)
+    for f in [f for f in links.followers if step is not None and f.index in states]:
         was = f.step
-        if was != step and step not in (st.get("checkpoints") or []):
+        if was != step and step not in (states[f.index].get("checkpoints") or []):
             bad.append(f"shard {f.index} is at step {'none (no model)' if was is None else was}")
         elif refused := await links.restore(f, step, role.receipt_key):
             bad.append(refused)
         elif was != step:
-            log.warning("shard %d was at step %s: it restored step %d, the coordinator's", f.index, was, step)
+            log.warning("shard %d was at step %s: it restored step %d", f.index, was, step)
+    return step, states, bad
+
+
+async def check_start(role) -> None:
+    """Start-up after the coordinator restored its step (the module's contract); registration waits meanwhile."""
+    links, step = role.links, role.core.global_step
+    _, states, bad = await _bring(role, lambda states: step, patient=False)
     links.blocked = None
     if bad:
         newest = common_step(set(role.checkpoint_steps()) | {step}, states)
@@ -80,15 +94,8 @@ async def _roll_back(role, why: str, was: int) -> None:
     await links.stop()  # no apply of an abandoned round reaches a restored follower
     await role.go_back(core.model_state(), rt.now())  # the job stops here: every worker out, no round open
     role.receipt_key = new_key()  # no receipt of the abandoned steps is good again (every member is out)
-    states = {}
-    for f in links.followers:  # each follower's state, asked again until it answers
-        while f.index not in states:
-            try:
-                states[f.index] = await links.state(f)
-            except (TimeoutError, ValueError) as exc:
-                links.blocked = f"rolling back: waiting for shard {f.index}'s state ({exc})"
-                await asyncio.sleep(1.0)
-    step = common_step(set(role.checkpoint_steps()) | {was}, states)
+    step, states, bad = await _bring(role, lambda states: common_step(set(role.checkpoint_steps()) | {was}, states),
+                                     patient=True)
     if step is None:
         _failed(role, was, f"{why}, and no step is in every shard's checkpoints (the coordinator is at step {was}; "
                            + "; ".join(f"shard {i} at {st.get('step')}, checkpoints {st.get('checkpoints')}"
@@ -96,12 +103,10 @@ async def _roll_back(role, why: str, was: int) -> None:
                            + "): set PS_CHECKPOINT_DIR on every shard, or restart every shard from checkpoints of one "
                              "step, or all fresh")
         return
-    for f in links.followers:
-        refused = await links.restore(f, step, role.receipt_key)
-        if refused:
-            _failed(role, was, f"{why}; rolling back to step {step}, {refused}: restart every shard from checkpoints "
-                               f"of step {step}")
-            return
+    if bad:
+        _failed(role, was, f"{why}; rolling back to step {step}, {bad[0]}: restart every shard from checkpoints of "
+                           f"step {step}")
+        return
     state = await asyncio.to_thread(role.step_state, step)
     await role.go_back(state, rt.now())
     links.start()
