@@ -173,11 +173,16 @@ class ApplyRound(BaseModel):
     lost: list[str] = Field(default_factory=list, description="Partitioned rounds: contributors lost before it.")
 
 
-async def _told(request: Request, model: type[BaseModel], answered: str, act) -> dict:
-    """A coordinator's message to this follower: its JSON body parsed as ``model``, 409 ``not_initialized``, then
-    ``act(role, message, now)``; answered ``{"step", <answered>: what act returned, "boot"}``."""
+async def _message(request: Request, model: type[BaseModel], limit: int = APPLY_BODY_LIMIT):
+    """A coordinator's message to this follower: the runtime, the role and its JSON body parsed as ``model``."""
     rt, role = _role(request, coordinator=False)
-    msg = parse_json(await read_body(request, APPLY_BODY_LIMIT, JSON, rt.settings.body_idle_timeout_seconds), model)
+    return rt, role, parse_json(await read_body(request, limit, JSON, rt.settings.body_idle_timeout_seconds), model)
+
+
+async def _told(request: Request, model: type[BaseModel], answered: str, act) -> dict:
+    """:func:`_message`, 409 ``not_initialized``, then ``act(role, message, now)``; answered ``{"step", <answered>:
+    what act returned, "boot"}``."""
+    rt, role, msg = await _message(request, model)
     rt.core.admit(None)
     done = rt.run_guarded(lambda: act(role, msg, rt.now()))
     return {"step": rt.core.global_step, answered: done, "boot": role.boot}
@@ -234,9 +239,7 @@ class RestoreStep(BaseModel):
 @router.post("/shard/restore", openapi_extra=json_body(RestoreStep))
 async def restore(request: Request) -> dict:
     """Coordinator -> follower: go back live to your checkpoint of ``step`` (the step the coordinator chose)."""
-    rt, role = _role(request, coordinator=False)
-    body = await read_body(request, JSON_BODY_LIMIT, JSON, rt.settings.body_idle_timeout_seconds)
-    msg = parse_json(body, RestoreStep)
+    rt, role, msg = await _message(request, RestoreStep, JSON_BODY_LIMIT)
     try:
         return await role.restore_step(msg.step, bytes.fromhex(msg.receipt_key), rt.now())
     finally:
