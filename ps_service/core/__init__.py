@@ -426,6 +426,13 @@ class ParameterServerCore(ModelState):
                            replicas=self.rule.replicas_to_aggregate)
         self.parts = RoundParts.open(self.plan, self.config.aggregation)
 
+    def followed_round(self) -> RoundParts:
+        """The round a sharded follower is told of (:mod:`ps_service.sharding.parts`): open, or opened now from its
+        partition 0 (the coordinator decides it)."""
+        if self.parts is None:
+            self.parts = RoundParts.open(self.plan, self.config.aggregation, first=0)
+        return self.parts
+
     @property
     def plan(self) -> Plan | None:
         """A sync round's partitions (:attr:`partition_bytes`; one partition: the whole model, as in async/ssp); None

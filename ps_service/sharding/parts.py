@@ -1,6 +1,7 @@
-"""A follower's rounds: each one a :class:`~ps_service.core.partitions.RoundParts` of its core, opened by the round's
-first frame, summed key or decision. Partitioned (``PS_PARTITION_BYTES`` = P > 0; docs/partitions.md, Shards) or
-not (one partition, its pieces whole). Pure, no I/O, no clock.
+"""A follower's rounds: each one a :class:`~ps_service.core.partitions.RoundParts` of its core
+(``core.followed_round``), opened by the round's first frame, summed key or decision. Partitioned
+(``PS_PARTITION_BYTES`` = P > 0; docs/partitions.md, Shards) or not (one partition, its pieces whole). Pure, no I/O,
+no clock.
 
 Contract: a follower's pieces are planned into partitions with the wire's plan over its own pieces as its model
 (its core's :attr:`~ps_service.core.ParameterServerCore.plan`: one partition, its pieces whole, when
@@ -30,17 +31,10 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from ps_service.core.checks import validate
-from ps_service.core.partitions import RoundParts
 from ps_service.sharding.holds import Key, passed
 from shared.errors import unprocessable
 
 log = logging.getLogger("ps_service")
-
-
-def _open(core) -> RoundParts:
-    if core.parts is None:
-        core.parts = RoundParts.open(core.plan, core.config.aggregation, first=0)
-    return core.parts
 
 
 def frame(core, worker_id: str, step: int, q: int, tensors: Mapping[str, np.ndarray], now: float) -> str:
@@ -52,7 +46,7 @@ def frame(core, worker_id: str, step: int, q: int, tensors: Mapping[str, np.ndar
     validate(p.split(core.weights, q), tensors, "reject")
     if passed(core.global_step, step):
         return "late"
-    parts = _open(core)
+    parts = core.followed_round()
     if (refusal := parts.refusal(q, worker_id)) is not None:
         return refusal  # duplicate; late: not a contributor, or the partition no longer waits for it
     core.close_parts(now, parts.frame(q, worker_id, None, tensors))  # (summed now, or once the round is decided)
@@ -62,7 +56,7 @@ def frame(core, worker_id: str, step: int, q: int, tensors: Mapping[str, np.ndar
 def fold(core, key: Key, tensors: Mapping[str, np.ndarray]) -> None:
     """Sum ``key``'s held push (its arrays the round's from now on) into the open round's one partition: no push still
     possible sorts before it."""
-    _open(core).frame(0, key[1], key[0], tensors, settled=True)
+    core.followed_round().frame(0, key[1], key[0], tensors, settled=True)
 
 
 def decide(core, step: int, contributors: Sequence[Key], now: float) -> bool:
@@ -70,7 +64,7 @@ def decide(core, step: int, contributors: Sequence[Key], now: float) -> bool:
     frames are in. False: a repeat, or a round this shard has passed (nothing done)."""
     if passed(core.global_step, step) or (core.parts is not None and core.parts.decided):
         return False
-    parts = _open(core)
+    parts = core.followed_round()
     core.close_parts(now, parts.decide({w: (int(r), w) for r, w in contributors}, bool(contributors)))
     if parts.plan.count == 1 and parts.applies and parts.accs[0].spoiled:
         log.warning("round %d: the sum of this shard's pieces of its %d contributors overflows: nothing applied here "
@@ -83,5 +77,5 @@ def drop(core, step: int, worker_id: str, now: float) -> bool:
     shard has passed (nothing to do)."""
     if passed(core.global_step, step):
         return False
-    core.close_parts(now, _open(core).drop(worker_id))
+    core.close_parts(now, core.followed_round().drop(worker_id))
     return True
