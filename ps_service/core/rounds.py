@@ -428,6 +428,11 @@ def sparse_sum(terms: list[SparseTensor]) -> SparseTensor:
     return SparseTensor(first.shape, where[firsts], out)
 
 
+def mean_of(aggregation: str, n: int) -> int:
+    """The divisor of a round's sum of ``n`` gradients: n under ``aggregation="mean"`` when n > 1, else 1."""
+    return n if aggregation == "mean" and n > 1 else 1
+
+
 @dataclass
 class Accumulator:
     """One round's gradients and their rank-order sum (the module's contract)."""
@@ -478,7 +483,7 @@ class Accumulator:
         out, n = (None, 0) if self.spoiled else (self.acc, len(self.keys))
         self.keys, self.folded, self.acc = {}, [], None
         self._finite = True
-        return out, n if self.aggregation == "mean" and n > 1 else 1
+        return out, mean_of(self.aggregation, n)
 
     def _check_sum(self) -> None:
         """Every :class:`Terms` added; then, unless known finite, the sum read once for NaN/Inf (:attr:`spoiled`)."""

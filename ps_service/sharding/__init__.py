@@ -23,6 +23,7 @@ import numpy as np
 
 from ps_service.auth import peer_token
 from ps_service.checkpoint import CheckpointError, checkpoint_name, decode, list_checkpoints, step_of
+from ps_service.core import rounds
 from ps_service.core.membership import FOLLOWER
 from ps_service.core.model import check_weights
 from ps_service.sharding import parts, receipts, rollback
@@ -148,8 +149,7 @@ class ShardRole:
             if open_parts is not None and rec.step == self.core.global_step else ())
         if marks.ON:
             marks.mark("decision.queued", step=rec.step)
-        mean_of = n if self.core.config.aggregation == "mean" and n > 1 else 1
-        self.links.round_closed(rec.step, contributors, mean_of, lost)
+        self.links.round_closed(rec.step, contributors, rounds.mean_of(self.core.config.aggregation, n), lost)
         self._sent_step = rec.step
 
     def lost(self, step: int, worker_id: str) -> None:
@@ -248,7 +248,7 @@ class ShardRole:
             fresh = not passed(core.global_step, step)
             if fresh and contributors and not self.partitioned:
                 self.holds.fold(step, 0, contributors, whole=True)
-                own = len(contributors) if core.config.aggregation == "mean" and len(contributors) > 1 else 1
+                own = rounds.mean_of(core.config.aggregation, len(contributors))
                 if mean_of != own:  # (the coordinator's PS_AGGREGATION is not this shard's)
                     log.warning("round %d: the coordinator divides by %d, this shard by %d: set PS_AGGREGATION alike "
                                 "on every shard", step, mean_of, own)
