@@ -74,14 +74,15 @@ def kill_loop(c: LocalCluster, rng: random.Random, kills: int, patience: float =
     again: list[float] = []
     while len(again) < kills:
         def ready():
+            """The primary (its URL, ``GET /v1/ha``) once its standby took its state or the job is done, else None."""
             p = primary(c, patience)
             if p is None:
-                return False
+                return None
             other = ha(c.peer_url if p[0] == c.url else c.url, patience=patience)
-            return (other is not None and other["role"] == "standby" and other["synced"]) or _done(p[0], patience)
+            synced = other is not None and other["role"] == "standby" and other["synced"]
+            return p if synced or _done(p[0], patience) else None
 
-        url, _ = wait_for(lambda: ready() and primary(c, patience), 30 * patience,
-                          "a primary whose standby took its state")
+        url, _ = wait_for(ready, 30 * patience, "a primary whose standby took its state")
         time.sleep(rng.uniform(0.0, 0.4))  # the kill's moment in the round, at random (not a synchronisation)
         st = status(url, patience) or {}
         if st.get("state") == "done":
