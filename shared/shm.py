@@ -86,8 +86,8 @@ def open_in(directory: str, name: str, flags: int) -> int:
 
 def create_file(directory: str, name: str, size: int, kind: bytes, nonce: bytes, marker: int,
                 lock: Callable[[int], None] | None = None) -> tuple[int, mmap.mmap]:
-    """A new ``0600`` file of ``size`` bytes (allocated now), ``lock(fd)`` applied first if given, mapped writable,
-    its header written; (its descriptor, for the caller to keep or close; the mapping). OSError if impossible (it
+    """A new ``0600`` file of ``size`` bytes (allocated now), ``lock(fd)`` applied if given before it is mapped
+    writable, its header written; (its descriptor, for the caller to keep or close; the mapping). OSError if impossible (it
     exists, the directory is full...)."""
     path = os.path.join(directory, name)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
