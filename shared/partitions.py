@@ -30,9 +30,9 @@ class Plan:
         """Q, the partitions of a round."""
         return len(self.partitions)
 
-    @property
+    @cached_property
     def whole(self) -> bool:
-        """One partition of every tensor whole: the round is today's."""
+        """One partition of every tensor whole: the round is today's (computed once a plan: read per frame)."""
         return self.count == 1 and all(p.whole for p in self.partitions[0])
 
     @cached_property

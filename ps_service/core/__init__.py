@@ -82,7 +82,7 @@ class ParameterServerCore(ModelState):
         #: the open sync round's partitions and, once partition 0 (the Round's) closed, its decision; a sharded
         #: follower's from partition 0
         self.parts: RoundParts | None = None
-        self._plan: tuple[Plan, Plan | None] | None = None  # (:attr:`plan`, :attr:`partitions`), once the model is in
+        self._plan: Plan | None = None  # :attr:`plan`, once the model is in
         #: sync rounds close partition by partition, of about this many bytes each (docs/partitions.md); 0: one
         self.partition_bytes = 0  # (PS_PARTITION_BYTES: the runtime sets it before the model)
         self.rounds: deque[RoundRecord] = deque(maxlen=config.max_rounds_kept)
@@ -437,20 +437,15 @@ class ParameterServerCore(ModelState):
     def plan(self) -> Plan | None:
         """A sync round's partitions (:attr:`partition_bytes`; one partition: the whole model, as in async/ssp); None
         before the model."""
-        return self._plans()[0]
+        if self._plan is None and self.weights is not None:
+            self._plan = partition_plan(spec_of(self.weights), self.partition_bytes if self.modes is None else 0)
+        return self._plan
 
     @property
     def partitions(self) -> Plan | None:
         """The partitions of a sync round, None: one, the whole model (async/ssp: always)."""
-        return self._plans()[1]
-
-    def _plans(self) -> tuple[Plan | None, Plan | None]:
-        if self._plan is None:
-            if self.weights is None:
-                return None, None
-            p = partition_plan(spec_of(self.weights), self.partition_bytes if self.modes is None else 0)
-            self._plan = (p, None if p.whole else p)
-        return self._plan
+        p = self.plan
+        return None if p is None or p.whole else p
 
     @property
     def deciding(self) -> bool:
