@@ -710,8 +710,8 @@ class ParameterServerCore(ModelState):
         else:
             if status is PushStatus.LATE:  # its round lists it: the open one, or the one that just closed (its record)
                 (r if req.step == g else self.last_round).late.append(at)
-            if status is PushStatus.LATE and req.step == g:
-                r.lose(wid)  # fixed R: it came after R heads (a push not claimed: here is its head)
+                if req.step == g:
+                    r.lose(wid)  # fixed R: it came after R heads (a push not claimed: here is its head)
             return
         if p.closed is not None:  # the round's rule closed it (Round.accept)
             self._closed(now, *p.closed)
