@@ -103,6 +103,14 @@ def _optional_number(obj: dict, key: str, what: str) -> float | None:
     return value
 
 
+def _optional_int(obj: dict, key: str, low: int, high: int) -> int | None:
+    """A push's field ``key``: absent or nil (None), or an int in [``low``, ``high``], else 400 ``bad_field``."""
+    value = obj.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high):
+        raise bad_request("bad_field", f"push: {key} must be an int in [{low}, {high}]")
+    return value
+
+
 def _only(obj: dict, allowed: frozenset, what: str) -> None:
     unknown = set(obj) - allowed
     if unknown:
@@ -127,9 +135,7 @@ def parse_push_meta(meta: dict, tensors: Mapping = MappingProxyType({})) -> tupl
         raise unprocessable("bad_step", f"step must be in [0, {MAX_INT}]")
     loss = _optional_number(meta, "loss", what)
     loss = float(loss) if loss is not None and math.isfinite(loss) else None  # a NaN/Inf loss is not reported
-    n = meta.get("num_examples")
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_NUM_EXAMPLES):
-        raise bad_request("bad_field", f"push: num_examples must be an int in [0, {MAX_NUM_EXAMPLES}]")
+    n = _optional_int(meta, "num_examples", 0, MAX_NUM_EXAMPLES)
     raw = meta.get("timings")
     raw = {} if raw is None else raw  # nil is absent; any other value that is not a map is refused below
     if not isinstance(raw, dict):
@@ -140,22 +146,15 @@ def parse_push_meta(meta: dict, tensors: Mapping = MappingProxyType({})) -> tupl
         raise bad_request("bad_field", f"push: timings must be seconds in [0, {MAX_PHASE_SECONDS:g}]")
     if not isinstance(meta.get("compression"), (str, type(None))):  # its value: shared/compression.py
         raise bad_request("bad_field", "push: compression must be a string")
-    seq = meta.get("shm_seq")
-    if seq is not None and (isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq <= MAX_INT):
-        raise bad_request("bad_field", f"push: shm_seq must be an int in [0, {MAX_INT}]")
     push = PushRequest(worker_id, step, tensors, loss, n, PhaseTimes(**times))
-    return push, seq
+    return push, _optional_int(meta, "shm_seq", 0, MAX_INT)
 
 
 def push_partitions(meta: dict) -> int:
     """Q, the frames of a push body (its head frame's ``partitions``; absent or nil: 1, today's push): an int in
     [1, :data:`MAX_PARTITIONS`], else 400 ``bad_field``."""
-    q = meta.get("partitions")
-    if q is None:
-        return 1
-    if isinstance(q, bool) or not isinstance(q, int) or not 1 <= q <= MAX_PARTITIONS:
-        raise bad_request("bad_field", f"push: partitions must be an int in [1, {MAX_PARTITIONS}]")
-    return q
+    q = _optional_int(meta, "partitions", 1, MAX_PARTITIONS)
+    return 1 if q is None else q
 
 
 def check_partition_meta(meta: dict, q: int) -> None:
