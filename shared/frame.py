@@ -223,15 +223,12 @@ class FrameReader:
         """The frames ``buf[:got]`` completes (at most ``limit`` frames in all)."""
         mv = memoryview(buf).cast("B")
         out = []
-        while self.count < limit:
+        while self.count < limit and (end := self.next_end(mv, got)) is not None and end <= got:
             start = aligned(self.end) if self.count else 0
-            size = _extent(mv[start:got]) if got >= start else None
-            if size is None or start + size > got:
-                break
             if mv[self.end:start] != _PAD[:start - self.end]:
                 raise bad_frame("padding bytes must be zero")
-            out.append(decode(mv[start:start + size]))
-            self.end, self.count = start + size, self.count + 1
+            out.append(decode(mv[start:end]))
+            self.end, self.count = end, self.count + 1
         return out
 
     def next_end(self, buf: bytes | bytearray | memoryview, got: int) -> int | None:
