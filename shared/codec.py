@@ -26,21 +26,10 @@ def bfloat16() -> np.dtype:
     return np.dtype(ml_dtypes.bfloat16)
 
 
-class _AllowList(dict):
-    """wire name -> numpy dtype; ``bfloat16``'s value (``None`` in the dict) is :func:`bfloat16` on lookup (``get``
-    gives the None: the hot path writes ``DTYPES.get(name) or bfloat16()``, no Python call for the other dtypes)."""
-
-    def __getitem__(self, name: str) -> np.dtype:
-        dt = dict.__getitem__(self, name)
-        return bfloat16() if dt is None else dt
-
-    def values(self):  # type: ignore[override]
-        return [self[name] for name in self]
-
-
-#: wire name -> numpy dtype (always little-endian). ``bfloat16`` (ml_dtypes) and ``uint32`` are only ever the
-#: compressed encoding of a float32 gradient (shared/compression.py): no model or checkpoint tensor has them.
-DTYPES: dict[str, np.dtype] = _AllowList({
+#: wire name -> numpy dtype (always little-endian); ``bfloat16``'s is :func:`bfloat16` (None here: ``DTYPES[name] or
+#: bfloat16()``). ``bfloat16`` (ml_dtypes) and ``uint32`` are only ever the compressed encoding of a float32 gradient
+#: (shared/compression.py): no model or checkpoint tensor has them.
+DTYPES: dict[str, np.dtype | None] = {
     "float16": np.dtype("<f2"),
     "float32": np.dtype("<f4"),
     "float64": np.dtype("<f8"),
@@ -48,7 +37,7 @@ DTYPES: dict[str, np.dtype] = _AllowList({
     "int64": np.dtype("<i8"),
     "bfloat16": None,
     "uint32": np.dtype("<u4"),
-})
+}
 FLOAT_DTYPES = frozenset({"float16", "float32", "float64"})
 
 
@@ -59,7 +48,7 @@ def dtype_name(dtype: np.dtype) -> str:
         if dt.name == "bfloat16" and dt == bfloat16():
             return "bfloat16"
     else:
-        for name, allowed in dict.items(DTYPES):
+        for name, allowed in DTYPES.items():
             if allowed is not None and dt.kind == allowed.kind and dt.itemsize == allowed.itemsize:
                 return name
     raise ProtocolError(422, "unsupported_dtype", f"dtype {dt} is not in the allow-list {sorted(DTYPES)}")

@@ -71,7 +71,7 @@ class Layout:
         specs, at = [], 0
         for name in order if order is not None else list(arrays):
             a = arrays[name]
-            spec = TensorSpec(name, DTYPES.get(dtype_name(a.dtype)) or bfloat16(), tuple(int(d) for d in a.shape), at)
+            spec = TensorSpec(name, DTYPES[dtype_name(a.dtype)] or bfloat16(), tuple(int(d) for d in a.shape), at)
             specs.append(spec)
             at = aligned(at + spec.nbytes)
         return cls(tuple(specs))
@@ -302,7 +302,7 @@ def _layout(entries: Any) -> Layout:
                                                      f"allow-list {sorted(DTYPES)}")
         if not (isinstance(shape, list) and len(shape) <= MAX_NDIM and all(type(d) is int and 0 <= d < MAX_DIM for d in shape)):
             raise unprocessable("bad_shape", f"tensor {name!r}: shape must be at most {MAX_NDIM} ints in [0, 2^40)")
-        spec = TensorSpec(name, DTYPES.get(dtype) or bfloat16(), tuple(shape), at)  # (bfloat16: looked up once)
+        spec = TensorSpec(name, DTYPES[dtype] or bfloat16(), tuple(shape), at)  # (bfloat16: looked up once)
         if math.prod(d for d in shape if d) * spec.dtype.itemsize >= 1 << 62:
             raise unprocessable("bad_shape", f"tensor {name!r}: shape {shape} is too large")
         if type(offset) is not int or offset != at:

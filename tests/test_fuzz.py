@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shared import frame
-from shared.codec import DTYPES, unpack
+from shared.codec import DTYPES, bfloat16, unpack
 from shared.errors import ProtocolError
 from shared.protocol import MAX_NUM_EXAMPLES, MAX_PHASE_SECONDS, PushRequest, parse_push_meta
 from tests.strategies import push_metas, rarely, values
@@ -52,7 +52,7 @@ def entries(draw, honest: bool):
         if not honest and rarely(draw):
             entry = draw(st.one_of(st.just(entry[:3]), st.just(entry + [0]), values))
         out.append(entry)
-        end = at + (math.prod(shape) * DTYPES[dtype].itemsize if consistent else 0)
+        end = at + (math.prod(shape) * (DTYPES[dtype] or bfloat16()).itemsize if consistent else 0)
         at = frame.aligned(end)
     return out, end  # the entries and their data_bytes (when they are consistent)
 
@@ -103,7 +103,8 @@ def check_frame(out, buf) -> None:
     at = 0
     for spec, (name, arr) in zip(out.layout.tensors, out.tensors.items(), strict=True):
         assert spec.name == name and isinstance(name, str) and 0 < len(name) <= frame.MAX_NAME_LEN
-        assert spec.offset == at and arr.dtype in DTYPES.values() and arr.nbytes == spec.nbytes
+        assert spec.offset == at and arr.nbytes == spec.nbytes
+        assert arr.dtype in [DTYPES[n] or bfloat16() for n in DTYPES]
         if arr.nbytes:
             assert np.shares_memory(arr, landed), "decode copied or allocated"
             assert arr.flags.writeable  # a view of the (writable) received buffer
