@@ -166,23 +166,13 @@ class RawConnection:
                 parts[i] = parts[i][sent:]
 
     def _receive(self, method: str) -> RawResponse:
-        buf = bytearray()
-        while True:
-            end = buf.find(b"\r\n\r\n")
-            if end >= 0:
-                break
-            if len(buf) > HEADER_LIMIT:
-                raise ValueError("response headers too large")
-            try:
-                chunk = self._live().recv(65536)
-            except ConnectionResetError:
-                chunk = b""
-            if not chunk:
-                if not buf:
-                    raise _Closed("the server closed the connection before answering")
-                raise ValueError("connection closed inside the response headers")
-            buf += chunk
-        lines = bytes(buf[:end]).decode("latin-1").split("\r\n")
+        try:
+            pending = bytearray(self._live().recv(65536))
+        except ConnectionResetError:
+            pending = bytearray()
+        if not pending:
+            raise _Closed("the server closed the connection before answering")
+        lines = self._until(pending, b"\r\n\r\n", "the response headers").decode("latin-1").split("\r\n")
         version, _, rest = lines[0].partition(" ")
         if not version.startswith("HTTP/1."):
             raise ValueError(f"not an HTTP/1.x response: {lines[0][:40]!r}")
@@ -191,13 +181,12 @@ class RawConnection:
         for line in lines[1:]:
             name, _, value = line.partition(":")
             headers[name.strip().lower()] = value.strip()
-        extra = memoryview(buf)[end + 4:]
         if method == "HEAD" or status in (204, 304) or 100 <= status < 200:
             content: bytes | memoryview = b""
         elif "content-length" in headers and "transfer-encoding" not in headers:
-            content = self._exactly(int(headers["content-length"]), extra)
+            content = self._exactly(int(headers["content-length"]), memoryview(pending))
         elif headers.get("transfer-encoding", "").lower() == "chunked":
-            content = self._chunked(bytearray(extra))
+            content = self._chunked(pending)
         else:
             raise ValueError("response not framed by content-length")
         if headers.get("connection", "").lower() == "close":
@@ -243,9 +232,9 @@ class RawConnection:
         doubling if this one is larger); plain bytes when small."""
         arr, size = None, 0
         while True:
-            n = int(self._line(pending).split(b";")[0], 16)
+            n = int(self._until(pending, b"\r\n", "a chunk line").split(b";")[0], 16)
             if n == 0:
-                while self._line(pending):  # trailers, then the empty line
+                while self._until(pending, b"\r\n", "a trailer"):  # trailers, then the empty line
                     pass
                 self._chunked_size = size
                 view = memoryview(arr)[:size] if arr is not None else memoryview(b"")
@@ -265,21 +254,24 @@ class RawConnection:
                 if marks.ON:
                     marks.mark("chunk.last", peer=self.host_header, n=n)
             size += n
-            if self._line(pending):
+            if self._until(pending, b"\r\n", "a chunk's end"):
                 raise ValueError("a chunk does not end with CRLF")
 
-    def _line(self, pending: bytearray) -> bytes:
-        """The next CRLF-ended line of the body (taken off ``pending``, reading more as needed)."""
-        while (end := pending.find(b"\r\n")) < 0:
+    def _until(self, pending: bytearray, mark: bytes, what: str) -> bytes:
+        """The bytes before the next ``mark`` (taken off ``pending`` with it, receiving more as needed)."""
+        while (end := pending.find(mark)) < 0:
             if len(pending) > HEADER_LIMIT:
-                raise ValueError("a chunk line too long")
-            chunk = self._live().recv(65536)
+                raise ValueError(f"{what} too long")
+            try:
+                chunk = self._live().recv(65536)
+            except ConnectionResetError:  # the answer began: lost, not stale
+                chunk = b""
             if not chunk:
-                raise ValueError("connection closed inside a chunked body")
+                raise ValueError(f"connection closed inside {what}")
             pending += chunk
-        line = bytes(pending[:end])
-        del pending[:end + 2]
-        return line
+        found = bytes(pending[:end])
+        del pending[:end + len(mark)]
+        return found
 
     def _buffer(self, n: int) -> np.ndarray:
         """A byte array of at least n bytes that no earlier answer's arrays still view."""
