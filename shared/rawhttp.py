@@ -33,7 +33,6 @@ POOL_MIN_BYTES = 64 * 1024
 #: a body part at least this large is received this much at a time at least (``SO_RCVLOWAT``; its last bytes: all
 #: that is left): one wake-up and one ``recv_into`` where a 1 Gb/s link shared by a worker's pulls gave ~80 KB each
 LOW_WATER = 256 * 1024
-_LOWAT = getattr(socket, "SO_RCVLOWAT", None)
 
 
 class ConnectionLost(Exception):
@@ -213,10 +212,10 @@ class RawConnection:
         try:
             while got < len(view):
                 sock = self._live()
-                if _LOWAT is not None and (low > 1 or len(view) - got >= LOW_WATER):
+                if low > 1 or len(view) - got >= LOW_WATER:
                     want = min(len(view) - got, LOW_WATER)
                     if want != low:
-                        sock.setsockopt(socket.SOL_SOCKET, _LOWAT, want)
+                        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
                         low = want
                 r = sock.recv_into(view[got:], len(view) - got)
                 if not r:
@@ -224,7 +223,7 @@ class RawConnection:
                 got += r
         finally:
             if low > 1 and self.sock is sock:
-                sock.setsockopt(socket.SOL_SOCKET, _LOWAT, 1)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
 
     def _chunked(self, pending: bytearray) -> bytes | memoryview:
         """A chunked body (``pending``: its bytes already read), whole: each chunk received straight into one buffer,
