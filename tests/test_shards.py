@@ -94,7 +94,7 @@ def test_assembled_tensors_reuse_memory_nothing_else_references():
 
     def joined(value: float) -> dict:
         whole = {k: np.full_like(v, value) for k, v in tensors.items()}
-        into, parts = t._target(), [Pulled(4, False, [0], shards.split(whole, ps), 1) for ps in m.pieces]
+        into, parts = t._target(), [Pulled(4, False, [0], shards.split(whole, ps)) for ps in m.pieces]
         for i, part in enumerate(parts):  # as each shard's answer arrives (ShardedTransport._pull)
             shards.place(m, i, part.tensors, into)
         return t._joined(parts, into).tensors

@@ -42,7 +42,6 @@ class Pulled:
     done: bool
     ranks: list[int]
     tensors: dict[str, np.ndarray]
-    nbytes: int
 
 
 @dataclass(frozen=True)

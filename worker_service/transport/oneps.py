@@ -44,7 +44,7 @@ class OnePS(TensorTransport):
         m, tensors = f.meta, self.weights(f)
         if tensors is None:
             return m, None
-        return m, Pulled(m["step"], m["done"], list(m.get("ranks", [])), tensors, len(body))
+        return m, Pulled(m["step"], m["done"], list(m.get("ranks", [])), tensors)
 
     def alongside(self, meta: dict, hold: dict | None, wait: float, timeout: float,
                   into: Mapping[str, np.ndarray] | None) -> Alongside | None:

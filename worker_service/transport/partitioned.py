@@ -31,7 +31,7 @@ def whole(body: bytes | memoryview, plan: Plan, spec: Mapping[str, tuple],
     if count == 1:
         f = frame.decode(body)
         m = f.meta
-        return Pulled(m["step"], m["done"], list(m.get("ranks", [])), dict(f.tensors), len(body))
+        return Pulled(m["step"], m["done"], list(m.get("ranks", [])), dict(f.tensors))
     frames = frame.decode_following(body, count)
     head, last = frames[0].meta, frames[-1].meta
     pieces = {k: v for f in frames for k, v in f.tensors.items()}
@@ -41,7 +41,7 @@ def whole(body: bytes | memoryview, plan: Plan, spec: Mapping[str, tuple],
         parts = [pieces[p.key] for q in plan.partitions for p in q if p.name == name]
         out = None if into is None else into.get(name)
         tensors[name] = parts[0] if len(parts) == 1 else np.concatenate(parts, out=out).reshape(shape)
-    return Pulled(head["step"], last["done"], list(last["ranks"]), tensors, len(body))
+    return Pulled(head["step"], last["done"], list(last["ranks"]), tensors)
 
 
 class Alongside:

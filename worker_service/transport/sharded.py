@@ -153,7 +153,7 @@ class ShardedTransport(TensorTransport):
             return None
         head = parts[0]
         whole = shards.gathered(self.map, [p.tensors for p in parts], into)
-        return Pulled(head.step, head.done, head.ranks, whole, sum(p.nbytes for p in parts))
+        return Pulled(head.step, head.done, head.ranks, whole)
 
     def _target(self) -> dict[str, np.ndarray]:
         """The arrays this step's split tensors are assembled into: a kept set none of whose arrays is referenced
