@@ -10,7 +10,7 @@ import numpy as np
 
 from shared import frame, marks
 from shared.protocol import API, PUSH_STATUS_HEADER
-from worker_service.transport.base import Pulled, PushAnswer, Response, TensorTransport
+from worker_service.transport.base import Pulled, PushAnswer, TensorTransport
 from worker_service.transport.endpoint import Endpoint
 from worker_service.transport.partitioned import Alongside
 
@@ -64,11 +64,9 @@ class OnePS(TensorTransport):
         if on_way is not None:
             on_way()
         ask = hold is None and pull is None
-        path = f"{API}/gradients" if hold is None else f"{API}/shard/gradients"
-        resp = self.endpoint.call("POST", path, body=body, headers={"content-type": frame.MEDIA_TYPE},
-                                  params={"pull": 1, "timeout": wait, **self.answer_params()} if ask else hold,
-                                  timeout=timeout + (wait if ask else 0.0), what=f"POST {path} (step {meta['step']})")
-        answer = self.push_answer(resp)
+        answer = self.post(f"{API}/gradients" if hold is None else f"{API}/shard/gradients", body,
+                           {"pull": 1, "timeout": wait, **self.answer_params()} if ask else hold,
+                           timeout + (wait if ask else 0.0), meta["step"])
         if pull is None:
             return answer
         if marks.ON:
@@ -76,8 +74,11 @@ class OnePS(TensorTransport):
         got = pull.result()  # as a ``pull=1`` answer: the step and done of the weights it carries
         return answer if got is None else PushAnswer(answer.status, got.step, got.done, got)
 
-    def push_answer(self, resp: Response) -> PushAnswer:
-        """A push's answer: the next weights (a frame, the status in a header), or JSON without them."""
+    def post(self, path: str, body: list[bytes | memoryview], params: dict, timeout: float, step: int) -> PushAnswer:
+        """``body`` (frames) posted to ``path`` for ``step`` (a push, a hold, a sharded PS's commit); its answer: the next
+        weights (a frame, the status in a header), or JSON without them."""
+        resp = self.endpoint.call("POST", path, body=body, headers={"content-type": frame.MEDIA_TYPE}, params=params,
+                                  timeout=timeout, what=f"POST {path} (step {step})")
         if resp.headers.get("content-type", "").startswith(frame.MEDIA_TYPE):
             m, got = self._pulled(resp.content)  # got None: the client pulls
             return PushAnswer(resp.headers[PUSH_STATUS_HEADER.lower()], m["step"], m["done"], got)

@@ -116,12 +116,9 @@ class ShardedTransport(TensorTransport):
                                    for i in range(len(self.links))], on_way)
 
             def commit() -> PushAnswer:
-                t = self.links[0].current
-                resp = t.endpoint.call("POST", f"{API}/shard/commit", params={"pull": 1, "timeout": wait},
-                                       body=frame.encode({}, {**meta, "receipts": [h.receipt for h in holds]}),
-                                       headers={"content-type": frame.MEDIA_TYPE}, timeout=timeout + wait,
-                                       what=f"commit (step {step})")
-                answer = t.push_answer(resp)
+                answer = self.links[0].current.post(
+                    f"{API}/shard/commit", frame.encode({}, {**meta, "receipts": [h.receipt for h in holds]}),
+                    {"pull": 1, "timeout": wait}, timeout + wait, step)
                 self._placed(0, answer.pulled, into)
                 return answer
 
