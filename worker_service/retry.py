@@ -53,4 +53,3 @@ def call(fn: Callable[[], T], what: str, attempts: int, timeout: float,
             log.warning("retrying %s in %.2f s (attempt %d of %d): %s", what, wait, attempt + 1, attempts,
                         describe(exc))
         time.sleep(wait)
-    raise AssertionError("unreachable")
