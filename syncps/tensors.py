@@ -27,11 +27,7 @@ class ModelMismatch(ValueError):
 
 def as_numpy(t: torch.Tensor) -> np.ndarray:
     """A numpy view of ``t``'s memory (a copy when it is not a contiguous CPU tensor)."""
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    if not t.is_contiguous():
-        t = t.contiguous()
+    t = t.detach().cpu().contiguous()  # each returns the tensor itself when it is so already: no copy
     if t.dtype == torch.bfloat16:
         raise TypeError("bfloat16 tensors cannot travel to the PS (no numpy dtype): use float16 or float32")
     return t.numpy()
