@@ -28,7 +28,7 @@ class HttpxConnection:
     def request(self, method: str, target: str, headers: Mapping[str, str], body: Sequence[bytes | memoryview] = (),
                 timeout: float = 30.0) -> httpx.Response:
         try:
-            content = b"".join(bytes(p) if isinstance(p, memoryview) else p for p in body) if body else None
+            content = b"".join(body) if body else None  # (join takes memoryviews as they are: one copy)
             resp = self.client.request(method, target, headers=dict(headers), content=content,
                                        timeout=httpx.Timeout(timeout, connect=liveness.connect_timeout(timeout)))
         except httpx.TransportError as exc:
