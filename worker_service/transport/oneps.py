@@ -75,8 +75,8 @@ class OnePS(TensorTransport):
         return answer if got is None else PushAnswer(answer.status, got.step, got.done, got)
 
     def post(self, path: str, body: list[bytes | memoryview], params: dict, timeout: float, step: int) -> PushAnswer:
-        """``body`` (frames) posted to ``path`` for ``step`` (a push, a hold, a sharded PS's commit); its answer: the next
-        weights (a frame, the status in a header), or JSON without them."""
+        """``body`` (frames) posted to ``path`` for ``step`` (a push, a hold, a sharded PS's commit); its answer: the
+        next weights (a frame, the status in a header), or JSON without them."""
         resp = self.endpoint.call("POST", path, body=body, headers={"content-type": frame.MEDIA_TYPE}, params=params,
                                   timeout=timeout, what=f"POST {path} (step {step})")
         if resp.headers.get("content-type", "").startswith(frame.MEDIA_TYPE):
