@@ -1,17 +1,18 @@
 """The oracle of the incremental core: the same :class:`ParameterServerCore` with every piece of incremental
 bookkeeping replaced by the plain scan it stands for (the code before issue 17). Lease expiry scans all
-members, the lowest free rank and the active set are recomputed, the closing rule (:class:`NaiveRule`, which the core
-and its round both ask) lists the live and awaited members from the round's sets on every call, and the lowest key
-that may still bring a gradient (the rank-order sum's bound, whose push is read next) is found by a scan of every
-eligible member, with no frontier. tests/test_core_oracle.py drives both with the same random sequences of calls, and
-checks that every method overridden here is one the core calls.
+members, the lowest free rank (neither held nor listed by the open round: scans) and the active set are
+recomputed, the closing rule (:class:`NaiveRule`, which the core and its round both ask) lists the live and awaited
+members from the round's sets on every call, and the lowest key that may still bring a gradient (the rank-order sum's
+bound, whose push is read next) is found by a scan of every eligible member, with no frontier.
+tests/test_core_oracle.py drives both with the same random sequences of calls, and checks that every method
+overridden here is one the core calls.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from ps_service.core import ParameterServerCore
-from ps_service.core.membership import ACTIVE, EXPIRED, LEFT, Member, Membership
+from ps_service.core.membership import ACTIVE, EXPIRED, LEFT, Listed, Member, Membership, unlisted
 from ps_service.core.rounds import CloseRule, Progress, Round
 
 
@@ -29,9 +30,9 @@ class NaiveMembership(Membership):
     def _is_taken(self, rank: int) -> bool:
         return rank in {m.rank for m in self.by_id.values() if m.state != LEFT}
 
-    def _free_rank(self) -> int:
+    def _free_rank(self, listed: Listed = unlisted) -> int:
         rank = 0
-        while self._is_taken(rank):
+        while self._is_taken(rank) or listed(rank) is not None:
             rank += 1
         return rank
 
@@ -57,6 +58,9 @@ class NaiveRound(Round):
     @property
     def ranks(self) -> tuple[int, ...]:
         return tuple(sorted(self.eligible.values()))
+
+    def listed(self, rank: int) -> str | None:
+        return next((w for w, r in self.eligible.items() if r == rank), None)
 
     def _pending_at(self, i: int, but: str | None) -> int:
         keys = sorted(self.key(w) for w in self.eligible)

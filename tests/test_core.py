@@ -14,6 +14,7 @@ from shared.compression import SparseTensor
 from shared.compression import dense as compression_dense
 from ps_service.http import REFUSALS, status_of
 from shared.protocol import ModelInit, PushRequest, PushStatus
+from worker_service.tasks.linear import LinearTask
 
 W0 = {"w": np.zeros((3, 2), np.float32), "b": np.zeros((2,), np.float32)}
 
@@ -225,19 +226,23 @@ def test_a_worker_registering_after_the_end_is_not_in_the_ranks(mode):
     assert core.ranks() == (0, 1)
 
 
-def test_a_round_keeps_the_ranks_of_members_that_left_and_adds_those_that_join_it_at_once():
-    """protocol.md, pull: ``ranks`` are the round's members' (every pull of a round shards alike), so when every
-    member left and a newcomer joins the stuck round at once under a rank given back, that rank is listed twice."""
+def test_a_round_keeps_the_ranks_of_members_that_left_and_gives_them_to_nobody_else_until_it_closes():
+    """protocol.md, pull: ``ranks`` are the round's members' (every pull of a round shards alike), and distinct: a
+    rank given back while the round lists it goes to no other worker until the round closes (a newcomer joining the
+    stuck round used to get it: ``ranks`` (0, 0, 1), two workers with one shard and shard 1 nobody's)."""
     core, ids = make(2)
     core.leave(ids[0], 1.0)
     assert core.ranks() == (0, 1)  # w0 left mid-round: w1's shard stays 1 of 2
     core.leave(ids[1], 1.0)
-    m, start = core.register("n", 2.0)  # nobody alive in round 0: joins it at once, under w0's rank
-    assert (m.rank, start, core.global_step) == (0, 0, 0) and core.ranks() == (0, 0, 1)
+    m, start = core.register("n", 2.0)  # nobody alive in round 0: joins it at once, under a rank it does not list
+    assert (m.rank, start, core.global_step) == (2, 0, 0) and core.ranks() == (0, 1, 2)
     m2, start2 = core.register("n2", 2.0)  # round 0 has a live member again: n2 counts from round 1
-    assert (m2.rank, start2) == (1, 1) and core.ranks() == (0, 0, 1)
+    assert (m2.rank, start2) == (3, 1) and core.ranks() == (0, 1, 2)
     push(core, m.worker_id, 0)
-    assert core.global_step == 1 and core.ranks() == (0, 1)
+    assert core.global_step == 1 and core.ranks() == (2, 3)
+    assert core.register("n3", 3.0)[0].rank == 0  # round 0 closed: the ranks it listed are free again
+    back, start = core.register("w0", 3.0)
+    assert (back.worker_id, back.rank, start) == (ids[0], 1, 2)  # its rank 0 is n3's: the lowest free one
 
 
 @pytest.mark.parametrize("policy", ["reject", "skip"])
@@ -404,33 +409,97 @@ def test_init_first_caller_wins_and_ps_settings_take_precedence():
     assert core2.optimizer.spec["beta1"] == 0.5
 
 
+def check_ranks(core: ParameterServerCore) -> None:
+    """Each rank one worker's (docs/protocol.md, register and pull): the present members' distinct, the ranks a pull
+    names distinct, and the open round lists each of its members under the member's rank, held by no other."""
+    present = {m.rank: m.worker_id for m in core.members.by_id.values() if m.state != "left"}
+    ranks = core.ranks()
+    assert len(present) == sum(m.state != "left" for m in core.members.by_id.values()), present
+    assert len(set(ranks)) == len(ranks), ranks
+    for w, rank in (core.round.eligible.items() if core.round is not None else ()):
+        assert core.members.by_id[w].rank == rank and present.get(rank, w) == w, (w, rank, present)
+
+
+#: workers coming and going: (what, which worker); pushes for the open round, from a member yet to push it
+churn = st.lists(st.tuples(st.sampled_from(["push", "push", "register", "leave", "tick"]), st.integers(0, 6)),
+                 min_size=5, max_size=60)
+
+
+@settings(max_examples=150, deadline=None)
+@given(cfg=st.sampled_from([{}, {"replicas_to_aggregate": 2}, {"replicas_to_aggregate": 3, "min_replicas": 2}]),
+       script=churn)
+def test_workers_coming_and_going_never_share_a_rank(cfg, script):
+    """Simulation: joins, graceful leaves (ranks given back), expiries and pushes in any order, elastic or fixed R
+    (backups, stuck rounds joined at once): after every call each rank is one worker's (:func:`check_ranks`), so no
+    two members of a round train one shard. Before, a rank given back while the round listed it went to the next
+    newcomer."""
+    core, _ = make(2, lease_seconds=3.0, **cfg)
+    now = 0.0
+    for kind, i in script:
+        now += 2.0 if kind == "tick" else 0.25
+        m = core.members.by_name.get(f"w{i}")
+        if kind == "register":
+            core.register(f"w{i}", now)
+        elif kind == "tick":
+            core.tick(now)
+        elif m is not None and m.active and kind == "leave":
+            core.leave(m.worker_id, now)
+        elif m is not None and m.active and core.round is not None and core.global_step not in m.recent:
+            push(core, m.worker_id, core.global_step, now=now)
+        check_ranks(core)
+
+
 def test_rank_is_stable_per_name_and_freed_on_leave():
+    """protocol.md, register: the lowest rank no present member holds and the open round does not list; a member that
+    left gets its old rank back unless another holds it or the open round lists it for another."""
     core, ids = make(3)
     m, _ = core.register("w1", 1.0)
     assert m.worker_id == ids[1] and m.rank == 1
     core.leave(ids[1], 2.0)
     newcomer, _ = core.register("fresh", 3.0)
-    assert newcomer.rank == 1  # the lowest rank nobody present holds
+    assert newcomer.rank == 3  # round 0 lists w1's rank 1: not handed out before it closes
     back, _ = core.register("w1", 4.0)
-    assert back.worker_id == ids[1] and back.rank == 3
+    assert back.worker_id == ids[1] and back.rank == 1  # round 0 lists it for w1 itself
+    core.leave(ids[1], 5.0)
+    push(core, ids[0], 0, now=5.5)
+    push(core, ids[2], 0, now=5.5)
+    assert core.global_step == 1 and core.ranks() == (0, 2, 3)
+    assert core.register("fresh2", 6.0)[0].rank == 1  # round 0 closed: w1's rank was given back
+    back, _ = core.register("w1", 7.0)
+    assert back.worker_id == ids[1] and back.rank == 4  # held by fresh2 now
 
 
-def test_a_newcomer_reusing_a_leavers_rank_in_an_orphaned_round():
-    """Fixed R: rank 0 pushed and left, rank 1 died; a newcomer gets rank 0 back and joins the orphaned
-    round at once (below min_replicas nobody else can close it); the two rank-0 gradients sum in a
-    deterministic order."""
-    results = []
-    for name in ("fresh", "another"):
-        core, ids = make(2, lease_seconds=5.0, replicas_to_aggregate=2, min_replicas=2)
-        push(core, ids[0], 0, grad(1), now=1.0)
-        core.leave(ids[0], 4.0)  # heard from w0 at 4: w1's silence is its own, not the PS's
-        core.tick(6.0)  # ids[1] expires; R = 2 still needs a gradient
-        assert core.global_step == 0
-        m, start = core.register(name, 6.5)
-        assert m.rank == 0 and start == 0 and m.worker_id in core.round.eligible
-        assert push(core, m.worker_id, 0, grad(2), now=7.0).closed
-        results.append(core.weights["w"].copy())
-    np.testing.assert_allclose(results[0], results[1], rtol=1e-6)
+def test_a_newcomer_in_an_orphaned_round_trains_a_shard_of_its_own():
+    """Fixed R = 2: w0 pushed its shard's gradient and left, w1 died; below min_replicas nobody else can close the
+    round, so a newcomer joins it at once. It gets a rank the round does not list, so its place among the round's
+    ranks (its data shard, as the worker loop takes it) is nobody else's: it used to get w0's rank 0 back, ranks
+    (0, 0, 1), the same place as w0's and place 1 nobody's. The round sums both shards' gradients in rank order."""
+    task = LinearTask()
+    core = ParameterServerCore(core_config(min_workers=2, startup_grace_seconds=0.0, lease_seconds=5.0,
+                                           replicas_to_aggregate=2, min_replicas=2))
+    core.init_model(ModelInit(task.init_params(), task.optimizer()), 0.0)
+    w0, _ = (core.register(f"w{i}", 0.0)[0] for i in range(2))
+    w = {k: v.copy() for k, v in core.weights.items()}
+
+    def train(m, now):
+        """worker_service/loop.py's step: its place among the pull's ranks, that shard's batch, the push."""
+        ranks = core.ranks()
+        place = (ranks.index(m.rank), len(ranks))
+        _, g, n = task.loss_and_grads(core.weights, task.batch(0, *place, 8))
+        res = core.push(PushRequest(m.worker_id, 0, {k: v.copy() for k, v in g.items()}, num_examples=n), now)
+        return place, g, res
+
+    place0, g0, _ = train(w0, 1.0)
+    core.leave(w0.worker_id, 4.0)  # heard from w0 at 4: w1's silence is its own, not the PS's
+    core.tick(6.0)  # w1 expires; R = 2 still needs a gradient
+    new, start = core.register("new", 6.5)
+    assert (new.rank, start, core.ranks()) == (2, 0, (0, 1, 2)) and core.round.counts(new.worker_id)
+    places = sorted(core.ranks().index(rank) for rank in core.round.eligible.values())
+    assert places == [0, 1, 2]  # each place one member's
+    place_new, g_new, res = train(new, 7.0)
+    assert (place0, place_new) == ((0, 2), (2, 3)) and res.closed and core.rounds[-1].aggregated == 2
+    for k in w:  # summed in rank order: w0 (rank 0), then the newcomer (rank 2)
+        assert core.weights[k].tobytes() == (w[k] - np.float32(0.5) * ((g0[k] + g_new[k]) / np.float32(2))).tobytes()
 
 
 def test_a_gradient_of_another_dtype_is_named_in_the_refusal():

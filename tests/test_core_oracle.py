@@ -2,8 +2,9 @@
 kept counts, heaps and sorted frontiers), by simulation: random sequences of register, leave, heartbeat,
 begin_wait, end_wait, claim and release (a push's head, its read failed), push (any step, finite or not) and tick
 with time jumps (leases running out) give the same answers, statuses, closes, round records, awaited members, wait
-reasons, the sum made so far, whose push is read next and final weights. The oracle is live: every scan it stands on
-is one the core calls (a scan the core no longer calls would leave it comparing the core with itself)."""
+reasons, the sum made so far, whose push is read next and final weights; every rank is one worker's. The oracle is
+live: every scan it stands on is one the core calls (a scan the core no longer calls would leave it comparing the
+core with itself)."""
 from __future__ import annotations
 
 import itertools
@@ -18,6 +19,7 @@ from tests.configs import core_config
 from ps_service.core.membership import Member
 from ps_service.http import REFUSALS, status_of
 from shared.protocol import ModelInit, PushRequest
+from tests.test_core import check_ranks
 from tests.naive_core import NaiveCore, NaiveMembership, NaiveRound, NaiveRule, naive_progress
 
 NAMES = ("a", "b", "c", "d", "e")
@@ -132,6 +134,7 @@ def snapshot(core: ParameterServerCore, now: float) -> dict:
 
 def check_counts(core: ParameterServerCore, now: float) -> None:
     """The incremental core's kept counts are what the scans find."""
+    check_ranks(core)
     r = core.round
     if r is None:
         return

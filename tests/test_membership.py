@@ -1,6 +1,6 @@
 """Membership's kept structures (issue 17): the lease heap, the active set and the free ranks give what the
-scans gave (tests/naive_core.py), and a member that rejoins an open round under another rank keeps the
-round's counts and rank order right."""
+scans gave (tests/naive_core.py), and a member that rejoins a stuck round keeps its rank, a newcomer joining it
+taking one the round does not list."""
 from __future__ import annotations
 
 import numpy as np
@@ -175,9 +175,10 @@ def test_membership_answers_as_the_scans(calls):
         assert out[0] == out[1]
 
 
-def test_a_member_back_in_a_stuck_round_under_another_rank_is_counted_under_it():
-    """Fixed R = 3, min_replicas 2: w0 leaves, the others die; a newcomer takes rank 0 and joins the stuck
-    round; w0 comes back, its rank is taken: it joins under rank 3, and the round closes with both."""
+def test_a_member_back_in_a_stuck_round_keeps_its_rank_and_a_newcomer_takes_one_the_round_does_not_list():
+    """Fixed R = 3, min_replicas 2: w0 leaves, the others die; a newcomer joins the stuck round under rank 3 (the
+    round lists 0, 1, 2: w0's given back too); w0 comes back under its rank 0 and joins it too, and the round
+    closes with both."""
     core = ParameterServerCore(core_config(min_workers=3, startup_grace_seconds=0.0, lease_seconds=5.0,
                                           replicas_to_aggregate=3, min_replicas=2))
     core.init_model(ModelInit({"w": np.zeros(3, np.float32)}, {"name": "sgd", "learning_rate": 1.0}), 0.0)
@@ -185,14 +186,15 @@ def test_a_member_back_in_a_stuck_round_under_another_rank_is_counted_under_it()
     core.leave(ids[0], 4.0)  # heard from w0 at 4: the others' silence is theirs, not the PS's
     core.tick(6.0)  # w1 and w2 expire: nobody left in round 0
     new, start = core.register("new", 6.5)
-    assert (new.rank, start, core.round.ranks) == (0, 0, (0, 0, 1, 2))
+    assert (new.rank, start, core.round.ranks) == (3, 0, (0, 1, 2, 3))
     g = {"new": np.array([0.5, 1.0, 3.0], np.float32), "w0": np.array([-1.5, 1.0, 0.25], np.float32)}
     core.push(PushRequest(new.worker_id, 0, {"w": g["new"].copy()}), 7.0)
-    w0, start = core.register("w0", 7.5)  # stuck below min_replicas: joins at once, under a free rank
-    assert (w0.rank, start, core.round.eligible[ids[0]], core.round.ranks) == (3, 0, 3, (0, 1, 2, 3))
+    w0, start = core.register("w0", 7.5)  # stuck below min_replicas: joins at once, under its rank
+    assert (w0.rank, start, core.round.eligible[ids[0]], core.round.ranks) == (0, 0, 0, (0, 1, 2, 3))
     assert core.push(PushRequest(ids[0], 0, {"w": g["w0"].copy()}), 8.0).closed
     assert core.rounds[-1].reason == "unreachable" and core.rounds[-1].aggregated == 2
-    mean = (g["new"] + g["w0"]) / np.float32(2)
+    assert sorted((a.rank, a.worker_id) for a in core.rounds[-1].contributors) == [(0, ids[0]), (3, new.worker_id)]
+    mean = (g["w0"] + g["new"]) / np.float32(2)
     assert core.weights["w"].tobytes() == (np.zeros(3, np.float32) - np.float32(1.0) * mean).tobytes()
 
 

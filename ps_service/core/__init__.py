@@ -184,8 +184,9 @@ class ParameterServerCore(ModelState):
             self._end_ranks = self.ranks()  # a worker registering after the end trains no step: not in the ranks
         prev = self.members.by_name.get(name)
         returning = prev is None or not prev.active
-        m, _ = self.members.register(name, now)
-        wid, start, r = m.worker_id, self.global_step, self.round
+        r = self.round
+        m, _ = self.members.register(name, now, r.listed if r is not None else None)  # a rank r lists: nobody else's
+        wid, start = m.worker_id, self.global_step
         if self.modes is not None:
             self.modes.join(wid, now)
         if r is not None:

@@ -1,17 +1,19 @@
 """Who is in the job: registration, ranks, leases. Pure state, no I/O, no clock of its own.
 
-Contract: docs/protocol.md, register (names, ids, the lowest free rank, leases, the silence that holds them). In the
-module's terms: ``touch`` renews a lease, ``expire(now)`` marks members whose lease ran out ``expired``, ``leave`` is
-the graceful exit; expired and left members stay listed. A wait on the barrier (``begin_wait`` .. ``end_wait``,
-nested) holds its member's lease. Leases are *held* (:attr:`holds`, by reason) from :meth:`hold` until
-:meth:`release`: :data:`FOLLOWER`, a sharded PS whose follower does not answer; :data:`SILENCE`, no worker heard
-from for :data:`SILENCE_LEASES` of a lease (or :meth:`stalled`), released by the next worker heard from. When the
-last hold is released every active member gets a lease from then. Every change is appended to ``events`` (bounded).
+Contract: docs/protocol.md, register (names, ids, the lowest free rank: none the open round lists, leases, the silence
+that holds them). In the module's terms: ``touch`` renews a lease, ``expire(now)`` marks members whose lease ran out
+``expired``, ``leave`` is the graceful exit; expired and left members stay listed. A wait on the barrier
+(``begin_wait`` .. ``end_wait``, nested) holds its member's lease. Leases are *held* (:attr:`holds`, by reason) from
+:meth:`hold` until :meth:`release`: :data:`FOLLOWER`, a sharded PS whose follower does not answer; :data:`SILENCE`, no
+worker heard from for :data:`SILENCE_LEASES` of a lease (or :meth:`stalled`), released by the next worker heard from.
+When the last hold is released every active member gets a lease from then. Every change is appended to ``events``
+(bounded).
 
 Cost: no call scans the members. ``expire`` pops a heap of lease ends (one entry per member; a renewed lease's entry
 is pushed back to its new end when it comes due): O(log K) per lease that ran out or was renewed; the active members,
-their count and the ranks taken are kept up to date at every change. Only :meth:`active` (sorted, once per round) and
-:meth:`all` / :meth:`export` (monitoring, checkpoints) walk them.
+their count and the ranks taken are kept up to date at every change; a registration steps over the free ranks the
+open round lists (O(log K) each). Only :meth:`active` (sorted, once per round) and :meth:`all` / :meth:`export`
+(monitoring, checkpoints) walk them.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import heapq
 import secrets
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from ps_service.core.errors import CoreError
 
@@ -29,6 +32,13 @@ MAX_NAME_LEN = 128
 SILENCE_LEASES = 0.5
 #: the reasons leases are held (:meth:`Membership.hold`)
 FOLLOWER, SILENCE = "follower", "silence"
+#: rank -> the worker id the open round lists under it, or None (:meth:`Membership.register`)
+Listed = Callable[[int], str | None]
+
+
+def unlisted(rank: int) -> None:
+    """No open round lists ``rank`` (:data:`Listed`)."""
+    return None
 
 
 def refuse_blank(name: object) -> None:
@@ -139,12 +149,18 @@ class Membership:
     def is_active(self, worker_id: str) -> bool:
         return worker_id in self.active_by_id
 
-    def _free_rank(self) -> int:
-        """The lowest rank no present member holds."""
-        free, taken = self._free, self._taken
-        while free and free[0] in taken:
-            heapq.heappop(free)
-        return free[0] if free else self._top
+    def _free_rank(self, listed: Listed = unlisted) -> int:
+        """The lowest rank no present member holds and ``listed`` gives no worker (:meth:`register`); the free ranks
+        listed below it are skipped, not dropped: O(log K) each."""
+        free, taken, skipped = self._free, self._taken, []
+        while free and (free[0] in taken or listed(free[0]) is not None):
+            r = heapq.heappop(free)
+            if r not in taken:
+                skipped.append(r)
+        rank = free[0] if free else self._top
+        for r in skipped:
+            heapq.heappush(free, r)
+        return rank
 
     def _hold(self, rank: int) -> None:
         for r in range(self._top, rank):
@@ -180,19 +196,23 @@ class Membership:
             self.active_by_id.pop(m.worker_id, None)
         m.state = state
 
-    def register(self, name: str, now: float) -> tuple[Member, bool]:
-        """(member, rejoined): the member for ``name``, now active with a fresh lease."""
+    def register(self, name: str, now: float, listed: Listed | None = None) -> tuple[Member, bool]:
+        """(member, rejoined): the member for ``name``, now active with a fresh lease. ``listed(rank)``: the worker id
+        the open round lists under ``rank`` (None: none), a rank given to no other worker until that round closes (a
+        member that left gave it back): a newcomer gets the lowest rank neither held nor listed, a member that left
+        its old rank unless another holds it or the round lists it for another."""
         if not isinstance(name, str) or not name.strip() or len(name) > MAX_NAME_LEN:
             raise CoreError("bad_name", f"worker name must be a non-empty string of at most {MAX_NAME_LEN} chars")
+        listed = listed or unlisted
         m = self.by_name.get(name)
         if m is None:
-            m = Member(secrets.token_hex(8), name, self._free_rank(), ACTIVE, now, now, now + self.lease_seconds)
+            m = Member(secrets.token_hex(8), name, self._free_rank(listed), ACTIVE, now, now, now + self.lease_seconds)
             self._add(m)
             self._event(now, "joined", m)
             self._heard(now)
             return m, False
-        if m.state == LEFT and m.rank in self._taken:
-            m.rank = self._free_rank()
+        if m.state == LEFT and (m.rank in self._taken or listed(m.rank) not in (None, m.worker_id)):
+            m.rank = self._free_rank(listed)
         self._set_state(m, ACTIVE)
         m.registrations += 1
         self.renew(m, now)

@@ -25,8 +25,8 @@ The round's sum (:class:`Accumulator`, the PS's ConditionalAccumulator):
 - It owns the validated gradients it is given, one per worker: the first in rank order becomes the running sum
   (copied first if read-only or not C-contiguous), the others are read once and released.
 - ``take_sum()`` sums them in (rank, worker_id) order, ``acc = g[first]; acc += g[next] ...``, then ``acc /= n`` under
-  ``aggregation="mean"`` when n > 1: whatever the arrival order, a run is bit-reproducible (the worker id breaks rank
-  ties: a newcomer can reuse the rank of a member that left mid-round).
+  ``aggregation="mean"`` when n > 1: whatever the arrival order, a run is bit-reproducible (a round's ranks are
+  distinct: :meth:`Round.listed`).
 - A gradient is folded in as soon as no gradient still possible (``pending``) sorts before it (elastic: a live
   member's yet to come; fixed R, once R heads came: theirs only); ``pending=None`` (fixed R below ``min_replicas``,
   where a stuck round may take any rank): it waits. The same bits either way; a heap by key, O(log K) a gradient.
@@ -199,6 +199,12 @@ class Round:
         """The eligible members' ranks, sorted (forgotten when :meth:`join` changes them)."""
         return tuple(rank for rank, _ in self.order)
 
+    def listed(self, rank: int) -> str | None:
+        """The eligible member listed under ``rank`` (None: none), O(log K): membership gives the rank to nobody else
+        while the round is open (:meth:`ps_service.core.membership.Membership.register`)."""
+        i = bisect.bisect_left(self.order, (rank, ""))
+        return self.order[i][1] if i < len(self.order) and self.order[i][0] == rank else None
+
     def standing(self, worker_id: str, alive: bool | None = None) -> tuple[bool, bool]:
         """(live, waiting) of a member: counted and alive; and with no contribution yet."""
         live = self.counts(worker_id) and (self.alive(worker_id) if alive is None else alive)
@@ -314,23 +320,19 @@ class Round:
         self._count(worker_id, before)
 
     def join(self, worker_id: str, rank: int) -> None:
-        """A member joins this open round (it is stuck without it), under ``rank``."""
+        """A member joins this open round (it is stuck without it), under ``rank``: one it lists already comes back
+        under the rank it is listed under (no other worker is given that rank meanwhile: :meth:`listed`)."""
         before = self.standing(worker_id)
         self.gone.discard(worker_id)
         if worker_id in self.lost and worker_id in self.refused:
             self.back.append(worker_id)
         self.lost.discard(worker_id)
-        old = self.eligible.get(worker_id)
-        if old != rank:
-            if old is not None:
-                i = bisect.bisect_left(self.order, (old, worker_id))
-                del self.order[i]
-                self.frontier -= i < self.frontier
-            i = bisect.bisect_left(self.order, (rank, worker_id))
+        i = bisect.bisect_left(self.order, (rank, worker_id))
+        if worker_id not in self.eligible:
             self.order.insert(i, (rank, worker_id))
             self.__dict__.pop("ranks", None)
-        self.frontier = min(self.frontier, bisect.bisect_left(self.order, (rank, worker_id)))  # pending again
-        self.eligible[worker_id] = rank
+            self.eligible[worker_id] = rank
+        self.frontier = min(self.frontier, i)  # pending again
         self._count(worker_id, before)
 
     def mean_loss(self) -> float | None:
