@@ -225,7 +225,7 @@ async def one_round(step: DecimalInt, request: Request) -> dict:
 @router.get(f"{API}/loss", response_model=LossCurve)
 async def loss(request: Request,
                since: Annotated[DecimalInt, Query(ge=-1, description="Only rounds with step > since.")] = -1) -> dict:
-    """The loss curve (one point per closed round, the last 10000): what the dashboard plots."""
+    """The loss curve (one point per closed round, the newest kept): what the dashboard plots."""
     core = runtime(request).core
     points = list(takewhile(lambda p: p[0] > since, reversed(core.loss_history)))[::-1]
     return {"steps": [p[0] for p in points], "loss": [p[1] for p in points], "global_step": core.global_step}

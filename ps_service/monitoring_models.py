@@ -2,8 +2,8 @@
 
 Only data shapes, their documentation (they appear in the OpenAPI schema at ``/docs``; ``/metrics`` takes its HELP
 lines from them) and the answers' sizes the routes and the descriptions both read (:data:`ROUNDS_KEPT`,
-:data:`EVENTS_SHOWN`); the values are built in :mod:`ps_service.monitoring`. Times named ``*_at`` / ``time`` are
-Unix seconds (wall clock); durations are seconds.
+:data:`EVENTS_SHOWN`; the core's ``LOSS_KEPT``); the values are built in :mod:`ps_service.monitoring`. Times named
+``*_at`` / ``time`` are Unix seconds (wall clock); durations are seconds.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ps_service.core import RATE_WINDOW_SECONDS
+from ps_service.core import LOSS_KEPT, RATE_WINDOW_SECONDS
 from ps_service.core.config import CoreConfig
 
 #: closed rounds the core keeps (``/v1/rounds``' limit, ``/v1/rounds/{step}``); membership events ``/v1/workers`` shows
@@ -301,6 +301,7 @@ class Rounds(BaseModel):
 
 
 class LossCurve(BaseModel):
-    steps: list[int]
-    loss: list[float]
+    steps: list[int] = Field(description=f"Steps of the newest {LOSS_KEPT} losses kept (one a closed round), oldest "
+                                         "first.")
+    loss: list[float] = Field(description="The loss at each of those steps.")
     global_step: int

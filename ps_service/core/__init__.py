@@ -48,6 +48,7 @@ from shared.shards import spec_of
 
 RECENT_STEPS = 16  # per-worker memory of pushed steps, for duplicate detection
 RATE_WINDOW_SECONDS = 10.0
+LOSS_KEPT = 10_000  # the newest closed rounds' losses kept (GET /v1/loss)
 
 
 #: what :meth:`ParameterServerCore.tick` does now (:class:`Decision`)
@@ -94,7 +95,7 @@ class ParameterServerCore(ModelState):
         self._ranks: tuple[int, tuple[int, ...]] = (-1, ())  # (members.changes, active ranks) cache
         self._end_ranks: tuple[int, ...] | None = None  # the ranks once the job is done and a worker registered
         self.push_counts = {s.value: 0 for s in PushStatus} | {"skipped": 0}
-        self.loss_history: deque[tuple[int, float]] = deque(maxlen=10000)
+        self.loss_history: deque[tuple[int, float]] = deque(maxlen=LOSS_KEPT)
         self.examples = 0
         self._ready_since: float | None = None
         self.started_at: float | None = None
