@@ -21,7 +21,7 @@ from pydantic import BaseModel
 from ps_service import monitoring
 from ps_service.core.membership import ACTIVE, EXPIRED, LEFT
 from ps_service.core.rounds import CLOSE_REASONS
-from ps_service.monitoring_models import PairStatus, Status
+from ps_service.monitoring_models import PairStatus, ShardRow, Status
 from ps_service.runtime import Runtime
 from shared.protocol import JobState
 
@@ -98,15 +98,12 @@ def staleness_histogram(counts: dict[int, int]) -> HistogramMetricFamily:
 
 def shard_gauges(view: dict):
     """A sharded PS: this shard's index; on the coordinator each shard's step, reachability and bytes (label shard)."""
-    yield family("ps_shard_index", "This process's shard (0: the coordinator).", view["index"])
-    yield family("ps_shards", "Shards of the PS (PS_SHARDS).", view["count"])
+    yield family("ps_shard_index", described("shard.index"), view["index"])
+    yield family("ps_shards", described("shard.count"), view["count"])
     if "rollbacks" in view:
-        yield family("ps_shard_rollbacks", "Live rollbacks of the job to a checkpoint every shard has (a follower "
-                                           "restarted).", view["rollbacks"], True)
-    families = [(GaugeMetricFamily(f"ps_shard_{key}", doc, labels=["shard"]), key) for key, doc in (
-        ("step", "Each shard's global step, as the coordinator last heard it."),
-        ("reachable", "1 if the coordinator's last exchange with the shard got an answer."),
-        ("bytes_owned", "Bytes of the model the shard owns."))]
+        yield family("ps_shard_rollbacks", described("shard.rollbacks"), view["rollbacks"], True)
+    families = [(GaugeMetricFamily(f"ps_shard_{key}", ShardRow.model_fields[key].description, labels=["shard"]), key)
+                for key in ("step", "reachable", "bytes_owned")]
     for row in view.get("shards", []):
         for f, key in families:
             if row[key] is not None:

@@ -146,8 +146,8 @@ def snapshot(rt: Runtime) -> dict:
         "training_started_at": None if core.started_at is None else wall(rt, core.started_at),
         "uptime_seconds": now - rt.started_mono,
         "checkpoint": rt.checkpoint_info,
-        "shard": None if rt.shards is None else rt.shards.view(),
-        "pair": None if rt.ha is None else rt.ha.status(),
+        "shard": None if rt.shards is None else rt.shards.view().model_dump(),
+        "pair": None if rt.ha is None else rt.ha.status().model_dump(),
     }
 
 

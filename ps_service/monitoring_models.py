@@ -2,8 +2,9 @@
 
 Only data shapes, their documentation (they appear in the OpenAPI schema at ``/docs``; ``/metrics`` takes its HELP
 lines from them) and the answers' sizes the routes and the descriptions both read (:data:`ROUNDS_KEPT`,
-:data:`EVENTS_SHOWN`; the core's ``LOSS_KEPT``); the values are built in :mod:`ps_service.monitoring`. Times named
-``*_at`` / ``time`` are Unix seconds (wall clock); durations are seconds.
+:data:`EVENTS_SHOWN`; the core's ``LOSS_KEPT``). The values are built in :mod:`ps_service.monitoring`, the ``shard``
+and ``pair`` blocks of ``/v1/status`` by the sharding and standby layers. Times named ``*_at`` / ``time`` are
+Unix seconds (wall clock); durations are seconds.
 """
 from __future__ import annotations
 
@@ -127,6 +128,40 @@ class PairStatus(BaseModel):
     last_change: str | None = Field(description="The last change of role or term, and why.")
 
 
+class ShardRow(BaseModel):
+    index: int = Field(description="The shard (0: the coordinator).")
+    url: str
+    step: int | None = Field(description="The shard's global step, as the coordinator last heard it.")
+    reachable: bool | None = Field(description="Whether the coordinator's last exchange with the shard got an "
+                                               "answer.")
+    bytes_owned: int | None = Field(description="Bytes of the model the shard owns.")
+    error: str | None = Field(description="A refusal that stopped the coordinator's link to it.")
+
+
+class FollowerRow(ShardRow):
+    rounds_queued: int = Field(description="Messages (round applies) queued for it, not sent yet.")
+
+
+class ShardStatus(BaseModel):
+    index: int = Field(description="This process's shard (0: the coordinator).")
+    count: int = Field(description="Shards of the PS (PS_SHARDS).")
+    role: Literal["coordinator", "follower"] = Field(description="coordinator: shard 0.")
+    step: int = Field(description="This shard's global step.")
+    bytes_owned: int = Field(description="Bytes of the model this shard owns.")
+    held_pushes: int = Field(description="Pushes' pieces held for a commit.")
+    map_digest: str | None = Field(description="The shard map's digest (null: no model yet).")
+    boot: str = Field(description="This process's boot id (another one: it restarted).")
+
+
+class CoordinatorStatus(ShardStatus):
+    shards: list[FollowerRow | ShardRow] = Field(description="Every shard, the coordinator's own row first.")
+    blocked: str | None = Field(description="Why registration is refused (503 shards_inconsistent; null: it is not).")
+    leases_held: bool = Field(description="A follower does not answer: no worker's lease runs out meanwhile.")
+    rollbacks: int = Field(description="Live rollbacks of the job to a checkpoint every shard has (a follower "
+                                       "restarted).")
+    last_rollback: str | None = Field(description="What the last rollback did (null: none).")
+
+
 class Status(BaseModel):
     state: str = Field(description="waiting_for_model | waiting_for_workers | training | done")
     global_step: int = Field(description="Model version: the global step (rounds applied).")
@@ -167,11 +202,9 @@ class Status(BaseModel):
     training_started_at: float | None = Field(description="Round 0 opened (Unix s).")
     uptime_seconds: float
     checkpoint: CheckpointInfo | None
-    shard: dict | None = Field(None, description=(
-        'A sharded PS (PS_SHARDS > 1; null: one PS): {"index", "count", "role": coordinator|follower, "step", '
-        '"bytes_owned", "held_pushes", "map_digest", "boot"}; on the coordinator also "blocked", "rollbacks", '
-        '"last_rollback", "leases_held" (a follower does not answer: no lease runs out) and "shards": per shard '
-        '{"index", "url", "step", "reachable", "bytes_owned", "error", "rounds_queued"} (docs/protocol-shards.md).'))
+    shard: CoordinatorStatus | ShardStatus | None = Field(None, description=(
+        "A sharded PS (PS_SHARDS > 1; null: one PS): this shard, and on the coordinator every shard "
+        "(docs/protocol-shards.md)."))
     pair: PairStatus | None = Field(None, description="A hot-standby pair (PS_ROLE; null: none): this PS's role, "
                                                       "the term, the standby's lag (docs/guides/standby.md).")
 

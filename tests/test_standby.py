@@ -384,7 +384,7 @@ def test_a_primary_of_term_3_restarted_alone_is_a_candidate_for_term_4_and_wins_
     pair = restarted_primary(tmp_path, monkeypatch, 3)
     assert (pair.role, pair.term, pair.election.term, pair.election.incumbent) == ("candidate", 3, 4, False)
     assert pair.refusal().code == "election" and pair.refusal(3).code == "election"  # no push taken
-    assert pair.status()["election"] == {"term": 4, "votes": [], "needed": 2}
+    assert pair.status().election.model_dump() == {"term": 4, "votes": [], "needed": 2}
     assert pair.vote(3, "w0")["counted"] is False  # another term's vote
     assert pair.vote(4, "stranger")["counted"] is False and pair.vote(4, "w0")["counted"] and pair.role == "candidate"
     assert kept_on_disk(tmp_path)["term"] == 3  # nothing served in term 4 yet
@@ -478,7 +478,7 @@ def test_a_restarted_primary_with_a_term_kept_follows_its_peer_when_it_answers(t
     pair = restarted_primary(tmp_path, monkeypatch, 3, peer={"role": "standby", "term": 0})
     assert (pair.role, pair.term) == ("primary", 4) and pair.refusal(3) is None and pair.refusal(4) is None
     lone = restarted_primary(tmp_path, monkeypatch, 4, workers=0)
-    assert lone.role == "candidate" and not lone.election.won and lone.status()["election"]["needed"] == 1
+    assert lone.role == "candidate" and not lone.election.won and lone.status().election.needed == 1
     lone.peer_answers({"role": "primary", "term": 5})  # its state will come
     assert lone.role == "candidate"
     lone.peer_answers({"role": "standby", "term": 0})

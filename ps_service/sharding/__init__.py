@@ -26,6 +26,7 @@ from ps_service.checkpoint import CheckpointError, checkpoint_name, decode, list
 from ps_service.core import rounds
 from ps_service.core.membership import FOLLOWER
 from ps_service.core.model import check_weights
+from ps_service.monitoring_models import CoordinatorStatus, FollowerRow, ShardRow, ShardStatus
 from ps_service.sharding import parts, receipts, rollback
 from ps_service.sharding.holds import Holds, passed
 from ps_service.sharding.links import Links
@@ -348,20 +349,18 @@ class ShardRole:
             return "follower: waiting for the coordinator to give it its pieces of the model"
         return None if core.done else f"follower: waiting for the coordinator to close round {core.global_step}"
 
-    def view(self) -> dict:
+    def view(self) -> ShardStatus:
         """``/v1/status``'s ``shard`` block: this shard, and on the coordinator every shard."""
         core = self.core
         own = sum(int(np.asarray(w).nbytes) for w in (core.weights or {}).values())
-        out = {"index": self.index, "count": self.count, "role": "coordinator" if self.coordinator else "follower",
-               "step": core.global_step, "bytes_owned": own, "held_pushes": len(self.holds), "map_digest": self.digest,
-               "boot": self.boot}
-        if self.coordinator:
-            rows = [{"index": 0, "url": self.urls[0], "step": core.global_step, "reachable": True, "bytes_owned": own,
-                     "error": None}]
-            rows += [{"index": f.index, "url": f.url, "step": f.step, "reachable": f.reachable,
-                      "bytes_owned": self.map and self.map.bytes_owned(f.index), "error": f.error,
-                      "rounds_queued": f.queue.qsize()} for f in self.links.followers]
-            out["shards"], out["blocked"] = rows, self.links.blocked
-            out["leases_held"] = FOLLOWER in core.members.holds
-            out["rollbacks"], out["last_rollback"] = self.rollbacks, self.last_rollback
-        return out
+        this = dict(index=self.index, count=self.count, role="coordinator" if self.coordinator else "follower",
+                    step=core.global_step, bytes_owned=own, held_pushes=len(self.holds), map_digest=self.digest,
+                    boot=self.boot)
+        if not self.coordinator:
+            return ShardStatus(**this)
+        rows = [ShardRow(index=0, url=self.urls[0], step=core.global_step, reachable=True, bytes_owned=own, error=None)]
+        rows += [FollowerRow(index=f.index, url=f.url, step=f.step, reachable=f.reachable, error=f.error,
+                             bytes_owned=self.map and self.map.bytes_owned(f.index), rounds_queued=f.queue.qsize())
+                 for f in self.links.followers]
+        return CoordinatorStatus(**this, shards=rows, blocked=self.links.blocked, rollbacks=self.rollbacks,
+                                 leases_held=FOLLOWER in core.members.holds, last_rollback=self.last_rollback)

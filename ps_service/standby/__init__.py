@@ -21,6 +21,7 @@ from collections import deque
 
 import numpy as np
 
+from ps_service.monitoring_models import Election as ElectionStatus, PairStatus
 from ps_service.standby import messages
 from ps_service.standby.election import Election, roster
 from ps_service.standby.kept import kept
@@ -422,22 +423,16 @@ class Pair:
         return h.hexdigest()
 
     # ---- monitoring -------------------------------------------------------------------------
-    def status(self) -> dict:
-        primary = self.leading
-        lag = [m for m in self.queue if m[0] > self.acked]
+    def status(self) -> PairStatus:
+        primary, e = self.leading, self.election
         behind, logged_bytes = self.link.log_behind() if self.link is not None else (None, 0)
-        return {
-            "role": self.role, "term": self.term, "peer": self.peer, "boot": self.boot,
-            "standby": (("catching_up" if self.transferring else "in_sync" if self.gated else "none") if primary
-                        else None),
-            "alone_seconds": None if self.alone_since is None or not primary else self.rt.now() - self.alone_since,
-            "lag_rounds": self.seq - min(self.acked, self.acked if behind is None else behind) if primary else None,
-            "lag_bytes": sum(len(m[1]) for m in lag) + logged_bytes if primary else None,
-            "applied": self.applied, "synced": self.synced,
-            "election": None if self.election is None else {"term": self.election.term,
-                                                            "votes": sorted(self.election.votes),
-                                                            "needed": self.election.needed},
-            "takeovers": self.takeovers, "transfers": self.transfers,
-            "bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received,
-            "last_change": self.last_change,
-        }
+        return PairStatus(
+            role=self.role, term=self.term, peer=self.peer, boot=self.boot,
+            standby=("catching_up" if self.transferring else "in_sync" if self.gated else "none") if primary else None,
+            alone_seconds=None if self.alone_since is None or not primary else self.rt.now() - self.alone_since,
+            lag_rounds=self.seq - min(self.acked, self.acked if behind is None else behind) if primary else None,
+            lag_bytes=sum(len(m[1]) for m in self.queue if m[0] > self.acked) + logged_bytes if primary else None,
+            applied=self.applied, synced=self.synced,
+            election=e and ElectionStatus(term=e.term, votes=sorted(e.votes), needed=e.needed),
+            takeovers=self.takeovers, transfers=self.transfers, bytes_sent=self.bytes_sent,
+            bytes_received=self.bytes_received, last_change=self.last_change)
