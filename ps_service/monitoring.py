@@ -5,7 +5,6 @@ Read-only views of the core; the response shapes (and their documentation in ``/
 """
 from __future__ import annotations
 
-from dataclasses import asdict
 from itertools import islice, takewhile
 from typing import Annotated
 
@@ -15,8 +14,9 @@ from fastapi.responses import JSONResponse
 from ps_service.core import ParameterServerCore
 from ps_service.http import DecimalInt
 from ps_service.core.membership import ACTIVE, EXPIRED, LEFT
-from ps_service.monitoring_models import (EVENTS_SHOWN, ROUNDS_KEPT, LossCurve, PushCounts, Rounds,
-                                         RoundRecord as RoundModel, Status, Workers)
+from ps_service.monitoring_models import (EVENTS_SHOWN, ROUNDS_KEPT, Blocked, Contributor, LossCurve, PushCounts,
+                                         RoundRecord as RoundModel, Rounds, Status, Straggler, StragglerWait, Worker,
+                                         WorkerStaleness, Workers)
 from ps_service.core.rounds import Arrival, RoundRecord
 from ps_service.runtime import Runtime, runtime
 from shared.errors import ProtocolError
@@ -60,17 +60,21 @@ def current_round(rt: Runtime) -> dict | None:
     }
 
 
-def arrivals_view(entries: tuple[Arrival, ...] | list[Arrival], opened_at: float) -> list[dict]:
-    """Each arrival's own fields (name, rank, worker_id), its place (1: first) and its time after the round opened."""
-    return [{**vars(a), "order": i, "after_seconds": a.at - opened_at} for i, a in enumerate(entries, 1)]
+def arrivals_view(entries: tuple[Arrival, ...] | list[Arrival], opened_at: float) -> list[Contributor]:
+    """Each arrival, its place (1: first) and its time after the round opened."""
+    return [Contributor(order=i, name=a.name, rank=a.rank, worker_id=a.worker_id, after_seconds=a.at - opened_at)
+            for i, a in enumerate(entries, 1)]
 
 
-def round_record(rt: Runtime, rec: RoundRecord) -> dict:
-    """The record's own fields (step, reason, aggregated, eligible, missing, loss, examples, replicas_to_aggregate: the
-    answer's schema picks them), its times as Unix seconds and its arrivals as :func:`arrivals_view`."""
-    return {**vars(rec), "opened_at": wall(rt, rec.opened_at), "closed_at": wall(rt, rec.closed_at),
-            "duration_seconds": rec.duration, "straggler": None if rec.straggler is None else asdict(rec.straggler),
-            **{k: arrivals_view(getattr(rec, k), rec.opened_at) for k in ("contributors", "late", "skipped")}}
+def round_record(rt: Runtime, rec: RoundRecord) -> RoundModel:
+    """A closed round's answer: its times as Unix seconds, its arrivals as :func:`arrivals_view`."""
+    return RoundModel(
+        step=rec.step, opened_at=wall(rt, rec.opened_at), closed_at=wall(rt, rec.closed_at),
+        duration_seconds=rec.duration, reason=rec.reason, aggregated=rec.aggregated, eligible=rec.eligible,
+        contributors=arrivals_view(rec.contributors, rec.opened_at), late=arrivals_view(rec.late, rec.opened_at),
+        skipped=arrivals_view(rec.skipped, rec.opened_at), missing=list(rec.missing),
+        straggler=rec.straggler and Straggler.model_validate(rec.straggler, from_attributes=True), loss=rec.loss,
+        examples=rec.examples, replicas_to_aggregate=rec.replicas_to_aggregate)
 
 
 def straggler_totals(records: list[RoundRecord]) -> list[dict]:
@@ -157,7 +161,7 @@ async def status(request: Request) -> dict:
     return snapshot(runtime(request))
 
 
-def worker_view(rt: Runtime, m, now: float, totals: dict[str, dict], awaited: tuple[str, ...]) -> dict:
+def worker_view(rt: Runtime, m, now: float, totals: dict[str, dict], awaited: tuple[str, ...]) -> Worker:
     r = rt.core.round
     n = max(1, m.phase_reports)
     last_step = max(m.recent) if m.recent else None
@@ -168,21 +172,21 @@ def worker_view(rt: Runtime, m, now: float, totals: dict[str, dict], awaited: tu
     modes = rt.core.modes
     rec = None if modes is None else modes.workers.get(m.worker_id)
     blocked = None if rec is None or not rec.live else modes.wait(m.worker_id, now)
-    return {  # the member's own fields (worker_id, name, rank, registrations, last_loss: the schema picks them), and
-        **vars(m), "state": state, "last_seen": wall(rt, m.last_seen), "last_seen_seconds_ago": now - m.last_seen,
-        "transport": rt.tensors.shm.last_transport.get(m.worker_id), "registered_at": wall(rt, m.registered_at),
-        "last_step": last_step, "last_push_status": last_status, "in_current_round": in_round,
-        "awaited": m.worker_id in awaited, "waiting": rt.core.members.waits.get(m.worker_id, 0) > 0,
-        "pushes": {k: m.pushes.get(k, 0) for k in PUSH_KINDS},
-        "mean_seconds": {k: v / n for k, v in m.phase_sums.items()},
-        "straggler_rounds": t.get("rounds", 0), "straggler_seconds": t.get("waited_seconds", 0.0),
-        "clock": None if rec is None else rec.clock,
-        "staleness": None if rec is None else {"last": rec.last_staleness, "mean": rec.mean_staleness,
-                                               "max": rec.staleness_max if rec.applied else None,
-                                               "applied": rec.applied},
-        "blocked": None if blocked is None else {**vars(blocked), "stragglers": [
-            {"name": rt.core.members.by_id[w].name, "seconds": secs} for w, secs in blocked.stragglers]},
-    }
+    return Worker(
+        worker_id=m.worker_id, name=m.name, rank=m.rank, state=state, last_seen=wall(rt, m.last_seen),
+        last_seen_seconds_ago=now - m.last_seen, transport=rt.tensors.shm.last_transport.get(m.worker_id),
+        registered_at=wall(rt, m.registered_at), registrations=m.registrations, last_step=last_step,
+        last_push_status=last_status, in_current_round=in_round, awaited=m.worker_id in awaited,
+        waiting=rt.core.members.waits.get(m.worker_id, 0) > 0, pushes={k: m.pushes.get(k, 0) for k in PUSH_KINDS},
+        mean_seconds={k: v / n for k, v in m.phase_sums.items()}, last_loss=m.last_loss,
+        straggler_rounds=t.get("rounds", 0), straggler_seconds=t.get("waited_seconds", 0.0),
+        clock=None if rec is None else rec.clock,
+        staleness=None if rec is None else WorkerStaleness(
+            last=rec.last_staleness, mean=rec.mean_staleness, max=rec.staleness_max if rec.applied else None,
+            applied=rec.applied),
+        blocked=None if blocked is None else Blocked(
+            clock=blocked.clock, needs=blocked.needs, slowest=blocked.slowest, stragglers=[
+                StragglerWait(name=rt.core.members.by_id[w].name, seconds=secs) for w, secs in blocked.stragglers]))
 
 
 @router.get(f"{API}/workers", response_model=Workers)
