@@ -98,7 +98,7 @@ def kill_loop(c: LocalCluster, rng: random.Random, kills: int, patience: float =
 
         wait_for(moved, 30 * patience, "the standby to take over and close a round")
         again.append(time.monotonic() - killed)
-        c.start_ps()  # the killed one comes back: the standby of the newer term
+        c.start_ps(30 * patience)  # the killed one comes back at its port: the standby of the newer term
     return again
 
 

@@ -2,7 +2,7 @@
 
 :class:`LocalCluster` is a context manager: it starts ``python -m ps_service`` on a
 free port (``shards`` > 1: S of them, shard 0 the coordinator at :attr:`url`, each on its
-own port, and at an address of its own with ``hosts``; ``PS_SHARD_*`` set, a checkpoint directory each), waits for ``/healthz`` (polling with a deadline), starts N
+own port, and at an address of its own with ``hosts``; ``PS_SHARD_*`` set, a checkpoint directory each), waits for ``/healthz`` (polling with a deadline; each PS's port held from other processes until it listens: :func:`hold_port`, also from a :meth:`~LocalCluster.kill` until it is started again), starts N
 ``python -m worker_service`` processes with distinct names, and on exit stops
 whatever still runs (SIGTERM, then SIGKILL after a grace period). Process
 output goes to files under ``log_dir`` so a failing run can show it. With ``SYNCPS_FORK_SERVER=1`` (the test
@@ -64,6 +64,22 @@ def bindable(port: int, reuse_address: bool = False) -> bool:
         except OSError:
             return False
     return True
+
+
+def hold_port(host: str, port: int) -> socket.socket | None:
+    """Keep ``host:port`` from other processes while nothing of ours listens there (a PS process started, or
+    started again after a kill, on its port): a socket bound there with SO_REUSEADDR and never listening. A server
+    that binds with SO_REUSEADDR (uvicorn, asyncio) binds beside it and listens; a plain bind, :func:`bindable`'s,
+    which :func:`free_port` asks in every test process on the machine, fails meanwhile. Close it once the server
+    listens. None if it cannot be bound now (something listens there, or ``host`` is not an address here)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind((host, port))
+    except OSError:
+        s.close()
+        return None
+    return s
 
 
 def _lane() -> tuple[int, int]:
@@ -150,7 +166,8 @@ class LocalCluster:
             self.ps_env.update(PS_SHARDS=str(shards), PS_SHARD_URLS=",".join(self.shard_urls))
         self.followers: list[subprocess.Popen] = []  # shards 1..S-1
         self.peer: subprocess.Popen | None = None  # a hot-standby pair's second PS
-        self.peer_url = f"http://{self.host}:{free_port()}" if standby else None
+        self.peer_port = free_port() if standby else None
+        self.peer_url = f"http://{self.host}:{self.peer_port}" if standby else None
         urls = self.url if not standby else f"{self.url},{self.peer_url}"
         if standby:
             self.ps_env.update(PS_ROLE="primary", PS_PEER_URL=self.peer_url, PS_PROBE_PORT="0")
@@ -172,6 +189,7 @@ class LocalCluster:
         self.workers: list[subprocess.Popen] = []
         self._files: list = []
         self._killed: set[int] = set()  # pids we kill -9'd on purpose (their exit code is no failure)
+        self._held: dict[tuple[str, int], socket.socket] = {}  # PS addresses kept from other processes (hold_port)
         self._failed = False
         self.logs_removed = False
 
@@ -199,22 +217,56 @@ class LocalCluster:
 
     def peer_env(self) -> dict:
         """A pair's second PS: set standby, its own port and checkpoint directory, the primary as its peer."""
-        env = {**self.ps_env, "PS_PORT": self.peer_url.rsplit(":", 1)[1], "PS_ROLE": "standby", "PS_PEER_URL": self.url}
+        env = {**self.ps_env, "PS_PORT": str(self.peer_port), "PS_ROLE": "standby", "PS_PEER_URL": self.url}
         if env.get("PS_CHECKPOINT_DIR"):
             env["PS_CHECKPOINT_DIR"] = str(Path(env["PS_CHECKPOINT_DIR"]) / "standby")
         return env
 
+    def _address(self, proc) -> tuple[str, int] | None:
+        """The address PS process ``proc`` (:attr:`ps`, a follower, :attr:`peer`) listens at; None for a worker."""
+        if proc is not None and proc is self.peer:
+            return self.host, self.peer_port
+        index = next((i for i, p in enumerate([self.ps, *self.followers]) if p is not None and p is proc), None)
+        return None if index is None else (self.shard_hosts[index], self.shard_ports[index])
+
+    def _hold(self, address: tuple[str, int]) -> None:
+        """Keep ``address`` from other processes until :meth:`_release` (:func:`hold_port`; as it can)."""
+        if address not in self._held:
+            held = hold_port(*address)
+            if held is not None:
+                self._held[address] = held
+
+    def _release(self) -> None:
+        for held in self._held.values():
+            held.close()
+        self._held.clear()
+
+    def _start_ps(self, proc, env: dict, log_name: str, address: tuple[str, int]):
+        """``proc`` if it runs, else a PS process started at ``address`` (held until it listens: :meth:`start_ps`)."""
+        if proc is not None and proc.poll() is None:
+            return proc
+        self._hold(address)
+        return self._spawn("ps_service", env, log_name)
+
     def start_ps(self, deadline: float = 30.0) -> None:
         """Start the PS (every shard not running, followers first; a pair's standby), and wait until each answers
-        /healthz."""
+        /healthz. The port of each one started is held from other processes (:func:`hold_port`; a killed one's
+        since :meth:`kill`) until then: another test process's :func:`free_port` cannot hand it out meanwhile (a
+        PS started again at its port found it taken, once, on a shared machine)."""
+        try:
+            self._start_every_ps(deadline)
+        finally:
+            self._release()
+
+    def _start_every_ps(self, deadline: float) -> None:
         if len(self.shard_ports) > 1:
-            self.followers = [p if p is not None and p.poll() is None else
-                              self._spawn("ps_service", self.shard_env(i), f"ps-{i}.log")
+            self.followers = [self._start_ps(p, self.shard_env(i), f"ps-{i}.log",
+                                             (self.shard_hosts[i], self.shard_ports[i]))
                               for i, p in enumerate(self.followers or [None] * (len(self.shard_ports) - 1), 1)]
-        if self.ps is None or self.ps.poll() is not None:
-            self.ps = self._spawn("ps_service", self.shard_env(0), "ps.log")
-        if self.peer_url and (self.peer is None or self.peer.poll() is not None):
-            self.peer = self._spawn("ps_service", self.peer_env(), "ps-standby.log")
+        self.ps = self._start_ps(self.ps, self.shard_env(0), "ps.log", (self.host, self.port))
+        if self.peer_url:
+            self.peer = self._start_ps(self.peer, self.peer_env(), "ps-standby.log",
+                                       (self.host, self.peer_port))
 
         def healthy(proc, url, name):
             if proc.poll() is not None:
@@ -252,12 +304,16 @@ class LocalCluster:
 
     def kill(self, proc: subprocess.Popen | None = None) -> float:
         """``kill -9`` a worker process or (default) the PS, and reap it; the Unix time of the signal.
-        ``start_ps()`` / ``start_worker(i)`` start it again (same port, same name, log appended)."""
+        ``start_ps()`` / ``start_worker(i)`` start it again (same port, same name, log appended); a PS's port is
+        held from other processes until then (:func:`hold_port`)."""
         proc = proc or self.ps
         at = time.time()
         self._killed.add(proc.pid)
         proc.kill()
         proc.wait(10)
+        address = self._address(proc)
+        if address is not None:
+            self._hold(address)
         return at
 
     def start(self) -> "LocalCluster":
@@ -320,6 +376,7 @@ class LocalCluster:
         for f in self._files:
             f.close()
         self._files.clear()
+        self._release()
         if self._own_log_dir and not self.keep_logs and not self.failed and self.log_dir.exists():
             shutil.rmtree(self.log_dir, ignore_errors=True)
             self.logs_removed = True

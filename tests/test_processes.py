@@ -4,6 +4,8 @@ from __future__ import annotations
 import socket
 import time
 
+import httpx
+
 from cluster import processes
 from cluster.processes import LocalCluster, free_port, wait_for
 from tests.timing import allow
@@ -60,3 +62,22 @@ def test_a_cluster_stopped_mid_job_lets_its_workers_leave_before_its_ps_stops():
         assert [name for name, _ in sent] == ["worker-0", "worker-1", "ps"] and sent[-1][1] == [0, 0], sent
         assert not c.failed and all("retrying DELETE" not in c.log(f"worker-{i}") for i in range(2)), c.logs()
         assert took < allow(5), f"stopped in {took:.1f} s"
+
+
+def test_a_killed_ps_s_port_is_held_from_other_processes_until_it_listens_there_again():
+    """A PS kill -9'd comes back at its port (a pair's peer, a shard's siblings and the workers know it by it):
+    meanwhile another test process's free_port on the same machine must not hand it out (tests/test_standby_crash.py
+    failed once: the port was taken before the restart). Held: a plain bind, free_port's check, fails; the PS binds
+    beside the hold (SO_REUSEADDR), and once it answers the port is its alone."""
+    with LocalCluster(0, ps_env={"PS_MIN_WORKERS": 1}, standby=True) as c:
+        assert c._held == {}  # every PS listens
+        for proc, port in ((c.ps, c.port), (c.peer, c.peer_port)):
+            c.kill(proc)
+            assert ("127.0.0.1", port) in c._held and not processes.bindable(port)
+        c.start_ps()
+        assert c._held == {}
+        for url in (c.url, c.peer_url):
+            assert httpx.get(f"{url}/healthz", timeout=allow(10)).status_code == 200
+        assert not processes.bindable(c.port, reuse_address=True)  # it listens: not even beside it
+        c.kill(c.peer)  # killed and never started again: held until the cluster stops
+    assert c._held == {}
