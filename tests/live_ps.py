@@ -1,7 +1,8 @@
 """A real PS (uvicorn on loopback) in a thread of the test process, so tests can look inside its core.
 
 ``live_ps(**settings)`` starts ``ps_service.app.create_app`` under uvicorn on a
-free port and yields a :class:`LivePS`; :func:`state_hash` digests everything a
+free port and yields a :class:`LivePS` (:func:`held_ports`: ports for a test that
+starts PSs on them again); :func:`state_hash` digests everything a
 refused request must leave alone (weights, optimizer slots and iterations, the
 step, round progress, membership, counters), and :func:`raw_exchange` speaks
 HTTP/1.1 over a bare socket for the requests a well-behaved client cannot send
@@ -22,7 +23,7 @@ import httpx
 import numpy as np
 import uvicorn
 
-from cluster.processes import bindable, free_port, wait_for
+from cluster.processes import bindable, free_port, hold_port, wait_for
 from tests.timing import allow
 from cluster.inprocess import serve_in_thread
 from ps_service.runtime import Runtime
@@ -43,17 +44,32 @@ class LivePS:
 
     def client(self, token: str | None = None, **kw) -> PSClient:
         """A worker client that does not wait for the round to close after a push."""
-        c = PSClient(self.url, timeout=10.0, attempts=1, token=token, **kw)
+        c = PSClient(self.url, timeout=allow(10), attempts=1, token=token, **kw)
         c.push_wait = 0.0
         return c
 
     def http(self, token: str | None = None) -> httpx.Client:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        return httpx.Client(base_url=self.url, timeout=10.0, headers=headers)
+        return httpx.Client(base_url=self.url, timeout=allow(10), headers=headers)
 
 
 def _start(ps_settings: PSSettings) -> tuple[Any, uvicorn.Server, threading.Thread]:
-    return serve_in_thread(ps_settings)
+    return serve_in_thread(ps_settings, start_timeout=allow(20))
+
+
+@contextmanager
+def held_ports(n: int) -> Iterator[list[int]]:
+    """``n`` free ports, held from other processes for the block (cluster.processes.hold_port): a test that starts
+    PSs on them again and again (a shard restarted, restored) keeps them between one's stop and the next's start,
+    when another test process's free_port could hand them out. :func:`live_ps` binds beside the hold."""
+    ports = [free_port() for _ in range(n)]
+    held = [hold_port("127.0.0.1", p) for p in ports]
+    try:
+        yield ports
+    finally:
+        for h in held:
+            if h is not None:
+                h.close()
 
 
 @contextmanager

@@ -20,13 +20,13 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from cluster.processes import LocalCluster, free_port, wait_for
+from cluster.processes import LocalCluster, wait_for
 from ps_service.core.optimizers import Optimizer
 from ps_service.sharding import receipts
 from shared import frame, shards
 from shared.errors import ProtocolError
 from tests.clusters import closed_rounds, final_weights, run_job
-from tests.live_ps import live_ps, state_hash
+from tests.live_ps import held_ports, live_ps, state_hash
 from tests.reference import train_reference
 from tests.timing import allow
 from worker_service.tasks import load_task
@@ -256,14 +256,23 @@ def shard_settings(ports: list[int], **kw) -> dict:
             "shm_dir": "", "min_workers": 2, "startup_grace_seconds": 0, **kw}
 
 
+@pytest.fixture
+def ports():
+    """Two ports for shards started on them again and again, held between (tests/live_ps.py held_ports)."""
+    with held_ports(2) as held:
+        yield held
+
+
 @contextmanager
 def two_shards(ports: list[int] | None = None, each: tuple[dict, dict] = ({}, {}), **kw):
-    """Shards 0 (the coordinator) and 1 in this process; ``each``: settings of one shard only."""
-    ports = ports or [free_port(), free_port()]
-    common = shard_settings(ports, **kw)
-    with live_ps(port=ports[1], shard_index=1, **{**common, **each[1]}) as f, \
-            live_ps(port=ports[0], shard_index=0, **{**common, **each[0]}) as c:
-        yield c, f
+    """Shards 0 (the coordinator) and 1 in this process; ``each``: settings of one shard only. Without ``ports``, two
+    held from other processes (held_ports: the coordinator's while shard 1 starts)."""
+    with held_ports(0 if ports else 2) as fresh:
+        ports = ports or fresh
+        common = shard_settings(ports, **kw)
+        with live_ps(port=ports[1], shard_index=1, **{**common, **each[1]}) as f, \
+                live_ps(port=ports[0], shard_index=0, **{**common, **each[0]}) as c:
+            yield c, f
 
 
 W0 = {"w": np.array([[1.0], [2.0], [3.0]]), "b": np.array([0.5])}
@@ -337,8 +346,8 @@ def one_round(hc, hf, m, ids, step, grads):
         assert push_pieces(hc, hf, m, w, step, grads).status_code == 200
 
 
-def test_a_restore_never_mixes_steps(tmp_path):
-    ports, dirs = [free_port(), free_port()], ({"checkpoint_dir": str(tmp_path / "0")}, {"checkpoint_dir": str(tmp_path / "1")})
+def test_a_restore_never_mixes_steps(tmp_path, ports):
+    dirs = ({"checkpoint_dir": str(tmp_path / "0")}, {"checkpoint_dir": str(tmp_path / "1")})
     with two_shards(ports, dirs) as (c, f):
         hc, hf, m, ids = start_job(c, f)
         one_round(hc, hf, m, ids, 0, {"w": np.ones((3, 1)), "b": np.ones(1)})
@@ -488,7 +497,8 @@ def test_shards_that_plan_different_maps_refuse_the_model():
     with two_shards(each=({}, {"shard_split_elements": 3})) as (c, f):  # shard 1 was started with another bound
         body = b"".join(bytes(p) for p in frame.encode(W0, {"optimizer": {"name": "sgd"}}))
         r = c.http().put("/v1/model", content=body, headers={"content-type": frame.MEDIA_TYPE})
-        assert (r.status_code, r.json()["error"]) == (409, "shard_init_failed") and "shard_map_mismatch" in r.json()["detail"]
+        assert (r.status_code, r.json()["error"]) == (409, "shard_init_failed"), r.text
+        assert "shard_map_mismatch" in r.json()["detail"], r.text
         assert not c.rt.core.initialized and not f.rt.core.initialized
         assert c.http().get("/v1/shards").json()["map"] is None
 
@@ -518,8 +528,7 @@ def test_the_fast_lane_serves_the_shard_routes_only_on_a_sharded_ps(monkeypatch)
         assert r.status_code in (400, 422) and served.count("/v1/shard/gradients") == 4
 
 
-def test_a_coordinator_restored_behind_a_follower_has_it_restore_the_same_step(tmp_path):
-    ports = [free_port(), free_port()]
+def test_a_coordinator_restored_behind_a_follower_has_it_restore_the_same_step(tmp_path, ports):
     dirs = tuple({"checkpoint_dir": str(tmp_path / str(i)), "checkpoint_every_steps": 1, "checkpoint_keep": 5}
                  for i in range(2))
     grads = {"w": np.ones((3, 1)), "b": np.ones(1)}
@@ -563,8 +572,7 @@ def test_a_coordinator_restored_behind_a_follower_has_it_restore_the_same_step(t
         wait_for(lambda: f.rt.core.global_step == 2, allow(10), "shard 1 to apply round 1 again")
 
 
-def test_a_follower_restarted_with_nothing_to_go_back_to_leaves_registration_refused_saying_what_to_do():
-    ports = [free_port(), free_port()]
+def test_a_follower_restarted_with_nothing_to_go_back_to_leaves_registration_refused_saying_what_to_do(ports):
     common = shard_settings(ports)  # no PS_CHECKPOINT_DIR: a restarted follower comes back empty
     with live_ps(port=ports[0], shard_index=0, **common) as c:
         with live_ps(port=ports[1], shard_index=1, **common) as f:
