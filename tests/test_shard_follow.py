@@ -175,7 +175,7 @@ def test_a_follower_killed_while_it_sums_in_turn_rolls_the_job_back_and_it_finis
         try:
             wait_for(lambda: c.status()["global_step"] >= kill_at, allow(60), f"step {kill_at}")
             c.kill(c.followers[0])
-            c.start_ps()  # only shard 1 is not running: it comes back from its checkpoint directory
+            c.start_ps(allow(30))  # only shard 1 is not running: it comes back from its checkpoint directory
             assert c.wait_workers(allow(120)) == [0] * workers
             wait_for(lambda: c.status()["state"] == "done", allow(10), "the PS to report done")
             st, got = c.status(), final_weights(c)

@@ -94,7 +94,7 @@ def test_a_follower_killed_and_restarted_mid_job_rolls_the_job_back_and_it_finis
             killed_at = c.kill(c.followers[0])
             for newest in sorted((ckpt / "shard-1").glob("ckpt-*.msgpack"))[::-1][:lose]:
                 newest.unlink()
-            c.start_ps()  # only shard 1 is not running: it comes back from its checkpoint directory
+            c.start_ps(allow(30))  # only shard 1 is not running: it comes back from its checkpoint directory
             up = time.time() - killed_at
             assert c.wait_workers(allow(60)) == [0] * workers
             wait_for(lambda: settled(c.status()), allow(10), "the PS to report done, every shard at its step")

@@ -17,12 +17,30 @@ import time
 
 import pytest
 
-from bench.failover import TASK, ha, same_bits, status
+from bench import failover
+from bench.failover import TASK
 from cluster.processes import LocalCluster, wait_for
 from tests.clusters import final_weights
 from tests.reference import train_reference
 from tests.tcp_proxy import Proxy
-from tests.timing import allow
+from tests.timing import allow, scale
+
+
+def ha(url: str, digest: bool = False) -> dict | None:
+    """bench.failover's probe of ``GET /v1/ha``, its timeout scaled with the load (a busy PS answers late: slow, not
+    gone)."""
+    return failover.ha(url, digest, scale())
+
+
+def status(url: str) -> dict:
+    """A running PS's ``GET /v1/status``, asked until it answers (each probe's timeout and the wait scaled): one
+    probe that a busy PS answers late gives None, and a field read of it a TypeError instead of a check."""
+    return wait_for(lambda: failover.status(url, scale()), allow(30), f"{url} to answer GET /v1/status")
+
+
+def same_bits(c: LocalCluster) -> bool:
+    return failover.same_bits(c, scale())
+
 
 def reference(steps: int, workers: int = 3) -> dict:
     return train_reference("linear", workers, steps, batch_size=16, seed=7, dtype="float64")[1]
@@ -84,7 +102,7 @@ def test_the_standby_killed_the_primary_goes_on_alone_and_takes_it_back():
             alone = status(c.url)
             step = alone["global_step"]
             wait_for(lambda: status(c.url)["global_step"] >= step + 3, allow(15), "training without a standby")
-            c.start_ps()
+            c.start_ps(allow(30))
             wait_for(lambda: status(c.url)["pair"]["standby"] == "in_sync", allow(15), "the standby to catch up")
             assert c.wait_workers(allow(60)) == [0, 0, 0]
             wait_for(lambda: same_bits(c), allow(10), "the standby to hold the primary's bits")
@@ -114,7 +132,7 @@ class CutCluster(LocalCluster):
         return {**super().peer_env(), "PS_PEER_URL": self.to_primary.url}
 
     def start(self) -> "CutCluster":
-        self.start_ps()
+        self.start_ps(allow(30))
         for i, urls in enumerate(self.urls):
             self.start_worker(i, {"WORKER_PS_URL": urls})
         return self
@@ -160,9 +178,11 @@ def test_a_partition_between_the_two_ps_one_side_takes_rounds_never_both(majorit
                 time.sleep(0.05)
             w, l = seen[winner][-1], seen[loser][-1]
             c.heal()
-            wait_for(lambda: (ha(loser) or {}).get("synced") and ha(loser)["term"] == 2, allow(15),
-                     "the loser to be the winner's standby")
-            after = ha(loser)
+
+            def standby_again() -> dict | None:  # the answer that showed it (not a second probe, which may get none)
+                a = ha(loser) or {}
+                return a if a.get("synced") and a["term"] == 2 else None
+            after = wait_for(standby_again, allow(15), "the loser to be the winner's standby")
             c.wait_workers(allow(90))
             wait_for(lambda: same_bits(c), allow(10), "the standby to hold the primary's bits")
         except Exception:
@@ -189,7 +209,7 @@ def test_the_pytorch_bridge_carries_on_when_the_primary_dies():
     env = {"PS_MAX_STEPS": steps, "PS_TOTAL_NUM_REPLICAS": 2, "PS_MIN_WORKERS": 2}
     c = LocalCluster(1, ps_env=env, standby=True)
     try:
-        c.start_ps()
+        c.start_ps(allow(30))
         results: dict = {}
 
         def worker(name):
@@ -253,9 +273,8 @@ def test_a_primary_restarted_while_its_peer_is_down_asks_the_workers_for_the_ter
             try:
                 c.kill(c.ps)
                 c.ps = c._spawn("ps_service", c.shard_env(0), "ps.log")  # the primary alone (start_ps: both)
-                wait_for(lambda: ha(c.url) is not None, allow(30), "the primary to answer again")
-                back = ha(c.url)
-                push = httpx.post(f"{c.url}/v1/workers", json={"name": "worker-0"}, timeout=5)
+                back = wait_for(lambda: ha(c.url), allow(30), "the primary to answer again")
+                push = httpx.post(f"{c.url}/v1/workers", json={"name": "worker-0"}, timeout=allow(5))
             finally:
                 for w in c.workers:
                     os.kill(w.pid, signal.SIGCONT)
