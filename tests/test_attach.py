@@ -41,3 +41,24 @@ def test_other_refusals_are_raised_at_once():
     with pytest.raises(ProtocolError) as err:
         t.push({"step": 3}, {"w": np.ones(2, np.float32)}, 1.0, 1.0)
     assert (err.value.status, err.value.code) == (409, "stale_step") and len(seen) == 1
+
+
+@pytest.mark.parametrize("exc, level", [(OSError(28, "No space left on device"), "WARNING"),
+                                        (FileNotFoundError(2, "no such file"), "INFO")])
+def test_a_gradient_file_without_room_is_a_warning_another_host_is_not(exc, level, monkeypatch, caplog):
+    """ENOSPC (the PS's directory too small for this worker's file: a size to fix) is a WARNING naming the
+    directory; no weights file to map (the PS on another host) is the expected INFO. Both send request bodies."""
+    from worker_service.transport import attach
+
+    def handler(r: Request) -> Answer:
+        return Answer.of_json({"weights_file": "w", "region_bytes": 8, "nonce": "00"})
+
+    def refuse(*args, **kwargs):
+        raise exc
+    monkeypatch.setattr(attach.ShmTransport, "open", refuse)
+    ep = Endpoint("http://ps", MockTransport(handler), timeout=5.0, attempts=1, retry_timeout=5.0, token=None)
+    with caplog.at_level("INFO", logger="worker"):
+        t = Attached(ep, "w1", "/dev/shm", Spec())
+    assert t.name == "http"
+    [rec] = [r for r in caplog.records if "request bodies" in r.getMessage()]
+    assert rec.levelname == level and ("/dev/shm has no room" in rec.getMessage()) == (level == "WARNING")

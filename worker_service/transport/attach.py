@@ -8,6 +8,7 @@ most once per push.
 """
 from __future__ import annotations
 
+import errno
 import logging
 from typing import Callable, Mapping, TypeVar
 
@@ -46,7 +47,13 @@ class Attached(TensorTransport):
         try:
             t = ShmTransport.open(self.endpoint, self.shm_dir, self.endpoint.call_json("GET", f"{API}/shm"))
         except (ProtocolError, OSError, ValueError) as exc:
-            log.info("tensors in request bodies (same-host transport unavailable: %s)", exc)
+            # no room for the gradient file on the PS's host: a size to fix, not another host (the PS then holds a
+            # body being read and its answers' weights frame: two model copies more)
+            full = isinstance(exc, OSError) and exc.errno == errno.ENOSPC
+            (log.warning if full else log.info)(
+                "tensors in request bodies (same-host transport unavailable: %s)%s", exc,
+                f"; {self.shm_dir} has no room for this worker's gradient file: give it more (Docker: a volume or "
+                "shm_size)" if full else "")
             return body
         try:
             self.endpoint.call_json("POST", f"{API}/workers/{self.worker_id}/shm",
