@@ -194,7 +194,7 @@ async def push(request: Request, pull: bool = Query(False, description=(
     # Shards): its decision then comes with the last head, not after the pushes before it in rank order
     turn = rt.turn if rt.shards is None else None
     try:
-        result, got, via = await rt.tensors.push(request, rt.now, turn)
+        result, got, via = await rt.tensors.push(request, rt.now, turn, rt.deliver)
     finally:
         rt.notify()  # as run_guarded: the waiters woken whatever happened
     step, worker_id = got.step, got.worker_id

@@ -4,7 +4,9 @@ Routes get the :class:`Runtime` from ``request.app.state.runtime``. It owns the 
 the tensor seam (:class:`ps_service.transport.TensorSeam`), and wakes the waits: a long poll waits on the *barrier*
 (:meth:`Runtime.barrier`), woken only when it moved (once per round), body answers first; a push waits for its turn to
 be read (:meth:`Runtime.turn`). The observers (metrics, checkpoints, a shard's and a pair's senders) run at every
-change of the core and must be O(1).
+change of the core and must be O(1). What the core tells the layer above (``core.told``: a sharded coordinator's
+decisions) is delivered after every core call before anything is awaited (:meth:`Runtime.deliver`), so a message it
+queues leaves as soon as the call's route yields, as if queued inside the call.
 """
 from __future__ import annotations
 
@@ -62,12 +64,15 @@ class Runtime:
         self.ha = None
         #: waits in flight answer at once when it moves (:meth:`abort_waits`)
         self.aborts = 0
+        #: who reads what the core tells (``core.told``; None: nobody): :meth:`deliver`
+        self._reader: Callable[[], None] | None = None
 
     def take_parts(self, shards, ha) -> None:
         """Take this process's parts in a sharded PS and in a hot-standby pair (None: none)."""
         self.shards, self.ha = shards, ha
         if shards is not None and shards.coordinator:
-            self.observers.append(shards.observe)  # closed rounds go to the followers
+            self._reader = shards.tell  # decided rounds go to the followers
+            self.observers.append(shards.observe)  # closed rounds not sent, and the open round's progress
         if ha is not None:
             self.observers.append(ha.observe)  # membership changes go to the standby
 
@@ -100,8 +105,16 @@ class Runtime:
         core = self.core
         return core.global_step, core.state(), core.pull_floor, core.rewinds, core.recalls, core.leaves
 
+    def deliver(self) -> None:
+        """What the core told since the last call (``core.told``), to its reader: after every core call, before anything
+        is awaited (:meth:`notify`; a partitioned push after each frame)."""
+        if self.core.told:
+            self._reader()
+
     def notify(self) -> None:
-        """If the core changed since the last call: run the observers, and wake every waiter if the barrier moved."""
+        """What the core told (:meth:`deliver`); if the core changed since the last call: run the observers, and wake
+        every waiter if the barrier moved."""
+        self.deliver()  # (first: a message it queues goes before the waiters woken here run)
         if self.core.version != self._seen_version:
             self._seen_version = self.core.version
             barrier = self.barrier()

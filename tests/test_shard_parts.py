@@ -14,7 +14,7 @@ import random
 import numpy as np
 import pytest
 
-from ps_service.core import ParameterServerCore
+from ps_service.core import Decided, ParameterServerCore
 from ps_service.core.errors import CoreError
 from ps_service.core.rounds import Accumulator
 from ps_service.sharding import parts
@@ -185,35 +185,73 @@ def test_an_empty_decision_steps_nothing_and_refusals_change_nothing():
 
 
 def test_the_coordinators_decision_and_lost_members_close_a_follower_as_the_coordinator():
-    """A coordinator's core names a contributor lost mid-round (``on_lost``, before its own partitions close without
-    it); a follower told the decision and the loss ends with the coordinator's weights, bit for bit."""
+    """A coordinator's core tells the decision and a contributor lost mid-round (``core.told``: ``Decided``, ``Lost``,
+    read after each call); a follower told them ends with the coordinator's weights, bit for bit."""
     c, ids = partitioned_core(OPTIMIZERS[3], 100, workers=3, lease_seconds=5.0)
     f = ParameterServerCore(core_config())
     f.partition_bytes = 100
     f.follow()
     f.init_model(ModelInit(weights0("float32"), dict(OPTIMIZERS[3])), 0.0)
     assert f.partitions == c.partitions
-    seen = []
-    c.on_lost = lambda step, w: seen.append((step, w, c.global_step, c.deciding))
-    c.on_decided = lambda rec: parts.decide(f, rec.step, sorted((a.rank, a.worker_id) for a in rec.contributors), 0.0)
+    c.told, seen = [], []
+
+    def tell(now: float) -> None:  # what the sharding layer does after each call of the coordinator's core
+        told, c.told = c.told, []
+        for t in told:
+            if isinstance(t, Decided):
+                seen.append(("decided", t.record.step, t.lost))
+                parts.decide(f, t.record.step, sorted((a.rank, a.worker_id) for a in t.record.contributors), now)
+            else:
+                seen.append(("lost", t.step, t.worker_id))
+                parts.drop(f, t.step, t.worker_id, now)
     p = c.partitions
 
     def both(rank: int, q: int, now: float = 0.0) -> None:
         g = p.split(gradient(0, rank, "float32"), q)
         assert pushed_frame(c, ids[rank], 0, rank, q, now=now).status is PushStatus.ACCEPTED
+        tell(now)
         assert parts.frame(f, ids[rank], 0, q, {k: v.copy() for k, v in g.items()}, now) == "held"
     for rank in range(3):
         both(rank, 0)
+    assert seen == [("decided", 0, ())]
     assert c.deciding and f.deciding
     for rank in (0, 1):
         for q in range(1, p.count):
             both(rank, q, now=4.0)
-    c.on_lost = lambda step, w: (seen.append((step, w, c.global_step, c.deciding)), parts.drop(f, step, w, 6.0))
-    c.tick(6.0)  # worker 2's lease ends: named first, then every partition closes without it
-    assert seen == [(0, ids[2], 0, True)]
+    c.tick(6.0)  # worker 2's lease ends: told, and every partition closes without it
+    assert c.global_step == 1 and f.global_step == 0
+    tell(6.0)
+    assert seen == [("decided", 0, ()), ("lost", 0, ids[2])]
     assert c.global_step == f.global_step == 1 and not f.deciding
     assert {k: v.tobytes() for k, v in f.weights.items()} == {k: v.tobytes() for k, v in c.weights.items()}
     assert f.optimizer.iterations == c.optimizer.iterations == 1
+
+
+def test_the_coordinator_tells_the_followers_its_decision_and_the_contributors_lost_before_and_after_it():
+    """Partitioned rounds: a contributor lost before the decision (its partition 0 counted, then it left) goes with
+    the decision (``lost``: the core's ``Decided.lost``, taken at the decision, as the round may close in the same
+    call), one lost after it in a ``/shard/lost`` message; queued for every follower once the call returned
+    (:meth:`ShardRole.tell`, the runtime's ``deliver``), in the order the core told them."""
+    from ps_service.settings import PSSettings
+    from ps_service.sharding import role
+    c, ids = partitioned_core(OPTIMIZERS[0], 100, workers=4)
+    r = role(PSSettings(shards=2, shard_index=0, shard_urls="http://127.0.0.1:9,http://127.0.0.1:10",
+                        partition_bytes=100), c)
+    assert c.told == []
+    for rank in (0, 1, 2):
+        assert pushed_frame(c, ids[rank], 0, rank, 0).status is PushStatus.ACCEPTED
+    c.leave(ids[0], 1.0)
+    assert c.told == [] and not c.deciding
+    assert pushed_frame(c, ids[3], 0, 3, 0, now=1.0).status is PushStatus.ACCEPTED  # the last head: decided
+    assert c.deciding and [type(t) for t in c.told] == [Decided] and c.told[0].lost == (ids[0],)
+    c.leave(ids[1], 2.0)
+    r.tell()
+    assert c.told == []
+    queue = r.links.followers[0].queue
+    sent = [queue.get_nowait() for _ in range(queue.qsize())]
+    assert sent == [("/shard/apply", {"step": 0, "contributors": [[i, ids[i]] for i in range(4)], "mean_of": 4,
+                                      "lost": [ids[0]]}),
+                    ("/shard/lost", {"step": 0, "workers": [ids[1]]})]
 
 
 # ---- real shards and stock workers (uvicorn, worker processes) -----------------------------------------------------

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import itertools
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -80,8 +81,8 @@ def test_a_core_fed_the_primarys_steps_holds_the_same_bits(mode, optimizer, spar
     settings = {"min_workers": 3, "startup_grace_seconds": 0.0, "mode": mode}
     primary, standby = ParameterServerCore(core_config(**settings)), ParameterServerCore(core_config(**settings))
     sent: list[bytes] = []
-    primary.on_step = lambda total, mean_of, n: sent.append(
-        messages.encode_step(primary.global_step, total, mean_of, n, {"members": primary.members.export()}))
+    primary.replica = SimpleNamespace(on_step=lambda total, mean_of, n: sent.append(
+        messages.encode_step(primary.global_step, total, mean_of, n, {"members": primary.members.export()})))
     primary.init_model(ModelInit({k: v.copy() for k, v in W.items()}, {"name": optimizer, "learning_rate": 0.1}), 0.0)
     ids = [primary.register(f"w{i}", 0.0)[0].worker_id for i in range(3)]
     for step in range(2):
@@ -182,15 +183,14 @@ def fed_pair(optimizer: str, workers: int, log_dir: str | None = None):
     """A primary core whose steps are encoded as the primary's link would (``sent``), its workers' ids, and a standby
     ``Pair`` (over a core of its own, with a stand-in runtime) that took the primary's state at message 0 of term 1
     (and made its same-host log in ``log_dir``, if given)."""
-    from types import SimpleNamespace
 
     from ps_service.settings import PSSettings
     from ps_service.standby import Pair
     settings = {"min_workers": workers, "startup_grace_seconds": 0.0}
     primary = ParameterServerCore(core_config(**settings))
     sent: list[bytes] = []
-    primary.on_step = lambda total, mean_of, n: sent.append(bytes(messages.encode_step(
-        primary.global_step, total, mean_of, n, {"members": primary.members.export()})))
+    primary.replica = SimpleNamespace(on_step=lambda total, mean_of, n: sent.append(bytes(messages.encode_step(
+        primary.global_step, total, mean_of, n, {"members": primary.members.export()}))))
     primary.init_model(ModelInit({k: v.copy() for k, v in W.items()}, {"name": optimizer, "learning_rate": 0.1}), 0.0)
     ids = [primary.register(f"w{i}", 0.0)[0].worker_id for i in range(workers)]
     pair = Pair(PSSettings(role="standby", peer_url="http://peer:8000"), ParameterServerCore(core_config(**settings)))
@@ -334,7 +334,6 @@ def restarted_primary(tmp_path, monkeypatch, kept_term: int | None, peer: dict |
     checkpoint directory holding term ``kept_term`` (None: no directory) and a core restored from a state with
     ``workers`` members (back as expired, as from a checkpoint); no network (the link stubbed, its peer look too)."""
     import asyncio
-    from types import SimpleNamespace
 
     import ps_service.standby as standby
     from ps_service.settings import PSSettings

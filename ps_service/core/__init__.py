@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Protocol
 
 import numpy as np
 
@@ -62,6 +62,31 @@ class Decision:
     action: str
     why: Callable[[], str | None]
     close_reason: str | None = None  # CLOSE: the round's rule's reason (full, membership, unreachable, deadline)
+
+
+@dataclass(frozen=True)
+class Decided:
+    """Told (:attr:`ParameterServerCore.told`): round ``record.step`` is decided, before its update; ``lost``: its
+    contributors that already bring no more frames of it (partitioned rounds), in the order they came."""
+    record: RoundRecord
+    lost: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Lost:
+    """Told (:attr:`ParameterServerCore.told`): contributor ``worker_id`` of decided round ``step`` brings no more
+    frames of it, before its partitions close without it."""
+    step: int
+    worker_id: str
+
+
+class Replica(Protocol):
+    """The one way out of the core (docs/architecture.md): a copy of this core's steps kept elsewhere (a hot standby's
+    primary, ``ps_service/standby``), given each step's input as :meth:`ParameterServerCore.apply_round` takes it,
+    before the core's update consumes it: the replica copies it then (told after the call, the core would have to
+    keep a model-sized copy of every step)."""
+
+    def on_step(self, total: Mapping[str, Any] | None, mean_of: int, contributors: int) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -104,15 +129,15 @@ class ParameterServerCore(ModelState):
         #: members recalled into a stuck round (:meth:`tick`): waits in flight look again when it moves
         self.recalls = 0
         self.leaves = 0  # graceful leaves since start (a waiting long poll of the leaver ends at once)
-        #: hooks. on_decided(record): a round is decided, before its update (a sharded coordinator's applies).
-        #: on_step(total or None, mean_of, contributors): each step's input as :meth:`apply_round` takes it, before it
-        #: is applied (a hot standby's primary). on_partition(): after a call that closed partitions (the last one's
-        #: after the step advanced: transport/streamed.py). on_lost(step, worker_id): a contributor of the decided
-        #: round brings no more frames, before its partitions close without it (sharding/parts.py)
-        self.on_decided: Callable[[RoundRecord], None] | None = None
-        self.on_step: Callable[[Mapping[str, Any] | None, int, int], None] | None = None
+        #: what the core tells the layer above, in order, for it to read once the call returns (None: nobody reads
+        #: it; a sharded coordinator sets a list and takes what is in it after every call): :class:`Decided`,
+        #: :class:`Lost`
+        self.told: list[Decided | Lost] | None = None
+        #: the copy of each step's input (:class:`Replica`; None: none)
+        self.replica: Replica | None = None
+        #: hook: on_partition(): after a call that closed partitions (the last one's after the step advanced:
+        #: transport/streamed.py)
         self.on_partition: Callable[[], None] | None = None
-        self.on_lost: Callable[[int, str], None] | None = None
         #: whose push's tensors are being read, and whose may be next (:meth:`claim`)
         self.intake = Intake()
 
@@ -461,11 +486,12 @@ class ParameterServerCore(ModelState):
         """The open round's rule is met (its record, partition 0's sum or None, the mean's n): it is decided, partition
         0 closes, and the round closes with its last partition (:meth:`close_parts`; one partition: at once)."""
         r, parts = self.round, self.parts
-        if self.on_decided is not None:
-            self.on_decided(rec)
+        if self.told is not None:
+            self.told.append(Decided(rec, tuple(a.worker_id for a in rec.contributors if a.worker_id in parts.lost)
+                                     if parts.lost else ()))
         p = self.partitions
-        if p is None and self.on_step is not None:  # (a standby of a partitioned PS: not built)
-            self.on_step(total, n, rec.aggregated)
+        if p is None and self.replica is not None:  # (a standby of a partitioned PS: not built)
+            self.replica.on_step(total, n, rec.aggregated)
         # total None when every contribution was skipped (NaN/Inf) or the sum overflows: no update
         if total is not None:
             self.update(total, consume=True, mean_of=n, pieces=None if p is None else p.partitions[0])
@@ -475,12 +501,12 @@ class ParameterServerCore(ModelState):
 
     def _lose(self, now: float, worker_ids) -> None:
         """Members that will bring no more frames of the open round (expired, left, came back): the partitions that
-        waited for them close without them; a contributor of the decided round is named to :attr:`on_lost` first."""
+        waited for them close without them; a contributor of the decided round is told first (:class:`Lost`)."""
         parts = self.parts
-        if parts.decided and self.on_lost is not None:
+        if parts.decided and self.told is not None:
             for w in worker_ids:
                 if w in parts.contributors and w not in parts.lost:
-                    self.on_lost(self.global_step, w)
+                    self.told.append(Lost(self.global_step, w))
         self.close_parts(now, [q for w in worker_ids for q in parts.drop(w)])
 
     def close_parts(self, now: float, qs) -> None:

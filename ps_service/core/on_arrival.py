@@ -35,10 +35,10 @@ def classify(core, m: Member, req: PushRequest, finite: bool, now: float) -> tup
 
 
 def take(core, req: PushRequest, v: Verdict, grads: Mapping[str, np.ndarray]) -> None:
-    """Do what the verdict says: one optimizer step with ``grads`` (consumed) if it applies, after ``core.on_step``;
-    ``global_step += 1`` if it advances."""
-    if v.advances and core.on_step is not None:
-        core.on_step(grads if v.applies else None, 1, int(v.applies))
+    """Do what the verdict says: one optimizer step with ``grads`` (consumed) if it applies, after
+    ``core.replica.on_step``; ``global_step += 1`` if it advances."""
+    if v.advances and core.replica is not None:
+        core.replica.on_step(grads if v.applies else None, 1, int(v.applies))
     if v.applies:
         core.update(grads, consume=True)
         core.gradients_applied += 1

@@ -4,11 +4,12 @@ on an unsharded PS, and nothing here runs then.
 Shard 0, the *coordinator*, alone holds membership, the barrier and the round records, and owns a share of the
 tensors; shards 1..S-1, the *followers*, own their share (:mod:`shared.shards`) and its optimizer slots, hold pushes
 (:mod:`.holds`) and decide nothing. A commit counts only with every follower's receipt of its hold (:mod:`.receipts`).
-When round s is decided, :meth:`ShardRole.decided` (the core's ``on_decided`` hook) queues "apply round s with C" for
-every follower (:mod:`.links`), who sums the held pieces of C in rank order and steps the same optimizer, bit for bit
-the coordinator's. A follower whose pieces are large sums a round as it fills and reads a hold only in its worker's
-turn (:mod:`.turns`), so its memory stays flat in the worker count. A follower that restarted makes the coordinator
-roll the job back live to the newest checkpoint step every shard has (:mod:`.rollback`).
+When round s is decided (the core tells it: ``core.told``, read by :meth:`ShardRole.tell` after every core call),
+"apply round s with C" is queued for every follower (:mod:`.links`), who sums the held pieces of C in rank order and
+steps the same optimizer, bit for bit the coordinator's. A follower whose pieces are large sums a round as it fills
+and reads a hold only in its worker's turn (:mod:`.turns`), so its memory stays flat in the worker count. A follower
+that restarted makes the coordinator roll the job back live to the newest checkpoint step every shard has
+(:mod:`.rollback`).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import numpy as np
 
 from ps_service.auth import peer_token
 from ps_service.checkpoint import CheckpointError, checkpoint_name, decode, list_checkpoints, step_of
-from ps_service.core import rounds
+from ps_service.core import Lost, rounds
 from ps_service.core.membership import FOLLOWER
 from ps_service.core.model import check_weights
 from ps_service.monitoring_models import CoordinatorStatus, FollowerRow, ShardRow, ShardStatus
@@ -71,9 +72,7 @@ class ShardRole:
         if not self.coordinator:
             core.follow()
         else:
-            core.on_decided = self.decided
-            if self.partitioned:
-                core.on_lost = self.lost
+            core.told = []  # (:meth:`tell`)
 
     @property
     def coordinator(self) -> bool:
@@ -132,33 +131,34 @@ class ShardRole:
             raise ProtocolError(503, "shards_inconsistent", self.links.blocked)
 
     # ---- the coordinator ----------------------------------------------------------------
-    def decided(self, rec) -> None:
-        """The core's ``on_decided`` hook: the followers apply while the coordinator steps its own share."""
-        try:
-            if rec.step > self._sent_step:
-                self._send(rec)
-        except Exception:  # the round's close goes on; observe() retries the rounds not sent
-            log.exception("queueing the apply of round %d failed", rec.step)
+    def tell(self) -> None:
+        """What the core told (``core.told``, read after every core call, before any await: :meth:`Runtime.deliver`),
+        queued for the followers: a decided round's apply (partitioned rounds: its decision), while the coordinator
+        steps its own share; a contributor lost mid-round (partitioned rounds)."""
+        core = self.core
+        told, core.told = core.told, []
+        for t in told:
+            if isinstance(t, Lost):  # the followers close round t.step without that worker
+                if self.partitioned:  # (one partition: no round is decided across calls)
+                    self.links.queue("/shard/lost", {"step": t.step, "workers": [t.worker_id]})
+            elif t.record.step > self._sent_step:
+                try:
+                    self._send(t.record, t.lost)
+                except Exception:  # the round's close went on; observe() retries the rounds not sent
+                    log.exception("queueing the apply of round %d failed", t.record.step)
 
-    def _send(self, rec) -> None:
-        """Queue the followers' apply of round ``rec`` (partitioned rounds: with the contributors lost already)."""
+    def _send(self, rec, lost=()) -> None:
+        """Queue the followers' apply of round ``rec`` (partitioned rounds: with ``lost``, its contributors lost
+        before its decision)."""
         contributors = sorted((a.rank, a.worker_id) for a in rec.contributors)
-        n = len(contributors)
-        open_parts = self.core.parts
-        lost = None if not self.partitioned else sorted(
-            open_parts.lost & {w for _, w in contributors}
-            if open_parts is not None and rec.step == self.core.global_step else ())
         if marks.ON:
             marks.mark("decision.queued", step=rec.step)
-        self.links.round_closed(rec.step, contributors, rounds.mean_of(self.core.config.aggregation, n), lost)
+        self.links.round_closed(rec.step, contributors, rounds.mean_of(self.core.config.aggregation, len(contributors)),
+                                sorted(lost) if self.partitioned else None)
         self._sent_step = rec.step
 
-    def lost(self, step: int, worker_id: str) -> None:
-        """The core's ``on_lost`` hook (partitioned rounds): the followers close round ``step`` without a worker."""
-        self.links.queue("/shard/lost", {"step": step, "workers": [worker_id]})
-
     def observe(self) -> None:
-        """Runtime observer (O(1) unless a round closed): queue the closed rounds :meth:`decided` did not send and drop
+        """Runtime observer (O(1) unless a round closed): queue the closed rounds :meth:`tell` did not send and drop
         their holds; then the open round's progress if it moved, for the followers that sum as told (:mod:`.turns`)."""
         core = self.core
         if core.rounds_closed != self._seen_closed:

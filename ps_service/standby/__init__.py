@@ -87,7 +87,7 @@ class Pair:
         self.election: Election | None = None
         self.takeovers = 0
         self.last_change: str | None = None
-        core.on_step = self.on_step
+        core.replica = self  # (:class:`ps_service.core.Replica`: on_step)
 
     # ---- lifecycle ----------------------------------------------------------------------
     async def start(self, rt) -> None:
@@ -143,7 +143,7 @@ class Pair:
 
     # ---- the primary ----------------------------------------------------------------------
     def on_step(self, total, mean_of: int, contributors: int) -> None:
-        """The core's hook (``on_step``): queue this step's input for the standby (a copy: the core consumes it)."""
+        """The core's :class:`~ps_service.core.Replica`: queue this step's input for the standby (a copy: the core consumes it)."""
         if self.feeding:  # (a candidate's too: a round its deadline closes is the standby's to apply)
             self._queue(self.core.global_step, total, mean_of, contributors)
 

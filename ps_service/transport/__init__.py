@@ -119,15 +119,15 @@ class TensorSeam:
                 and self.shm.layout.data_bytes >= GATED_BYTES:
             await self._claimed(push.worker_id, turn(push.worker_id, push.step, self.settings.lease_seconds), claimed)
 
-    async def push(self, request: Request, clock: Callable[[], float], turn: Turn | None = None
-                   ) -> tuple[PushResult, PushRequest, str]:
+    async def push(self, request: Request, clock: Callable[[], float], turn: Turn | None = None,
+                   after: Callable[[], None] | None = None) -> tuple[PushResult, PushRequest, str]:
         """A worker's push read and given to the core at ``clock()``: (the core's result, the push, the transport to
         answer through); one core call, or, with partitioned rounds, one per partition (its frames, or a push of one
-        frame cut into them: :mod:`ps_service.transport.partitioned`). ``turn``: a large push's tensors are read only
-        once it returns."""
+        frame cut into them: :mod:`ps_service.transport.partitioned`), each followed by ``after()`` (the body read
+        goes on after it). ``turn``: a large push's tensors are read only once it returns."""
         claimed: list[str] = []
         try:
-            feed = Feed(self.core, clock, self.compression) if self.settings.partition_bytes else None
+            feed = Feed(self.core, clock, self.compression, after=after) if self.settings.partition_bytes else None
             push, seq, f = await self._push_frame(request, turn, claimed, feed)
             await self._file_turn(push, seq, turn, claimed)
             via = "http" if seq is None else "shm"

@@ -61,11 +61,12 @@ def check_head(core, push: PushRequest, seq: int | None, meta: dict, count: int,
 
 class Feed:
     def __init__(self, core, clock: Callable[[], float], spec: compression.Spec | None = None,
-                 take: Take | None = None, members: bool = True) -> None:
+                 take: Take | None = None, members: bool = True, after: Callable[[], None] | None = None) -> None:
         """``spec``: the job's compression, each frame decoded against its partition's pieces (None: frames taken as
         they are, a follower's); ``take``: who takes each frame (default: the core's round; a sharded PS's follower:
-        :func:`ps_service.sharding.parts.frame`); ``members`` False: the head names no member (a follower)."""
-        self.core, self.clock, self.spec, self.members = core, clock, spec, members
+        :func:`ps_service.sharding.parts.frame`); ``members`` False: the head names no member (a follower);
+        ``after``: called after each frame taken (what the core told, delivered before the read goes on)."""
+        self.core, self.clock, self.spec, self.members, self.after = core, clock, spec, members, after
         self.take = take or (lambda req, now: core.push(req, now).status)
         self.reader = frame.FrameReader()
         #: the body's frames (None: its head is not in yet; 1: not partitioned, the feed does nothing)
@@ -132,11 +133,19 @@ class Feed:
 
     def _head(self, push: PushRequest) -> None:
         self.push, self._before = push, self.core.global_step
-        self._status = self.take(push, self.clock())
+        self._status = self._give(push)
 
     def _take(self, q: int, tensors: Mapping, checked: bool) -> None:
         push = self.push
-        self.take(PushRequest(push.worker_id, push.step, tensors, finite_checked=checked, partition=q), self.clock())
+        self._give(PushRequest(push.worker_id, push.step, tensors, finite_checked=checked, partition=q))
+
+    def _give(self, req: PushRequest) -> object:
+        """``req`` to the taker now; then ``after()``, whatever happened."""
+        try:
+            return self.take(req, self.clock())
+        finally:
+            if self.after is not None:
+                self.after()
 
     def whole(self, push: PushRequest, plan) -> None:
         """A push of one frame (its tensors as the core takes them: decoded, or copied out of a same-host file), cut
