@@ -254,6 +254,29 @@ def test_the_coordinator_tells_the_followers_its_decision_and_the_contributors_l
                     ("/shard/lost", {"step": 0, "workers": [ids[1]]})]
 
 
+def test_a_partitioned_push_delivers_what_the_core_told_after_each_frame_the_decision_after_its_head():
+    """The seam gives a partitioned push to the core frame by frame (:class:`Feed`) and calls ``after`` (the runtime's
+    ``deliver``) after each: the decision the last head makes is told before the push's later frames are taken (a
+    coordinator's apply then leaves before the rest of the body is read, as from a hook inside the call)."""
+    from ps_service.transport.partitioned import Feed
+    c, ids = partitioned_core(OPTIMIZERS[0], 100, workers=2)
+    c.told = []
+    plan = c.partitions
+    assert plan.count > 2
+    for q in range(plan.count):  # worker 0's push, whole: the round waits for worker 1's head
+        assert pushed_frame(c, ids[0], 0, 0, q).status is PushStatus.ACCEPTED
+    seen = []
+
+    def after() -> None:
+        seen.append(([type(t).__name__ for t in c.told], sorted(c.parts.closed) if c.parts else None, c.global_step))
+        c.told.clear()
+    feed = Feed(c, lambda: 1.0, after=after)
+    feed.whole(PushRequest(ids[1], 0, {k: v.copy() for k, v in gradient(0, 1, "float32").items()}), plan)
+    assert feed.status is PushStatus.ACCEPTED and c.global_step == 1
+    assert seen[0] == (["Decided"], [0], 0)  # told after the head, partition 0 closed, the later ones waiting
+    assert [s[0] for s in seen[1:]] == [[]] * (plan.count - 1) and len(seen) == plan.count
+
+
 # ---- real shards and stock workers (uvicorn, worker processes) -----------------------------------------------------
 def pushed(g: np.ndarray, topk: bool) -> np.ndarray | SparseTensor:
     """A copy of ``g`` (the round's from now on), or as a top-k push's decoded tensor: 3 entries in an even spread."""
