@@ -81,7 +81,7 @@ class Lost:
 
 
 class Replica(Protocol):
-    """The one way out of the core (docs/architecture.md): a copy of this core's steps kept elsewhere (a hot standby's
+    """A way out of the core (docs/architecture.md; the other: :attr:`ParameterServerCore.on_partition`): a copy of this core's steps kept elsewhere (a hot standby's
     primary, ``ps_service/standby``), given each step's input as :meth:`ParameterServerCore.apply_round` takes it,
     before the core's update consumes it: the replica copies it then (told after the call, the core would have to
     keep a model-sized copy of every step)."""
