@@ -89,6 +89,7 @@ class Runtime:
                 fut.set_result(False)
 
     def _partition_closed(self) -> None:
+        self.deliver()  # a decision told in this call goes before the pulls woken here (their frames' writes)
         self.tensors.partitions.closed()
         self.wake_waits()
 
@@ -107,7 +108,8 @@ class Runtime:
 
     def deliver(self) -> None:
         """What the core told since the last call (``core.told``), to its reader: after every core call, before anything
-        is awaited (:meth:`notify`; a partitioned push after each frame)."""
+        is awaited (:meth:`notify`; a partitioned push after each frame), and inside one before it wakes the pulls
+        (``on_partition``), so the reader's sender is woken first, as from a hook called at the decision."""
         if self.core.told:
             self._reader()
 
