@@ -11,7 +11,8 @@ older than that option ignores). With ``--json`` it prints each run's JSON line 
 ``summary`` line: the median steps/s, its min and max, and the medians of the CPU per step (and of ``cpu_busy``,
 when the tree's ``bench.run`` reports it); each line names its ``side`` (``before``, ``after``). Without it, a table
 of the summaries. Cells: ``--cells`` as ``transport:params:workers``, then optionally a compression (``--compression``
-of ``bench.run``), ``S`` with a number of PS shards (``--shards``) and ``standby`` (a hot-standby pair:
+of ``bench.run``), ``S`` with a number of PS shards (``--shards``), ``R`` with a fixed R (backup workers: the PS's
+``PS_REPLICAS_TO_AGGREGATE``, e.g. ``shm:10000000:6:R4``) and ``standby`` (a hot-standby pair:
 ``--standby``) and ``pin`` (the job on every CPU but the last, a standby on the last alone: ``--pin``), e.g.
 ``http:10000000:2:S2``, ``shm:1000000:4:standby``, ``shm:1000000:4:standby:pin`` against ``shm:1000000:4:pin``
 (default: the eight of ``make bench`` at 1e6
@@ -35,7 +36,8 @@ DEFAULT_CELLS = [f"{t}:{p}:{n}" for p in (1_000_000, 10_000_000) for n in (2, 4)
 
 
 def one_run(tree: str, transport: str, params: int, workers: int, seconds: float, warmup: float = 2.0,
-            compression: str = "none", shards: int = 1, standby: bool = False, pin: bool = False) -> dict:
+            compression: str = "none", shards: int = 1, standby: bool = False, pin: bool = False,
+            replicas: int | None = None) -> dict:
     cmd = [sys.executable, "-m", "bench.run", "--workers", str(workers), "--params", str(params),
            "--seconds", str(seconds), "--warmup", str(warmup)]
     cmd += ["--transport", "http"] if transport == "http" else []
@@ -45,14 +47,16 @@ def one_run(tree: str, transport: str, params: int, workers: int, seconds: float
     cmd += ["--pin"] if pin else []
     try:
         out = subprocess.run(cmd, cwd=tree, capture_output=True, text=True, timeout=seconds + 300,
-                             env={**os.environ, output.ENV: "1"})
+                             env={**os.environ, output.ENV: "1",
+                                  **({"PS_REPLICAS_TO_AGGREGATE": str(replicas)} if replicas else {})})
         lines = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
     except subprocess.TimeoutExpired:
         lines = []
     d = lines[-1] if lines else {"error": "no output"}
     d["tree"] = tree
     d["cell"] = (f"{transport}:{params}:{workers}" + (f":{compression}" if compression != "none" else "")
-                 + (f":S{shards}" if shards > 1 else "") + (":standby" if standby else "") + (":pin" if pin else ""))
+                 + (f":S{shards}" if shards > 1 else "") + (":standby" if standby else "") + (":pin" if pin else "")
+                 + (f":R{replicas}" if replicas else ""))
     steps = d.get("steps_per_s", 0) * d.get("window_s", 0)
     for key, name in (("ps_cpu_s", "ps_ms"), ("workers_cpu_s", "workers_ms")):
         if steps and key in d:
@@ -82,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=5.0, help="measured seconds of each run (bench.run --seconds)")
     ap.add_argument("--warmup", type=float, default=2.0, help="seconds of training before each run's window")
     ap.add_argument("--cells", default=",".join(DEFAULT_CELLS),
-                    help="transport:params:workers[:compression][:S<shards>][:standby][:pin],... (pin: bench.run "
+                    help="transport:params:workers[:compression][:S<shards>][:R<replicas>][:standby][:pin],... "
+                         "(R: PS_REPLICAS_TO_AGGREGATE, backup workers; pin: bench.run "
                          "--pin, the job on every CPU but the last, a standby on the last alone)")
     ap.add_argument("--interleave", action="store_true",
                     help="each round runs every cell once a side (a cost measured against its baseline cell in the "
@@ -118,7 +123,7 @@ def _pair(args: argparse.Namespace, trees: list[str], cell: str, results: list[l
     from bench.table import machine
     transport, params, workers, *extra = cell.split(":")
     options = dict((x, True) if x in ("standby", "pin") else ("shards", int(x[1:])) if x.startswith("S")
-                   else ("compression", x) for x in extra)
+                   else ("replicas", int(x[1:])) if x.startswith("R") else ("compression", x) for x in extra)
     for side, tree in enumerate(trees):
         d = one_run(tree, transport, int(params), int(workers), args.seconds, args.warmup, **options)
         d["side"], d["at"] = ("before", "after")[side], time.strftime("%H:%M:%S", time.gmtime())
