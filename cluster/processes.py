@@ -1,8 +1,10 @@
 """Start a PS and workers as local processes on loopback (``make run``, tests, benchmarks).
 
-:class:`LocalCluster` is a context manager: it starts ``python -m ps_service`` on a
-free port (``shards`` > 1: S of them, shard 0 the coordinator at :attr:`url`, each on its
-own port, and at an address of its own with ``hosts``; ``PS_SHARD_*`` set, a checkpoint directory each), waits for ``/healthz`` (polling with a deadline; each PS's port held from other processes until it listens: :func:`hold_port`, also from a :meth:`~LocalCluster.kill` until it is started again), starts N
+:class:`LocalCluster` is a context manager: it starts ``python -m ps_service`` on a free port (``shards`` > 1: S of
+them, shard 0 the coordinator at :attr:`url`, each on its own port, and at an address of its own with ``hosts``;
+``PS_SHARD_*`` set, a checkpoint directory each), waits for ``/healthz`` (polling with a deadline; each PS's port held
+from other processes until it listens: :func:`hold_port`, also from a :meth:`~LocalCluster.kill` until it is started
+again), starts N
 ``python -m worker_service`` processes with distinct names, and on exit stops
 whatever still runs (SIGTERM, then SIGKILL after a grace period). Process
 output goes to files under ``log_dir`` so a failing run can show it. With ``SYNCPS_FORK_SERVER=1`` (the test

@@ -35,7 +35,7 @@ from ps_service.core import on_arrival
 from ps_service.core.checks import validate
 from ps_service.core.config import CoreConfig
 from ps_service.core.intake import Intake
-from ps_service.core.membership import SILENCE, Member, Membership
+from ps_service.core.membership import SILENCE, Member, Membership, unlisted
 from ps_service.core.model import ModelState
 from ps_service.core.partitions import RoundParts
 from ps_service.core.rates import RateMeter
@@ -81,10 +81,10 @@ class Lost:
 
 
 class Replica(Protocol):
-    """A way out of the core (docs/architecture.md; the other: :attr:`ParameterServerCore.on_partition`): a copy of this core's steps kept elsewhere (a hot standby's
-    primary, ``ps_service/standby``), given each step's input as :meth:`ParameterServerCore.apply_round` takes it,
-    before the core's update consumes it: the replica copies it then (told after the call, the core would have to
-    keep a model-sized copy of every step)."""
+    """A way out of the core (docs/architecture.md; the other: :attr:`ParameterServerCore.on_partition`): a copy of
+    this core's steps kept elsewhere (a hot standby's primary, ``ps_service/standby``), given each step's input as
+    :meth:`ParameterServerCore.apply_round` takes it, before the core's update consumes it: the replica copies it
+    then (told after the call, the core would have to keep a model-sized copy of every step)."""
 
     def on_step(self, total: Mapping[str, Any] | None, mean_of: int, contributors: int) -> None: ...
 
@@ -211,7 +211,7 @@ class ParameterServerCore(ModelState):
         prev = self.members.by_name.get(name)
         returning = prev is None or not prev.active
         r = self.round
-        m, _ = self.members.register(name, now, r.listed if r is not None else None)  # a rank r lists: nobody else's
+        m, _ = self.members.register(name, now, r.listed if r is not None else unlisted)  # r's ranks: nobody else's
         wid, start = m.worker_id, self.global_step
         if self.modes is not None:
             self.modes.join(wid, now)

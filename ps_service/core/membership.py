@@ -196,14 +196,13 @@ class Membership:
             self.active_by_id.pop(m.worker_id, None)
         m.state = state
 
-    def register(self, name: str, now: float, listed: Listed | None = None) -> tuple[Member, bool]:
+    def register(self, name: str, now: float, listed: Listed = unlisted) -> tuple[Member, bool]:
         """(member, rejoined): the member for ``name``, now active with a fresh lease. ``listed(rank)``: the worker id
         the open round lists under ``rank`` (None: none), a rank given to no other worker until that round closes (a
         member that left gave it back): a newcomer gets the lowest rank neither held nor listed, a member that left
         its old rank unless another holds it or the round lists it for another."""
         if not isinstance(name, str) or not name.strip() or len(name) > MAX_NAME_LEN:
             raise CoreError("bad_name", f"worker name must be a non-empty string of at most {MAX_NAME_LEN} chars")
-        listed = listed or unlisted
         m = self.by_name.get(name)
         if m is None:
             m = Member(secrets.token_hex(8), name, self._free_rank(listed), ACTIVE, now, now, now + self.lease_seconds)

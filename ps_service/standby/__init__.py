@@ -143,7 +143,8 @@ class Pair:
 
     # ---- the primary ----------------------------------------------------------------------
     def on_step(self, total, mean_of: int, contributors: int) -> None:
-        """The core's :class:`~ps_service.core.Replica`: queue this step's input for the standby (a copy: the core consumes it)."""
+        """The core's :class:`~ps_service.core.Replica`: queue this step's input for the standby (a copy: the core
+        consumes it)."""
         if self.feeding:  # (a candidate's too: a round its deadline closes is the standby's to apply)
             self._queue(self.core.global_step, total, mean_of, contributors)
 
