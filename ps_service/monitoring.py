@@ -15,7 +15,7 @@ from ps_service.core import ParameterServerCore
 from ps_service.http import DecimalInt
 from ps_service.core.membership import ACTIVE, EXPIRED, LEFT
 from ps_service.monitoring_models import (EVENTS_SHOWN, ROUNDS_KEPT, Blocked, Contributor, LossCurve, PushCounts,
-                                         RoundRecord as RoundModel, Rounds, Status, Straggler, StragglerWait, Worker,
+                                         RoundRecord as RoundModel, Rounds, Status, StragglerWait, Worker,
                                          WorkerStaleness, Workers)
 from ps_service.core.rounds import Arrival, RoundRecord
 from ps_service.runtime import Runtime, runtime
@@ -72,9 +72,8 @@ def round_record(rt: Runtime, rec: RoundRecord) -> RoundModel:
         step=rec.step, opened_at=wall(rt, rec.opened_at), closed_at=wall(rt, rec.closed_at),
         duration_seconds=rec.duration, reason=rec.reason, aggregated=rec.aggregated, eligible=rec.eligible,
         contributors=arrivals_view(rec.contributors, rec.opened_at), late=arrivals_view(rec.late, rec.opened_at),
-        skipped=arrivals_view(rec.skipped, rec.opened_at), missing=list(rec.missing),
-        straggler=rec.straggler and Straggler.model_validate(rec.straggler, from_attributes=True), loss=rec.loss,
-        examples=rec.examples, replicas_to_aggregate=rec.replicas_to_aggregate)
+        skipped=arrivals_view(rec.skipped, rec.opened_at), missing=list(rec.missing), straggler=rec.straggler,
+        loss=rec.loss, examples=rec.examples, replicas_to_aggregate=rec.replicas_to_aggregate)
 
 
 def straggler_totals(records: list[RoundRecord]) -> list[dict]:

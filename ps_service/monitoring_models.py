@@ -3,8 +3,9 @@
 Only data shapes, their documentation (they appear in the OpenAPI schema at ``/docs``; ``/metrics`` takes its HELP
 lines from them) and the answers' sizes the routes and the descriptions both read (:data:`ROUNDS_KEPT`,
 :data:`EVENTS_SHOWN`; the core's ``LOSS_KEPT``). The values are built in :mod:`ps_service.monitoring`, the ``shard``
-and ``pair`` blocks of ``/v1/status`` by the sharding and standby layers. Times named ``*_at`` / ``time`` are
-Unix seconds (wall clock); durations are seconds.
+and ``pair`` blocks of ``/v1/status`` by the sharding and standby layers; a round's straggler is the core's
+:class:`~ps_service.core.rounds.Straggler` as it is. Times named ``*_at`` / ``time`` are Unix seconds (wall clock);
+durations are seconds.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ps_service.core import LOSS_KEPT, RATE_WINDOW_SECONDS
 from ps_service.core.config import CoreConfig
+from ps_service.core.rounds import Straggler
 
 #: closed rounds the core keeps (``/v1/rounds``' limit, ``/v1/rounds/{step}``); membership events ``/v1/workers`` shows
 ROUNDS_KEPT, EVENTS_SHOWN = CoreConfig.max_rounds_kept, 100
@@ -285,19 +287,6 @@ class Contributor(BaseModel):
     rank: int
     worker_id: str
     after_seconds: float = Field(description="Arrival after the round opened.")
-
-
-class Straggler(BaseModel):
-    name: str
-    rank: int
-    kind: Literal["last_arrival", "never_arrived"] = Field(
-        description="last_arrival: the last contributor closed the round; never_arrived: the round waited for "
-                    "members that never pushed (lease expiry, leave, deadline) and closed without them.")
-    waited_seconds: float = Field(description="What it cost the round: last arrival minus the previous one "
-                                              "(last_arrival), or close minus the last arrival (never_arrived).")
-    after_seconds: float = Field(description="Its arrival (or the close) after the round opened.")
-    behind_first: float = Field(description="Seconds behind the first arrival.")
-    behind_median: float = Field(description="Seconds behind the median arrival.")
 
 
 class RoundRecord(BaseModel):

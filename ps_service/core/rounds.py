@@ -51,7 +51,7 @@ import math
 from dataclasses import dataclass, field
 from functools import cached_property
 from statistics import median
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Literal, Mapping, Sequence
 
 import numpy as np
 
@@ -63,15 +63,23 @@ Key = tuple[int, str]  # (rank, worker_id): the order of the sum
 CLOSE_REASONS = ("full", "membership", "deadline", "unreachable")
 
 
+def _doc(text: str):
+    """A field described in the answers' schema (pydantic reads ``description``: /v1/rounds, /openapi.json)."""
+    return field(metadata={"description": text})
+
+
 @dataclass(frozen=True)
 class Straggler:
     name: str
     rank: int
-    kind: str  # "last_arrival" | "never_arrived"
-    waited_seconds: float
-    after_seconds: float
-    behind_first: float
-    behind_median: float
+    kind: Literal["last_arrival", "never_arrived"] = _doc(
+        "last_arrival: the last contributor closed the round; never_arrived: the round waited for members that never "
+        "pushed (lease expiry, leave, deadline) and closed without them.")
+    waited_seconds: float = _doc("What it cost the round: last arrival minus the previous one (last_arrival), or close "
+                                 "minus the last arrival (never_arrived).")
+    after_seconds: float = _doc("Its arrival (or the close) after the round opened.")
+    behind_first: float = _doc("Seconds behind the first arrival.")
+    behind_median: float = _doc("Seconds behind the median arrival.")
 
 
 def straggler(opened_at: float, closed_at: float, arrivals: Sequence[Arrival],
