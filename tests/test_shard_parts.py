@@ -232,6 +232,16 @@ def test_the_coordinator_tells_the_followers_its_decision_and_the_contributors_l
     the decision (``lost``: the core's ``Decided.lost``, taken at the decision, as the round may close in the same
     call), one lost after it in a ``/shard/lost`` message; queued for every follower once the call returned
     (:meth:`ShardRole.tell`, the runtime's ``deliver``), in the order the core told them."""
+    c, ids, r = decided_with_a_contributor_lost()
+    c.leave(ids[1], 2.0)
+    r.tell()
+    assert c.told == []
+    assert queued(r) == [("/shard/apply", apply_of(ids)), ("/shard/lost", {"step": 0, "workers": [ids[1]]})]
+
+
+def decided_with_a_contributor_lost():
+    """A sharded coordinator's core (``ShardRole``), round 0 of 4 workers in partitions decided by the last head after
+    worker 0 left (its partition 0 counted): (core, ids, role), the decision told, not read yet."""
     from ps_service.settings import PSSettings
     from ps_service.sharding import role
     c, ids = partitioned_core(OPTIMIZERS[0], 100, workers=4)
@@ -244,14 +254,35 @@ def test_the_coordinator_tells_the_followers_its_decision_and_the_contributors_l
     assert c.told == [] and not c.deciding
     assert pushed_frame(c, ids[3], 0, 3, 0, now=1.0).status is PushStatus.ACCEPTED  # the last head: decided
     assert c.deciding and [type(t) for t in c.told] == [Decided] and c.told[0].lost == (ids[0],)
-    c.leave(ids[1], 2.0)
-    r.tell()
-    assert c.told == []
+    return c, ids, r
+
+
+def apply_of(ids: list[str]) -> dict:
+    """Round 0's apply, as :func:`decided_with_a_contributor_lost` decided it: worker 0 lost before the decision."""
+    return {"step": 0, "contributors": [[i, ids[i]] for i in range(4)], "mean_of": 4, "lost": [ids[0]]}
+
+
+def queued(r) -> list:
     queue = r.links.followers[0].queue
-    sent = [queue.get_nowait() for _ in range(queue.qsize())]
-    assert sent == [("/shard/apply", {"step": 0, "contributors": [[i, ids[i]] for i in range(4)], "mean_of": 4,
-                                      "lost": [ids[0]]}),
-                    ("/shard/lost", {"step": 0, "workers": [ids[1]]})]
+    return [queue.get_nowait() for _ in range(queue.qsize())]
+
+
+def test_a_decision_that_failed_to_queue_is_resent_at_the_rounds_close_with_its_lost_contributors():
+    """:meth:`ShardRole.tell` could not queue round 0's decision: :meth:`ShardRole.observe` sends it once the round
+    closed, with the contributors lost before it (``Decided.lost``), as the decision would have gone."""
+    c, ids, r = decided_with_a_contributor_lost()
+    def refuse(*args, **kwargs):
+        raise RuntimeError("the queue is broken")
+    r.links.round_closed = refuse
+    r.tell()  # (logs the failure)
+    assert c.told == [] and queued(r) == []
+    del r.links.round_closed  # (the queue works again)
+    for rank in (1, 2, 3):
+        for q in range(1, c.partitions.count):
+            assert pushed_frame(c, ids[rank], 0, rank, q, now=2.0).status is PushStatus.ACCEPTED
+    assert c.global_step == 1 and c.rounds[-1].step == 0
+    r.observe()
+    assert queued(r) == [("/shard/apply", apply_of(ids))]
 
 
 def test_a_partitioned_push_delivers_what_the_core_told_after_each_frame_the_decision_after_its_head():

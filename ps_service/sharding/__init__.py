@@ -58,6 +58,7 @@ class ShardRole:
                       else None)
         self.sidecar = Path(settings.checkpoint_dir) / SIDECAR if settings.checkpoint_dir else None
         self._seen_closed, self._sent_step = 0, -1  # the coordinator: rounds closed, and sent to the followers
+        self._unsent_lost: dict[int, tuple[str, ...]] = {}  # decided rounds tell failed to queue: their Decided.lost
         self.boot = secrets.token_hex(8)  # this process: a follower answering with another one restarted
         self.rt, self.checkpointer = None, None  # set by start: the runtime and this shard's checkpoint writer
         self.rollbacks, self.last_rollback = 0, None  # the coordinator's live rollbacks, and what the last one did
@@ -144,7 +145,8 @@ class ShardRole:
             elif t.record.step > self._sent_step:
                 try:
                     self._send(t.record, t.lost)
-                except Exception:  # the round's close went on; observe() retries the rounds not sent
+                except Exception:  # the round's close went on; observe() retries the rounds not sent, with lost
+                    self._unsent_lost[t.record.step] = t.lost
                     log.exception("queueing the apply of round %d failed", t.record.step)
 
     def _send(self, rec, lost=()) -> None:
@@ -165,7 +167,7 @@ class ShardRole:
             self._seen_closed = core.rounds_closed
             sent = self._sent_step
             for rec in list(takewhile(lambda r: r.step > sent, reversed(core.rounds)))[::-1]:
-                self._send(rec)
+                self._send(rec, self._unsent_lost.pop(rec.step, ()))
             self.holds.drop_through(self._sent_step)  # pieces held for a closed round and never committed
         if self._folding and self.links.tasks:
             msg = self.tracker.message(core)
@@ -300,6 +302,7 @@ class ShardRole:
         self.gate.wake()  # holds waiting for their turn: their step is gone
         if self.coordinator:  # the rounds closed from now on go to the followers
             self._seen_closed, self._sent_step = self.core.rounds_closed, step - 1
+            self._unsent_lost.clear()
             self.tracker.reset()
         else:
             self.core.follow()
