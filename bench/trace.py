@@ -4,7 +4,9 @@ Each scenario starts real PS servers in this process (uvicorn threads, :mod:`clu
 (``sys.setprofile``) in their threads only, and drives them with the real worker client from the main thread: one
 elastic worker, so its push (``?pull=1``) also closes the round, applies the optimizer and answers the new weights;
 then one pull. Scenarios: ``tcp`` (a frame in the body), ``shm`` (a same-host file), ``topk`` (top-k compressed
-bodies), ``sharded`` (two shards: holds, the commit, the follower's apply; pulls from both).
+bodies), ``sharded`` (two shards: holds, the commit, the follower's apply; pulls from both), ``partitioned``
+(``PS_PARTITION_BYTES``: rounds that close partition by partition; the push a head and its partitions' frames in one
+body, with its pull alongside on a second connection, which its line counts too: the PS serves both at once).
 
 What it counts, over the PS's project files (``ps_service/``, ``shared/``; library frames are skipped, the
 nearest project frame stands for them):
@@ -13,7 +15,8 @@ nearest project frame stands for them):
 - ``moves``: how often the running project file changed (a call into another file, or a return to one);
 - ``route_to_optimizer``: those moves from the route's entry (``api.push``, or the commit on a sharded PS) to the
   optimizer's ``apply``;
-- ``core_calls_out``: calls from ``ps_service/core/`` into the transport or HTTP layers (the seam is one-way: 0).
+- ``core_calls_out``: calls from ``ps_service/core/`` into the layers above it (the seam is one-way: 0; with
+  partitioned rounds the runtime's ``on_partition`` hook, given to the core, once per call that closed partitions).
 
 Prints a table with a row per scenario and request (``--json``: a JSON line each; ``--files``: the files too;
 ``--route``: each move of a push from the route to the optimizer).
@@ -43,9 +46,11 @@ CORE = "ps_service/core/"
 OUTER = ("ps_service/transport/", "ps_service/app.py", "ps_service/api.py", "ps_service/hotpath.py",
          "ps_service/http.py", "ps_service/auth.py", "ps_service/monitoring.py", "ps_service/metrics.py",
          "ps_service/probes.py", "ps_service/dashboard.py", "ps_service/runtime.py", "ps_service/sharding/")
-SCENARIOS = ("tcp", "shm", "topk", "sharded")
+SCENARIOS = ("tcp", "shm", "topk", "sharded", "partitioned")
 ROUTES = {("ps_service/api.py", "push"), ("ps_service/sharding/routes.py", "commit")}
 OPTIMIZER = ("ps_service/core/optimizers.py", "apply")
+#: the partitioned scenario's PS_PARTITION_BYTES: W0 in 3 partitions (the bias; the kernel in two halves)
+PARTITION_BYTES = 8192
 #: the table's columns (--json: every field)
 COLUMNS = ["scenario", "transport", "request", "files", "moves", "route_to_optimizer", "core_calls_out"]
 
@@ -138,6 +143,8 @@ def _servers(scenario: str, recorder: Recorder, shm_dir: str) -> Iterator[str]:
               "shm_dir": shm_dir if scenario == "shm" else ""}
     if scenario == "topk":
         common.update(compression="topk", compression_topk_warmup_steps=0)
+    if scenario == "partitioned":
+        common.update(partition_bytes=PARTITION_BYTES)
     ports = [free_port()] if scenario != "sharded" else [free_port(), free_port()]
     if scenario == "sharded":
         common.update(shards=2, shard_urls=",".join(f"http://127.0.0.1:{p}" for p in ports), shard_split_elements=2)

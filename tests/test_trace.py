@@ -1,6 +1,7 @@
 """bench/trace.py: one push and one pull per transport through real in-process PS servers, traced. The seam is
 one-way: no call goes from the core (ps_service/core/) into the transport, HTTP or sharding layers, on any transport
-(a sharded coordinator's included)."""
+(a sharded coordinator's included); with partitioned rounds the one call out is the runtime's ``on_partition``, given
+to the core, once per call that closed partitions."""
 from __future__ import annotations
 
 import pytest
@@ -11,8 +12,10 @@ from tests.timing import allow
 
 #: the most moves between files from the route's entry to the optimizer's apply that each scenario may take (what
 #: docs/architecture.md quotes; issue 48 aims at 25 for TCP and 30 for same-host). A sharded commit's count varies
-#: with the follower's apply, which runs in another thread of the same process meanwhile (45-95 seen)
-ROUTE_MOVES = {"tcp": 22, "shm": 30, "topk": 28, "sharded": 110}
+#: with the follower's apply, which runs in another thread of the same process meanwhile (39-95 seen)
+ROUTE_MOVES = {"tcp": 22, "shm": 30, "topk": 28, "sharded": 110, "partitioned": 56}
+#: the core's one call out with partitioned rounds: the hook the runtime gives it (core.on_partition)
+ON_PARTITION = "ps_service/core/__init__.py -> ps_service/runtime.py:_partition_closed"
 
 
 @pytest.mark.parametrize("scenario", trace.SCENARIOS)
@@ -23,9 +26,15 @@ def test_the_core_never_calls_the_transport_http_or_sharding_layers(scenario):
     # the push closed its round: the route reached the optimizer, through the core, in so many moves at most
     assert push["route_to_optimizer"] is not None and "ps_service/core/optimizers.py" in push["file_list"]
     assert push["route_to_optimizer"] <= ROUTE_MOVES[scenario], push["route_to_optimizer"]
-    for line in lines:  # a sharded coordinator's decision included: told (core.told), not called (docs/architecture.md)
-        assert line["calls_out"] == [] and line["core_calls_out"] == 0, line["calls_out"]
+    # no call out, a sharded coordinator's decision included: told (core.told), not called (docs/architecture.md); with
+    # partitioned rounds the hook alone, once a frame of the push (W0 in 3 partitions: each frame closed its own)
+    hooked = {("partitioned", "push"): ([ON_PARTITION], 3)}
+    for line in lines:
+        calls, count = hooked.get((scenario, line["request"]), ([], 0))
+        assert (line["calls_out"], line["core_calls_out"]) == (calls, count), line["calls_out"]
         assert line["files"] > 0 and line["moves"] > 0
+    if scenario == "partitioned":  # (the hook's: the closed partitions' frames encoded for the pulls)
+        assert "ps_service/transport/streamed.py" in push["file_list"]
     assert pull["route_to_optimizer"] is None  # a pull applies nothing
 
 
