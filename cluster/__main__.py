@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Column, Table
 
-from cluster.processes import LocalCluster
+from cluster.processes import LocalCluster, patience
 from worker_service.client import PSClient
 
 #: what a built-in task needs beyond the base install, and the install that brings it
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
                         console.print(f"[red]deadline passed ({args.deadline:g} s)")
                         raise SystemExit(1)
                     time.sleep(0.2)  # the progress bar's refresh period, not a synchronisation
-            codes = cluster.wait_workers(60)
+            codes = cluster.wait_workers(60 * patience())
             wall = time.monotonic() - t_launch
             st = cluster.status()
             if st["state"] != "done":  # every worker exited before the end (e.g. a task that cannot import)

@@ -6,7 +6,7 @@ them, shard 0 the coordinator at :attr:`url`, each on its own port, and at an ad
 from other processes until it listens: :func:`hold_port`, also from a :meth:`~LocalCluster.kill` until it is started
 again), starts N
 ``python -m worker_service`` processes with distinct names, and on exit stops
-whatever still runs (SIGTERM, then SIGKILL after a grace period). Process
+whatever still runs (SIGTERM, then SIGKILL after a grace period). Its own deadlines scale with :func:`patience`. Process
 output goes to files under ``log_dir`` so a failing run can show it. With ``SYNCPS_FORK_SERVER=1`` (the test
 suite) a process without ``prefix`` is forked from a zygote that imported its stack once when it can be
 (cluster/forkserver.py: a Popen-like handle), else exec'd.
@@ -39,8 +39,8 @@ from cluster import forkserver
 from shared.tokens import bearer_header
 
 
-#: how long :meth:`LocalCluster.status` and :meth:`LocalCluster.get` wait for the PS: a PS on a loaded machine may
-#: answer nothing for more than 5 s (1e7-parameter pushes at load 16 on 2 cores), which is slow, not gone
+#: how long :meth:`LocalCluster.status` and :meth:`LocalCluster.get` wait for the PS (times :func:`patience`): a PS on
+#: a loaded machine may answer nothing for more than 5 s (1e7-parameter pushes at load 16 on 2 cores): slow, not gone
 REQUEST_TIMEOUT_SECONDS = 30.0
 _PORTS_FROM = 20000  # the low end of the ports free_port hands out, when the ephemeral range starts above it
 _handed_out: set[int] = set()
@@ -117,6 +117,14 @@ def free_port() -> int:
         port = s.getsockname()[1]
     _handed_out.add(port)
     return port
+
+
+def patience() -> float:
+    """``SYNCPS_CLUSTER_PATIENCE`` (a number >= 1; default 1), read at each call: the factor by which the waits a
+    :class:`LocalCluster` bounds itself (a PS's start, the workers' exit, a stop's grace, a request) are
+    multiplied. The test suite sets it as each test starts to the scale of its time allowances (tests/timing.py,
+    which cluster/ does not import), for the clusters of the test and of the subprocesses it starts."""
+    return max(1.0, float(os.environ.get("SYNCPS_CLUSTER_PATIENCE") or 1))
 
 
 def wait_for(predicate, deadline: float, what: str, interval: float = 0.05):
@@ -250,13 +258,13 @@ class LocalCluster:
         self._hold(address)
         return self._spawn("ps_service", env, log_name)
 
-    def start_ps(self, deadline: float = 30.0) -> None:
+    def start_ps(self, deadline: float | None = None) -> None:
         """Start the PS (every shard not running, followers first; a pair's standby), and wait until each answers
-        /healthz. The port of each one started is held from other processes (:func:`hold_port`; a killed one's
+        /healthz, ``deadline`` s each (default 30 times :func:`patience`). The port of each one started is held from other processes (:func:`hold_port`; a killed one's
         since :meth:`kill`) until then: another test process's :func:`free_port` cannot hand it out meanwhile (a
         PS started again at its port found it taken, once, on a shared machine)."""
         try:
-            self._start_every_ps(deadline)
+            self._start_every_ps(30.0 * patience() if deadline is None else deadline)
         finally:
             self._release()
 
@@ -274,7 +282,7 @@ class LocalCluster:
             if proc.poll() is not None:
                 raise RuntimeError(f"PS exited with {proc.returncode}:\n{self.log(name)}")
             try:
-                return httpx.get(f"{url}/healthz", timeout=1.0).status_code == 200
+                return httpx.get(f"{url}/healthz", timeout=patience()).status_code == 200
             except httpx.TransportError:
                 return False
 
@@ -312,7 +320,7 @@ class LocalCluster:
         at = time.time()
         self._killed.add(proc.pid)
         proc.kill()
-        proc.wait(10)
+        proc.wait(10 * patience())
         address = self._address(proc)
         if address is not None:
             self._hold(address)
@@ -325,15 +333,17 @@ class LocalCluster:
         return self
 
     def status(self) -> dict:
-        return httpx.get(f"{self.url}/v1/status", timeout=REQUEST_TIMEOUT_SECONDS, headers=self.headers).json()
+        return httpx.get(f"{self.url}/v1/status", timeout=REQUEST_TIMEOUT_SECONDS * patience(), headers=self.headers).json()
 
     def get(self, path: str, **kw) -> httpx.Response:
-        return httpx.get(f"{self.url}{path}", timeout=REQUEST_TIMEOUT_SECONDS,
+        return httpx.get(f"{self.url}{path}", timeout=REQUEST_TIMEOUT_SECONDS * patience(),
                          **{**kw, "headers": {**self.headers, **kw.get("headers", {})}})
 
-    def wait_workers(self, deadline: float = 120.0) -> list[int]:
-        """Wait until every worker process exits; their exit codes."""
-        wait_for(lambda: all(p.poll() is not None for p in self.workers), deadline, "the workers to exit")
+    def wait_workers(self, deadline: float | None = None) -> list[int]:
+        """Wait until every worker process exits (``deadline`` s; default 120 times :func:`patience`); their exit
+        codes."""
+        wait_for(lambda: all(p.poll() is not None for p in self.workers),
+                 120.0 * patience() if deadline is None else deadline, "the workers to exit")
         return [p.returncode for p in self.workers]
 
     def log(self, name: str) -> str:
@@ -354,12 +364,14 @@ class LocalCluster:
         procs = [p for p in [*self.workers, self.ps, *self.followers, self.peer] if p is not None]
         return self._failed or any(p.poll() not in (None, 0) and p.pid not in self._killed for p in procs)
 
-    def stop(self, grace: float = 10.0) -> None:
-        """SIGTERM the workers, then the PS processes, SIGKILL what is still there ``grace`` s after its SIGTERM; then
+    def stop(self, grace: float | None = None) -> None:
+        """SIGTERM the workers, then the PS processes, SIGKILL what is still there ``grace`` s after its SIGTERM
+        (default 10 times :func:`patience`); then
         remove the temporary log folder unless logs are to be kept (``keep_logs``) or something failed (:attr:`failed`).
         Workers first: a worker on SIGTERM leaves (``DELETE /v1/workers/{id}``), and retries that until killed when its
         PS has gone first."""
         stopped: list = []
+        grace = 10.0 * patience() if grace is None else grace
         for group in (self.workers, [self.ps, *self.followers, self.peer]):
             procs = [p for p in group if p is not None and p.poll() is None]
             for p in procs:
@@ -371,7 +383,7 @@ class LocalCluster:
                 except subprocess.TimeoutExpired:
                     self._failed = True  # it ignored SIGTERM: worth a look at its log
                     p.kill()
-                    p.wait(5)
+                    p.wait(5 * patience())
             stopped += procs
         # A process that exits by our SIGTERM (code 0, or -15 without a handler) is no failure.
         self._killed.update(p.pid for p in stopped if p.returncode == -signal.SIGTERM)

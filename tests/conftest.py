@@ -33,7 +33,9 @@ its last are left, so a long file handed out last would keep the other process i
 
 **Timeouts.** pytest-timeout's bound on each test (its ``timeout`` marker, else ``timeout`` in pyproject.toml, 300 s)
 is an allowance like the waits inside the test (tests/timing.py): :func:`pytest_runtest_protocol` multiplies it by the
-load's scale as the test starts, before pytest-timeout reads it.
+load's scale as the test starts, before pytest-timeout reads it. It also exports that scale as
+``SYNCPS_CLUSTER_PATIENCE``, which scales the deadlines a local cluster sets itself (a PS's start, the workers' exit,
+a stop's grace: :func:`cluster.processes.patience`), the test's own and those of the subprocesses it starts.
 
 **SIGINT.** A suite started in the background of a non-interactive shell (``make test &``, ``( .ci/run & )``)
 inherits SIGINT *ignored*, and so would every process it starts, since an ignored signal stays ignored across
@@ -54,7 +56,7 @@ from pathlib import Path
 import pytest
 
 from cluster import forkserver
-from tests.timing import allow
+from tests.timing import allow, scale
 
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # inherited from a background job: see the module's docstring
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -88,7 +90,8 @@ def pytest_configure(config: pytest.Config) -> None:
     # named now, made by the first LocalCluster that needs it: a session without one leaves nothing behind
     _LOG_ROOT = Path(tempfile.gettempdir()) / f"syncps-tests-{os.getpid()}-{secrets.token_hex(4)}"
     fork_server = os.environ.get("SYNCPS_FORK_SERVER") or "1"  # SYNCPS_FORK_SERVER=0: the whole suite exec'd
-    for key, value in (("SYNCPS_LOG_ROOT", str(_LOG_ROOT)), ("SYNCPS_KEEP_LOGS", "1"), ("SYNCPS_FORK_SERVER", fork_server)):
+    for key, value in (("SYNCPS_LOG_ROOT", str(_LOG_ROOT)), ("SYNCPS_KEEP_LOGS", "1"), ("SYNCPS_FORK_SERVER", fork_server),
+                       ("SYNCPS_CLUSTER_PATIENCE", str(scale()))):
         _SAVED_ENV[key] = os.environ.get(key)
         os.environ[key] = value
 
@@ -117,7 +120,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem):
-    """The test's timeout (**Timeouts**) scaled with the load now; outermost, so pytest-timeout's wrapper reads it."""
+    """The test's timeout (**Timeouts**) scaled with the load now; outermost, so pytest-timeout's wrapper reads it.
+    The local clusters' patience too (**Timeouts**)."""
+    os.environ["SYNCPS_CLUSTER_PATIENCE"] = str(scale())
     marker = item.get_closest_marker("timeout")
     args, kwargs = (list(marker.args), dict(marker.kwargs)) if marker is not None else ([], {})
     base = args.pop(0) if args else kwargs.pop("timeout", getattr(item.config, "_env_timeout", None))

@@ -1,6 +1,7 @@
 """cluster/processes.py: the ports it hands out, and how a cluster stops mid-job."""
 from __future__ import annotations
 
+import os
 import socket
 import time
 
@@ -41,6 +42,21 @@ def test_without_a_readable_ephemeral_range_the_kernel_picks(monkeypatch):
     port = free_port()
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
+
+
+def test_a_cluster_s_own_deadlines_scale_with_the_patience_the_suite_sets(monkeypatch):
+    # set as this test started (tests/conftest.py): the scale of the test's allowances, at least 1
+    assert 1.0 <= processes.patience() == float(os.environ["SYNCPS_CLUSTER_PATIENCE"])
+    monkeypatch.setenv("SYNCPS_CLUSTER_PATIENCE", "4")
+    started = []
+    monkeypatch.setattr(LocalCluster, "_start_every_ps", lambda self, deadline: started.append(deadline))
+    LocalCluster(0).start_ps()
+    LocalCluster(0).start_ps(7.0)  # a deadline given is the caller's
+    assert started == [120.0, 7.0]
+    monkeypatch.setenv("SYNCPS_CLUSTER_PATIENCE", "0.5")
+    assert processes.patience() == 1.0
+    monkeypatch.delenv("SYNCPS_CLUSTER_PATIENCE")
+    assert processes.patience() == 1.0
 
 
 def test_a_cluster_stopped_mid_job_lets_its_workers_leave_before_its_ps_stops():
