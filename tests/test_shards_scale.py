@@ -106,7 +106,7 @@ def test_64_worker_processes_train_100_rounds_of_1e5_params_on_two_shards_exactl
             forker = subprocess.run([sys.executable, "-c", f"import sys; from {__name__} import fork_workers; "
                                      "sys.exit(fork_workers(sys.argv[1]))", json.dumps(spec)],
                                     env={**os.environ, "OPENBLAS_NUM_THREADS": "1"},  # 64 workers, 2 cores
-                                    capture_output=True, text=True, timeout=240)
+                                    capture_output=True, text=True, timeout=allow(240))
             trained = time.monotonic() - started
             assert forker.returncode == 0, forker.stdout + forker.stderr
             t1 = time.monotonic()
