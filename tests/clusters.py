@@ -41,10 +41,11 @@ def settled(status: dict) -> bool:
 
 
 def run_job(workers: int, ps_env: dict, worker_env: dict, deadline: float = 120.0, shards: int = 1) -> JobResult:
-    """Train to PS_MAX_STEPS (on ``shards`` PS processes); fails with the process logs if anything goes wrong."""
+    """Train to PS_MAX_STEPS (on ``shards`` PS processes) within ``deadline`` s on a quiet machine (an allowance:
+    tests/timing.py); fails with the process logs if anything goes wrong."""
     with LocalCluster(workers, ps_env=ps_env, worker_env=worker_env, shards=shards) as c:
         try:
-            codes = c.wait_workers(deadline)
+            codes = c.wait_workers(allow(deadline))
             wait_for(lambda: settled(c.status()), allow(10), "the PS to report done, every shard at its step")
             return JobResult(final_weights(c), c.status(), c.get("/v1/workers").json()["workers"], codes)
         except Exception:

@@ -428,7 +428,7 @@ def test_python_m_ps_service_refuses_to_resume_with_another_optimizer_in_one_lin
     cluster = LocalCluster(workers=1, ps_env=env, log_dir=tmp_path / "logs")  # the PS only: no worker started
     try:
         with pytest.raises(RuntimeError, match="PS exited with 2"):
-            cluster.start_ps(deadline=60)
+            cluster.start_ps(deadline=allow(60))
         log = cluster.log("ps")
     finally:
         cluster.stop()
@@ -438,7 +438,7 @@ def test_python_m_ps_service_refuses_to_resume_with_another_optimizer_in_one_lin
     env = {k: v for k, v in env.items() if k != "PS_OPTIMIZER"}
     cluster = LocalCluster(workers=1, ps_env={**env, "PS_LEARNING_RATE": "0.03"}, log_dir=tmp_path / "logs2")
     try:
-        cluster.start_ps(deadline=60)
+        cluster.start_ps(deadline=allow(60))
         status = httpx.get(f"{cluster.url}/v1/status", timeout=10).json()
         assert status["optimizer"]["learning_rate"] == 0.03 and status["global_step"] == 2
     finally:

@@ -73,14 +73,15 @@ def logs(log_dir: Path, tail: int = 3000) -> str:
 
 
 def run_forked_job(workers: int, ps_settings: dict, worker_env: dict, deadline: float = 120.0) -> JobResult:
-    """Train to ``max_steps`` (:func:`tests.clusters.run_job` with forked workers and an in-process PS)."""
+    """Train to ``max_steps`` (:func:`tests.clusters.run_job` with forked workers and an in-process PS; ``deadline``
+    as there)."""
     from tests.clusters import final_weights
 
     with tempfile.TemporaryDirectory(prefix="syncps-torch-") as tmp, \
             live_ps(min_workers=workers, startup_grace_seconds=0, **ps_settings) as ps:
         procs = start_workers(workers, ps.url, worker_env, Path(tmp))
         try:
-            wait_for(lambda: all(p.exitcode is not None for p in procs), deadline, "the workers to exit", 0.1)
+            wait_for(lambda: all(p.exitcode is not None for p in procs), allow(deadline), "the workers to exit", 0.1)
             with ps.http() as http:
                 wait_for(lambda: http.get("/v1/status").json()["state"] == "done", allow(10), "the PS to report done")
                 status, members = http.get("/v1/status").json(), http.get("/v1/workers").json()["workers"]
