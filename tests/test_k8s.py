@@ -261,7 +261,7 @@ def test_a_hot_standby_pair_takes_its_roles_from_the_pod_ordinal_on_two_nodes(or
     name, svc = ps["metadata"]["name"], ps["spec"]["serviceName"]
     script = container(ps)["command"][2].replace("exec python -m ps_service", 'echo "$PS_ROLE $PS_PEER_URL"')
     done = subprocess.run(["sh", "-c", script], env={"HOSTNAME": f"{name}-{ordinal}"}, capture_output=True,
-                          text=True, timeout=10)
+                          text=True, timeout=allow(10))
     assert done.stdout.split() == [role, f"http://{name}-{1 - ordinal}.{svc}:8000"]
     assert ps["spec"]["replicas"] == 2
     (rule,) = pod(ps)["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
@@ -526,7 +526,7 @@ def checkov_bin() -> Path:
             return exe
         venv.EnvBuilder(with_pip=False, clear=True).create(home)  # clear: what an interrupted install left
         r = subprocess.run([sys.executable, "-m", "pip", "--python", str(home / "bin" / "python"), "install", "-q",
-                            "--disable-pip-version-check", CHECKOV], capture_output=True, text=True, timeout=600)
+                            "--disable-pip-version-check", CHECKOV], capture_output=True, text=True, timeout=allow(600))
         if r.returncode != 0 and ("Could not find a version" in r.stderr or "No matching distribution" in r.stderr):
             reason = f"cannot install {CHECKOV} here: {r.stderr.strip().splitlines()[-1]}"
             degraded("checkov (test_k8s.py)", f"skipped: {reason}")
@@ -542,7 +542,7 @@ def scan(renders: dict[str, list[dict]], folder: Path) -> dict:
     for name, objects in renders.items():
         (folder / f"{name}.yaml").write_text(yaml.safe_dump_all(objects, sort_keys=False))
     r = subprocess.run([str(checkov_bin()), "-d", str(folder), "--framework", "kubernetes", "--skip-download",
-                        "-o", "json"], capture_output=True, text=True, timeout=240)
+                        "-o", "json"], capture_output=True, text=True, timeout=allow(240))
     out = json.loads(r.stdout) if r.stdout.strip() else {}
     assert "results" in out, r.stdout[-2000:] + r.stderr[-3000:]
     return out["results"]

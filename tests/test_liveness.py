@@ -190,7 +190,7 @@ def test_the_ps_sets_them_on_the_connections_it_accepts():
 
         def ps_side() -> str:  # the PS's end of this connection: ss shows its keep-alive timer
             out = subprocess.run(["ss", "-tnoH", "state", "established", f"( sport = :{port} and dport = :{mine} )"],
-                                 capture_output=True, text=True, timeout=10).stdout
+                                 capture_output=True, text=True, timeout=allow(10)).stdout
             return out if "keepalive" in out else ""
         wait_for(ps_side, allow(10), "the PS's end with its keep-alive timer")
         client.close()

@@ -9,11 +9,12 @@ import sys
 import numpy as np
 
 from bench.load import gradient, replay
+from tests.timing import allow
 
 
 def test_load_bench_runs_exactly_with_eight_workers():
     out = subprocess.run([sys.executable, "-m", "bench.load", "--json", "--workers", "8", "--rounds", "3"],
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=allow(120))
     line = json.loads(out.stdout.strip().splitlines()[-1])
     assert out.returncode == 0, (line, out.stderr[-2000:])
     assert line["exact"] is True and line["errors_5xx"] == 0
@@ -27,7 +28,7 @@ def test_load_bench_runs_exactly_with_eight_workers():
 def test_load_bench_with_the_ps_defaults_probes_where_a_plain_ps_listens():
     """``--defaults``: the PS with its default settings (but the job's size), probed where a plain PS answers."""
     out = subprocess.run([sys.executable, "-m", "bench.load", "--json", "--workers", "4", "--rounds", "2", "--defaults"],
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=allow(120))
     line = json.loads(out.stdout.strip().splitlines()[-1])
     assert out.returncode == 0, (line, out.stderr[-2000:])
     assert line["settings"] == "default" and line["exact"] is True and line["rounds_done"] == 2

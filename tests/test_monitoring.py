@@ -279,8 +279,9 @@ def test_backup_workers_show_late_pushes_and_late_state():
 
 
 def test_make_run_shows_progress_and_summary_table():
-    out = subprocess.run([sys.executable, "-m", "cluster", "--workers", "2", "--steps", "30", "--deadline", "90"],
-                         capture_output=True, text=True, timeout=150, env={**os.environ, "COLUMNS": "120"})
+    out = subprocess.run([sys.executable, "-m", "cluster", "--workers", "2", "--steps", "30",
+                          "--deadline", str(allow(90))],
+                         capture_output=True, text=True, timeout=allow(150), env={**os.environ, "COLUMNS": "120"})
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-3000:]
     assert "30/30" in text and "done: every worker exited 0" in text
