@@ -80,7 +80,7 @@ async def _waiters_wake_once_per_round() -> None:
         checks[0] += 1
         return core.global_step > 0
 
-    waits = [asyncio.create_task(rt.wait_for(ready, 30.0, w)) for w in ids]
+    waits = [asyncio.create_task(rt.wait_for(ready, allow(30.0), w)) for w in ids]
     for _ in range(1000):  # until every task waits (each has checked once)
         if len(core.members.waits) == k:
             break

@@ -24,7 +24,7 @@ async def _resume_order() -> list[str]:
     resumed: list[str] = []
 
     async def wait(name: str, first: bool) -> None:
-        assert await rt.wait_for(lambda: core.global_step > 0, 30.0, first=first)
+        assert await rt.wait_for(lambda: core.global_step > 0, allow(30.0), first=first)
         resumed.append(name)
 
     order = [("shm-1", False), ("body-1", True), ("shm-2", False), ("body-2", True), ("shm-3", False)]
@@ -57,7 +57,7 @@ async def _closer_and_waits(shm_dir: str, body_answered_before: bool) -> list[st
     resumed: list[str] = []
 
     async def wait(name: str) -> None:
-        assert await rt.wait_for(lambda: core.global_step > 0, 30.0, first=True)
+        assert await rt.wait_for(lambda: core.global_step > 0, allow(30.0), first=True)
         resumed.append(name)
         rt.tensors.weights_response("http")
 
