@@ -123,11 +123,12 @@ def state_hash(rt: Runtime) -> str:
 
 
 def raw_exchange(port: int, data: bytes | list[bytes], read: bool = True, shutdown: bool = False,
-                 timeout: float = 10.0) -> tuple[int | None, bytes]:
-    """Send raw bytes (parts in order), optionally half-close, and read one response: (status, body).
+                 timeout: float | None = None) -> tuple[int | None, bytes]:
+    """Send raw bytes (parts in order), optionally half-close, and read one response: (status, body); ``timeout``
+    bounds each socket operation (default ``allow(10)``).
 
     Status is None when the server closed without answering."""
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+    with socket.create_connection(("127.0.0.1", port), timeout=allow(10) if timeout is None else timeout) as s:
         for part in [data] if isinstance(data, bytes) else data:
             s.sendall(part)
         if shutdown:

@@ -14,7 +14,7 @@ from tests.timing import allow
 
 
 def _routes(url: str) -> set[str]:
-    spec = httpx.get(f"{url}/openapi.json", timeout=10).json()
+    spec = httpx.get(f"{url}/openapi.json", timeout=allow(10)).json()
     return {p for p in spec["paths"] if p.startswith("/v1/")}
 
 
@@ -23,11 +23,11 @@ def test_docs_pages_name_no_other_host():
     try:
         c.start_ps()
         for page in ("/docs", "/redoc"):
-            r = httpx.get(f"{c.url}{page}", timeout=10)
+            r = httpx.get(f"{c.url}{page}", timeout=allow(10))
             assert r.status_code == 200
             assert not re.findall(r"(?:src|href)=\"(?:https?:)?//", r.text), (page, r.text)
             for asset in re.findall(r"(?:src|href)=\"(/[^\"]+)\"", r.text) + re.findall(r"url: '(/[^']+)'", r.text):
-                assert httpx.get(f"{c.url}{asset}", timeout=10).status_code == 200, asset
+                assert httpx.get(f"{c.url}{asset}", timeout=allow(10)).status_code == 200, asset
     finally:
         c.stop()
 

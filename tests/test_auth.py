@@ -193,7 +193,7 @@ def test_forged_pushes_during_live_training_change_nothing():
                        "mangled": {"Authorization": f"Bearer {TOKEN.upper()}"}}
 
         def forge():
-            with httpx.Client(base_url=c.url, timeout=5.0) as h:
+            with httpx.Client(base_url=c.url, timeout=allow(5.0)) as h:
                 while not stop.is_set():
                     step = c.status()["global_step"]
                     for kind, hdr in bad_headers.items():

@@ -382,9 +382,10 @@ def test_a_real_ps_writes_on_sigterm_and_restores_on_start(tmp_path):
         assert st["global_step"] == 30 and st["state"] == "done"
         assert st["checkpoint"]["step"] == 30 and st["checkpoint"]["path"] == str(path)
         body = frame.encode_bytes({"w": np.zeros(3, np.float32)}, {"optimizer": {}})
-        r = httpx.put(f"{again.url}/v1/model", content=body, headers={"content-type": frame.MEDIA_TYPE}, timeout=10)
+        r = httpx.put(f"{again.url}/v1/model", content=body, headers={"content-type": frame.MEDIA_TYPE},
+                      timeout=allow(10))
         assert r.status_code == 409 and r.json()["error"] == "already_initialized"
-        reg = httpx.post(f"{again.url}/v1/workers", json={"name": "worker-0"}, timeout=10).json()
+        reg = httpx.post(f"{again.url}/v1/workers", json={"name": "worker-0"}, timeout=allow(10)).json()
         assert (reg["worker_id"], reg["rank"]) == (state["members"][0]["worker_id"], 0)
 
 
@@ -439,7 +440,7 @@ def test_python_m_ps_service_refuses_to_resume_with_another_optimizer_in_one_lin
     cluster = LocalCluster(workers=1, ps_env={**env, "PS_LEARNING_RATE": "0.03"}, log_dir=tmp_path / "logs2")
     try:
         cluster.start_ps(deadline=allow(60))
-        status = httpx.get(f"{cluster.url}/v1/status", timeout=10).json()
+        status = httpx.get(f"{cluster.url}/v1/status", timeout=allow(10)).json()
         assert status["optimizer"]["learning_rate"] == 0.03 and status["global_step"] == 2
     finally:
         cluster.stop()

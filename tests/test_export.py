@@ -171,7 +171,7 @@ def test_a_module_trained_through_syncps_torch_loads_the_torch_file_strictly(tmp
 
     def worker(make, name: str, x, y):
         model, opt = make()
-        with connect(model, opt, url=ps.url, name=name, retry_timeout=20) as dist:
+        with connect(model, opt, url=ps.url, name=name, retry_timeout=allow(20)) as dist:
             for idx in dist.batch_sampler(x, 32):
                 dist.zero_grad()
                 torch.nn.functional.mse_loss(model(x[idx]), y[idx]).backward()

@@ -189,7 +189,7 @@ def test_kill_9_at_many_moments_redoes_at_most_two_checkpoint_intervals(tmp_path
 
     def push_forever() -> None:
         worker_id, step = None, 0
-        with httpx.Client(base_url=c.url, timeout=10.0) as h:
+        with httpx.Client(base_url=c.url, timeout=allow(10.0)) as h:
             while not stop.is_set():
                 try:
                     if worker_id is None:
@@ -216,7 +216,7 @@ def test_kill_9_at_many_moments_redoes_at_most_two_checkpoint_intervals(tmp_path
         try:
             body = frame.encode_bytes(model, {"optimizer": {"name": "adam", "learning_rate": 0.01}})
             assert httpx.put(f"{c.url}/v1/model", content=body, headers={"content-type": frame.MEDIA_TYPE},
-                             timeout=30).status_code == 201
+                             timeout=allow(30)).status_code == 201
             pusher = threading.Thread(target=push_forever, daemon=True)
             pusher.start()
             rng = np.random.default_rng(49)

@@ -436,10 +436,10 @@ def test_chunked_body_without_length_is_cut_off_while_streaming(ps, unchanged):
     """1 GiB offered in chunks, no Content-Length: the PS answers 413 once past the limit, long before the end."""
     chunk = b"%x\r\n%s\r\n" % (1 << 16, b"\0" * (1 << 16))
     sent, offered = 0, 1 << 30
-    with socket.create_connection(("127.0.0.1", ps.port), timeout=10) as s:
+    with socket.create_connection(("127.0.0.1", ps.port), timeout=allow(10)) as s:
         s.sendall(head(extra="Transfer-Encoding: chunked\r\n"))
         s.setblocking(False)
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + allow(60)
         while sent < offered and time.monotonic() < deadline:
             readable, writable, _ = select.select([s], [s], [], 1.0)
             if readable:
@@ -476,13 +476,13 @@ def test_stalled_body_times_out_with_408(ps, unchanged):
     t0 = time.monotonic()
     status, reply = raw_exchange(ps.port, head(extra=f"Content-Length: {len(body)}\r\n") + body[:10])
     assert status == 408 and b"body_timeout" in reply
-    assert IDLE <= time.monotonic() - t0 < IDLE + 10
+    assert IDLE <= time.monotonic() - t0 < IDLE + allow(10)
 
 
 def _answer_then_eof(s: socket.socket) -> tuple[int | None, str, bytes]:
-    """One response (status, head, body), then what follows on the connection until it closes (10 s at most)."""
-    buf, s_deadline = b"", time.monotonic() + 10
-    s.settimeout(10)
+    """One response (status, head, body), then what follows on the connection until it closes (allow(10) s at most)."""
+    buf, s_deadline = b"", time.monotonic() + allow(10)
+    s.settimeout(allow(10))
     while time.monotonic() < s_deadline:
         chunk = s.recv(65536)
         if not chunk:
@@ -505,7 +505,7 @@ def _answer_then_eof(s: socket.socket) -> tuple[int | None, str, bytes]:
 def test_a_refusal_before_the_whole_body_closes_the_connection(ps, unchanged, req, status, code):
     """protocol.md, Errors: an answer sent before the request's body was read whole (a refusal, or a route that takes
     no body) says ``connection: close`` and the PS closes the connection: the rest of the body may still come."""
-    with socket.create_connection(("127.0.0.1", ps.port), timeout=10) as s:
+    with socket.create_connection(("127.0.0.1", ps.port), timeout=allow(10)) as s:
         s.sendall(req(ps.ctx))
         got, head_text, rest = _answer_then_eof(s)
     assert got == status and code.encode() in rest and "\r\nconnection: close" in head_text, head_text
@@ -515,7 +515,7 @@ def test_a_client_that_sends_its_whole_body_before_reading_gets_the_413(ps, unch
     """A client that writes a too-large body to the end before it reads (a blocking one) still reads the 413: the
     PS half-closes and drops the rest, rather than closing at once, whose reset would fail the client's send."""
     body = b"\0" * (4 * LIMIT)
-    with socket.create_connection(("127.0.0.1", ps.port), timeout=10) as s:
+    with socket.create_connection(("127.0.0.1", ps.port), timeout=allow(10)) as s:
         s.sendall(head(extra=f"Content-Length: {len(body)}\r\n") + body)
         got, head_text, rest = _answer_then_eof(s)
     assert got == 413 and b"body_too_large" in rest and "\r\nconnection: close" in head_text
@@ -526,7 +526,7 @@ def test_a_refusal_after_the_whole_body_keeps_the_connection(ps, unchanged, pad)
     """A refused push whose body was read whole leaves the connection reusable: the next request is answered.
     Whitespace after the Content-Length's digits is allowed (RFC 9110 5.5); it was 400 bad_content_length."""
     body = push(ps.ctx, step=10 ** 6)
-    with socket.create_connection(("127.0.0.1", ps.port), timeout=10) as s:
+    with socket.create_connection(("127.0.0.1", ps.port), timeout=allow(10)) as s:
         s.sendall(head(extra=f"Content-Length: {len(body)}{pad}\r\n") + body)
         status, reply = read_response(s)
         assert status == 422 and b"future_step" in reply
@@ -563,7 +563,7 @@ def _valid_push(c: Ctx) -> bytes:
 def test_a_request_without_one_host_header_is_refused_as_bad_http(ps, unchanged, req):
     """RFC 9112 3.2 (docs/protocol.md, Errors): HTTP/1.1 without a Host header, or any request with two, is 400
     ``bad_http`` and the connection closes, on the fast lane (a push the PS would take otherwise) as on the routes."""
-    with socket.create_connection(("127.0.0.1", ps.port), timeout=10) as s:
+    with socket.create_connection(("127.0.0.1", ps.port), timeout=allow(10)) as s:
         s.sendall(req(ps.ctx))
         got, head_text, rest = _answer_then_eof(s)
     assert got == 400 and json.loads(rest)["error"] == "bad_http" and "\r\nconnection: close" in head_text, rest
@@ -666,9 +666,9 @@ def test_a_sync_push_once_done_is_stale_with_done_and_a_pull_push_gets_the_final
             assert (r.status_code, r.json()) == (200, {"status": "stale", "step": 1, "done": True})
             assert post().json()["status"] == "duplicate"
             t0 = time.monotonic()
-            r = post(pull=1, timeout=20)
+            r = post(pull=1, timeout=allow(20))
             assert r.status_code == 200 and r.headers["x-syncps-push-status"] == "duplicate"
-            assert time.monotonic() - t0 < 5
+            assert time.monotonic() - t0 < allow(5)
             got = frame.decode(r.content)
             assert got.meta["done"] is True and got.meta["step"] == 1
             np.testing.assert_array_equal(got.tensors["b"], W0["b"] - np.float32(0.1))
@@ -721,8 +721,8 @@ def test_a_worker_that_leaves_while_its_counted_push_waits_gets_its_status_at_on
         def waiting_push() -> None:
             with ps.http() as h:
                 t0 = time.monotonic()
-                r = h.post("/v1/gradients", params={"pull": 1, "timeout": 30}, content=push_frame(a, 0, grads(2.0)),
-                           headers={"content-type": FRAME})
+                r = h.post("/v1/gradients", params={"pull": 1, "timeout": allow(30)},
+                           content=push_frame(a, 0, grads(2.0)), headers={"content-type": FRAME})
                 answers["push"] = (r, time.monotonic() - t0)
 
         t = threading.Thread(target=waiting_push)
@@ -732,7 +732,7 @@ def test_a_worker_that_leaves_while_its_counted_push_waits_gets_its_status_at_on
             assert h.delete(f"/v1/workers/{a}").json()["state"] == "left"
         t.join(allow(10))
         r, took = answers["push"]
-        assert (r.status_code, r.json()) == (200, {"status": "accepted", "step": 0, "done": False}) and took < 5
+        assert (r.status_code, r.json()) == (200, {"status": "accepted", "step": 0, "done": False}) and took < allow(5)
         with ps.http() as h:  # the round uses a's gradient: b's closes it with the mean of both
             assert h.post("/v1/gradients", content=push_frame(b, 0, grads(4.0)),
                           headers={"content-type": FRAME}).json()["status"] == "accepted"
@@ -743,7 +743,7 @@ def test_a_worker_that_leaves_while_its_counted_push_waits_gets_its_status_at_on
         def waiting_pull() -> None:
             with ps.http() as h:
                 t0 = time.monotonic()
-                r = h.get("/v1/model", params={"min_step": 5, "timeout": 30, "worker_id": b})
+                r = h.get("/v1/model", params={"min_step": 5, "timeout": allow(30), "worker_id": b})
                 answers["pull"] = (r, time.monotonic() - t0)
 
         t = threading.Thread(target=waiting_pull)
@@ -753,5 +753,5 @@ def test_a_worker_that_leaves_while_its_counted_push_waits_gets_its_status_at_on
             assert h.delete(f"/v1/workers/{b}").json()["state"] == "left"
         t.join(allow(10))
         r, took = answers["pull"]
-        assert (r.status_code, r.json()["error"]) == (409, "not_active") and took < 5
+        assert (r.status_code, r.json()["error"]) == (409, "not_active") and took < allow(5)
         c.close()

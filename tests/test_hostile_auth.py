@@ -76,7 +76,7 @@ def test_each_form_on_a_live_ps(ps, case, route):
     values, want = FORMS[case]
     path = f"/v1/workers/{ps.wid}/heartbeat" if route == "heartbeat" else "/v1/model?timeout=0"
     before, failures = state_hash(ps.rt), ps.rt.auth_failures
-    with httpx.Client(base_url=ps.url, timeout=10.0) as h:
+    with httpx.Client(base_url=ps.url, timeout=allow(10.0)) as h:
         r = h.request("POST" if route == "heartbeat" else "GET", path,
                       headers=[("Authorization", v) for v in values])
     if want == TOKEN:
@@ -95,7 +95,7 @@ def test_a_request_without_the_training_token_cannot_fence_a_primary():
         pair = ps.rt.ha
         wait_for(lambda: pair.role == "primary", allow(10), "the primary of term 1 (its peer does not answer)")
         term, hostile = pair.term, {"x-syncps-term": str(pair.term + 5), "x-syncps-peer-lost": "1"}
-        with httpx.Client(base_url=ps.url, timeout=10.0) as h:
+        with httpx.Client(base_url=ps.url, timeout=allow(10.0)) as h:
             for auth in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Bearer {TOKEN}, Bearer x"}):
                 r = h.post("/v1/workers", json={"name": "x"}, headers={**hostile, **auth})
                 assert (r.status_code, r.json()["error"]) == (401, "unauthorized"), r.text
@@ -116,7 +116,7 @@ def test_a_malformed_term_is_refused_by_a_ps_of_a_pair_and_not_read_by_a_lone_on
     with live_ps(auth_token=TOKEN, role="primary", peer_url=f"http://127.0.0.1:{free_port()}") as ps:
         pair = ps.rt.ha
         wait_for(lambda: pair.role == "primary", allow(10), "the primary of term 1 (its peer does not answer)")
-        with httpx.Client(base_url=ps.url, timeout=10.0) as h:
+        with httpx.Client(base_url=ps.url, timeout=allow(10.0)) as h:
             for case, terms in MALFORMED_TERMS.items():
                 before = state_hash(ps.rt)
                 headers = [("x-syncps-peer-lost", "1"), *(("x-syncps-term", t) for t in terms), *auth.items()]
@@ -126,7 +126,7 @@ def test_a_malformed_term_is_refused_by_a_ps_of_a_pair_and_not_read_by_a_lone_on
                 assert (pair.role, pair.term) == ("primary", 1) and state_hash(ps.rt) == before
             r = h.post("/v1/workers", json={"name": "x"}, headers={"x-syncps-term": str(MAX_INT), **auth})
             assert (r.status_code, r.json()["error"]) == (503, "fenced")  # the largest term is one
-    with live_ps(auth_token=TOKEN) as ps, httpx.Client(base_url=ps.url, timeout=10.0) as h:
+    with live_ps(auth_token=TOKEN) as ps, httpx.Client(base_url=ps.url, timeout=allow(10.0)) as h:
         for case, terms in MALFORMED_TERMS.items():
             r = h.post("/v1/workers", json={"name": case}, headers=[*(("x-syncps-term", t) for t in terms),
                                                                      *auth.items()])

@@ -286,7 +286,7 @@ def test_the_standby_pairs_environment_takes_over_with_the_tokens(token_files, t
 
     def status(url: str) -> dict:
         try:
-            return httpx.get(f"{url}/v1/status", headers=monitor, timeout=5.0).json()
+            return httpx.get(f"{url}/v1/status", headers=monitor, timeout=allow(5.0)).json()
         except (httpx.HTTPError, ValueError):
             return {}
 
@@ -305,7 +305,7 @@ def test_the_standby_pairs_environment_takes_over_with_the_tokens(token_files, t
         assert c.wait_workers(allow(120)) == [0, 0, 0, 0], c.logs()
         done = status(c.peer_url)
         assert (done["state"], done["global_step"]) == ("done", steps)
-        assert httpx.get(f"{c.peer_url}/v1/status", timeout=5.0).status_code == 401  # no token, no status
+        assert httpx.get(f"{c.peer_url}/v1/status", timeout=allow(5.0)).status_code == 401  # no token, no status
     except BaseException:
         c.mark_failed()
         raise
@@ -648,7 +648,7 @@ def test_ps_with_token_files_starts_and_guards_its_routes(tmp_path):
                                          "PS_MONITOR_TOKEN_FILE": monitor})
     try:
         ps.start_ps()  # polls /healthz, open to probes
-        with httpx.Client(base_url=ps.url, timeout=10.0) as http:
+        with httpx.Client(base_url=ps.url, timeout=allow(10.0)) as http:
             assert http.get("/healthz").status_code == 200
             refused = http.post("/v1/workers", json={"name": "intruder"})
             assert refused.status_code == 401 and refused.json()["error"] == "unauthorized"

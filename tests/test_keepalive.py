@@ -42,15 +42,15 @@ def test_every_answer_of_the_ps_announces_its_keep_alive_and_the_worker_follows_
         conn = RawConnection(ps.url)
         try:
             paths = ("/v1/status", "/v1/model?timeout=0", "/v1/no-such-route")  # JSON, the hot path, an error
-            answers = [conn.request("GET", path, {}, timeout=10.0) for path in paths]
+            answers = [conn.request("GET", path, {}, timeout=allow(10.0)) for path in paths]
             assert [a.status_code < 500 for a in answers] == [True] * 3
             assert [a.headers.get("keep-alive") for a in answers] == ["timeout=3"] * 3
             first = conn.sock
             now[0] += 1.49  # idle for less than half of 3 s: the same connection
-            conn.request("GET", "/v1/status", {}, timeout=10.0)
+            conn.request("GET", "/v1/status", {}, timeout=allow(10.0))
             assert conn.sock is first
             now[0] += 1.5  # idle for half of it: a fresh connection, before a byte is sent on the old one
-            conn.request("GET", "/v1/status", {}, timeout=10.0)
+            conn.request("GET", "/v1/status", {}, timeout=allow(10.0))
             assert conn.sock is not first and first.fileno() == -1
         finally:
             conn.close()
@@ -63,10 +63,10 @@ def test_the_httpx_connection_takes_the_announced_timeout_as_its_pools_expiry():
         try:
             assumed = conn.client
             assert conn.reuse_seconds == keepalive.reuse_seconds()
-            assert conn.request("GET", "/v1/status", {}, timeout=10.0).status_code == 200
+            assert conn.request("GET", "/v1/status", {}, timeout=allow(10.0)).status_code == 200
             assert conn.reuse_seconds == 1.5 and assumed.is_closed and conn.client is not assumed
             announced = conn.client
-            assert conn.request("GET", "/v1/status", {}, timeout=10.0).status_code == 200
+            assert conn.request("GET", "/v1/status", {}, timeout=allow(10.0)).status_code == 200
             assert conn.client is announced and not announced.is_closed  # the same pool from then on
         finally:
             conn.close()
@@ -85,7 +85,7 @@ def test_clients_that_send_just_as_the_ps_closes_their_idle_connections_lose_not
             try:
                 for _ in range(rounds):
                     try:
-                        assert conn.request("GET", "/v1/status", {}, timeout=10.0).status_code == 200
+                        assert conn.request("GET", "/v1/status", {}, timeout=allow(10.0)).status_code == 200
                     except ConnectionLost as exc:
                         lost.append(str(exc))
                     time.sleep(ka + rng.uniform(-0.01, 0.01))

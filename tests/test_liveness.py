@@ -68,8 +68,8 @@ def _answering_server() -> socket.socket:
     srv = socket.create_server(("127.0.0.1", 0))
 
     def serve(peer):
-        peer.settimeout(10)
-        with peer, contextlib.suppress(OSError):  # the client gone, or idle 10 s: this connection is done
+        peer.settimeout(allow(10))
+        with peer, contextlib.suppress(OSError):  # the client gone, or idle allow(10) s: this connection is done
             data = b""
             while chunk := peer.recv(65536):
                 data += chunk
@@ -185,7 +185,7 @@ def test_the_ps_sets_them_on_the_connections_it_accepts():
     try:
         c.start_ps()
         port = int(c.url.rsplit(":", 1)[1])
-        client = socket.create_connection(("127.0.0.1", port), timeout=10)
+        client = socket.create_connection(("127.0.0.1", port), timeout=allow(10))
         mine = client.getsockname()[1]
 
         def ps_side() -> str:  # the PS's end of this connection: ss shows its keep-alive timer

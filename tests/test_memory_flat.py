@@ -116,7 +116,7 @@ def test_a_contributor_that_dies_mid_body_or_never_pushes_holds_the_others_up_on
         dead = None
         if rank0 == "dies mid-body":  # its frame's header and a part of its body, then it is gone
             body = push_frame(ids[0], 0, gradient(0))
-            dead = socket.create_connection(("127.0.0.1", ps.port), timeout=10)
+            dead = socket.create_connection(("127.0.0.1", ps.port), timeout=allow(10))
             dead.sendall(f"POST /v1/gradients HTTP/1.1\r\nhost: x\r\ncontent-type: {FRAME}\r\n"
                          f"content-length: {len(body)}\r\n\r\n".encode() + body[:200_000])
             wait_for(lambda: ids[0] in core.intake.reading, allow(10), "the PS to read rank 0's push (next in order)")
@@ -187,7 +187,7 @@ def test_with_backup_workers_a_contributor_whose_body_fails_gives_its_place_to_t
         wait_for(lambda: ids[2] in core.round.heads and core.intake.deferred >= 1, allow(10), "rank 2's head")
         body = push_frame(ids[0], 0, gradient(0))
         clients[0].heartbeat(ids[0])  # its lease runs from here
-        dead = socket.create_connection(("127.0.0.1", ps.port), timeout=10)
+        dead = socket.create_connection(("127.0.0.1", ps.port), timeout=allow(10))
         dead.sendall(f"POST /v1/gradients HTTP/1.1\r\nhost: x\r\ncontent-type: {FRAME}\r\n"
                      f"content-length: {len(body)}\r\n\r\n".encode() + body[:200_000])
         wait_for(lambda: ids[0] in core.intake.reading, allow(10), "the PS to read rank 0's push (first in order)")

@@ -51,7 +51,7 @@ def samples(text: str) -> dict[tuple, float]:
 
 
 def scrape(url: str, **headers) -> httpx.Response:
-    r = httpx.get(f"{url}/metrics", headers=headers, timeout=10.0)
+    r = httpx.get(f"{url}/metrics", headers=headers, timeout=allow(10.0))
     assert r.status_code == 200
     return r
 
@@ -82,8 +82,8 @@ def job():
             out = {
                 "codes": codes, "during": during, "text": scrape(url).text,
                 "openmetrics": scrape(url, accept="application/openmetrics-text; version=1.0.0"),
-                "status": httpx.get(f"{url}/v1/status", timeout=10).json(),
-                "rounds": httpx.get(f"{url}/v1/rounds", params={"limit": 1000}, timeout=10).json()["rounds"],
+                "status": httpx.get(f"{url}/v1/status", timeout=allow(10)).json(),
+                "rounds": httpx.get(f"{url}/v1/rounds", params={"limit": 1000}, timeout=allow(10)).json()["rounds"],
             }
         except Exception as exc:
             raise AssertionError(f"job failed: {exc}; logs:\n{c.logs()}") from exc

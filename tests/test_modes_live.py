@@ -169,7 +169,7 @@ def test_the_pytorch_bridge_trains_in_ssp():
         def worker(name):
             model = torch.nn.Linear(3, 1)
             with connect(model, torch.optim.SGD(model.parameters(), lr=0.1), url=ps_.url, name=name,
-                         retry_timeout=20) as ps:
+                         retry_timeout=allow(20)) as ps:
                 statuses = []
                 while not ps.should_stop:
                     ps.zero_grad()
@@ -183,7 +183,7 @@ def test_the_pytorch_bridge_trains_in_ssp():
             t.start()
         for t in threads:
             t.join(allow(60))
-        st = httpx.get(f"{ps_.url}/v1/status", timeout=5).json()
+        st = httpx.get(f"{ps_.url}/v1/status", timeout=allow(5)).json()
     assert st["state"] == "done" and st["pushes"]["accepted"] == steps and st["clocks"]["max_spread"] <= 2
     assert all(s in ("accepted", "stale", "done") for r in results.values() for s in r) and len(results) == 2
 

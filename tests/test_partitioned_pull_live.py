@@ -110,7 +110,7 @@ def test_a_pull_reads_partition_0_of_the_next_step_before_the_push_ends():
         sent_before = ps.rt.tensors.bytes_out
         pusher, rest = start_push(ps.port, wid, 6 << 20)  # partitions 0-4 whole, 5 begun
         wait_for(lambda: core.deciding and {1, 2} <= core.parts.closed, allow(10), "partitions 0-2 to close")
-        with pull(ps.port, f"min_step=1&partitioned=1&worker_id={wid}&timeout=10") as s:
+        with pull(ps.port, f"min_step=1&partitioned=1&worker_id={wid}&timeout={allow(10)}") as s:
             answer = ChunkedFrames(s)
             assert answer.status == 200 and answer.headers["content-type"] == frame.MEDIA_TYPE
             assert "content-length" not in answer.headers and answer.headers["x-syncps-step"] == "0"
@@ -147,7 +147,7 @@ def test_a_pull_of_the_current_step_between_partitions_waits_for_the_rounds_clos
         core = ps.rt.core
         pusher, rest = start_push(ps.port, wid, 6 << 20)  # partitions 0-4 whole, 5 begun
         wait_for(lambda: core.deciding and {1, 2} <= core.parts.closed, allow(10), "partitions 0-2 to close")
-        with pull(ps.port, "min_step=0&timeout=10") as s:
+        with pull(ps.port, f"min_step=0&timeout={allow(10)}") as s:
             wait_for(lambda: ps.rt._waiters, allow(10), "the pull to wait")  # not answered with mixed weights
             assert core.deciding and core.global_step == 0
             pusher.sendall(rest)
@@ -185,13 +185,13 @@ def answered_whole(partition_bytes: int, query: str) -> frame.Frame:
 
 
 def test_without_partitioned_a_pull_between_partitions_is_answered_whole():
-    f = answered_whole(SIZE, "min_step=1&timeout=10")
+    f = answered_whole(SIZE, f"min_step=1&timeout={allow(10)}")
     assert f.meta == {"step": 1, "done": False, "ranks": [0]}
     np.testing.assert_array_equal(f.tensors["w"], STEP1)
 
 
 def test_partitioned_is_ignored_where_rounds_are_not_partitioned():
-    f = answered_whole(0, "min_step=1&partitioned=1&timeout=10")
+    f = answered_whole(0, f"min_step=1&partitioned=1&timeout={allow(10)}")
     assert f.meta == {"step": 1, "done": False, "ranks": [0]}
     np.testing.assert_array_equal(f.tensors["w"], STEP1)
 
@@ -243,7 +243,7 @@ def test_an_answer_in_flight_keeps_its_steps_bytes_while_the_next_round_closes()
         wait_for(lambda: core.started, allow(10), "training to start")
         pusher, rest = start_push(ps.port, wa, 6 << 20)
         wait_for(lambda: core.deciding, allow(10), "round 0's decision (a's head: R = 1)")
-        with pull(ps.port, f"min_step=1&partitioned=1&worker_id={wb}&timeout=10") as s:
+        with pull(ps.port, f"min_step=1&partitioned=1&worker_id={wb}&timeout={allow(10)}") as s:
             answer = ChunkedFrames(s)
             assert answer.until(1)[0].meta == {"step": 1, "partitions": 12}
             pusher.sendall(rest)

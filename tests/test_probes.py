@@ -18,6 +18,7 @@ from cluster.processes import bindable, free_port
 from ps_service import probes
 from ps_service.settings import PSSettings
 from tests.live_ps import live_ps, raw_exchange
+from tests.timing import allow
 
 
 def port_with_a_free_neighbour() -> int:
@@ -40,7 +41,7 @@ def test_the_default_probe_port_is_the_main_port_plus_one_and_zero_is_none():
 def test_a_ps_with_the_default_settings_answers_probes_on_the_next_port():
     port = port_with_a_free_neighbour()
     with live_ps(port=port):
-        r = httpx.get(f"http://127.0.0.1:{port + 1}/healthz", timeout=10)
+        r = httpx.get(f"http://127.0.0.1:{port + 1}/healthz", timeout=allow(10))
         assert r.status_code == 200 and r.json() == {"status": "ok"}
 
 
@@ -48,7 +49,7 @@ def test_a_ps_goes_on_without_a_default_probe_port_that_is_taken(caplog):
     port = port_with_a_free_neighbour()
     with socket.create_server(("127.0.0.1", port + 1)) as taken, caplog.at_level("WARNING", "ps_service.probes"):
         with live_ps(port=port) as ps:
-            assert httpx.get(f"{ps.url}/healthz", timeout=10).status_code == 200
+            assert httpx.get(f"{ps.url}/healthz", timeout=allow(10)).status_code == 200
         assert taken.getsockname()[1] == port + 1
     assert any("probes answer on the main port only" in r.getMessage() for r in caplog.records)
 
@@ -57,7 +58,7 @@ def test_a_probe_port_that_was_set_must_be_had_and_zero_is_none():
     port = port_with_a_free_neighbour()
     with live_ps(port=port, probe_port=0):
         with pytest.raises(httpx.ConnectError):
-            httpx.get(f"http://127.0.0.1:{port + 1}/healthz", timeout=10)
+            httpx.get(f"http://127.0.0.1:{port + 1}/healthz", timeout=allow(10))
 
     async def listen_on(port: int, required: bool):
         async with probes.listening(None, "127.0.0.1", port, required) as listener:
@@ -100,7 +101,7 @@ def test_the_probe_server_logs_no_start_or_stop_line_of_its_own():
 def test_the_probe_port_answers_health_and_readiness_without_a_token():
     port = free_port()
     with live_ps(probe_port=port, auth_token="s3cret", monitor_token="m0n") as ps:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as probe:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=allow(10)) as probe:
             assert probe.get("/healthz").json() == {"status": "ok"}
             r = probe.get("/readyz")
             assert r.status_code == 503 and r.json()["error"] == "not_ready"
@@ -118,9 +119,9 @@ def test_healthz_on_the_probe_port_says_stalled_when_the_main_loop_stops_turning
     port = free_port()
     with live_ps(probe_port=port) as ps:
         url = f"http://127.0.0.1:{port}/healthz"
-        assert httpx.get(url, timeout=10).status_code == 200
+        assert httpx.get(url, timeout=allow(10)).status_code == 200
         monkeypatch.setattr(probes, "STALL_SECONDS", -1.0)  # any pulse is too old now
-        r = httpx.get(url, timeout=10)
+        r = httpx.get(url, timeout=allow(10))
         assert r.status_code == 503 and r.json()["error"] == "stalled"
-        assert httpx.get(f"{ps.url}/healthz", timeout=10).status_code == 200  # the main port's says "answers"
+        assert httpx.get(f"{ps.url}/healthz", timeout=allow(10)).status_code == 200  # the main port's says "answers"
 

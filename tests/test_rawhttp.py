@@ -81,8 +81,10 @@ def body_parts(n: int = BIG) -> tuple[list, bytes]:
     return parts, b"".join(bytes(memoryview(p).cast("B")) for p in parts)
 
 
-def wait_until_closed_by_server(conn: RawConnection, deadline: float = 10.0) -> None:
-    """Poll the idle connection's socket until the server's FIN arrives (readable), within ``deadline`` s."""
+def wait_until_closed_by_server(conn: RawConnection, deadline: float | None = None) -> None:
+    """Poll the idle connection's socket until the server's FIN arrives (readable), within ``deadline`` s (default
+    ``allow(10)``)."""
+    deadline = allow(10.0) if deadline is None else deadline
     end = time.monotonic() + deadline
     while not select.select([conn.sock], [], [], max(0.0, end - time.monotonic()))[0]:
         if time.monotonic() > end:
@@ -144,7 +146,7 @@ def test_an_answer_sent_before_the_server_stopped_reading_is_returned():
     with echo_server() as url:
         conn = RawConnection(url)
         try:
-            resp = conn.request("POST", "/refuse", {}, parts, timeout=10.0)
+            resp = conn.request("POST", "/refuse", {}, parts, timeout=allow(10.0))
             assert resp.status_code == 413 and resp.json() == {"error": "too_large"}
             assert post_echo(conn, [b"again"])[0]["length"] == 5  # and the connection after it works
         finally:
@@ -159,7 +161,7 @@ def socket_server(handle) -> Iterator[tuple[str, list]]:
     the requests are recorded."""
     seen: list[bytes] = []
     lsock = socket.create_server(("127.0.0.1", 0))
-    lsock.settimeout(10.0)
+    lsock.settimeout(allow(10.0))
     halt = threading.Event()
 
     def serve() -> None:
@@ -169,7 +171,7 @@ def socket_server(handle) -> Iterator[tuple[str, list]]:
             except OSError:
                 return
             with conn:
-                conn.settimeout(10.0)
+                conn.settimeout(allow(10.0))
                 buf = b""
                 try:
                     while not halt.is_set():
@@ -196,7 +198,7 @@ def socket_server(handle) -> Iterator[tuple[str, list]]:
         yield f"http://127.0.0.1:{lsock.getsockname()[1]}", seen
     finally:
         halt.set()
-        socket.create_connection(lsock.getsockname(), timeout=10).close()  # wakes a waiting accept()
+        socket.create_connection(lsock.getsockname(), timeout=allow(10)).close()  # wakes a waiting accept()
         thread.join(allow(10))
         lsock.close()
         assert not thread.is_alive()
@@ -221,7 +223,7 @@ def test_an_idle_connection_closed_without_notice_is_replaced_before_sending(aft
     with socket_server(handle) as (url, seen):
         conn = RawConnection(url)
         try:
-            assert conn.request("GET", "/a", {}, timeout=10.0).status_code == 200
+            assert conn.request("GET", "/a", {}, timeout=allow(10.0)).status_code == 200
             answered.set()
             wait_until_closed_by_server(conn)
             t0 = time.monotonic()
@@ -242,9 +244,9 @@ def test_a_request_the_server_may_have_processed_is_not_sent_again():
     with socket_server(handle) as (url, seen):
         conn = RawConnection(url)
         try:
-            assert conn.request("GET", "/a", {}, timeout=10.0).status_code == 200
+            assert conn.request("GET", "/a", {}, timeout=allow(10.0)).status_code == 200
             with pytest.raises(ConnectionLost, match="closed the connection"):
-                conn.request("POST", "/b", {}, [b"payload"], timeout=10.0)
+                conn.request("POST", "/b", {}, [b"payload"], timeout=allow(10.0))
             wait_for(lambda: len(seen) == 2, allow(10), "the server to record the request")
         finally:
             conn.close()

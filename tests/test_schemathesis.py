@@ -24,6 +24,7 @@ from ps_service.settings import PSSettings
 from shared import frame
 from tests.live_ps import live_ps
 from tests.strategies import gradients, push_metas, values
+from tests.timing import allow
 from tests.wire import FRAME
 
 MAX_EXAMPLES = 25
@@ -80,7 +81,7 @@ def test_no_server_errors(ps, operation, mode):
     @settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True, database=None,
               suppress_health_check=list(HealthCheck))
     def check(case):
-        response = case.call(base_url=ps.url, timeout=10)
+        response = case.call(base_url=ps.url, timeout=allow(10))
         STATUSES[response.status_code] += 1
         case.validate_response(response, checks=[not_a_server_error])
         if response.status_code >= 400:

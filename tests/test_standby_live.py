@@ -215,7 +215,7 @@ def test_the_pytorch_bridge_carries_on_when_the_primary_dies():
         def worker(name):
             model = torch.nn.Linear(3, 1)
             with connect(model, torch.optim.SGD(model.parameters(), lr=0.1), url=f"{c.url},{c.peer_url}", name=name,
-                         retry_timeout=30) as ps:
+                         retry_timeout=allow(30)) as ps:
                 statuses = []
                 while not ps.should_stop:
                     ps.zero_grad()

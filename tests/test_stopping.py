@@ -91,6 +91,6 @@ def test_a_worker_stopped_during_a_long_compute_leaves_at_once():
         t0 = time.monotonic()
         assert c.wait_workers(allow(60)) == [0, 0]
         assert time.monotonic() - t0 < 30  # the compute's wait woke: not 600 s, nor a lease
-        left = httpx.get(f"{c.url}/v1/workers", timeout=10).json()["workers"]
+        left = httpx.get(f"{c.url}/v1/workers", timeout=allow(10)).json()["workers"]
         assert all(w["state"] == "left" for w in left), left
         assert c.logs().count("stop requested (SIGTERM or SIGINT): leaving the cluster") == 2

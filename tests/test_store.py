@@ -85,7 +85,7 @@ def test_weights_that_live_elsewhere_are_left_there():
 
 
 def _send_pull(port: int, min_step: int) -> socket.socket:
-    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    sock = socket.create_connection(("127.0.0.1", port), timeout=allow(30))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)  # a small window: the answer stays queued
     sock.sendall(f"GET /v1/model?min_step={min_step}&timeout=0 HTTP/1.1\r\nhost: x\r\n\r\n".encode())
     return sock

@@ -62,7 +62,7 @@ def in_threads(*fns) -> list:
 
 
 def pull(url: str) -> dict[str, np.ndarray]:
-    client = PSClient(url, timeout=10.0, attempts=1)
+    client = PSClient(url, timeout=allow(10.0), attempts=1)
     try:
         return {k: v.copy() for k, v in client.pull(0, wait=5.0).tensors.items()}
     finally:
@@ -77,7 +77,7 @@ def test_workers_connect_step_in_place_and_finish(shm_dir, transport):
             model = linear(seed)
             before = {n: p.detach().clone() for n, p in model.named_parameters()}
             with connect(model, torch.optim.SGD(model.parameters(), lr=0.2), url=ps_.url, name=name,
-                         shm_dir=shm_dir, retry_timeout=20) as ps:
+                         shm_dir=shm_dir, retry_timeout=allow(20)) as ps:
                 out = {"before": before, "rank": ps.rank, "ranks": ps.ranks, "position": ps.position,
                        "transport": ps.client.transport, "ptrs": [p.data_ptr() for p in model.parameters()],
                        "statuses": [], "views": []}
@@ -133,7 +133,7 @@ def test_batchnorm_buffers_are_the_mean_of_the_workers_at_each_round():
         def worker(name: str) -> dict:
             job = batchnorm()
             pushed = []
-            with connect(job.model, job.optimizer, url=ps_.url, name=name, retry_timeout=20) as ps:
+            with connect(job.model, job.optimizer, url=ps_.url, name=name, retry_timeout=allow(20)) as ps:
                 push = ps.client.push
                 ps.client.push = lambda wid, step, grads, *a: (pushed.append(
                     {k: v.copy() for k, v in grads.items() if k.startswith("buffer:")}), push(wid, step, grads, *a))[1]
@@ -159,9 +159,9 @@ def test_batchnorm_buffers_are_the_mean_of_the_workers_at_each_round():
 def test_refused_gradients_name_the_parameter_with_the_4xx_any_client_gets():
     with live_ps(min_workers=1, startup_grace_seconds=0) as ps_:
         model = linear(0)
-        raw = PSClient(ps_.url, timeout=10.0, attempts=1)
+        raw = PSClient(ps_.url, timeout=allow(10.0), attempts=1)
         with connect(model, torch.optim.SGD(model.parameters(), lr=0.1), url=ps_.url, name="w0",
-                     shm_dir="", retry_timeout=20) as ps:
+                     shm_dir="", retry_timeout=allow(20)) as ps:
             def refused(prepare) -> GradientRejected:
                 ps.zero_grad()
                 prepare()
@@ -232,7 +232,7 @@ def test_a_worker_rejoins_after_the_ps_restarts_and_leaves_on_sigterm():
         model = linear(0)
         original = signal.getsignal(signal.SIGTERM)
         ps = connect(model, torch.optim.SGD(model.parameters(), lr=0.1), url=c.url, name="restart",
-                     retry_timeout=30)
+                     retry_timeout=allow(30))
 
         def one_step() -> str:
             ps.zero_grad()
@@ -264,7 +264,7 @@ def test_the_batch_sampler_reshards_when_a_worker_leaves():
             model = linear(0)
             seen = []
             with connect(model, torch.optim.SGD(model.parameters(), lr=0.1), url=ps_.url, name=name,
-                         retry_timeout=20) as ps:
+                         retry_timeout=allow(20)) as ps:
                 for idx in ps.batch_sampler(len(X), 8, seed=5):
                     seen.append((ps.step_count, ps.ranks, ps.position, idx))
                     ps.zero_grad()
