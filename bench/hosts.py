@@ -61,7 +61,7 @@ from bench import output
 from bench.run import measure
 from bench.table import machine
 from bench.task import model_dims
-from cluster.processes import free_port
+from cluster.processes import free_port, patience
 
 ROOT = Path(__file__).resolve().parent.parent
 GLOO_RUNNER = ROOT / "bench" / "gloo_hosts.py"
@@ -206,10 +206,11 @@ def sink(ip: str, port: int) -> None:
     """Accept one TCP stream and print its rate (bytes from the first to the last, over that time)."""
     import socket
     with socket.create_server((ip, port)) as server:
-        server.settimeout(60)  # the source connects within 10 s, then sends without pause: never a wait without end
+        # the source connects within 10 s (times patience), then sends without pause: never a wait without end
+        server.settimeout(60 * patience())
         conn, _ = server.accept()
         with conn:
-            conn.settimeout(60)
+            conn.settimeout(60 * patience())
             buf, total, first = bytearray(1 << 20), 0, None
             while n := conn.recv_into(buf):
                 first = first or time.perf_counter()
@@ -221,10 +222,10 @@ def sink(ip: str, port: int) -> None:
 def source(ip: str, port: int, seconds: float) -> None:
     """Send zeros to ``ip:port`` for ``seconds`` (connecting with retries while the sink starts)."""
     import socket
-    end = time.monotonic() + 10
+    end = time.monotonic() + 10 * patience()
     while True:
         try:
-            conn = socket.create_connection((ip, port), timeout=10)
+            conn = socket.create_connection((ip, port), timeout=10 * patience())
             break
         except OSError:
             if time.monotonic() > end:
@@ -246,8 +247,8 @@ def stream_check(hosts: Hosts, seconds: float = 1.0) -> dict:
     try:
         subprocess.run([*hosts.exec_prefix(1), sys.executable, "-c",
                         call.format("source", f"source({hosts.ip(0)!r}, {port}, {seconds})")],
-                       cwd=ROOT, check=True, timeout=seconds + 30)
-        got = json.loads(sink_proc.communicate(timeout=30)[0])
+                       cwd=ROOT, check=True, timeout=seconds + 30 * patience())
+        got = json.loads(sink_proc.communicate(timeout=30 * patience())[0])
     finally:
         sink_proc.kill()
         sink_proc.wait()

@@ -14,6 +14,7 @@ import socket
 import time
 
 from bench.output import Results, add_json_option
+from cluster.processes import patience
 
 CHUNK = 4 << 20
 
@@ -55,7 +56,7 @@ def stream(total: int, chunk: int = CHUNK) -> dict:
     receiver.start()
     try:
         data = memoryview(bytes(chunk))
-        with socket.create_connection(("127.0.0.1", ports.get(timeout=30)), timeout=120) as conn:
+        with socket.create_connection(("127.0.0.1", ports.get(timeout=30 * patience())), timeout=120) as conn:
             sent, t0, start = 0, time.perf_counter(), _cpu()
             while sent < total:
                 n = min(chunk, total - sent)
@@ -64,7 +65,7 @@ def stream(total: int, chunk: int = CHUNK) -> dict:
             sender_cpu = _cpu() - start
             conn.recv(1)
             seconds = time.perf_counter() - t0
-        receiver_cpu = cpu.get(timeout=60)
+        receiver_cpu = cpu.get(timeout=60 * patience())
     finally:
         receiver.join(10)
         if receiver.is_alive():

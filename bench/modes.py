@@ -22,7 +22,7 @@ import sys
 import time
 
 from bench.output import Results, add_json_option
-from cluster.processes import LocalCluster, wait_for
+from cluster.processes import LocalCluster, patience, wait_for
 from worker_service.client import PSClient
 from worker_service.tasks.mlp import MLPTask
 
@@ -45,8 +45,8 @@ def run(name: str, env: dict, seconds: float, delay: float, every: float, task: 
         c.start_ps()
         for i in range(WORKERS):
             c.start_worker(i, {"WORKER_COMPUTE_DELAY_SECONDS": delay if i == WORKERS - 1 else 0})
-        wait_for(lambda: c.status()["state"] == "training", 60, "training to start")
-        client = PSClient(c.url, timeout=10.0, attempts=3)
+        wait_for(lambda: c.status()["state"] == "training", 60 * patience(), "training to start")
+        client = PSClient(c.url, timeout=10.0 * patience(), attempts=3)
         t0, series, first = time.monotonic(), [], c.status()
         while True:
             t = time.monotonic() - t0

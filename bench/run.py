@@ -64,7 +64,7 @@ import httpx
 from bench import pin as pinning
 from bench.output import Results, add_json_option
 from bench.task import task_workload
-from cluster.processes import LocalCluster, wait_for
+from cluster.processes import LocalCluster, patience, wait_for
 from shared.protocol import PHASES
 
 
@@ -168,13 +168,14 @@ def _pair_lines(costs0: list[dict], costs1: list[dict], steps: int, cpu: list, w
 
 
 def measure(workers: int, params: int, seconds: float, warmup: float = 2.0, dtype: str = "float32",
-            ps_env: dict | None = None, worker_env: dict | None = None, start_deadline: float = 120.0,
+            ps_env: dict | None = None, worker_env: dict | None = None, start_deadline: float | None = None,
             transport: str = "auto", task: str = "linear", compression: str = "none", shards: int = 1,
             cluster_options: dict | None = None, step_aligned: bool = False, pin: bool = False) -> dict:
     """One run; the result line as a dict. ``cluster_options``: more :class:`LocalCluster` arguments (``host`` or
     ``hosts``, ``prefix``: ``bench.hosts`` runs each process in a network namespace of its own). ``step_aligned``: the window
     starts and ends as a global step completes (polled every 10 ms), for runs of only a few steps. ``pin``: the job on
-    every CPU but the last, a standby on the last (the module's docstring, ``--pin``)."""
+    every CPU but the last, a standby on the last (the module's docstring, ``--pin``). ``start_deadline``: seconds for
+    the job to reach step 3 (default 120 times :func:`cluster.processes.patience`)."""
     p, (d, k), task_env = task_workload(task, params)
     out: dict = {"system": "syncps", "workers": workers, "params": p, "params_requested": int(params)}
     job_cpus = os.cpu_count() or 1
@@ -212,7 +213,8 @@ def measure(workers: int, params: int, seconds: float, warmup: float = 2.0, dtyp
                 return st["state"] == "training" and st["global_step"] >= 3
             procs = [cluster.ps, *cluster.followers, *([cluster.peer] if cluster.peer is not None else [])]
             anon = _PeakAnon([proc.pid for proc in procs])
-            wait_for(training, start_deadline, "training to start", interval=0.1)
+            wait_for(training, 120 * patience() if start_deadline is None else start_deadline, "training to start",
+                     interval=0.1)
             time.sleep(warmup)
             if step_aligned:
                 _wait_next_step(client)

@@ -282,7 +282,7 @@ def test_a_body_refused_halfway_ends_its_connection_and_the_next_push_is_taken()
         wid = client.register("w")["worker_id"]
         client.init_model({"w": np.zeros(size, np.float32)}, {"name": "sgd", "learning_rate": 1.0})
         body = push_frame(wid, 0, {"w": np.ones(size, np.float32)})
-        with socket.create_connection(("127.0.0.1", ps.port), timeout=10) as s:
+        with socket.create_connection(("127.0.0.1", ps.port), timeout=allow(10)) as s:
             s.sendall(_big_push_head(ps.port, len(body)) + body[:150_000])
             status, reply = read_response(s)
             assert status == 408 and b"body_timeout" in reply
