@@ -29,7 +29,7 @@ def test_heartbeats_keep_a_quiet_worker_and_stay_quiet_while_the_main_loop_renew
         c = ps.client()
         wid = c.register("a")["worker_id"]
         renewed = [float("-inf")]
-        hb = Heartbeat(c.base_url, wid, period, 5.0, None, lambda: renewed[0])
+        hb = Heartbeat(c.base_url, wid, period, allow(5.0), None, lambda: renewed[0])
         hb.start()
         try:
             # quiet main loop: the thread keeps the lease for more than 2 leases
@@ -101,7 +101,7 @@ def test_heartbeats_reuse_one_kept_connection(monkeypatch):
         c = ps.client()
         wid = c.register("a")["worker_id"]
         made = counting_connects(monkeypatch)
-        with beating(Heartbeat(c.base_url, wid, 0.02, 5.0)) as hb:
+        with beating(Heartbeat(c.base_url, wid, 0.02, allow(5.0))) as hb:
             wait_for(lambda: hb.sent >= 20, allow(10.0), "20 heartbeats")
         assert len(made) == 1 and hb.failed == 0 and hb.stale == 0
         assert ps.rt.core.members.by_id[wid].state == "active"
@@ -117,7 +117,7 @@ def test_no_heartbeat_while_a_pull_with_the_worker_id_waits():
         wid = c.register("a")["worker_id"]
         assert c.init_model({"w": np.zeros(4, np.float32)})
         wait = allow(2.0)
-        with beating(Heartbeat(c.base_url, wid, wait / 20, 5.0, None, lambda: c.lease_renewed)) as hb:
+        with beating(Heartbeat(c.base_url, wid, wait / 20, allow(5.0), None, lambda: c.lease_renewed)) as hb:
             before = hb.sent
             assert c.pull(0, wid, wait) is None  # the long poll ran out: round 0 has not started
             during = hb.sent - before
@@ -146,26 +146,26 @@ def test_a_kept_connection_the_ps_closed_is_made_again_once_without_a_failure():
           + f"{keepalive.HEADER}: {keepalive.header_value(60)}\r\n\r\n{{}}".encode())
     accepted = []
     with socket.create_server(("127.0.0.1", 0)) as server:
-        server.settimeout(10)
+        server.settimeout(allow(10))
 
         def serve() -> None:
             first, _ = server.accept()
             accepted.append(first)
-            first.settimeout(10)
+            first.settimeout(allow(10))
             if _answer(first):
                 first.sendall(ok)
             if _answer(first):
                 first.close()  # the second request is read, never answered
             second, _ = server.accept()
             accepted.append(second)
-            second.settimeout(10)
+            second.settimeout(allow(10))
             while _answer(second):
                 second.sendall(ok)
             second.close()
 
         thread = threading.Thread(target=serve, daemon=True)
         thread.start()
-        with beating(Heartbeat(f"http://127.0.0.1:{server.getsockname()[1]}", "w-1", 0.02, 5.0)) as hb:
+        with beating(Heartbeat(f"http://127.0.0.1:{server.getsockname()[1]}", "w-1", 0.02, allow(5.0))) as hb:
             wait_for(lambda: hb.sent >= 3, allow(5.0), "3 heartbeats answered")
         thread.join(allow(5))
     assert hb.failed == 0 and hb.stale == 1 and len(accepted) == 2
