@@ -20,7 +20,7 @@ def final_weights(c: LocalCluster) -> dict[str, np.ndarray]:
     client = PSClient(c.url)
     try:
         client.attach_reader()  # a sharded PS: the pieces of every shard
-        return dict(client.pull(0, wait=5.0).tensors)
+        return dict(client.pull(0, wait=allow(5.0)).tensors)
     finally:
         client.close()
 

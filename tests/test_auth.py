@@ -88,7 +88,7 @@ def ps():
         c = ps.client(TOKEN)
         wid = c.register("a")["worker_id"]
         assert c.init_model(W0, {"name": "sgd", "learning_rate": 0.1})
-        assert c.pull(0, wid, wait=5.0).step == 0
+        assert c.pull(0, wid, wait=allow(5.0)).step == 0
         ps.wid = wid
         ps.push_body = push_frame(wid, 0, {k: v + 1e6 for k, v in W0.items()})
         yield ps
@@ -214,7 +214,7 @@ def test_forged_pushes_during_live_training_change_nothing():
         st = c.status()
         metrics = c.get("/metrics").text
         pc = PSClient(c.url, token=TOKEN)
-        final = pc.pull(0, wait=5.0)
+        final = pc.pull(0, wait=allow(5.0))
         pc.close()
         logs = c.log("ps") + "".join(c.log(f"worker-{i}") for i in range(workers))
     assert codes == [0] * workers, logs[-3000:]

@@ -9,6 +9,7 @@ import pytest
 from ps_service.core import buffers
 from ps_service.core.buffers import ROUND_BYTES, BufferPool
 from tests.live_ps import live_ps
+from tests.timing import allow
 
 
 def _addr(view: memoryview) -> int:
@@ -70,7 +71,7 @@ def ones_rounds(clients, wids, size: int, rounds: int) -> int:
     for step in range(rounds):
         for c, wid in zip(clients, wids):
             assert c.push(wid, step, {"w": np.ones(size, np.float32)})["status"] == "accepted"
-        got = clients[0].pull(step + 1, wids[0], wait=10.0)
+        got = clients[0].pull(step + 1, wids[0], wait=allow(10.0))
         assert got.step == step + 1
         del got
         if step == 2:
@@ -87,7 +88,7 @@ def test_a_live_ps_makes_its_large_body_buffers_once():
         wids = [c.register(f"w{i}")["worker_id"] for i, c in enumerate(clients)]
         clients[0].init_model({"w": np.zeros(size, np.float32)}, {"name": "sgd", "learning_rate": 1.0})
         made_before = ones_rounds(clients, wids, size, rounds)
-        np.testing.assert_array_equal(clients[1].pull(rounds, wids[1], wait=10.0).tensors["w"],
+        np.testing.assert_array_equal(clients[1].pull(rounds, wids[1], wait=allow(10.0)).tensors["w"],
                                       np.full(size, -float(rounds), np.float32))
         assert buffers.POOL.made == made_before, f"{buffers.POOL.made - made_before} buffers made in 7 rounds"
         for c in clients:

@@ -51,7 +51,7 @@ def ps():
         ca, cb, cc = ps.client(), ps.client(), ps.client()
         a, b = ca.register("a")["worker_id"], cb.register("b")["worker_id"]
         assert ca.init_model(W0, {"name": "adam", "learning_rate": 0.1})
-        assert ca.pull(0, a, wait=5.0).step == 0
+        assert ca.pull(0, a, wait=allow(5.0)).step == 0
         assert ca.push(a, 0, grads(1.0))["status"] == "accepted"
         assert cb.push(b, 0, grads(2.0))["step"] == 1
         assert ca.push(a, 1, grads(3.0))["status"] == "accepted"
@@ -359,18 +359,18 @@ def test_a_gradient_of_another_dtype_is_refused_and_the_weights_stay(model, grad
         c = ps.client()
         wid = c.register("a")["worker_id"]
         assert c.init_model(w0, {"name": "sgd", "learning_rate": 1.0})
-        assert c.pull(0, wid, wait=5.0).step == 0
+        assert c.pull(0, wid, wait=allow(5.0)).step == 0
         before = state_hash(ps.rt)
         with ps.http() as h:
             r = h.post("/v1/gradients", content=push_frame(wid, 0, {"w": grad}), headers={"content-type": FRAME})
         assert_refused(r, 422, "tensor_mismatch", "'w'")
         assert state_hash(ps.rt) == before
-        pulled = c.pull(0, wid, wait=5.0)
+        pulled = c.pull(0, wid, wait=allow(5.0))
         assert pulled.step == 0 and pulled.tensors["w"].dtype == model
         assert pulled.tensors["w"].tobytes() == w0["w"].tobytes()
         # the same values in the weights' dtype are taken, and close the round
         assert c.push(wid, 0, {"w": np.array([1, 0, 0], model)}) == {"status": "accepted", "step": 1, "done": False}
-        np.testing.assert_array_equal(c.pull(1, wid, wait=5.0).tensors["w"], np.array([-0.5, -0.25, 1.0], model))
+        np.testing.assert_array_equal(c.pull(1, wid, wait=allow(5.0)).tensors["w"], np.array([-0.5, -0.25, 1.0], model))
         c.close()
 
 
@@ -596,7 +596,7 @@ def test_nonfinite_skip_policy_counts_drops_and_does_not_stall_the_round():
         ca, cb = ps.client(), ps.client()
         a, b = ca.register("a")["worker_id"], cb.register("b")["worker_id"]
         assert ca.init_model(W0, {"name": "sgd", "learning_rate": 0.5})
-        assert ca.pull(0, a, wait=5.0).step == 0
+        assert ca.pull(0, a, wait=allow(5.0)).step == 0
         bad = {**grads(1.0), "b": np.array([np.nan, 1], np.float32)}
         assert ca.push(a, 0, bad) == {"status": "skipped", "step": 0, "done": False}
         res = cb.push(b, 0, grads(2.0))  # the round does not wait for A again: B's gradient alone closes it

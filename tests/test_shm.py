@@ -118,17 +118,17 @@ def test_same_host_worker_moves_no_tensor_bytes(shm_dir):
         assert a.attach(wa) == "shm" and a.transport == "shm"
         channel = a.tensors.current
         assert os.listdir(shm_dir) == [ps.rt.tensors.shm.weights_name]  # the worker's file is unlinked once attached
-        pulled = a.pull(0, wa, wait=5.0)
+        pulled = a.pull(0, wa, wait=allow(5.0))
         assert pulled.tensors is channel.live
         np.testing.assert_array_equal(pulled.tensors["w"], W0["w"])
         before = ps.rt.tensors.bytes_in, ps.rt.tensors.bytes_out
         assert a.push(wa, 0, grads(1.0))["status"] == "accepted"
         assert ps.rt.tensors.bytes_in == before[0]  # the HTTP body carried no tensor
         assert b.push(wb, 0, grads(3.0))["step"] == 1
-        assert a.pull(1, wa, wait=5.0).step == 1
+        assert a.pull(1, wa, wait=allow(5.0)).step == 1
         expect = W0["w"] - np.float32(0.5) * np.float32(2.0)
         np.testing.assert_array_equal(channel.live["w"], expect)  # the PS's live weights, mapped
-        np.testing.assert_array_equal(b.pull(1, wb, wait=5.0).tensors["w"], expect)
+        np.testing.assert_array_equal(b.pull(1, wb, wait=allow(5.0)).tensors["w"], expect)
         status = ps.http().get("/v1/status").json()
         assert status["shm_bytes_received"] == channel.layout.data_bytes
         transports = {w["name"]: w["transport"] for w in ps.http().get("/v1/workers").json()["workers"]}
@@ -156,8 +156,8 @@ def test_with_body_answers_the_weights_live_in_their_frame_and_the_file_gets_a_c
                 assert c.push(w, step, grads(g))["status"] == "accepted"  # new weights at once: b's not, here
             want = W0["w"] - np.float32(step + 1)  # the mean gradient 2 at learning rate 0.5, each step
             if body_pull:  # the body answer first, as a co-located shard wakes them
-                np.testing.assert_array_equal(b.pull(step + 1, wb, wait=5.0).tensors["w"], want)
-            assert a.pull(step + 1, wa, wait=5.0).step == step + 1
+                np.testing.assert_array_equal(b.pull(step + 1, wb, wait=allow(5.0)).tensors["w"], want)
+            assert a.pull(step + 1, wa, wait=allow(5.0)).step == step + 1
             np.testing.assert_array_equal(channel.live["w"], want)
             assert region.marker == step + 1
 
@@ -186,7 +186,7 @@ def test_an_async_job_answers_from_the_frame_and_leaves_the_file_alone(shm_dir):
         assert a.init_model(W0, {"name": "sgd", "learning_rate": 0.5}) and a.attach(wa) == "shm"
         for step in range(3):
             assert a.push(wa, step, grads(1.0))["status"] == "accepted"
-            pulled = a.pull(step + 1, wa, wait=5.0)
+            pulled = a.pull(step + 1, wa, wait=allow(5.0))
             np.testing.assert_array_equal(pulled.tensors["w"], W0["w"] - np.float32(0.5 * (step + 1)))
             assert pulled.tensors is not a.tensors.current.live  # a body answer
             assert ps.rt.core.store.holds(ps.rt.core.weights) and ps.rt.tensors.shm.mirrored == 0

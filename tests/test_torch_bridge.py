@@ -64,7 +64,7 @@ def in_threads(*fns) -> list:
 def pull(url: str) -> dict[str, np.ndarray]:
     client = PSClient(url, timeout=allow(10.0), attempts=1)
     try:
-        return {k: v.copy() for k, v in client.pull(0, wait=5.0).tensors.items()}
+        return {k: v.copy() for k, v in client.pull(0, wait=allow(5.0)).tensors.items()}
     finally:
         client.close()
 
