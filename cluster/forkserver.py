@@ -202,10 +202,15 @@ class ForkServer:
             return bool(self._spawned - self._exits.keys()) and (self.alive or any(map(_exists, self._spawned)))
 
     def close(self) -> None:
-        """End the zygote (its children run on)."""
+        """End the zygote (its children run on): its pipe closed, then SIGKILL if it is still there 10 s later (a
+        loaded machine's slow exit is no reason to fail the caller, a spawn retiring an old zygote among them)."""
         with contextlib.suppress(OSError):
             self.proc.stdin.close()
-        self.proc.wait(10)
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
         self._reader.join(10)
 
 

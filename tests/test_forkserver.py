@@ -3,11 +3,13 @@ cwd, environment, fds, signal handlers, exit codes, signals), what it cannot sta
 local training job forked ends bit-identical to the same job exec'd."""
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -117,6 +119,28 @@ def test_each_environment_gets_its_zygote(child_cwd, tmp_path):
     assert zygote_of(spawn(OPENBLAS_NUM_THREADS="7")) == others["OPENBLAS_NUM_THREADS"]  # the 2 last used: kept
     assert zygote_of(spawn()) != first  # the first was ended (idle, least recently used)
     assert len([k for k in forkserver._SERVERS if k[0] == CHILD]) == forkserver.KEEP_IDLE
+
+
+def test_a_zygote_that_does_not_exit_when_closed_is_killed_not_waited_for():
+    """A loaded machine's slow exit fails no caller (a spawn retires old zygotes): SIGKILL after 10 s."""
+    calls = []
+
+    class Slow:  # the zygote's Popen: never exits of itself
+        stdin = io.BytesIO()
+
+        def wait(self, timeout=None):
+            calls.append(("wait", timeout))
+            if timeout is not None:
+                raise subprocess.TimeoutExpired("zygote", timeout)
+
+        def kill(self):
+            calls.append(("kill",))
+
+    srv = object.__new__(forkserver.ForkServer)
+    srv.proc, srv._reader = Slow(), threading.Thread(target=lambda: None)
+    srv._reader.start()
+    srv.close()
+    assert calls == [("wait", 10), ("kill",), ("wait", None)]
 
 
 def test_falls_back_to_exec(child_cwd, tmp_path, monkeypatch):
