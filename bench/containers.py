@@ -64,7 +64,7 @@ from bench.run import _cpu_seconds, _proc_status, measure
 from bench.swarm import TwoNodes, cgroup_cpu_seconds
 from bench.table import machine
 from bench.task import actual_params, model_dims
-from cluster.processes import free_port, wait_for
+from cluster.processes import free_port, patience, wait_for
 from shared.protocol import PHASES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -118,7 +118,8 @@ class ComposeJob:
     def compose(self, *args: str, timeout: float = 180.0) -> str:
         cmd = ["docker", "compose", "-p", self.project, "--env-file", str(self.env_file), "-f", str(COMPOSE_FILE),
                "-f", str(self.extra), *args]
-        done = subprocess.run(cmd, cwd=ROOT, env=self.environ, capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(cmd, cwd=ROOT, env=self.environ, capture_output=True, text=True,
+                              timeout=timeout * patience())
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd[2:])}: exit {done.returncode}: {(done.stderr or done.stdout)[-1500:]}")
         return done.stdout

@@ -31,7 +31,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from cluster.processes import free_port, wait_for
+from cluster.processes import free_port, patience, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 STACK_FILE = ROOT / "docker-stack.yml"
@@ -56,7 +56,8 @@ LINK = "eth0"
 
 
 def run(argv: list[str], timeout: float = 120.0, check: bool = True, **kw) -> subprocess.CompletedProcess:
-    r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, **kw)
+    """``argv`` within ``timeout`` s times :func:`cluster.processes.patience` (a loaded machine's tests wait longer)."""
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout * patience(), **kw)
     if check and r.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
     return r
@@ -279,7 +280,7 @@ class StackJob(PublishedPS):
             there = node2_docker("ps", "-aq", "--filter", label, timeout=30, check=False).stdout.split()
             return not here and not there
         try:
-            wait_for(gone, 120, f"the containers of stack {self.name} to go", interval=0.5)
+            wait_for(gone, 120 * patience(), f"the containers of stack {self.name} to go", interval=0.5)
         except TimeoutError:
             pass  # the swarm's teardown (TwoNodes.down) takes what is left
         self.rm_volumes()

@@ -38,6 +38,7 @@ from pathlib import Path
 
 from bench.swarm import PublishedPS
 from cluster.processes import free_port, wait_for
+from tests.timing import allow
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = ROOT / "docker-compose.yml"
@@ -85,7 +86,7 @@ def compose_unavailable() -> str | None:
     for cmd, what in ((["docker", "info"], "docker info failed (no engine)"),
                       (["docker", "compose", "version"], "docker compose (v2) is not installed")):
         try:
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=allow(30))
         except (OSError, subprocess.TimeoutExpired) as exc:
             return f"{what}: {exc}"
         if r.returncode != 0:
@@ -139,7 +140,8 @@ def _drop_image() -> None:
 
 
 def docker(*args: str, timeout: float = 60.0, check: bool = True) -> subprocess.CompletedProcess:
-    r = subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout)
+    """``docker ARGS`` within ``timeout`` s on a quiet machine (an allowance: tests/timing.py)."""
+    r = subprocess.run(["docker", *args], capture_output=True, text=True, timeout=allow(timeout))
     if check and r.returncode != 0:
         raise RuntimeError(f"docker {' '.join(args)} failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
     return r
@@ -162,9 +164,10 @@ class ComposeProject(PublishedPS):
         self.env_file = Path(path)
 
     def compose(self, *args: str, timeout: float = 120.0, check: bool = True) -> subprocess.CompletedProcess:
+        """``docker compose ARGS`` in this project, within ``timeout`` s on a quiet machine (an allowance)."""
         cmd = ["docker", "compose", *(x for f in self.files for x in ("-f", str(self.root / f))),
                "--project-directory", str(self.root), "--env-file", str(self.env_file), "-p", self.name, *args]
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=self.env)
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=allow(timeout), env=self.env)
         if check and r.returncode != 0:
             raise RuntimeError(f"{' '.join(args)} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
         return r

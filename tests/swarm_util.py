@@ -94,7 +94,7 @@ def two_nodes_unavailable() -> str | None:
 def docker0_address() -> str | None:
     """This host's address on docker0, which node 2 (a container) reaches: the swarm's advertise address."""
     out = subprocess.run(["ip", "-4", "-o", "addr", "show", "docker0"], capture_output=True, text=True,
-                         timeout=10).stdout
+                         timeout=allow(10)).stdout
     m = re.search(r"inet (\d+\.\d+\.\d+\.\d+)/", out)
     return m.group(1) if m else None
 

@@ -73,9 +73,9 @@ def logs_on_failure(p: ComposeProject):
 
 
 def final_weights(p: ComposeProject, token: str | None = None) -> dict[str, np.ndarray]:
-    client = PSClient(p.url, timeout=10.0, attempts=3, token=token)
+    client = PSClient(p.url, timeout=allow(10.0), attempts=3, token=token)
     try:
-        return client.pull(0, wait=5.0).tensors
+        return client.pull(0, wait=allow(5.0)).tensors
     finally:
         client.close()
 
@@ -110,7 +110,7 @@ def test_up_builds_without_a_registry_trains_4_named_workers_and_down_cleans_up(
                             f"{time.monotonic() - t0:.1f} s")
             assert done["global_step"] == 400
             assert_linear_solved(p, token)
-            assert httpx.get(f"{p.url}/v1/model", timeout=5.0).status_code == 401
+            assert httpx.get(f"{p.url}/v1/model", timeout=allow(5.0)).status_code == 401
             assert p.get("/v1/status")["auth_failures"] == 1  # that probe; the workers were never refused
             containers = p.wait_workers_exited(allow(60))
             assert len(containers) == 4  # the compose file's default count

@@ -298,8 +298,8 @@ def test_one_node_stack_trains_to_done_over_tcp_then_scales_to_6(swarm, request)
         assert "same-host transport unavailable" in st.logs("worker", tail=200)
         assert_linear_solved(st, swarm.tokens[TOKEN])
         # secure by default: the published PS wants a token on the monitoring routes too
-        assert httpx.get(f"{st.url}/v1/status", timeout=5.0).status_code == 401
-        assert httpx.get(f"{st.url}/healthz", timeout=5.0).status_code == 200
+        assert httpx.get(f"{st.url}/v1/status", timeout=allow(5.0)).status_code == 401
+        assert httpx.get(f"{st.url}/healthz", timeout=allow(5.0)).status_code == 200
         t2 = time.monotonic()
         assert st.rm() == []
         report(request, f"[swarm] docker stack rm + its volume gone in {time.monotonic() - t2:.1f} s")
@@ -486,7 +486,7 @@ def _join_node2(shared, request, check: str) -> str:
         assert shared.removing is None, "node 2 was killed by an earlier test: the test that kills it runs last"
         return "joined by an earlier test"
     try:
-        ahead = shared.started.result(timeout=600) if shared.started is not None else None
+        ahead = shared.started.result(timeout=allow(600)) if shared.started is not None else None
     except Exception as exc:  # started the usual way below (swarm-2node.sh up copies the image)
         print(f"node 2 could not be started ahead: {exc}")
         ahead = None
@@ -550,10 +550,10 @@ def _colocated_job_checked(colo: Stack, swarm: Swarm, manager: str, steps: int, 
     assert sorted(placed.values()) == sorted([manager] * 2 + [NODE2] * 2), placed
     seen = {w["name"]: w["transport"] for w in colo.workers()["workers"]}
     assert seen == {n: "shm" if node == manager else "http" for n, node in placed.items()}, (seen, placed)
-    client = PSClient(colo.url, timeout=10.0, attempts=3, token=swarm.tokens[TOKEN])
+    client = PSClient(colo.url, timeout=allow(10.0), attempts=3, token=swarm.tokens[TOKEN])
     try:
         m = shards.from_wire(client.endpoint.call_json("GET", "/v1/shards")["map"])
-        own = client.pull(0, wait=5.0).tensors  # the coordinator's pieces
+        own = client.pull(0, wait=allow(5.0)).tensors  # the coordinator's pieces
     finally:
         client.close()
     want = shards.split(ref, m.pieces[0])
