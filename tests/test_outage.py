@@ -81,7 +81,8 @@ def test_a_host_with_a_shard_cut_off_longer_than_a_lease_keeps_its_workers_place
             with hosts.cut_off(victim):
                 cut_at = time.monotonic()
                 if victim:
-                    st = wait_for(lambda: (s := c.status())["shard"]["leases_held"] and s, LEASE, "the leases held")
+                    st = wait_for(lambda: (s := c.status())["shard"]["leases_held"] and s, allow(LEASE),
+                                  "the leases held")
                     assert f"shard {victim} at http://{hosts.ip(victim)}" in st["wait_reason"], st["wait_reason"]
                     stalled = _step(c)
                 wait_for(lambda: time.monotonic() - cut_at >= OUTAGE, OUTAGE + allow(1), "the outage's end",
