@@ -13,14 +13,15 @@ from typing import Any, Callable
 
 import uvicorn
 
-from cluster.processes import wait_for
+from cluster.processes import patience, wait_for
 from ps_service.app import create_app, server_options
 from ps_service.settings import PSSettings
 
 
 def serve_in_thread(settings: PSSettings, profile: Callable | None = None,
-                    start_timeout: float = 20.0) -> tuple[Any, uvicorn.Server, threading.Thread]:
-    """(app, server, thread): the server started (``server.started`` False if it could not bind)."""
+                    start_timeout: float | None = None) -> tuple[Any, uvicorn.Server, threading.Thread]:
+    """(app, server, thread): the server started (``server.started`` False if it could not bind) within
+    ``start_timeout`` s (default 20 times :func:`cluster.processes.patience`)."""
     app = create_app(settings)
     server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
                                            timeout_graceful_shutdown=2, **server_options(settings)))
@@ -32,5 +33,6 @@ def serve_in_thread(settings: PSSettings, profile: Callable | None = None,
 
     thread = threading.Thread(target=run, name=f"ps-{settings.port}", daemon=True)
     thread.start()
-    wait_for(lambda: server.started or not thread.is_alive(), start_timeout, "the in-process PS to start")
+    deadline = 20.0 * patience() if start_timeout is None else start_timeout
+    wait_for(lambda: server.started or not thread.is_alive(), deadline, "the in-process PS to start")
     return app, server, thread
