@@ -260,9 +260,10 @@ class LocalCluster:
 
     def start_ps(self, deadline: float | None = None) -> None:
         """Start the PS (every shard not running, followers first; a pair's standby), and wait until each answers
-        /healthz, ``deadline`` s each (default 30 times :func:`patience`). The port of each one started is held from other processes (:func:`hold_port`; a killed one's
-        since :meth:`kill`) until then: another test process's :func:`free_port` cannot hand it out meanwhile (a
-        PS started again at its port found it taken, once, on a shared machine)."""
+        /healthz, ``deadline`` s each (default 30 times :func:`patience`). The port of each one started is held from
+        other processes (:func:`hold_port`; a killed one's since :meth:`kill`) until then: another test process's
+        :func:`free_port` cannot hand it out meanwhile (a PS started again at its port found it taken, once, on a
+        shared machine)."""
         try:
             self._start_every_ps(30.0 * patience() if deadline is None else deadline)
         finally:
@@ -333,7 +334,8 @@ class LocalCluster:
         return self
 
     def status(self) -> dict:
-        return httpx.get(f"{self.url}/v1/status", timeout=REQUEST_TIMEOUT_SECONDS * patience(), headers=self.headers).json()
+        return httpx.get(f"{self.url}/v1/status", timeout=REQUEST_TIMEOUT_SECONDS * patience(),
+                         headers=self.headers).json()
 
     def get(self, path: str, **kw) -> httpx.Response:
         return httpx.get(f"{self.url}{path}", timeout=REQUEST_TIMEOUT_SECONDS * patience(),

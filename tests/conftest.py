@@ -90,8 +90,8 @@ def pytest_configure(config: pytest.Config) -> None:
     # named now, made by the first LocalCluster that needs it: a session without one leaves nothing behind
     _LOG_ROOT = Path(tempfile.gettempdir()) / f"syncps-tests-{os.getpid()}-{secrets.token_hex(4)}"
     fork_server = os.environ.get("SYNCPS_FORK_SERVER") or "1"  # SYNCPS_FORK_SERVER=0: the whole suite exec'd
-    for key, value in (("SYNCPS_LOG_ROOT", str(_LOG_ROOT)), ("SYNCPS_KEEP_LOGS", "1"), ("SYNCPS_FORK_SERVER", fork_server),
-                       ("SYNCPS_CLUSTER_PATIENCE", str(scale()))):
+    for key, value in (("SYNCPS_LOG_ROOT", str(_LOG_ROOT)), ("SYNCPS_KEEP_LOGS", "1"),
+                       ("SYNCPS_FORK_SERVER", fork_server), ("SYNCPS_CLUSTER_PATIENCE", str(scale()))):
         _SAVED_ENV[key] = os.environ.get(key)
         os.environ[key] = value
 
