@@ -158,13 +158,13 @@ class PSSettings(BaseSettings):
         0, ge=0, description="Partitioned rounds (docs/partitions.md): a round's tensors cut into partitions of about "
                              "this many bytes, each summed and applied once every contributor's frame of it is in; "
                              "a push body may carry them as frames (docs/protocol-partitions.md). 0: one "
-                             "partition, the whole model (today's round). Only with PS_MODE=sync, no PS_ROLE and "
+                             "partition, the whole model (a round as without partitions). Only with PS_MODE=sync, no PS_ROLE and "
                              "PS_NONFINITE_POLICY=reject (the rest is not built); with any PS_COMPRESSION on one PS "
                              "(PS_SHARDS=1), none with shards.")
     log_level: str = Field("info", description="Log level of the PS.")
 
     # ---- sharded PS (docs/architecture.md, Shards): S processes, shard 0 coordinates ----
-    shards: int = Field(1, ge=1, description="S: PS processes the model is spread over (1: one PS, today's path).")
+    shards: int = Field(1, ge=1, description="S: PS processes the model is spread over (1: one PS).")
     shard_index: int = Field(
         0, ge=0, description="This process's shard, 0..S-1. Shard 0 is the coordinator (membership, the barrier, "
                              "round records; workers' WORKER_PS_URL); the others follow it.")
