@@ -28,8 +28,10 @@ log = logging.getLogger("ps_service")
 
 def server_options(settings: PSSettings) -> dict:
     """uvicorn's options for a PS beyond host, port, loop and logging: the body-sink protocol
-    (ps_service/transport/bodysink.py) and the keep-alive timeout every answer announces (shared/keepalive.py)."""
-    return {"access_log": False, "http": BufferedSinkProtocol, "timeout_keep_alive": settings.http_keepalive_seconds,
+    (ps_service/transport/bodysink.py), the keep-alive timeout every answer announces (shared/keepalive.py), and no
+    websockets (the PS has no websocket route: an Upgrade request is served as plain HTTP/1.1, not refused 403)."""
+    return {"access_log": False, "http": BufferedSinkProtocol, "ws": "none",
+            "timeout_keep_alive": settings.http_keepalive_seconds,
             "headers": [(keepalive.HEADER, keepalive.header_value(settings.http_keepalive_seconds))]}
 
 

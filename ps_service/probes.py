@@ -48,7 +48,7 @@ class ProbeListener:
         app.add_api_route("/readyz", monitoring.readyz, methods=["GET"])
         # log_config / log_level None: the main server's logging stays as it is
         config = uvicorn.Config(app, host=host, port=port, loop="asyncio", lifespan="off", log_config=None,
-                                log_level=None, access_log=False, http=ProbeProtocol,
+                                log_level=None, access_log=False, http=ProbeProtocol, ws="none",
                                 timeout_keep_alive=rt.settings.http_keepalive_seconds if rt is not None else 5.0)
         self.server = uvicorn.Server(config)
         self.thread: threading.Thread | None = None

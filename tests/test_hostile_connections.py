@@ -91,3 +91,41 @@ def test_an_integer_of_the_shard_routes_json_is_an_integral_json_number(raw, ste
         assert (refused.value.status, refused.value.code) == (400, "bad_request")
     else:
         assert parse_json(body, ApplyRound).step == step
+
+
+UPGRADE = {"websocket": "Connection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+                        "Sec-WebSocket-Version: 13\r\n",
+           "h2c": "Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n"}
+
+
+@pytest.mark.parametrize("port", ["main port", "probe port"])
+@pytest.mark.parametrize("upgrade", sorted(UPGRADE))
+def test_an_upgrade_request_without_a_body_is_served_as_plain_http(ps, upgrade, port):
+    """docs/protocol.md (the bad_http row): the PS speaks HTTP/1.1 only and answers a request that asks for another
+    protocol as one that does not. A websocket upgrade was 403 with an empty text/plain body (uvicorn's websocket
+    handler, no route) and the connection closed."""
+    with socket.create_connection(("127.0.0.1", ps.ports[port]), timeout=10) as s:
+        for path, status, want in [("/healthz", 200, b'{"status":"ok"}'), ("/v1/nowhere", 404, b'"not_found"')]:
+            s.sendall(f"GET {path} HTTP/1.1\r\nHost: ps\r\n{UPGRADE[upgrade]}\r\n".encode())
+            got, body = read_response(s)
+            assert got == status and want in body, (got, body)
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: ps\r\n\r\n")  # the same connection, still HTTP/1.1
+        assert read_response(s) == (200, b'{"status":"ok"}')
+
+
+@pytest.mark.parametrize("upgrade", sorted(UPGRADE) + ["foo"])
+@pytest.mark.parametrize("path, ctype", [("/v1/workers", "application/json"), ("/v1/gradients", "application/x-syncps-frame")])
+def test_an_upgrade_request_with_a_body_is_bad_http_and_nothing_changes(ps, upgrade, path, ctype):
+    """The HTTP parser switches protocols at the end of an Upgrade request's head and never reads its body: a
+    registration so sent was refused 400 bad_content_length ("the body is shorter", though it was whole), its body
+    then read as the connection's next request, and a websocket one never answered. Now 400 bad_http, closed."""
+    before = ps.rt.core.members.by_id.copy(), ps.rt.core.global_step
+    inner = b"GET /v1/nowhere-smuggled HTTP/1.1\r\nHost: ps\r\n\r\n"
+    heads = UPGRADE.get(upgrade, "Connection: Upgrade\r\nUpgrade: foo\r\n")
+    with socket.create_connection(("127.0.0.1", ps.port), timeout=10) as s:
+        s.sendall(f"POST {path} HTTP/1.1\r\nHost: ps\r\n{heads}Content-Type: {ctype}\r\n"
+                  f"Content-Length: {len(inner)}\r\n\r\n".encode() + inner)
+        got, body = read_response(s)
+        assert got == 400 and b'"bad_http"' in body and b"Upgrade" in body, (got, body)
+        assert s.recv(1024) == b""  # closed: the smuggled request is never read
+    assert (ps.rt.core.members.by_id, ps.rt.core.global_step) == before

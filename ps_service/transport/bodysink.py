@@ -12,7 +12,8 @@ buffer (:func:`scratch`) to uvicorn's parser, and a body's to the route as uvico
 
 Two mixins of the protocol, which the probe port's (ps_service/probes.py) shares, judge a request's head before any
 route sees it: :class:`IdleUntilHead` (the idle timeout runs until the head is whole) and :class:`CheckedHead`
-(malformed HTTP, and a head without one ``Host`` header, answered 400 ``bad_http`` in JSON).
+(malformed HTTP, a head without one ``Host`` header, and an ``Upgrade`` request with a body, answered 400
+``bad_http`` in JSON).
 """
 from __future__ import annotations
 
@@ -48,6 +49,11 @@ def _content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
     return int(lengths[0])
 
 
+def _declares_body(headers: list[tuple[bytes, bytes]]) -> bool:
+    """The head says a body follows: chunked, or a Content-Length other than 0."""
+    return any(k == b"transfer-encoding" or (k == b"content-length" and v.strip(b" \t") != b"0") for k, v in headers)
+
+
 class IdleUntilHead:
     """Mixed into uvicorn's httptools protocol (main and probe ports): the idle timeout is armed from the
     connection's start until a request's head is whole, so a connection that sends no request, or a head never
@@ -70,7 +76,8 @@ class IdleUntilHead:
 
 class CheckedHead:
     """Mixed into uvicorn's httptools protocol (the PS's main port, its probe port): a request head that HTTP bids a
-    server refuse, HTTP/1.1 without a ``Host`` header or any request with more than one (RFC 9112 3.2), is refused as
+    server refuse, HTTP/1.1 without a ``Host`` header or any request with more than one (RFC 9112 3.2), or one the PS
+    cannot read (an ``Upgrade`` request with a body: the parser switches protocols where the head ends), is refused as
     the HTTP parser refuses malformed framing, before any route (or the fast lane, :mod:`ps_service.hotpath`) sees it:
     400 ``bad_http`` with the protocol's JSON error body, and the connection is closed."""
     #: why the head at hand is refused (None: it was not)
@@ -81,8 +88,16 @@ class CheckedHead:
         if hosts > 1 or (not hosts and self.parser.get_http_version() == "1.1"):
             self.refused_head = (f"{hosts} Host headers: an HTTP/1.1 request carries exactly one, any other at most "
                                  "one (RFC 9112 3.2)")
+        elif self.parser.should_upgrade() and _declares_body(self.headers):
+            self.refused_head = ("an Upgrade request with a body: the PS speaks HTTP/1.1 only and its parser reads no "
+                                 "body past an Upgrade head; send the request without Upgrade")
+        if self.refused_head:
             raise httptools.HttpParserError(self.refused_head)  # the parser stops; uvicorn calls send_400_response
         super().on_headers_complete()
+
+    def _unsupported_upgrade_warning(self) -> None:
+        """An Upgrade request without a body is served as plain HTTP/1.1 (uvicorn runs without websockets:
+        :func:`ps_service.app.server_options`); a client's request, not the operator's concern: no warning."""
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to a request its HTTP parser refuses (bad framing: a bad chunk size, a
