@@ -263,7 +263,8 @@ async def shm_attach(worker_id: str, request: Request) -> dict:
     """Use the worker's gradient file for its pushes (409 shm_unavailable: not on this host; push over HTTP)."""
     rt = runtime(request)
     body = await read_json(request, ShmAttach)
+    nonce = rt.tensors.shm.attach_fields(body.file, body.nonce)  # 400 bad_field: the body's form first
     if rt.shards is None or rt.shards.coordinator:  # a follower has no membership: any worker id may attach
         rt.core.members.active_member(worker_id)  # 404 unknown_worker, 409 not_active
-    rt.tensors.shm.attach(worker_id, body.file, body.nonce)
+    rt.tensors.shm.attach(worker_id, body.file, nonce)
     return {"worker_id": worker_id, "transport": "shm"}

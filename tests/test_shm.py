@@ -232,6 +232,9 @@ def test_hostile_attach_and_push_change_nothing(shm_dir):
             (lambda: attach(fifo), 409, "shm_unavailable"),  # not a regular file
             (lambda: shm_push(h, wid, 0, 1), 409, "shm_not_attached"),
             (lambda: attach(real.gradient_file, worker="nobody"), 404, "unknown_worker"),
+            # protocol.md, Errors: the body's form before the PS's state (the worker's was judged first)
+            (lambda: attach("../../etc/passwd", worker="nobody"), 400, "bad_field"),
+            (lambda: attach(real.gradient_file, "zz" * 16, worker="nobody"), 400, "bad_field"),
             (lambda: shm_push(h, wid, 0, 1), 409, "shm_not_attached"),
             (lambda: shm_push(h, "nobody", 0, 1), 404, "unknown_worker"),
         ]

@@ -136,15 +136,21 @@ class ShmHub:
         self._weights.marker = step
         self.mirrored += 1
 
-    def attach(self, worker_id: str, name: object, nonce: object) -> None:
+    @staticmethod
+    def attach_fields(name: object, nonce: object) -> bytes:
+        """An attach's fields judged on their own (400 ``bad_field``: the body's form, before the worker's state, as
+        docs/protocol.md's Errors order them): the nonce's bytes."""
         if not isinstance(name, str) or not shm.GRADIENT_FILE.fullmatch(name):
             raise bad_request("bad_field", "file must be a gradient file name (syncps-g-<32 hex>)")
         if not isinstance(nonce, str) or len(nonce) != 2 * shm.NONCE_BYTES:
             raise bad_request("bad_field", f"nonce must be {2 * shm.NONCE_BYTES} hex digits")
         try:
-            want = bytes.fromhex(nonce)
+            return bytes.fromhex(nonce)
         except ValueError:
             raise bad_request("bad_field", "nonce must be hex") from None
+
+    def attach(self, worker_id: str, name: str, want: bytes) -> None:
+        """Map the worker's gradient file ``name`` (its fields checked by :meth:`attach_fields`; ``want`` the nonce)."""
         if self.layout is None:
             raise unavailable("GET /v1/shm first")
         try:
