@@ -155,6 +155,16 @@ def test_pushes_refused_at_their_head_change_nothing():
     assert step == 1
 
 
+def test_partitions_1_given_is_a_push_of_one_frame():
+    """docs/protocol-partitions.md: ``"partitions": 1`` (the default, said) is a push of one frame, not a Q other than
+    the job's: whole tensors are taken, partition 0 alone is not the model."""
+    def bodies(meta, parts):
+        yield frame.encode_bytes(parts[0], {**meta, "partitions": 1}), True
+        yield frame.encode_bytes(gradient(0, 0), {**meta, "partitions": 1}), False
+    answers, _, step = one_push(bodies)
+    assert answers == [(422, "tensor_mismatch"), (200, "accepted")] and step == 1
+
+
 def test_a_push_refused_after_its_head_is_completed_by_sending_it_again():
     """Frames before a refused one stand; the push sent again is a duplicate whose missing frames are taken: the
     weights are those of the good push alone."""
