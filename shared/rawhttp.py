@@ -125,7 +125,11 @@ class RawConnection:
         try:
             yield
         except TimeoutError as exc:
+            connecting = self.sock is None  # (set once the connect returned)
             self.close()
+            if connecting:  # its own timeout or TCP_USER_TIMEOUT ends it at the same moment, whichever comes first
+                raise ConnectionLost(f"the peer's host answered no connect for {liveness.connect_timeout(timeout):g} "
+                                     "s (a network outage or the host gone)") from None
             if exc.errno == errno.ETIMEDOUT:  # TCP_USER_TIMEOUT or keep-alive probes (shared/liveness.py)
                 raise ConnectionLost(f"the peer's host acknowledged nothing, or the peer read nothing, for "
                                      f"{liveness.USER_TIMEOUT_SECONDS:g} s (a network outage, the host gone, or "

@@ -25,6 +25,7 @@ from starlette.routing import Route
 
 from cluster.processes import free_port, wait_for
 from worker_service import retry
+from shared import liveness
 from shared.rawhttp import ConnectionLost, RawConnection
 from tests.timing import allow
 
@@ -266,6 +267,26 @@ def test_a_server_that_never_answers_times_out():
         finally:
             release.set()
             conn.close()
+
+
+def test_a_connect_nobody_answers_says_so_and_how_long_it_waited(monkeypatch):
+    """A listener whose accept queue is full drops every further SYN, as a host cut off the network does: the connect
+    gives up after the user timeout (shared/liveness.py, here 0.5 s), and the error says that, not the request's 30 s
+    read timeout (which it was labelled with when the connect's own timeout ended it before TCP_USER_TIMEOUT did)."""
+    monkeypatch.setattr(liveness, "USER_TIMEOUT_SECONDS", 0.5)
+    with socket.create_server(("127.0.0.1", 0), backlog=0) as server:
+        queued = [socket.create_connection(server.getsockname(), timeout=allow(5))]  # the queue holds one
+        try:
+            conn = RawConnection(f"http://127.0.0.1:{server.getsockname()[1]}")
+            t0 = time.monotonic()
+            with pytest.raises(ConnectionLost) as err:
+                conn.request("GET", "/", {}, timeout=30.0)
+            assert time.monotonic() - t0 < allow(5)
+            assert str(err.value) == ("the peer's host answered no connect for 0.5 s (a network outage or the host "
+                                      "gone)")
+        finally:
+            for q in queued:
+                q.close()
 
 
 def test_a_close_from_another_thread_ends_a_request_in_flight_at_once():
