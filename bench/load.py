@@ -8,7 +8,7 @@ tensor of ``--params`` elements trained with SGD for ``--rounds`` rounds. Each w
 fresh connection), then every round pulls with the long-poll wait and pushes, both on its own
 keep-alive connection; its gradient is a deterministic function of (worker, step). Every worker also
 heartbeats on a connection of its own, kept alive, as the stock worker does: whenever lease/3 passed with no push
-or pull answered (they renew the lease) and no pull under way (the PS holds the lease while it waits). While the
+or pull answered (they renew the lease), a pull that waits for the round included. While the
 workers train, a prober (a thread with its own event loop) keeps asking ``GET /healthz`` on fresh
 connections, on ``PS_PROBE_PORT`` and on the main port, and every fifth time registers a new name and
 leaves again (registration under load). A worker that is told it expired (404/409) registers again.
@@ -131,13 +131,9 @@ class Load:
         conn, step = Conn(self.host, self.port, self.samples), me["start_step"]
         try:
             while True:
-                me["held_until"] = time.monotonic() + PULL_WAIT
-                try:
-                    a = await self.call(conn, "pull", "GET", f"/v1/model?min_step={step}&timeout={PULL_WAIT:g}"
-                                                     f"&worker_id={me['worker_id']}", timeout=PULL_WAIT + 15)
-                    me["renewed"] = time.monotonic()
-                finally:
-                    me["held_until"] = float("-inf")
+                a = await self.call(conn, "pull", "GET", f"/v1/model?min_step={step}&timeout={PULL_WAIT:g}"
+                                                 f"&worker_id={me['worker_id']}", timeout=PULL_WAIT + 15)
+                me["renewed"] = time.monotonic()
                 if a.status == 204:  # the long poll timed out: ask again
                     continue
                 if a.status in (404, 409):
@@ -173,15 +169,13 @@ class Load:
 
     async def heartbeats(self, me: dict) -> None:
         """As the stock worker (worker_service/loop.Heartbeat): whenever lease/3 passed with no push or pull answered
-        and no pull under way for less than its wait (the PS holds the lease while it waits), on a connection of their
-        own, kept alive; a
-        kept connection the PS had closed is tried once more on a new one (counted as ``heartbeat_stale_lost``)."""
+        (a pull that waits for the round included), on a connection of their own, kept alive; a kept connection the PS had closed is tried once more on a new one (counted as ``heartbeat_stale_lost``)."""
         conn, period = Conn(self.host, self.port, self.samples), me["lease_seconds"] / 3
         last = time.monotonic()
         try:
             while True:
                 await asyncio.sleep(max(0.0, last + period - time.monotonic()))
-                last = max(last, me.get("renewed", last), min(time.monotonic(), me.get("held_until", last)))
+                last = max(last, me.get("renewed", last))
                 if time.monotonic() - last < period:
                     continue
                 last = time.monotonic()

@@ -1,10 +1,9 @@
 """The worker's heartbeat thread (worker_service/loop.Heartbeat) against a real PS: it renews the lease while the
 main loop is quiet (a step that computes longer than the lease), and sends nothing while the main loop's pushes
 and pulls renew it often enough (a thousand workers with short steps would otherwise add a thousand requests per
-lease/3 to the PS's load), nor while a pull with the worker id waits (the PS holds the lease then; a thousand
-workers waiting for a slow round would otherwise send a thousand heartbeats per lease/3 to a PS that is busy
-already); its heartbeats reuse one kept-alive connection, made again once, without a failure, when the PS had
-closed it."""
+lease/3 to the PS's load), but beats on while a pull with the worker id waits for a slow round (the PS holds the
+lease then, but tells its own outage from the others' by whom it hears from); its heartbeats reuse one kept-alive
+connection, made again once, without a failure, when the PS had closed it."""
 from __future__ import annotations
 
 import socket
@@ -108,10 +107,11 @@ def test_heartbeats_reuse_one_kept_connection(monkeypatch):
         c.close()
 
 
-def test_no_heartbeat_while_a_pull_with_the_worker_id_waits():
-    """The PS holds the lease while a pull with the worker id waits for its round, so the thread sends nothing then:
-    a pull that waits 20 periods for a round that does not close (2 workers expected, 1 in) sees at most one
-    heartbeat at each end, against about 20 without the pull; the lease holds, and beats resume after it."""
+def test_heartbeats_go_on_while_a_pull_with_the_worker_id_waits():
+    """The PS holds the lease while a pull with the worker id waits for its round, but a wait is no sign of life (a PS
+    that hears from no worker for half a lease takes it for its own outage: docs/protocol.md): the thread beats on, a
+    pull that waits 20 periods for a round that does not close (2 workers expected, 1 in) seeing about 20 heartbeats
+    (at most one at each end before the PS's silence was no silence); the lease holds."""
     with live_ps(min_workers=2, startup_grace_seconds=0, lease_seconds=60) as ps:
         c = ps.client()
         wid = c.register("a")["worker_id"]
@@ -121,8 +121,7 @@ def test_no_heartbeat_while_a_pull_with_the_worker_id_waits():
             before = hb.sent
             assert c.pull(0, wid, wait) is None  # the long poll ran out: round 0 has not started
             during = hb.sent - before
-            wait_for(lambda: hb.sent >= before + during + 3, allow(10.0), "heartbeats again after the pull")
-        assert during <= 2 and hb.failed == 0
+        assert during >= 5 and hb.failed == 0
         assert ps.rt.core.members.by_id[wid].state == "active"
         c.close()
 

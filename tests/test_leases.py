@@ -141,10 +141,13 @@ def test_after_a_restore_the_restored_round_is_redone_not_a_duplicate():
 
 
 def test_a_member_waiting_on_the_barrier_keeps_its_lease():
-    """A long-poll pull counts as a heartbeat for as long as it waits (docs/protocol.md)."""
+    """A long-poll pull holds its worker's lease for as long as it waits (docs/protocol.md); its heartbeats go on
+    meanwhile (a wait is no sign of life: the PS's own outage looks the same)."""
     core, ids = make(n=2, lease_seconds=2.0)
     assert push(core, ids[0], 0, 0.5) is PushStatus.ACCEPTED
     core.members.begin_wait(ids[0], 0.5)  # w0 waits for round 0 to close; w1 computes, and dies
+    for t in (1.2, 1.9):
+        core.members.touch(ids[0], t)  # w0's heartbeats go on while it waits: the silence is w1's, not the PS's
     core.tick(2.6)  # w1, silent since 0.0, expires (the round closes without it); w0 waits on
     assert core.members.by_id[ids[1]].state == "expired" and core.global_step == 1
     core.tick(10.0)  # 9.5 s of waiting with a 2 s lease
@@ -163,6 +166,8 @@ def test_waits_nest_and_ending_one_never_raises():
     core.members.begin_wait(ids[0], 0.0)
     core.members.begin_wait(ids[0], 1.0)  # two pulls in flight (a retry overlapping a timed-out one)
     core.members.end_wait(ids[0], 1.5)
+    for t in (1.5, 2.5, 3.5, 4.5):
+        core.members.touch(ids[1], t)  # w1's heartbeats: the PS is not cut off
     core.tick(5.0)
     assert core.members.by_id[ids[0]].state == "active"  # one wait still holds it
     core.members.end_wait(ids[0], 5.0)

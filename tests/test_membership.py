@@ -94,6 +94,30 @@ def test_a_silence_of_every_worker_expires_nobody_and_the_first_heard_gives_each
     assert a.active and b.active
 
 
+def test_a_silence_while_workers_wait_on_the_barrier_is_the_ps_outage_too():
+    """The PS's host cut off just after a and b pushed and began their waits for the round, c still computing (CI,
+    issue 48's follow-up): a wait is no sign of life, so c is not expired in the silence (it was at its lease end
+    while a and b waited, and lost its place in the round). A worker's host cut off instead: the waiting ones' heartbeats
+    are heard, and c expires on time."""
+    for cut in ("the PS's host", "c's host"):
+        ms = Membership(lease_seconds=3.0)
+        a, b, c = (ms.register(n, 0.0)[0] for n in "abc")
+        for m in (a, b):
+            ms.begin_wait(m.worker_id, 0.9)  # their pushes: in, waiting for c's
+        ms.touch(c.worker_id, 0.95)  # c's heartbeat; it computes on
+        for t in (1.9, 2.9, 3.9):  # their heartbeats, every lease/3
+            if cut == "c's host":
+                for m in (a, b):
+                    ms.touch(m.worker_id, t)
+            assert ms.expire(t + 0.05) == []
+        if cut == "c's host":
+            assert ms.expire(3.96) == [c] and ms.holds == {}
+            continue
+        assert ms.holds == {SILENCE: 0.95} and ms.expire(9.0) == [] and c.active
+        ms.touch(a.worker_id, 9.5)  # the network back: a's heartbeat first
+        assert ms.holds == {} and c.lease_until == 12.5 and ms.expire(12.4) == [] and c.active
+
+
 def test_a_stalled_ps_expires_nobody_until_it_hears_from_a_worker_again():
     """A PS that did not run (stopped, paused) may read its requests before its ticker runs: whoever it hears from
     first, the stall is a silence, ended by the next worker heard from."""

@@ -21,6 +21,7 @@ from tests.live_ps import live_ps
 from tests.test_intake import held
 from tests.timing import allow
 from tests.wire import FRAME, push_frame
+from worker_service.loop import Heartbeat
 
 #: float32 parameters: 1.6 MB, a push above the seam's gate (ps_service/transport: GATED_BYTES)
 P = 400_000
@@ -123,6 +124,8 @@ def test_a_contributor_that_dies_mid_body_or_never_pushes_holds_the_others_up_on
         answers: list = []
         pushers = [threading.Thread(target=lambda i=i: answers.append(clients[i].push(ids[i], 0, gradient(i))))
                    for i in (2, 1)]
+        # their heartbeats go on while they wait, as the stock worker's: rank 0's silence is its own
+        beats = [Heartbeat.of(clients[i], ids[i], 1.5) for i in (1, 2)]
         for t in pushers:
             t.start()
         most = [0]
@@ -136,6 +139,9 @@ def test_a_contributor_that_dies_mid_body_or_never_pushes_holds_the_others_up_on
         wait_for(closed, allow(20), "the round to close without rank 0", 0.001)
         for t in pushers:
             t.join(allow(20))
+        for hb in beats:
+            hb.halt.set()
+            hb.join(allow(10))
         assert sorted(a["status"] for a in answers) == ["accepted", "accepted"]
         record = core.rounds[-1]
         assert sorted(a.name for a in record.contributors) == ["b", "c"] and record.missing == ("a",)

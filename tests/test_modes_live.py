@@ -15,6 +15,7 @@ from shared import frame
 from shared.errors import ProtocolError
 from tests.live_ps import live_ps
 from tests.timing import allow
+from worker_service.loop import Heartbeat
 
 W = {"w": np.zeros(4, np.float32)}
 G = {"w": np.ones(4, np.float32)}
@@ -105,7 +106,12 @@ def test_a_leave_or_an_expired_lease_releases_the_ssp_wait_at_once(release):
         t0 = time.monotonic()
         if release == "leave":
             b.leave(idb)
+        else:  # a's heartbeats go on while it waits, as the stock worker's: the PS hears it, so b's silence is b's
+            beats = Heartbeat.of(a, ida, lease)
         t.join(longest)
+        if release != "leave":
+            beats.halt.set()
+            beats.join(allow(10))
         assert got["pulled"] is not None and got["pulled"].step == 1
         waited = got["at"] - t0
         assert waited < (allow(0.5) if release == "leave" else lease + allow(1.0)), waited

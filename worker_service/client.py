@@ -66,7 +66,6 @@ class PSClient:
         self.shards = 1
         self.mode = "sync"  # the job's (PS_MODE), from the registration answer
         self._renewed = float("-inf")
-        self._held_until = float("-inf")  # the PS holds the lease at least this long for a pull under way
 
     base_url = property(lambda self: self.endpoint.base_url)
     ps_url = property(lambda self: ",".join(self.endpoint.urls), doc="every PS URL (a hot-standby pair: both)")
@@ -77,10 +76,10 @@ class PSClient:
     @property
     def lease_renewed(self) -> float:
         """time.monotonic() of the last answer to an exchange that renewed this worker's lease (a push, a pull with
-        its worker id), or now while a pull with its worker id is under way, for at most its ``wait`` (the PS holds
-        the lease while the pull waits, from when it reads it: docs/protocol.md): the heartbeat thread stays quiet
-        while these come often enough."""
-        return max(self._renewed, min(time.monotonic(), self._held_until))
+        its worker id): the heartbeat thread stays quiet while these come often enough, and beats on while a pull or
+        push waits for a slow round (the PS that hears from no worker for half a lease, waiting or not, takes it for
+        its own outage: docs/protocol.md)."""
+        return self._renewed
 
     transport = property(lambda self: self.tensors.name, doc="the tensor transport's name (shm, http, http+topk...)")
 
@@ -158,12 +157,8 @@ class PSClient:
             return ready
         if not worker_id:
             return self.tensors.pull(min_step, worker_id, wait, self.timeout)
-        self._held_until = time.monotonic() + wait
-        try:
-            got = self.tensors.pull(min_step, worker_id, wait, self.timeout)
-            self._renewed = time.monotonic()  # before the hold ends: the heartbeat thread never sees an old renewal
-        finally:
-            self._held_until = float("-inf")
+        got = self.tensors.pull(min_step, worker_id, wait, self.timeout)
+        self._renewed = time.monotonic()
         return got
 
     def push(self, worker_id: str, step: int, grads: Mapping[str, np.ndarray], loss: float | None = None,

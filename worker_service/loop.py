@@ -86,8 +86,8 @@ class Summary:
 
 class Heartbeat(threading.Thread):
     """Renews the lease (own client and kept-alive connection) whenever ``period`` s passed without a renewal by the
-    main loop (``renewed()``: :attr:`PSClient.lease_renewed`), so a worker whose steps are shorter than ``period``, or
-    that waits for a slow round, sends none (a thousand fewer requests per ``period`` on a busy PS). A kept connection
+    main loop (``renewed()``: :attr:`PSClient.lease_renewed`), so a worker whose steps are shorter than ``period`` sends
+    none; one that waits longer for a slow round beats on, so the PS hears it (docs/protocol.md). A kept connection
     the PS had closed (:class:`~shared.rawhttp.StaleConnection`) is tried once more on a new one, not a failure."""
 
     def __init__(self, base_url: str, worker_id: str, period: float, timeout: float, token=None,

@@ -243,9 +243,10 @@ class Membership:
         self._heard(now)
 
     def _silent(self, now: float) -> bool:
-        """Has no worker been heard from for :data:`SILENCE_LEASES` of a lease while members are active and none
-        waits on the barrier (a waiting worker is alive as far as the PS can tell)?"""
-        return (self.heard_at is not None and bool(self.active_by_id) and not self.waits
+        """Has no worker been heard from for :data:`SILENCE_LEASES` of a lease while members are active, waiting on the
+        barrier or not? A wait is no sign of life: its worker's host may be cut off with the PS's (a live worker is
+        heard at least every lease/3, its heartbeats going on while it waits)."""
+        return (self.heard_at is not None and bool(self.active_by_id)
                 and now - self.heard_at >= SILENCE_LEASES * self.lease_seconds)
 
     def _held_at(self, now: float, watch_silence: bool) -> bool:
