@@ -7,6 +7,7 @@ Also what a client written from the docs could not tell before they said it: an 
 integers."""
 from __future__ import annotations
 
+import re
 import socket
 import time
 
@@ -104,7 +105,7 @@ def test_an_upgrade_request_without_a_body_is_served_as_plain_http(ps, upgrade, 
     """docs/protocol.md (the bad_http row): the PS speaks HTTP/1.1 only and answers a request that asks for another
     protocol as one that does not. A websocket upgrade was 403 with an empty text/plain body (uvicorn's websocket
     handler, no route) and the connection closed."""
-    with socket.create_connection(("127.0.0.1", ps.ports[port]), timeout=10) as s:
+    with socket.create_connection(("127.0.0.1", ps.ports[port]), timeout=allow(10)) as s:
         for path, status, want in [("/healthz", 200, b'{"status":"ok"}'), ("/v1/nowhere", 404, b'"not_found"')]:
             s.sendall(f"GET {path} HTTP/1.1\r\nHost: ps\r\n{UPGRADE[upgrade]}\r\n".encode())
             got, body = read_response(s)
@@ -113,8 +114,23 @@ def test_an_upgrade_request_without_a_body_is_served_as_plain_http(ps, upgrade, 
         assert read_response(s) == (200, b'{"status":"ok"}')
 
 
+@pytest.mark.parametrize("port", ["main port", "probe port"])
+@pytest.mark.parametrize("upgrade", sorted(UPGRADE))
+def test_a_request_pipelined_behind_an_upgrade_request_is_answered(ps, upgrade, port):
+    """The parser pauses where an Upgrade head ends: the bytes read after it, a request sent in the same packet,
+    were dropped and that request never answered (the client waited out its timeout)."""
+    with socket.create_connection(("127.0.0.1", ps.ports[port]), timeout=allow(10)) as s:
+        s.sendall(f"GET /healthz HTTP/1.1\r\nHost: ps\r\n{UPGRADE[upgrade]}\r\n"
+                  "GET /v1/nowhere HTTP/1.1\r\nHost: ps\r\nConnection: close\r\n\r\n".encode())
+        got = b""
+        while chunk := s.recv(65536):  # to the close the second request asked for
+            got += chunk
+    assert re.findall(rb"HTTP/1\.1 (\d{3}) ", got) == [b"200", b"404"], got
+
+
 @pytest.mark.parametrize("upgrade", sorted(UPGRADE) + ["foo"])
-@pytest.mark.parametrize("path, ctype", [("/v1/workers", "application/json"), ("/v1/gradients", "application/x-syncps-frame")])
+@pytest.mark.parametrize("path, ctype", [("/v1/workers", "application/json"),
+                                         ("/v1/gradients", "application/x-syncps-frame")])
 def test_an_upgrade_request_with_a_body_is_bad_http_and_nothing_changes(ps, upgrade, path, ctype):
     """The HTTP parser switches protocols at the end of an Upgrade request's head and never reads its body: a
     registration so sent was refused 400 bad_content_length ("the body is shorter", though it was whole), its body
@@ -122,7 +138,7 @@ def test_an_upgrade_request_with_a_body_is_bad_http_and_nothing_changes(ps, upgr
     before = ps.rt.core.members.by_id.copy(), ps.rt.core.global_step
     inner = b"GET /v1/nowhere-smuggled HTTP/1.1\r\nHost: ps\r\n\r\n"
     heads = UPGRADE.get(upgrade, "Connection: Upgrade\r\nUpgrade: foo\r\n")
-    with socket.create_connection(("127.0.0.1", ps.port), timeout=10) as s:
+    with socket.create_connection(("127.0.0.1", ps.port), timeout=allow(10)) as s:
         s.sendall(f"POST {path} HTTP/1.1\r\nHost: ps\r\n{heads}Content-Type: {ctype}\r\n"
                   f"Content-Length: {len(inner)}\r\n\r\n".encode() + inner)
         got, body = read_response(s)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import threading
 
 import httptools
@@ -95,9 +96,25 @@ class CheckedHead:
             raise httptools.HttpParserError(self.refused_head)  # the parser stops; uvicorn calls send_400_response
         super().on_headers_complete()
 
+    #: the bytes read past an Upgrade head, where the parser paused (a pipelined request): parsed next
+    _past_upgrade: bytes = b""
+
+    def data_received(self, data: bytes) -> None:
+        while data:  # (a loop, not a call again: a packet of many Upgrade requests recurses no deeper)
+            self._received = data  # (for _unsupported_upgrade_warning; not kept past the call)
+            super().data_received(data)
+            data, self._past_upgrade, self._received = self._past_upgrade, b"", b""
+            if self.transport.is_closing():
+                return
+
     def _unsupported_upgrade_warning(self) -> None:
         """An Upgrade request without a body is served as plain HTTP/1.1 (uvicorn runs without websockets:
-        :func:`ps_service.app.server_options`); a client's request, not the operator's concern: no warning."""
+        :func:`ps_service.app.server_options`); a client's request, not the operator's concern: no warning. The
+        bytes after its head go to the parser next (uvicorn drops them: a request pipelined behind it went
+        unanswered)."""
+        paused = sys.exc_info()[1]  # uvicorn calls this handling httptools.HttpParserUpgrade(offset in the bytes)
+        if isinstance(paused, httptools.HttpParserUpgrade) and paused.args:
+            self._past_upgrade = self._received[paused.args[0]:]
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to a request its HTTP parser refuses (bad framing: a bad chunk size, a
