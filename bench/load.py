@@ -169,7 +169,8 @@ class Load:
 
     async def heartbeats(self, me: dict) -> None:
         """As the stock worker (worker_service/loop.Heartbeat): whenever lease/3 passed with no push or pull answered
-        (a pull that waits for the round included), on a connection of their own, kept alive; a kept connection the PS had closed is tried once more on a new one (counted as ``heartbeat_stale_lost``)."""
+        (a pull that waits for the round included), on a connection of their own, kept alive; a kept connection the
+        PS had closed is tried once more on a new one (counted as ``heartbeat_stale_lost``)."""
         conn, period = Conn(self.host, self.port, self.samples), me["lease_seconds"] / 3
         last = time.monotonic()
         try:

@@ -158,8 +158,9 @@ class PSSettings(BaseSettings):
         0, ge=0, description="Partitioned rounds (docs/partitions.md): a round's tensors cut into partitions of about "
                              "this many bytes, each summed and applied once every contributor's frame of it is in; "
                              "a push body may carry them as frames (docs/protocol-partitions.md). 0: one "
-                             "partition, the whole model (a round as without partitions). Only with PS_MODE=sync, no PS_ROLE and "
-                             "PS_NONFINITE_POLICY=reject (the rest is not built); with any PS_COMPRESSION on one PS "
+                             "partition, the whole model (a round as without partitions). Only with PS_MODE=sync, "
+                             "no PS_ROLE and PS_NONFINITE_POLICY=reject (the rest is not built); with any "
+                             "PS_COMPRESSION on one PS "
                              "(PS_SHARDS=1), none with shards.")
     log_level: str = Field("info", description="Log level of the PS.")
 

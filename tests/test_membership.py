@@ -97,8 +97,8 @@ def test_a_silence_of_every_worker_expires_nobody_and_the_first_heard_gives_each
 def test_a_silence_while_workers_wait_on_the_barrier_is_the_ps_outage_too():
     """The PS's host cut off just after a and b pushed and began their waits for the round, c still computing (CI,
     issue 48's follow-up): a wait is no sign of life, so c is not expired in the silence (it was at its lease end
-    while a and b waited, and lost its place in the round). A worker's host cut off instead: the waiting ones' heartbeats
-    are heard, and c expires on time."""
+    while a and b waited, and lost its place in the round). A worker's host cut off instead: the waiting ones'
+    heartbeats are heard, and c expires on time."""
     for cut in ("the PS's host", "c's host"):
         ms = Membership(lease_seconds=3.0)
         a, b, c = (ms.register(n, 0.0)[0] for n in "abc")
