@@ -18,7 +18,6 @@ import os
 import shutil
 import time
 
-import httpx
 import numpy as np
 import pytest
 
