@@ -126,22 +126,24 @@ def test_a_contributor_that_dies_mid_body_or_never_pushes_holds_the_others_up_on
                    for i in (2, 1)]
         # their heartbeats go on while they wait, as the stock worker's: rank 0's silence is its own
         beats = [Heartbeat.of(clients[i], ids[i], 1.5) for i in (1, 2)]
-        for t in pushers:
-            t.start()
         most = [0]
 
         def closed() -> bool:
             most[0] = max(most[0], held(core))
             return core.global_step == 1
-        wait_for(lambda: closed() or core.intake.deferred > 0, allow(10), "a push to wait for its turn", 0.001)
-        if dead is not None:
-            dead.close()
-        wait_for(closed, allow(20), "the round to close without rank 0", 0.001)
-        for t in pushers:
-            t.join(allow(20))
-        for hb in beats:
-            hb.halt.set()
-            hb.join(allow(10))
+        try:
+            for t in pushers:
+                t.start()
+            wait_for(lambda: closed() or core.intake.deferred > 0, allow(10), "a push to wait for its turn", 0.001)
+            if dead is not None:
+                dead.close()
+            wait_for(closed, allow(20), "the round to close without rank 0", 0.001)
+            for t in pushers:
+                t.join(allow(20))
+        finally:
+            for hb in beats:
+                hb.halt.set()
+                hb.join(allow(10))
         assert sorted(a["status"] for a in answers) == ["accepted", "accepted"]
         record = core.rounds[-1]
         assert sorted(a.name for a in record.contributors) == ["b", "c"] and record.missing == ("a",)

@@ -108,10 +108,12 @@ def test_a_leave_or_an_expired_lease_releases_the_ssp_wait_at_once(release):
             b.leave(idb)
         else:  # a's heartbeats go on while it waits, as the stock worker's: the PS hears it, so b's silence is b's
             beats = Heartbeat.of(a, ida, lease)
-        t.join(longest)
-        if release != "leave":
-            beats.halt.set()
-            beats.join(allow(10))
+        try:
+            t.join(longest)
+        finally:
+            if release != "leave":
+                beats.halt.set()
+                beats.join(allow(10))
         assert got["pulled"] is not None and got["pulled"].step == 1
         waited = got["at"] - t0
         assert waited < (allow(0.5) if release == "leave" else lease + allow(1.0)), waited
