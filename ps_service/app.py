@@ -54,6 +54,8 @@ def create_app(settings: PSSettings | None = None, exit_on_refusal: bool = False
                 os._exit(2)
             raise
         app.state.metrics = metrics.PSMetrics(rt)  # hooked into rt.observers
+        rt.observers.append(rt.tell_done)
+        rt.tell_done()  # a finished job restored from its checkpoint
         task = asyncio.create_task(rt.ticker())
         deployment = asyncio.create_task(rt.deployment())  # PS_WORKERS_DNS: ends at step 0 (or at once if unset)
         if rt.shards is not None:

@@ -66,6 +66,7 @@ class Runtime:
         self.aborts = 0
         #: who reads what the core tells (``core.told``; None: nobody): :meth:`deliver`
         self._reader: Callable[[], None] | None = None
+        self._told_done = False  # :meth:`tell_done` logged its line
 
     def take_parts(self, shards, ha) -> None:
         """Take this process's parts in a sharded PS and in a hot-standby pair (None: none)."""
@@ -231,6 +232,15 @@ class Runtime:
             self.ha.refuse()  # 503 if this PS stopped being the primary meanwhile
         return ok
 
+    def tell_done(self) -> None:
+        """An observer (and a call after the restore): once the job is done, log once that this PS stays up and what
+        for, so a user watching its log (the workers exited) knows the job ended and how to stop it."""
+        if self.core.done and not self._told_done and (self.shards is None or self.shards.coordinator):
+            self._told_done = True
+            log.info("the job is done at global step %d: this PS stays up to serve its dashboard (/), /v1/status, "
+                     "/metrics and the final weights (`python -m syncps export`); Ctrl-C or SIGTERM stops it",
+                     self.core.global_step)
+
     async def deployment(self, every: float = 1.0, timeout: float = 2.0) -> None:
         """Background task until step 0 (``PS_WORKERS_DNS``): the deployment's worker count, the addresses its DNS
         name resolves to, given to the core every ``every`` s (a name that does not resolve: none)."""
@@ -242,7 +252,8 @@ class Runtime:
             except (OSError, asyncio.TimeoutError):
                 count = None
             if count != self.core.deployed:
-                log.info("the deployment runs %s worker%s (%s)", count or "no", "" if count == 1 else "s", name)
+                log.info("the deployment runs %s worker%s (the addresses %s resolves to)%s", count or "no",
+                         "" if count == 1 else "s", name, ": step 0 waits for them" if count else "")
             now = self.now()
             self.core.deploy(count, now)
             self.core.tick(now)

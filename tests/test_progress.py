@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import re
 
-from worker_service.progress import ProgressLog
+from worker_service.progress import ALREADY_DONE, ProgressLog
 
 TIMES = {"fetch": 0.002, "compute": 0.001, "push": 0.003}
 
@@ -56,6 +56,20 @@ def test_a_job_shorter_than_a_second_logs_only_the_final_line(caplog):
     final = caplog.records[-1].getMessage()
     assert final.startswith("FINISHED: training done at global step 8 after 3.0 s: 8 pushes (accepted 8), "
                             "9.1 rounds/s, ") and "evaluation accuracy=0.96" in final, final  # 8 rounds in 0.875 s
+
+
+def test_a_worker_that_joined_a_finished_job_says_so_and_how_to_start_afresh(caplog):
+    """A second `docker compose up` resumes the finished job: its workers push nothing, and the line says why."""
+    caplog.set_level(logging.INFO)
+    log = ProgressLog(logging.getLogger("t"), every=5.0, clock=Clock())
+    log.final(True, 1000, None, {"loss": 0.5})
+    final = caplog.records[-1].getMessage()
+    assert final.startswith("FINISHED: training done at global step 1000 after 0.0 s: 0 pushes (none), ") and \
+        final.endswith("evaluation loss=0.5" + ALREADY_DONE) and "docker compose down -v" in final, final
+    log = ProgressLog(logging.getLogger("t"), every=5.0, clock=Clock())
+    run(log, Clock(), range(0, 2), 0.125)
+    log.final(True, 2, 0.5, {})
+    assert ALREADY_DONE not in caplog.records[-1].getMessage()  # a worker that trained says nothing of it
 
 
 def test_a_short_interval_is_the_first_line_too_and_no_line_without_a_new_step(caplog):

@@ -80,3 +80,23 @@ def test_a_same_host_answer_that_copies_into_the_file_lets_the_woken_body_answer
     """Even the one the round-closing request makes (it was never a wait); with no copy to make it goes at once."""
     assert asyncio.run(_closer_and_waits(str(tmp_path), True)) == ["body-1", "body-2", "shm"]
     assert asyncio.run(_closer_and_waits(str(tmp_path), False)) == ["shm", "body-1", "body-2"]
+
+
+def test_once_the_job_is_done_the_ps_says_once_that_it_stays_up_and_how_to_stop_it(caplog):
+    """The workers exited and the PS stays up (its dashboard): its log says the job ended and what stops it."""
+    rt = Runtime(PSSettings(min_workers=1, startup_grace_seconds=0.0, shm_dir="", max_steps=1))
+    rt.observers.append(rt.tell_done)
+    core = rt.core
+    core.init_model(ModelInit({"w": np.zeros(4, np.float32)}, {}), rt.now())
+    wid = core.register("w0", rt.now())[0].worker_id
+    with caplog.at_level("INFO", logger="ps_service"):
+        rt.notify()
+        assert "the job is done" not in caplog.text  # not before the last step
+        rt.run_guarded(lambda: core.push(PushRequest(wid, 0, {"w": np.ones(4, np.float32)}), rt.now()))
+        core.tick(rt.now())
+        rt.notify()
+    assert core.done
+    told = [r.getMessage() for r in caplog.records if r.getMessage().startswith("the job is done")]
+    assert told == ["the job is done at global step 1: this PS stays up to serve its dashboard (/), /v1/status, "
+                    "/metrics and the final weights (`python -m syncps export`); Ctrl-C or SIGTERM stops it"], told
+    rt.tensors.close()

@@ -9,7 +9,8 @@ Periodic line (INFO)::
 interval (the wait at the barrier is in fetch or push). The first line comes ``first`` seconds (1 s, at most
 ``every``) after this worker's first push; a shorter job logs only the final line. That one starts with ``FINISHED``
 (training done) or ``STOPPED`` and sums up the run: ``after`` counts from the worker's start, its ``rounds/s`` from
-the answer to its first push.
+the answer to its first push. A worker that joined a job already done (a PS that resumed a finished job from its
+checkpoint) pushed nothing: its final line says so and how to start afresh (:data:`ALREADY_DONE`).
 """
 from __future__ import annotations
 
@@ -17,6 +18,10 @@ import logging
 import time
 
 from shared.protocol import PHASES
+
+#: the end of the final line of a worker that trained no step: the job was done before it joined
+ALREADY_DONE = (" (the job was done before this worker joined, e.g. a PS resumed from a finished job's checkpoint: "
+                "a fresh job needs a PS without them, e.g. `docker compose down -v`; a higher PS_MAX_STEPS trains on)")
 
 #: seconds from the first push to the first progress line (at most ``every``)
 FIRST_LINE_SECONDS = 1.0
@@ -65,11 +70,12 @@ class ProgressLog:
         rounds = step - self.step_start if self.step_start is not None else 0
         span = now - self.t_first if self.t_first is not None else 0.0
         self.log.info("%s at global step %d after %.1f s: %d pushes (%s), %.1f rounds/s, own mean %s, "
-                      "last loss %s, evaluation %s",
+                      "last loss %s, evaluation %s%s",
                       "FINISHED: training done" if done else "STOPPED before the end", step, elapsed, self.pushes,
                       _counts(self.statuses) or "none", rounds / span if span > 0 else 0.0,
                       _phases(self.totals, self.pushes), _num(loss),
-                      ", ".join(f"{k}={_num(v)}" for k, v in metrics.items()) or "none")
+                      ", ".join(f"{k}={_num(v)}" for k, v in metrics.items()) or "none",
+                      ALREADY_DONE if done and not self.pushes else "")
 
 
 def _num(x: float | None) -> str:
