@@ -242,17 +242,17 @@ class Runtime:
                      self.core.global_step)
 
     async def deployment(self, every: float = 1.0, timeout: float = 2.0) -> None:
-        """Background task until step 0 (``PS_WORKERS_DNS``): the deployment's worker count, the addresses its DNS
-        name resolves to, given to the core every ``every`` s (a name that does not resolve: none)."""
+        """Background task until step 0 or the job is done (``PS_WORKERS_DNS``): the deployment's worker count, the
+        addresses its DNS name resolves to, given to the core every ``every`` s (a name that does not resolve: none)."""
         name, loop = self.settings.workers_dns, asyncio.get_running_loop()
-        while name and not self.core.started:
+        while name and not self.core.started and not self.core.done:  # (a finished job restored: no step 0)
             try:
                 infos = await asyncio.wait_for(loop.getaddrinfo(name, None, type=socket.SOCK_STREAM), timeout)
                 count = len({info[4][0] for info in infos})
             except (OSError, asyncio.TimeoutError):
                 count = None
             if count != self.core.deployed:
-                log.info("the deployment runs %s worker%s (the addresses %s resolves to)%s", count or "no",
+                log.info("the deployment runs %s worker%s (DNS name %r, an address each)%s", count or "no",
                          "" if count == 1 else "s", name, ": step 0 waits for them" if count else "")
             now = self.now()
             self.core.deploy(count, now)

@@ -83,8 +83,10 @@ def test_a_same_host_answer_that_copies_into_the_file_lets_the_woken_body_answer
 
 
 def test_once_the_job_is_done_the_ps_says_once_that_it_stays_up_and_how_to_stop_it(caplog):
-    """The workers exited and the PS stays up (its dashboard): its log says the job ended and what stops it."""
-    rt = Runtime(PSSettings(min_workers=1, startup_grace_seconds=0.0, shm_dir="", max_steps=1))
+    """The workers exited and the PS stays up (its dashboard): its log says the job ended and what stops it. Its
+    count of the deployment's workers (PS_WORKERS_DNS), for a step 0 that will not come, ends (it went on logging
+    `the deployment runs no workers` as the workers' containers exited)."""
+    rt = Runtime(PSSettings(min_workers=1, startup_grace_seconds=0.0, shm_dir="", max_steps=1, workers_dns="localhost"))
     rt.observers.append(rt.tell_done)
     core = rt.core
     core.init_model(ModelInit({"w": np.zeros(4, np.float32)}, {}), rt.now())
@@ -99,4 +101,5 @@ def test_once_the_job_is_done_the_ps_says_once_that_it_stays_up_and_how_to_stop_
     told = [r.getMessage() for r in caplog.records if r.getMessage().startswith("the job is done")]
     assert told == ["the job is done at global step 1: this PS stays up to serve its dashboard (/), /v1/status, "
                     "/metrics and the final weights (`python -m syncps export`); Ctrl-C or SIGTERM stops it"], told
+    asyncio.run(asyncio.wait_for(rt.deployment(every=allow(30.0)), allow(10.0)))  # returns at once: no sleep
     rt.tensors.close()
