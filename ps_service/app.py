@@ -57,7 +57,7 @@ def create_app(settings: PSSettings | None = None, exit_on_refusal: bool = False
         rt.observers.append(rt.tell_done)
         rt.tell_done()  # a finished job restored from its checkpoint
         task = asyncio.create_task(rt.ticker())
-        deployment = asyncio.create_task(rt.deployment())  # PS_WORKERS_DNS: ends at step 0 (or at once if unset)
+        deployment = asyncio.create_task(rt.deployment())  # PS_WORKERS_DNS: until step 0 or done
         if rt.shards is not None:
             await rt.shards.start(rt, checkpointer)  # the coordinator's links to its followers (ps_service/sharding)
         if rt.ha is not None:

@@ -123,8 +123,10 @@ def test_up_builds_without_a_registry_trains_4_named_workers_and_down_cleans_up(
             # the shared tmpfs volume put every worker on the same-host transport (no tensor in the bodies)
             assert {w["transport"] for w in p.workers()["workers"]} == {"shm"}
             assert p.get("/v1/status")["shm_bytes_received"] > 0
-            # The PS outlives the job: it keeps serving the monitoring API.
+            # The PS outlives the job: it keeps serving the monitoring API, and its log says so (the workers exited).
             assert p.get("/healthz")["status"] == "ok"
+            ps_log = p.compose("logs", "--no-color", "ps").stdout
+            assert ps_log.count("the job is done at global step 400: this PS stays up") == 1, ps_log[-3000:]
             again = p.get("/v1/status")
             assert again["state"] == "done" and again["global_step"] == 400
             assert set(states(p).values()) == {"left"}
