@@ -160,8 +160,7 @@ class PSSettings(BaseSettings):
                              "a push body may carry them as frames (docs/protocol-partitions.md). 0: one "
                              "partition, the whole model (a round as without partitions). Only with PS_MODE=sync, "
                              "no PS_ROLE and PS_NONFINITE_POLICY=reject (the rest is not built); with any "
-                             "PS_COMPRESSION on one PS "
-                             "(PS_SHARDS=1), none with shards.")
+                             "PS_COMPRESSION on one PS (PS_SHARDS=1), none with shards.")
     log_level: str = Field("info", description="Log level of the PS.")
 
     # ---- sharded PS (docs/architecture.md, Shards): S processes, shard 0 coordinates ----

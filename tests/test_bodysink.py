@@ -32,7 +32,7 @@ def test_uvicorn_is_a_tested_release():
 @pytest.mark.parametrize("method", ["on_headers_complete", "on_body", "on_message_complete", "data_received",
                                     "_unset_keepalive_if_required", "_should_upgrade", "send_400_response",
                                     "connection_made", "connection_lost", "eof_received", "pause_writing",
-                                    "resume_writing"])
+                                    "resume_writing", "_unsupported_upgrade_warning"])
 def test_the_protocol_methods_the_sink_overrides_or_calls_exist(method):
     assert callable(getattr(HttpToolsProtocol, method, None)), (
         f"uvicorn's HttpToolsProtocol.{method} moved: ps_service/transport/bodysink.py relies on it")

@@ -65,21 +65,17 @@ class PSClient:
         #: the PS's shard count (from the last registration answer; > 1: tensors through every shard)
         self.shards = 1
         self.mode = "sync"  # the job's (PS_MODE), from the registration answer
-        self._renewed = float("-inf")
+        #: time.monotonic() of the last answer to an exchange that renewed this worker's lease (a push, a pull with
+        #: its worker id): the heartbeat thread stays quiet while these come often enough, and beats on while a
+        #: pull or push waits for a slow round (the PS that hears from no worker for half a lease, waiting or not,
+        #: takes it for its own outage: docs/protocol.md)
+        self.lease_renewed = float("-inf")
 
     base_url = property(lambda self: self.endpoint.base_url)
     ps_url = property(lambda self: ",".join(self.endpoint.urls), doc="every PS URL (a hot-standby pair: both)")
     conn = property(lambda self: self.endpoint.transport, doc="the transport every exchange goes through")
     timeout = property(lambda self: self.endpoint.timeout)
     token = property(lambda self: self.endpoint.token)
-
-    @property
-    def lease_renewed(self) -> float:
-        """time.monotonic() of the last answer to an exchange that renewed this worker's lease (a push, a pull with
-        its worker id): the heartbeat thread stays quiet while these come often enough, and beats on while a pull or
-        push waits for a slow round (the PS that hears from no worker for half a lease, waiting or not, takes it for
-        its own outage: docs/protocol.md)."""
-        return self._renewed
 
     transport = property(lambda self: self.tensors.name, doc="the tensor transport's name (shm, http, http+topk...)")
 
@@ -155,10 +151,9 @@ class PSClient:
         ready, self.prefetched = self.prefetched, None
         if ready is not None and (ready.step >= min_step or ready.done):
             return ready
-        if not worker_id:
-            return self.tensors.pull(min_step, worker_id, wait, self.timeout)
         got = self.tensors.pull(min_step, worker_id, wait, self.timeout)
-        self._renewed = time.monotonic()
+        if worker_id:
+            self.lease_renewed = time.monotonic()
         return got
 
     def push(self, worker_id: str, step: int, grads: Mapping[str, np.ndarray], loss: float | None = None,
@@ -168,7 +163,7 @@ class PSClient:
         meta = {"worker_id": worker_id, "step": step, "loss": loss, "num_examples": num_examples,
                 "timings": dict(timings or {})}
         answer = self.tensors.push(meta, grads, self.push_wait, self.timeout, on_way)
-        self._renewed = time.monotonic()
+        self.lease_renewed = time.monotonic()
         self.prefetched = answer.pulled
         return {"status": answer.status, "step": answer.step, "done": answer.done}
 
