@@ -26,7 +26,7 @@ import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from ps_service.transport.body import SINK_KEY, BodySink
-from ps_service.transport.unread import LingeringTransport
+from ps_service.transport.unread import LingeringTransport, has_body
 from shared import liveness
 
 #: bytes per socket read outside a sink. Small on purpose: the read that brings a push's headers also brings the
@@ -48,11 +48,6 @@ def _content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
     if len(lengths) != 1 or not lengths[0].isdigit() or any(k == b"transfer-encoding" for k, _ in headers):
         return None
     return int(lengths[0])
-
-
-def _declares_body(headers: list[tuple[bytes, bytes]]) -> bool:
-    """The head says a body follows: chunked, or a Content-Length other than 0."""
-    return any(k == b"transfer-encoding" or (k == b"content-length" and v.strip(b" \t") != b"0") for k, v in headers)
 
 
 class IdleUntilHead:
@@ -89,7 +84,7 @@ class CheckedHead:
         if hosts > 1 or (not hosts and self.parser.get_http_version() == "1.1"):
             self.refused_head = (f"{hosts} Host headers: an HTTP/1.1 request carries exactly one, any other at most "
                                  "one (RFC 9112 3.2)")
-        elif self.parser.should_upgrade() and _declares_body(self.headers):
+        elif self.parser.should_upgrade() and has_body(self.headers):
             self.refused_head = ("an Upgrade request with a body: the PS speaks HTTP/1.1 only and its parser reads no "
                                  "body past an Upgrade head; send the request without Upgrade")
         if self.refused_head:
