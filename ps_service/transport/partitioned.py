@@ -73,7 +73,8 @@ class Feed:
         self.count: int | None = None
         self.push: PushRequest | None = None
         self.frames: list[frame.Frame] = []
-        self._status = None
+        #: the head's status (what :attr:`take` answered for it)
+        self.status = None
         self._before = 0
         self._last: frame.Frame | None = None
 
@@ -133,7 +134,7 @@ class Feed:
 
     def _head(self, push: PushRequest) -> None:
         self.push, self._before = push, self.core.global_step
-        self._status = self._give(push)
+        self.status = self._give(push)
 
     def _take(self, q: int, tensors: Mapping, checked: bool) -> None:
         push = self.push
@@ -167,14 +168,9 @@ class Feed:
         self.reader.finish(total, self.count)
         self._frame(self._last)
 
-    @property
-    def status(self):
-        """The head's status (what :attr:`take` answered for it)."""
-        return self._status
-
     def result(self) -> PushResult:
         """The push's result: the head's status, the global step after its last frame."""
-        return PushResult(self._status, self.core.global_step, self.core.global_step != self._before)
+        return PushResult(self.status, self.core.global_step, self.core.global_step != self._before)
 
 
 def _whole(tensors: Mapping[str, np.ndarray], weights: Mapping[str, np.ndarray]) -> bool:
