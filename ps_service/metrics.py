@@ -50,10 +50,14 @@ def pick(view: dict | None, path: str):
     return view
 
 
-def family(name: str, doc: str, value: float | None, counter: bool = False):
-    """A family of one unlabelled sample: a gauge (no sample if ``value`` is None) or a counter (None: 0)."""
-    f = (CounterMetricFamily if counter else GaugeMetricFamily)(name, doc)
-    if value is not None or counter:
+def family(name: str, doc: str, value: float | dict | None, counter: bool = False, label: str | None = None):
+    """A gauge or a counter: of one unlabelled sample (a gauge's ``value`` None: no sample; a counter's: 0), or with
+    ``label`` of one sample per value of it (``value`` maps each to its sample)."""
+    f = (CounterMetricFamily if counter else GaugeMetricFamily)(name, doc, labels=[label] if label else None)
+    if label:
+        for k, v in value.items():
+            f.add_metric([k], v)
+    elif value is not None or counter:
         f.add_metric([], value or 0)
     return f
 
@@ -79,14 +83,6 @@ OPTIONAL = ("clocks", "pair")
 ROLES = get_args(PairStatus.model_fields["role"].annotation)  # primary, standby, candidate
 
 
-def labelled(name: str, doc: str, label: str, values: dict, counter: bool = False):
-    """A family of one sample per value of ``label``: ``values`` maps each to its sample."""
-    f = (CounterMetricFamily if counter else GaugeMetricFamily)(name, doc, labels=[label])
-    for k, v in values.items():
-        f.add_metric([k], v)
-    return f
-
-
 def staleness_histogram(counts: dict[int, int]) -> HistogramMetricFamily:
     """The exact staleness distribution the core keeps (value -> count) as cumulative buckets, at scrape time."""
     h = HistogramMetricFamily("ps_gradient_staleness_steps", "Per applied gradient (async/ssp): global steps "
@@ -102,14 +98,9 @@ def shard_gauges(view: dict):
     yield family("ps_shards", described("shard.count"), view["count"])
     if "rollbacks" in view:
         yield family("ps_shard_rollbacks", described("shard.rollbacks"), view["rollbacks"], True)
-    families = [(GaugeMetricFamily(f"ps_shard_{key}", ShardRow.model_fields[key].description, labels=["shard"]), key)
-                for key in ("step", "reachable", "bytes_owned")]
-    for row in view.get("shards", []):
-        for f, key in families:
-            if row[key] is not None:
-                f.add_metric([str(row["index"])], float(row[key]))
-    for f, _ in families:
-        yield f
+    for key in ("step", "reachable", "bytes_owned"):  # one sample a shard that has the figure
+        values = {str(row["index"]): float(row[key]) for row in view.get("shards", []) if row[key] is not None}
+        yield family(f"ps_shard_{key}", ShardRow.model_fields[key].description, values, label="shard")
 
 
 class PSMetrics:
@@ -161,11 +152,11 @@ class PSMetrics:
             part = path.split(".")[0]
             if part not in OPTIONAL or st[part] is not None:
                 yield family(name, doc, pick(st, path), counter)
-        yield labelled("ps_job_state", "1 for the job's current state.", "state",
-                       {s.value: float(s.value == st["state"]) for s in JobState})
-        yield labelled("ps_workers", "Registered workers by membership state.", "state",
-                       {s: st["workers"][s] for s in (ACTIVE, EXPIRED, LEFT)})
-        yield labelled("ps_pushes", "Gradient pushes by outcome.", "status", st["pushes"], True)
+        yield family("ps_job_state", "1 for the job's current state.",
+                     {s.value: float(s.value == st["state"]) for s in JobState}, label="state")
+        yield family("ps_workers", "Registered workers by membership state.",
+                     {s: st["workers"][s] for s in (ACTIVE, EXPIRED, LEFT)}, label="state")
+        yield family("ps_pushes", "Gradient pushes by outcome.", st["pushes"], True, "status")
         if rt.core.modes is not None:
             yield staleness_histogram(rt.core.modes.staleness_counts)
         yield family("ps_shm_workers", "Workers whose tensors go through the same-host transport.", len(shm.attached))
@@ -179,8 +170,8 @@ class PSMetrics:
             yield from shard_gauges(st["shard"])
         if st["pair"] is not None:
             view = st["pair"]
-            yield labelled("ps_pair_role", "1 for this PS's role in its hot-standby pair.", "role",
-                           {r: float(view["role"] == r) for r in ROLES})
+            yield family("ps_pair_role", "1 for this PS's role in its hot-standby pair.",
+                         {r: float(view["role"] == r) for r in ROLES}, label="role")
             yield family("ps_pair_standby_in_sync", "On the primary: 1 if its standby caught up (every answer waits "
                          "for it).", None if view["standby"] is None else float(view["standby"] == "in_sync"))
 
