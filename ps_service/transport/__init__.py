@@ -227,14 +227,13 @@ class TensorSeam:
 
     async def receive_model(self, request: Request) -> ModelInit:
         """A model's upload: a large one read one at a time, none once the model is in (409 before its body)."""
-        if _length(request) >= GATED_BYTES:
+        if _length(request) < GATED_BYTES:
+            body = await self._body(request, recurring=False)  # once a job: its buffer is not kept
+        else:
             declared_length(request, self.settings.max_body_bytes, frame.MEDIA_TYPE)  # 415, 413 first
             async with self._model_reads:
                 self.core.refuse_init()
-                return self._model(await self._body(request, recurring=False))  # once a job: its buffer is not kept
-        return self._model(await self._body(request, recurring=False))
-
-    def _model(self, body: memoryview | bytearray) -> ModelInit:
+                body = await self._body(request, recurring=False)
         self.bytes_in += len(body)
         f = frame.decode(body)
         return parse_model_meta(f.meta, f.tensors)
@@ -279,16 +278,12 @@ class TensorSeam:
                 hub.adopt(core.weights, copy=False)
         hub.published(core.global_step)
 
-    def _head(self) -> dict:
-        core = self.core
-        # the open round's ranks, else (async/ssp, or no round) the active members': a cached sorted tuple
-        return {"step": core.global_step, "done": core.done, "ranks": core.ranks()}
-
     def _weights_frame(self, since: int | None, shm: bool = False) -> bytes | memoryview:
         """The weights' frame (dense, a delta from ``since``, or ``shm``: a frame with no tensors, the weights in the
         same-host file), each form encoded once per (step, membership)."""
         core, deltas = self.core, self.deltas
-        head = self._head()
+        # the open round's ranks, else (async/ssp, or no round) the active members': a cached sorted tuple
+        head = {"step": core.global_step, "done": core.done, "ranks": core.ranks()}
         key = (head["step"], head["done"], tuple(head["ranks"]), core.optimizer.iterations)
         if shm:  # the same small frame for every same-host worker of a step
             return self._encoded("shm", key, {**head, "shm": True}, {})
