@@ -328,19 +328,17 @@ class Checkpointer:
         self.last_step = self.written_step = step
         return [f for f in [self._running] if f is not None and not f.done()]
 
-    def finish(self, core) -> dict | None:
+    def finish(self, core) -> None:
         """Shutdown (blocking): wait for a running write, write a final checkpoint if the step moved."""
         self.wait_for_write()
-        info = None
         if core.initialized and core.deciding:  # some of the round's partitions applied: no step's weights
             log.warning("shutdown between the partitions of step %d: no final checkpoint", core.global_step)
         elif core.initialized and core.global_step != self.written_step:
             self.last_step = core.global_step
-            info = self._write(core.export_state(), "shutdown")
+            self._write(core.export_state(), "shutdown")
         elif core.initialized:
             log.info("shutdown: global step %d is already in %s", core.global_step, self.dir)
         self._pool.shutdown(wait=True)
-        return info
 
 
 def attach(rt) -> Checkpointer | None:
