@@ -202,10 +202,6 @@ async def push(request: Request, pull: bool = Query(False, description=(
     return await answer_push(rt, result, step, worker_id, via, pull, timeout, since)
 
 
-#: push statuses that count: the round (or, in async/ssp, the model) takes the push
-COUNTED = frozenset({PushStatus.ACCEPTED, PushStatus.SKIPPED})
-
-
 async def answer_push(rt, result, step: int, worker_id: str, via: str, pull: bool, timeout: float,
                       since: int | None = None, before_weights: Callable[[], Awaitable[None]] | None = None):
     """A push's answer: with ``pull``, the next weights once the pushed step's round closed (the status in a
@@ -216,9 +212,9 @@ async def answer_push(rt, result, step: int, worker_id: str, via: str, pull: boo
     try:
         woke = pull and await rt.wait_for(ready, timeout, worker_id, first=via == "http")  # a body answer: first
     except REFUSALS:  # the worker left, or was expired, while its push waited
-        if result.status not in COUNTED:
+        if result.status not in (PushStatus.ACCEPTED, PushStatus.SKIPPED):
             raise
-        woke = False  # its push counted (the round uses it): say so, not a refusal
+        woke = False  # its push counted (the round, or in async/ssp the model, takes it): say so, not a refusal
     if woke:
         if before_weights is not None:
             await before_weights()
