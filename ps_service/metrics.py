@@ -130,7 +130,7 @@ class PSMetrics:
         if last is not None and last >= core.global_step:  # went back to a checkpoint
             last = self._last_step = core.global_step - 1
         for rec in list(takewhile(lambda r: last is None or r.step > last, reversed(core.rounds)))[::-1]:
-            self.rounds.labels(rec.reason if rec.reason in CLOSE_REASONS else "full").inc()
+            self.rounds.labels(rec.reason).inc()  # (one of CLOSE_REASONS: the core closes a round for no other)
             self.round_duration.observe(rec.duration)
             for c in rec.contributors:
                 self.barrier_wait.observe(max(0.0, rec.closed_at - c.at))
@@ -141,8 +141,7 @@ class PSMetrics:
         count = info.get("count") or 0
         if count > self._checkpoints:
             self._checkpoints = count
-            if isinstance(info.get("duration_seconds"), (int, float)):
-                self.checkpoint_duration.observe(info["duration_seconds"])
+            self.checkpoint_duration.observe(info["duration_seconds"])  # (a write's info: checkpoint.Checkpointer)
 
     def collect(self):
         """At scrape time: the ``/v1/status`` answer's figures, and the few the runtime keeps for ``/metrics`` only."""
