@@ -174,13 +174,12 @@ class ShmHub:
         for worker_id in [w for w in self.attached if w not in keep]:
             self.detach(worker_id)
 
-    def gradients(self, worker_id: str, seq: object) -> tuple[dict[str, np.ndarray], bool]:
-        """One push's gradients copied out of the worker's file into memory the PS owns, and whether finite."""
-        region = self.attached.get(worker_id)
-        if region is None or self.layout is None:
+    def gradients(self, worker_id: str, seq: int) -> tuple[dict[str, np.ndarray], bool]:
+        """One push's gradients (``seq``: its ``shm_seq``, checked with the push's meta: shared.protocol) copied out
+        of the worker's file into memory the PS owns, and whether finite."""
+        region = self.attached.get(worker_id)  # (attached: after GET /v1/shm, so :attr:`layout` is set)
+        if region is None:
             raise ProtocolError(409, "shm_not_attached", "this worker has no gradient file here: attach again")
-        if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
-            raise bad_request("bad_field", "push: shm_seq must be an int >= 0")
         if region.marker[0] != seq:
             raise ProtocolError(409, "shm_torn", "the gradient file does not hold that push (rewritten?)")
         out = self.layout.views(POOL.take(self.layout.data_bytes))
