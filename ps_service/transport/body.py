@@ -60,10 +60,6 @@ class BodySink:
         return False
 
 
-#: default idle timeout of a body (the routes pass PS_BODY_IDLE_TIMEOUT_SECONDS)
-BODY_IDLE_TIMEOUT = 30.0
-
-
 def declared_length(request: Request, limit: int, media_types: tuple[str, ...] | str) -> int | None:
     """The body's Content-Length (None: chunked) after the checks every body meets first (415, 400, 413)."""
     allowed = (media_types,) if isinstance(media_types, str) else media_types
@@ -82,7 +78,7 @@ def declared_length(request: Request, limit: int, media_types: tuple[str, ...] |
     return int(declared)
 
 
-async def read_prefix(request: Request, want: Callable[[bytearray], int], idle_timeout: float = BODY_IDLE_TIMEOUT
+async def read_prefix(request: Request, want: Callable[[bytearray], int], idle_timeout: float
                       ) -> tuple[bytearray, bool]:
     """The body's first bytes, received until ``want(got)`` (the bytes it needs) is at most what came, or the body
     ended: (those bytes, whether it ended). Refusals as :func:`read_body`'s; the rest stays unread until
@@ -95,9 +91,8 @@ async def read_prefix(request: Request, want: Callable[[bytearray], int], idle_t
     return got, await _stream(request, take, idle_timeout)
 
 
-async def read_body(request: Request, limit: int, media_types: tuple[str, ...] | str,
-                    idle_timeout: float = BODY_IDLE_TIMEOUT, recurring: bool = True,
-                    prefix: tuple[bytearray, bool] | None = None,
+async def read_body(request: Request, limit: int, media_types: tuple[str, ...] | str, idle_timeout: float,
+                    recurring: bool = True, prefix: tuple[bytearray, bool] | None = None,
                     progress: Callable[[memoryview, int], int | None] | None = None) -> memoryview | bytearray:
     """The request body, refused with 415 for another content type, 413 past ``limit``, 408 if it stalls.
     ``recurring`` False: such bodies come once (a model's upload): a buffer made for it is not kept. ``prefix``: what
