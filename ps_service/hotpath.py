@@ -20,7 +20,7 @@ import math
 from typing import Any, Callable
 from urllib.parse import parse_qsl
 
-from pydantic_core import PydanticUndefined
+from pydantic_core import PydanticUndefined as REQUIRED  # a required parameter's default: none given, FastAPI answers
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -54,10 +54,6 @@ def _worker_id(v: str) -> str:
     if len(v) > 64:
         raise ValueError(v)
     return v
-
-
-#: a parameter the route requires (FastAPI's marker): with none given, FastAPI answers
-REQUIRED = PydanticUndefined
 
 
 def _route(endpoint: Callable, parsers: dict[str, Callable[[str], Any]]) -> tuple:
