@@ -28,7 +28,8 @@ def runtime(request) -> "Runtime":
     return request.app.state.runtime
 
 
-def _time_up(fut: asyncio.Future) -> None:
+def _look_again(fut: asyncio.Future) -> None:
+    """A wait's future resolved False (its time is up, or it looks at its predicate again) unless it is done."""
     if not fut.done():
         fut.set_result(False)
 
@@ -86,8 +87,7 @@ class Runtime:
         """Every wait in flight looks at its predicate again (partitions closed: the core's ``on_partition``)."""
         waiters, self._waiters = self._waiters, {}
         for fut in waiters:
-            if not fut.done():
-                fut.set_result(False)
+            _look_again(fut)
 
     def _partition_closed(self) -> None:
         self.deliver()  # a decision told in this call goes before the pulls woken here (their frames' writes)
@@ -152,7 +152,7 @@ class Runtime:
             loop = asyncio.get_running_loop()
             fut = loop.create_future()
             self._waiters[fut] = first
-            timer = loop.call_later(remaining, _time_up, fut)
+            timer = loop.call_later(remaining, _look_again, fut)
             try:
                 await fut
             finally:
@@ -180,7 +180,7 @@ class Runtime:
                     return False
                 fut = loop.create_future()
                 self._turns.setdefault(worker_id, []).append(fut)
-                timer = loop.call_later(max(0.0, deadline - self.clock()), _time_up, fut)
+                timer = loop.call_later(max(0.0, deadline - self.clock()), _look_again, fut)
                 try:
                     await fut
                 finally:
