@@ -152,8 +152,9 @@ class Feed:
         """A push of one frame (its tensors as the core takes them: decoded, or copied out of a same-host file), cut
         by ``plan`` into its partitions and given as a partitioned push's frames (422 ``tensor_mismatch`` unless it
         holds every model tensor, of its dtype and shape: partition 0 alone would pass for a head)."""
-        core = self.core
-        if not _whole(push.tensors, core.weights):
+        core, weights = self.core, self.core.weights
+        if len(push.tensors) != len(weights) or not all((w := weights.get(k)) is not None and t.dtype == w.dtype
+                                                        and t.shape == w.shape for k, t in push.tensors.items()):
             core.admit(push.worker_id if self.members else None)
             raise unprocessable("tensor_mismatch", "a push of one frame carries every model tensor, of its dtype "
                                 f"and shape (this job's rounds have {plan.count} partitions)")
@@ -171,9 +172,3 @@ class Feed:
     def result(self) -> PushResult:
         """The push's result: the head's status, the global step after its last frame."""
         return PushResult(self.status, self.core.global_step, self.core.global_step != self._before)
-
-
-def _whole(tensors: Mapping[str, np.ndarray], weights: Mapping[str, np.ndarray]) -> bool:
-    """``tensors`` are one of each of the model's, of its dtype and shape (a push a partition plan may cut)."""
-    return len(tensors) == len(weights) and all(
-        (w := weights.get(k)) is not None and t.dtype == w.dtype and t.shape == w.shape for k, t in tensors.items())
