@@ -175,9 +175,12 @@ def test_held_leases_hold_the_lease_and_the_deadline_and_release_gives_both_afre
     core.tick(32.1)  # the deadline, 2 s from the release
     assert core.global_step == 1 and core.rounds[-1].reason == "deadline"
     assert core.members.active_count == 3
-    for wid in ids[:2]:
-        core.members.touch(wid, 34.0)
-    core.tick(35.1)  # the silent worker's lease: 5 s from the release
+    for t in (34.0, 36.0, 38.0, 40.0):
+        for wid in ids[:2]:
+            core.members.touch(wid, t)
+    core.tick(39.9)
+    assert core.members.active_count == 3
+    core.tick(40.1)  # the silent worker's lease: 5 s and the reconnect allowance's 5 from the release
     assert core.members.active_count == 2 and not core.members.get(ids[2]).active
 
 
@@ -682,7 +685,7 @@ def test_fixed_r_with_no_gradient_in_waits_for_a_rejoining_worker():
 
 def test_every_worker_silent_is_held_and_the_round_closes_once_one_is_back():
     """Both stop at once: the PS cannot tell that from its own outage, so nobody expires (no gradient of the open
-    round is lost if it was the PS); the first back ends the silence and the other expires a lease later."""
+    round is lost if it was the PS); the first back ends the silence and the other expires a lease and 5 s later."""
     core, ids = make(2, replicas_to_aggregate=2, lease_seconds=5.0)
     push(core, ids[0], 0, now=0.5)
     core.tick(60.0)
@@ -690,8 +693,11 @@ def test_every_worker_silent_is_held_and_the_round_closes_once_one_is_back():
     assert core.wait_reason(60.0).startswith("no worker heard from for 59.5 s")
     push(core, ids[1], 0, now=61.0)  # w1 was cut off, not dead: the round closes exactly as without the outage
     assert core.global_step == 1 and core.rounds[-1].reason == "full" and core.rounds[-1].aggregated == 2
-    core.members.touch(ids[1], 64.0)
-    core.tick(66.1)  # w0 never came back: a lease after w1 was heard
+    for t in (63.0, 65.0, 67.0, 69.0):
+        core.members.touch(ids[1], t)
+    core.tick(70.9)
+    assert core.members.get(ids[0]).active
+    core.tick(71.1)  # w0 never came back: a lease and the reconnect allowance after w1 was heard
     assert not core.members.get(ids[0]).active and core.members.get(ids[1]).active
 
 

@@ -156,8 +156,13 @@ def test_a_member_waiting_on_the_barrier_keeps_its_lease():
     assert core.members.by_id[ids[0]].lease_until == 12.0
     core.tick(11.9)
     assert core.members.by_id[ids[0]].state == "active" and push(core, ids[0], 1, 11.9) is PushStatus.ACCEPTED
-    core.register("w9", 13.5)  # another worker heard from: w0's silence is its own
-    core.tick(14.0)  # not waiting, silent for 2.1 s
+    # nobody was heard from 1.9 to 11.9 (a silence: w0 waited): w0's push ended it, every lease 2 + 5 s from then
+    w9 = core.register("w9", 12.5)[0].worker_id  # another worker heard from: w0's silence is its own
+    for t in np.arange(13.0, 19.0, 0.5):
+        core.members.touch(w9, t)
+        core.tick(t)
+    assert core.members.by_id[ids[0]].state == "active"
+    core.tick(19.0)  # not waiting, silent for 7.1 s
     assert core.members.by_id[ids[0]].state == "expired"
 
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from ps_service.core import ParameterServerCore
 from tests.configs import core_config
-from ps_service.core.membership import EXPIRED, FOLLOWER, LEFT, SILENCE, Membership
+from ps_service.core.membership import EXPIRED, FOLLOWER, LEFT, RECONNECT_SECONDS, SILENCE, Membership
 from ps_service.http import REFUSALS
 from shared.protocol import ModelInit, PushRequest
 from tests.naive_core import NaiveMembership
@@ -39,6 +39,8 @@ def test_simultaneous_expiries_come_in_registration_order_and_waits_hold_the_lea
 
 
 def test_held_leases_run_out_for_nobody_and_run_whole_from_the_release():
+    """Held, no lease runs out; released, each runs a lease and the reconnect allowance (5 s) from then."""
+    assert RECONNECT_SECONDS == 5.0
     ms = Membership(lease_seconds=10.0)
     ms.register("a", 0.0)
     ms.register("b", 5.0)
@@ -46,13 +48,13 @@ def test_held_leases_run_out_for_nobody_and_run_whole_from_the_release():
     ms.hold(FOLLOWER, 9.0)  # held since 8: holding again changes nothing
     assert ms.holds == {FOLLOWER: 8.0} and ms.expire(100.0, False) == []
     ms.release(FOLLOWER, 100.0)
-    assert ms.holds == {} and ms.expire(109.9, False) == []
-    assert [m.name for m in ms.expire(110.1, False)] == ["a", "b"]
+    assert ms.holds == {} and ms.expire(114.9, False) == []
+    assert [m.name for m in ms.expire(115.1, False)] == ["a", "b"]
     ms.release(FOLLOWER, 200.0)  # not held: nothing renewed
     ms.register("c", 200.0)
     ms.hold(FOLLOWER, 201.0)
     ms.release(FOLLOWER, 201.5)
-    assert ms.expire(211.4, False) == [] and [m.name for m in ms.expire(211.6, False)] == ["c"]
+    assert ms.expire(216.4, False) == [] and [m.name for m in ms.expire(216.6, False)] == ["c"]
 
 
 def test_a_lease_set_earlier_by_hand_is_honoured():
@@ -77,7 +79,7 @@ def test_free_ranks_are_the_lowest_ones_not_held_by_a_present_member():
 
 def test_a_silence_of_every_worker_expires_nobody_and_the_first_heard_gives_each_a_whole_lease():
     """No worker heard from for half a lease (the PS cut off, or paused): nobody expires, whatever the leases;
-    the first worker heard from ends the silence and every other gets a lease from then."""
+    the first worker heard from ends the silence and every other gets a lease and the reconnect allowance from then."""
     ms = Membership(lease_seconds=10.0)
     a, b, c = (ms.register(n, 0.0)[0] for n in "abc")
     for t in (3.0, 6.0):
@@ -90,7 +92,9 @@ def test_a_silence_of_every_worker_expires_nobody_and_the_first_heard_gives_each
     assert (ms.holds, ms.held, ms.released_at) == ({}, False, 60.0)
     ms.touch(a.worker_id, 63.0)  # each heard within half a lease of the last: no silence
     ms.touch(b.worker_id, 67.0)
-    assert ms.expire(69.9) == [] and ms.expire(70.1) == [c]  # c never came back: a whole lease from 60, then out
+    ms.touch(a.worker_id, 71.0)
+    ms.touch(b.worker_id, 74.0)
+    assert ms.expire(74.9) == [] and ms.expire(75.1) == [c]  # c never came back: 10 + 5 s from 60, then out
     assert a.active and b.active
 
 
@@ -115,7 +119,7 @@ def test_a_silence_while_workers_wait_on_the_barrier_is_the_ps_outage_too():
             continue
         assert ms.holds == {SILENCE: 0.95} and ms.expire(9.0) == [] and c.active
         ms.touch(a.worker_id, 9.5)  # the network back: a's heartbeat first
-        assert ms.holds == {} and c.lease_until == 12.5 and ms.expire(12.4) == [] and c.active
+        assert ms.holds == {} and c.lease_until == 17.5 and ms.expire(12.6) == [] and c.active
 
 
 def test_a_stalled_ps_expires_nobody_until_it_hears_from_a_worker_again():
@@ -129,13 +133,31 @@ def test_a_stalled_ps_expires_nobody_until_it_hears_from_a_worker_again():
     ms.stalled(1.0, 30.0)  # the ticker: the process did not run from 1 s to now
     assert ms.holds == {SILENCE: 1.0} and ms.expire(30.1) == []
     ms.touch(a.worker_id, 31.0)
-    assert ms.released_at == 31.0 and b.lease_until == 41.0
-    ms.touch(a.worker_id, 35.0)
-    ms.touch(a.worker_id, 39.0)
-    assert ms.expire(40.9) == [] and ms.expire(41.1) == [b]
-    ms.leave(a.worker_id, 42.0)
-    ms.stalled(43.0, 60.0)  # nobody active: nothing to hold
+    assert ms.released_at == 31.0 and b.lease_until == 46.0
+    for t in (35.0, 39.0, 43.0):
+        ms.touch(a.worker_id, t)
+    assert ms.expire(45.9) == [] and ms.expire(46.1) == [b]
+    ms.leave(a.worker_id, 47.0)
+    ms.stalled(48.0, 60.0)  # nobody active: nothing to hold
     assert ms.holds == {}
+
+
+def test_workers_heard_back_within_the_reconnect_allowance_after_a_silence_are_not_expired():
+    """A 3 s lease, the PS cut off 10 s (CI, issue 48's follow-up): the first worker heard from ends the silence, the
+    others' connections broke in the outage and they come back on fresh ones 1-2.5 s later, one only once its
+    connection's user timeout ended it (5 s): none is expired (with a lease from the first alone, d was). A member
+    never heard back is expired a lease and the allowance after the first."""
+    ms = Membership(lease_seconds=3.0)
+    a, b, c, d, e = (ms.register(n, 0.0)[0] for n in "abcde")
+    assert ms.expire(5.0) == [] and SILENCE in ms.holds  # cut off from 0 s: nobody heard
+    back = [(a, 10.0), (b, 11.0), (c, 12.5), (d, 15.5)]  # the network back at 10 s: a first; e never
+    for t in np.arange(10.0, 20.0, 0.25):  # the returned ones' heartbeats every lease/3, the PS's ticks
+        for m, at in back:
+            if t >= at and (t - at) % 1.0 == 0:
+                ms.touch(m.worker_id, t)
+        due = [e] if t + 0.1 > 18.0 and e.active else []  # 10 + 3 + 5
+        assert ms.expire(t + 0.1) == due, t
+    assert [m.state for m in (a, b, c, d, e)] == ["active"] * 4 + ["expired"] and not ms.held
 
 
 def test_one_worker_silent_among_live_ones_expires_on_time():

@@ -6,8 +6,8 @@ that holds them). In the module's terms: ``touch`` renews a lease, ``expire(now)
 (``begin_wait`` .. ``end_wait``, nested) holds its member's lease. Leases are *held* (:attr:`holds`, by reason) from
 :meth:`hold` until :meth:`release`: :data:`FOLLOWER`, a sharded PS whose follower does not answer; :data:`SILENCE`, no
 worker heard from for :data:`SILENCE_LEASES` of a lease (or :meth:`stalled`), released by the next worker heard from.
-When the last hold is released every active member gets a lease from then. Every change is appended to ``events``
-(bounded).
+When the last hold is released every active member gets a lease and :data:`RECONNECT_SECONDS` from then. Every change
+is appended to ``events`` (bounded).
 
 Cost: no call scans the members. ``expire`` pops a heap of lease ends (one entry per member; a renewed lease's entry
 is pushed back to its new end when it comes due): O(log K) per lease that ran out or was renewed; the active members,
@@ -24,12 +24,17 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ps_service.core.errors import CoreError
+from shared import liveness
 
 ACTIVE, EXPIRED, LEFT = "active", "expired", "left"
 MAX_NAME_LEN = 128
 #: a silence of this many leases (no worker heard from) holds the leases: above the lease/3 in which every live
 #: worker renews, below the lease/3 .. lease a member's lease has left when the PS goes silent
 SILENCE_LEASES = 0.5
+#: what a member's lease lasts beyond ``lease_seconds`` after leases were held: the TCP user timeout
+#: (shared/liveness.py), within which a worker notices a connection the outage broke and connects afresh (a connect
+#: waits no longer either)
+RECONNECT_SECONDS = liveness.USER_TIMEOUT_SECONDS
 #: the reasons leases are held (:meth:`Membership.hold`)
 FOLLOWER, SILENCE = "follower", "silence"
 #: rank -> the worker id the open round lists under it, or None (:meth:`Membership.register`)
@@ -299,13 +304,14 @@ class Membership:
 
     def release(self, reason: str, now: float, renew: bool = True) -> None:
         """The hold for ``reason`` ends (none: nothing happens). The last one ends: leases run again, every active
-        member's lease lasting at least ``lease_seconds`` from ``now`` (``renew`` False: as they are)."""
+        member's lease lasting at least ``lease_seconds`` + :data:`RECONNECT_SECONDS` from ``now`` (``renew`` False: as
+        they are)."""
         if self.holds.pop(reason, None) is None or self.holds or not renew:
             return
-        self.released_at = now
+        self.released_at, until = now, now + self.lease_seconds + RECONNECT_SECONDS
         for m in self.active_by_id.values():
-            if m.lease_until < now + self.lease_seconds:
-                m.lease_until = now + self.lease_seconds
+            if m.lease_until < until:
+                m.lease_until = until
 
     def expire(self, now: float, watch_silence: bool = True) -> list[Member]:
         """Expire the active members whose lease ended before ``now`` and that wait on nothing (registration
