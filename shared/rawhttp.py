@@ -91,7 +91,8 @@ class RawConnection:
     def request(self, method: str, target: str, headers: Mapping[str, str], body: Iterable[bytes | memoryview] = (),
                 timeout: float = 30.0) -> RawResponse:
         """Send one request (``body``: buffers sent as they are, in order) and read its answer. ``timeout`` bounds each
-        socket operation (connect, every send, every receive)."""
+        socket operation (the connect, to all the host's addresses together: shared/liveness.py; every send, every
+        receive)."""
         parts = self._message(method, target, headers, body)
         if self.sock is not None and (self._idle.expired() or _dropped(self.sock)):
             self.close()  # a kept-alive socket idle for long, or closed: nothing was sent on it
@@ -124,12 +125,10 @@ class RawConnection:
         lost = StaleConnection if kept else ConnectionLost
         try:
             yield
+        except liveness.NoConnect as exc:  # every address the host has, and how long each took
+            raise ConnectionLost(str(exc)) from None
         except TimeoutError as exc:
-            connecting = self.sock is None  # (set once the connect returned)
             self.close()
-            if connecting:  # its own timeout or TCP_USER_TIMEOUT ends it at the same moment, whichever comes first
-                raise ConnectionLost(f"the peer's host answered no connect for {liveness.connect_timeout(timeout):g} "
-                                     "s (a network outage or the host gone)") from None
             if exc.errno == errno.ETIMEDOUT:  # TCP_USER_TIMEOUT or keep-alive probes (shared/liveness.py)
                 raise ConnectionLost(f"the peer's host acknowledged nothing, or the peer read nothing, for "
                                      f"{liveness.USER_TIMEOUT_SECONDS:g} s (a network outage, the host gone, or "

@@ -250,6 +250,6 @@ def test_a_request_sent_into_the_silence_and_a_connect_fail_in_seconds(mute_host
         seconds, why = _request(conn, b"x" * (1 << 20))
         assert seconds < liveness.USER_TIMEOUT_SECONDS + 2.0, (seconds, why)
         start = time.monotonic()
-        with pytest.raises(ConnectionLost, match="answered no connect for"):
+        with pytest.raises(ConnectionLost, match="no connect to .* no answer in"):
             RawConnection(f"http://{mute_host.ip(0)}:{PORT}").request("GET", "/v1/status", {}, timeout=REQUEST_TIMEOUT)
         assert time.monotonic() - start < liveness.connect_timeout(REQUEST_TIMEOUT) + 1.0

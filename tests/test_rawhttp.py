@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 import select
 import socket
 import threading
@@ -269,24 +270,75 @@ def test_a_server_that_never_answers_times_out():
             conn.close()
 
 
-def test_a_connect_nobody_answers_says_so_and_how_long_it_waited(monkeypatch):
-    """A listener whose accept queue is full drops every further SYN, as a host cut off the network does: the connect
-    gives up after the user timeout (shared/liveness.py, here 0.5 s), and the error says that, not the request's 30 s
-    read timeout (which it was labelled with when the connect's own timeout ended it before TCP_USER_TIMEOUT did)."""
-    monkeypatch.setattr(liveness, "USER_TIMEOUT_SECONDS", 0.5)
+#: how a connect's error message gives a duration
+SECONDS = r"\d+\.\d\d"
+
+
+@contextmanager
+def unanswered() -> Iterator[int]:
+    """The port of a listener whose accept queue is full: it drops every further SYN, as a host cut off the network
+    does (its address blackholed)."""
     with socket.create_server(("127.0.0.1", 0), backlog=0) as server:
-        queued = [socket.create_connection(server.getsockname(), timeout=allow(5))]  # the queue holds one
-        try:
-            conn = RawConnection(f"http://127.0.0.1:{server.getsockname()[1]}")
-            t0 = time.monotonic()
-            with pytest.raises(ConnectionLost) as err:
-                conn.request("GET", "/", {}, timeout=30.0)
-            assert time.monotonic() - t0 < allow(5)
-            assert str(err.value) == ("the peer's host answered no connect for 0.5 s (a network outage or the host "
-                                      "gone)")
-        finally:
-            for q in queued:
-                q.close()
+        with socket.create_connection(server.getsockname(), timeout=allow(5)):  # the queue holds one
+            yield server.getsockname()[1]
+
+
+def resolving(monkeypatch, ports: list[int]) -> str:
+    """A name that resolves to 127.0.0.1 at each of ``ports``, in order (a host with several addresses)."""
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host, port, *args, **kwargs):
+        if host != "ps.test":
+            return real(host, port, *args, **kwargs)
+        return [(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", ("127.0.0.1", p)) for p in ports]
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    return "ps.test"
+
+
+def test_a_connect_nobody_answers_says_so_and_how_long_it_waited(monkeypatch):
+    """A connect to a blackholed address gives up after the user timeout (shared/liveness.py, here 0.5 s), and the
+    error says that, not the request's 30 s read timeout (which it was labelled with when the connect's own timeout
+    ended it before TCP_USER_TIMEOUT did)."""
+    monkeypatch.setattr(liveness, "USER_TIMEOUT_SECONDS", 0.5)
+    with unanswered() as port:
+        conn = RawConnection(f"http://127.0.0.1:{port}")
+        t0 = time.monotonic()
+        with pytest.raises(ConnectionLost) as err:
+            conn.request("GET", "/", {}, timeout=30.0)
+        assert time.monotonic() - t0 < allow(5)
+        assert re.fullmatch(rf"no connect to 127\.0\.0\.1:{port} in {SECONDS} s: 127\.0\.0\.1:{port} no answer in "
+                            rf"{SECONDS} s \(a network outage or the host gone\)", str(err.value)), str(err.value)
+
+
+def test_a_host_with_several_addresses_waits_the_connect_timeout_once_and_names_each(monkeypatch):
+    """Two blackholed addresses and a refused one (nothing listens): the connect waits the caller's 1 s once, not
+    once an address (2 s before), and the error names every address, what it gave and after how long (it named
+    one)."""
+    with unanswered() as first, unanswered() as third:
+        refused = free_port()
+        conn = RawConnection(f"http://{resolving(monkeypatch, [first, refused, third])}:{first}")
+        t0 = time.monotonic()
+        with pytest.raises(ConnectionLost) as err:
+            conn.request("GET", "/", {}, timeout=1.0)
+        took = time.monotonic() - t0
+    assert took < 1.0 + allow(0.5), took
+    assert re.fullmatch(
+        rf"no connect to ps\.test:{first} in {SECONDS} s: 127\.0\.0\.1:{first} no answer in {SECONDS} s; "
+        rf"127\.0\.0\.1:{refused} connection refused after {SECONDS} s; 127\.0\.0\.1:{third} no answer in {SECONDS} s "
+        r"\(a network outage or the host gone\)", str(err.value)), str(err.value)
+
+
+def test_the_addresses_of_a_host_race_and_a_live_one_wins_while_a_blackholed_one_waits(monkeypatch):
+    """Happy eyeballs (RFC 8305): a blackholed first address, a live second one: the second is tried 0.25 s after
+    the first, and taken, well within the connect's 5 s (the whole 5 s went to the first before)."""
+    with unanswered() as blackholed, socket.create_server(("127.0.0.1", 0)) as live:
+        name = resolving(monkeypatch, [blackholed, live.getsockname()[1]])
+        t0 = time.monotonic()
+        with liveness.connect(name, blackholed, 30.0) as sock:
+            took = time.monotonic() - t0
+            assert sock.getpeername() == live.getsockname() and sock.gettimeout() == 30.0
+    assert liveness.STAGGER_SECONDS <= took < liveness.connect_timeout(30.0) / 2, took
 
 
 def test_a_close_from_another_thread_ends_a_request_in_flight_at_once():
