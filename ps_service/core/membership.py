@@ -115,7 +115,7 @@ class LeaseHeap:
 class Membership:
     def __init__(self, lease_seconds: float, max_events: int = 1000) -> None:
         self.lease_seconds = lease_seconds
-        #: the shortest gap between two readings of the PS's clock that :meth:`stalled` takes as a stall
+        #: a silence: no worker heard from for this long; a stall (:meth:`stalled`): the PS's clock read that late
         self.stall_seconds = SILENCE_LEASES * lease_seconds
         self.by_id: dict[str, Member] = {}
         self.by_name: dict[str, Member] = {}
@@ -247,18 +247,14 @@ class Membership:
         m.last_seen, m.lease_until = now, now + self.lease_seconds
         self._heard(now)
 
-    def _silent(self, now: float) -> bool:
-        """Has no worker been heard from for :data:`SILENCE_LEASES` of a lease while members are active, waiting on the
-        barrier or not? A wait is no sign of life: its worker's host may be cut off with the PS's (a live worker is
-        heard at least every lease/3, its heartbeats going on while it waits)."""
-        return (self.heard_at is not None and bool(self.active_by_id)
-                and now - self.heard_at >= SILENCE_LEASES * self.lease_seconds)
-
     def _held_at(self, now: float, watch_silence: bool) -> bool:
-        """:attr:`held` at ``now``, a silence noticed first (for :meth:`expire`)."""
+        """:attr:`held` at ``now`` (for :meth:`expire`), a silence noticed first: no worker heard from for
+        :data:`SILENCE_LEASES` of a lease while members are active, waiting on the barrier or not. A wait is no sign of
+        life: its worker's host may be cut off with the PS's (a live worker is heard at least every lease/3, its
+        heartbeats going on while it waits). Not watched, a silence ends unheard."""
         if not watch_silence:
-            self.release(SILENCE, now, renew=False)
-        elif self._silent(now):
+            self.holds.pop(SILENCE, None)
+        elif self.active_by_id and now - self.heard_at >= self.stall_seconds:  # (heard: at every registration)
             self.hold(SILENCE, self.heard_at)
         return self.held
 
@@ -302,11 +298,10 @@ class Membership:
         :meth:`release` of ``reason`` (held already for it: held since then)."""
         self.holds.setdefault(reason, since)
 
-    def release(self, reason: str, now: float, renew: bool = True) -> None:
+    def release(self, reason: str, now: float) -> None:
         """The hold for ``reason`` ends (none: nothing happens). The last one ends: leases run again, every active
-        member's lease lasting at least ``lease_seconds`` + :data:`RECONNECT_SECONDS` from ``now`` (``renew`` False: as
-        they are)."""
-        if self.holds.pop(reason, None) is None or self.holds or not renew:
+        member's lease lasting at least ``lease_seconds`` + :data:`RECONNECT_SECONDS` from ``now``."""
+        if self.holds.pop(reason, None) is None or self.holds:
             return
         self.released_at, until = now, now + self.lease_seconds + RECONNECT_SECONDS
         for m in self.active_by_id.values():
