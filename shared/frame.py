@@ -141,28 +141,32 @@ def frame_bytes(layout: Layout, meta: Mapping[str, Any] | None = None) -> int:
     return len(header(layout, meta)) + layout.data_bytes
 
 
-def _peek_head(buf: bytes | bytearray | memoryview) -> dict | int | None:
-    """The header of the frame whose first bytes ``buf`` holds, read before its tensors come; or, an int, how many
-    bytes that needs; None if ``buf`` does not start a frame (nothing else is checked: :func:`decode` checks it)."""
-    if len(buf) < PREFIX.size:
+def _header(mv: memoryview) -> dict | int:
+    """The header (a map) of the frame whose first bytes ``mv`` holds, read before its tensors come; or, an int, how
+    many bytes that needs. 400 ``bad_frame`` (``bad_msgpack``, ``duplicate_key``) if ``mv`` does not start a frame."""
+    if len(mv) < PREFIX.size:
         return PREFIX.size
-    magic, hlen, reserved = PREFIX.unpack_from(buf, 0)
-    if magic != MAGIC or reserved != 0 or hlen > MAX_HEADER_BYTES:
-        return None
-    if len(buf) < PREFIX.size + hlen:
+    magic, hlen, reserved = PREFIX.unpack_from(mv, 0)
+    if magic != MAGIC:
+        raise bad_frame(f"not a frame: the magic is {bytes(magic)[:8]!r}, not {MAGIC!r}")
+    if reserved != 0 or hlen > MAX_HEADER_BYTES:
+        raise bad_frame(f"bad frame prefix (header of {hlen} bytes, reserved {reserved})")
+    if len(mv) < PREFIX.size + hlen:
         return PREFIX.size + hlen
-    try:
-        head = unpack(bytes(buf[PREFIX.size:PREFIX.size + hlen]))
-    except ProtocolError:
-        return None
-    return head if isinstance(head, dict) else None
+    head = unpack(bytes(mv[PREFIX.size:PREFIX.size + hlen]))  # (a copy: no bin value holds a view of the body)
+    if not isinstance(head, dict) or set(head) != {"meta", "tensors", "data_bytes"}:
+        raise bad_frame('the header must be a map with exactly the keys "meta", "tensors" and "data_bytes"')
+    return head
 
 
 def peek_meta(buf: bytes | bytearray) -> dict | int | None:
-    """The meta of the frame whose first bytes ``buf`` holds, read off its header alone (:func:`_peek_head`); or, an
+    """The meta of the frame whose first bytes ``buf`` holds, read off its header alone (:func:`_header`); or, an
     int, how many bytes that needs; None if ``buf`` does not start a frame."""
-    head = _peek_head(buf)
-    if not isinstance(head, dict):
+    try:
+        head = _header(memoryview(buf).cast("B"))
+    except ProtocolError:
+        return None
+    if isinstance(head, int):
         return head
     meta = head.get("meta")
     return meta if isinstance(meta, dict) else None
@@ -180,24 +184,16 @@ def decode(buf: bytes | bytearray | memoryview, exact: bool = True) -> Frame:
     """Check and view a frame (see the module docstring). ``exact``: ``buf`` is the frame and nothing
     more (a body); else the frame is a prefix of ``buf`` (a file region)."""
     mv = memoryview(buf).cast("B")
-    if len(mv) < PREFIX.size:
-        raise bad_frame(f"a frame starts with a {PREFIX.size}-byte prefix; got {len(mv)} bytes")
-    magic, hlen, reserved = PREFIX.unpack_from(mv, 0)
-    if magic != MAGIC:
-        raise bad_frame(f"not a frame: the magic is {bytes(magic)[:8]!r}, not {MAGIC!r}")
-    if reserved != 0 or hlen > MAX_HEADER_BYTES:
-        raise bad_frame(f"bad frame prefix (header of {hlen} bytes, reserved {reserved})")
-    if PREFIX.size + hlen > len(mv):
-        raise bad_frame("the frame is shorter than its header")
-    head = unpack(mv[PREFIX.size:PREFIX.size + hlen])  # 400 bad_msgpack / duplicate_key
-    if not isinstance(head, dict) or set(head) != {"meta", "tensors", "data_bytes"}:
-        raise bad_frame('the header must be a map with exactly the keys "meta", "tensors" and "data_bytes"')
+    head = _header(mv)
+    if isinstance(head, int):
+        raise bad_frame(f"the frame is {len(mv)} bytes, shorter than its prefix and header ({head})")
     meta, entries, data_bytes = head["meta"], head["tensors"], head["data_bytes"]
     if not isinstance(meta, dict):
         raise bad_frame("header.meta must be a map")
     layout = _layout(entries) if entries != [] else _EMPTY  # no tensors: a control message
     if type(data_bytes) is not int or data_bytes != layout.data_bytes:
         raise bad_frame(f"header.data_bytes must be {layout.data_bytes} (the end of the last tensor)")
+    hlen = PREFIX.unpack_from(mv, 0)[1]
     start = aligned(PREFIX.size + hlen)
     end = start + data_bytes
     if (len(mv) != end) if exact else (len(mv) < end):
@@ -247,12 +243,10 @@ class FrameReader:
 
 def _extent(mv: memoryview) -> int | None:
     """The length of the frame ``mv`` starts, once its prefix and header are in (None: not yet)."""
-    head = _peek_head(mv)
+    head = _header(mv)
     if isinstance(head, int):
         return None
-    if head is None:
-        decode(mv)  # refused as :func:`decode` refuses it
-    size = head.get("data_bytes")
+    size = head["data_bytes"]
     if type(size) is not int or size < 0:
         raise bad_frame("header.data_bytes must be the end of the last tensor")
     return aligned(PREFIX.size + PREFIX.unpack_from(mv, 0)[1]) + size
