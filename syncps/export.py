@@ -40,10 +40,6 @@ class Model:
     source: str
     metadata: dict[str, str] = field(default_factory=dict)
 
-    def described(self) -> dict[str, str]:
-        """The safetensors ``__metadata__``: strings only."""
-        return {"syncps_global_step": str(self.step), "syncps_source": self.source, **self.metadata}
-
 
 def renamed(ps_tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The PS's tensors under the model's names; ExportError if two PS names give one model name."""
@@ -118,12 +114,16 @@ def _replace(path: Path, write) -> int:
     return path.stat().st_size
 
 
-def safetensors_header(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> bytes:
-    """The 8-byte length and the JSON header of ``tensors`` (in name order), padded with spaces to 8 bytes."""
-    head: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
+def write_safetensors(path: str | Path, model: Model) -> int:
+    """Write ``model`` as a safetensors file: the 8-byte length of a JSON header (``__metadata__``: strings only; each
+    tensor's dtype, shape and offsets, in name order), padded with spaces to 8 bytes, then the tensors' bytes
+    back to back in that order; its size in bytes."""
+    names = sorted(model.tensors)
+    head: dict[str, object] = {"__metadata__": {"syncps_global_step": str(model.step), "syncps_source": model.source,
+                                                **model.metadata}}
     offset = 0
-    for name in sorted(tensors):
-        arr = tensors[name]
+    for name in names:
+        arr = model.tensors[name]
         code = ST_DTYPES.get(arr.dtype.name)
         if code is None:
             raise ExportError(f"{name!r} is {arr.dtype.name}: safetensors export takes {sorted(ST_DTYPES)}")
@@ -131,14 +131,10 @@ def safetensors_header(tensors: Mapping[str, np.ndarray], metadata: Mapping[str,
         offset += arr.nbytes
     text = json.dumps(head, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    return struct.pack("<Q", len(text)) + text
 
-
-def write_safetensors(path: str | Path, model: Model) -> int:
-    """Write ``model`` as a safetensors file; its size in bytes."""
     def write(f) -> None:
-        f.write(safetensors_header(model.tensors, model.described()))
-        for name in sorted(model.tensors):
+        f.write(struct.pack("<Q", len(text)) + text)
+        for name in names:
             arr = np.ascontiguousarray(model.tensors[name])
             f.write(memoryview(arr if arr.dtype.byteorder != ">" else arr.astype(arr.dtype.newbyteorder("<"))))
     return _replace(Path(path), write)
