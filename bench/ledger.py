@@ -81,6 +81,12 @@ PATHS: dict[str, FastPath] = {
         "one argpartition of the whole tensor's magnitudes",
         (("shared/compression.py", "    if n > 8 * _SAMPLE and k * 64 < n:", "    if False:"),),
         ("http:1000000:2:topk",)),
+    "shard-kept": FastPath(
+        "worker_service/transport/sharded.py's _target (split tensors reassembled into one of two kept sets)",
+        "fresh memory for every step's split tensors (shards.split_memory)",
+        (("worker_service/transport/sharded.py", "        for kept in self._kept:\n",
+          "        for kept in ():\n"),),
+        ("http:10000000:2:S2",)),
 }
 
 
