@@ -202,8 +202,6 @@ def train(client: PSClient, task: Task, name: str, batch_size: int, stop: StopFl
                 continue
             t3 = time.monotonic()
             times["push"] = t3 - t2
-            summary.statuses[res["status"]] = summary.statuses.get(res["status"], 0) + 1
-            summary.steps += 1
             summary.last_loss = loss
             step = this + 1
             progress.pushed(this, loss, times, res["status"])
@@ -217,6 +215,7 @@ def train(client: PSClient, task: Task, name: str, batch_size: int, stop: StopFl
             log.warning("could not leave the cluster: %s", exc)
         ahead.close()  # after leaving: a batch still being drawn delays this process's end, not the barrier
         summary.prefetched = {"used": ahead.used, "dropped": ahead.dropped}
+        summary.steps, summary.statuses = progress.pushes, dict(progress.statuses)  # (counted once, there)
     if params is None and client.prefetched is not None:  # stopped after a push: the weights it brought back
         params = client.prefetched.tensors
     if params is not None:
