@@ -294,7 +294,8 @@ def _layout(entries: Any) -> Layout:
         if not isinstance(dtype, str) or dtype not in DTYPES:
             raise unprocessable("unsupported_dtype", f"tensor {name!r}: dtype {str(dtype)[:32]!r} is not in the "
                                                      f"allow-list {sorted(DTYPES)}")
-        if not (isinstance(shape, list) and len(shape) <= MAX_NDIM and all(type(d) is int and 0 <= d < MAX_DIM for d in shape)):
+        if not (isinstance(shape, list) and len(shape) <= MAX_NDIM
+                and all(type(d) is int and 0 <= d < MAX_DIM for d in shape)):
             raise unprocessable("bad_shape", f"tensor {name!r}: shape must be at most {MAX_NDIM} ints in [0, 2^40)")
         spec = TensorSpec(name, DTYPES[dtype] or bfloat16(), tuple(shape), at)  # (bfloat16: looked up once)
         if math.prod(d for d in shape if d) * spec.dtype.itemsize >= 1 << 62:
