@@ -20,7 +20,7 @@ import numpy as np
 from shared import frame, partitions, refs, weight_deltas
 from shared.compression import Compressor, Spec
 from shared.errors import ProtocolError
-from shared.shards import Piece, spec_of
+from shared.shards import spec_of
 from worker_service.transport.endpoint import Endpoint
 from worker_service.transport.oneps import OnePS
 from worker_service.transport.partitioned import Alongside
@@ -120,14 +120,13 @@ class BodyTransport(OnePS):
         first, else one, of the gradients in their order; views of the gradients, sent as they are (no copy), or their
         pieces' encodings (:meth:`Compressor.encode_partitions`; the head says ``compression``)."""
         p = self._partitions(grads) if self.partition_bytes else None
+        c, step = self.compressor, meta["step"]
         if p is None or p.count == 1:
-            p = partitions.Plan((tuple(Piece(k, 0, np.size(g), True) for k, g in grads.items()),))
-        c = self.compressor
-        if c is None:
-            parts = [p.split(grads, q) for q in range(p.count)]
+            parts = [grads if c is None else c.encode(grads, step)]
         else:
-            parts, meta = c.encode_partitions(grads, p, meta["step"]), {**meta, "compression": c.spec.name}
-        head = {**meta, "partitions": p.count} if p.count > 1 else meta
+            parts = [p.split(grads, q) for q in range(p.count)] if c is None else c.encode_partitions(grads, p, step)
+        meta = meta if c is None else {**meta, "compression": c.spec.name}
+        head = {**meta, "partitions": len(parts)} if len(parts) > 1 else meta
         return frame.encode_many([(parts[0], head), *[(t, {"partition": q}) for q, t in enumerate(parts[1:], 1)]])
 
     def _partitions(self, grads: Mapping[str, np.ndarray]) -> partitions.Plan:
