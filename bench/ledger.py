@@ -87,6 +87,12 @@ PATHS: dict[str, FastPath] = {
         (("worker_service/transport/sharded.py", "        for kept in self._kept:\n",
           "        for kept in ():\n"),),
         ("http:10000000:2:S2",)),
+    "into-file": FastPath(
+        "worker_service/loop.py's gradient_buffers (a task that takes out computes into the same-host gradient file)",
+        "every task computes into its own arrays; the push copies them into the file",
+        (("worker_service/loop.py", "into = client.tensors.gradient_buffers() if into_buffers else None",
+          "into = None"),),
+        ("shm:1000000:2", "shm:10000000:2")),
 }
 
 
