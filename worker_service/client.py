@@ -37,10 +37,6 @@ WAIT_LOG_SECONDS = 10.0
 __all__ = ["PSClient", "Pulled", "PushAnswer"]
 
 
-def _or(value: Any, setting: str) -> Any:
-    return default(setting) if value is None else value
-
-
 class PSClient:
     def __init__(self, base_url: str, timeout: float | None = None, attempts: int | None = None,
                  retry_timeout: float | None = None, token: SecretStr | str | None = None, shm_dir: str | None = None,
@@ -48,8 +44,9 @@ class PSClient:
         urls = split_urls(base_url)  # a hot-standby pair: both PS, comma-separated
         base_url = urls[0]
         self.endpoint = Endpoint(
-            base_url, connection or connect(base_url), timeout=_or(timeout, "request_timeout_seconds"),
-            attempts=_or(attempts, "retry_attempts"), retry_timeout=_or(retry_timeout, "retry_timeout_seconds"),
+            base_url, connection or connect(base_url), timeout=default("request_timeout_seconds", timeout),
+            attempts=default("retry_attempts", attempts),
+            retry_timeout=default("retry_timeout_seconds", retry_timeout),
             token=SecretStr(token) if isinstance(token, str) else token, urls=urls)
         #: seconds a push waits for its round to close (then it answers without weights)
         self.push_wait = 5.0

@@ -87,7 +87,7 @@ class WorkerSettings(BaseSettings):
         return self
 
 
-def default(field: str):
-    """A setting's default (not the environment's value): the one source of the defaults the worker's classes
-    take when built without settings (``PSClient``'s timeouts and retry attempts, say)."""
-    return WorkerSettings.model_fields[field].get_default(call_default_factory=True)
+def default(field: str, given=None):
+    """``given``, or when it is None the setting's default (not the environment's value): the one source of the
+    defaults the worker's classes take when built without settings (``PSClient``'s timeouts and retry attempts)."""
+    return WorkerSettings.model_fields[field].get_default(call_default_factory=True) if given is None else given
