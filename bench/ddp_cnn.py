@@ -28,7 +28,7 @@ def _rank(rank: int, workers: int, port: int, steps: int, warmup: int, batch: in
 
     from syncps.sampling import round_batch
     from syncps.cnn import CNNTask
-    from syncps.task import take
+    from syncps.job import take
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=workers)

@@ -1,5 +1,5 @@
 """Task factories for ``WORKER_TASK=tests.torch_tasks:<name>``: torch jobs (syncps.job.TorchJob) the tests
-train through the stock worker, which wraps them into tasks (syncps.task.py)."""
+train through the stock worker, which wraps them into tasks (syncps/job.py's TorchTask)."""
 from __future__ import annotations
 
 import threading

@@ -24,7 +24,7 @@ from tests.live_ps import live_ps
 
 #: what the forkserver imports once (torch._dynamo: what constructing a torch.optim optimizer imports)
 PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.nn.parallel", "sklearn.datasets",
-           "worker_service.__main__", "syncps.task", "syncps.cnn", "syncps.torch",
+           "worker_service.__main__", "syncps.job", "syncps.cnn", "syncps.torch",
            "bench.ddp_cnn", "tests.torch_tasks"]
 
 
