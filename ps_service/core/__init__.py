@@ -39,7 +39,7 @@ from ps_service.core.membership import SILENCE, Member, Membership, unlisted
 from ps_service.core.model import ModelState
 from ps_service.core.partitions import RoundParts
 from ps_service.core.rates import RateMeter
-from ps_service.core.rounds import Accumulator, Arrival, Progress, Round, RoundRecord
+from ps_service.core.rounds import Arrival, Progress, Round, RoundRecord
 from ps_service.core.staleness import BoundedStaleness
 from ps_service.core.errors import CoreError
 from shared.protocol import MAX_INT, JobState, PushRequest, PushStatus
@@ -105,8 +105,8 @@ class ParameterServerCore(ModelState):
         self.started = False
         self.round: Round | None = None
         self.last_round: Round | None = None
-        #: the open sync round's partitions and, once partition 0 (the Round's) closed, its decision; a sharded
-        #: follower's from partition 0
+        #: the open sync round's partitions (partition 0's accumulator the Round's) and, once decided, its decision;
+        #: a sharded follower's round (:meth:`followed_round`)
         self.parts: RoundParts | None = None
         self._plan: Plan | None = None  # :attr:`plan`, once the model is in
         #: sync rounds close partition by partition, of about this many bytes each (docs/partitions.md); 0: one
@@ -420,7 +420,7 @@ class ParameterServerCore(ModelState):
                 self._open_round(now)
             changed, decision = True, self.decide(now)  # the round just opened, under its rule in this tick too
         if decision.action == CLOSE:
-            self._close(now, decision.close_reason)
+            self._decided(now, *self.round.close(now, decision.close_reason))
             changed = True
         elif decision.action == RECALL:
             changed |= self._recall(now)
@@ -446,18 +446,15 @@ class ParameterServerCore(ModelState):
             self.round = self.parts = None
             return
         eligible = {m.worker_id: m.rank for m in self.members.active()}
-        p = self.partitions
-        names = tuple(self.weights) if p is None else p.keys[0]
-        self.round = Round(self.global_step, now, eligible, Accumulator(names, self.config.aggregation),
-                           self.members.is_active, lambda w: self.members.by_id[w].name,
-                           replicas=self.rule.replicas_to_aggregate)
         self.parts = RoundParts.open(self.plan, self.config.aggregation)
+        self.round = Round(self.global_step, now, eligible, self.parts.accs[0], self.members.is_active,
+                           lambda w: self.members.by_id[w].name, replicas=self.rule.replicas_to_aggregate)
 
     def followed_round(self) -> RoundParts:
-        """The round a sharded follower is told of (:mod:`ps_service.sharding.parts`): open, or opened now from its
-        partition 0 (the coordinator decides it)."""
+        """The round a sharded follower is told of (:mod:`ps_service.sharding.parts`): open, or opened now (the
+        coordinator decides it)."""
         if self.parts is None:
-            self.parts = RoundParts.open(self.plan, self.config.aggregation, first=0)
+            self.parts = RoundParts.open(self.plan, self.config.aggregation)
         return self.parts
 
     @property
@@ -479,23 +476,18 @@ class ParameterServerCore(ModelState):
         """The open round is decided (its partition 0 closed) and its later partitions are still closing."""
         return self.parts is not None and self.parts.contributors is not None  # (parts.decided, read inline)
 
-    def _close(self, now: float, reason: str) -> None:
-        self._closed(now, *self.round.close(now, reason))
-
-    def _closed(self, now: float, rec: RoundRecord, total, n: int) -> None:
-        """The open round's rule is met (its record, partition 0's sum or None, the mean's n): it is decided, partition
-        0 closes, and the round closes with its last partition (:meth:`close_parts`; one partition: at once)."""
+    def _decided(self, now: float, rec: RoundRecord, total, n: int) -> None:
+        """The open round's rule is met (:meth:`Round.close`: its record, and partition 0's sum taken with it, None
+        when every push was skipped, NaN/Inf, or the sum overflows; the mean's n): it is decided, partition 0 closes
+        at once (:meth:`_apply`: no call out of this file between the push and its update) and the others as their
+        frames are in, the round with its last (:meth:`close_parts`)."""
         r, parts = self.round, self.parts
         if self.told is not None:
             self.told.append(Decided(rec, tuple(a.worker_id for a in rec.contributors if a.worker_id in parts.lost)
                                      if parts.lost else ()))
-        p = self.partitions
-        if p is None and self.replica is not None:  # (a standby of a partitioned PS: not built)
-            self.replica.on_step(total, n, rec.aggregated)
-        # total None when every contribution was skipped (NaN/Inf) or the sum overflows: no update
-        if total is not None:
-            self.update(total, consume=True, mean_of=n, pieces=None if p is None else p.partitions[0])
         parts.record = rec
+        parts.closed.add(0)
+        self._apply(parts, 0, total, n)
         contributors = {a.worker_id: (r.eligible[a.worker_id], a.worker_id) for a in rec.contributors}  # their keys
         self.close_parts(now, parts.decide(contributors, total is not None))
 
@@ -510,18 +502,14 @@ class ParameterServerCore(ModelState):
         self.close_parts(now, [q for w in worker_ids for q in parts.drop(w)])
 
     def close_parts(self, now: float, qs) -> None:
-        """Close the open round's partitions ``qs`` once it is decided (the first applied advances the step's
-        iteration); the round closes with its last: ``global_step += 1``, and for this core's own round its record and
-        the next round (:meth:`_finish`; a round it follows: sharding/parts.py). ``on_partition`` after a call that
-        leaves a round of several partitions decided or closed, or a followed one."""
+        """Close the open round's partitions ``qs`` once it is decided (:meth:`_apply`); the round closes with its
+        last: ``global_step += 1``, and for this core's own round its record and the next round (:meth:`_finish`; a
+        round it follows: sharding/parts.py). ``on_partition`` after a call that leaves a round of several
+        partitions decided or closed, or a followed one."""
         parts = self.parts
         for q in dict.fromkeys(qs):
             if q not in parts.closed:
-                total, n = parts.close(q)
-                if total is not None:
-                    self.update(total, consume=True, mean_of=n, advance=not parts.advanced,
-                                pieces=None if parts.plan.whole else parts.plan.partitions[q])  # (whole: sparse kept)
-                    parts.advanced = True
+                self._apply(parts, q, *parts.close(q))
         if parts.done:
             self.parts = None
             self._stepped(len(parts.contributors))
@@ -529,6 +517,17 @@ class ParameterServerCore(ModelState):
                 self._finish(now, self.round, parts.record)
         if self.on_partition is not None and parts.decided and (not parts.plan.whole or self.round is None):
             self.on_partition()
+
+    def _apply(self, parts: RoundParts, q: int, total, n: int) -> None:
+        """Partition ``q`` of the round decided (:attr:`RoundParts.record`) closed with ``total`` (None: nothing to
+        apply) / ``n``: given to the :class:`Replica` (a primary's rounds, of one partition: a standby of a
+        partitioned PS is not built), then the update of its pieces (the round's first advances the iteration)."""
+        if self.replica is not None:
+            self.replica.on_step(total, n, parts.record.aggregated)
+        if total is not None:
+            self.update(total, consume=True, mean_of=n, advance=not parts.advanced,
+                        pieces=None if parts.plan.whole else parts.plan.partitions[q])  # (whole: sparse kept)
+            parts.advanced = True
 
     def _finish(self, now: float, r: Round, rec: RoundRecord) -> None:
         """The round closed and stepped: its record, the next round."""
@@ -742,6 +741,6 @@ class ParameterServerCore(ModelState):
                     r.lose(wid)  # fixed R: it came after R heads (a push not claimed: here is its head)
             return
         if p.closed is not None:  # the round's rule closed it (Round.accept)
-            self._closed(now, *p.closed)
+            self._decided(now, *p.closed)
         elif p.stuck:
             self.tick(now)  # recalls

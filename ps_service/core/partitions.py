@@ -1,11 +1,11 @@
-"""The later partitions of a partitioned round (issue 53, docs/partitions.md). Pure, no I/O, no clock.
+"""A sync round's partitions (issue 53, docs/partitions.md). Pure, no I/O, no clock.
 
 The plan (:func:`shared.partitions.plan`) is the wire's, shared with the workers. A partition's rank-order sum is an
 :class:`~ps_service.core.rounds.Accumulator` over :attr:`Plan.keys`, its update ``ModelState.update(...,
-pieces=...)``: every rule elementwise, the bits of the whole step. Every sync round is a :class:`RoundParts` (one
-partition, the default: the whole model, closed with the decision), holding its partitions from ``first`` on: 1 on a
-core that decides (the Round holds partition 0, whose close decides the round), 0 on a sharded PS's follower (told the
-decision: :mod:`ps_service.sharding.parts`). A frame whose sender's rank is not known yet (a follower before the
+pieces=...)``: every rule elementwise, the bits of the whole step. Every sync round is a :class:`RoundParts` of
+every partition (one, the default: the whole model, closed with the decision). On a core that decides, partition 0's
+accumulator is the :class:`~ps_service.core.rounds.Round`'s, the one its rule counts; a sharded PS's follower is told
+the decision (:mod:`ps_service.sharding.parts`). A frame whose sender's rank is not known yet (a follower before the
 decision) waits unsummed until the decision names it, and is dropped if it does not; one the round's sum order has
 reached (``settled``) is summed at once.
 """
@@ -20,13 +20,13 @@ from shared.partitions import Plan
 
 @dataclass
 class RoundParts:
-    """Partitions ``first``..Q-1 of the open round. With ``first`` = 1, partition 0 is the Round's own
-    accumulator and its close the round's *decision* (the contributors C, the mean's divisor, the optimizer's
-    iteration); a frame of q >= 1 comes only from a member whose partition 0 was accepted. With ``first`` = 0 the
-    decision comes from elsewhere (:meth:`decide`). Frames are summed in rank order once decided; partition q closes
-    when every member of C still alive has its frame in (:meth:`drop`); those below ``first`` close at the decision."""
+    """The partitions of the open round. The *decision* (:meth:`decide`: the contributors C, the mean's divisor, the
+    optimizer's iteration) comes from the Round's rule over partition 0, whose close takes that partition's sum (it
+    is ``closed`` by then; a frame of q >= 1 comes only from a member whose partition 0 was accepted), or from
+    elsewhere (a follower). Frames are summed in rank order once decided; partition q closes when every member of C
+    still alive has its frame in (:meth:`drop`)."""
     plan: Plan
-    accs: list[Accumulator | None]  # one a partition: [None, partition 1's, ...] (first = 1)
+    accs: list[Accumulator]  # one a partition
     #: C's keys once decided (None: not yet)
     contributors: dict[str, Key] | None = None
     #: the decision's sum was applied (False: it applied nothing, none of the partitions does)
@@ -37,8 +37,6 @@ class RoundParts:
     lost: set[str] = field(default_factory=set)
     #: per partition, the members whose frame came (a second one is a duplicate)
     came: list[set[str]] = field(default_factory=list)
-    #: the first partition held here (below it: the Round's)
-    first: int = 1
     #: per partition, frames whose sender's rank is not known yet (before the decision), by worker id
     early: list[dict[str, object]] = field(default_factory=list)
     #: this round's update advanced the optimizer's iteration (its first applied partition does)
@@ -51,9 +49,8 @@ class RoundParts:
         self.early = [{} for _ in self.accs]
 
     @classmethod
-    def open(cls, p: Plan, aggregation: str, first: int = 1) -> "RoundParts":
-        later = (Accumulator(p.keys[q], aggregation) for q in range(first, len(p.partitions)))
-        return cls(p, [*([None] * first), *later], first=first)
+    def open(cls, p: Plan, aggregation: str) -> "RoundParts":
+        return cls(p, [Accumulator(keys, aggregation) for keys in p.keys])
 
     @property
     def decided(self) -> bool:
@@ -95,24 +92,22 @@ class RoundParts:
         """The round is decided with these contributors (worker id -> key): frames that waited for their sender's rank
         join their partitions (others' are dropped); the partitions that can close now."""
         self.contributors, self.applies = dict(contributors), applies
-        self.advanced = self.first > 0 and applies  # (partition 0's update, the Round's, advanced it)
-        self.closed.update(range(self.first))
-        self.missing = [set() for _ in range(self.first)] + [
-            set(contributors) - set(self.accs[q].keys) - set(self.early[q]) - self.lost
-            for q in range(self.first, len(self.accs))]
-        for q in range(self.first, len(self.accs)):
+        qs = range(len(self.accs))
+        self.missing = [set() if q in self.closed else set(contributors) - set(self.accs[q].keys) - set(self.early[q])
+                        - self.lost for q in qs]
+        for q in qs:
             early, self.early[q] = self.early[q], {}
             self.came[q] -= set(early) - set(self.contributors)
             for w in sorted((w for w in early if w in self.contributors), key=self.contributors.__getitem__):
                 self.frame(q, w, None, early[w])  # as a frame after the decision (rank order: folds as it goes)
-        return self._closable(range(self.first, len(self.accs)))
+        return self._closable(qs)
 
     def drop(self, worker_id: str) -> list[int]:
         """A member brings no more frames of this round: the partitions that can close now (none if undecided)."""
         self.lost.add(worker_id)
         if not self.decided or worker_id not in self.contributors:
             return []
-        touched = [q for q in range(self.first, len(self.accs)) if worker_id in self.missing[q]]
+        touched = [q for q, missing in enumerate(self.missing) if worker_id in missing]
         for q in touched:
             self.missing[q].discard(worker_id)
         return self._closable(touched)
