@@ -217,15 +217,11 @@ class ParameterServerCore(ModelState):
             self.modes.join(wid, now)
         if r is not None:
             r.member_changed(wid, not returning, True)
-        if r is not None and self.deciding:  # the round's partitions still close: it joins the next one
-            start += 1
+            deciding = self.deciding  # (read first: its partitions may close now)
             if prev is not None:  # a member of the round that registers again brings no more frames of it
                 self._lose(now, (wid,))
-        elif r is not None:
-            if prev is not None and self.parts is not None:
-                self.parts.drop(wid)  # (undecided: the decision will not wait for its later partitions)
-            if wid in r.acc:
-                start += 1  # its gradient for this round is in
+            if deciding or wid in r.acc:
+                start += 1  # the round's partitions still close, or its gradient for this round is in: the next one
             elif returning or not r.counts(wid) or wid in r.lost:
                 if self._progress(r, now, but=wid).stuck:  # nobody else can close it: join it now
                     r.join(wid, m.rank)
