@@ -120,7 +120,7 @@ class NaiveRule(CloseRule):
 
 class NaiveCore(ParameterServerCore):
     """The core with the naive membership, rule and rounds: the rule decides wherever the core or its round asks it
-    (the core's ``_progress``, :meth:`Round.accept`)."""
+    (the core's ``progress``, :meth:`Round.accept`)."""
 
     def __init__(self, config) -> None:
         super().__init__(config)

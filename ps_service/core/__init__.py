@@ -223,7 +223,7 @@ class ParameterServerCore(ModelState):
             if deciding or wid in r.acc:
                 start += 1  # the round's partitions still close, or its gradient for this round is in: the next one
             elif returning or not r.counts(wid) or wid in r.lost:
-                if self._progress(r, now, but=wid).stuck:  # nobody else can close it: join it now
+                if self.progress(now, but=wid).stuck:  # nobody else can close it: join it now
                     r.join(wid, m.rank)
                     if wid not in r.skipped:  # a push it made for this round before joining it was not counted
                         m.recent.pop(start, None)
@@ -279,9 +279,6 @@ class ParameterServerCore(ModelState):
         return bool(self.deployed and self.deployed > (n or r or 0) and self.deployed_since is not None
                     and now - self.deployed_since < self.config.startup_grace_seconds)
 
-    def _progress(self, r: Round, now: float | None = None, but: str | None = None) -> Progress:
-        return self.rule.progress(r, self._rule_now(r, now), but)
-
     def _rule_now(self, r: Round, now: float | None) -> float | None:
         """``now`` for the round's rule; None while held leases hold its deadline (counted from their release)."""
         if r.deadline_from < self.members.released_at:
@@ -310,9 +307,11 @@ class ParameterServerCore(ModelState):
             self._ranks = (self.members.changes, tuple(sorted(m.rank for m in self.members.active_by_id.values())))
         return self._ranks[1]
 
-    def progress(self, now: float | None = None) -> Progress | None:
-        """Where the open round stands (None: no round open); O(1), its ``awaited`` names O(K) on first use."""
-        return None if self.round is None else self._progress(self.round, now)
+    def progress(self, now: float | None = None, but: str | None = None) -> Progress | None:
+        """Where the open round stands (None: no round open), member ``but`` taken as gone; O(1), its ``awaited``
+        names O(K) on first use."""
+        r = self.round
+        return None if r is None else self.rule.progress(r, self._rule_now(r, now), but)
 
     def wait_reason(self, now: float) -> str | None:
         """What the job waits for right now, for humans (None when done): :meth:`decide`'s why."""
