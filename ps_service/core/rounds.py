@@ -332,7 +332,7 @@ class Round:
         under the rank it is listed under (no other worker is given that rank meanwhile: :meth:`listed`)."""
         before = self.standing(worker_id)
         self.gone.discard(worker_id)
-        if worker_id in self.lost and worker_id in self.refused:
+        if worker_id in self.lost:  # (a refused one: :meth:`lose`)
             self.back.append(worker_id)
         self.lost.discard(worker_id)
         i = bisect.bisect_left(self.order, (rank, worker_id))
