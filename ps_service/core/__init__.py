@@ -690,8 +690,9 @@ class ParameterServerCore(ModelState):
         return PushStatus.STALE
 
     def apply_round(self, total: Mapping[str, np.ndarray] | None, mean_of: int, contributors: int) -> None:
-        """Apply a round decided elsewhere (a sharded follower, a standby): one optimizer step with ``total`` (None:
-        it overflowed, nothing applied) / ``mean_of``, then ``global_step += 1`` and the counters."""
+        """Apply a round decided and summed elsewhere (a hot standby: its primary's, :class:`Replica`): one optimizer
+        step with ``total`` (None: it overflowed, nothing applied) / ``mean_of``, then ``global_step += 1`` and the
+        counters."""
         if total is not None:
             self.update(total, consume=True, mean_of=mean_of)
         self._stepped(contributors)
