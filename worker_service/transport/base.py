@@ -54,6 +54,8 @@ class PushAnswer:
 
 
 class TensorTransport(ABC):
+    """What the client calls: a push (that waits for the next weights) and a pull. Retries are the endpoint's."""
+
     name = "?"
 
     @abstractmethod

@@ -125,7 +125,8 @@ class Endpoint:
     def call(self, method: str, path: str, *, params: Mapping[str, Any] | None = None,
              body: Sequence[bytes | memoryview] = (), headers: Mapping[str, str] | None = None,
              timeout: float | None = None, attempts: int | None = None, what: str | None = None) -> Response:
-        """The module's contract; ``what`` names the exchange in the retry log lines (default ``"<method> <path>"``)."""
+        """One exchange, retried on connection errors, timeouts and 5xx; a 4xx is raised as ProtocolError.
+        ``what`` names it in the retry log lines (default ``"<method> <path>"``)."""
         target = path + (f"?{urlencode(params)}" if params else "")
         head = {**self._headers, **(headers or {})}
 

@@ -103,6 +103,9 @@ def _read_only(v: np.ndarray) -> np.ndarray:
 
 
 class BodyTransport(OnePS):
+    """Frames in request bodies, compressed as ``spec`` says (none by default); with ``partition_bytes`` (the job's)
+    a push is its partitions' frames (docs/protocol-partitions.md), the head first."""
+
     def __init__(self, endpoint: Endpoint, spec: Spec = Spec(), partition_bytes: int = 0) -> None:
         super().__init__(endpoint)
         self.name = f"http+{spec.name}" if spec.on else "http"

@@ -16,6 +16,8 @@ from worker_service.transport.partitioned import Alongside
 
 
 class OnePS(TensorTransport):
+    """A tensor transport to one PS process: the frame of a push, and the weights of an answer, as its kind says."""
+
     def __init__(self, endpoint: Endpoint) -> None:
         self.endpoint = endpoint
 

@@ -97,8 +97,10 @@ class ShardedTransport(TensorTransport):
 
     def push(self, meta: dict, grads: Mapping[str, np.ndarray], wait: float, timeout: float,
              on_way: Callable[[], None] | None = None) -> PushAnswer:
-        """As the module says. ``on_way`` once the calls are with their threads: woken before, its thread took this
-        one's core for 1.5-2 ms just as the push was to start
+        """Every shard's pieces in parallel: partitioned rounds, the coordinator's a push and a follower's a hold,
+        each with its weights pulled alongside; else every shard's a hold, then the commit while the followers'
+        weights are pulled. ``on_way`` once the calls are with their threads: woken before, its thread took this one's
+        core for 1.5-2 ms just as the push was to start
         (bench/results/2026-12-03-where-a-co-located-1e6-x-4-step-between-hosts-goes-and-the-n.jsonl)."""
         step, into = meta["step"], self._target()
         held, hold = {"worker_id": meta["worker_id"], "step": step}, {"map": self.map.digest}
