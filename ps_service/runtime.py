@@ -74,7 +74,7 @@ class Runtime:
         self.shards, self.ha = shards, ha
         if shards is not None and shards.coordinator:
             self._reader = shards.tell  # decided rounds go to the followers
-            self.observers.append(shards.observe)  # closed rounds not sent, and the open round's progress
+            self.observers.append(shards.observe)  # the open round's progress
         if ha is not None:
             self.observers.append(ha.observe)  # membership changes go to the standby
 

@@ -17,7 +17,6 @@ import asyncio
 import json
 import logging
 import secrets
-from itertools import takewhile
 from pathlib import Path
 
 import numpy as np
@@ -57,8 +56,6 @@ class ShardRole:
         self.links = (Links(self.urls, peer_token(settings), settings.http_keepalive_seconds) if self.coordinator
                       else None)
         self.sidecar = Path(settings.checkpoint_dir) / SIDECAR if settings.checkpoint_dir else None
-        self._seen_closed, self._sent_step = 0, -1  # the coordinator: rounds closed, and sent to the followers
-        self._unsent_lost: dict[int, tuple[str, ...]] = {}  # decided rounds tell failed to queue: their Decided.lost
         self.boot = secrets.token_hex(8)  # this process: a follower answering with another one restarted
         self.rt, self.checkpointer = None, None  # set by start: the runtime and this shard's checkpoint writer
         self.rollbacks, self.last_rollback = 0, None  # the coordinator's live rollbacks, and what the last one did
@@ -92,7 +89,6 @@ class ShardRole:
             self._load_map()
         if not self.coordinator:
             return
-        self._seen_closed, self._sent_step = core.rounds_closed, core.global_step - 1
         self.links.on_restart = self._follower_restarted
         self.links.start()
         if core.initialized:  # restored: registration waits (503) until every follower is at our step
@@ -134,43 +130,30 @@ class ShardRole:
     # ---- the coordinator ----------------------------------------------------------------
     def tell(self) -> None:
         """What the core told (``core.told``, read after every core call, before any await: :meth:`Runtime.deliver`),
-        queued for the followers: a decided round's apply (partitioned rounds: its decision), while the coordinator
-        steps its own share; a contributor lost mid-round (partitioned rounds)."""
+        queued for the followers: a decided round's apply (partitioned rounds: its decision, with its contributors lost
+        before it), while the coordinator steps its own share, then the pieces held for it dropped; a contributor lost
+        mid-round (partitioned rounds). Plain values onto unbounded queues first: nothing before can fail, so no
+        decision is lost."""
         core = self.core
         told, core.told = core.told, []
         for t in told:
             if isinstance(t, Lost):  # the followers close round t.step without that worker
                 if self.partitioned:  # (one partition: no round is decided across calls)
                     self.links.queue("/shard/lost", {"step": t.step, "workers": [t.worker_id]})
-            elif t.record.step > self._sent_step:
-                try:
-                    self._send(t.record, t.lost)
-                except Exception:  # the round's close went on; observe() retries the rounds not sent, with lost
-                    self._unsent_lost[t.record.step] = t.lost
-                    log.exception("queueing the apply of round %d failed", t.record.step)
-
-    def _send(self, rec, lost=()) -> None:
-        """Queue the followers' apply of round ``rec`` (partitioned rounds: with ``lost``, its contributors lost
-        before its decision)."""
-        contributors = sorted((a.rank, a.worker_id) for a in rec.contributors)
-        if marks.ON:
-            marks.mark("decision.queued", step=rec.step)
-        self.links.round_closed(rec.step, contributors, rounds.mean_of(self.core.config.aggregation, len(contributors)),
-                                sorted(lost) if self.partitioned else None)
-        self._sent_step = rec.step
+                continue
+            rec = t.record
+            contributors = sorted((a.rank, a.worker_id) for a in rec.contributors)
+            self.links.round_closed(rec.step, contributors, rounds.mean_of(core.config.aggregation, len(contributors)),
+                                    sorted(t.lost) if self.partitioned else None)
+            self.holds.drop_through(rec.step)  # pieces held for the round and never committed
+            if marks.ON:
+                marks.mark("decision.queued", step=rec.step)
 
     def observe(self) -> None:
-        """Runtime observer (O(1) unless a round closed): queue the closed rounds :meth:`tell` did not send and drop
-        their holds; then the open round's progress if it moved, for the followers that sum as told (:mod:`.turns`)."""
-        core = self.core
-        if core.rounds_closed != self._seen_closed:
-            self._seen_closed = core.rounds_closed
-            sent = self._sent_step
-            for rec in list(takewhile(lambda r: r.step > sent, reversed(core.rounds)))[::-1]:
-                self._send(rec, self._unsent_lost.pop(rec.step, ()))
-            self.holds.drop_through(self._sent_step)  # pieces held for a closed round and never committed
+        """Runtime observer: the open round's progress if it moved, for the followers that sum as told
+        (:mod:`.turns`)."""
         if self._folding and self.links.tasks:
-            msg = self.tracker.message(core)
+            msg = self.tracker.message(self.core)
             if msg is not None:
                 self.links.queue("/shard/progress", msg, self._folding)
 
@@ -300,9 +283,7 @@ class ShardRole:
         self.core.rewind(state, now)
         self.holds = Holds(self.holds.into)
         self.gate.wake()  # holds waiting for their turn: their step is gone
-        if self.coordinator:  # the rounds closed from now on go to the followers
-            self._seen_closed, self._sent_step = self.core.rounds_closed, step - 1
-            self._unsent_lost.clear()
+        if self.coordinator:
             self.tracker.reset()
         else:
             self.core.follow()
