@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from ps_service.sharding.links import PROBE_SECONDS, PROBE_TIMEOUT_SECONDS, SILENT_SECONDS, Follower, Links
+from ps_service.sharding.links import APPLY, PROBE_SECONDS, PROBE_TIMEOUT_SECONDS, SILENT_SECONDS, Follower, Links
 from tests.timing import allow
 
 
@@ -129,7 +129,7 @@ def test_sent_returns_once_the_apply_is_written_before_the_follower_answers():
             try:
                 f = links.followers[0]
                 assert f.sent == -1
-                links.round_closed(0, [(0, "w0"), (1, "w1")], 2)
+                links.queue(APPLY, {"step": 0, "contributors": [[0, "w0"], [1, "w1"]], "mean_of": 2})
                 await asyncio.wait_for(links.sent(0, 30.0), allow(10.0))  # long before its 30 s bound
                 assert f.sent == 0 and not follower.release.is_set()  # written (not its bound), not answered
                 await _until(lambda: any(b"POST /v1/shard/apply" in r for r in follower.requests), allow(10),
@@ -149,7 +149,7 @@ def test_sent_is_bounded_when_a_follower_cannot_be_reached_and_ends_for_a_stoppe
         links = Links(["http://coordinator.invalid", url], None)
         links.start()
         try:
-            links.round_closed(3, [(0, "w0")], 1)
+            links.queue(APPLY, {"step": 3, "contributors": [[0, "w0"]], "mean_of": 1})
             t = time.monotonic()
             await links.sent(3, 0.3)
             assert 0.25 < time.monotonic() - t < allow(5) and links.followers[0].sent == -1
@@ -168,7 +168,7 @@ def test_a_follower_is_silent_while_an_apply_waits_too_long_for_its_answer_and_a
             links, f = await _started_link(url)
             try:
                 assert links.silent() == []
-                links.round_closed(0, [(0, "w0")], 1)
+                links.queue(APPLY, {"step": 0, "contributors": [[0, "w0"]], "mean_of": 1})
                 queued = time.monotonic()
                 assert links.silent(queued + SILENT_SECONDS / 2) == []
                 assert links.silent(queued + SILENT_SECONDS + 0.1) == [f]
@@ -255,7 +255,7 @@ def test_every_apply_presents_the_training_token_and_one_answered_5xx_is_sent_ag
         f = links.followers[0]
         try:
             for step in (0, 1):
-                links.round_closed(step, [(0, "w0")], 1)
+                links.queue(APPLY, {"step": step, "contributors": [[0, "w0"]], "mean_of": 1})
             await _until(lambda: f.sent == 1 and f.queue.empty() and len(follower.applies) == 3, allow(10),
                          "rounds 0, 1")
             assert [b'"step": 0' in b or b'"step":0' in b for _, b in follower.applies] == [True, True, False]

@@ -29,7 +29,7 @@ from ps_service.core.model import check_weights
 from ps_service.monitoring_models import CoordinatorStatus, FollowerRow, ShardRow, ShardStatus
 from ps_service.sharding import parts, receipts, rollback
 from ps_service.sharding.holds import Holds, passed
-from ps_service.sharding.links import Links
+from ps_service.sharding.links import APPLY, Links
 from ps_service.sharding.turns import FOLD_BYTES, Gate, Tracker
 from shared import frame, marks
 from shared.errors import ProtocolError, unprocessable
@@ -142,9 +142,9 @@ class ShardRole:
                     self.links.queue("/shard/lost", {"step": t.step, "workers": [t.worker_id]})
                 continue
             rec = t.record
-            contributors = sorted((a.rank, a.worker_id) for a in rec.contributors)
-            self.links.round_closed(rec.step, contributors, rounds.mean_of(core.config.aggregation, len(contributors)),
-                                    sorted(t.lost) if self.partitioned else None)
+            contributors = sorted([a.rank, a.worker_id] for a in rec.contributors)
+            self.links.queue(APPLY, {"step": rec.step, "contributors": contributors, "mean_of": rounds.mean_of(
+                core.config.aggregation, len(contributors))} | ({"lost": sorted(t.lost)} if self.partitioned else {}))
             self.holds.drop_through(rec.step)  # pieces held for the round and never committed
             if marks.ON:
                 marks.mark("decision.queued", step=rec.step)

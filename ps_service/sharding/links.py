@@ -6,7 +6,7 @@ A follower that *restarted* (it refuses a message, 4xx, or answers with another 
 (:attr:`Follower.error`) and is reported to :attr:`Links.on_restart` (:mod:`.rollback`). Weights answers wait for
 :meth:`Links.sent`, so an apply leaves before megabytes of weights on the coordinator's network interface (a FIFO
 queue). :meth:`Links.silent`: the followers that do not answer now (every lease held meanwhile:
-:meth:`ShardRole.hold_leases`). :meth:`Links.state` and :meth:`Links.restore` ask one follower directly.
+:meth:`ShardRole.hold_leases`). :meth:`Links.ask`: one request to a follower, each answer noted (its step and boot).
 """
 from __future__ import annotations
 
@@ -98,15 +98,18 @@ class Links:
                 t.exception()  # retrieved: a sender that failed is not reported as never retrieved
         self.tasks = []
 
-    async def _exchange(self, f: Follower, method: str, path: str, deadline: float, **kw) -> httpx.Response:
-        """One request, retried on lost connections, timeouts and 5xx until ``deadline`` (monotonic)."""
-        delay = 0.05
+    async def ask(self, f: Follower, method: str, path: str, seconds: float = INIT_DEADLINE_SECONDS,
+                  **kw) -> tuple[dict, bool]:
+        """One request to a follower (its pieces, a state, a restore, a message), retried on lost connections,
+        timeouts and 5xx for at most ``seconds`` (then TimeoutError; ValueError if refused: not 200): its answer, noted
+        (:meth:`_heard`), and whether another process than before gave it."""
+        delay, deadline = 0.05, time.monotonic() + seconds
         while True:
             try:
                 resp = await self.client.request(method, f"{f.url}{API}{path}", **kw)
                 f.reachable = True
                 if resp.status_code < 500:
-                    return resp
+                    break
                 why = f"{resp.status_code} {resp.text[:200]}"
             except httpx.HTTPError as exc:
                 f.reachable, why = False, f"{type(exc).__name__}: {exc}"
@@ -115,30 +118,22 @@ class Links:
             log.warning("shard %d at %s: %s %s failed (%s); retrying", f.index, f.url, method, path, why)
             await asyncio.sleep(delay)
             delay = min(BACKOFF_MAX_SECONDS, delay * 2)
-
-    async def ask(self, f: Follower, method: str, path: str, seconds: float = INIT_DEADLINE_SECONDS,
-                  **kw) -> tuple[dict, bool]:
-        """One request to a follower, retried for at most ``seconds`` (then TimeoutError; ValueError if refused: not
-        200): its answer, noted (:meth:`_heard`), and whether another process than before gave it."""
-        resp = await self._exchange(f, method, path, time.monotonic() + seconds, **kw)
         if resp.status_code != 200:
             raise ValueError(f"{resp.status_code} {resp.text[:300]}")
         answer = resp.json()
         return answer, self._heard(f, answer)
 
     async def init_followers(self, bodies: dict[int, bytes]) -> None:
-        """PUT each follower its pieces (``bodies``: index -> the frame), in parallel, retried as :meth:`ask`: a
-        follower's 4xx is 409 ``shard_init_failed``, one unreachable 503 ``shard_unreachable``."""
+        """PUT each follower its pieces (``bodies``: index -> the frame), in parallel (:meth:`ask`): a follower's 4xx
+        is 409 ``shard_init_failed``, one unreachable 503 ``shard_unreachable``."""
         async def one(f: Follower) -> None:
             try:
-                resp = await self._exchange(f, "PUT", "/shard/model", time.monotonic() + INIT_DEADLINE_SECONDS,
-                                            content=bodies[f.index], headers={"content-type": FRAME})
+                await self.ask(f, "PUT", "/shard/model", content=bodies[f.index], headers={"content-type": FRAME})
             except TimeoutError as exc:
                 raise ProtocolError(503, "shard_unreachable", str(exc)) from None
-            if resp.status_code >= 400:
-                raise ProtocolError(409, "shard_init_failed", f"shard {f.index} at {f.url} refused the model: "
-                                                              f"{resp.status_code} {resp.text[:300]}")
-            f.step = resp.json().get("step")
+            except ValueError as exc:
+                raise ProtocolError(409, "shard_init_failed",
+                                    f"shard {f.index} at {f.url} refused the model: {exc}") from None
 
         await asyncio.gather(*(one(f) for f in self.followers))
 
@@ -155,16 +150,9 @@ class Links:
             f.sent = step
             self._moved.wake()
 
-    def round_closed(self, step: int, contributors: list[tuple[int, str]], mean_of: int,
-                     lost: list[str] | None = None) -> None:
-        """Queue round ``step``'s apply (partitioned rounds: its decision, and ``lost``: contributors that will bring
-        no more frames of it) for every follower."""
-        msg = {"step": step, "contributors": [list(c) for c in contributors], "mean_of": mean_of}
-        self.queue(APPLY, msg if lost is None else {**msg, "lost": lost})
-
     def queue(self, path: str, msg: dict, indices: list[int] | None = None) -> None:
-        """Queue ``POST path`` with ``msg`` (an apply, the open round's progress, contributors lost) for the followers
-        of ``indices`` (None: every one)."""
+        """Queue ``POST path`` with ``msg`` (an apply: :data:`APPLY`, the open round's progress, contributors lost) for
+        the followers of ``indices`` (None: every one). Cannot fail (an unbounded queue)."""
         for f in self.followers:
             if indices is None or f.index in indices:
                 f.queue.put_nowait((path, msg))
@@ -212,21 +200,11 @@ class Links:
 
     @staticmethod
     def _heard(f: Follower, answer: dict) -> bool:
-        """Note a follower's ``step`` and ``boot`` from its answer: True if it is another process than before."""
-        was, f.boot = f.boot, answer.get("boot")
+        """Note a follower's ``step`` and ``boot`` (if the answer has one) from its answer: True if it is another
+        process than before."""
+        was, f.boot = f.boot, answer.get("boot", f.boot)
         f.step = answer.get("step") if answer.get("initialized", True) else None
         return was is not None and f.boot != was
-
-    async def state(self, f: Follower) -> dict:
-        """``GET /v1/shard/state`` of ``f`` (:meth:`ask`)."""
-        return (await self.ask(f, "GET", "/shard/state"))[0]
-
-    async def restore(self, f: Follower, step: int, key: bytes) -> str | None:
-        """``POST /v1/shard/restore``: ``f`` goes back to ``step`` and takes ``key``; None, or why it refused."""
-        try:
-            await self.ask(f, "POST", "/shard/restore", json={"step": step, "receipt_key": key.hex()})
-        except ValueError as exc:
-            return f"shard {f.index} refused to restore step {step}: {exc}"
 
     def _restarted(self, f: Follower, why: str) -> None:
         f.error = why

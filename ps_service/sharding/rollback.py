@@ -36,7 +36,7 @@ async def _bring(role, pick, patient: bool) -> tuple[int | None, dict[int, dict]
     for f in links.followers:
         while f.index not in states:
             try:
-                states[f.index] = await links.state(f)
+                states[f.index] = (await links.ask(f, "GET", "/shard/state"))[0]
             except (TimeoutError, ValueError) as exc:
                 if not patient:
                     bad.append(f"shard {f.index} did not answer ({exc})")
@@ -48,9 +48,13 @@ async def _bring(role, pick, patient: bool) -> tuple[int | None, dict[int, dict]
         was = f.step
         if was != step and step not in (states[f.index].get("checkpoints") or []):
             bad.append(f"shard {f.index} is at step {'none (no model)' if was is None else was}")
-        elif refused := await links.restore(f, step, role.receipt_key):
-            bad.append(refused)
-        elif was != step:
+            continue
+        try:
+            await links.ask(f, "POST", "/shard/restore", json={"step": step, "receipt_key": role.receipt_key.hex()})
+        except ValueError as exc:
+            bad.append(f"shard {f.index} refused to restore step {step}: {exc}")
+            continue
+        if was != step:
             log.warning("shard %d was at step %s: it restored step %d", f.index, was, step)
     return step, states, bad
 
@@ -70,9 +74,32 @@ async def check_start(role) -> None:
 async def roll_back(role, why: str) -> None:
     """Roll the job back live (the module's contract); any failure leaves registration refused, saying why (in
     ``shard.blocked`` and ``shard.last_rollback``)."""
-    was = role.core.global_step
+    links, core, rt, was = role.links, role.core, role.rt, role.core.global_step
     try:
-        await _roll_back(role, why, was)
+        role.rollbacks += 1
+        role.last_rollback = f"from step {was}: under way: {why}"
+        links.blocked = f"rolling back to the newest checkpoint every shard has: {why}"
+        log.info("%s: rolling the job back (registration refused meanwhile)", why)
+        await links.stop()  # no apply of an abandoned round reaches a restored follower
+        await role.go_back(core.model_state(), rt.now())  # the job stops here: every worker out, no round open
+        role.receipt_key = new_key()  # no receipt of the abandoned steps is good again (every member is out)
+        step, states, bad = await _bring(role, lambda states: common_step(set(role.checkpoint_steps()) | {was}, states),
+                                         patient=True)
+        if step is None:
+            return _failed(role, was, f"{why}, and no step is in every shard's checkpoints (the coordinator is at step "
+                                      f"{was}; " + "; ".join(f"shard {i} at {st.get('step')}, checkpoints "
+                                                             f"{st.get('checkpoints')}" for i, st in states.items())
+                           + "): set PS_CHECKPOINT_DIR on every shard, or restart every shard from checkpoints of one "
+                             "step, or all fresh")
+        if bad:
+            return _failed(role, was, f"{why}; rolling back to step {step}, {bad[0]}: restart every shard from "
+                                      f"checkpoints of step {step}")
+        await role.go_back(await asyncio.to_thread(role.step_state, step), rt.now())
+        links.start()
+        role.last_rollback = f"from step {was} to step {step}: {why}"
+        links.blocked = None
+        log.warning("rolled the job back from step %d to step %d, the newest checkpoint every shard has (%s); workers "
+                    "register again and redo %d round(s)", was, step, why, was - step)
     except Exception as exc:
         _failed(role, was, f"{why}; the rollback failed ({type(exc).__name__}: {exc}): restart every shard from "
                            "checkpoints of one step", exc_info=True)
@@ -83,34 +110,3 @@ def _failed(role, was: int, reason: str, exc_info: bool = False) -> None:
     role.links.blocked = reason
     role.last_rollback = f"from step {was}: failed, registration refused: {reason}"
     log.error("%s", reason, exc_info=exc_info)
-
-
-async def _roll_back(role, why: str, was: int) -> None:
-    links, core, rt = role.links, role.core, role.rt
-    role.rollbacks += 1
-    role.last_rollback = f"from step {was}: under way: {why}"
-    links.blocked = f"rolling back to the newest checkpoint every shard has: {why}"
-    log.info("%s: rolling the job back (registration refused meanwhile)", why)
-    await links.stop()  # no apply of an abandoned round reaches a restored follower
-    await role.go_back(core.model_state(), rt.now())  # the job stops here: every worker out, no round open
-    role.receipt_key = new_key()  # no receipt of the abandoned steps is good again (every member is out)
-    step, states, bad = await _bring(role, lambda states: common_step(set(role.checkpoint_steps()) | {was}, states),
-                                     patient=True)
-    if step is None:
-        _failed(role, was, f"{why}, and no step is in every shard's checkpoints (the coordinator is at step {was}; "
-                           + "; ".join(f"shard {i} at {st.get('step')}, checkpoints {st.get('checkpoints')}"
-                                       for i, st in states.items())
-                           + "): set PS_CHECKPOINT_DIR on every shard, or restart every shard from checkpoints of one "
-                             "step, or all fresh")
-        return
-    if bad:
-        _failed(role, was, f"{why}; rolling back to step {step}, {bad[0]}: restart every shard from checkpoints of "
-                           f"step {step}")
-        return
-    state = await asyncio.to_thread(role.step_state, step)
-    await role.go_back(state, rt.now())
-    links.start()
-    role.last_rollback = f"from step {was} to step {step}: {why}"
-    links.blocked = None
-    log.warning("rolled the job back from step %d to step %d, the newest checkpoint every shard has (%s); workers "
-                "register again and redo %d round(s)", was, step, why, was - step)
