@@ -146,9 +146,9 @@ def test_a_member_dropped_mid_round_is_not_waited_for():
             assert give(c, 0, rank, q) == "held"
     assert parts.decide(c, 0, contributors(range(3)), 0.0)
     assert c.deciding and c.global_step == 0
-    assert parts.drop(c, 0, "w2", 0.0)  # its lease ended: the partitions without it close
+    assert parts.drop(c, 0, ["w2"], 0.0)  # its lease ended: the partitions without it close
     assert c.global_step == 1 and not c.deciding
-    assert not parts.drop(c, 0, "w2", 0.0)  # passed
+    assert not parts.drop(c, 0, ["w2"], 0.0)  # passed
     lr, w0 = np.float32(0.1), split(weights0("float32"), shard_map().pieces[SHARD])
     for q in range(p.count):
         n = 3 if q == 0 else 2
@@ -203,7 +203,7 @@ def test_the_coordinators_decision_and_lost_members_close_a_follower_as_the_coor
                 parts.decide(f, t.record.step, sorted((a.rank, a.worker_id) for a in t.record.contributors), now)
             else:
                 seen.append(("lost", t.step, t.worker_id))
-                parts.drop(f, t.step, t.worker_id, now)
+                parts.drop(f, t.step, [t.worker_id], now)
     p = c.partitions
 
     def both(rank: int, q: int, now: float = 0.0) -> None:

@@ -197,18 +197,16 @@ class ShardRole:
                                 f"PS_SHARD_SPLIT_ELEMENTS={self.split_elements}")
         if set(f.tensors) != {p.key for p in m.pieces[self.index]}:
             raise ProtocolError(409, "shard_map_mismatch", f"the pieces sent are not shard {self.index}'s")
-        if core.initialized:
-            if self.digest == m.digest and core.global_step == 0:
-                self.receipt_key = key  # a coordinator started afresh: its key
-                return {"step": core.global_step, "digest": m.digest}
+        if core.initialized and (self.digest != m.digest or core.global_step != 0):
             raise ProtocolError(409, "already_initialized", f"shard {self.index} holds a model at step "
                                                             f"{core.global_step} (map {self.digest})")
-        optimizer = f.meta.get("optimizer")
-        if not isinstance(optimizer, dict):
-            raise ProtocolError(400, "bad_field", "optimizer must be a map")
-        core.optimizer_overrides = {}  # the coordinator resolved the spec with its settings
-        core.init_model(ModelInit(dict(f.tensors), optimizer), now)
-        self._set_map(m)
+        if not core.initialized:  # (else the same map at step 0: a coordinator started afresh, and its key)
+            optimizer = f.meta.get("optimizer")
+            if not isinstance(optimizer, dict):
+                raise ProtocolError(400, "bad_field", "optimizer must be a map")
+            core.optimizer_overrides = {}  # the coordinator resolved the spec with its settings
+            core.init_model(ModelInit(dict(f.tensors), optimizer), now)
+            self._set_map(m)
         self.receipt_key = key
         return {"step": core.global_step, "digest": m.digest}
 
@@ -226,36 +224,22 @@ class ShardRole:
 
     def apply(self, step: int, contributors, mean_of: int, lost, now: float) -> bool:
         """``POST /v1/shard/apply``: round ``step``'s decision (:func:`.parts.decide`): unpartitioned, its held pieces
-        summed first (:meth:`.holds.Holds.fold`); partitioned, with ``lost``. Wake the holds waiting for their turn."""
+        summed first (:meth:`.holds.Holds.fold`); partitioned, with ``lost``."""
         core = self.core
-        try:
-            if marks.ON and self.partitioned:
-                marks.mark("decision.in", step=step, shard=self.index)
-            fresh = not passed(core.global_step, step)
-            if fresh and contributors and not self.partitioned:
-                self.holds.fold(step, 0, contributors, whole=True)
-                own = rounds.mean_of(core.config.aggregation, len(contributors))
-                if mean_of != own:  # (the coordinator's PS_AGGREGATION is not this shard's)
-                    log.warning("round %d: the coordinator divides by %d, this shard by %d: set PS_AGGREGATION alike "
-                                "on every shard", step, mean_of, own)
-            done = parts.decide(core, step, contributors, now)
-            self.drop(step, lost, now)
-            if fresh:
-                self.holds.drop_through(step)
-            return done
-        finally:
-            self.gate.wake()
-
-    def drop(self, step: int, workers, now: float) -> bool:
-        """``POST /v1/shard/lost`` (partitioned rounds): ``workers`` bring no more frames of round ``step``."""
-        return any([parts.drop(self.core, step, w, now) for w in workers])
-
-    def progress(self, step: int, start: int, keys, turns, late=(), back=()) -> bool:
-        """``POST /v1/shard/progress`` (:meth:`.holds.Holds.progress`); wake the holds whose turn came."""
-        try:
-            return self.holds.progress(self.core.global_step, step, start, keys, turns, late, back)
-        finally:
-            self.gate.wake()
+        if marks.ON and self.partitioned:
+            marks.mark("decision.in", step=step, shard=self.index)
+        if passed(core.global_step, step):
+            return False
+        if contributors and not self.partitioned:
+            self.holds.fold(step, 0, contributors, whole=True)
+            own = rounds.mean_of(core.config.aggregation, len(contributors))
+            if mean_of != own:  # (the coordinator's PS_AGGREGATION is not this shard's)
+                log.warning("round %d: the coordinator divides by %d, this shard by %d: set PS_AGGREGATION alike on "
+                            "every shard", step, mean_of, own)
+        done = parts.decide(core, step, contributors, now)
+        parts.drop(core, step, lost, now)
+        self.holds.drop_through(step)
+        return done
 
     # ---- checkpoints (the coordinator's choice of one step for every shard) --------------------
     def checkpoint_steps(self) -> list[int]:
@@ -297,14 +281,12 @@ class ShardRole:
             if newer > step:
                 (self.sidecar.parent / checkpoint_name(newer)).unlink(missing_ok=True)
 
-    async def restore_step(self, step: int, key: bytes, now: float) -> dict:
+    async def restore_step(self, step: int, key: bytes, now: float) -> None:
         """``POST /v1/shard/restore``: back to ``step``, with the coordinator's receipt ``key``."""
-        state = self.step_state(step)
-        await self.go_back(state, now)
+        await self.go_back(self.step_state(step), now)
         self.receipt_key = key
         self._load_map()
         log.warning("shard %d: back at step %d at the coordinator's request", self.index, step)
-        return {"step": self.core.global_step, "boot": self.boot}
 
     def _follower_restarted(self, f, why: str) -> None:
         """:attr:`Links.on_restart`: roll the job back live, one rollback at a time (before the model exists the link

@@ -18,8 +18,8 @@ unpartitioned). Four inputs drive its open round, in any order:
   are in; the step advances with the last. A repeat, or a step this shard has passed: nothing done (False). No
   contributors (the coordinator's sum overflowed): nothing applied, whatever was summed. A sum that overflows here
   applies nothing here (unpartitioned: logged).
-- :func:`drop` (partitioned): a member of round s brings no more frames: the partitions waiting for it close without
-  it.
+- :func:`drop` (partitioned): members of round s bring no more frames: the partitions waiting for them close without
+  them.
 
 The weights are those of the same round on one PS, bit for bit, when no member is lost mid-round.
 """
@@ -72,10 +72,11 @@ def decide(core, step: int, contributors: Sequence[Key], now: float) -> bool:
     return True
 
 
-def drop(core, step: int, worker_id: str, now: float) -> bool:
-    """A member of round ``step`` brings no more frames of it: its partitions close without it. False: a round this
-    shard has passed (nothing to do)."""
-    if passed(core.global_step, step):
+def drop(core, step: int, workers, now: float) -> bool:
+    """Members of round ``step`` bring no more frames of it: its partitions close without them. False: none, or a round
+    this shard has passed (nothing to do)."""
+    if not workers or passed(core.global_step, step):
         return False
-    core.close_parts(now, core.followed_round().drop(worker_id))
+    parts = core.followed_round()
+    core.close_parts(now, [q for w in workers for q in parts.drop(w)])
     return True

@@ -6,6 +6,7 @@ coordinator's to a follower ``PUT /v1/shard/model``, ``POST /v1/shard/apply``, `
 from __future__ import annotations
 
 from dataclasses import replace
+from inspect import isawaitable
 from typing import Annotated
 
 import numpy as np
@@ -74,12 +75,10 @@ async def hold(request: Request, map: str = Query(..., max_length=64, descriptio
     over = passed(g, step)  # a step ahead of a follower: 409 shard_behind (the worker registers again)
     validate(rt.core.weights, push.tensors, "reject", check_finite=not push.finite_checked)  # before any change
     answer = {"status": "late", "step": step, "shard": role.index, "global_step": g}
-    if over:  # its round is over here: nothing to keep (the commit says late or stale)
-        return answer
-    # fixed R: the coordinator's hold is the push's head; one after R heads is late there, and on every follower told so
-    kept = (rt.run_guarded(lambda: rt.core.hold(push.worker_id, step)) if role.coordinator
-            else not role.holds.late_for(push.worker_id, step))
-    if not kept:
+    # late: its round is over here, nothing to keep (the commit says late or stale); or, fixed R, the coordinator's hold
+    # is the push's head, one after R heads is late there, and on every follower told so
+    if over or not (rt.run_guarded(lambda: rt.core.hold(push.worker_id, step)) if role.coordinator
+                    else not role.holds.late_for(push.worker_id, step)):
         return answer
     answer["status"] = "held"
     if not role.coordinator:  # 409 shard_behind before anything is kept, if it has no key (it restarted)
@@ -95,11 +94,9 @@ async def _hold_parts(request: Request, rt, role) -> dict:
     if role.coordinator:
         raise ProtocolError(409, "sharded", "partitioned rounds: push the coordinator's pieces (POST /v1/gradients)")
     core = rt.core
-
-    def take(req, now):
-        return parts.frame(core, req.worker_id, req.step, req.partition, req.tensors, now)
     try:
-        push, status = await rt.tensors.receive_parts(request, take, core.plan, rt.now)
+        push, status = await rt.tensors.receive_parts(request, lambda req, now: parts.frame(
+            core, req.worker_id, req.step, req.partition, req.tensors, now), core.plan, rt.now)
     finally:
         rt.notify()
     return {"status": "held" if status == "duplicate" else status, "step": push.step, "shard": role.index,
@@ -173,19 +170,22 @@ class ApplyRound(BaseModel):
     lost: list[str] = Field(default_factory=list, description="Partitioned rounds: contributors lost before it.")
 
 
-async def _message(request: Request, model: type[BaseModel], limit: int = APPLY_BODY_LIMIT):
-    """A coordinator's message to this follower: the runtime, the role and its JSON body parsed as ``model``."""
+async def _told(request: Request, model: type[BaseModel], answered: str | None, act, limit: int = APPLY_BODY_LIMIT,
+                initialized: bool = True) -> dict:
+    """A coordinator's message to this follower: its JSON body parsed as ``model``, 409 ``not_initialized`` (unless not
+    ``initialized``), ``act(role, message, now)`` (a coroutine awaited), the holds waiting for their turn woken;
+    answered ``{"step", <answered>: what act returned, "boot"}`` (``answered`` None: ``{"step", "boot"}``)."""
     rt, role = _role(request, coordinator=False)
-    return rt, role, parse_json(await read_body(request, limit, JSON, rt.settings.body_idle_timeout_seconds), model)
-
-
-async def _told(request: Request, model: type[BaseModel], answered: str, act) -> dict:
-    """:func:`_message`, 409 ``not_initialized``, then ``act(role, message, now)``; answered ``{"step", <answered>:
-    what act returned, "boot"}``."""
-    rt, role, msg = await _message(request, model)
-    rt.core.admit(None)
-    done = rt.run_guarded(lambda: act(role, msg, rt.now()))
-    return {"step": rt.core.global_step, answered: done, "boot": role.boot}
+    msg = parse_json(await read_body(request, limit, JSON, rt.settings.body_idle_timeout_seconds), model)
+    if initialized:
+        rt.core.admit(None)
+    try:
+        done = act(role, msg, rt.now())
+        done = await done if isawaitable(done) else done
+    finally:
+        rt.notify()
+        role.gate.wake()
+    return {"step": rt.core.global_step, **({} if answered is None else {answered: done}), "boot": role.boot}
 
 
 @router.post("/shard/apply", openapi_extra=json_body(ApplyRound))
@@ -207,8 +207,8 @@ class Progress(BaseModel):
 @router.post("/shard/progress", openapi_extra=json_body(Progress))
 async def progress(request: Request) -> dict:
     """Coordinator -> follower: the open round summed these keys and awaits these workers next (a repeat: skipped)."""
-    return await _told(request, Progress, "summed", lambda role, m, now: role.progress(
-        m.step, m.start, m.folded, m.turns, m.late, m.back))
+    return await _told(request, Progress, "summed", lambda role, m, now: role.holds.progress(
+        role.core.global_step, m.step, m.start, m.folded, m.turns, m.late, m.back))
 
 
 class Lost(BaseModel):
@@ -219,7 +219,7 @@ class Lost(BaseModel):
 @router.post("/shard/lost", openapi_extra=json_body(Lost))
 async def lost(request: Request) -> dict:
     """Coordinator -> follower (partitioned rounds): these contributors of round ``step`` are lost mid-round."""
-    return await _told(request, Lost, "dropped", lambda role, m, now: role.drop(m.step, m.workers, now))
+    return await _told(request, Lost, "dropped", lambda role, m, now: parts.drop(role.core, m.step, m.workers, now))
 
 
 @router.get("/shard/state")
@@ -239,8 +239,5 @@ class RestoreStep(BaseModel):
 @router.post("/shard/restore", openapi_extra=json_body(RestoreStep))
 async def restore(request: Request) -> dict:
     """Coordinator -> follower: go back live to your checkpoint of ``step`` (the step the coordinator chose)."""
-    rt, role, msg = await _message(request, RestoreStep, JSON_BODY_LIMIT)
-    try:
-        return await role.restore_step(msg.step, bytes.fromhex(msg.receipt_key), rt.now())
-    finally:
-        rt.notify()
+    return await _told(request, RestoreStep, None, lambda role, m, now: role.restore_step(
+        m.step, bytes.fromhex(m.receipt_key), now), JSON_BODY_LIMIT, initialized=False)
