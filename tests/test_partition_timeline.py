@@ -33,6 +33,21 @@ def test_marks_are_off_by_default_and_one_json_line_each_when_on(tmp_path):
     assert lines[1]["step"] == 3 and lines[1]["t"] >= lines[0]["t"] and lines[0]["pid"] == int(f.stem)
 
 
+def test_a_mark_that_cannot_be_written_turns_marks_off_and_raises_nothing(tmp_path):
+    """A timeline aid never fails what it traces: SYNCPS_MARKS_DIR naming a file (no directory can be made there), a
+    mark warns once, turns marks off and returns (it raised into the PS's request before)."""
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    code = ("from shared import marks; print(marks.ON)\n"
+            "marks.mark('step.push', step=3); print(marks.ON)\n"
+            "if marks.ON: marks.mark('step.pulled', step=3)\nprint('went on')")
+    env = {**os.environ, "SYNCPS_MARKS_DIR": str(blocked)}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=allow(60))
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["True", "False", "went", "on"]
+    assert run.stderr.count("timeline marks off") == 1
+
+
 def test_the_timeline_names_each_idle_gap_and_the_close_it_waited_for(tmp_path, capsys):
     """One worker, two shards: its downlink idles until shard 0's partition 0 closed (a frame of this worker), then
     between shard 0's frame and shard 1's, whose partition waited for its decision and this worker's frame."""
