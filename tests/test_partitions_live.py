@@ -273,10 +273,11 @@ def test_each_frame_is_taken_once_its_last_byte_is_in():
         assert len(reader.feed(body, len(body), 2)) == 2  # the first two frames end at reader.end
         with socket.create_connection(("127.0.0.1", ps.port), timeout=allow(20)) as s:
             s.sendall(push_head(body) + body[:reader.end])
-            core = ps.rt.core
-            wait_for(lambda: core.parts is not None and 1 in core.parts.closed, allow(10),
-                     "partition 1 to close before the body's end")
-            assert core.global_step == 0 and core.weights["w"][200_000] == np.float32(big["w"][200_000] - 0.05)
+            core, stepped = ps.rt.core, np.float32(big["w"][200_000] - 0.05)
+            # (read from this thread while the PS's applies it: the partition is closed, then its update runs)
+            wait_for(lambda: core.parts is not None and 1 in core.parts.closed
+                     and core.weights["w"][200_000] == stepped, allow(10), "partition 1 to close and be applied before the body's end")
+            assert core.global_step == 0
             s.sendall(body[reader.end:])
             status, answer = read_response(s)
         assert status == 200 and json.loads(answer)["step"] == 1
