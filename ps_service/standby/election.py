@@ -38,17 +38,15 @@ class Election:
             self.votes.add(name)
         return self.won
 
-    def _enough(self, r: frozenset[str]) -> bool:
-        n = len(r & self.votes)
-        return 2 * n >= len(r) if self.incumbent else 2 * n > len(r)
+    def _missing(self, r: frozenset[str]) -> int:
+        """Votes roster ``r`` still lacks: the incumbent wants half of it (rounded up), the standby more than half."""
+        return ((len(r) + 1) // 2 if self.incumbent else len(r) // 2 + 1) - len(r & self.votes)
 
     @property
     def won(self) -> bool:
-        return all(self._enough(r) for r in self.rosters)
+        return all(self._missing(r) <= 0 for r in self.rosters)
 
     @property
     def needed(self) -> int:
         """Votes still needed on the largest roster (for humans)."""
-        r = max(self.rosters, key=len, default=frozenset())
-        want = (len(r) + 1) // 2 if self.incumbent else len(r) // 2 + 1
-        return max(0, want - len(r & self.votes))
+        return max(0, self._missing(max(self.rosters, key=len, default=frozenset())))
