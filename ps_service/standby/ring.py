@@ -51,12 +51,6 @@ def barrier() -> None:
         pass
 
 
-def geometry(model: frame.Layout) -> tuple[int, int]:
-    """(slots, slot bytes) of a log for a model of ``model``'s layout."""
-    slot = frame.aligned(SLOT_HEADER + frame.frame_bytes(model) + META_ROOM, shm.PAGE)
-    return max(2, min(SLOTS, LOG_BYTES // slot)), slot
-
-
 class _Ring:
     """The mapping, its header fields and the slots' headers as int64 arrays (one aligned store each)."""
 
@@ -99,8 +93,8 @@ class Log(_Ring):
     def create(cls, directory: str, model: frame.Layout, applied: int, slots: int | None = None) -> "Log":
         """A new log for a model of ``model``'s layout, its first record ``applied + 1``. OSError if impossible (no
         space: ENOSPC now, not SIGBUS later)."""
-        n, slot = geometry(model)
-        n = slots or n
+        slot = frame.aligned(SLOT_HEADER + frame.frame_bytes(model) + META_ROOM, shm.PAGE)
+        n = slots or max(2, min(SLOTS, LOG_BYTES // slot))
         name, nonce = f"syncps-l-{secrets.token_hex(16)}", secrets.token_bytes(shm.NONCE_BYTES)
         fd, mapping = shm.create_file(directory, name, SLOTS_AT + n * slot, KIND_LOG, nonce, applied,
                                       lambda fd: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB))  # (the sweep's test)
