@@ -414,13 +414,11 @@ class Pair:
         if not core.initialized:
             return None
         h = hashlib.sha256(f"{core.global_step} {core.optimizer.iterations}".encode())
-        for k in sorted(core.weights):
-            h.update(k.encode() + b"\0")
-            h.update(np.ascontiguousarray(core.weights[k]).tobytes())
-        for slot in sorted(core.optimizer.slots):
-            for k in sorted(core.optimizer.slots[slot]):
-                h.update(f"{slot}/{k}".encode() + b"\0")
-                h.update(np.ascontiguousarray(core.optimizer.slots[slot][k]).tobytes())
+        slots = core.optimizer.slots
+        for prefix, arrays in [("", core.weights), *((f"{name}/", slots[name]) for name in sorted(slots))]:
+            for k in sorted(arrays):
+                h.update(f"{prefix}{k}".encode() + b"\0")
+                h.update(np.ascontiguousarray(arrays[k]).tobytes())
         return h.hexdigest()
 
     # ---- monitoring -------------------------------------------------------------------------
