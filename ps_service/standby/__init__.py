@@ -404,7 +404,7 @@ class Pair:
         return {"role": self.role, "term": self.term, "applied": self.applied,
                 "step": self.core.global_step + (self.pending is not None),
                 "boot": self.boot, "synced": self.synced, "gated": self.gated,
-                "log": self.reader.advert()}
+                "log": None if self.reader.log is None else self.reader.log.advert()}
 
     def digest(self) -> str | None:
         """sha256 of the step, the optimizer's iterations, every weight's and slot's bytes in name order (None: no

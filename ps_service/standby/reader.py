@@ -105,6 +105,3 @@ class Reader:
                 self.log.close_for(max(self.pair.term, 1))
             self.log.remove()
             self.log = None
-
-    def advert(self) -> dict | None:
-        return None if self.log is None else self.log.advert()
