@@ -203,9 +203,8 @@ class Pair:
         # the rosters the standby may hold: the last it acknowledged, and any of the messages not acknowledged
         rosters = (self.roster_acked, *((self.state_roster,) if self.transferring else ()),
                    *(m[2] for m in self.queue if m[2] is not None))
-        self.feeding = self.gated = False
+        self.feeding = self.gated = self.transferring = False
         self.queue.clear()
-        self.transferring = False
         if self.alone_since is None:
             self.alone_since = self.rt.now()
         if was_gated and self.role == PRIMARY:
@@ -288,8 +287,7 @@ class Pair:
         e = self.election
         if e is None or not e.won:
             return
-        now = self.rt.now()
-        if self.role == CANDIDATE and e.incumbent:  # the standby is gone: go on alone
+        if e.incumbent:  # the standby is gone: go on alone (an election exists only while this PS is a candidate)
             self._become(PRIMARY, e.term, f"won the election ({len(e.votes)} vote(s)): goes on without a standby")
         elif self.restarted:  # back after a restart: its own state (its checkpoint's), as a primary that starts
             self._become(PRIMARY, e.term, f"won the election after a restart ({len(e.votes)} vote(s)): serves from "
@@ -301,7 +299,7 @@ class Pair:
                 self.role, self.election = STANDBY, None
                 return
             state = {**self.core.model_state(), "members": self.members, "staleness": self.staleness}
-            self.core.adopt(state, now)
+            self.core.adopt(state, self.rt.now())
             self.takeovers += 1
             self._become(PRIMARY, e.term, f"took over at step {self.core.global_step} ({len(e.votes)} vote(s))")
         self.rt.notify()
