@@ -52,7 +52,6 @@ class Link:
         self.error: str | None = None  # the last failure, for /v1/status
         self._woken = asyncio.Event()
         self.task: asyncio.Task | None = None
-        self.transferred = -1  # the snapshot epoch (Pair.epoch) the standby took the state of
         # the writer thread of the steps (one request at a time, on a kept-alive connection of its own)
         self.conn = RawConnection(pair.peer) if pair.peer.startswith("http://") else HttpxConnection(pair.peer)
         self._step_headers = {**bearer_header(peer_token(pair.settings)), "content-type": FRAME}
@@ -169,8 +168,8 @@ class Link:
 
     async def _once(self) -> None:
         p = self.pair
-        if not p.feeding or self.transferred != p.epoch:  # (a candidate too: a standby that answers again gets the
-            await self._transfer()  # state, then it serves again)
+        if not p.feeding or p.transferring:  # (a candidate too: a standby that answers again gets the state, then it
+            await self._transfer()  # serves again)
             return
         woken = await self._sleep(p.failover / 4)
         carried = self.log is not None  # (by the log: ping anyway)
@@ -194,23 +193,6 @@ class Link:
             p.queue.append((seq, messages.copied(parts), members))
             self.wake()
 
-    def _commit(self, w: ring.LogWriter, seq: int, parts: list) -> int | None:
-        """Write and commit record ``seq``: 200 (acknowledged), 409 (the log was closed: the standby's answer
-        handled on the event loop), None (it does not fit a slot: send it over HTTP)."""
-        body = w.begin(seq)
-        if sum(len(x) for x in parts) > len(body):
-            return None
-        n = len(messages.copied(parts, body))
-        closed = w.commit(seq, self.pair.term, self.pair.gated, n)
-        if closed:
-            self.log = None
-            code = "stale_term" if closed > self.pair.term else "log_closed"
-            self.loop.call_soon_threadsafe(self._heard, 409, f'{{"error": "{code}", "closed with term": {closed}}}',
-                                           f"record {seq} of the log")
-            return 409
-        self.logged.append((seq, n))
-        return 200
-
     def log_behind(self) -> tuple[int | None, int]:
         """The last message the standby applied from the log (None: no log) and the bytes of the records after it."""
         w = self.log
@@ -219,20 +201,10 @@ class Link:
         applied = w.applied
         return applied, sum(n for s, n in list(self.logged) if s > applied)
 
-    def _map_log(self, advert: dict | None) -> None:
-        self.log = None
-        if advert is None or not self.pair.settings.shm_dir:
-            return
-        try:
-            self.log = ring.LogWriter.open(self.pair.settings.shm_dir, advert)
-            log.info("hot standby: the steps go into the standby's log %s (same host)", advert.get("name"))
-        except (OSError, ValueError) as exc:  # another host (or not the file advertised): HTTP
-            log.info("hot standby: the standby's log is not here (%s): the steps go over HTTP", exc)
-
     # ---- the steps, from the writer thread ------------------------------------------------------------------
     def _next(self):
         p = self.pair
-        if not p.feeding or self.transferred != p.epoch or self._closing:
+        if not p.feeding or p.transferring or self._closing:
             return None
         done = max(p.acked, self._done[1] if self._done[0] == p.epoch else 0)
         while True:
@@ -276,13 +248,28 @@ class Link:
                 time.sleep(min(p.failover / 4, 0.02 * 2 ** min(self.failures, 6)))
 
     def _into_log(self, epoch: int, seq: int, parts: list) -> int | None:
-        """Message ``seq`` committed in the log if the ring has room (:meth:`_commit`); None: no log, the ring full
-        (the standby's reader lags: it takes the records before the message over HTTP first) or the message does not
-        fit a slot: over HTTP; 409: not written (the event loop knows why)."""
+        """Message ``seq`` written and committed in the log (its marker last): 200, acknowledged. None: no log, the ring
+        full (the standby's reader lags: it takes the records before the message over HTTP first) or the message does
+        not fit a slot: over HTTP. 409: not written (a job of an older snapshot: the log is its epoch's; or the log was
+        closed: the standby's answer is handled on the event loop)."""
         p, w = self.pair, self.log
-        if w is not None and (self._closing or epoch != p.epoch or not p.feeding):
-            return 409  # (a job of an older snapshot is dropped: the log is its epoch's)
-        return self._commit(w, seq, parts) if w is not None and w.room(seq) else None
+        if w is None:
+            return None
+        if self._closing or epoch != p.epoch or not p.feeding:
+            return 409
+        body = w.begin(seq) if w.room(seq) else None
+        if body is None or sum(len(x) for x in parts) > len(body):
+            return None
+        n = len(messages.copied(parts, body))
+        closed = w.commit(seq, p.term, p.gated, n)
+        if closed:
+            self.log = None
+            code = "stale_term" if closed > p.term else "log_closed"
+            self.loop.call_soon_threadsafe(self._heard, 409, f'{{"error": "{code}", "closed with term": {closed}}}',
+                                           f"record {seq} of the log")
+            return 409
+        self.logged.append((seq, n))
+        return 200
 
     def _step_answered(self, epoch: int, seq: int, size: int, members, status: int | None, answer: str) -> None:
         """A message's result (the writer thread's, on the event loop's thread): a record committed in the log
@@ -320,8 +307,12 @@ class Link:
         resp = await self._request("PUT", "/state", timeout=STATE_TIMEOUT_SECONDS, content=body,
                                    params={"term": p.term, "seq": seq}, headers={"content-type": FRAME})
         if resp.status_code == 200 and p.feeding:
-            self._map_log(resp.json().get("log"))
-            self.transferred = p.epoch
+            if (advert := resp.json().get("log")) is not None and p.settings.shm_dir:
+                try:
+                    self.log = ring.LogWriter.open(p.settings.shm_dir, advert)
+                    log.info("hot standby: the steps go into the standby's log %s (same host)", advert.get("name"))
+                except (OSError, ValueError) as exc:  # another host (or not the file advertised): HTTP
+                    log.info("hot standby: the standby's log is not here (%s): the steps go over HTTP", exc)
             p.transfers += 1
             p.bytes_sent += len(body)
             log.info("hot standby: sent the state of message %d (%d bytes) to %s", seq, len(body), p.peer)
