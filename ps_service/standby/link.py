@@ -35,10 +35,6 @@ STATE_TIMEOUT_SECONDS = 60.0
 LOGGED = "(in the log)"  # the writer thread's answer for a message committed in the standby's log
 
 
-class Unanswered(Exception):
-    """No answer, or a 5xx."""
-
-
 class Link:
     def __init__(self, pair) -> None:
         self.pair = pair
@@ -124,13 +120,12 @@ class Link:
                     await self._sleep(p.failover / 4)
             except asyncio.CancelledError:
                 raise
-            except Unanswered as exc:
-                self._failed(str(exc))
             except Exception:  # never let the link die
                 log.exception("hot standby: the link to %s failed", p.peer)
                 await asyncio.sleep(p.failover / 4)
 
     def _failed(self, why: str) -> None:
+        """No answer, or a 5xx: the standby is lost once the last answer is older than the failover timeout."""
         p = self.pair
         self.failures += 1
         self.error = why
@@ -139,17 +134,18 @@ class Link:
                 log.warning("hot standby: the standby at %s does not answer (%s)", p.peer, why)
             p.lost_standby(f"the standby has not answered for {time.monotonic() - self.last_ok:.1f} s ({why})")
 
-    async def _request(self, method: str, path: str, timeout: float | None = None, **kw) -> httpx.Response:
+    async def _request(self, method: str, path: str, timeout: float | None = None, **kw) -> httpx.Response | None:
+        """The standby's answer below 500 (:meth:`_heard`); None: no answer or a 5xx, counted (:meth:`_failed`)."""
         p = self.pair
         try:
             resp = await self.client.request(method, f"{self.url}{path}", timeout=timeout or httpx.USE_CLIENT_DEFAULT,
                                              **kw)
         except httpx.HTTPError as exc:
             await asyncio.sleep(min(p.failover / 4, 0.02 * 2 ** min(self.failures, 6)))
-            raise Unanswered(f"{type(exc).__name__}: {exc}") from None
+            return self._failed(f"{type(exc).__name__}: {exc}")
         if resp.status_code >= 500:
             await asyncio.sleep(p.failover / 4)
-            raise Unanswered(f"{resp.status_code} {resp.text[:200]}")
+            return self._failed(f"{resp.status_code} {resp.text[:200]}")
         if self._heard(resp.status_code, resp.text, f"{method} {path}"):
             await self._sleep(p.failover / 4)
         return resp
@@ -179,7 +175,7 @@ class Link:
         elif (not woken or carried and time.monotonic() - self.pinged >= p.failover / 4) and p.feeding:
             self.pinged, seq = time.monotonic(), p.acked
             resp = await self._request("POST", "/ping", params={"term": p.term, "seq": seq, "gated": int(p.gated)})
-            if resp.status_code == 200:
+            if resp is not None and resp.status_code == 200:
                 p.acknowledged(seq, None)
 
     # ---- the step messages: into the standby's log (same host) or over HTTP ------------------------------------
@@ -295,7 +291,7 @@ class Link:
             await self._sleep(p.failover / 4)
             return
         resp = await self._request("GET", "")
-        if resp.status_code != 200 or not p.leading:
+        if resp is None or resp.status_code != 200 or not p.leading:
             return
         if resp.json().get("term", 0) > p.term:
             p.deposed(f"the peer is the {resp.json().get('role')} of term {resp.json().get('term')}")
@@ -306,7 +302,7 @@ class Link:
         del state
         resp = await self._request("PUT", "/state", timeout=STATE_TIMEOUT_SECONDS, content=body,
                                    params={"term": p.term, "seq": seq}, headers={"content-type": FRAME})
-        if resp.status_code == 200 and p.feeding:
+        if resp is not None and resp.status_code == 200 and p.feeding:
             if (advert := resp.json().get("log")) is not None and p.settings.shm_dir:
                 try:
                     self.log = ring.LogWriter.open(p.settings.shm_dir, advert)
