@@ -292,8 +292,11 @@ class Pair:
         elif self.restarted:  # back after a restart: its own state (its checkpoint's), as a primary that starts
             self._become(PRIMARY, e.term, f"won the election after a restart ({len(e.votes)} vote(s)): serves from "
                                           f"step {self.core.global_step}")
-        else:  # the standby takes over: the model it holds (every step it acknowledged: each record committed in its
-            self.reader.drain(None, closing=e.term)  # log too), the members last replicated
+        else:  # the standby takes over: the model it holds (every step it acknowledged), the members last replicated
+            if self.reader.log is not None:  # its log closed with the new term first (a record committed after is
+                self.reader.log.close_for(e.term)  # refused by its writer), then every record committed before taken
+            self.reader.drain(None)
+            self.reader.drop_log()
             self.settle()
             if not self.synced:  # its step did not apply: it does not hold what it acknowledged
                 self.role, self.election = STANDBY, None

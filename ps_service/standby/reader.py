@@ -4,8 +4,8 @@ Contract: a standby with a shared-memory directory (``PS_SHM_DIR``) makes a new 
 (:meth:`Reader.new_log`, the previous one dropped) and advertises it; :meth:`Reader.drain` takes the records committed
 in it in order, each as the message over HTTP (:meth:`ps_service.standby.Pair.apply`), its step applied, behind the
 primary (a read loop, and before a ping or a message over HTTP); a record that does not apply closes the log (not
-``synced``: the state again). Taking over (``closing``), it closes the log with the new term first, then takes every
-record committed before, then drops the log.
+``synced``: the state again). Taking over, the pair closes the log with the new term first, then drains every record
+committed before, then drops the log.
 """
 from __future__ import annotations
 
@@ -46,15 +46,11 @@ class Reader:
             await asyncio.wait({self.task}, timeout=self.pair.failover)
         self.drop_log()
 
-    def drain(self, now: float | None, closing: int = 0) -> int:
-        """Take and apply the records committed in the log after the last message taken, in order; how many. A record
-        that does not apply (it cannot, for a primary's of this model) closes the log: this PS is no longer ``synced``
-        and the primary sends the state again. ``closing``: taking over with that term: the log closed first (a record
-        committed after is refused by its writer), every record committed before taken (``now`` None: no primary
-        heard), then the log dropped."""
+    def drain(self, now: float | None) -> int:
+        """Take and apply the records committed in the log after the last message taken, in order; how many (``now``
+        None: at takeover, no primary heard). A record that does not apply (it cannot, for a primary's of this model)
+        closes the log: this PS is no longer ``synced`` and the primary sends the state again."""
         p, n = self.pair, 0
-        if closing and self.log is not None:
-            self.log.close_for(closing)
         while self.log is not None and p.role != standby.PRIMARY and not p.restarted:
             rec = self.log.record(p.applied + 1, p.term)
             if rec is None:
@@ -68,8 +64,6 @@ class Reader:
                 p.synced = False
                 self.drop_log()
             n += 1
-        if closing:
-            self.drop_log()
         return n
 
     async def _run(self) -> None:
