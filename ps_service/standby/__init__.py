@@ -24,7 +24,7 @@ import numpy as np
 from ps_service.monitoring_models import Election as ElectionStatus, PairStatus
 from ps_service.standby import messages
 from ps_service.standby.election import Election, roster
-from ps_service.standby.kept import kept
+from ps_service.standby.kept import KeptTerm
 from ps_service.standby.link import Link
 from ps_service.standby.reader import Reader
 from shared.errors import ProtocolError
@@ -51,7 +51,7 @@ class Pair:
         self.peer = settings.peer_url.rstrip("/")
         self.failover = settings.failover_timeout_seconds
         self.role, self.term = STANDBY, 0
-        self.kept = kept(settings.checkpoint_dir)  # the term on disk (None: no checkpoint directory)
+        self.kept = KeptTerm(settings.checkpoint_dir) if settings.checkpoint_dir else None  # the term on disk
         self.stored = 0  # the newest term this PS knew (kept on disk)
         self.restarted = False  # a candidate that restarted with its own (checkpoint) state: wins, it serves that
         self.boot = secrets.token_hex(8)

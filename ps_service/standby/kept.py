@@ -4,8 +4,8 @@ it served, so that it never serves an older one again (docs/guides/standby.md).
 Contract: :meth:`KeptTerm.save` is called on every change of this PS's term or role, before the PS acts in it (the
 file written whole, fsynced and renamed: a crash leaves the old term or the new one, never a torn file);
 :meth:`KeptTerm.load` (at start) gives the term last saved, 0 if none (no file, or one that does not parse:
-logged), and removes the temp files of a write cut short. No directory: :func:`kept` returns None, nothing is kept
-and a restart knows no term (the primary of term 1, as a first start).
+logged), and removes the temp files of a write cut short. No directory: the pair has no KeptTerm, nothing is kept and
+a restart knows no term (the primary of term 1, as a first start).
 """
 from __future__ import annotations
 
@@ -19,13 +19,9 @@ log = logging.getLogger("ps_service")
 NAME = "pair-term.json"
 
 
-def kept(directory: str | None) -> "KeptTerm | None":
-    return KeptTerm(Path(directory)) if directory else None
-
-
 class KeptTerm:
-    def __init__(self, directory: Path) -> None:
-        self.path = directory / NAME
+    def __init__(self, directory: str | Path) -> None:
+        self.path = Path(directory) / NAME
 
     def load(self) -> int:
         for stale in self.path.parent.glob(f".{NAME}.*.tmp"):  # a write cut short by a crash
