@@ -215,10 +215,8 @@ class Link:
         p = self.pair
         while not self._closing:
             with self._ready:
-                job = self._next()
-                while job is None and not self._closing:
+                while (job := self._next()) is None and not self._closing:
                     self._ready.wait(p.failover / 4)
-                    job = self._next()
             if job is None:
                 return
             epoch, (seq, body, members) = job
