@@ -12,7 +12,6 @@ An answer without ``lineage`` is used as it is: views of the answer's buffer.
 """
 from __future__ import annotations
 
-import ctypes
 from typing import Mapping
 
 import numpy as np
@@ -56,7 +55,7 @@ class HeldWeights:
             if "since" in meta:
                 self._apply(meta, tensors, lineage)
             else:
-                self.tensors = {k: _own(v) for k, v in tensors.items()}
+                self.tensors = {k: v.copy() for k, v in tensors.items()}  # (views of a copy name it as their base)
         except (ProtocolError, ValueError, TypeError, KeyError):
             self.forget()
             return None
@@ -84,16 +83,6 @@ class HeldWeights:
             else:
                 held[name] = wire.copy()
                 self.copies += 1
-
-
-def _own(v: np.ndarray) -> np.ndarray:
-    """An array the worker may write: the answer's memory when it is writable (a buffer of the connection that
-    stays this array's while it is viewed), else a copy. Either way an array views of which name it as their base
-    (numpy would otherwise skip a view to the answer's buffer), so its reference count tells whether one is alive."""
-    if not (v.flags.writeable and v.flags.aligned and v.flags.c_contiguous):
-        return v.copy()
-    raw = v.reshape(-1).view(np.uint8)  # (a ctypes array over it: numpy would see through a memoryview to the answer)
-    return np.ndarray(v.shape, v.dtype, buffer=(ctypes.c_char * raw.nbytes).from_buffer(raw))
 
 
 def _read_only(v: np.ndarray) -> np.ndarray:
