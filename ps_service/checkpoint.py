@@ -109,6 +109,10 @@ class _Meta(_Strict):
     staleness: _Staleness | None = None
 
 
+#: a member's and the clocks' form, as a state's (a hot standby's step message carries them: ps_service/standby/messages.py)
+Member, Staleness = _Member, _Staleness
+
+
 def decode(data: bytes, step: int | None = None) -> dict[str, Any]:
     """The state in a checkpoint file's bytes, every field checked (its step ``step``, when given); else
     CheckpointError."""

@@ -19,6 +19,7 @@ import pytest
 from ps_service.core import ParameterServerCore
 from ps_service.standby import messages
 from ps_service.standby.election import Election
+from shared import frame
 from shared.compression import SparseTensor
 from shared.errors import ProtocolError
 from shared.protocol import ModelInit, PushRequest
@@ -257,6 +258,53 @@ def test_a_step_that_fails_to_apply_after_its_acknowledgement_leaves_the_standby
     with pytest.raises(ProtocolError) as err:
         pair.apply(1, 2, True, bytearray(sent[1]), 11.0)
     assert err.value.code == "ha_gap"
+
+
+def malformed_steps(step: int, total: dict) -> dict[str, bytes]:
+    """Step messages of ``step`` whose tensors fit the model but whose meta or sparse layout lies."""
+    members = [{"worker_id": "a", "name": "w0", "rank": 0, "state": "active"}]
+    k = next(iter(total))
+    idx, values = np.array([0, 1], np.int64), np.ones(1, np.float32)
+    rest = {n: v for n, v in total.items() if n != k}
+    sparse_meta = {"step": step, "total": True, "mean_of": 1, "contributors": 1, "sparse": {k: list(total[k].shape)}}
+
+    def sparse(i, v, meta=sparse_meta):
+        return bytes(frame.encode_bytes({f"{k}#indices": i, f"{k}#values": v, **rest}, meta))
+    return {
+        "contributors -1": bytes(messages.encode_step(step, total, 1, -1, {})),
+        "total a string": bytes(frame.encode_bytes(total, {"step": step, "total": "yes", "mean_of": 1,
+                                                             "contributors": 1})),
+        "members a string": bytes(messages.encode_step(step, total, 1, 1, {"members": "x"})),
+        "a member without its rank": bytes(messages.encode_step(step, total, 1, 1, {"members": [
+            {k: v for k, v in members[0].items() if k != "rank"}]})),
+        "staleness malformed": bytes(messages.encode_step(step, total, 1, 1, {"staleness": {"floor": "x"}})),
+        "an unknown field": bytes(messages.encode_step(step, total, 1, 1, {"members": members, "zz": 1})),
+        "sparse values fewer than indices": sparse(idx, values),
+        "sparse indices of floats": sparse(idx.astype(np.float64), np.ones(2, np.float32)),
+        "sparse indices 2-D": sparse(idx.reshape(1, 2), np.ones(2, np.float32)),
+        "sparse shape not a list of ints": sparse(idx, np.ones(2, np.float32), {**sparse_meta, "sparse": {k: "3"}}),
+    }
+
+
+def test_a_step_message_whose_meta_or_sparse_layout_lies_is_refused_before_its_acknowledgement():
+    """docs/protocol-standby.md: a step message's meta is of the form given (``total`` a bool, ``contributors`` >= 0,
+    ``members`` as in the state, ``staleness`` as there, no other field) and a sparse tensor's indices and values are
+    1-D, integer and float32, of one length; else 400 ``bad_field`` before anything changes. Such messages were
+    acknowledged: a sparse one then failed to apply (the standby no longer synced), the others set a roster or clocks
+    a takeover could not read."""
+    primary, (wid,), sent, pair = fed_pair("sgd", 1)
+    primary.push(PushRequest(wid, primary.global_step, grads(0, 0, False)), 1.0)
+    before = state_bytes(pair.core)
+    for case, body in malformed_steps(0, {k: np.ones(v.shape, np.float32) for k, v in W.items()}).items():
+        with pytest.raises(ProtocolError) as err:
+            pair.apply(1, 1, True, bytearray(body), 1.0)
+        assert (err.value.status, err.value.code) == (400, "bad_field"), case
+        pair.settle()
+        assert (pair.applied, pair.synced, pair.pending) == (0, True, None), case
+        assert state_bytes(pair.core) == before and pair.members == primary.members.export(), case
+    assert pair.apply(1, 1, True, bytearray(sent[0]), 1.0)["applied"] == 1  # the primary's own message is taken
+    pair.settle()
+    assert state_bytes(pair.core) == state_bytes(primary)
 
 
 def test_a_standby_takes_over_with_every_record_committed_in_its_log_and_fences_the_old_primarys_next(tmp_path):

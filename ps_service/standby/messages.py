@@ -11,9 +11,10 @@ them) into a buffer of :data:`ps_service.core.buffers.POOL` (warm memory: a fres
 from __future__ import annotations
 
 import time
-from typing import Any, Mapping
+from typing import Annotated, Any, Mapping
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ps_service import checkpoint
 from ps_service.core.buffers import POOL
@@ -22,6 +23,7 @@ from ps_service.core.errors import CoreError
 from shared import frame
 from shared.compression import SparseTensor
 from shared.errors import ProtocolError
+from shared.protocol import MAX_INT
 
 SPARSE_INDICES, SPARSE_VALUES = "#indices", "#values"
 
@@ -63,20 +65,36 @@ def _owned(a: np.ndarray) -> np.ndarray:
     return a if a.flags.writeable else a.copy()  # the optimizer consumes its input
 
 
+class _StepMeta(BaseModel):
+    """A step message's meta (docs/protocol-standby.md, ``POST /v1/ha/steps``): ``members`` and ``staleness`` as a
+    state's (:mod:`ps_service.checkpoint`), only when they changed."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+    step: Annotated[int, Field(ge=0, le=MAX_INT)] | None
+    total: bool
+    mean_of: Annotated[int, Field(ge=1, le=MAX_INT)]
+    contributors: Annotated[int, Field(ge=0, le=MAX_INT)]
+    sparse: dict[str, list[Annotated[int, Field(ge=0, le=MAX_INT)]]] = {}
+    members: list[checkpoint.Member] = []
+    staleness: checkpoint.Staleness | None = None
+
+
 def decode_step(body) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """(meta, total or None); 400 ``bad_field`` for a malformed one."""
     f = frame.decode(body)
-    meta, tensors = dict(f.meta), dict(f.tensors)
-    step, mean_of, n = meta.get("step"), meta.get("mean_of"), meta.get("contributors")
-    if not (step is None or type(step) is int) or type(mean_of) is not int or mean_of < 1 or type(n) is not int:
-        raise ProtocolError(400, "bad_field", "a step message needs int step (or null), mean_of >= 1, contributors")
-    if not meta.get("total"):
+    tensors = dict(f.tensors)
+    try:
+        meta = _StepMeta.model_validate(f.meta).model_dump(exclude_unset=True)
+    except ValidationError as exc:
+        raise ProtocolError(400, "bad_field", f"a step message's meta: {exc.errors()[0]['msg']} "
+                                              f"({'.'.join(map(str, exc.errors()[0]['loc']))})") from None
+    if not meta["total"]:
         return meta, None
     total: dict[str, Any] = {}
-    for k, shape in (meta.get("sparse") or {}).items():
+    for k, shape in meta.get("sparse", {}).items():
         i, v = tensors.pop(k + SPARSE_INDICES, None), tensors.pop(k + SPARSE_VALUES, None)
-        if i is None or v is None:
-            raise ProtocolError(400, "bad_field", f"sparse tensor {k!r} lacks its indices or values")
+        if i is None or v is None or i.ndim != 1 or i.dtype.kind != "i" or v.shape != i.shape or v.dtype != np.float32:
+            raise ProtocolError(400, "bad_field", f"sparse tensor {k!r} needs 1-D integer indices and float32 values "
+                                                  "of one length")
         total[k] = SparseTensor(tuple(shape), i, _owned(v))
     total.update({k: _owned(v) for k, v in tensors.items()})
     return meta, total
