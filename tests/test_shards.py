@@ -435,6 +435,40 @@ def test_a_commit_without_every_followers_hold_is_refused_and_the_job_goes_on_as
     assert [r["error"] for r in st["shards"]] == [None, None]
 
 
+def test_a_decision_or_progress_whose_keys_are_not_in_sum_order_is_refused_and_changes_nothing():
+    """protocol-shards.md: ``contributors`` and ``folded`` are in sum order, (rank, worker_id) increasing, each worker
+    once (else 400 ``bad_request``), and keys that sort before those a follower summed are 409 ``order_mismatch``;
+    nothing changes, the held pieces stay, and the round applies as decided. Before, a worker named twice or keys out of
+    order were a 500 after the first key's pieces were taken from the holds (an apply with a worker twice, or with two
+    keys of one rank out of order, and a progress whose key sorted before the one summed) or a sum with that worker
+    twice (a partitioned follower)."""
+    with two_shards() as (c, f):
+        hc, hf, m, ids = start_job(c, f)
+        lo, hi = sorted(ids)
+        g = {lo: {"w": np.full((3, 1), 1.0), "b": np.array([1.0])}, hi: {"w": np.full((3, 1), 3.0), "b": np.array([3.0])}}
+        for w in ids:
+            assert hold(hf, m, 1, w, 0, g[w]).json()["status"] == "held"
+        refused = [("apply", {"contributors": [[0, lo], [1, lo]], "mean_of": 2}, 400, "bad_request"),
+                   ("apply", {"contributors": [[0, hi], [0, lo]], "mean_of": 2}, 400, "bad_request"),
+                   ("apply", {"contributors": [[1, hi], [0, lo]], "mean_of": 2}, 400, "bad_request"),
+                   ("progress", {"start": 0, "folded": [[0, lo], [0, lo]], "turns": None}, 400, "bad_request"),
+                   ("progress", {"start": 0, "folded": [[1, hi], [0, lo]], "turns": None}, 400, "bad_request")]
+        for route, body, status, code in refused:
+            before = state_hash(f.rt)
+            r = hf.post(f"/v1/shard/{route}", json={"step": 0, **body})
+            assert (r.status_code, r.json()["error"]) == (status, code), (body, r.text)
+            assert state_hash(f.rt) == before
+        assert hf.post("/v1/shard/progress", json={"step": 0, "start": 0, "folded": [[1, hi]], "turns": None}).json()[
+            "summed"]
+        r = hf.post("/v1/shard/progress", json={"step": 0, "start": 1, "folded": [[0, lo]], "turns": None})
+        assert (r.status_code, r.json()["error"]) == (409, "order_mismatch"), r.text
+        r = hf.post("/v1/shard/apply", json={"step": 0, "contributors": [[1, hi]], "mean_of": 1})
+        assert r.json()["applied"] and f.rt.core.global_step == 1
+        want = shards.split({k: W0[k] - 0.5 * g[hi][k] for k in W0}, m.pieces[1])
+        assert all(f.rt.core.weights[k].tobytes() == v.tobytes() for k, v in want.items())
+        hc.close(), hf.close()
+
+
 def test_a_bad_push_to_one_shard_gets_the_one_ps_refusal_and_changes_nothing():
     with two_shards() as (c, f):
         hc, hf, m, (a, _) = start_job(c, f)

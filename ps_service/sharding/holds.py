@@ -120,10 +120,11 @@ class Holds:
         if self.step != step:
             self.step, self.folded, self.summers, self.late = step, [], set(), set()
         done, keys = len(self.folded), [tuple(k) for k in keys]
-        if start > done or self.folded[start:start + len(keys)] != keys[:done - start] or (whole and len(keys) < done):
+        new = keys[done - start:]
+        if start > done or self.folded[start:start + len(keys)] != keys[:done - start] or (whole and len(keys) < done) \
+                or (new and self.folded and new[0] <= self.folded[-1]):  # (a sum is in (rank, worker_id) order)
             raise ProtocolError(409, "order_mismatch", f"round {step}: keys {keys[:4]} from the {start}-th do not "
                                                        f"follow the {done} summed here")
-        new = keys[done - start:]
         missing = [w for _, w in new if self.get(w, step) is None]
         if missing:
             raise ProtocolError(409, "missing_gradient", f"round {step}: no held push of {missing[:4]} here (this "

@@ -11,7 +11,7 @@ from typing import Annotated
 
 import numpy as np
 from fastapi import APIRouter, Query, Request
-from pydantic import BaseModel, Field
+from pydantic import AfterValidator, BaseModel, Field
 
 from ps_service import api
 from ps_service.http import JSON_BODY_LIMIT, JsonInt, json_body, parse_json
@@ -163,9 +163,19 @@ async def init_pieces(request: Request) -> dict:
 Count = Annotated[JsonInt, Field(ge=0, le=MAX_INT)]
 
 
+def _in_sum_order(keys: list[tuple[int, str]]) -> list[tuple[int, str]]:
+    if any(b <= a for a, b in zip(keys, keys[1:])) or len({w for _, w in keys}) < len(keys):
+        raise ValueError("keys not in sum order ((rank, worker_id) increasing), or a worker named twice")
+    return keys
+
+
+#: (rank, worker_id) keys of a round's sum, in sum order, each worker at most once
+Keys = Annotated[list[tuple[Count, str]], AfterValidator(_in_sum_order)]
+
+
 class ApplyRound(BaseModel):
     step: Count
-    contributors: list[tuple[Count, str]] = Field(description="(rank, worker_id) of the contributors, in sum order.")
+    contributors: Keys = Field(description="(rank, worker_id) of the contributors, in sum order.")
     mean_of: Annotated[JsonInt, Field(ge=1, le=MAX_INT)]
     lost: list[str] = Field(default_factory=list, description="Partitioned rounds: contributors lost before it.")
 
@@ -198,7 +208,7 @@ async def apply(request: Request) -> dict:
 class Progress(BaseModel):
     step: Count
     start: Count = Field(description="The index of the first key of ``folded`` in the round's summed prefix.")
-    folded: list[tuple[Count, str]] = Field(description="(rank, worker_id) summed since the last message, in order.")
+    folded: Keys = Field(description="(rank, worker_id) summed since the last message, in order.")
     turns: list[str] | None = Field(description="Whose pushes the round awaits next (null: any, no order).")
     late: list[str] = Field(default_factory=list, description="Workers whose pushes the round will not take (fixed R).")
     back: list[str] = Field(default_factory=list, description="Workers named late whom the round takes again.")
