@@ -14,6 +14,7 @@ import random
 import numpy as np
 import pytest
 
+from cluster.processes import wait_for
 from ps_service.core import Decided, ParameterServerCore
 from ps_service.core.errors import CoreError
 from ps_service.core.rounds import Accumulator
@@ -23,6 +24,7 @@ from ps_service.transport.streamed import Partitions
 from shared import frame
 from shared.compression import SparseTensor
 from shared.errors import ProtocolError
+from shared.partitions import plan as partitions_plan
 from shared.protocol import ModelInit, PushRequest, PushStatus
 from shared.shards import plan as shard_plan, spec_of, split
 from tests.clusters import run_job
@@ -30,6 +32,7 @@ from tests.configs import core_config
 from tests.reference import train_reference
 from tests.test_partitions import OPTIMIZERS, STEPS, WORKERS, core, gradient, partitioned_core, state, weights0
 from tests.test_partitions import frame as pushed_frame
+from tests.timing import allow
 from worker_service.tasks import load_task
 
 SHARD = 1  # of 2, at a split bound that cuts "a" (35 elements) into slices: pieces named "a[0:12]" etc.
@@ -392,4 +395,33 @@ def test_a_followers_partitioned_hold_takes_a_pushs_meta_but_no_shm_seq_nor_comp
         for meta in ({"loss": 0.5, "num_examples": 4}, {"compression": "none"}):
             r = hold(**meta)
             assert (r.status_code, r.json()["status"]) == (200, "held"), r.text
+        hc.close(), hf.close()
+
+
+def test_a_partitioned_followers_decision_naming_a_worker_twice_is_refused_not_summed_twice():
+    """protocol-shards.md: a decision's contributors are in sum order, each worker once (400 ``bad_request``, nothing
+    changes); a partitioned follower took ``[[0, a], [1, a]]`` and summed a's frames twice. The decision as the
+    coordinator makes it then applies a's and b's mean."""
+    from tests.live_ps import state_hash
+    from tests.test_shards import W0 as W, start_job, two_shards
+    with two_shards(partition_bytes=8) as (c, f):
+        hc, hf, m, ids = start_job(c, f)
+        lo, hi = sorted(ids)
+        g = {lo: split({k: np.ones_like(v) for k, v in W.items()}, m.pieces[1]),
+             hi: split({k: np.full_like(v, 3.0) for k, v in W.items()}, m.pieces[1])}
+        p = partitions_plan(spec_of(g[lo]), 8)
+        for w in ids:
+            frames = [(p.split(g[w], 0), {"worker_id": w, "step": 0, "partitions": p.count})]
+            frames += [(p.split(g[w], q), {"partition": q}) for q in range(1, p.count)]
+            r = hf.post("/v1/shard/gradients", params={"map": m.digest}, headers={"content-type": frame.MEDIA_TYPE},
+                        content=b"".join(bytes(b) for b in frame.encode_many(frames)))
+            assert r.json()["status"] == "held", r.text
+        before = state_hash(f.rt)
+        r = hf.post("/v1/shard/apply", json={"step": 0, "contributors": [[0, lo], [1, lo]], "mean_of": 2})
+        assert (r.status_code, r.json()["error"]) == (400, "bad_request") and state_hash(f.rt) == before
+        assert hf.post("/v1/shard/apply", json={"step": 0, "contributors": [[0, lo], [1, hi]], "mean_of": 2}).json()[
+            "applied"]
+        wait_for(lambda: f.rt.core.global_step == 1, allow(10), "the follower's partitions to close")
+        want = split({k: W[k] - 0.5 * 2.0 for k in W}, m.pieces[1])
+        assert all(f.rt.core.weights[k].tobytes() == v.tobytes() for k, v in want.items())
         hc.close(), hf.close()
