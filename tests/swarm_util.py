@@ -185,6 +185,21 @@ class Stack(PublishedPS):
         out = docker("service", "ps", f"{self.name}_{service}", "--no-trunc", "--format", "{{json .}}").stdout
         return [json.loads(line) for line in out.splitlines() if line.strip()]
 
+    def placed(self, service: str) -> set[str]:
+        """The nodes the service's tasks were placed on, every task (one Swarm retried, e.g. rejected while node 2 was
+        still loading the image, is placed under the same constraints)."""
+        return {t["Node"] for t in self.tasks(service)}
+
+    def services(self) -> list[str]:
+        """The stack's services, without the stack's prefix."""
+        out = docker("stack", "services", self.name, "--format", "{{.Name}}", check=False, timeout=30).stdout
+        return [line.removeprefix(f"{self.name}_") for line in out.split()]
+
+    def history(self, service: str) -> str:
+        """``docker service ps`` of the service, errors untruncated: why a task was rejected, failed or replaced."""
+        r = docker("service", "ps", "--no-trunc", f"{self.name}_{service}", check=False, timeout=30)
+        return r.stdout + r.stderr
+
     def running_on(self, service: str) -> dict[str, str]:
         """Worker name (``<stack>_worker-<slot>``, as docker-stack.yml names them) -> node, of running tasks."""
         return {f"{self.name}_{service}-{t['Name'].rsplit('.', 1)[1]}": t["Node"] for t in self.tasks(service)

@@ -141,7 +141,8 @@ def logs_on_failure(*stacks: Stack):
         yield
     except BaseException:
         for st in stacks:
-            for service in ("ps", "ps-1", "worker"):
+            for service in st.services() or ("ps", "ps-1", "worker"):
+                print(f"--- docker service ps {st.name}_{service}\n{st.history(service)}")
                 print(f"--- docker service logs {st.name}_{service}\n{st.logs(service)}")
         raise
 
@@ -348,7 +349,7 @@ def test_two_nodes_standby_pair_goes_on_on_node_2_when_the_primarys_node_is_cut_
                  and (ha(standby) or {}).get("synced"), allow(150), "4 workers training, the standby in sync",
                  interval=0.2)
         t_train = time.monotonic() - t1
-        assert [t["Node"] for t in st.tasks("ps")] == [manager] and [t["Node"] for t in st.tasks("ps-standby")] == [NODE2]
+        assert st.placed("ps") == {manager} and st.placed("ps-standby") == {NODE2}
         assert sorted(st.running_on("worker").values()) == [NODE2] * 4
         with swarm.cut_node2() as cut:
             at_cut = ha(primary)["step"]
@@ -545,7 +546,7 @@ def _colocated_job_checked(colo: Stack, swarm: Swarm, manager: str, steps: int, 
     from ``deployed`` (monotonic) to done."""
     done = colo.wait_status(settled, allow(180), "the co-located job to finish on both shards")
     assert done["global_step"] == steps and done["pushes"]["accepted"] == 4 * steps
-    assert [t["Node"] for t in colo.tasks("ps")] == [manager] and [t["Node"] for t in colo.tasks("ps-1")] == [NODE2]
+    assert colo.placed("ps") == {manager} and colo.placed("ps-1") == {NODE2}
     placed = {f"{colo.name}_worker-{t['Name'].rsplit('.', 1)[1]}": t["Node"] for t in colo.tasks("worker")}
     assert sorted(placed.values()) == sorted([manager] * 2 + [NODE2] * 2), placed
     seen = {w["name"]: w["transport"] for w in colo.workers()["workers"]}
