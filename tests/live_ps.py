@@ -1,8 +1,8 @@
 """A real PS (uvicorn on loopback) in a thread of the test process, so tests can look inside its core.
 
 ``live_ps(**settings)`` starts ``ps_service.app.create_app`` under uvicorn on a
-free port and yields a :class:`LivePS` (:func:`held_ports`: ports for a test that
-starts PSs on them again); :func:`state_hash` digests everything a
+free port and yields a :class:`LivePS` (its clients: :func:`worker_client`, which serves a PS process too;
+:func:`held_ports`: ports for a test that starts PSs on them again); :func:`state_hash` digests everything a
 refused request must leave alone (weights, optimizer slots and iterations, the
 step, round progress, membership, counters), and :func:`raw_exchange` speaks
 HTTP/1.1 over a bare socket for the requests a well-behaved client cannot send
@@ -43,14 +43,20 @@ class LivePS:
         return self.app.state.runtime
 
     def client(self, token: str | None = None, **kw) -> PSClient:
-        """A worker client that does not wait for the round to close after a push."""
-        c = PSClient(self.url, timeout=allow(10), attempts=1, token=token, **kw)
-        c.push_wait = 0.0
-        return c
+        """A :func:`worker_client` of this PS."""
+        return worker_client(self.url, token, **kw)
 
     def http(self, token: str | None = None) -> httpx.Client:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         return httpx.Client(base_url=self.url, timeout=allow(10), headers=headers)
+
+
+def worker_client(url: str, token: str | None = None, **kw) -> PSClient:
+    """A worker client of the PS at ``url`` (one attempt a call) that does not wait for the round to close after a
+    push."""
+    c = PSClient(url, timeout=allow(10), attempts=1, token=token, **kw)
+    c.push_wait = 0.0
+    return c
 
 
 def _start(ps_settings: PSSettings) -> tuple[Any, uvicorn.Server, threading.Thread]:
