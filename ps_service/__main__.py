@@ -6,8 +6,8 @@ import logging
 import os
 import sys
 
-# One BLAS thread (unless set), before numpy is imported: the NaN/Inf check's small dot products were ~400x slower
-# threaded on a loaded 2-core host (25 ms instead of 60 us per 25k elements, 76 % of a shard's time at 64 workers).
+# One BLAS thread (unless set), before numpy is imported: small BLAS calls were ~400x slower threaded on a loaded
+# 2-core host (a NaN/Inf check by dot products: 25 ms instead of 60 us per 25k elements).
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import uvicorn
