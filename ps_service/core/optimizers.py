@@ -108,28 +108,15 @@ def _check(s: dict[str, Any]) -> None:
         raise CoreError("bad_optimizer", "nesterov needs a momentum > 0 and dampening 0 (as torch.optim.SGD)")
 
 
-#: elements per chunk of the fused mean-and-SGD pass (three arrays' chunks stay in the cache)
-FUSED_CHUNK = 1 << 16
-#: tensors up to this size take the three operations whole (they stay in the last-level cache, and three numpy
-#: calls cost less than three per chunk: 0.50 against 0.99 ms at 4 MB, process CPU); larger ones chunk by chunk
-#: (11.4 against 15.0 ms at 40 MB). Same operations on every element either way: the same bits.
-WHOLE_BYTES = 8 << 20
-
-
 def _fusable(w: np.ndarray, g: np.ndarray) -> bool:
     return g.dtype == w.dtype and g.flags.writeable and g.flags.c_contiguous and w.flags.c_contiguous
 
 
 def _sgd_mean(w: np.ndarray, g: np.ndarray, n: int, lr) -> None:
-    """``g /= n; g *= lr; w -= g`` (TF1's SGD on the mean), above :data:`WHOLE_BYTES` chunk by chunk: the same bits."""
-    wf, gf = w.reshape(-1), g.reshape(-1)
-    step = max(1, wf.size) if w.nbytes <= WHOLE_BYTES else FUSED_CHUNK
-
-    for at in range(0, wf.size, step):
-        gc, wc = gf[at:at + step], wf[at:at + step]
-        np.divide(gc, n, out=gc)
-        np.multiply(gc, lr, out=gc)
-        np.subtract(wc, gc, out=wc)
+    """``g /= n; g *= lr; w -= g`` (TF1's SGD on the mean), in place."""
+    np.divide(g, n, out=g)
+    np.multiply(g, lr, out=g)
+    np.subtract(w, g, out=w)
 
 
 def _sgd_entries(w: np.ndarray, g: SparseTensor, n: int, lr) -> tuple[np.ndarray, np.ndarray]:
@@ -190,7 +177,7 @@ class Optimizer:
 
         ``consume``: the gradients are the caller's scratch (the PS's aggregate) and may be overwritten (no
         model-sized temporary a step; the same bits). ``mean_of`` n > 1 (with ``consume``): each gradient is a sum of
-        n, divided by n first (SGD divides and updates chunk by chunk in one pass: the same bits). A
+        n, divided by n first (SGD divides and updates in place, :func:`_sgd_mean`: the same bits). A
         :class:`~shared.compression.SparseTensor` gradient (with ``consume``): TF1's SGD updates its entries only
         (:func:`_sgd_entries`, recorded in :attr:`touched`); any other rule takes it made dense.
 
