@@ -12,7 +12,7 @@ Contract:
   pages are the worker's (in the PS's RSS, not its anonymous memory); dropped after each read they would fault in
   again at the next push (7 ms more CPU a read of a 40 MB file on the 2-core VM).
 - :meth:`ShmHub.gradients` copies a push once out of the worker's file into a pooled buffer of the PS's own
-  (:data:`ps_service.core.buffers.POOL`), checking for NaN/Inf as it copies
+  (:data:`ps_service.core.buffers.POOL`), checking each tensor for NaN/Inf once copied
   (:func:`ps_service.core.checks.read_checked`), between two reads of the marker (409 ``shm_torn``).
 - Refusals (409 ``shm_unavailable``, ``shm_not_attached``, ``shm_torn``; 400 for malformed names): docs/protocol.md.
 The weights file is unlinked on shutdown; files left by a killed PS (no flock held) are swept on start.
