@@ -93,6 +93,11 @@ PATHS: dict[str, FastPath] = {
         (("worker_service/loop.py", "into = client.tensors.gradient_buffers() if into_buffers else None",
           "into = None"),),
         ("shm:1000000:2", "shm:10000000:2")),
+    "pool": FastPath(
+        "ps_service/core/buffers.py's BufferPool (bodies, same-host copies and frames in kept buffers, not faulted in)",
+        "fresh memory for every buffer",
+        (("ps_service/core/buffers.py", "        for buf in self._kept:\n", "        for buf in ():\n"),),
+        ("http:1000000:2", "shm:10000000:2")),
 }
 
 
