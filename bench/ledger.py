@@ -98,6 +98,12 @@ PATHS: dict[str, FastPath] = {
         "fresh memory for every buffer",
         (("ps_service/core/buffers.py", "        for buf in self._kept:\n", "        for buf in ():\n"),),
         ("http:1000000:2", "shm:10000000:2")),
+    "recv-pool": FastPath(
+        "shared/rawhttp.py's _buffer (a large answer received into one of two kept arrays no earlier answer views)",
+        "fresh memory for every large answer",
+        (("shared/rawhttp.py", "        for i in range(len(self._pool)):  # (not enumerate: its cached tuple holds the array, "
+          "never free then)\n", "        for i in ():\n"),),
+        ("http:1000000:2", "http:10000000:2")),
 }
 
 
