@@ -682,8 +682,8 @@ class ParameterServerCore(ModelState):
             return PushStatus.STALE
         if step == g and self.deciding:  # decided: its contributors are fixed
             return PushStatus.LATE
-        r = self.round  # (r.counts(wid), read inline: a push classifies once or twice)
-        if step == g and wid in r.eligible and wid not in r.gone and (r.replicas is None or r.may_head(wid)):
+        r = self.round
+        if step == g and r.counts(wid) and (r.replicas is None or r.may_head(wid)):
             return PushStatus.ACCEPTED if finite else PushStatus.SKIPPED  # NaN/Inf under policy skip: skipped
         if step == g or (step == g - 1 and self.last_round is not None and wid in self.last_round.eligible):
             return PushStatus.LATE
