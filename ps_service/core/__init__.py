@@ -469,7 +469,7 @@ class ParameterServerCore(ModelState):
     @property
     def deciding(self) -> bool:
         """The open round is decided (its partition 0 closed) and its later partitions are still closing."""
-        return self.parts is not None and self.parts.contributors is not None  # (parts.decided, read inline)
+        return self.parts is not None and self.parts.decided
 
     def _decided(self, now: float, rec: RoundRecord, total, n: int) -> None:
         """The open round's rule is met (:meth:`Round.close`: its record, and partition 0's sum taken with it, None
