@@ -104,6 +104,15 @@ PATHS: dict[str, FastPath] = {
         (("shared/rawhttp.py", "        for i in range(len(self._pool)):  # (not enumerate: its cached tuple holds the array, "
           "never free then)\n", "        for i in ():\n"),),
         ("http:1000000:2", "http:10000000:2")),
+    "held-in-place": FastPath(
+        "worker_service/transport/http.py's HeldWeights._apply (a delta written into held tensors nothing else views)",
+        "every tensor of a delta answer copied",
+        (("worker_service/transport/http.py", "                if wire.size and not refs.free(target):",
+          "                if wire.size:"),
+         ("worker_service/transport/http.py",
+          "            elif refs.free(target):  # copied in: a view would keep this answer's whole buffer for one small "
+          "tensor", "            elif False:")),
+        ("http:1000000:2:topk",)),
 }
 
 
