@@ -113,6 +113,12 @@ PATHS: dict[str, FastPath] = {
           "            elif refs.free(target):  # copied in: a view would keep this answer's whole buffer for one small "
           "tensor", "            elif False:")),
         ("http:1000000:2:topk",)),
+    "sgd-entries": FastPath(
+        "ps_service/core/optimizers.py's _sgd_entries (TF1's SGD of a top-k sum's entries only, in O(k))",
+        "the sum made dense and the whole tensor updated",
+        (("ps_service/core/optimizers.py", "                if stepped and g.dtype == w.dtype and w.flags.c_contiguous:",
+          "                if False:"),),
+        ("http:1000000:2:topk",)),
 }
 
 
