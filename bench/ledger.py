@@ -119,6 +119,13 @@ PATHS: dict[str, FastPath] = {
         (("ps_service/core/optimizers.py", "                if stepped and g.dtype == w.dtype and w.flags.c_contiguous:",
           "                if False:"),),
         ("http:1000000:2:topk",)),
+    "weight-deltas": FastPath(
+        "ps_service/transport/deltas.py (a worker holding the previous step answered with the entries that changed)",
+        "every answer dense",
+        (("ps_service/transport/__init__.py",
+          "        self.deltas = (WeightDeltas(self.compression.compresses) if settings.weight_deltas and",
+          "        self.deltas = (WeightDeltas(self.compression.compresses) if False and"),),
+        ("http:1000000:2:topk",)),
 }
 
 
