@@ -126,6 +126,13 @@ PATHS: dict[str, FastPath] = {
           "        self.deltas = (WeightDeltas(self.compression.compresses) if settings.weight_deltas and",
           "        self.deltas = (WeightDeltas(self.compression.compresses) if False and"),),
         ("http:1000000:2:topk",)),
+    "2bit-chunks": FastPath(
+        "shared/compression.py's quantize_2bit (a gradient's codes and residual chunk by chunk, in the cache)",
+        "the whole tensor at once",
+        (("shared/compression.py",
+          "    for lo, hi in scan.ranges(flat.size):  # a chunk starts on a word; the last word's codes past it are zero",
+          "    for lo, hi in ((0, flat.size),):"),),
+        ("http:1000000:2:2bit",)),
 }
 
 
