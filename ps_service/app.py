@@ -82,11 +82,8 @@ def create_app(settings: PSSettings | None = None, exit_on_refusal: bool = False
     make, docs = FastAPIOffline, {}
     if settings.production:
         make, docs = FastAPI, {"docs_url": None, "redoc_url": None, "openapi_url": None}
-    # telemetry off: FastAPI >= 0.16x asks OpenTelemetry for its providers on every request (~0.2 ms each in the
-    # PS's profile; an older FastAPI keeps the unknown keyword in app.extra)
     # redirect_slashes off: `/v1/status/` is no route (404 `not_found`), not a 307 that skips the token and the body
     app = make(title="syncps parameter server", version="0.1.0", lifespan=lifespan, **docs, redirect_slashes=False,
-                  telemetry={"tracing": False, "metrics": False, "logs": False},
                   description="Synchronous parameter server (SyncReplicasOptimizer semantics). See docs/protocol.md.")
     install_error_handlers(app)
     app.add_middleware(HotPath)  # the per-step push and pull skip FastAPI's routing when plainly well-formed
