@@ -469,7 +469,7 @@ class ParameterServerCore(ModelState):
     @property
     def deciding(self) -> bool:
         """The open round is decided (its partition 0 closed) and its later partitions are still closing."""
-        return self.parts is not None and self.parts.decided
+        return self.parts is not None and self.parts.contributors is not None  # (parts.decided inline: 2 moves fewer)
 
     def _decided(self, now: float, rec: RoundRecord, total, n: int) -> None:
         """The open round's rule is met (:meth:`Round.close`: its record, and partition 0's sum taken with it, None
@@ -682,8 +682,8 @@ class ParameterServerCore(ModelState):
             return PushStatus.STALE
         if step == g and self.deciding:  # decided: its contributors are fixed
             return PushStatus.LATE
-        r = self.round
-        if step == g and r.counts(wid) and (r.replicas is None or r.may_head(wid)):
+        r = self.round  # (r.counts(wid), read inline: 2 moves between files fewer a push, tests/test_trace.py)
+        if step == g and wid in r.eligible and wid not in r.gone and (r.replicas is None or r.may_head(wid)):
             return PushStatus.ACCEPTED if finite else PushStatus.SKIPPED  # NaN/Inf under policy skip: skipped
         if step == g or (step == g - 1 and self.last_round is not None and wid in self.last_round.eligible):
             return PushStatus.LATE
