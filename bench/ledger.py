@@ -133,6 +133,12 @@ PATHS: dict[str, FastPath] = {
           "    for lo, hi in scan.ranges(flat.size):  # a chunk starts on a word; the last word's codes past it are zero",
           "    for lo, hi in ((0, flat.size),):"),),
         ("http:1000000:2:2bit",)),
+    "answer-frame": FastPath(
+        "ps_service/core/model.py's WeightsStore (the weights kept in the dense answer's frame, copied when they change "
+        "while an answer sends it)",
+        "every dense answer's frame encoded for it from the weights",
+        (("ps_service/transport/__init__.py", '        if form == "dense":\n', "        if False:\n"),),
+        ("http:1000000:2", "http:10000000:2")),
 }
 
 
