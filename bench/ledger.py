@@ -139,6 +139,16 @@ PATHS: dict[str, FastPath] = {
         "every dense answer's frame encoded for it from the weights",
         (("ps_service/transport/__init__.py", '        if form == "dense":\n', "        if False:\n"),),
         ("http:1000000:2", "http:10000000:2")),
+    "2bit-decode": FastPath(
+        "shared/compression.py's dequantize_2bit (code 0b01 told word-wide; a byte's 4 values in one 16-byte gather)",
+        "each element's code unpacked (a byte each), checked and gathered one value at a time",
+        (("shared/compression.py", "    t = wire >> 1", "    codes = ((octets[:, None] >> _SHIFTS) & 3).reshape(-1)"),
+         ("shared/compression.py", "    np.invert(t, out=t)", "    pass"),
+         ("shared/compression.py", "    np.bitwise_and(t, wire, out=t)\n", ""),
+         ("shared/compression.py", "np.bitwise_and(t, _LOW_BITS, out=t).any()", "(codes == 1).any()"),
+         ("shared/compression.py", '    values = np.take(table, octets, out=out, mode="clip").view(F32)',
+          '    values = np.take(np.array([0, 0, -threshold, threshold], F32), codes, out=out.view(F32), mode="clip")')),
+        ("http:1000000:2:2bit",)),
 }
 
 
