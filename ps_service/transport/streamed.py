@@ -3,14 +3,13 @@
 Contract: with partitioned rounds (``PS_PARTITION_BYTES`` > 0) the core calls :meth:`Partitions.closed` (its
 ``on_partition`` hook) after every call that closed partitions. While round s is decided and its partitions still
 close, :attr:`Partitions.current` is step s + 1's :class:`StepFrames`: each partition's frame of the weights is
-encoded (copied once into a pooled buffer) as soon as the partition closed, so an answer in flight sends bytes no
+encoded (copied once into memory of its own) as soon as the partition closed, so an answer in flight sends bytes no
 later round changes; the last one waits for the round's close (its meta names the next round's ``ranks`` and
 ``done``). A pull may send a :class:`StepFrames` while it fills, each frame once encoded (:meth:`StepFrames.has`).
 Without partitions :meth:`closed` is not installed.
 """
 from __future__ import annotations
 
-from ps_service.core.buffers import POOL
 from shared import frame, marks
 
 
@@ -76,8 +75,8 @@ class Partitions:
                 cur.frames[q] = self._encode(plan, q, cur.step)
 
     def _encode(self, plan, q: int, step: int) -> memoryview:
-        """Partition ``q``'s frame of the weights, written once into a pooled buffer, the zero bytes up to the
-        next frame's start included."""
+        """Partition ``q``'s frame of the weights, written once into memory of its own (zeroed: the bytes up to the
+        next frame's start included)."""
         core, count = self.core, plan.count
         if q == 0:
             meta = {"step": step, "partitions": count}
@@ -88,7 +87,6 @@ class Partitions:
         tensors = plan.split(core.weights, q)
         layout = frame.Layout.of(tensors)
         n = frame.frame_bytes(layout, meta)
-        buf = POOL.take(n if q == count - 1 else frame.aligned(n))
+        buf = memoryview(bytearray(n if q == count - 1 else frame.aligned(n)))  # (pooled: no gain, docs/performance.md)
         frame.write_into(buf, tensors, meta, layout)
-        buf[n:] = bytes(len(buf) - n)
         return buf
