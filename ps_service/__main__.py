@@ -3,12 +3,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
-
-# One BLAS thread (unless set), before numpy is imported: small BLAS calls were ~400x slower threaded on a loaded
-# 2-core host (a NaN/Inf check by dot products: 25 ms instead of 60 us per 25k elements).
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import uvicorn
 from pydantic import ValidationError
