@@ -16,6 +16,7 @@ import httpx
 import numpy as np
 
 from cluster.processes import LocalCluster, wait_for
+from ps_service.core.membership import RECONNECT_SECONDS
 from shared import frame
 from tests.clusters import closed_rounds
 from tests.live_ps import live_ps
@@ -67,8 +68,9 @@ def test_a_worker_waiting_longer_than_its_lease_stays_active():
             r = h.post("/v1/gradients", content=push, headers={"content-type": frame.MEDIA_TYPE})
             assert r.status_code == 200 and r.json()["status"] == "accepted", r.text
             # the lease runs again from the end of the wait: silent now, the worker expires (while the PS hears from
-            # another worker: a PS that hears from none holds every lease)
+            # another worker: a PS that hears from none holds every lease). The wait without heartbeats was a silence
+            # (nobody heard for half a lease): the push that ended it gave every member a lease + RECONNECT_SECONDS
             def expired() -> bool:  # (b registers again and again: its round 1 gets stuck once a expires, and
                 assert h.post("/v1/workers", json={"name": "b"}).status_code == 200  # recalls it)
                 return h.get("/v1/workers").json()["workers"][0]["state"] == "expired"
-            wait_for(expired, 5 * lease, "the lease to run out")
+            wait_for(expired, 5 * lease + RECONNECT_SECONDS, "the lease to run out")
