@@ -272,6 +272,7 @@ class ShardRole:
         else:
             self.core.follow()
         if self.rt is not None:
+            self.rt.tensors.drop_body()  # the weights answer encoded for the step left behind
             self.rt.notify()  # waits in flight answer now (the barrier counts rewinds)
         if self.checkpointer is not None:
             for write in self.checkpointer.rewound(step):

@@ -66,6 +66,8 @@ class TensorSeam:
         self._body_step = -2
         self.bytes_in = 0
         self.bytes_out = 0
+        #: form ("dense", "delta" or "shm") -> (key, the encoded answer)
+        self._bodies: dict[str, tuple[tuple, bytes | memoryview]] = {}
         #: one large model upload read at a time (:meth:`receive_model`)
         self._model_reads = asyncio.Lock()
         #: step s + 1's weights as round s's partitions close (None: the job's rounds are not partitioned)
@@ -183,6 +185,7 @@ class TensorSeam:
         """(the push of the body's first frame, its ``shm_seq``, that frame: None when ``feed`` took the body's
         frames), the body counted in :attr:`bytes_in` if it carries the tensors. ``feed``: a partitioned push's frames
         go to it as they arrive, or once the body is read (chunked)."""
+        self.drop_body()  # its buffer may serve this push's body (bounds the PS's memory)
         body = await self._body(request, turn=turn, claimed=claimed, progress=feed)
         if feed is not None and feed.count is None:  # not seen as it came (chunked): fed whole
             feed(body, len(body))
@@ -277,8 +280,7 @@ class TensorSeam:
 
     def _weights_frame(self, since: int | None, shm: bool = False) -> bytes | memoryview:
         """The weights' frame (dense, a delta from ``since``, or ``shm``: a frame with no tensors, the weights in the
-        same-host file): the dense one the weights' own frame (:meth:`~ps_service.core.model.WeightsStore.answer`), the others encoded for
-        each answer."""
+        same-host file), each form encoded once per (step, membership)."""
         core, deltas = self.core, self.deltas
         # the open round's ranks, else (async/ssp, or no round) the active members': a cached sorted tuple
         head = {"step": core.global_step, "done": core.done, "ranks": core.ranks()}
@@ -306,10 +308,19 @@ class TensorSeam:
             if body is not None:
                 self._body_step = self.core.global_step
                 return body
+        cached = self._bodies.get(form)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        self._bodies.pop(form, None)  # the old buffer goes back to the pool once no answer sends it
         layout = frame.Layout.of(tensors, sorted(tensors))
         view = POOL.take(frame.frame_bytes(layout, head))
         frame.write_into(view, tensors, head, layout)
-        return view  # back to the pool once no answer sends it
+        self._bodies[form] = (key, view)
+        return view
+
+    def drop_body(self) -> None:
+        """Forget the encoded weights (a push is coming in, its round re-encodes them)."""
+        self._bodies.clear()
 
     def close(self) -> None:
         self.shm.close()
