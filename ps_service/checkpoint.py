@@ -109,7 +109,8 @@ class _Meta(_Strict):
     staleness: _Staleness | None = None
 
 
-#: a member's and the clocks' form, as a state's (a hot standby's step message carries them: ps_service/standby/messages.py)
+#: a member's and the clocks' form, as a state's (a hot standby's step message carries them:
+#: ps_service/standby/messages.py)
 Member, Staleness = _Member, _Staleness
 
 

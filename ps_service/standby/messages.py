@@ -20,6 +20,7 @@ from ps_service import checkpoint
 from ps_service.core.buffers import POOL
 from ps_service.core.checks import validate
 from ps_service.core.errors import CoreError
+from ps_service.http import first_error
 from shared import frame
 from shared.compression import SparseTensor
 from shared.errors import ProtocolError
@@ -85,8 +86,8 @@ def decode_step(body) -> tuple[dict[str, Any], dict[str, Any] | None]:
     try:
         meta = _StepMeta.model_validate(f.meta).model_dump(exclude_unset=True)
     except ValidationError as exc:
-        raise ProtocolError(400, "bad_field", f"a step message's meta: {exc.errors()[0]['msg']} "
-                                              f"({'.'.join(map(str, exc.errors()[0]['loc']))})") from None
+        detail = first_error(exc.errors(include_url=False, include_input=False))
+        raise ProtocolError(400, "bad_field", f"a step message's meta: {detail}") from None
     if not meta["total"]:
         return meta, None
     total: dict[str, Any] = {}
