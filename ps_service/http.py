@@ -125,7 +125,8 @@ def parse_json(body: bytes | bytearray | memoryview, model: type[M]) -> M:
     try:
         return model.model_validate(obj, strict=False)
     except ValidationError as exc:
-        raise ProtocolError(400, "bad_request", first_error(exc.errors(include_url=False, include_input=False))) from None
+        detail = first_error(exc.errors(include_url=False, include_input=False))
+        raise ProtocolError(400, "bad_request", detail) from None
 
 
 def first_error(errors: list) -> str:
